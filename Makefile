@@ -1,0 +1,31 @@
+# rayft developer targets. `make demo` runs the main example job; `make test` runs the tests.
+# Both create .venv and install into it first (torch pinned to 2.13.0: a CPU wheel on this
+# machine's disk, so the dev install stays small and fast).
+PY    ?= python3
+VENV  := .venv
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install demo demo-real test test-fast clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev,gguf]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/rayft run examples/tiny-lora.yaml
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not ray and not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf outputs .pytest_cache

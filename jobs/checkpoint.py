@@ -1,0 +1,141 @@
+"""Checkpoints: LoRA weights, optimizer, GradScaler, step, data position, RNG of every rank.
+
+Layout: ``<output_dir>/checkpoints/step-00000010/`` holding ``adapter.safetensors``,
+``optimizer.pt``, ``scaler.pt``, ``state.json``, ``rng-rank{r}.pt`` and one
+``manifest-rank{r}.json`` per rank listing the size and SHA-256 of that rank's files.
+
+A checkpoint counts only when every rank's manifest is present and every file matches it,
+so a copy cut off at any point (by a crash, or by a Ray upload that died) is never loaded;
+the previous complete one is used instead. Without Ray the directory is also written under a
+temporary name and renamed, so the final name only ever appears complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+STEP_PREFIX = "step-"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_rank_files(directory: Path, rank: int, files: dict[str, object]) -> None:
+    """Write this rank's files, then its manifest (last: the manifest vouches for the rest)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = {}
+    for name, obj in files.items():
+        path = directory / name
+        if name.endswith(".safetensors"):
+            save_file({k: v.detach().cpu().contiguous() for k, v in obj.items()}, str(path))
+        elif name.endswith(".json"):
+            path.write_text(json.dumps(obj, indent=1, sort_keys=True))
+        else:
+            torch.save(obj, path)
+        manifest[name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    tmp = directory / f".manifest-rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    with open(tmp) as f:
+        os.fsync(f.fileno())
+    tmp.rename(directory / f"manifest-rank{rank}.json")
+
+
+def is_complete(directory: Path) -> bool:
+    try:
+        state = json.loads((directory / "state.json").read_text())
+        world = int(state["world_size"])
+        for r in range(world):
+            manifest = json.loads((directory / f"manifest-rank{r}.json").read_text())
+            for name, meta in manifest.items():
+                p = directory / name
+                if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+                    return False
+        return True
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)), key=lambda p: p.name)
+
+
+def newest_complete(root: Path) -> Optional[Path]:
+    """The newest checkpoint that verifies; incomplete ones are skipped (never deleted here)."""
+    for p in reversed(list_checkpoints(root)):
+        if is_complete(p):
+            return p
+    return None
+
+
+def publish(tmp: Path, root: Path, step: int, keep: int) -> Path:
+    """Rename the finished temp dir to its final name, then prune to the newest `keep`."""
+    final = root / step_dir_name(step)
+    if final.exists():  # a previous attempt at this step (e.g. before a crash): replace it
+        shutil.rmtree(final)
+    tmp.rename(final)
+    prune(root, keep)
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    complete = [p for p in list_checkpoints(root) if is_complete(p)]
+    for p in complete[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def load_state(directory: Path) -> dict:
+    return json.loads((directory / "state.json").read_text())
+
+
+def load_adapter(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "adapter.safetensors"))
+
+
+def set_aside(output_dir: Path) -> Optional[Path]:
+    """`--fresh`: move old checkpoints out of the way (renamed, never deleted)."""
+    root = output_dir / "checkpoints"
+    if not root.exists():
+        return None
+    dest = output_dir / f"checkpoints.set-aside-{time.strftime('%Y%m%dT%H%M%S')}"
+    root.rename(dest)
+    return dest

@@ -1,0 +1,85 @@
+"""Worker context: what the training loop needs from whoever runs it.
+
+The loop core never imports Ray. `LocalContext` runs in one process or under `torchrun`
+(env://); `jobs.ray_context.RayContext` wraps Ray Train. Both expose the same few members.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+
+
+class Context:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    def report(self, metrics: dict, checkpoint_dir: Optional[str] = None) -> None:
+        """Called by every rank at the same points (checkpoint steps and the end)."""
+
+    def progress(self, metrics: dict) -> None:
+        """Called on rank 0 after every optimizer step; cheap, non-blocking."""
+
+    def save_checkpoint(self, root: Path, step: int, files: dict, metrics: dict, keep: int) -> None:
+        """Every rank calls this with its own files (rank 0 adds the shared ones).
+
+        Default (no Ray): all ranks write into one temporary directory on a shared file
+        system; once all are done, rank 0 renames it to its final name and prunes.
+        """
+        tmp = root / f".tmp-{ckpt.step_dir_name(step)}"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died mid-write
+        self.barrier()
+        ckpt.write_rank_files(tmp, self.rank, files)
+        self.barrier()
+        if self.is_main:
+            ckpt.publish(tmp, root, step, keep)
+        self.barrier()
+        self.report(metrics)
+
+    def latest_checkpoint(self) -> Optional[str]:
+        """A checkpoint the runner knows about (e.g. Ray Train's, after a worker restart)."""
+        return None
+
+    def barrier(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+class LocalContext(Context):
+    """No Ray: one process, or several started by `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK, env://)."""
+
+    def __init__(self, use_gpu: bool = False, on_progress: Optional[Callable[[dict], None]] = None):
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if use_gpu and torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        else:
+            self.device = torch.device("cpu")
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self._on_progress = on_progress
+
+    def progress(self, metrics: dict) -> None:
+        if self._on_progress is not None:
+            self._on_progress(metrics)
+        else:
+            keys = ("step", "loss", "lr", "grad_norm", "tokens_per_s")
+            print(json.dumps({k: metrics[k] for k in keys if k in metrics}), file=sys.stderr, flush=True)

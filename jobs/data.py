@@ -1,0 +1,211 @@
+"""JSONL data, tokenization, and the global-batch sequence.
+
+The sequence of global batches is a pure function of (dataset size, global batch, seed):
+an endless stream of per-epoch permutations, cut into consecutive global batches. How a
+global batch is then split into workers x accumulation steps x micro-batches only decides
+*who* computes which sample, never *which* samples form optimizer step k. That makes
+"accumulation == large batch" a testable fact and resume exact (the data position is just k).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .spec import JobSpec, SpecError
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized sequence, already shifted: `targets[i]` is the label for `input_ids[i]`."""
+
+    input_ids: tuple[int, ...]
+    targets: tuple[int, ...]
+
+    @property
+    def n_labels(self) -> int:
+        return sum(t != IGNORE for t in self.targets)
+
+
+def read_jsonl(path: str, key: str = "data.path") -> list[dict]:
+    records = []
+    p = Path(path)
+    try:
+        lines = p.read_text().splitlines()
+    except FileNotFoundError:
+        raise SpecError(f"{key}: file not found: {path}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{key}: {path}: not UTF-8 text") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"{key}: {path} line {i}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise SpecError(f"{key}: {path} line {i}: expected a JSON object")
+        if "text" in rec:
+            if not isinstance(rec["text"], str):
+                raise SpecError(f"{key}: {path} line {i}: \"text\" must be a string")
+        elif "prompt" in rec and "completion" in rec:
+            if not (isinstance(rec["prompt"], str) and isinstance(rec["completion"], str)):
+                raise SpecError(f"{key}: {path} line {i}: \"prompt\" and \"completion\" must be strings")
+        else:
+            raise SpecError(f"{key}: {path} line {i}: expected {{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}")
+        records.append(rec)
+    if not records:
+        raise SpecError(f"{key}: {path}: no records")
+    return records
+
+
+def tokenize(records: Sequence[dict], tokenizer, max_seq_len: int) -> list[Example]:
+    """BOS + prompt + completion + EOS, truncated; labels only on completion (or all of `text`)."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    out = []
+    for rec in records:
+        if "text" in rec:
+            ids = tokenizer(rec["text"], add_special_tokens=False)["input_ids"]
+            seq = ([bos] if bos is not None else []) + ids + [eos]
+            labels = list(seq)
+        else:
+            p = tokenizer(rec["prompt"], add_special_tokens=False)["input_ids"]
+            c = tokenizer(rec["completion"], add_special_tokens=False)["input_ids"]
+            head = ([bos] if bos is not None else []) + p
+            seq = head + c + [eos]
+            labels = [IGNORE] * len(head) + c + [eos]
+        seq, labels = seq[:max_seq_len], labels[:max_seq_len]
+        ex = Example(tuple(seq[:-1]), tuple(labels[1:]))
+        if ex.n_labels:  # a prompt longer than max_seq_len leaves nothing to learn
+            out.append(ex)
+    return out
+
+
+@dataclass
+class Dataset:
+    train: list[Example]
+    eval: list[Example]
+    dropped: int  # records with no label token left after truncation
+
+
+def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
+    records: list[dict] = []
+    for i, p in enumerate(spec.data.path):
+        records += read_jsonl(p, "data.path" if len(spec.data.path) == 1 else f"data.path.{i}")
+    eval_records: list[dict] = []
+    if spec.data.eval_path:
+        eval_records = read_jsonl(spec.data.eval_path, "data.eval_path")
+    elif spec.data.eval_fraction > 0:
+        order = list(range(len(records)))
+        random.Random(spec.run.seed).shuffle(order)
+        n_eval = max(1, int(round(len(records) * spec.data.eval_fraction)))
+        held = set(order[:n_eval])
+        eval_records = [r for i, r in enumerate(records) if i in held]
+        records = [r for i, r in enumerate(records) if i not in held]
+    train = tokenize(records, tokenizer, spec.data.max_seq_len)
+    evals = tokenize(eval_records, tokenizer, spec.data.max_seq_len)
+    if len(train) < spec.batch.global_batch_size:
+        raise SpecError(
+            f"data.path: {len(train)} usable training records, fewer than "
+            f"batch.global_batch_size={spec.batch.global_batch_size}"
+        )
+    return Dataset(train, evals, dropped=len(records) + len(eval_records) - len(train) - len(evals))
+
+
+class GlobalBatches:
+    """Optimizer step k -> the dataset indices of its global batch (independent of the split)."""
+
+    def __init__(self, n_examples: int, global_batch_size: int, seed: int):
+        self.n = n_examples
+        self.g = global_batch_size
+        self.seed = seed
+        self._perms: dict[int, list[int]] = {}
+
+    @property
+    def steps_per_epoch(self) -> float:
+        return self.n / self.g
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            order = list(range(self.n))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._perms = {epoch: order}  # keep one epoch: steps advance monotonically
+        return self._perms[epoch]
+
+    def indices(self, step: int) -> list[int]:
+        start = step * self.g
+        out = []
+        for pos in range(start, start + self.g):
+            epoch, i = divmod(pos, self.n)
+            out.append(self._perm(epoch)[i])
+        return out
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.g / self.n
+
+
+def split_window(indices: Sequence[int], rank: int, world_size: int, micro_batch_size: int,
+                 grad_accum_steps: int) -> list[list[int]]:
+    """Rank `rank`'s micro-batches for one global batch: micro-step j takes slot (j, rank)."""
+    assert len(indices) == world_size * micro_batch_size * grad_accum_steps, "split must cover the batch"
+    out = []
+    for j in range(grad_accum_steps):
+        start = (j * world_size + rank) * micro_batch_size
+        out.append(list(indices[start:start + micro_batch_size]))
+    return out
+
+
+def collate(examples: Sequence[Example], pad_id: int, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sequence; precompute the flat positions of label tokens.
+
+    `label_pos` lets the loss gather exactly the hidden states that have a label with an
+    index computed here on the host, so the device never syncs to find them.
+    """
+    length = max(len(e.input_ids) for e in examples)
+    m = len(examples)
+    input_ids = torch.full((m, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((m, length), dtype=torch.long)
+    targets = torch.full((m, length), IGNORE, dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[i, :n] = torch.tensor(e.input_ids)
+        attention_mask[i, :n] = 1
+        targets[i, :n] = torch.tensor(e.targets)
+    flat = targets.view(-1)
+    label_pos = (flat != IGNORE).nonzero().squeeze(1)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "label_pos": label_pos,
+        "label_ids": flat.index_select(0, label_pos),
+    }
+    if pin_memory:
+        batch = {k: v.pin_memory() for k, v in batch.items()}
+    return batch
+
+
+def count_labels(examples: Sequence[Example], indices: Sequence[int]) -> int:
+    return sum(examples[i].n_labels for i in indices)
+
+
+def count_inputs(examples: Sequence[Example], indices: Sequence[int]) -> int:
+    return sum(len(examples[i].input_ids) for i in indices)
+
+
+def total_steps(spec: JobSpec, n_train: int) -> int:
+    if spec.run.max_steps is not None:
+        return spec.run.max_steps
+    epochs = spec.run.epochs if spec.run.epochs is not None else 1.0
+    return max(1, math.ceil(epochs * n_train / spec.batch.global_batch_size))
+
+
+def eval_shard(n: int, rank: int, world_size: int) -> list[int]:
+    return list(range(rank, n, world_size))

@@ -1,0 +1,130 @@
+"""Run a job on Ray Train: an existing cluster (address, or inside `ray job submit`), or an
+embedded local Ray started here. Used by `python -m jobs.finetune` and by `rayft run`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+import ray
+
+from .spec import JobSpec, SpecError
+
+log = logging.getLogger("rayft")
+
+
+@ray.remote(num_cpus=0)
+class ProgressActor:
+    """Rank 0 pushes one record per optimizer step; the driver polls. Holds no GPU or CPU."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def put(self, record: dict) -> None:
+        self.records.append(record)
+
+    def since(self, n: int) -> list[dict]:
+        return self.records[n:]
+
+
+def _train_fn(config: dict) -> None:
+    # Runs on every Ray Train worker.
+    from .loop import train
+    from .ray_context import RayContext
+
+    # Ray Train logs every report at INFO under a logger its level filter misses; keep the
+    # worker console to warnings (rayft's own progress comes through the progress actor).
+    logging.getLogger().setLevel(logging.WARNING)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    spec = JobSpec.model_validate(config["spec"])
+    train(spec, RayContext(config.get("progress")), resume=config["resume"])
+
+
+def init_ray(address: Optional[str], spec: JobSpec) -> None:
+    """Connect to `address`, or the cluster of the enclosing Ray job, or start a local one."""
+    if ray.is_initialized():
+        return
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address, log_to_driver=True)
+        return
+    # Embedded local Ray: one logical CPU per worker plus one for Ray Train's controller,
+    # even on a 2-core machine (Ray's own tests oversubscribe the same way).
+    need = math.ceil(spec.resources.num_workers * spec.resources.cpus_per_worker) + 1
+    # The dashboard stays on: Ray Train's placement-group cleaner queries the state API it serves.
+    ray.init(num_cpus=max(need, os.cpu_count() or 1), log_to_driver=True, logging_level=logging.WARNING)
+
+
+def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = True,
+               on_progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """Train `spec` on Ray; returns summary.json's content. Blocks until the run ends."""
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from .outputs import SUMMARY
+
+    init_ray(address, spec)
+    out = spec.output_path.resolve()
+    progress = ProgressActor.remote() if on_progress else None
+    r = spec.resources
+    trainer = TorchTrainer(
+        _train_fn,
+        train_loop_config={"spec": spec.to_dict(), "progress": progress, "resume": resume},
+        scaling_config=ScalingConfig(
+            num_workers=r.num_workers, use_gpu=r.use_gpu, accelerator_type=r.accelerator_type,
+            resources_per_worker={"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            # Checkpoints land in <output_dir>/checkpoints/step-NNNNNNNN (see jobs.checkpoint).
+            name="checkpoints",
+            storage_path=str(out),
+            failure_config=FailureConfig(max_failures=spec.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=spec.run.keep_checkpoints),
+            logging_config=LoggingConfig(log_level="WARNING"),  # rayft prints its own progress
+        ),
+    )
+    result: dict = {}
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except Exception as e:  # surfaced below, in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    seen = 0
+    while thread.is_alive():
+        thread.join(timeout=0.5)
+        if progress is not None:
+            for rec in ray.get(progress.since.remote(seen)):
+                seen += 1
+                on_progress(rec)
+    if progress is not None:
+        for rec in ray.get(progress.since.remote(seen)):
+            on_progress(rec)
+    if "error" in result:
+        raise _user_error(result["error"]) or result["error"]
+    return json.loads((out / SUMMARY).read_text())
+
+
+def _user_error(err: Exception) -> Optional[SpecError]:
+    """A SpecError raised on a worker (bad data line, LoRA targets that match nothing) comes
+    back wrapped by Ray; unwrap it so the CLI prints one line and exits 2."""
+    failures = getattr(err, "worker_failures", None) or {}
+    for exc in failures.values():
+        cause = exc
+        while cause is not None:
+            if isinstance(cause, SpecError):
+                return SpecError(str(cause))
+            text = str(cause)
+            if "SpecError: " in text:
+                return SpecError(text.rsplit("SpecError: ", 1)[1].strip().splitlines()[0])
+            cause = cause.__cause__
+    return None

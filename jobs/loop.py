@@ -1,0 +1,431 @@
+"""The training loop: DDP LoRA fine-tuning with exact gradient accumulation.
+
+Reads top to bottom in `train()`. The two pieces tests poke at directly are
+`train_window()` (one optimizer step's forward/backward over all its micro-batches) and
+`optimizer_step()` (unscale, clip, step, update). The invariants:
+
+* The samples of optimizer step k do not depend on workers x accumulation x micro-batch
+  (`jobs.data.GlobalBatches`).
+* The gradient is the mean over *all label tokens of the whole global batch*. Every rank
+  knows the whole global batch (the sampler is deterministic and each rank holds the
+  tokenized data), so the window's label-token count T is computed locally, without any
+  communication, before the first micro-step. Each micro-batch's *summed* token loss is
+  multiplied by W / T; DDP averages over W ranks, so the reduced gradient is exactly
+  sum(all token losses) / T -- the big-batch gradient, not a mean of per-micro-batch means.
+* Every micro-step but the last runs forward *and* backward inside `no_sync()`, so the
+  gradient buckets are all-reduced once per optimizer step.
+* fp16: the GradScaler scales every micro-step's loss, `unscale_` runs once before
+  clipping, `step`/`update` once per window; a skipped step is counted.
+
+No `.item()` inside the window: scalars are read once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import checkpoint as ckpt
+from .context import Context
+from .data import GlobalBatches, collate, count_inputs, count_labels, eval_shard, load_dataset, split_window, total_steps
+from .model import add_lora, check_batchnorm, enable_checkpointing, load_base_model
+from .outputs import SUMMARY, MetricsLog, plot_loss, read_metrics, write_json_atomic
+from .spec import JobSpec, SpecError
+
+log = logging.getLogger("rayft")
+GIB = 1024**3
+
+# Spec fields that must not change between a checkpoint and the run that resumes from it.
+RESUME_KEYS = ("model.name", "model.gguf_file", "lora.r", "lora.alpha", "lora.target_modules",
+               "batch.global_batch_size", "run.seed", "data.path", "data.max_seq_len", "optim.name")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+class CausalLMLoss(nn.Module):
+    """Summed next-token cross-entropy over the label positions only.
+
+    The decoder runs once; only hidden states that carry a label (`label_pos`, computed on
+    the host by `collate`) go through the LM head, so prompt and padding positions never
+    produce logits. With `chunk_tokens`, the head + loss run per chunk under checkpointing,
+    so the fp32 [T, vocab] logits never exist at once (they dominate memory at 128k vocab).
+    """
+
+    def __init__(self, model: nn.Module, chunk_tokens: int = 0):
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+
+    def _causal_lm(self):
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def forward(self, input_ids, attention_mask, label_pos, label_ids):
+        lm = self._causal_lm()
+        hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        h = hidden.flatten(0, 1).index_select(0, label_pos)
+        head = lm.get_output_embeddings()
+        if not self.chunk_tokens or h.shape[0] <= self.chunk_tokens:
+            return _head_loss(head, h, label_ids)
+        total = h.new_zeros((), dtype=torch.float32)
+        for start in range(0, h.shape[0], self.chunk_tokens):
+            sl = slice(start, start + self.chunk_tokens)
+            total = total + torch.utils.checkpoint.checkpoint(
+                _head_loss, head, h[sl], label_ids[sl], use_reentrant=False)
+        return total
+
+
+def _head_loss(head: nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(h).float(), y, reduction="sum")
+
+
+@dataclass
+class Engine:
+    """Everything one optimizer step touches."""
+
+    module: nn.Module  # CausalLMLoss, wrapped in DDP when world_size > 1
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    device: torch.device
+    precision: str
+    world_size: int
+
+    def autocast(self):
+        if self.precision in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+            return torch.autocast(self.device.type, dtype=dtype)
+        return contextlib.nullcontext()
+
+    @property
+    def is_ddp(self) -> bool:
+        return isinstance(self.module, nn.parallel.DistributedDataParallel)
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def train_window(engine: Engine, micro_batches: Sequence[dict], n_labels_global: int,
+                 after_micro_step: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+    """Forward/backward over one rank's micro-batches of one global batch.
+
+    Returns this rank's summed token loss (a device tensor: no host sync here).
+    `after_micro_step(j)` is an observer (tests, profilers) called after each backward.
+    """
+    scale = engine.world_size / n_labels_global  # DDP divides by world_size; see module doc
+    loss_sum = torch.zeros((), device=engine.device, dtype=torch.float32)
+    last = len(micro_batches) - 1
+    for j, mb in enumerate(micro_batches):
+        # Forward *and* backward inside no_sync: DDP decides in forward whether to reduce.
+        sync = contextlib.nullcontext() if (j == last or not engine.is_ddp) else engine.module.no_sync()
+        with sync:
+            with engine.autocast():
+                summed = engine.module(**to_device(mb, engine.device))
+            engine.scaler.scale(summed * scale).backward()
+        loss_sum += summed.detach().float()
+        if after_micro_step is not None:
+            after_micro_step(j)
+    return loss_sum
+
+
+def optimizer_step(engine: Engine, max_grad_norm: Optional[float]) -> tuple[torch.Tensor, Optional[float]]:
+    """Unscale once, clip, step, update. Returns (grad norm tensor, scale before or None)."""
+    scale_before = engine.scaler.get_scale() if engine.scaler.is_enabled() else None
+    engine.scaler.unscale_(engine.optimizer)  # exactly once per window, before clipping
+    grad_norm = torch.nn.utils.clip_grad_norm_(engine.params, max_grad_norm if max_grad_norm else float("inf"))
+    engine.scaler.step(engine.optimizer)  # skips the update if any gradient is inf/nan
+    engine.scaler.update()
+    engine.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, scale_before
+
+
+def lr_at(step: int, total: int, spec: JobSpec) -> float:
+    """The scaled lr for optimizer step `step` (0-based): linear warmup, then cosine or constant."""
+    peak = spec.effective_lr
+    o = spec.optim
+    if step < o.warmup_steps:
+        return peak * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return peak
+    span = max(1, total - o.warmup_steps - 1)
+    progress = min(1.0, (step - o.warmup_steps) / span)
+    return peak * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(spec: JobSpec, params: list, device: torch.device) -> torch.optim.Optimizer:
+    o = spec.optim
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=spec.effective_lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    fused = o.fused == "on" or (o.fused == "auto" and device.type == "cuda")
+    return torch.optim.AdamW(params, lr=spec.effective_lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused)
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_max_rss"
+
+
+def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size > 1:
+        dist.all_reduce(t)
+    return t
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int) -> Optional[float]:
+    """Token-weighted mean loss over the held-out set, sharded over ranks."""
+    if not examples:
+        return None
+    module = engine.module.module if engine.is_ddp else engine.module
+    module.eval()
+    mine = eval_shard(len(examples), rank, world_size)
+    sums = torch.zeros(2, device=engine.device, dtype=torch.float64)
+    for start in range(0, len(mine), micro_batch_size):
+        batch = [examples[i] for i in mine[start:start + micro_batch_size]]
+        with engine.autocast():
+            s = module(**to_device(collate(batch, pad_id), engine.device))
+        sums[0] += s.double()
+        sums[1] += sum(e.n_labels for e in batch)
+    module.train()
+    all_reduce_sum(sums, world_size)
+    return (sums[0] / sums[1]).item()
+
+
+def resume_key(spec: JobSpec) -> dict:
+    d = spec.to_dict()
+    out = {}
+    for key in RESUME_KEYS:
+        node = d
+        for part in key.split("."):
+            node = node[part]
+        out[key] = node
+    return out
+
+
+def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
+    now = resume_key(spec)
+    diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+    if diffs:
+        raise SpecError(
+            f"{where}: cannot resume, the spec changed in a way that breaks resuming ({'; '.join(diffs)}); "
+            "use --fresh to start over"
+        )
+
+
+def decide_checkpointing(spec: JobSpec, device: torch.device) -> tuple[bool, Optional[float]]:
+    """(gradient checkpointing on?, estimated GiB for that choice)."""
+    from .memory import estimate_for_spec
+
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    gc = spec.memory.gradient_checkpointing
+    if gc == "auto":
+        budget = spec.memory.budget_gib
+        if budget is None and device.type == "cuda":
+            budget = torch.cuda.get_device_properties(device).total_memory / GIB
+        off = estimate_for_spec(spec, gradient_checkpointing=False, device=kind).total_gib
+        gc = budget is not None and off > budget
+    return bool(gc), estimate_for_spec(spec, gradient_checkpointing=bool(gc), device=kind).total_gib
+
+
+def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
+    """Run the job described by `spec` on this rank. Returns the summary (on every rank)."""
+    out = spec.output_path
+    rank, world, device = ctx.rank, ctx.world_size, ctx.device
+    if world != spec.resources.num_workers:
+        raise SpecError(f"resources.num_workers={spec.resources.num_workers} but the runner started {world} workers")
+    precision = resolve_precision(spec.precision, device)
+    accum, micro = spec.grad_accum_steps, spec.batch.micro_batch_size
+
+    # ---- model, adapters, data ---------------------------------------------------------
+    model, tokenizer = load_base_model(spec, precision)
+    model = add_lora(model, spec)
+    model = check_batchnorm(model, spec.model.sync_batchnorm, world)
+    use_gc, estimate_gib = decide_checkpointing(spec, device)
+    if use_gc:
+        enable_checkpointing(model)
+    model.to(device)
+    model.train()
+    data = load_dataset(spec, tokenizer)
+    batches = GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed)
+    steps = total_steps(spec, len(data.train))
+    pad_id = tokenizer.pad_token_id
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(spec, params, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    # ---- resume: the checkpoint the runner hands us, else the newest complete one on disk ----
+    start_step, tokens_seen, skipped_steps, eval_loss = 0, 0, 0, None
+    source = ctx.latest_checkpoint() if resume else None
+    if resume and source is None:
+        newest = ckpt.newest_complete(out / "checkpoints")
+        source = str(newest) if newest else None
+    if source is not None:
+        state = ckpt.load_state(Path(source))
+        check_resumable(state["resume_key"], spec, str(source))
+        named = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in ckpt.load_adapter(Path(source)).items():
+                named[name].copy_(tensor)
+        optimizer.load_state_dict(torch.load(Path(source) / "optimizer.pt", weights_only=False))
+        if scaler.is_enabled() and (Path(source) / "scaler.pt").exists():
+            scaler.load_state_dict(torch.load(Path(source) / "scaler.pt", weights_only=False))
+        rng_file = Path(source) / f"rng-rank{rank}.pt"
+        if state["world_size"] == world and rng_file.exists():
+            ckpt.set_rng_state(torch.load(rng_file, weights_only=False))
+        start_step, tokens_seen, skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
+        eval_loss = state.get("eval_loss")
+        if ctx.is_main:
+            log.warning("resuming from %s at optimizer step %d", source, start_step)
+    else:
+        # Per-rank seed for dropout; the data order does not depend on it.
+        torch.manual_seed(spec.run.seed * 7919 + rank)
+        random.seed(spec.run.seed * 7919 + rank)
+
+    module: nn.Module = CausalLMLoss(model)
+    if world > 1:
+        module = nn.parallel.DistributedDataParallel(
+            module, device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True, find_unused_parameters=False)
+    engine = Engine(module, params, optimizer, scaler, device, precision, world)
+
+    metrics_log = MetricsLog(out, start_step) if ctx.is_main else None
+    if ctx.is_main:
+        log.warning(
+            "job %s: %d steps, global batch %d = %d workers x %d accumulation x %d micro; "
+            "lr %.3g (base %.3g x %s scaling %.3g at reference batch %d); precision %s; "
+            "gradient checkpointing %s; estimate %.2f GiB",
+            spec.name, steps, spec.batch.global_batch_size, world, accum, micro, spec.effective_lr,
+            spec.optim.lr, spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, precision,
+            "on" if use_gc else "off", estimate_gib)
+
+    # ---- the loop ----------------------------------------------------------------------
+    last: dict = {}
+    run_tokens, run_step_s = 0, 0.0
+    run_start = time.perf_counter()
+    pin = device.type == "cuda"
+    for step in range(start_step, steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, steps, spec)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        indices = batches.indices(step)
+        n_labels = count_labels(data.train, indices)
+        n_inputs = count_inputs(data.train, indices)
+        mine = split_window(indices, rank, world, micro, accum)
+        micro_batches = [collate([data.train[i] for i in mb], pad_id, pin_memory=pin) for mb in mine]
+
+        loss_sum = train_window(engine, micro_batches, n_labels)
+        grad_norm, scale_before = optimizer_step(engine, spec.optim.max_grad_norm)
+
+        # One small all-reduce for logging; then the only host reads of the step.
+        loss = all_reduce_sum(loss_sum, world).item() / n_labels
+        skipped = scale_before is not None and scaler.get_scale() < scale_before
+        skipped_steps += int(skipped)
+        tokens_seen += n_inputs
+        dt = time.perf_counter() - t0
+        run_tokens, run_step_s = run_tokens + n_inputs, run_step_s + dt
+        done = step + 1
+        if spec.run.eval_every and done % spec.run.eval_every == 0 or done == steps:
+            eval_loss = evaluate(engine, data.eval, rank, world, micro, pad_id)
+        peak, peak_kind = peak_memory_bytes(device)
+        last = {
+            "step": done,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm.item()),
+            "tokens": n_inputs,
+            "label_tokens": n_labels,
+            "tokens_per_s": n_inputs / dt,
+            "step_time_s": dt,
+            "epoch": batches.epoch_of(done),
+            "peak_mem_gib": peak / GIB,
+            "peak_mem_kind": peak_kind,
+            "estimate_gib": estimate_gib,
+            "skipped": skipped,
+            "eval_loss": eval_loss,
+        }
+        if ctx.is_main:
+            metrics_log.write(last)
+            ctx.progress(dict(last, total_steps=steps))
+
+        if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == steps:
+            state = {"step": done, "next_global_batch": done, "tokens_seen": tokens_seen,
+                     "skipped_steps": skipped_steps, "world_size": world, "eval_loss": eval_loss,
+                     "resume_key": resume_key(spec)}
+            files: dict[str, object] = {f"rng-rank{rank}.pt": ckpt.rng_state()}
+            if ctx.is_main:
+                files.update({"adapter.safetensors": {n: p for n, p in model.named_parameters() if p.requires_grad},
+                              "optimizer.pt": optimizer.state_dict(), "state.json": state})
+                if scaler.is_enabled():
+                    files["scaler.pt"] = scaler.state_dict()
+            ctx.save_checkpoint(out / "checkpoints", done, files, last, spec.run.keep_checkpoints)
+
+    # ---- outputs (rank 0) --------------------------------------------------------------
+    wall = time.perf_counter() - run_start
+    summary = {}
+    if ctx.is_main:
+        metrics_log.close()
+        records = read_metrics(out)
+        adapter_dir = out / "adapter"
+        model.save_pretrained(adapter_dir)
+        tokenizer.save_pretrained(adapter_dir)
+        if spec.model.name == "tiny-llama":
+            _save_tiny_base(spec, out / "base", adapter_dir)
+        plot_loss(out, records, f"{spec.name}: {spec.batch.global_batch_size} seq/step, accum {accum}")
+        summary = {
+            "name": spec.name,
+            "steps": steps,
+            "resumed_from_step": start_step,
+            "first_loss": records[0]["loss"] if records else None,
+            "final_loss": last.get("loss"),
+            "eval_loss": eval_loss,
+            "tokens_seen": tokens_seen,
+            "skipped_steps": skipped_steps,
+            "wall_time_s": wall,
+            "mean_tokens_per_s": run_tokens / run_step_s if run_step_s else None,
+            "peak_mem_gib": last.get("peak_mem_gib"),
+            "estimate_gib": estimate_gib,
+            "precision": precision,
+            "gradient_checkpointing": use_gc,
+            "effective_lr": spec.effective_lr,
+            "global_batch_size": spec.batch.global_batch_size,
+            "micro_batch_size": micro,
+            "grad_accum_steps": accum,
+            "num_workers": world,
+            "adapter_dir": str(adapter_dir),
+            "dropped_records": data.dropped,
+        }
+        write_json_atomic(out / SUMMARY, summary)
+    ctx.report(dict(last, done=True))
+    return summary
+
+
+def _save_tiny_base(spec: JobSpec, base_dir: Path, adapter_dir: Path) -> None:
+    """tiny-llama has no hub id: save the base beside the adapter and point the adapter at it."""
+    import json
+
+    model, tok = load_base_model(spec, "fp32")
+    model.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    cfg_path = adapter_dir / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = str(base_dir.resolve())
+    cfg_path.write_text(json.dumps(cfg, indent=2))

@@ -1,0 +1,198 @@
+"""Base model, tokenizer and LoRA adapters.
+
+`tiny-llama` is a small random-init Llama built deterministically from the seed, with a
+byte-level tokenizer made by the `tokenizers` library: no download, so tests and the demo
+run anywhere. Anything else loads through `AutoModelForCausalLM` / `AutoTokenizer` from a
+local directory or the hub, or from a GGUF file (de-quantized once, then cached as safetensors).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .spec import JobSpec, SpecError
+
+log = logging.getLogger("rayft")
+
+# The built-in model: Llama architecture with GQA, small enough for 2 CPU cores.
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+)
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+
+
+def byte_tokenizer():
+    """Byte-level tokenizer: ids 0..255 are the bytes, then <pad>, <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = _bytes_to_unicode()
+    vocab = {alphabet[b]: b for b in range(256)}
+    for i, special in enumerate((PAD, BOS, EOS)):
+        vocab[special] = 256 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([PAD, BOS, EOS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible byte -> printable-unicode map, which the ByteLevel pre-tokenizer uses.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    cfg = dict(TINY_LLAMA, vocab_size=259, pad_token_id=256, bos_token_id=257, eos_token_id=258)
+    cfg.update(overrides)
+    return LlamaConfig(**cfg)
+
+
+def base_dtype(precision: str) -> torch.dtype:
+    """Frozen base weights live in the compute dtype; LoRA weights stay fp32 (PEFT keeps them so)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("RAYFT_CACHE", Path.home() / ".cache" / "rayft"))
+
+
+def load_base_model(spec: JobSpec, precision: str):
+    """Returns (model, tokenizer) with the base weights frozen, in eval-free train mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    dtype = base_dtype(precision)
+    m = spec.model
+    if m.name == "tiny-llama":
+        # Deterministic from the seed: every rank (and every later run) builds the same weights.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.run.seed)
+            model = LlamaForCausalLM(tiny_llama_config(attn_implementation=m.attn_implementation))
+        model.to(dtype)
+        tokenizer = byte_tokenizer()
+    else:
+        token = os.environ.get(m.hf_token_env) if m.hf_token_env else None
+        kwargs = dict(dtype=dtype, attn_implementation=m.attn_implementation)
+        if m.gguf_file:
+            src = _gguf_cache(Path(m.name), m.gguf_file)
+            model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(src)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(m.name, token=token, **kwargs)
+                tokenizer = AutoTokenizer.from_pretrained(m.name, token=token)
+            except OSError as e:
+                raise SpecError(f"model.name: cannot load {m.name!r}: {str(e).splitlines()[0]}") from None
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, tokenizer
+
+
+def _gguf_cache(directory: Path, gguf_file: str) -> Path:
+    """De-quantize a GGUF once and keep it as safetensors; later loads skip the slow path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = directory / gguf_file
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    cache = _cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (cache / "config.json").is_file():
+        return cache
+    log.info("de-quantizing %s (first load; cached at %s)", path, cache)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(cache)  # atomic: a half-written cache is never picked up
+    return cache
+
+
+def add_lora(model, spec: JobSpec):
+    """Wrap with PEFT LoRA; adapter init is seeded so every rank starts identical."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(
+        r=spec.lora.r,
+        lora_alpha=spec.lora.alpha,
+        lora_dropout=spec.lora.dropout,
+        target_modules=list(spec.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # PEFT probes the deprecated `is_gradient_checkpointing` alias; not ours to fix.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        torch.manual_seed(spec.run.seed + 1)
+        try:
+            peft_model = get_peft_model(model, cfg)
+        except ValueError as e:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, nn.Linear)})
+            raise SpecError(
+                f"lora.target_modules: {list(spec.lora.target_modules)} do not match the model "
+                f"(its linear modules are {linear}): {str(e).splitlines()[0]}"
+            ) from None
+    # LoRA weights train in fp32 whatever the base dtype: the optimizer and GradScaler need it.
+    for p in peft_model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return peft_model
+
+
+def check_batchnorm(model: nn.Module, sync: bool, world_size: int) -> nn.Module:
+    """Accumulation changes BatchNorm statistics (they are per micro-batch): say so loudly."""
+    bns = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not bns:
+        return model
+    if sync and world_size > 1:
+        log.warning("converting %d BatchNorm layers to SyncBatchNorm", len(bns))
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    warnings.warn(
+        f"model has {len(bns)} BatchNorm layer(s) (e.g. {bns[0]}): their statistics are computed per "
+        "micro-batch, so results depend on batch.micro_batch_size, not only on the global batch; "
+        "set model.sync_batchnorm=true to at least share them across workers",
+        stacklevel=2,
+    )
+    return model
+
+
+def enable_checkpointing(model, every_n_layers: int = 1) -> None:
+    """Non-reentrant activation checkpointing: works with PEFT (frozen inputs) and with DDP."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+    else:  # transformers 4.x
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+

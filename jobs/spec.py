@@ -1,0 +1,397 @@
+"""The one typed job spec.
+
+A job is one YAML file validated into :class:`JobSpec` (pydantic v2, ``extra="forbid"``).
+Precedence: defaults < YAML < CLI overrides (``section.field=value``) < Tune trial.
+
+Every user mistake raises :class:`SpecError` whose message is one line naming the field
+path and the reason; the CLI prints it and exits with code 2. Nothing in this module
+touches the file system except reading the spec and checking that data files exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class SpecError(ValueError):
+    """A user mistake in a spec, an override or a file: one line, exit code 2."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelSpec(_Section):
+    name: str = "tiny-llama"
+    """`tiny-llama` (built-in random-init Llama, no download), a local directory, or a hub id."""
+    gguf_file: Optional[str] = None
+    """GGUF file inside the `model.name` directory; de-quantized on load and cached as safetensors."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel. `sdpa` keeps no seq x seq matrix for backward; `eager` does."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm (only matters for models that have them)."""
+    hf_token_env: Optional[str] = None
+    """Name of an environment variable *on the worker* holding a hub token. Never the token itself."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("hf_token_env")
+    @classmethod
+    def _token_is_a_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("must be the NAME of an environment variable (secrets go by reference, never by value)")
+        return v
+
+
+class DataSpec(_Section):
+    path: list[str]
+    """JSONL file(s); each line `{"text": ...}` or `{"prompt": ..., "completion": ...}` (loss on completion only)."""
+    eval_path: Optional[str] = None
+    """Held-out JSONL file for eval loss; when absent, `eval_fraction` of `path` is held out."""
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Fraction of the training records held out for evaluation (deterministic by `run.seed`)."""
+    max_seq_len: int = Field(256, gt=1)
+    """Truncation length in tokens (BOS and EOS included)."""
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, list) and not v:
+            raise ValueError("must name at least one JSONL file")
+        return v
+
+
+class LoraSpec(_Section):
+    r: int = Field(8, gt=0)
+    """LoRA rank."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    """Module names (suffixes) that get LoRA adapters."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _nonempty(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("must name at least one module")
+        return v
+
+
+class BatchSpec(_Section):
+    global_batch_size: int = Field(16, gt=0)
+    """Sequences per optimizer step, over all workers."""
+    micro_batch_size: int = Field(2, gt=0)
+    """Sequences per forward/backward on one worker."""
+    grad_accum_steps: Optional[int] = Field(None, gt=0)
+    """Derived: global_batch_size / (micro_batch_size x resources.num_workers). Given explicitly, it must agree."""
+
+
+class OptimSpec(_Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer."""
+    lr: float = Field(1e-3, gt=0)
+    """Base learning rate, defined at `reference_batch_size`."""
+    reference_batch_size: Optional[int] = Field(None, gt=0)
+    """Global batch at which `lr` is defined; defaults to `batch.global_batch_size` (no scaling)."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """lr = base * f(global_batch / reference_batch) with f = 1, x or sqrt(x)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup, in optimizer steps."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """After warmup: cosine decay to `min_lr_ratio` x lr at the last step, or constant."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of the cosine schedule as a fraction of the scaled lr."""
+    max_grad_norm: Optional[float] = Field(1.0, ge=0)
+    """Clip the global gradient norm to this; null or 0 disables clipping (the norm is still logged)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay (AdamW) or L2 (SGD) on the LoRA weights."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    """SGD momentum."""
+    fused: Literal["auto", "on", "off"] = "auto"
+    """Fused AdamW kernel: `auto` uses it on GPU."""
+
+
+class MemorySpec(_Section):
+    gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"
+    """`true`, `false`, or `auto` (on when the memory estimate without it exceeds `budget_gib`)."""
+    budget_gib: Optional[float] = Field(None, gt=0)
+    """Per-GPU memory budget in GiB; `auto` checkpointing and the search respect it."""
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _tri_state(cls, v: Any) -> Any:
+        if isinstance(v, bool) or v == "auto":
+            return v
+        if isinstance(v, str) and v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        raise ValueError(f"must be true, false or auto (got {v!r})")
+
+
+class ResourcesSpec(_Section):
+    num_workers: int = Field(1, gt=0)
+    """Ray Train workers (DDP ranks)."""
+    use_gpu: bool = False
+    """One GPU per worker."""
+    accelerator_type: Optional[str] = None
+    """Ray accelerator type to schedule on (e.g. `H100`, `A100-80G`); its memory bounds the budget."""
+    cpus_per_worker: float = Field(1.0, gt=0)
+    """Logical CPUs reserved per worker."""
+
+
+class RunSpec(_Section):
+    max_steps: Optional[int] = Field(None, gt=0)
+    """Optimizer steps to run; exclusive with `epochs`."""
+    epochs: Optional[float] = Field(None, gt=0)
+    """Passes over the training data (rounded up to whole optimizer steps); default 1 when `max_steps` is unset."""
+    seed: int = 0
+    """Seeds tiny-llama's init, the data order, LoRA init and dropout."""
+    output_dir: str = "outputs/{name}"
+    """Where adapter/, metrics.jsonl, summary.json, the plot and checkpoints go; `{name}` is replaced."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint every N optimizer steps (0: only at the end)."""
+    keep_checkpoints: int = Field(2, gt=0)
+    """Keep the newest K complete checkpoints."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate the held-out loss every N optimizer steps (0: only at the end, when there is eval data)."""
+    max_failures: int = Field(0, ge=0)
+    """Ray Train restarts of failed workers from the last checkpoint within one run."""
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> "RunSpec":
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError("give run.max_steps or run.epochs, not both")
+        return self
+
+
+class JobSpec(BaseModel):
+    """A rayft fine-tuning job."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, use_attribute_docstrings=True)
+
+    name: str
+    """Job name, DNS-1123 label (lowercase letters, digits, '-'): it becomes a Ray submission id / k8s name."""
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    batch: BatchSpec = Field(default_factory=BatchSpec)
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """`auto`: bf16 on GPU, fp32 on CPU. `fp16` uses a GradScaler."""
+    memory: MemorySpec = Field(default_factory=MemorySpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    run: RunSpec = Field(default_factory=RunSpec)
+
+    @field_validator("name")
+    @classmethod
+    def _dns1123(cls, v: str) -> str:
+        if not DNS1123.match(v):
+            raise ValueError(
+                f"{v!r} is not a DNS-1123 label (lowercase letters, digits and '-', "
+                "starting and ending with a letter or digit, at most 63 characters)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _derive_accumulation(self) -> "JobSpec":
+        b, w = self.batch, self.resources.num_workers
+        per_step = b.micro_batch_size * w
+        if b.global_batch_size % per_step:
+            raise ValueError(
+                f"batch.global_batch_size={b.global_batch_size} is not divisible by "
+                f"batch.micro_batch_size={b.micro_batch_size} x resources.num_workers={w} = {per_step}"
+            )
+        derived = b.global_batch_size // per_step
+        if b.grad_accum_steps is not None and b.grad_accum_steps != derived:
+            raise ValueError(
+                f"batch.grad_accum_steps={b.grad_accum_steps} disagrees with batch.global_batch_size / "
+                f"(batch.micro_batch_size x resources.num_workers) = {b.global_batch_size} / "
+                f"({b.micro_batch_size} x {w}) = {derived}"
+            )
+        # Bypass validate_assignment: the value was just checked.
+        object.__setattr__(b, "grad_accum_steps", derived)
+        if self.precision == "fp16" and not self.resources.use_gpu:
+            pass  # fp16 autocast works on CPU in torch>=2.3; allowed for tests of the scaler path.
+        return self
+
+    # ---- derived quantities, kept in one place -------------------------------------------
+    @property
+    def grad_accum_steps(self) -> int:
+        return int(self.batch.grad_accum_steps)  # set by the validator
+
+    @property
+    def reference_batch_size(self) -> int:
+        return self.optim.reference_batch_size or self.batch.global_batch_size
+
+    @property
+    def lr_scale(self) -> float:
+        """f(global_batch / reference_batch) for the configured rule."""
+        x = self.batch.global_batch_size / self.reference_batch_size
+        return {"none": 1.0, "linear": x, "sqrt": math.sqrt(x)}[self.optim.lr_scaling]
+
+    @property
+    def effective_lr(self) -> float:
+        return self.optim.lr * self.lr_scale
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.run.output_dir.replace("{name}", self.name))
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def spec_hash(self, length: int = 10) -> str:
+        """Stable hash of the full validated spec (defaults included)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:length]
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+def _loc(loc: tuple) -> str:
+    parts = [str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-after"))]
+    return ".".join(parts) or "<spec>"
+
+
+def format_validation_error(err: ValidationError, where: str) -> str:
+    msgs = []
+    for e in err.errors():
+        loc = _loc(e["loc"])
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], (dict, list)):
+            msg = f"{msg} (got {e['input']!r})"
+        msgs.append(f"{loc}: {msg}" if loc != "<spec>" else msg)
+    return f"{where}: " + "; ".join(msgs)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``section.field=value`` -> (["section", "field"], value coerced by YAML rules)."""
+    if "=" not in item:
+        raise SpecError(f"override {item!r}: expected section.field=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
+        raise SpecError(f"override {item!r}: {key!r} is not a field path like section.field")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # let the field's type decide; a string is the honest reading
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    out = json.loads(json.dumps(data))  # deep copy of plain data
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise SpecError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return out
+
+
+def read_yaml(path: Union[str, Path]) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"{p}: spec file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(f"{p}: not valid YAML{at}: {problem}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{p}: not a text file") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{p}: the spec must be a YAML mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def validate(data: dict, where: str = "spec", model: type[BaseModel] = JobSpec) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(format_validation_error(e, where)) from None
+
+
+def check_files(spec: JobSpec, where: str = "spec") -> None:
+    """The data files must exist where the job starts (paths are relative to the current directory)."""
+    for i, p in enumerate(spec.data.path):
+        if not Path(p).is_file():
+            key = "data.path" if len(spec.data.path) == 1 else f"data.path.{i}"
+            raise SpecError(f"{where}: {key}: file not found: {p}")
+    if spec.data.eval_path and not Path(spec.data.eval_path).is_file():
+        raise SpecError(f"{where}: data.eval_path: file not found: {spec.data.eval_path}")
+    if spec.model.gguf_file:
+        gguf = Path(spec.model.name) / spec.model.gguf_file
+        if not gguf.is_file():
+            raise SpecError(f"{where}: model.gguf_file: file not found: {gguf}")
+    elif spec.model.name != "tiny-llama" and (spec.model.name.startswith((".", "/")) or os.sep in spec.model.name):
+        # A path-like name must be a directory; a bare `org/name` may be a hub id.
+        if spec.model.name.startswith((".", "/")) and not Path(spec.model.name).is_dir():
+            raise SpecError(f"{where}: model.name: directory not found: {spec.model.name}")
+
+
+def load_spec(path: Union[str, Path, None] = None, overrides: Optional[list[str]] = None, *,
+              data: Optional[dict] = None, files: bool = True) -> JobSpec:
+    """Read, override, validate, and (by default) check that the files it names exist."""
+    where = str(path) if path is not None else "spec"
+    raw = read_yaml(path) if data is None else data
+    raw = apply_overrides(raw, overrides or [])
+    spec = validate(raw, where)
+    if files:
+        check_files(spec, where)
+    return spec
+
+
+def absolutize(spec: JobSpec) -> JobSpec:
+    """Resolve relative paths against the current directory, for workers whose cwd differs."""
+    d = spec.to_dict()
+    d["data"]["path"] = [str(Path(p).resolve()) for p in spec.data.path]
+    if spec.data.eval_path:
+        d["data"]["eval_path"] = str(Path(spec.data.eval_path).resolve())
+    if spec.model.name != "tiny-llama" and Path(spec.model.name).exists():
+        d["model"]["name"] = str(Path(spec.model.name).resolve())
+    d["run"]["output_dir"] = str(spec.output_path.resolve())
+    return JobSpec.model_validate(d)
+
+
+def json_schema() -> dict:
+    return JobSpec.model_json_schema()

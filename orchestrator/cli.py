@@ -1,0 +1,161 @@
+"""`rayft`: the user-facing command line.
+
+Every user mistake (a bad spec, override, file or argument) ends as one line on stderr and
+exit code 2, never a traceback; commands validate everything before they start anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Optional
+
+from jobs.spec import SpecError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse's default prints usage too)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+# ---- rayft run -------------------------------------------------------------------------------
+
+def cmd_run(args) -> int:
+    from jobs.finetune import prepare
+
+    spec = prepare(args.spec, args.overrides, args.fresh)
+    if args.local:
+        from jobs.context import LocalContext
+        from jobs.loop import train
+
+        with _Progress(spec) as bar:
+            summary = train(spec, LocalContext(use_gpu=spec.resources.use_gpu, on_progress=bar.update),
+                            resume=not args.fresh)
+    else:
+        from jobs.launch import run_on_ray
+
+        with _Progress(spec) as bar:
+            summary = run_on_ray(spec, address=args.address, resume=not args.fresh, on_progress=bar.update)
+    _summary_table(summary, spec)
+    return 0
+
+
+class _Progress:
+    """A progress bar per optimizer step with loss and tokens/s (plain lines when not a TTY)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.console = _console()
+        self.task = None
+
+    def __enter__(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tok_s]} tok/s"),
+            TimeRemainingColumn(), console=self.console, disable=not self.console.is_terminal,
+        )
+        self.progress.__enter__()
+        return self
+
+    def update(self, rec: dict) -> None:
+        fields = dict(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        if self.task is None:
+            self.task = self.progress.add_task(self.spec.name, total=rec.get("total_steps"),
+                                               completed=rec["step"] - 1, **fields)
+        self.progress.update(self.task, completed=rec["step"], **fields)
+        if not self.console.is_terminal:
+            print(f"step {rec['step']}/{rec.get('total_steps')} loss {rec['loss']:.4f} lr {rec['lr']:.3g} "
+                  f"grad_norm {rec['grad_norm']:.3g} tokens/s {rec['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+
+def _summary_table(summary: dict, spec) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"rayft run {spec.name}", show_header=False)
+    rows = [
+        ("steps", f"{summary['steps']} (resumed from {summary['resumed_from_step']})" if summary["resumed_from_step"]
+         else str(summary["steps"])),
+        ("loss first -> final", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
+        ("eval loss", "-" if summary["eval_loss"] is None else f"{summary['eval_loss']:.4f}"),
+        ("global batch", f"{summary['global_batch_size']} = {summary['num_workers']} workers x "
+                         f"{summary['grad_accum_steps']} accum x {summary['micro_batch_size']} micro"),
+        ("effective lr", f"{summary['effective_lr']:.3g}"),
+        ("precision / checkpointing", f"{summary['precision']} / {'on' if summary['gradient_checkpointing'] else 'off'}"),
+        ("tokens/s (mean)", f"{summary['mean_tokens_per_s']:.0f}" if summary["mean_tokens_per_s"] else "-"),
+        ("peak memory / estimate", f"{summary['peak_mem_gib']:.2f} GiB / {summary['estimate_gib']:.2f} GiB"),
+        ("skipped steps (fp16)", str(summary["skipped_steps"])),
+        ("wall time", f"{summary['wall_time_s']:.1f} s"),
+        ("adapter", summary["adapter_dir"]),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    _console().print(t)
+
+
+# ---- rayft spec ------------------------------------------------------------------------------
+
+def cmd_spec(args) -> int:
+    from jobs.spec import json_schema, load_spec
+
+    if args.spec_cmd == "schema":
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    spec = load_spec(args.spec, args.overrides)
+    print(spec.to_yaml(), end="")
+    return 0
+
+
+# ---- wiring ----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="rayft", description="LoRA fine-tuning on Ray, with exact gradient accumulation.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run a job now (embedded local Ray unless --address)")
+    run.add_argument("spec")
+    run.add_argument("overrides", nargs="*", metavar="section.field=value")
+    run.add_argument("--address", help="Ray cluster address, e.g. 127.0.0.1:6379 or ray://host:10001")
+    run.add_argument("--local", action="store_true", help="run in this process without Ray")
+    run.add_argument("--fresh", action="store_true", help="do not resume; existing checkpoints are moved aside")
+    run.set_defaults(fn=cmd_run)
+
+    spec = sub.add_parser("spec", help="inspect specs")
+    ssub = spec.add_subparsers(dest="spec_cmd", required=True, parser_class=_Parser)
+    ssub.add_parser("schema", help="print the JSON schema of a job spec")
+    chk = ssub.add_parser("check", help="validate a spec (with overrides) and print it with defaults filled in")
+    chk.add_argument("spec")
+    chk.add_argument("overrides", nargs="*", metavar="section.field=value")
+    spec.set_defaults(fn=cmd_spec)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except SpecError as e:
+        print(f"rayft: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("rayft: interrupted (checkpoints on disk are kept; rerun to resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
