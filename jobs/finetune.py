@@ -38,6 +38,40 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool):
     return spec
 
 
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """Like parse_args, but `section.field=value` words may appear anywhere, even after flags."""
+    args, rest = parser.parse_known_args(argv)
+    extra = [w for w in rest if "=" in w and not w.startswith("-")]
+    unknown = [w for w in rest if w not in extra]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = list(getattr(args, "overrides", None) or []) + extra
+    return args
+
+
+def run(spec, *, local: bool = False, address: str | None = None, fresh: bool = False,
+        on_progress=None) -> dict:
+    """Train a prepared spec: on Ray (an address, the enclosing Ray job, or embedded), or `local`ly."""
+    if local:
+        import os
+
+        from .context import LocalContext
+        from .loop import train
+
+        os.environ.update(spec.run.env)  # what runtime_env does for Ray workers
+        return train(spec, LocalContext(use_gpu=spec.resources.use_gpu, on_progress=on_progress),
+                     resume=not fresh)
+    from .launch import run_on_ray
+
+    return run_on_ray(spec, address=address, resume=not fresh, on_progress=on_progress)
+
+
+def _print_step(rec: dict) -> None:
+    print(f"step {rec['step']}/{rec['total_steps']} loss {rec['loss']:.4f} "
+          f"lr {rec['lr']:.3g} tokens/s {rec['tokens_per_s']:.0f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jobs.finetune", description=__doc__.splitlines()[0])
     ap.add_argument("spec", help="job spec YAML")
@@ -45,23 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--address", help="Ray cluster address (default: the enclosing Ray job's, else a local Ray)")
     ap.add_argument("--local", action="store_true", help="run without Ray (torchrun-compatible)")
     ap.add_argument("--fresh", action="store_true", help="ignore existing checkpoints (they are moved aside)")
-    args = ap.parse_args(argv)
+    args = parse_with_overrides(ap, argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         spec = prepare(args.spec, args.overrides, args.fresh)
-        if args.local:
-            from .context import LocalContext
-            from .loop import train
-
-            summary = train(spec, LocalContext(use_gpu=spec.resources.use_gpu), resume=not args.fresh)
-        else:
-            from .launch import run_on_ray
-
-            def show(rec: dict) -> None:
-                print(f"step {rec['step']}/{rec['total_steps']} loss {rec['loss']:.4f} "
-                      f"lr {rec['lr']:.3g} tokens/s {rec['tokens_per_s']:.0f}", flush=True)
-
-            summary = run_on_ray(spec, address=args.address, resume=not args.fresh, on_progress=show)
+        summary = run(spec, local=args.local, address=args.address, fresh=args.fresh, on_progress=_print_step)
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -58,7 +58,9 @@ def init_ray(address: Optional[str], spec: JobSpec) -> None:
     # even on a 2-core machine (Ray's own tests oversubscribe the same way).
     need = math.ceil(spec.resources.num_workers * spec.resources.cpus_per_worker) + 1
     # The dashboard stays on: Ray Train's placement-group cleaner queries the state API it serves.
-    ray.init(num_cpus=max(need, os.cpu_count() or 1), log_to_driver=True, logging_level=logging.WARNING)
+    # address="local": never attach to some other `ray start` cluster on this machine.
+    ray.init(address="local", num_cpus=max(need, os.cpu_count() or 1), log_to_driver=True,
+             logging_level=logging.WARNING)
 
 
 def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = True,
@@ -87,6 +89,7 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=spec.run.keep_checkpoints),
             logging_config=LoggingConfig(log_level="WARNING"),  # rayft prints its own progress
+            worker_runtime_env={"env_vars": dict(spec.run.env)} if spec.run.env else None,
         ),
     )
     result: dict = {}

@@ -40,6 +40,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from .context import Context
 from .data import GlobalBatches, collate, count_inputs, count_labels, eval_shard, load_dataset, split_window, total_steps
+from .faults import from_env
 from .model import add_lora, check_batchnorm, enable_checkpointing, load_base_model
 from .outputs import SUMMARY, MetricsLog, plot_loss, read_metrics, write_json_atomic
 from .spec import JobSpec, SpecError
@@ -317,6 +318,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             "on" if use_gc else "off", estimate_gib)
 
     # ---- the loop ----------------------------------------------------------------------
+    faults = from_env()
     last: dict = {}
     run_tokens, run_step_s = 0, 0.0
     run_start = time.perf_counter()
@@ -331,6 +333,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         n_inputs = count_inputs(data.train, indices)
         mine = split_window(indices, rank, world, micro, accum)
         micro_batches = [collate([data.train[i] for i in mb], pad_id, pin_memory=pin) for mb in mine]
+        faults.at_step(step, rank, micro)
 
         loss_sum = train_window(engine, micro_batches, n_labels)
         grad_norm, scale_before = optimizer_step(engine, spec.optim.max_grad_norm)

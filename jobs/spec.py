@@ -22,6 +22,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Names and values that are credentials, not configuration.
+SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL)", re.I)
+SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}"
+                          r"|xox[baprs]-[A-Za-z0-9-]{10,}|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\..*)$")
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -178,6 +182,23 @@ class RunSpec(_Section):
     """Evaluate the held-out loss every N optimizer steps (0: only at the end, when there is eval data)."""
     max_failures: int = Field(0, ge=0)
     """Ray Train restarts of failed workers from the last checkpoint within one run."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Non-secret environment variables for the workers. Secrets go by reference (e.g.
+    `model.hf_token_env` names a variable the cluster provides); a value here that looks like a
+    credential, or a name like *TOKEN/*SECRET/*PASSWORD/*KEY, is refused."""
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+            if SECRET_NAME.search(name) or SECRET_VALUE.search(str(value)):
+                raise ValueError(
+                    f"{name} looks like a secret: secrets are never put in a spec (they would travel in "
+                    "runtime_env and logs); name the variable the cluster provides instead, e.g. model.hf_token_env"
+                )
+        return env
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> "RunSpec":

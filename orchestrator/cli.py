@@ -7,6 +7,7 @@ exit code 2, never a traceback; commands validate everything before they start a
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -15,6 +16,7 @@ from typing import Optional
 from jobs.spec import SpecError
 
 EXIT_USAGE = 2
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,21 +33,11 @@ def _console():
 # ---- rayft run -------------------------------------------------------------------------------
 
 def cmd_run(args) -> int:
-    from jobs.finetune import prepare
+    from jobs.finetune import prepare, run
 
     spec = prepare(args.spec, args.overrides, args.fresh)
-    if args.local:
-        from jobs.context import LocalContext
-        from jobs.loop import train
-
-        with _Progress(spec) as bar:
-            summary = train(spec, LocalContext(use_gpu=spec.resources.use_gpu, on_progress=bar.update),
-                            resume=not args.fresh)
-    else:
-        from jobs.launch import run_on_ray
-
-        with _Progress(spec) as bar:
-            summary = run_on_ray(spec, address=args.address, resume=not args.fresh, on_progress=bar.update)
+    with _Progress(spec) as bar:
+        summary = run(spec, local=args.local, address=args.address, fresh=args.fresh, on_progress=bar.update)
     _summary_table(summary, spec)
     return 0
 
@@ -141,12 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("spec")
     chk.add_argument("overrides", nargs="*", metavar="section.field=value")
     spec.set_defaults(fn=cmd_spec)
+
+    # Each command family lives in its own module with `register(subparsers)`; heavy imports
+    # (ray, torch, kubernetes) happen inside the command functions, so `rayft --help` is fast.
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    from jobs.finetune import parse_with_overrides
+
+    args = parse_with_overrides(build_parser(), argv)
     try:
         return args.fn(args)
     except SpecError as e:

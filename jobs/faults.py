@@ -1,0 +1,54 @@
+"""Fault injection for failure-path tests and drills, driven by the RAYFT_FAULT variable
+(set it through `run.env`, which reaches every worker). Unset, it costs one dict lookup.
+
+    RAYFT_FAULT="oom:micro_batch_gt=2"                 raise torch.OutOfMemoryError on the first
+                                                       step when batch.micro_batch_size > 2
+    RAYFT_FAULT="kill:step=5,rank=1,once=/tmp/marker"  SIGKILL rank 1's process before optimizer
+                                                       step 5 (0-based), once: the marker file
+                                                       records that it happened
+Several directives are separated by ';'.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .spec import SpecError
+
+
+@dataclass
+class Faults:
+    directives: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+
+    def at_step(self, step: int, rank: int, micro_batch_size: int) -> None:
+        for kind, args in self.directives:
+            if kind == "oom" and micro_batch_size > int(args["micro_batch_gt"]):
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (injected by RAYFT_FAULT: micro_batch_size={micro_batch_size} "
+                    f"> {args['micro_batch_gt']})")
+            if kind == "kill" and step == int(args["step"]) and rank == int(args.get("rank", 0)):
+                marker = Path(args["once"]) if "once" in args else None
+                if marker is None or not marker.exists():
+                    if marker is not None:
+                        marker.write_text(f"killed rank {rank} at step {step}\n")
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def from_env() -> Faults:
+    text = os.environ.get("RAYFT_FAULT", "").strip()
+    faults = Faults()
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        kind, _, rest = part.partition(":")
+        try:
+            args = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        except ValueError:
+            raise SpecError(f"RAYFT_FAULT: cannot parse {part!r}") from None
+        if kind not in ("oom", "kill"):
+            raise SpecError(f"RAYFT_FAULT: unknown fault {kind!r} (oom, kill)")
+        faults.directives.append((kind, args))
+    return faults
