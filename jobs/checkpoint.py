@@ -23,7 +23,13 @@ from typing import Optional
 
 import torch
 
+from .spec import JobSpec, SpecError
+
 STEP_PREFIX = "step-"
+# Spec fields that must not change between a checkpoint and the run that resumes from it:
+# they change the model, the adapter's shape, or which samples form optimizer step k.
+RESUME_KEYS = ("model.name", "model.gguf_file", "lora.r", "lora.alpha", "lora.target_modules",
+               "batch.global_batch_size", "run.seed", "data.path", "data.max_seq_len", "optim.name")
 
 
 def step_dir_name(step: int) -> str:
@@ -139,3 +145,24 @@ def set_aside(output_dir: Path) -> Optional[Path]:
     dest = output_dir / f"checkpoints.set-aside-{time.strftime('%Y%m%dT%H%M%S')}"
     root.rename(dest)
     return dest
+
+
+def resume_key(spec: JobSpec) -> dict:
+    d = spec.to_dict()
+    out = {}
+    for key in RESUME_KEYS:
+        node = d
+        for part in key.split("."):
+            node = node[part]
+        out[key] = node
+    return out
+
+
+def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
+    now = resume_key(spec)
+    diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+    if diffs:
+        raise SpecError(
+            f"{where}: cannot resume, the spec changed in a way that breaks resuming ({'; '.join(diffs)}); "
+            "use --fresh to start over"
+        )

@@ -67,19 +67,27 @@ def read_jsonl(path: str, key: str = "data.path") -> list[dict]:
     return records
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """BOS + text, unless the text already starts with it (a chat-templated prompt does).
+    Training and `rayft eval` both encode prompts through here, so they agree."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and (not ids or ids[0] != bos):
+        ids = [bos] + ids
+    return ids
+
+
 def tokenize(records: Sequence[dict], tokenizer, max_seq_len: int) -> list[Example]:
     """BOS + prompt + completion + EOS, truncated; labels only on completion (or all of `text`)."""
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
     out = []
     for rec in records:
         if "text" in rec:
-            ids = tokenizer(rec["text"], add_special_tokens=False)["input_ids"]
-            seq = ([bos] if bos is not None else []) + ids + [eos]
+            seq = encode_prompt(tokenizer, rec["text"]) + [eos]
             labels = list(seq)
         else:
-            p = tokenizer(rec["prompt"], add_special_tokens=False)["input_ids"]
+            head = encode_prompt(tokenizer, rec["prompt"])
             c = tokenizer(rec["completion"], add_special_tokens=False)["input_ids"]
-            head = ([bos] if bos is not None else []) + p
             seq = head + c + [eos]
             labels = [IGNORE] * len(head) + c + [eos]
         seq, labels = seq[:max_seq_len], labels[:max_seq_len]

@@ -6,6 +6,8 @@
     RAYFT_FAULT="kill:step=5,rank=1,once=/tmp/marker"  SIGKILL rank 1's process before optimizer
                                                        step 5 (0-based), once: the marker file
                                                        records that it happened
+    RAYFT_FAULT="sleep:step=5,seconds=60,once=/tmp/m"  stall every rank before step 5, once (for
+                                                       tests that stop the driver mid-run)
 Several directives are separated by ';'.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,11 +35,23 @@ class Faults:
                     f"CUDA out of memory (injected by RAYFT_FAULT: micro_batch_size={micro_batch_size} "
                     f"> {args['micro_batch_gt']})")
             if kind == "kill" and step == int(args["step"]) and rank == int(args.get("rank", 0)):
-                marker = Path(args["once"]) if "once" in args else None
-                if marker is None or not marker.exists():
-                    if marker is not None:
-                        marker.write_text(f"killed rank {rank} at step {step}\n")
+                if _first_time(args, f"killed rank {rank} at step {step}"):
                     os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "sleep" and step == int(args["step"]):
+                if _first_time(args, f"slept at step {step}", mark=rank == 0):
+                    time.sleep(float(args["seconds"]))
+
+
+def _first_time(args: dict[str, str], what: str, mark: bool = True) -> bool:
+    """True unless the `once` marker file exists; creates it (when `mark`) before acting."""
+    marker = Path(args["once"]) if "once" in args else None
+    if marker is None:
+        return True
+    if marker.exists():
+        return False
+    if mark:
+        marker.write_text(what + "\n")
+    return True
 
 
 def from_env() -> Faults:
@@ -48,7 +63,7 @@ def from_env() -> Faults:
             args = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
         except ValueError:
             raise SpecError(f"RAYFT_FAULT: cannot parse {part!r}") from None
-        if kind not in ("oom", "kill"):
-            raise SpecError(f"RAYFT_FAULT: unknown fault {kind!r} (oom, kill)")
+        if kind not in ("oom", "kill", "sleep"):
+            raise SpecError(f"RAYFT_FAULT: unknown fault {kind!r} (oom, kill, sleep)")
         faults.directives.append((kind, args))
     return faults

@@ -26,13 +26,17 @@ def preflight(spec) -> None:
 
 
 def prepare(spec_path: str, overrides: list[str], fresh: bool):
-    from .checkpoint import set_aside
+    """Validate everything that can be checked on the driver; only then touch the output dir."""
+    from . import checkpoint as ckpt
 
     spec = load_spec(spec_path, overrides)
     preflight(spec)
     spec = absolutize(spec)
+    newest = None if fresh else ckpt.newest_complete(spec.output_path / "checkpoints")
+    if newest is not None:  # refuse a resume that cannot be exact, before anything starts
+        ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
     if fresh:
-        moved = set_aside(spec.output_path)
+        moved = ckpt.set_aside(spec.output_path)
         if moved:
             logging.getLogger("rayft").warning("--fresh: previous checkpoints moved to %s", moved)
     return spec

@@ -42,15 +42,12 @@ from .context import Context
 from .data import GlobalBatches, collate, count_inputs, count_labels, eval_shard, load_dataset, split_window, total_steps
 from .faults import from_env
 from .model import add_lora, check_batchnorm, enable_checkpointing, load_base_model
-from .outputs import SUMMARY, MetricsLog, plot_loss, read_metrics, write_json_atomic
+from .outputs import SUMMARY, MetricsLog, append_event, plot_loss, read_metrics, write_json_atomic
 from .spec import JobSpec, SpecError
 
 log = logging.getLogger("rayft")
 GIB = 1024**3
 
-# Spec fields that must not change between a checkpoint and the run that resumes from it.
-RESUME_KEYS = ("model.name", "model.gguf_file", "lora.r", "lora.alpha", "lora.target_modules",
-               "batch.global_batch_size", "run.seed", "data.path", "data.max_seq_len", "optim.name")
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -209,27 +206,6 @@ def evaluate(engine: Engine, examples, rank: int, world_size: int, micro_batch_s
     return (sums[0] / sums[1]).item()
 
 
-def resume_key(spec: JobSpec) -> dict:
-    d = spec.to_dict()
-    out = {}
-    for key in RESUME_KEYS:
-        node = d
-        for part in key.split("."):
-            node = node[part]
-        out[key] = node
-    return out
-
-
-def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
-    now = resume_key(spec)
-    diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
-    if diffs:
-        raise SpecError(
-            f"{where}: cannot resume, the spec changed in a way that breaks resuming ({'; '.join(diffs)}); "
-            "use --fresh to start over"
-        )
-
-
 def decide_checkpointing(spec: JobSpec, device: torch.device) -> tuple[bool, Optional[float]]:
     """(gradient checkpointing on?, estimated GiB for that choice)."""
     from .memory import estimate_for_spec
@@ -280,7 +256,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         source = str(newest) if newest else None
     if source is not None:
         state = ckpt.load_state(Path(source))
-        check_resumable(state["resume_key"], spec, str(source))
+        ckpt.check_resumable(state["resume_key"], spec, str(source))
         named = dict(model.named_parameters())
         with torch.no_grad():
             for name, tensor in ckpt.load_adapter(Path(source)).items():
@@ -308,6 +284,9 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     engine = Engine(module, params, optimizer, scaler, device, precision, world)
 
     metrics_log = MetricsLog(out, start_step) if ctx.is_main else None
+    if ctx.is_main:
+        append_event(out, "resume" if start_step else "start", step=start_step, world_size=world,
+                     checkpoint=source)
     if ctx.is_main:
         log.warning(
             "job %s: %d steps, global batch %d = %d workers x %d accumulation x %d micro; "
@@ -366,13 +345,15 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             "eval_loss": eval_loss,
         }
         if ctx.is_main:
+            if step == start_step:
+                append_event(out, "first_step", step=done)
             metrics_log.write(last)
             ctx.progress(dict(last, total_steps=steps))
 
         if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == steps:
             state = {"step": done, "next_global_batch": done, "tokens_seen": tokens_seen,
                      "skipped_steps": skipped_steps, "world_size": world, "eval_loss": eval_loss,
-                     "resume_key": resume_key(spec)}
+                     "resume_key": ckpt.resume_key(spec)}
             files: dict[str, object] = {f"rng-rank{rank}.pt": ckpt.rng_state()}
             if ctx.is_main:
                 files.update({"adapter.safetensors": {n: p for n, p in model.named_parameters() if p.requires_grad},
@@ -417,6 +398,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             "dropped_records": data.dropped,
         }
         write_json_atomic(out / SUMMARY, summary)
+        append_event(out, "end", step=steps)
     ctx.report(dict(last, done=True))
     return summary
 

