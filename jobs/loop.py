@@ -75,7 +75,8 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, input_ids, attention_mask, label_pos, label_ids):
         lm = self._causal_lm()
-        hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        # `base_model` is the decoder stack under any HF causal LM (`model`, `gpt_neox`, ...).
+        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         h = hidden.flatten(0, 1).index_select(0, label_pos)
         head = lm.get_output_embeddings()
         if not self.chunk_tokens or h.shape[0] <= self.chunk_tokens:
@@ -276,7 +277,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         torch.manual_seed(spec.run.seed * 7919 + rank)
         random.seed(spec.run.seed * 7919 + rank)
 
-    module: nn.Module = CausalLMLoss(model)
+    module: nn.Module = CausalLMLoss(model, chunk_tokens=spec.memory.loss_chunk_tokens)
     if world > 1:
         module = nn.parallel.DistributedDataParallel(
             module, device_ids=[device.index] if device.type == "cuda" else None,

@@ -144,6 +144,9 @@ class MemorySpec(_Section):
     """`true`, `false`, or `auto` (on when the memory estimate without it exceeds `budget_gib`)."""
     budget_gib: Optional[float] = Field(None, gt=0)
     """Per-GPU memory budget in GiB; `auto` checkpointing and the search respect it."""
+    loss_chunk_tokens: int = Field(0, ge=0)
+    """Compute the LM head + loss in chunks of this many label tokens, recomputed in backward, so
+    the fp32 [tokens, vocab] logits never exist at once (0: one piece)."""
 
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod

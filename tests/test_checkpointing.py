@@ -44,3 +44,29 @@ def test_checkpointing_through_train_window_matches():
         train_window(engine, mbs, n_labels)
         got[gc] = grads(model)
     assert rel_err(got[True], got[False]) <= 1e-6
+
+
+def test_chunked_loss_gives_the_same_gradient_and_keeps_fewer_logits():
+    """memory.loss_chunk_tokens: the LM head + loss per chunk under checkpointing."""
+    results = {}
+    for chunk in (0, 7):
+        spec = tiny_spec("batch.micro_batch_size=8", f"memory.loss_chunk_tokens={chunk}")
+        engine, model, tok = build_engine(spec)
+        engine.module.chunk_tokens = spec.memory.loss_chunk_tokens
+        mbs, n_labels, _, _ = window_inputs(spec, tok, 0, 1)
+        vocab = model.get_base_model().config.vocab_size
+        logits_like = []
+
+        def pack(t):
+            if t.dim() == 2 and t.shape[-1] == vocab and t.dtype == torch.float32:
+                logits_like.append(t.shape[0])
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = engine.module(**mbs[0])
+        (loss / n_labels).backward()
+        results[chunk] = (float(loss), grads(model), max(logits_like, default=0))
+    (l0, g0, rows0), (l7, g7, rows7) = results[0], results[7]
+    assert abs(l7 - l0) <= 1e-5 * abs(l0)
+    assert rel_err(g7, g0) <= 1e-6
+    assert rows0 > 7 and rows7 == 0  # chunks recompute: no [tokens, vocab] fp32 tensor kept

@@ -1,0 +1,666 @@
+"""Per-GPU training memory of LoRA fine-tuning, estimated from the model's shape alone.
+
+A pure function: no GPU, no model is built. Tune, the driver and
+`memory.gradient_checkpointing: auto` call it before anything is launched, so it must be
+cheap and must not need the weights.
+
+What it models is what rayft actually runs (`jobs.model` + `jobs.loop`): frozen base weights
+in the compute dtype, LoRA weights in fp32 (PEFT), autocast for bf16/fp16, HF non-reentrant
+checkpointing of whole decoder layers, and `CausalLMLoss` (LM head + fp32 cross-entropy on
+the label positions only, optionally in checkpointed chunks).
+
+Activations are not a rule of thumb: `_Walk` replays the forward of one decoder layer op by
+op and records which tensors autograd keeps for backward, by storage (a tensor saved by
+two ops, or a view of a saved tensor, is counted once), and only when the gradient that
+needs it is required -- exactly as PyTorch's generated backward formulas decide. Facts this
+captures that a "bytes per token" constant would miss, all measured on torch 2.13 /
+transformers 5 / peft 0.21 (tests/test_memory.py checks them against
+`saved_tensors_hooks`):
+
+* Frozen base linears save nothing but their weight; the LoRA A matmul saves the input.
+* Under autocast, PEFT casts every LoRA input to fp32 and autocast casts it back, so each
+  adapted module keeps its *own* bf16 copy of its input (q, k and v: three copies).
+  In fp32 the copies are the same storage and are counted once.
+* RMSNorm keeps an fp32 copy of its input; without checkpointing the first layer's input
+  norm saves nothing (the embeddings are frozen); HF checkpointing turns input grads on.
+* SDPA keeps q, k, v, out and the log-sum-exp, no seq x seq matrix; a padded batch makes
+  HF build a mask, which disables SDPA's native GQA (k, v repeated to all heads) and is
+  converted to a float bias that each layer saves. Eager keeps the fp32 softmax and its
+  compute-dtype copy.
+* The loss head (`CausalLMLoss`): [T, vocab] logits in the compute dtype, their fp32 copy,
+  the saved log-softmax, and in backward its gradient and the input gradient: the
+  transient peak is 12 bytes x T x vocab at the log-softmax backward.
+
+Peak model. Static memory (weights, LoRA grads, optimizer state, DDP buckets) plus the
+activations saved at the end of forward plus the larger of two transients that never
+coexist: the loss head's peak (first thing in backward) and one decoder layer's backward
+(the recomputed layer when checkpointing, plus its gradient buffers).
+
+Checked on CPU by tests/test_memory.py (saved bytes to 1%, the forward+backward peak of
+op-allocated storages to 10%) and on a GPU against `torch.cuda.max_memory_allocated` by
+bench/gpu_memory.py (results in bench/results/). `framework_overhead` (CUDA context,
+allocator slack) is a documented constant, not measured by either.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+GIB = 1024**3
+MIB = 1024**2
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP32_BYTES = 4
+INDEX_BYTES = 8  # int64 label positions / label ids
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# CUDA context (driver, kernels of torch/cuBLAS/cuDNN loaded lazily) as seen by nvidia-smi on
+# an H100/H200 with torch 2.x; it is outside `torch.cuda.max_memory_allocated`.
+CUDA_CONTEXT_BYTES = 768 * MIB
+# NCCL communicator buffers per process with DDP (world_size > 1), also outside the allocator.
+NCCL_BUFFER_BYTES = 256 * MIB
+# Caching-allocator fragmentation: reserved - allocated at the peak, as a fraction of the
+# allocated peak. 5-10% is typical for a fixed-shape training step; we take the high end
+# for safety because padded batches change shapes every step.
+ALLOCATOR_SLACK_FRACTION = 0.08
+
+# Components whose peaks happen at different moments of backward: the total adds the
+# largest of them, not their sum.
+TRANSIENT_COMPONENTS = ("logits_loss", "layer_backward")
+COMPONENT_ORDER = ("frozen_weights", "lora_weights", "lora_grads", "optimizer_state", "ddp_buckets",
+                   "activations", "logits_loss", "layer_backward", "framework_overhead")
+
+
+@dataclass
+class MemoryEstimate:
+    """Named per-GPU memory components in bytes.
+
+    `total_bytes` = every component except the transients + the largest transient
+    (`TRANSIENT_COMPONENTS`). `peak_allocated_bytes` is the same without
+    `framework_overhead`: what `torch.cuda.max_memory_allocated()` should read.
+    `details` holds finer terms (per-layer saved bytes, shapes used) for tests and logs.
+    """
+
+    components: dict[str, int]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        c = self.components
+        steady = sum(v for k, v in c.items() if k not in TRANSIENT_COMPONENTS and k != "framework_overhead")
+        return steady + max((c.get(k, 0) for k in TRANSIENT_COMPONENTS), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_allocated_bytes + self.components.get("framework_overhead", 0)
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GIB
+
+    @property
+    def peak_allocated_gib(self) -> float:
+        return self.peak_allocated_bytes / GIB
+
+    def table(self) -> list[tuple[str, float]]:
+        """(name, GiB) rows: every component, then `total` (transients: only the largest counts)."""
+        rows = [(name, self.components[name] / GIB) for name in COMPONENT_ORDER if name in self.components]
+        rows += [(k, v / GIB) for k, v in self.components.items() if k not in COMPONENT_ORDER]
+        rows.append(("total", self.total_gib))
+        return rows
+
+
+# ---- model shape ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer that memory depends on."""
+
+    family: str  # "llama" (Llama, Mistral, Qwen2: RMSNorm, gated MLP, separate q/k/v) or "gpt_neox"
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: Optional[int] = None
+    attention_dropout: float = 0.0
+    rotary_dims: int = 0  # gpt_neox: rotary part of each head
+    parallel_residual: bool = True  # gpt_neox
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """LoRA-targetable linear modules of one layer: name -> (in_features, out_features)."""
+        h, i = self.hidden, self.intermediate
+        if self.family == "gpt_neox":
+            return {"query_key_value": (h, 3 * h), "dense": (h, h), "dense_h_to_4h": (h, i), "dense_4h_to_h": (i, h)}
+        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+def model_shape(config) -> ModelShape:
+    """Read a transformers config (LlamaConfig, MistralConfig, Qwen2Config, GPTNeoXConfig)."""
+    mt = getattr(config, "model_type", None)
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    common = dict(hidden=h, layers=config.num_hidden_layers, heads=heads, vocab=config.vocab_size,
+                  intermediate=config.intermediate_size,
+                  tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                  attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0))
+    if mt in LLAMA_FAMILY:
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or h // heads
+        window = None
+        if mt == "mistral" or (mt == "qwen2" and getattr(config, "use_sliding_window", False)):
+            window = getattr(config, "sliding_window", None)
+        bias = bool(getattr(config, "attention_bias", False))
+        return ModelShape(family="llama", kv_heads=kv, head_dim=head_dim, qkv_bias=bias or mt == "qwen2",
+                          o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)), sliding_window=window,
+                          **common)
+    if mt == "gpt_neox":
+        head_dim = h // heads
+        pct = getattr(config, "rotary_pct", None)
+        if pct is None:
+            pct = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+        return ModelShape(family="gpt_neox", kv_heads=heads, head_dim=head_dim, qkv_bias=True, o_bias=True,
+                          mlp_bias=True, rotary_dims=int(head_dim * pct),
+                          parallel_residual=bool(getattr(config, "use_parallel_residual", True)), **common)
+    raise ValueError(f"memory estimate: unsupported model_type {mt!r} (supported: {', '.join(LLAMA_FAMILY)}, gpt_neox)")
+
+
+def count_base_params(shape: ModelShape) -> dict[str, int]:
+    """Frozen parameters by part: embeddings, layers, final norm, lm_head (0 when tied)."""
+    h, i, L = shape.hidden, shape.intermediate, shape.layers
+    per_layer = sum(fi * fo for fi, fo in shape.linear_shapes().values())
+    if shape.family == "gpt_neox":
+        per_layer += 3 * h + h + i + h  # biases of qkv, dense, fc_in, fc_out
+        per_layer += 2 * 2 * h  # two LayerNorms, weight + bias
+        final_norm = 2 * h
+    else:
+        per_layer += (shape.q_dim + 2 * shape.kv_dim) * shape.qkv_bias + h * shape.o_bias
+        per_layer += (2 * i + h) * shape.mlp_bias
+        per_layer += 2 * h  # two RMSNorm weights
+        final_norm = h
+    embed = shape.vocab * h
+    return {"embeddings": embed, "layers": per_layer * L, "final_norm": final_norm,
+            "lm_head": 0 if shape.tied_embeddings else embed}
+
+
+def count_lora_params(shape: ModelShape, r: int, target_modules: Iterable[str]) -> int:
+    """r x (in + out) per adapted linear per layer (A is r x in, B is out x r)."""
+    linears = shape.linear_shapes()
+    targets = _targets(shape, target_modules)
+    return shape.layers * sum(r * (linears[t][0] + linears[t][1]) for t in targets)
+
+
+def _targets(shape: ModelShape, target_modules: Iterable[str]) -> set[str]:
+    targets = set(target_modules)
+    unknown = targets - set(shape.linear_shapes())
+    if unknown:
+        raise ValueError(f"memory estimate: lora target modules {sorted(unknown)} are not linear layers of a "
+                         f"{shape.family} decoder layer (known: {sorted(shape.linear_shapes())})")
+    return targets
+
+
+# ---- activations: a symbolic replay of the forward ------------------------------------------
+
+@dataclass
+class _T:
+    """A tensor in the replay: its storage id, bytes and whether it requires grad."""
+
+    sid: int
+    nbytes: int
+    rg: bool
+
+
+class _Walk:
+    """Replays the ops of a decoder layer and collects what autograd saves, by storage."""
+
+    def __init__(self, shape: ModelShape, *, batch: int, seq: int, act_bytes: int, autocast: bool,
+                 targets: set[str], r: int, lora_dropout: float, attn: str, mask: bool, device: str):
+        self.s, self.B, self.S, self.N = shape, batch, seq, batch * seq
+        self.a, self.autocast = act_bytes, autocast
+        self.targets, self.r, self.p = targets, r, lora_dropout
+        self.attn, self.mask, self.device = attn, mask, device
+        self.saved: dict[int, int] = {}
+        self._next = 0
+        # Shared by every layer: RoPE cos/sin ([1, S, head_dim] each, in the embeddings' dtype).
+        self.cos = self.new(seq * (shape.rotary_dims or shape.head_dim) * act_bytes, False)
+        self.sin = self.new(self.cos.nbytes, False)
+        self.position_ids = self.new(seq * INDEX_BYTES, False)
+
+    def new(self, nbytes: int, rg: bool) -> _T:
+        self._next += 1
+        return _T(self._next, int(nbytes), rg)
+
+    def save(self, *ts: _T) -> None:
+        for t in ts:
+            self.saved[t.sid] = t.nbytes
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved.values())
+
+    # -- building blocks --
+    def rms_norm(self, x: _T) -> _T:
+        """`x.float()`, pow, mean, rsqrt, mul; `weight * y.to(dtype)` with a frozen weight."""
+        x32 = x if self.a == FP32_BYTES else self.new(self.N * self.s.hidden * FP32_BYTES, x.rg)
+        if x.rg:
+            self.save(x32, self.new(self.N * FP32_BYTES, True))  # fp32 input and rsqrt(var + eps)
+        return self.new(self.N * self.s.hidden * self.a, x.rg)
+
+    def layer_norm(self, x: _T) -> _T:
+        """native_layer_norm saves its input, mean and rstd (the frozen weight is a parameter).
+
+        CUDA autocast runs layer_norm in fp32: an fp32 copy of the input (and of the weight)
+        is what gets saved, and the output is fp32. CPU autocast leaves it in the compute dtype.
+        """
+        n, h = self.N, self.s.hidden
+        if self.autocast and self.device == "cuda":
+            if x.rg:
+                self.save(self.new(n * h * FP32_BYTES, True), self.new(n * FP32_BYTES, True),
+                          self.new(n * FP32_BYTES, True), self.new(h * FP32_BYTES, False))
+            return self.new(n * h * FP32_BYTES, x.rg)
+        if x.rg:
+            self.save(x, self.new(n * self.a, True), self.new(n * self.a, True))
+        return self.new(n * h * self.a, x.rg)
+
+    def linear(self, x: _T, name: str) -> _T:
+        """Frozen base linear (+ LoRA when targeted). The base saves only its weight."""
+        fan_in, fan_out = self.s.linear_shapes()[name]
+        out = self.new(self.N * fan_out * self.a, x.rg or name in self.targets)
+        if name not in self.targets:
+            return out
+        n, r, a = self.N, self.r, self.a
+        lora_in = x
+        if self.p > 0:
+            # Dropout on PEFT's fp32 cast of the input. CUDA's fused kernel keeps a bool mask,
+            # the CPU kernel (input * bernoulli noise) keeps the fp32 noise.
+            if x.rg:
+                self.save(self.new(n * fan_in * (1 if self.device == "cuda" else FP32_BYTES), True))
+            lora_in = self.new(n * fan_in * FP32_BYTES, x.rg)
+        # lora_A saves its input (for A's gradient). Under autocast that is a fresh bf16 cast
+        # of PEFT's fp32 cast -- one per adapted module, even when they read the same tensor.
+        a_in = self.new(n * fan_in * a, x.rg) if self.autocast else lora_in
+        self.save(a_in)
+        if self.autocast:
+            if x.rg:
+                self.save(self.new(r * fan_in * a, False))  # autocast copy of A (for the input gradient)
+            self.save(self.new(fan_out * r * a, False))  # autocast copy of B
+        self.save(self.new(n * r * a, True))  # lora_B saves lora_A's output (for B's gradient)
+        return out
+
+    def attention(self, q: _T, k: _T, v: _T) -> _T:
+        s, B, S, N, a = self.s, self.B, self.S, self.N, self.a
+        if q.rg or k.rg:
+            self.save(self.cos, self.sin)  # RoPE's muls keep cos and sin, not q and k
+        q = self.new(N * s.q_dim * a, q.rg)
+        k = self.new(N * s.kv_dim * a, k.rg)
+        any_rg = q.rg or k.rg or v.rg
+        rep = s.heads // s.kv_heads
+        if self.attn == "eager" or self.mask:
+            # HF repeats k/v to all heads unless SDPA can do GQA natively (no mask). With one
+            # kv head (MQA) the expand + reshape stays a view; otherwise it is a copy.
+            if rep > 1 and s.kv_heads > 1:
+                k = self.new(N * s.q_dim * a, k.rg)
+                v = self.new(N * s.q_dim * a, v.rg)
+        if self.attn == "sdpa":
+            out = self.new(N * s.q_dim * a, any_rg)
+            if any_rg:
+                self.save(q, k, v, out, self.new(B * s.heads * S * FP32_BYTES, True))  # + log-sum-exp
+                if self.mask:
+                    # Bool mask -> float bias (one per call), padded to 16 columns for CUDA mem-efficient.
+                    cols = _round_up(S, 16) if self.device == "cuda" else S
+                    self.save(self.new(B * S * cols * a, False))
+            # CUDA kernels write the output as [B, S, heads, D], so HF's transpose(1, 2).contiguous()
+            # is free; the CPU kernel follows q's layout, which GPT-NeoX's rotary cat made [B, heads, S, D].
+            if self.device != "cuda" and s.family == "gpt_neox":
+                return self.new(out.nbytes, out.rg)
+            return out
+        # eager: matmul(q, k^T) * scale + mask -> softmax(fp32) -> .to(dtype) -> dropout -> matmul(., v)
+        scores = B * s.heads * S * S
+        if k.rg:
+            self.save(q)
+        if q.rg:
+            self.save(k)
+        probs32 = self.new(scores * FP32_BYTES, any_rg)
+        if any_rg:
+            self.save(probs32)
+        probs = probs32 if a == FP32_BYTES else self.new(scores * a, any_rg)
+        if s.attention_dropout > 0 and any_rg:
+            self.save(self.new(scores * (1 if self.device == "cuda" else a), False))
+            probs = self.new(scores * a, True)
+        if v.rg:
+            self.save(probs)
+        if probs.rg:
+            self.save(v)
+        return self.new(N * s.q_dim * a, any_rg)  # transpose(1, 2).contiguous(): a new tensor
+
+    def gated_mlp(self, x: _T) -> _T:
+        gate, up = self.linear(x, "gate_proj"), self.linear(x, "up_proj")
+        if gate.rg:
+            self.save(gate)  # silu saves its input
+        act = self.new(gate.nbytes, gate.rg)
+        if up.rg:
+            self.save(act)
+        if act.rg:
+            self.save(up)
+        return self.linear(self.new(act.nbytes, act.rg or up.rg), "down_proj")
+
+    # -- one decoder layer --
+    def llama_layer(self, x: _T) -> _T:
+        h = self.rms_norm(x)
+        q, k, v = self.linear(h, "q_proj"), self.linear(h, "k_proj"), self.linear(h, "v_proj")
+        o = self.linear(self.attention(q, k, v), "o_proj")
+        x = self.new(x.nbytes, x.rg or o.rg)  # residual add saves nothing
+        m = self.gated_mlp(self.rms_norm(x))
+        return self.new(x.nbytes, x.rg or m.rg)
+
+    def gpt_neox_layer(self, x: _T) -> _T:
+        s = self.s
+        qkv = self.linear(self.layer_norm(x), "query_key_value")
+        # q, k, v are views of the fused output (saving v keeps all of it); RoPE makes new q, k.
+        q = k = v = qkv
+        attn_out = self.linear(self.attention(q, k, v), "dense")
+        mlp_in = x if s.parallel_residual else self.new(x.nbytes, x.rg or attn_out.rg)
+        fc = self.linear(self.layer_norm(mlp_in), "dense_h_to_4h")
+        if fc.rg:
+            self.save(fc)  # gelu saves its input
+        mlp = self.linear(self.new(fc.nbytes, fc.rg), "dense_4h_to_h")
+        return self.new(x.nbytes, x.rg or attn_out.rg or mlp.rg)
+
+    def layer(self, x: _T) -> _T:
+        return self.gpt_neox_layer(x) if self.s.family == "gpt_neox" else self.llama_layer(x)
+
+    def final_norm(self, x: _T) -> _T:
+        return self.layer_norm(x) if self.s.family == "gpt_neox" else self.rms_norm(x)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ---- the estimate ----------------------------------------------------------------------------
+
+def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool,
+             base_dtype: str = "bf16", lora_r: int = 8,
+             lora_target_modules: Sequence[str] = DEFAULT_TARGET_MODULES, lora_dropout: float = 0.0,
+             optimizer: str = "adamw", momentum: float = 0.0, world_size: int = 1,
+             gradient_as_bucket_view: bool = True, attn_implementation: str = "sdpa",
+             checkpoint_every_n_layers: int = 1, label_fraction: float = 1.0,
+             loss_chunk_tokens: Optional[int] = None, padded: Optional[bool] = None,
+             device: str = "cuda") -> MemoryEstimate:
+    """Per-GPU memory of one micro-step of LoRA training, as named components in bytes.
+
+    `config` is a transformers config (or a `ModelShape`). `base_dtype` is the dtype of the
+    frozen weights and of the activations; anything but fp32 means autocast with fp32 LoRA
+    weights, as `jobs.loop` runs it. `padded` (default: `micro_batch_size > 1`) says whether
+    the micro-batch carries padding: `collate` right-pads ragged sequences, which makes HF
+    build an attention mask. `label_fraction` is label tokens / (micro_batch_size x seq_len).
+    `gradient_as_bucket_view` matches `jobs.loop`'s DDP (True): the LoRA gradients live in
+    DDP's buckets, so buckets cost nothing extra; False adds a second fp32 copy.
+    `device="cuda"` adds `framework_overhead` and follows the CUDA kernels where they differ
+    from the CPU ones (dropout masks, layer_norm under autocast, attention output layout);
+    `device="cpu"` is what the CPU tests measure.
+    """
+    if base_dtype not in DTYPE_BYTES:
+        raise ValueError(f"memory estimate: base_dtype must be one of {sorted(DTYPE_BYTES)}, got {base_dtype!r}")
+    if attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"memory estimate: attn_implementation must be sdpa or eager, got {attn_implementation!r}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"memory estimate: device must be cuda or cpu, got {device!r}")
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"memory estimate: optimizer must be adamw or sgd, got {optimizer!r}")
+    if micro_batch_size < 1 or seq_len < 1 or world_size < 1 or checkpoint_every_n_layers < 1:
+        raise ValueError("memory estimate: micro_batch_size, seq_len, world_size, checkpoint_every_n_layers must be >= 1")
+    if not 0 < label_fraction <= 1:
+        raise ValueError(f"memory estimate: label_fraction must be in (0, 1], got {label_fraction}")
+    shape = config if isinstance(config, ModelShape) else model_shape(config)
+    targets = _targets(shape, lora_target_modules)
+    B, S = micro_batch_size, seq_len
+    N = B * S
+    a = DTYPE_BYTES[base_dtype]
+    autocast = base_dtype != "fp32"
+    padded = B > 1 if padded is None else padded
+    mask = padded or attn_implementation == "eager" or (shape.sliding_window is not None and S >= shape.sliding_window)
+
+    # ---- static ----
+    params = count_base_params(shape)
+    lora_params = count_lora_params(shape, lora_r, targets)
+    lora_bytes = lora_params * FP32_BYTES
+    opt_states = 2 if optimizer == "adamw" else (1 if momentum > 0 else 0)
+    components = {
+        "frozen_weights": sum(params.values()) * a,
+        "lora_weights": lora_bytes,
+        "lora_grads": lora_bytes,
+        "optimizer_state": opt_states * lora_bytes,
+        "ddp_buckets": lora_bytes if world_size > 1 and not gradient_as_bucket_view else 0,
+    }
+
+    # ---- activations: replay the forward ----
+    def walk() -> _Walk:
+        return _Walk(shape, batch=B, seq=S, act_bytes=a, autocast=autocast, targets=targets, r=lora_r,
+                     lora_dropout=lora_dropout, attn=attn_implementation, mask=mask, device=device)
+
+    def one_layer_saved(input_rg: bool) -> int:
+        w = walk()
+        w.layer(w.new(N * shape.hidden * a, input_rg))
+        return w.saved_bytes
+
+    full_layer_bytes = one_layer_saved(True)  # what a recomputed (or any non-first) layer keeps
+    w = walk()
+    # HF's activation_checkpointing_enable() makes the embedding output require grad.
+    x = w.new(N * shape.hidden * a, gradient_checkpointing)
+    checkpointed = 0
+    held_mask = False
+    for i in range(shape.layers):
+        if gradient_checkpointing and i % checkpoint_every_n_layers == 0:
+            # torch.utils.checkpoint keeps the layer's arguments: the hidden states, RoPE cos/sin,
+            # position ids (and the mask, below); everything else is recomputed in backward.
+            w.save(x, w.cos, w.sin, w.position_ids)
+            x = w.new(x.nbytes, True)
+            checkpointed += 1
+            held_mask = held_mask or mask
+        else:
+            x = w.layer(x)
+    decoder_bytes = w.saved_bytes
+    w.final_norm(x)
+    # The float/bool mask HF builds once ([B, 1, S, S]) stays referenced by the checkpoint frames.
+    mask_bytes = B * S * S * (a if attn_implementation == "eager" else 1) if held_mask else 0
+    components["activations"] = w.saved_bytes + mask_bytes
+
+    # ---- loss head: CausalLMLoss ----
+    T = max(1, math.ceil(label_fraction * N))
+    V = shape.vocab
+    index_bytes = 2 * T * INDEX_BYTES  # label_pos (index_select) and label_ids (cross-entropy)
+    chunk = T if not loss_chunk_tokens or T <= loss_chunk_tokens else loss_chunk_tokens
+    # Forward: logits [c, V] in the compute dtype, .float() copy, log-softmax output (saved).
+    # Backward: d(log-softmax) and d(logits) in fp32 while the saved output is alive: 12 bytes/elem.
+    logits_peak = 3 * FP32_BYTES * chunk * V
+    if chunk < T:
+        # Checkpointed chunks keep only the gathered hidden states [T, H] (views of one tensor).
+        loss_saved = T * shape.hidden * a + index_bytes
+    else:
+        loss_saved = FP32_BYTES * T * V + index_bytes
+    components["logits_loss"] = logits_peak + index_bytes + (T * shape.hidden * a if chunk < T else 0)
+
+    # ---- one decoder layer's backward ----
+    # The widest moment of one layer beyond what it saves. At the MLP: an [N, intermediate]
+    # gradient in the compute dtype plus LoRA's fp32 copy of the down_proj input (its forward
+    # cast, its backward gradient), with a few [N, hidden] gradients under autocast. At the
+    # norms: fp32 [N, hidden] temporaries. Checkpointing adds the recomputed layer, all alive
+    # when the MLP backward (the first part of the layer's backward) runs. Measured on CPU with
+    # a live-storage tracker over forward + backward (tests/test_memory.py::test_peak_*).
+    H, I = shape.hidden, shape.intermediate
+    mlp_point = N * (I * (FP32_BYTES + a) + (5 * H * a if autocast else 0))
+    norm_point = N * 5 * H * FP32_BYTES
+    plain_point = max(mlp_point, norm_point) if checkpointed < shape.layers else 0
+    if checkpointed:
+        # The last checkpointed layer is recomputed after the (plain) layers above it were
+        # freed; earlier checkpointed layers find even less alive.
+        last = (shape.layers - 1) // checkpoint_every_n_layers * checkpoint_every_n_layers
+        freed = (shape.layers - 1 - last) * full_layer_bytes
+        components["layer_backward"] = max(plain_point, full_layer_bytes + mlp_point - freed)
+    else:
+        components["layer_backward"] = plain_point
+
+    # ---- outside the allocator ----
+    if device == "cuda":
+        allocated = MemoryEstimate(dict(components)).peak_allocated_bytes
+        components["framework_overhead"] = int(CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if world_size > 1 else 0)
+                                               + ALLOCATOR_SLACK_FRACTION * allocated)
+    else:
+        components["framework_overhead"] = 0
+
+    details = {
+        "params": params, "lora_params": lora_params, "label_tokens": T, "logits_chunk_tokens": chunk,
+        "mask": mask, "checkpointed_layers": checkpointed,
+        "layer_saved_bytes": full_layer_bytes, "first_layer_saved_bytes": one_layer_saved(False),
+        "decoder_saved_bytes": decoder_bytes, "held_mask_bytes": mask_bytes,
+        "loss_saved_bytes": loss_saved,
+    }
+    return MemoryEstimate({k: int(v) for k, v in components.items()}, details)
+
+
+# ---- from a job spec -------------------------------------------------------------------------
+
+def config_from_spec(spec):
+    """The transformers config of `spec.model`, without loading any weights.
+
+    `tiny-llama` is built in; a directory (or hub id) is read with AutoConfig; a GGUF file
+    is read from its metadata (transformers does this with the `gguf` package; no tensor is
+    de-quantized). Problems raise `SpecError` naming `model.name` / `model.gguf_file`.
+    """
+    from transformers import AutoConfig
+
+    from .spec import SpecError
+
+    m = spec.model
+    if m.name == "tiny-llama":
+        from .model import tiny_llama_config
+
+        return tiny_llama_config(attn_implementation=m.attn_implementation)
+    from .model import resolve_model_dir
+
+    src = resolve_model_dir(m.name)  # `pkg:NAME` -> the package's directory
+    try:
+        if m.gguf_file:
+            return AutoConfig.from_pretrained(src, gguf_file=m.gguf_file)
+        token = os.environ.get(m.hf_token_env) if m.hf_token_env else None
+        return AutoConfig.from_pretrained(src, token=token)
+    except ImportError as e:
+        raise SpecError(f"model.gguf_file: reading GGUF metadata needs the `gguf` package ({e})") from None
+    except (OSError, ValueError) as e:
+        key = "model.gguf_file" if m.gguf_file else "model.name"
+        what = f"{m.name}/{m.gguf_file}" if m.gguf_file else m.name
+        raise SpecError(f"{key}: cannot read the model config of {what!r} for the memory estimate: "
+                        f"{str(e).splitlines()[0]}") from None
+
+
+def spec_precision(spec, device: str) -> str:
+    """`auto` is bf16 on GPU and fp32 on CPU, as `jobs.loop.resolve_precision` decides."""
+    if spec.precision == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    return spec.precision
+
+
+def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
+                      gradient_checkpointing: Optional[bool] = None, device: str = "cuda",
+                      config=None) -> MemoryEstimate:
+    """`estimate` with everything taken from a JobSpec.
+
+    The sequence length is `data.max_seq_len - 1`, the longest input `jobs.data` produces
+    (the last token is only a label); every position is assumed to carry a label and a
+    micro-batch of several sequences to be padded: an upper bound for ragged data.
+    `gradient_checkpointing=None` takes the spec's value; `auto` means on when the estimate
+    without it exceeds `memory.budget_gib` (off without a budget -- `jobs.loop` also falls
+    back to the GPU's total memory, which only it can see).
+    """
+    from .spec import SpecError
+
+    config = config if config is not None else config_from_spec(spec)
+
+    def run(gc: bool) -> MemoryEstimate:
+        return estimate(
+            config,
+            micro_batch_size=micro_batch_size or spec.batch.micro_batch_size,
+            seq_len=max(1, spec.data.max_seq_len - 1),
+            gradient_checkpointing=gc,
+            base_dtype=spec_precision(spec, device),
+            lora_r=spec.lora.r,
+            lora_target_modules=list(spec.lora.target_modules),
+            lora_dropout=spec.lora.dropout,
+            optimizer=spec.optim.name,
+            momentum=spec.optim.momentum,
+            world_size=spec.resources.num_workers,
+            attn_implementation=spec.model.attn_implementation,
+            loss_chunk_tokens=spec.memory.loss_chunk_tokens or None,
+            device=device,
+        )
+
+    try:
+        gc = spec.memory.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing
+        if gc == "auto":
+            off = run(False)
+            budget = spec.memory.budget_gib
+            if budget is None or off.total_gib <= budget:
+                return off
+            gc = True
+        return run(bool(gc))
+    except SpecError:
+        raise
+    except ValueError as e:  # an unsupported architecture or LoRA target: the user's spec
+        raise SpecError(str(e)) from None
+
+
+def _spec_device(spec) -> str:
+    return "cuda" if spec.resources.use_gpu else "cpu"
+
+
+def feasible_pairs(spec, budget_gib: Optional[float] = None, *, device: Optional[str] = None) -> list[dict]:
+    """Every (micro_batch_size, grad_accum_steps) that splits the global batch, checkpointing off and on.
+
+    A pair needs micro_batch_size x grad_accum_steps x num_workers == global_batch_size.
+    Rows are sorted by micro-batch, then checkpointing off before on; `fits` is
+    estimate <= budget (always True without a budget).
+    """
+    device = device or _spec_device(spec)
+    budget = budget_gib if budget_gib is not None else spec.memory.budget_gib
+    per_worker, rem = divmod(spec.batch.global_batch_size, spec.resources.num_workers)
+    if rem:
+        raise ValueError(f"batch.global_batch_size={spec.batch.global_batch_size} is not divisible by "
+                         f"resources.num_workers={spec.resources.num_workers}")
+    config = config_from_spec(spec)
+    rows = []
+    for mb in (d for d in range(1, per_worker + 1) if per_worker % d == 0):
+        for gc in (False, True):
+            est = estimate_for_spec(spec, micro_batch_size=mb, gradient_checkpointing=gc, device=device,
+                                    config=config)
+            rows.append({"micro_batch_size": mb, "grad_accum_steps": per_worker // mb,
+                         "gradient_checkpointing": gc, "estimate_gib": est.total_gib,
+                         "fits": budget is None or est.total_gib <= budget})
+    return rows
+
+
+def smallest_budget_gib(spec, *, device: Optional[str] = None) -> float:
+    """The least memory the job can run in: micro-batch 1 with checkpointing."""
+    return estimate_for_spec(spec, micro_batch_size=1, gradient_checkpointing=True,
+                             device=device or _spec_device(spec)).total_gib

@@ -1,0 +1,626 @@
+"""The memory estimate against what torch actually keeps, on CPU.
+
+Two oracles, both on real transformers models with real PEFT LoRA and rayft's loss
+(`jobs.loop.CausalLMLoss`):
+
+* `saved_bytes`: tensors autograd keeps for backward at the end of forward, seen through
+  `torch.autograd.graph.saved_tensors_hooks`, plus the tensors non-reentrant checkpointing
+  holds as layer arguments. Counted once per storage (a view of a saved tensor or a tensor
+  saved by two ops is one allocation); parameter storages are weights, not activations.
+* `LivePeak`: a TorchDispatchMode that tracks every storage an op allocates until it is
+  freed -- a CPU stand-in for `torch.cuda.max_memory_allocated` over forward + backward.
+
+Each case checks the estimate within 10%. Shapes are tiny so the file runs in seconds on
+two cores; what makes them meaningful is that they vary every term the formula has
+(hidden, intermediate, heads vs kv-heads, vocab, tied embeddings, micro-batch, sequence,
+padding, eager vs sdpa, LoRA targets and dropout, fp32 vs bf16 autocast, checkpointing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from jobs import memory
+from jobs import loop as jobs_loop
+from jobs.loop import CausalLMLoss
+from jobs.memory import estimate
+
+TOL = 0.10
+# The activation replay follows autograd op by op, so on saved bytes it is held to 1%: that
+# catches small terms (log-sum-exp, LoRA's r-wide inputs, GQA repeats) the 10% would not.
+TOL_SAVED = 0.01
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ALL7 = list(memory.DEFAULT_TARGET_MODULES)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These ops are tiny: intra-op threads only add synchronization (and stall badly when
+    other test processes share the two cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- building the real thing -------------------------------------------------------------------
+
+@dataclass
+class Case:
+    """One configuration: model shape + training settings."""
+
+    id: str
+    hidden: int = 64
+    intermediate: int = 160
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 300
+    tied: bool = False
+    arch: str = "llama"
+    batch: int = 2
+    seq: int = 32
+    gc: bool = False
+    dtype: str = "fp32"
+    attn: str = "sdpa"
+    padded: bool = False
+    r: int = 4
+    targets: list = field(default_factory=lambda: list(ALL7))
+    lora_dropout: float = 0.0
+    label_fraction: float = 1.0
+    chunk: int = 0
+    every_n: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def config(self):
+        common = dict(hidden_size=self.hidden, intermediate_size=self.intermediate,
+                      num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                      vocab_size=self.vocab, tie_word_embeddings=self.tied, attn_implementation=self.attn,
+                      max_position_embeddings=512, **self.extra)
+        if self.arch == "llama":
+            from transformers import LlamaConfig
+            return LlamaConfig(num_key_value_heads=self.kv_heads, **common)
+        if self.arch == "qwen2":
+            from transformers import Qwen2Config
+            return Qwen2Config(num_key_value_heads=self.kv_heads, **common)
+        if self.arch == "mistral":
+            from transformers import MistralConfig
+            return MistralConfig(num_key_value_heads=self.kv_heads, **common)
+        if self.arch == "gpt_neox":
+            from transformers import GPTNeoXConfig
+            return GPTNeoXConfig(**common)
+        raise ValueError(self.arch)
+
+    def estimate(self, **overrides):
+        labels = len(batch_for(self)["label_pos"])  # padding carries no labels
+        kw = dict(micro_batch_size=self.batch, seq_len=self.seq, gradient_checkpointing=self.gc,
+                  base_dtype=self.dtype, lora_r=self.r, lora_target_modules=self.targets,
+                  lora_dropout=self.lora_dropout, attn_implementation=self.attn,
+                  label_fraction=labels / (self.batch * self.seq), loss_chunk_tokens=self.chunk or None,
+                  padded=self.padded, checkpoint_every_n_layers=self.every_n, device="cpu")
+        kw.update(overrides)
+        return estimate(self.config(), **kw)
+
+
+def build(case: Case):
+    """Random-init model, frozen base in the case's dtype, fp32 LoRA (as jobs.model does)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(case.config())
+    model.to(DTYPES[case.dtype])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=case.r, lora_alpha=2 * case.r, lora_dropout=case.lora_dropout,
+                                             target_modules=case.targets, task_type="CAUSAL_LM"))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    if case.gc:
+        model.get_base_model().activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=case.every_n)
+    model.train()
+    return model
+
+
+def batch_for(case: Case) -> dict:
+    """Like jobs.data.collate: right padding, label positions gathered on the host."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, case.vocab, (case.batch, case.seq), generator=g)
+    mask = torch.ones_like(ids)
+    if case.padded:
+        mask[-1, case.seq // 2:] = 0  # the last sequence is half as long
+    labels = torch.full_like(ids, -100)
+    n = max(1, round(case.label_fraction * case.seq))
+    labels[:, case.seq - n:] = ids[:, case.seq - n:]  # completion-style: labels at the end
+    labels[mask == 0] = -100
+    flat = labels.view(-1)
+    pos = (flat != -100).nonzero().squeeze(1)
+    return {"input_ids": ids, "attention_mask": mask, "label_pos": pos, "label_ids": flat.index_select(0, pos)}
+
+
+class _BaseModelLoss(CausalLMLoss):
+    """`CausalLMLoss` reaches the decoder as `lm.model`; GPT-NeoX names it `gpt_neox`.
+    Same computation, through `base_model` (HF's name-independent handle)."""
+
+    def forward(self, input_ids, attention_mask, label_pos, label_ids):
+        lm = self._causal_lm()
+        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        h = hidden.flatten(0, 1).index_select(0, label_pos)
+        return jobs_loop._head_loss(lm.get_output_embeddings(), h, label_ids)
+
+
+def loss_module(model, case: Case):
+    if case.arch == "gpt_neox":
+        assert not case.chunk
+        return _BaseModelLoss(model)
+    return CausalLMLoss(model, chunk_tokens=case.chunk)
+
+
+def decoder_of(model):
+    return model.get_base_model().base_model
+
+
+def autocast(case: Case):
+    return torch.autocast("cpu", dtype=DTYPES[case.dtype], enabled=case.dtype != "fp32")
+
+
+# ---- oracle 1: bytes saved for backward ------------------------------------------------------
+
+def saved_bytes(case: Case) -> dict:
+    """Unique non-parameter storages kept for backward after forward, split decoder / loss head."""
+    model = build(case)
+    loss_mod = loss_module(model, case)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, tuple[str, int]] = {}
+    where = ["decoder"]
+
+    def note(t: torch.Tensor):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and st.data_ptr() not in seen and st.nbytes():
+            seen[st.data_ptr()] = (where[0], st.nbytes())
+
+    def pack(t):
+        note(t)
+        return t
+
+    # Non-reentrant checkpointing keeps the layer's arguments alive (the hidden states go
+    # through saved_tensors_hooks; the kwargs -- mask, cos/sin -- are held by reference).
+    base = model.get_base_model()
+    layers = decoder_of(model).layers
+    hooks = []
+    if case.gc:
+        def hold(mod, args, kwargs):
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    note(t)
+        hooks = [layer.register_forward_pre_hook(hold, with_kwargs=True) for layer in layers
+                 if layer.gradient_checkpointing]
+    # Everything saved after the decoder returns belongs to the loss head.
+    hooks.append(decoder_of(model).register_forward_hook(lambda m, a, o: where.__setitem__(0, "loss")))
+    head = base.get_output_embeddings()
+    if case.chunk:
+        # The head runs under checkpoint: its input chunks are held as arguments.
+        hooks.append(head.register_forward_pre_hook(lambda m, a: note(a[0])))
+    b = batch_for(case)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with autocast(case):
+            loss = loss_mod(**b)
+    for h in hooks:
+        h.remove()
+    out = {"decoder": 0, "loss": 0}
+    for w, n in seen.values():
+        out[w] += n
+    del loss
+    return out
+
+
+# ---- oracle 2: live storages over forward + backward ------------------------------------------
+
+class LivePeak(TorchDispatchMode):
+    """Bytes of op-allocated storages alive, and their peak, over everything run under it.
+
+    Tensors created before entering (weights, the batch) are not counted: the peak is the
+    dynamic part of `max_memory_allocated` (activations, logits, gradients, temporaries).
+    """
+
+    def __init__(self, existing: list[torch.Tensor]):
+        super().__init__()
+        # Views of tensors made before entering (e.g. `weight.t()`) allocate nothing.
+        self.existing = {t.untyped_storage().data_ptr() for t in existing}
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = self.peak = 0
+
+    def _sweep(self):
+        for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(k)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                if st.data_ptr() in self.existing:
+                    continue
+                ref = StorageWeakRef(st)
+                old = self.live.get(ref.cdata)
+                if old is not None and old[0].expired():  # address reused after a free
+                    self.current -= self.live.pop(ref.cdata)[1]
+                if ref.cdata not in self.live:
+                    self.live[ref.cdata] = (ref, st.nbytes())
+                    self.current += st.nbytes()
+        if self.current > self.peak:
+            self._sweep()
+            self.peak = max(self.peak, self.current)
+        return out
+
+
+def live_peak_bytes(case: Case) -> int:
+    """Peak of dynamic memory over one forward + backward.
+
+    The LoRA gradients are allocated beforehand (a later micro-step of an accumulation
+    window), so they count as static memory, like the weights.
+    """
+    model = build(case)
+    loss_mod = loss_module(model, case)
+    b = batch_for(case)
+    for p in model.parameters():  # steady state: gradients of earlier micro-steps exist
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    existing = [*model.parameters(), *model.buffers(), *b.values(),
+                *(p.grad for p in model.parameters() if p.grad is not None)]
+    with LivePeak(existing) as mode:
+        with autocast(case):
+            loss = loss_mod(**b)
+        loss.backward()
+    return mode.peak
+
+
+def rel(est: int, meas: int) -> float:
+    return (est - meas) / meas
+
+
+def static_bytes(est: memory.MemoryEstimate) -> int:
+    c = est.components
+    return sum(c[k] for k in ("frozen_weights", "lora_weights", "lora_grads", "optimizer_state", "ddp_buckets"))
+
+
+# ---- the cases -------------------------------------------------------------------------------
+
+NEOX_ALL = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+CASES = [
+    Case("llama-fp32"),
+    Case("llama-bf16", dtype="bf16"),
+    Case("llama-fp16", dtype="fp16"),
+    Case("gc-fp32", gc=True),
+    Case("gc-bf16", dtype="bf16", gc=True),
+    Case("gc-every2-L4-bf16", layers=4, gc=True, every_n=2, dtype="bf16"),
+    Case("gc-every3-L4", layers=4, gc=True, every_n=3),
+    Case("padded-bf16", dtype="bf16", padded=True),
+    Case("padded-gc", padded=True, gc=True),
+    Case("padded-mqa-mb4", batch=4, seq=16, padded=True, kv_heads=1),
+    Case("eager-fp32", attn="eager"),
+    Case("eager-bf16", attn="eager", dtype="bf16"),
+    Case("eager-gc-bf16", attn="eager", gc=True, dtype="bf16"),
+    Case("eager-attn-dropout", attn="eager", dtype="bf16", extra=dict(attention_dropout=0.1)),
+    Case("targets-qv", targets=["q_proj", "v_proj"]),
+    Case("targets-qv-bf16", targets=["q_proj", "v_proj"], dtype="bf16"),
+    Case("targets-mlp-bf16", targets=["gate_proj", "down_proj"], dtype="bf16", r=8),
+    Case("lora-dropout", lora_dropout=0.1),
+    Case("lora-dropout-bf16", lora_dropout=0.1, dtype="bf16"),
+    Case("mha-tied-h96", hidden=96, heads=6, kv_heads=6, tied=True),
+    Case("many-small-heads", heads=16, kv_heads=16, intermediate=64, dtype="bf16"),
+    Case("padded-gqa-wide", hidden=128, heads=8, kv_heads=2, intermediate=128, padded=True, dtype="bf16"),
+    Case("rank-64", r=64, dtype="bf16"),
+    Case("wide-mlp-small-vocab", intermediate=512, vocab=40, dtype="bf16"),
+    Case("small-vocab-gc", intermediate=256, vocab=40, gc=True),
+    Case("L4-small-vocab-bf16", layers=4, intermediate=256, vocab=40, dtype="bf16"),
+    Case("long-seq-mb1", batch=1, seq=128, vocab=1000, dtype="bf16"),
+    Case("label-half", label_fraction=0.5, dtype="bf16"),
+    Case("loss-chunks", chunk=16, dtype="bf16"),
+    Case("qwen2-bias-bf16", arch="qwen2", dtype="bf16"),
+    Case("mistral-window-mask", arch="mistral", extra=dict(sliding_window=16)),
+    Case("neox-fp32", arch="gpt_neox", targets=NEOX_ALL, extra=dict(rotary_pct=0.25)),
+    Case("neox-bf16", arch="gpt_neox", targets=NEOX_ALL, dtype="bf16", extra=dict(rotary_pct=0.25)),
+    Case("neox-gc-bf16", arch="gpt_neox", targets=["query_key_value", "dense_4h_to_h"], dtype="bf16", gc=True,
+         extra=dict(rotary_pct=0.5)),
+    Case("neox-sequential", arch="gpt_neox", targets=["query_key_value", "dense_h_to_4h"],
+         extra=dict(rotary_pct=1.0, use_parallel_residual=False)),
+]
+
+
+def _ids(cases):
+    return [c.id for c in cases]
+
+
+# ---- the estimate against the oracles ----------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_saved_for_backward_matches_estimate(case):
+    """`activations` = what the decoder keeps for backward; the loss head's saved part too."""
+    est = case.estimate()
+    got = saved_bytes(case)
+    assert got["decoder"] > 0 and got["loss"] > 0
+    assert abs(rel(est.components["activations"], got["decoder"])) <= TOL_SAVED, (est.details, got)
+    assert abs(rel(est.details["loss_saved_bytes"], got["loss"])) <= TOL_SAVED, (est.details, got)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_peak_matches_estimate(case):
+    """Everything but static memory: activations + the larger transient (loss head or one
+    layer's backward, recompute included) against the live-storage peak."""
+    est = case.estimate()
+    dynamic = est.peak_allocated_bytes - static_bytes(est)
+    assert abs(rel(dynamic, live_peak_bytes(case))) <= TOL, est.components
+
+
+def test_checkpointing_cuts_saved_bytes_in_estimate_and_measurement():
+    off, on = Case("off", layers=4, dtype="bf16"), Case("on", layers=4, dtype="bf16", gc=True)
+    est_off, est_on = off.estimate().components["activations"], on.estimate().components["activations"]
+    got_off, got_on = saved_bytes(off)["decoder"], saved_bytes(on)["decoder"]
+    assert est_on < est_off / 5 and got_on < got_off / 5
+    assert abs(rel(est_off / est_on, got_off / got_on)) <= TOL
+    # ... and checkpointing pays for it with a recompute: one full layer in the transient.
+    assert on.estimate().components["layer_backward"] > off.estimate().components["layer_backward"]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_saved_bytes_track_sequence_length(attn):
+    """sdpa grows linearly with seq; eager also keeps seq x seq probabilities (quadratic)."""
+    cases = [Case(f"s{s}", seq=s, batch=1, attn=attn, dtype="bf16") for s in (16, 64, 128)]
+    est = [c.estimate().components["activations"] for c in cases]
+    got = [saved_bytes(c)["decoder"] for c in cases]
+    for e, g in zip(est, got):
+        assert abs(rel(e, g)) <= TOL
+    growth = got[2] / got[1]
+    assert abs(rel(est[2] / est[1], growth)) <= TOL
+    if attn == "sdpa":
+        assert 1.9 < growth <= 2.0  # linear, plus constants (autocast copies of the LoRA weights)
+    else:
+        assert growth > 2.3
+
+
+def test_micro_batch_scales_activations_and_logits_linearly():
+    one, four = Case("mb1", batch=1), Case("mb4", batch=4)
+    for key in ("activations", "logits_loss"):
+        r = four.estimate().components[key] / one.estimate().components[key]
+        assert 3.8 < r <= 4.0, key  # rope tables and position ids do not grow with the batch
+    assert saved_bytes(four)["decoder"] / saved_bytes(one)["decoder"] == pytest.approx(
+        four.estimate().components["activations"] / one.estimate().components["activations"], rel=TOL)
+
+
+# ---- pure properties -------------------------------------------------------------------------
+
+def _llama(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
+    return LlamaConfig(**{**base, **kw})
+
+
+LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
+LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in (
+    "llama-fp32", "mha-tied-h96", "qwen2-bias-bf16", "mistral-window-mask", "neox-fp32", "targets-mlp-bf16")],
+    ids=lambda c: c.id)
+def test_parameter_counts_match_real_models(case):
+    model = build(case)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shape = memory.model_shape(case.config())
+    assert sum(memory.count_base_params(shape).values()) == frozen
+    assert memory.count_lora_params(shape, case.r, case.targets) == lora
+
+
+def test_published_llama_sizes():
+    """Llama-3.2-1B has 1,235,814,400 parameters and Llama-3.1-8B 8,030,261,248."""
+    one = memory.model_shape(_llama(**LLAMA_1B))
+    eight = memory.model_shape(_llama(**LLAMA_8B))
+    assert sum(memory.count_base_params(one).values()) == 1_235_814_400
+    assert sum(memory.count_base_params(eight).values()) == 8_030_261_248
+    est = estimate(_llama(**LLAMA_8B), micro_batch_size=1, seq_len=512, gradient_checkpointing=True)
+    assert est.components["frozen_weights"] == 2 * 8_030_261_248  # bf16
+
+
+def test_optimizer_state():
+    cfg = _llama()
+    kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=False, lora_r=8)
+    adamw = estimate(cfg, optimizer="adamw", **kw).components
+    sgd = estimate(cfg, optimizer="sgd", **kw).components
+    momentum = estimate(cfg, optimizer="sgd", momentum=0.9, **kw).components
+    lora_params = memory.count_lora_params(memory.model_shape(cfg), 8, memory.DEFAULT_TARGET_MODULES)
+    assert adamw["lora_weights"] == adamw["lora_grads"] == 4 * lora_params
+    assert adamw["optimizer_state"] == 2 * 4 * lora_params
+    assert sgd["optimizer_state"] == 0
+    assert momentum["optimizer_state"] == 4 * lora_params
+
+
+def test_gqa_shrinks_k_and_v_projections():
+    kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="fp32")
+    mha, gqa = estimate(_llama(num_key_value_heads=4), **kw), estimate(_llama(num_key_value_heads=1), **kw)
+    head_dim, layers, hidden, r = 16, 2, 64, 8
+    dropped_kv = (4 - 1) * head_dim
+    assert mha.components["frozen_weights"] - gqa.components["frozen_weights"] == 4 * layers * 2 * hidden * dropped_kv
+    assert mha.components["lora_weights"] - gqa.components["lora_weights"] == 4 * layers * 2 * r * dropped_kv
+    assert gqa.components["activations"] < mha.components["activations"]
+
+
+def test_tied_embeddings_drop_lm_head():
+    kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="bf16")
+    untied = estimate(_llama(tie_word_embeddings=False), **kw).components["frozen_weights"]
+    tied = estimate(_llama(tie_word_embeddings=True), **kw).components["frozen_weights"]
+    assert untied - tied == 2 * 300 * 64
+
+
+def test_total_adds_only_the_largest_transient():
+    est = estimate(_llama(), micro_batch_size=2, seq_len=32, gradient_checkpointing=True, device="cuda")
+    c = est.components
+    steady = sum(v for k, v in c.items() if k not in memory.TRANSIENT_COMPONENTS)
+    assert est.total_bytes == steady + max(c["logits_loss"], c["layer_backward"])
+    assert est.peak_allocated_bytes == est.total_bytes - c["framework_overhead"]
+    rows = est.table()
+    assert rows[-1] == ("total", est.total_gib) and {n for n, _ in rows[:-1]} == set(c)
+
+
+def test_framework_overhead_and_ddp_buckets():
+    kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=False)
+    assert estimate(_llama(), device="cpu", **kw).components["framework_overhead"] == 0
+    assert estimate(_llama(), device="cuda", **kw).components["framework_overhead"] >= memory.CUDA_CONTEXT_BYTES
+    view = estimate(_llama(), world_size=2, **kw).components
+    copy = estimate(_llama(), world_size=2, gradient_as_bucket_view=False, **kw).components
+    assert view["ddp_buckets"] == 0 and copy["ddp_buckets"] == copy["lora_grads"]
+
+
+def test_chunked_loss_keeps_one_chunk_of_logits():
+    cfg = _llama(**LLAMA_1B)
+    kw = dict(micro_batch_size=4, seq_len=2048, gradient_checkpointing=True)
+    whole = estimate(cfg, **kw).components["logits_loss"]
+    chunked = estimate(cfg, loss_chunk_tokens=1024, **kw).components["logits_loss"]
+    assert whole == pytest.approx(12 * 4 * 2048 * 128256, rel=0.001)  # 12 bytes per logit
+    assert chunked < whole / 6
+    half = estimate(cfg, label_fraction=0.5, **kw).components["logits_loss"]
+    assert half == pytest.approx(whole / 2, rel=0.001)
+
+
+def test_rejects_what_it_cannot_model():
+    kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=False)
+    with pytest.raises(ValueError, match="lm_head"):
+        estimate(_llama(), lora_target_modules=["q_proj", "lm_head"], **kw)
+    from transformers import BertConfig
+    with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
+        estimate(BertConfig(), **kw)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        estimate(_llama(), attn_implementation="flash_attention_2", **kw)
+
+
+# ---- from a job spec -------------------------------------------------------------------------
+
+def _spec(**sections):
+    from jobs.spec import validate
+
+    data = {"name": "m", "data": {"path": "unused.jsonl", "max_seq_len": 129},
+            "batch": {"global_batch_size": 12, "micro_batch_size": 2}, "resources": {"num_workers": 2}}
+    for k, v in sections.items():
+        data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) else v
+    return validate(data)
+
+
+def test_estimate_for_spec_reads_the_spec():
+    from jobs.model import tiny_llama_config
+
+    spec = _spec(lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, optim={"name": "sgd"})
+    cpu = memory.estimate_for_spec(spec, device="cpu")
+    direct = estimate(tiny_llama_config(), micro_batch_size=2, seq_len=128, gradient_checkpointing=False,
+                      base_dtype="fp32", lora_r=4, lora_target_modules=["q_proj", "v_proj"], optimizer="sgd",
+                      world_size=2, device="cpu")
+    assert cpu.components == direct.components  # precision auto -> fp32 on CPU; seq = max_seq_len - 1
+    gpu = memory.estimate_for_spec(spec, device="cuda")  # auto -> bf16 on GPU
+    assert gpu.components["frozen_weights"] * 2 == cpu.components["frozen_weights"]
+    assert memory.estimate_for_spec(spec, micro_batch_size=6, device="cpu").total_bytes > cpu.total_bytes
+
+
+def test_auto_checkpointing_follows_the_budget():
+    spec = _spec(memory={"gradient_checkpointing": "auto"})
+    off = memory.estimate_for_spec(spec, gradient_checkpointing=False, device="cpu")
+    on = memory.estimate_for_spec(spec, gradient_checkpointing=True, device="cpu")
+    assert on.total_bytes < off.total_bytes
+    roomy = _spec(memory={"gradient_checkpointing": "auto", "budget_gib": off.total_gib * 2})
+    tight = _spec(memory={"gradient_checkpointing": "auto", "budget_gib": off.total_gib * 0.99})
+    assert memory.estimate_for_spec(roomy, device="cpu").components == off.components
+    assert memory.estimate_for_spec(tight, device="cpu").components == on.components
+
+
+def test_feasible_pairs_lists_only_divisors():
+    spec = _spec()  # 12 sequences over 2 workers: 6 per worker
+    rows = memory.feasible_pairs(spec, budget_gib=None, device="cpu")
+    assert [(r["micro_batch_size"], r["grad_accum_steps"]) for r in rows[::2]] == [(1, 6), (2, 3), (3, 2), (6, 1)]
+    assert [r["gradient_checkpointing"] for r in rows] == [False, True] * 4
+    for r in rows:
+        assert r["micro_batch_size"] * r["grad_accum_steps"] * 2 == 12 and r["fits"]
+    by = {(r["micro_batch_size"], r["gradient_checkpointing"]): r["estimate_gib"] for r in rows}
+    assert all(by[(m, True)] < by[(m, False)] for m in (1, 2, 3, 6))
+    assert by[(1, False)] < by[(2, False)] < by[(3, False)] < by[(6, False)]
+    budget = by[(3, True)]
+    fits = {(r["micro_batch_size"], r["gradient_checkpointing"]): r["fits"]
+            for r in memory.feasible_pairs(spec, budget, device="cpu")}
+    assert fits == {k: v <= budget for k, v in by.items()}
+    assert memory.smallest_budget_gib(spec, device="cpu") == by[(1, True)] == min(by.values())
+
+
+def test_smallest_budget_is_monotone():
+    base = memory.smallest_budget_gib(_spec(), device="cuda")
+    assert memory.smallest_budget_gib(_spec(data={"path": "x", "max_seq_len": 1025}), device="cuda") > base
+    assert memory.smallest_budget_gib(_spec(lora={"r": 64}), device="cuda") > base
+    assert memory.smallest_budget_gib(_spec(optim={"name": "sgd"}), device="cuda") < base
+    assert memory.smallest_budget_gib(_spec(), device="cpu") < base  # no CUDA context on CPU
+
+
+def test_config_from_local_dir_and_gguf(tmp_path):
+    from jobs.model import tiny_llama_config
+
+    tiny_llama_config(num_hidden_layers=3).save_pretrained(tmp_path / "local")
+    cfg = memory.config_from_spec(_spec(model={"name": str(tmp_path / "local")}))
+    assert cfg.num_hidden_layers == 3
+
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_block_count(5)
+    w.add_feed_forward_length(176)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(16)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(259)])
+    w.add_tensor("token_embd.weight", np.zeros((259, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    spec = _spec(model={"name": str(tmp_path), "gguf_file": "m.gguf"})
+    shape = memory.model_shape(memory.config_from_spec(spec))
+    assert (shape.layers, shape.hidden, shape.kv_heads, shape.vocab, shape.tied_embeddings) == (5, 64, 2, 259, True)
+    assert memory.estimate_for_spec(spec, device="cpu").total_bytes > 0
+
+
+def test_spec_errors_name_the_field(tmp_path):
+    from jobs.spec import SpecError
+
+    with pytest.raises(SpecError, match="model.name"):
+        memory.config_from_spec(_spec(model={"name": str(tmp_path / "missing")}))
+    with pytest.raises(SpecError, match="lora target modules"):
+        memory.estimate_for_spec(_spec(lora={"target_modules": ["c_attn"]}), device="cpu")
+
+
+def test_gpu_benchmark_script_runs_on_cpu(tmp_path):
+    """bench/gpu_memory.py's --dry-run path: same code as the GPU run, tiny shapes, CPU tracker."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_memory.py"
+    spec = importlib.util.spec_from_file_location("gpu_memory_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--dry-run", "--shapes", "tiny-gqa", "--seq-lens", "32", "--micro-batches", "1,2",
+                       "--out-dir", str(tmp_path)]) == 0
+    (out,) = tmp_path.glob("memory-*-cpu.json")
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
+    assert all(abs(r["rel_err"]) <= TOL for r in rows)
