@@ -207,19 +207,33 @@ def evaluate(engine: Engine, examples, rank: int, world_size: int, micro_batch_s
     return (sums[0] / sums[1]).item()
 
 
-def decide_checkpointing(spec: JobSpec, device: torch.device) -> tuple[bool, Optional[float]]:
-    """(gradient checkpointing on?, estimated GiB for that choice)."""
-    from .memory import estimate_for_spec
+def decide_checkpointing(spec: JobSpec, device: torch.device) -> tuple[int, float]:
+    """(checkpoint every k-th decoder layer, 0 = off; estimated GiB for that choice).
+
+    `auto`: off when the estimate without checkpointing fits the budget (the spec's, else the
+    GPU's memory); otherwise the sparsest selective checkpointing that fits (fewer layers
+    recomputed is faster), down to every layer."""
+    from .memory import config_from_spec, estimate_for_spec
 
     kind = "cuda" if device.type == "cuda" else "cpu"
+    config = config_from_spec(spec)
+
+    def gib(every: int) -> float:
+        return estimate_for_spec(spec, gradient_checkpointing=every > 0, device=kind, config=config,
+                                 checkpoint_every_n_layers=max(1, every)).total_gib
+
     gc = spec.memory.gradient_checkpointing
-    if gc == "auto":
-        budget = spec.memory.budget_gib
-        if budget is None and device.type == "cuda":
-            budget = torch.cuda.get_device_properties(device).total_memory / GIB
-        off = estimate_for_spec(spec, gradient_checkpointing=False, device=kind).total_gib
-        gc = budget is not None and off > budget
-    return bool(gc), estimate_for_spec(spec, gradient_checkpointing=bool(gc), device=kind).total_gib
+    if gc != "auto":
+        return int(gc), gib(int(gc))
+    budget = spec.memory.budget_gib
+    if budget is None and device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory / GIB
+    if budget is None or gib(0) <= budget:
+        return 0, gib(0)
+    for every in range(config.num_hidden_layers, 1, -1):
+        if gib(every) <= budget:
+            return every, gib(every)
+    return 1, gib(1)
 
 
 def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
@@ -235,9 +249,9 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     model, tokenizer = load_base_model(spec, precision)
     model = add_lora(model, spec)
     model = check_batchnorm(model, spec.model.sync_batchnorm, world)
-    use_gc, estimate_gib = decide_checkpointing(spec, device)
-    if use_gc:
-        enable_checkpointing(model)
+    gc_every, estimate_gib = decide_checkpointing(spec, device)
+    if gc_every:
+        enable_checkpointing(model, every_n_layers=gc_every)
     model.to(device)
     model.train()
     data = load_dataset(spec, tokenizer)
@@ -295,7 +309,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             "gradient checkpointing %s; estimate %.2f GiB",
             spec.name, steps, spec.batch.global_batch_size, world, accum, micro, spec.effective_lr,
             spec.optim.lr, spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, precision,
-            "on" if use_gc else "off", estimate_gib)
+            {0: "off", 1: "on"}.get(gc_every, f"on every {gc_every}th layer"), estimate_gib)
 
     # ---- the loop ----------------------------------------------------------------------
     faults = from_env()
@@ -389,7 +403,8 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             "peak_mem_gib": last.get("peak_mem_gib"),
             "estimate_gib": estimate_gib,
             "precision": precision,
-            "gradient_checkpointing": use_gc,
+            "gradient_checkpointing": bool(gc_every),
+            "checkpoint_every_n_layers": gc_every,
             "effective_lr": spec.effective_lr,
             "global_batch_size": spec.batch.global_batch_size,
             "micro_batch_size": micro,

@@ -584,7 +584,7 @@ def spec_precision(spec, device: str) -> str:
 
 def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
                       gradient_checkpointing: Optional[bool] = None, device: str = "cuda",
-                      config=None) -> MemoryEstimate:
+                      config=None, checkpoint_every_n_layers: int = 1) -> MemoryEstimate:
     """`estimate` with everything taken from a JobSpec.
 
     The sequence length is `data.max_seq_len - 1`, the longest input `jobs.data` produces
@@ -613,6 +613,7 @@ def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
             world_size=spec.resources.num_workers,
             attn_implementation=spec.model.attn_implementation,
             loss_chunk_tokens=spec.memory.loss_chunk_tokens or None,
+            checkpoint_every_n_layers=checkpoint_every_n_layers,
             device=device,
         )
 

@@ -65,8 +65,27 @@ def test_chunked_loss_gives_the_same_gradient_and_keeps_fewer_logits():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = engine.module(**mbs[0])
         (loss / n_labels).backward()
-        results[chunk] = (float(loss), grads(model), max(logits_like, default=0))
+        results[chunk] = (loss.item(), grads(model), max(logits_like, default=0))
     (l0, g0, rows0), (l7, g7, rows7) = results[0], results[7]
     assert abs(l7 - l0) <= 1e-5 * abs(l0)
     assert rel_err(g7, g0) <= 1e-6
     assert rows0 > 7 and rows7 == 0  # chunks recompute: no [tokens, vocab] fp32 tensor kept
+
+
+def test_auto_checkpointing_picks_the_sparsest_layers_that_fit():
+    from jobs.loop import decide_checkpointing
+    from jobs.memory import estimate_for_spec
+
+    spec = tiny_spec("batch.micro_batch_size=8", "memory.gradient_checkpointing=auto")
+
+    def gib(on: bool, every: int = 1) -> float:
+        return estimate_for_spec(spec, gradient_checkpointing=on, device="cpu", checkpoint_every_n_layers=every).total_gib
+
+    off, every2, every1 = gib(False), gib(True, 2), gib(True, 1)
+    assert off > every2 > every1  # tiny-llama has 2 layers: every 2nd = only the first
+    cpu = torch.device("cpu")
+    for budget, want in ((off * 1.01, 0), ((off + every2) / 2, 2), ((every2 + every1) / 2, 1), (every1 / 2, 1)):
+        s = tiny_spec("batch.micro_batch_size=8", "memory.gradient_checkpointing=auto", f"memory.budget_gib={budget}")
+        assert decide_checkpointing(s, cpu)[0] == want, (budget, want)
+    assert decide_checkpointing(tiny_spec("memory.gradient_checkpointing=true"), cpu)[0] == 1
+    assert decide_checkpointing(tiny_spec("memory.gradient_checkpointing=false"), cpu)[0] == 0
