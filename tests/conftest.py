@@ -15,6 +15,9 @@ from types import SimpleNamespace
 import pytest
 
 BIN = Path(sys.executable).parent
+# `import ray` reads RAY_AUTH_MODE once per process: set it before any test imports ray, so this
+# process is a token-auth client of the clusters the tests start (Ray 2.60's default mode).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def free_port() -> int:
@@ -36,6 +39,9 @@ def cluster_env() -> dict:
 @pytest.fixture(scope="session")
 def ray_head():
     env = cluster_env()
+    # `ray start` with token auth needs ~/.ray/auth_token; a fresh machine has none yet.
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
     gcs, dash, client = free_port(), free_port(), free_port()
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
@@ -57,7 +63,6 @@ def ray_head():
 
 
 def _wait_for_jobs_api(info, timeout_s: float = 120.0) -> None:
-    os.environ["RAY_AUTH_MODE"] = "token"  # this process is a client too
     from ray.job_submission import JobSubmissionClient
 
     deadline = time.monotonic() + timeout_s
