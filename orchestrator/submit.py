@@ -1,0 +1,540 @@
+"""The Ray Jobs backend: `rayft submit` (and the queue driver) through `JobSubmissionClient`.
+
+A submission is the same thing as
+
+    ray job submit --address URL --working-dir . -- python -m jobs.finetune SPEC [k=v ...]
+
+plus what `ray job submit` does not do:
+
+* the spec is validated (`load_spec` + `preflight`, relative paths resolved in the working dir
+  exactly as the job will see them) before anything reaches the cluster;
+* the working dir is checked before upload: it must be the rayft project (it holds
+  `jobs/finetune.py`), nothing uploaded may point outside it (a symlink, a `../` data path, a
+  spec file elsewhere), and what would be uploaded -- honoring `.gitignore`, `.rayignore` and
+  rayft's excludes, the way Ray walks it -- must stay under Ray's package size limit;
+* the submission id is deterministic, ``<name>-<spec hash>`` (``-a<N>`` for the queue's N-th
+  attempt), so submitting the same thing twice finds the first job instead of starting another;
+* the metadata carries the spec hash; the entrypoint reserves a little CPU for the driver (Ray
+  Train schedules the workers itself);
+* auth: token-authenticated clusters work the way `ray.init` finds its token (RAY_AUTH_TOKEN,
+  then RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token). The token only ever travels in the HTTP
+  Authorization header -- never in the runtime_env, the metadata or the entrypoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+from urllib.parse import urlparse
+
+from jobs.spec import JobSpec, SpecError, load_spec
+
+ENTRYPOINT = ("python", "-m", "jobs.finetune")
+# Never uploaded (besides what .gitignore / .rayignore exclude): the venv, outputs, VCS data,
+# caches and rayft's own state (the queue database).
+DEFAULT_EXCLUDES = [".git", ".venv", "outputs", ".rayft", "__pycache__", "*.egg-info", ".pytest_cache"]
+# The job driver only starts a TorchTrainer and relays progress; the workers' CPUs/GPUs are
+# requested by Ray Train itself. A fraction keeps it off nodes that have no CPU for jobs.
+DRIVER_NUM_CPUS = 0.5
+FINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+META_PREFIX = "rayft."
+AUTH_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+class ClusterError(RuntimeError):
+    """The cluster refused or failed a request that was well-formed (one line, exit 1)."""
+
+
+# ---- auth ------------------------------------------------------------------------------------
+
+def default_token_path() -> Path:
+    return Path.home() / ".ray" / "auth_token"
+
+
+def token_source() -> Optional[str]:
+    """Where Ray's token loader will take the token from, in its order; None when nowhere.
+
+    Ray 2.60 (`ray._raylet.AuthenticationTokenLoader`): RAY_AUTH_TOKEN, else the file named by
+    RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token; used only when RAY_AUTH_MODE=token.
+    """
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return "RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
+    if default_token_path().is_file():
+        return str(default_token_path()).replace(str(Path.home()), "~", 1)
+    return None
+
+
+def configure_auth() -> Optional[str]:
+    """Turn on token auth for this client when a token is available and RAY_AUTH_MODE is unset.
+
+    This is what `ray.init` does when it connects to an existing cluster; `JobSubmissionClient`
+    alone only sends a token when RAY_AUTH_MODE=token. RAY_AUTH_MODE=disabled is respected.
+    Returns a description of the token's source (never the token), or None.
+    """
+    mode = os.environ.get("RAY_AUTH_MODE")
+    src = token_source()
+    if mode is None and src is not None:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # Ray caches its config; refresh it if Ray already read it in this process.
+            from ray._raylet import Config
+
+            Config.initialize("")
+        except Exception:
+            pass
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return None
+    if os.environ.get("RAY_AUTH_TOKEN_PATH") and not os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        p = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).expanduser()
+        if not p.is_file() or not p.read_text().strip():
+            raise SpecError(f"RAY_AUTH_TOKEN_PATH={p}: no token in that file")
+    return src
+
+
+def auth_hint() -> str:
+    return ("set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH, or put the cluster's token in ~/.ray/auth_token "
+            "(with RAY_AUTH_MODE=token or unset)")
+
+
+# ---- the working dir -------------------------------------------------------------------------
+
+@dataclass
+class UploadPlan:
+    root: Path
+    files: int
+    size_bytes: int
+    limit_bytes: int
+    excludes: list[str]
+
+
+def ray_upload_limit() -> int:
+    """Ray's limit on one runtime_env package (bytes): the gRPC message size the GCS accepts."""
+    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE
+
+    return int(GCS_STORAGE_MAX_SIZE)
+
+
+def _ignore_matchers(directory: Path, include_gitignore: bool) -> list:
+    from ray._private.thirdparty.pathspec import PathSpec  # the copy Ray matches with
+
+    out = []
+    for name in ((".gitignore",) if include_gitignore else ()) + (".rayignore",):
+        f = directory / name
+        if f.is_file():
+            spec = PathSpec.from_lines("gitwildmatch", f.read_text().splitlines())
+            out.append((directory, spec))
+    return out
+
+
+def plan_upload(root: Path, excludes: list[str], limit_bytes: Optional[int] = None) -> UploadPlan:
+    """Walk `root` the way Ray packages a working_dir and add up what it would upload.
+
+    Ray's walk (`ray._private.runtime_env.packaging._dir_travel`): `excludes` are gitwildmatch
+    patterns relative to the root; every directory's `.gitignore` (unless
+    RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1) and `.rayignore` apply below it; files are zipped
+    without compression (so their sizes add up to the package size) and symlinks are followed --
+    which is why one that points outside the project is refused here.
+    """
+    from ray._private.thirdparty.pathspec import PathSpec  # the copy Ray matches with
+
+    root = root.resolve()
+    limit = ray_upload_limit() if limit_bytes is None else limit_bytes
+    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+    top = PathSpec.from_lines("gitwildmatch", excludes)
+    total, count = 0, 0
+
+    def excluded(p: Path, matchers: list) -> bool:
+        if top.match_file(str(p.relative_to(root))):
+            return True
+        for base, spec in matchers:
+            if p != base and spec.match_file(str(p.relative_to(base))):
+                return True
+        return False
+
+    def walk(d: Path, matchers: list) -> None:
+        nonlocal total, count
+        matchers = matchers + _ignore_matchers(d, include_gitignore)
+        for p in sorted(d.iterdir()):
+            if excluded(p, matchers):
+                continue
+            if p.is_symlink():
+                target = p.resolve()
+                if target != root and root not in target.parents:
+                    raise SpecError(f"working dir {root}: {p.relative_to(root)} is a symlink to {target}, outside "
+                                    "the project; Ray would upload what it points to (exclude it in .rayignore)")
+            if p.is_dir():
+                walk(p, matchers)
+            elif p.is_file():
+                total += p.stat().st_size
+                count += 1
+                if total > limit:
+                    break
+
+    walk(root, [])
+    return UploadPlan(root, count, total, limit, list(excludes))
+
+
+def check_upload(plan: UploadPlan) -> None:
+    if plan.size_bytes > plan.limit_bytes:
+        raise SpecError(
+            f"working dir {plan.root}: would upload more than {plan.size_bytes / 2**20:.1f} MiB, over Ray's "
+            f"limit of {plan.limit_bytes / 2**20:.1f} MiB for a runtime_env package; exclude large files "
+            "in .gitignore or .rayignore (data and models belong on shared storage)")
+
+
+def find_project(working_dir: Optional[str]) -> Path:
+    wd = Path(working_dir or ".").resolve()
+    if not wd.is_dir():
+        raise SpecError(f"--working-dir {wd}: not a directory")
+    if not (wd / "jobs" / "finetune.py").is_file():
+        raise SpecError(f"working dir {wd} is not the rayft project (no jobs/finetune.py there): run from the "
+                        "project root or pass --working-dir")
+    return wd
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+@contextlib.contextmanager
+def _cwd(path: Path) -> Iterator[None]:
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+# ---- submissions -----------------------------------------------------------------------------
+
+def submission_id(name: str, spec_hash: str, attempt: int = 1) -> str:
+    """Deterministic Ray submission id: the same spec (and attempt) always gets the same id."""
+    return f"{name}-{spec_hash}" if attempt <= 1 else f"{name}-{spec_hash}-a{attempt}"
+
+
+def is_loopback(address: Optional[str]) -> bool:
+    if not address:
+        return False
+    host = urlparse(address if "://" in address else f"http://{address}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class Submission:
+    """Everything `JobSubmissionClient.submit_job` gets, computed and checked locally."""
+
+    spec: JobSpec
+    spec_hash: str
+    submission_id: str
+    entrypoint: str
+    runtime_env: dict
+    metadata: dict
+    entrypoint_num_cpus: float
+    overrides: list[str]
+    spec_rel: str
+    upload: UploadPlan
+    warnings: list[str] = field(default_factory=list)
+
+    def submit_kwargs(self) -> dict:
+        return dict(entrypoint=self.entrypoint, submission_id=self.submission_id, runtime_env=self.runtime_env,
+                    metadata=self.metadata, entrypoint_num_cpus=self.entrypoint_num_cpus,
+                    entrypoint_num_gpus=0)
+
+
+def resolve_spec(spec_path: str, overrides: list[str], working_dir: Path, *,
+                 address: Optional[str] = None) -> tuple[JobSpec, str, list[str], list[str]]:
+    """Validate the spec as the job will see it; returns (spec, spec path relative to the working
+    dir, overrides for the entrypoint, warnings). Relative paths resolve in the working dir."""
+    from jobs.finetune import preflight
+
+    p = Path(spec_path).resolve()
+    if not p.is_file():
+        raise SpecError(f"{spec_path}: spec file not found")
+    if not _inside(p, working_dir):
+        raise SpecError(f"{spec_path}: the spec is outside the working dir {working_dir}, so the job could not "
+                        "read it; move it into the project")
+    rel = str(p.relative_to(working_dir))
+    overrides = list(overrides)
+    warnings: list[str] = []
+    with _cwd(working_dir):
+        spec = load_spec(rel, overrides)
+        preflight(spec)
+        for i, d in enumerate(spec.data.path + ([spec.data.eval_path] if spec.data.eval_path else [])):
+            if not Path(d).is_absolute() and not _inside(Path(d).resolve(), working_dir):
+                key = "data.eval_path" if i == len(spec.data.path) else "data.path"
+                raise SpecError(f"{spec_path}: {key}: {d} is outside the working dir {working_dir}; it would not be "
+                                "uploaded (use a path inside the project or an absolute path on shared storage)")
+        if not Path(spec.run.output_dir).is_absolute():
+            if is_loopback(address):
+                # A local cluster: write where `rayft run` would, not into Ray's copy of the project.
+                overrides.append(f"run.output_dir={spec.output_path.resolve()}")
+                spec = load_spec(rel, overrides)
+            elif address is not None:
+                warnings.append(f"run.output_dir={spec.run.output_dir} is relative: the job writes it inside Ray's "
+                                "temporary copy of the working dir on the cluster; set an absolute path on shared "
+                                "storage to keep the adapter")
+    return spec, rel, overrides, warnings
+
+
+def build_submission(spec_path: str, overrides: list[str], *, address: Optional[str] = None,
+                     working_dir: Optional[str] = None, attempt: int = 1, extra_metadata: Optional[dict] = None,
+                     excludes: Optional[list[str]] = None, driver_num_cpus: float = DRIVER_NUM_CPUS) -> Submission:
+    """Validate and prepare one submission; raises SpecError (nothing sent) on any mistake."""
+    wd = find_project(working_dir)
+    spec, rel, overrides, warnings = resolve_spec(spec_path, overrides, wd, address=address)
+    excludes = list(DEFAULT_EXCLUDES if excludes is None else excludes)
+    plan = plan_upload(wd, excludes)
+    check_upload(plan)
+    h = spec.spec_hash()
+    sid = submission_id(spec.name, h, attempt)
+    metadata = {f"{META_PREFIX}name": spec.name, f"{META_PREFIX}spec_hash": h, f"{META_PREFIX}spec": rel,
+                f"{META_PREFIX}attempt": str(attempt), f"{META_PREFIX}micro_batch_size": str(spec.batch.micro_batch_size),
+                f"{META_PREFIX}grad_accum_steps": str(spec.grad_accum_steps)}
+    metadata.update({f"{META_PREFIX}{k}": str(v) for k, v in (extra_metadata or {}).items()})
+    return Submission(
+        spec=spec, spec_hash=h, submission_id=sid,
+        entrypoint=shlex.join([*ENTRYPOINT, rel, *overrides]),
+        runtime_env={"working_dir": str(wd), "excludes": excludes},
+        metadata=metadata, entrypoint_num_cpus=driver_num_cpus, overrides=overrides, spec_rel=rel,
+        upload=plan, warnings=warnings)
+
+
+# ---- the client ------------------------------------------------------------------------------
+
+def resolve_address(address: Optional[str]) -> str:
+    addr = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    if not addr:
+        raise SpecError("no cluster: pass --address http://HOST:8265 (the Ray dashboard / Jobs API), "
+                        "or set RAY_API_SERVER_ADDRESS")
+    if "://" not in addr:
+        addr = f"http://{addr}"
+    return addr.rstrip("/")
+
+
+def _first_line(text: str) -> str:
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()
+    return str(text).strip()
+
+
+class RayJobsBackend:
+    """Submit, inspect, stop and list jobs of one Ray cluster through its Jobs API."""
+
+    name = "ray"
+
+    def __init__(self, address: Optional[str] = None):
+        self.address = resolve_address(address)
+        self.token_source = configure_auth()
+        self._client = None
+
+    # -- errors: one line each, the token never printed --
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        import requests
+        from ray.exceptions import AuthenticationError
+
+        try:
+            yield
+        except AuthenticationError as e:
+            text = str(e)
+            if text.startswith("Authentication failed"):          # HTTP 403
+                raise SpecError(
+                    f"the Ray cluster at {self.address} rejected the auth token"
+                    f"{f' (from {self.token_source})' if self.token_source else ''}: it is not this cluster's "
+                    f"token; {auth_hint()}") from None
+            if text.startswith("Authentication required"):        # HTTP 401
+                raise SpecError(f"the Ray cluster at {self.address} requires an auth token and none was sent "
+                                f"(RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset)')}); {auth_hint()}") from None
+            raise SpecError(f"auth token: {_first_line(text).split('. ')[0]}") from None   # the token loader
+        except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
+            raise SpecError(f"cannot reach the Ray Jobs API at {self.address} ({_first_line(str(e))[:160]}); "
+                            "is the cluster up and is this its dashboard address?") from None
+        except RuntimeError as e:
+            if isinstance(e, (SpecError, ClusterError)):
+                raise
+            raise ClusterError(f"{what}: {_first_line(str(e))[:300]}") from None
+
+    @property
+    def client(self):
+        if self._client is None:
+            import logging
+
+            from ray.job_submission import JobSubmissionClient
+
+            # Ray's packaging logs every .gitignore it honors at INFO and its own default excludes
+            # at WARNING; rayft reports what it uploads itself. (Set after `import ray`, which
+            # configures the "ray" logger.)
+            for name in ("ray", "ray.dashboard.modules.dashboard_sdk"):
+                logging.getLogger(name).setLevel(logging.ERROR)
+            with self._errors(f"connect to {self.address}"):
+                self._client = JobSubmissionClient(self.address)
+        return self._client
+
+    def _get(self, endpoint: str) -> Any:
+        with self._errors(f"GET {endpoint}"):
+            r = self.client._do_request("GET", endpoint)
+            if r.status_code != 200:
+                raise ClusterError(f"GET {endpoint}: HTTP {r.status_code}: {_first_line(r.text)[:200]}")
+            return r.json()
+
+    # -- jobs --
+    def info(self, sid: str):
+        """JobDetails, or None when the cluster has no job with that submission id."""
+        from ray.job_submission import JobDetails
+
+        with self._errors(f"get job {sid}"):
+            r = self.client._do_request("GET", f"/api/jobs/{sid}")
+            if r.status_code == 404:
+                return None
+            if r.status_code != 200:
+                raise ClusterError(f"get job {sid}: HTTP {r.status_code}: {_first_line(r.text)[:200]}")
+            return JobDetails(**r.json())
+
+    def require(self, sid: str):
+        info = self.info(sid)
+        if info is None:
+            raise SpecError(f"no job {sid!r} on the Ray cluster at {self.address} (`rayft list` shows its jobs)")
+        return info
+
+    def submit(self, sub: Submission) -> tuple[str, bool]:
+        """Submit unless a job with that submission id exists. Returns (id, created)."""
+        if self.info(sub.submission_id) is not None:
+            return sub.submission_id, False
+        with self._errors(f"submit {sub.submission_id}"):
+            try:
+                self.client.submit_job(**sub.submit_kwargs())
+            except RuntimeError as e:
+                # Two submitters raced with the same deterministic id: the other one won.
+                if "already exists" in str(e) and self.info(sub.submission_id) is not None:
+                    return sub.submission_id, False
+                raise
+        return sub.submission_id, True
+
+    def status(self, sid: str) -> dict:
+        return job_row(self.require(sid))
+
+    def logs(self, sid: str) -> str:
+        self.require(sid)
+        with self._errors(f"logs of {sid}"):
+            return self.client.get_job_logs(sid)
+
+    def follow(self, sid: str, out=None) -> str:
+        """Stream the logs until the job ends; returns its final status."""
+        import asyncio
+
+        out = out or sys.stdout
+        self.require(sid)
+
+        async def tail() -> None:
+            async for chunk in self.client.tail_job_logs(sid):
+                out.write(chunk)
+                out.flush()
+
+        with self._errors(f"logs of {sid}"):
+            asyncio.run(tail())
+        for _ in range(60):  # the stream closes as the job ends; its status follows shortly
+            st = str(self.require(sid).status)
+            if st in FINAL:
+                return st
+            time.sleep(0.5)
+        return st
+
+    def stop(self, sid: str) -> bool:
+        """True when a stop was sent; False when the job had already ended."""
+        info = self.require(sid)
+        if str(info.status) in FINAL:
+            return False
+        with self._errors(f"stop {sid}"):
+            return bool(self.client.stop_job(sid))
+
+    def list(self, all_jobs: bool = False) -> list[dict]:
+        with self._errors("list jobs"):
+            jobs = self.client.list_jobs()
+        rows = [job_row(j) for j in jobs if all_jobs or is_rayft_job(j)]
+        return sorted(rows, key=lambda r: r["start_time"] or 0)
+
+    def wait(self, sid: str, timeout_s: Optional[float] = None, poll_s: float = 1.0) -> str:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            st = str(self.require(sid).status)
+            if st in FINAL:
+                return st
+            if deadline is not None and time.monotonic() > deadline:
+                return st
+            time.sleep(poll_s)
+
+    # -- resources, for the queue's admission --
+    def cluster_view(self):
+        from .queue import ClusterView
+
+        nodes = self._get("/api/v0/nodes?limit=10000&detail=true")
+        status = self._get("/api/cluster_status")
+        return ClusterView.from_api(nodes, status)
+
+
+def is_rayft_job(info) -> bool:
+    return bool((info.metadata or {}).get(f"{META_PREFIX}spec_hash"))
+
+
+def job_row(info) -> dict:
+    md = info.metadata or {}
+    return {
+        "submission_id": info.submission_id or info.job_id,
+        "status": str(info.status.value if hasattr(info.status, "value") else info.status),
+        "message": info.message or "",
+        "name": md.get(f"{META_PREFIX}name", ""),
+        "spec_hash": md.get(f"{META_PREFIX}spec_hash", ""),
+        "attempt": md.get(f"{META_PREFIX}attempt", ""),
+        "micro_batch_size": md.get(f"{META_PREFIX}micro_batch_size", ""),
+        "grad_accum_steps": md.get(f"{META_PREFIX}grad_accum_steps", ""),
+        "start_time": info.start_time,
+        "end_time": info.end_time,
+        "entrypoint": info.entrypoint,
+        "metadata": dict(md),
+        "runtime_env": dict(info.runtime_env or {}),
+        "driver_exit_code": getattr(info, "driver_exit_code", None),
+    }
+
+
+OOM_PATTERNS = re.compile(r"(torch\.(cuda\.)?OutOfMemoryError|CUDA out of memory|CUDA error: out of memory"
+                          r"|HIP out of memory|OutOfMemoryError)")
+
+
+def looks_like_oom(*texts: str) -> Optional[str]:
+    """The first line that says the job ran out of (GPU) memory, if any."""
+    for text in texts:
+        for line in (text or "").splitlines():
+            if OOM_PATTERNS.search(line):
+                return line.strip()[:300]
+    return None
+
+
+def fmt_time(ms: Optional[int]) -> str:
+    if not ms:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000))
+
+
+def describe(sub: Submission) -> str:
+    return json.dumps({"submission_id": sub.submission_id, "entrypoint": sub.entrypoint,
+                       "runtime_env": sub.runtime_env, "metadata": sub.metadata,
+                       "entrypoint_num_cpus": sub.entrypoint_num_cpus,
+                       "upload_mib": round(sub.upload.size_bytes / 2**20, 3), "upload_files": sub.upload.files},
+                      indent=2)
