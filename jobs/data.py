@@ -191,10 +191,13 @@ def collate(examples: Sequence[Example], pad_id: int, pin_memory: bool = False) 
     label_pos = (flat != IGNORE).nonzero().squeeze(1)
     batch = {
         "input_ids": input_ids,
-        "attention_mask": attention_mask,
         "label_pos": label_pos,
         "label_ids": flat.index_select(0, label_pos),
     }
+    if not bool(attention_mask.all()):
+        # Only a padded batch needs a mask: without one, transformers' sdpa path skips its
+        # per-forward padding check (a host sync) and uses the causal kernel directly.
+        batch["attention_mask"] = attention_mask
     if pin_memory:
         batch = {k: v.pin_memory() for k, v in batch.items()}
     return batch

@@ -73,7 +73,7 @@ class CausalLMLoss(nn.Module):
     def _causal_lm(self):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def forward(self, input_ids, attention_mask, label_pos, label_ids):
+    def forward(self, input_ids, label_pos, label_ids, attention_mask=None):
         lm = self._causal_lm()
         # `base_model` is the decoder stack under any HF causal LM (`model`, `gpt_neox`, ...).
         hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state

@@ -213,12 +213,21 @@ def check_batchnorm(model: nn.Module, sync: bool, world_size: int) -> nn.Module:
 
 def enable_checkpointing(model, every_n_layers: int = 1) -> None:
     """Non-reentrant activation checkpointing: works with PEFT (frozen inputs) and with DDP."""
+    import inspect
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     kwargs = {"use_reentrant": False}
     if hasattr(base, "activation_checkpointing_enable"):
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
-    else:  # transformers 4.x
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    # Older transformers: the deprecated name, with `every_n_layers` where it exists.
+    if "every_n_layers" in inspect.signature(base.gradient_checkpointing_enable).parameters:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+        return
+    if every_n_layers != 1:
+        warnings.warn(f"this transformers cannot checkpoint every {every_n_layers}th layer only: "
+                      "checkpointing every layer (more recompute, less memory than estimated)", stacklevel=2)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

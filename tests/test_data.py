@@ -51,6 +51,13 @@ def test_prompt_completion_masks_the_prompt_and_padding():
     assert len(batch["label_pos"]) == ex[0].n_labels + ex[1].n_labels
 
 
+def test_equal_length_batches_carry_no_attention_mask():
+    tok = byte_tokenizer()
+    ex = tokenize([{"text": "abcd"}, {"text": "wxyz"}], tok, max_seq_len=64)
+    assert "attention_mask" not in collate(ex, tok.pad_token_id)
+    assert "attention_mask" in collate(tokenize([{"text": "ab"}, {"text": "wxyz"}], tok, 64), tok.pad_token_id)
+
+
 def test_truncation_and_records_without_labels_are_dropped():
     tok = byte_tokenizer()
     ex = tokenize([{"prompt": "x" * 50, "completion": "y"}, {"text": "z" * 50}], tok, max_seq_len=10)

@@ -1,0 +1,115 @@
+"""The benchmark scripts run end to end on CPU and write result files of the documented shape.
+
+`bench/gpu_compare.py --dry-run` runs the whole GPU comparison pipeline (rayft's `train()` and
+HF Trainer + PEFT, configuration choice under a budget, FLOPs, the result file) with tiny
+shapes on CPU; `bench/cpu_overhead.py --quick` the CPU overhead benchmark. Their numbers are
+not checked (timings on a shared 2-core machine mean nothing); the schema and the pipeline are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ROW_KEYS = {"shape", "budget_gib", "loop", "micro_batch_size", "grad_accum_steps", "global_batch_size",
+            "gradient_checkpointing", "tok_s", "model_tflops", "peak_alloc_gib", "estimate_gib"}
+
+
+def _run(script: str, *args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def _only_json(out: Path) -> dict:
+    files = sorted(out.glob("*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+@pytest.mark.slow  # ~16 s alone, 30 s on a loaded 2-core machine
+def test_gpu_compare_dry_run_writes_both_loops_and_ratios(tmp_path):
+    # Out of memory cannot happen on CPU: simulate it (from inside the loops) for HF's first
+    # candidate and rayft's first choice at the loose budget, to cover the retry path.
+    proc = _run("gpu_compare.py", "--dry-run", "--out", str(tmp_path),
+                env={"GPU_COMPARE_FAKE_OOM": "hf:8:0,rayft:8:0"})
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and files[0].name.endswith("-cpu-dry-run.json"), files
+    result = json.loads(files[0].read_text())
+    assert {"gpu", "date", "versions", "rows"} <= result.keys()
+    assert {"torch", "transformers", "peft"} <= result["versions"].keys()
+    assert result["dry_run"] is True and result["matmul_ceiling"]["tflops"] > 0
+
+    rows = result["rows"]
+    assert {r["loop"] for r in rows} == {"rayft", "hf"}
+    budgets = {r["budget_gib"] for r in rows}
+    assert len(budgets) == 2
+    for r in rows:
+        assert ROW_KEYS <= r.keys(), ROW_KEYS - r.keys()
+        assert r["status"] == "ok", r
+        assert r["tok_s"] > 0 and r["model_tflops"] > 0
+        assert r["micro_batch_size"] * r["grad_accum_steps"] == r["global_batch_size"]
+        assert isinstance(r["gradient_checkpointing"], bool)
+        assert r["peak_alloc_gib"] is None  # no allocator counter on CPU
+        if r["loop"] == "rayft":
+            # chosen with the memory model: the estimate fits the budget it ran under
+            assert r["estimate_gib"] > 0 and r["estimate_spec_gib"] <= r["budget_gib"]
+        else:
+            assert r["estimate_gib"] is None and r["proxy_estimate_gib"] <= r["budget_gib"]
+            assert r["attempts"][-1]["result"] == "ok"
+
+    # The tight budget forces HF into checkpointing (its proxy estimate without it is over
+    # 2.1 MiB for every micro-batch); the loose one would run the whole batch at once, but
+    # micro-batch 8 "ran out of memory", so the next one down ran.
+    hf = {r["budget_gib"]: r for r in rows if r["loop"] == "hf"}
+    tight, loose = sorted(hf)
+    assert hf[tight]["gradient_checkpointing"] is True
+    assert hf[loose]["gradient_checkpointing"] is False and hf[loose]["micro_batch_size"] == 4
+    assert [a["result"] for a in hf[loose]["attempts"]] == ["oom", "ok"]
+    ray = {r["budget_gib"]: r for r in rows if r["loop"] == "rayft"}
+    first, second = ray[loose]["attempts"]
+    assert first["result"].startswith("oom") and first["micro_batch_size"] == 8 and first["loss_chunk_tokens"] == 0
+    assert second["result"] == "ok" and ray[loose]["loss_chunk_tokens"] == second["loss_chunk_tokens"]
+
+    # one comparison per (shape, budget), with the ratio rayft / HF
+    comps = result["comparisons"]
+    assert len(comps) == 2
+    for c in comps:
+        assert math.isclose(c["ratio"], c["rayft_tok_s"] / c["hf_tok_s"], rel_tol=1e-2)
+
+    # FLOPs per token: 4N + 6 L S d_q for the tiny shape (hidden 64, 2 layers, 4 heads, 2 kv, ff 176, vocab 512)
+    f = result["flops_per_token"]["tiny"]
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 176
+    assert f["N"] == 2 * layer + 512 * 64
+    assert f["total"] == 4 * f["N"] + 6 * 2 * 64 * 64
+    assert "rayft/hf" in proc.stdout  # the printed table
+
+
+def test_cpu_overhead_quick_writes_ratio(tmp_path):
+    proc = _run("cpu_overhead.py", "--quick", "--out", str(tmp_path))
+    result = _only_json(tmp_path)
+    assert result["benchmark"] == "cpu-overhead"
+    assert {"torch", "transformers", "peft"} <= result["versions"].keys()
+    assert result["machine"]["cpu_count"] >= 1
+    for clock in ("cpu", "wall"):
+        for loop in ("rayft", "plain", "bare"):
+            s = result["results"][clock][loop]
+            assert s["n"] == 2 * 4 and s["median_s"] > 0
+        r = result["ratios"][clock]
+        res = result["results"][clock]
+        assert math.isclose(r["rayft_over_plain"], res["rayft"]["median_s"] / res["plain"]["median_s"])
+    assert result["ratio_rayft_over_plain"] == result["ratios"]["cpu"]["rayft_over_plain"]
+    assert result["goal"] == 1.05 and isinstance(result["met"], bool)
+    # both loops computed the same thing: the same per-step losses
+    assert result["same_math_max_loss_diff"] < 1e-5
+    assert set(result["definitions"]) >= {"rayft", "plain", "bare"}
+    assert "rayft / plain" in proc.stdout
