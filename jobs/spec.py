@@ -74,6 +74,9 @@ class DataSpec(_Section):
     """Fraction of the training records held out for evaluation (deterministic by `run.seed`)."""
     max_seq_len: int = Field(256, gt=1)
     """Truncation length in tokens (BOS and EOS included)."""
+    group_by_length: bool = True
+    """Within each global batch, give micro-batches sequences of similar length (less padding).
+    The global batch, and so the gradient, is unchanged; only who computes which sample moves."""
 
     @field_validator("path", mode="before")
     @classmethod

@@ -50,6 +50,17 @@ def test_loss_curves_agree_for_1_2_4_accumulation_steps(tmp_path):
     assert curves[8][0] != curves[8][-1]
 
 
+def test_grouping_by_length_changes_padding_not_the_result(tmp_path):
+    runs = {}
+    for group in (True, False):
+        out = tmp_path / str(group)
+        _, records = _run_local(out, "batch.micro_batch_size=2", f"data.group_by_length={str(group).lower()}")
+        runs[group] = ([r["loss"] for r in records], _final_adapter(out))
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert _rel(runs[True][1], runs[False][1]) <= 1e-5
+
+
 def test_outputs_metrics_summary_plot_adapter(tmp_path):
     summary, records = _run_local(tmp_path, "run.checkpoint_every=1", "run.keep_checkpoints=2",
                                   "data.eval_fraction=0.1", "optim.warmup_steps=2", "optim.schedule=constant")
