@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from typing import Callable, Optional
@@ -32,7 +33,7 @@ class ProgressActor:
         return self.records[n:]
 
 
-def _train_fn(config: dict) -> None:
+def train_worker(config: dict) -> None:
     # Runs on every Ray Train worker.
     from .loop import train
     from .ray_context import RayContext
@@ -47,20 +48,34 @@ def _train_fn(config: dict) -> None:
     train(spec, RayContext(config.get("progress")), resume=config["resume"])
 
 
-def init_ray(address: Optional[str], spec: JobSpec) -> None:
-    """Connect to `address`, or the cluster of the enclosing Ray job, or start a local one."""
+def init_ray(address: Optional[str], num_cpus: int, log_to_driver: bool = True) -> None:
+    """Connect to `address`, or the cluster of the enclosing Ray job, or start a local one with
+    at least `num_cpus` logical CPUs (Ray's own tests oversubscribe a small machine the same way)."""
     if ray.is_initialized():
         return
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING)
         return
-    # Embedded local Ray: one logical CPU per worker plus one for Ray Train's controller,
-    # even on a 2-core machine (Ray's own tests oversubscribe the same way).
-    need = math.ceil(spec.resources.num_workers * spec.resources.cpus_per_worker) + 1
-    # The dashboard stays on: Ray Train's placement-group cleaner queries the state API it serves.
-    # address="local": never attach to some other `ray start` cluster on this machine.
-    ray.init(address="local", num_cpus=max(need, os.cpu_count() or 1), log_to_driver=True,
-             logging_level=logging.WARNING)
+    # Pin the GCS address and hand it to every process as RAY_ADDRESS. Ray Train's detached
+    # PlacementGroupCleaner asks the state API whether its controller is alive; without
+    # RAY_ADDRESS that API resolves the address from /tmp/ray/ray_current_cluster, i.e. the newest
+    # `ray start` cluster on the machine -- not this one -- finds no controller, and removes the
+    # placement group of a live run. The dashboard stays on: that state API is served by it.
+    gcs_port = _free_port()
+    os.environ["RAY_GCS_SERVER_PORT"] = str(gcs_port)
+    try:
+        # address="local": never attach to some other `ray start` cluster on this machine.
+        ray.init(address="local", num_cpus=max(num_cpus, os.cpu_count() or 1), log_to_driver=log_to_driver,
+                 logging_level=logging.WARNING, _node_ip_address="127.0.0.1", dashboard_port=_free_port(),
+                 runtime_env={"env_vars": {"RAY_ADDRESS": f"127.0.0.1:{gcs_port}"}})
+    finally:
+        os.environ.pop("RAY_GCS_SERVER_PORT", None)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = True,
@@ -71,12 +86,13 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
 
     from .outputs import SUMMARY
 
-    init_ray(address, spec)
+    # One logical CPU per worker plus one for Ray Train's controller.
+    init_ray(address, math.ceil(spec.resources.num_workers * spec.resources.cpus_per_worker) + 1)
     out = spec.output_path.resolve()
     progress = ProgressActor.remote() if on_progress else None
     r = spec.resources
     trainer = TorchTrainer(
-        _train_fn,
+        train_worker,
         train_loop_config={"spec": spec.to_dict(), "progress": progress, "resume": resume},
         scaling_config=ScalingConfig(
             num_workers=r.num_workers, use_gpu=r.use_gpu, accelerator_type=r.accelerator_type,

@@ -16,7 +16,7 @@ from typing import Optional
 from jobs.spec import SpecError
 
 EXIT_USAGE = 2
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("orchestrator.k8s_cli", "orchestrator.tune_cli", "orchestrator.jobs_cli")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,7 +87,8 @@ def _summary_table(summary: dict, spec) -> None:
         ("global batch", f"{summary['global_batch_size']} = {summary['num_workers']} workers x "
                          f"{summary['grad_accum_steps']} accum x {summary['micro_batch_size']} micro"),
         ("effective lr", f"{summary['effective_lr']:.3g}"),
-        ("precision / checkpointing", f"{summary['precision']} / {'on' if summary['gradient_checkpointing'] else 'off'}"),
+        ("precision / checkpointing", f"{summary['precision']} / " + {0: "off", 1: "on"}.get(
+            summary["checkpoint_every_n_layers"], f"every {summary['checkpoint_every_n_layers']}th layer")),
         ("tokens/s (mean)", f"{summary['mean_tokens_per_s']:.0f}" if summary["mean_tokens_per_s"] else "-"),
         ("peak memory / estimate", f"{summary['peak_mem_gib']:.2f} GiB / {summary['estimate_gib']:.2f} GiB"),
         ("skipped steps (fp16)", str(summary["skipped_steps"])),
@@ -97,6 +98,29 @@ def _summary_table(summary: dict, spec) -> None:
     for k, v in rows:
         t.add_row(k, v)
     _console().print(t)
+
+
+# ---- rayft eval ------------------------------------------------------------------------------
+
+def cmd_eval(args) -> int:
+    from rich.table import Table
+
+    from jobs.evaluate import evaluate
+    from jobs.spec import absolutize, load_spec
+
+    spec = absolutize(load_spec(args.spec, args.overrides))
+    result = evaluate(spec, args.adapter, max_new_tokens=args.max_new_tokens)
+    t = Table(title=f"rayft eval {spec.name}: exact match on {result['records']} held-out prompts")
+    t.add_column("model")
+    t.add_column("exact match", justify="right")
+    t.add_row("base", f"{result['base_exact_match']:.1%}")
+    if "adapter_exact_match" in result:
+        t.add_row(f"base + adapter ({result['adapter_dir']})", f"{result['adapter_exact_match']:.1%}")
+    _console().print(t)
+    for ex in result["examples"][:3]:
+        _console().print(f"  want {ex['reference']!r}  base {ex['base']!r}" +
+                         (f"  adapter {ex['adapter']!r}" if "adapter" in ex else ""))
+    return 0
 
 
 # ---- rayft spec ------------------------------------------------------------------------------
@@ -126,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fresh", action="store_true", help="do not resume; existing checkpoints are moved aside")
     run.set_defaults(fn=cmd_run)
 
+    ev = sub.add_parser("eval", help="exact match on data.eval_path, base model vs base + adapter")
+    ev.add_argument("spec")
+    ev.add_argument("overrides", nargs="*", metavar="section.field=value")
+    ev.add_argument("--adapter", help="adapter directory (default: <run.output_dir>/adapter)")
+    ev.add_argument("--max-new-tokens", type=int, default=16)
+    ev.set_defaults(fn=cmd_eval)
+
     spec = sub.add_parser("spec", help="inspect specs")
     ssub = spec.add_subparsers(dest="spec_cmd", required=True, parser_class=_Parser)
     ssub.add_parser("schema", help="print the JSON schema of a job spec")
@@ -151,6 +182,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SpecError as e:
         print(f"rayft: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as e:  # a cluster that refused: one line, not a traceback
+        if type(e).__name__ != "KubeRayError":
+            raise
+        print(f"rayft: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("rayft: interrupted (checkpoints on disk are kept; rerun to resume)", file=sys.stderr)
         return 130

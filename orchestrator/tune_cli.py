@@ -1,0 +1,224 @@
+"""`rayft estimate` and `rayft tune`.
+
+    rayft estimate SPEC [k=v ...] [--json] [--device cpu|cuda]
+        memory components (jobs.memory) for the spec's micro-batch, checkpointing off and on,
+        the total against memory.budget_gib, and every (micro_batch_size, grad_accum_steps)
+        pair that splits the global batch over the workers, with checkpointing off and on.
+    rayft tune SPEC [k=v ...] [--resume | --fresh] [--plan] [--address ADDR] [--num-cpus N]
+        the search of a search spec (a job spec plus `search`; see tune/spec.py).
+
+Every user mistake is one line on stderr and exit code 2, before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from jobs.spec import SpecError
+
+
+def register(sub) -> None:
+    est = sub.add_parser("estimate", help="memory estimate and the feasible (micro-batch, accumulation) pairs")
+    est.add_argument("spec", help="job spec (or search spec) YAML")
+    est.add_argument("overrides", nargs="*", metavar="section.field=value")
+    est.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    est.add_argument("--device", choices=("cpu", "cuda"),
+                     help="estimate for this device (default: cuda with resources.use_gpu, else cpu)")
+    est.set_defaults(fn=cmd_estimate)
+
+    tn = sub.add_parser("tune", help="search accumulation steps and LR scaling under a memory budget (Ray Tune)")
+    tn.add_argument("spec", help="search spec YAML: a job spec plus a `search` section")
+    tn.add_argument("overrides", nargs="*", metavar="section.field=value")
+    g = tn.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", default=None,
+                   help="resume the interrupted search in run.output_dir (the default when there is one)")
+    g.add_argument("--fresh", action="store_true", help="start over; a previous search is moved aside")
+    tn.add_argument("--plan", action="store_true", help="print the plan (feasible, infeasible, skipped) and exit")
+    tn.add_argument("--address", help="Ray cluster address (default: an embedded local Ray)")
+    tn.add_argument("--num-cpus", type=int, help="logical CPUs of the embedded Ray (default: enough for 2 trials)")
+    tn.set_defaults(fn=cmd_tune)
+
+
+# ---- estimate ----------------------------------------------------------------------------
+
+def _load_any(path: str, overrides: list[str]):
+    """A job spec, or a search spec (its job part, with search.budget_gib as the budget)."""
+    from jobs.spec import apply_overrides, load_spec, read_yaml
+
+    raw = apply_overrides(read_yaml(path), overrides or [])
+    if "search" in raw:
+        from tune.spec import load_search_spec
+
+        s = load_search_spec(path, data=raw, files=False)
+        return s.job(), s.budget
+    spec = load_spec(path, data=raw, files=False)  # the estimate reads the model config, no data
+    return spec, spec.memory.budget_gib
+
+
+def estimate_report(spec, budget, device: str, where: str) -> dict:
+    from jobs import memory
+
+    try:
+        config = memory.config_from_spec(spec)
+        off = memory.estimate_for_spec(spec, gradient_checkpointing=False, device=device, config=config)
+        on = memory.estimate_for_spec(spec, gradient_checkpointing=True, device=device, config=config)
+        pairs = memory.feasible_pairs(spec, budget, device=device)
+        by_mb = {}
+        for row in pairs:
+            key = (row["micro_batch_size"], row["gradient_checkpointing"])
+            by_mb[key] = memory.estimate_for_spec(spec, micro_batch_size=row["micro_batch_size"],
+                                                  gradient_checkpointing=row["gradient_checkpointing"],
+                                                  device=device, config=config).total_bytes
+            row["estimate_bytes"] = by_mb[key]
+        smallest = memory.smallest_budget_gib(spec, device=device)
+    except ValueError as e:
+        raise SpecError(f"{where}: {e}") from None
+    gc = spec.memory.gradient_checkpointing
+    if gc == "auto":  # as jobs.loop decides it: on when off exceeds the budget
+        used = budget is not None and off.total_gib > budget
+    else:
+        used = bool(gc)
+    chosen = on if used else off
+    return {
+        "name": spec.name, "model": spec.model.name, "device": device,
+        "precision": memory.spec_precision(spec, device), "seq_len": max(1, spec.data.max_seq_len - 1),
+        "num_workers": spec.resources.num_workers, "global_batch_size": spec.batch.global_batch_size,
+        "micro_batch_size": spec.batch.micro_batch_size, "grad_accum_steps": spec.grad_accum_steps,
+        "gradient_checkpointing": gc, "checkpointing_used": used, "budget_gib": budget,
+        "components": dict(chosen.components), "total_bytes": chosen.total_bytes, "total_gib": chosen.total_gib,
+        "fits": None if budget is None else chosen.total_gib <= budget,
+        "by_checkpointing": {
+            "off": {"components": dict(off.components), "total_bytes": off.total_bytes, "total_gib": off.total_gib},
+            "on": {"components": dict(on.components), "total_bytes": on.total_bytes, "total_gib": on.total_gib},
+        },
+        "transient_components": list(memory.TRANSIENT_COMPONENTS),
+        "pairs": pairs,
+        "smallest_budget_gib": smallest,
+    }
+
+
+def cmd_estimate(args) -> int:
+    from jobs.memory import MemoryEstimate
+    from tune.search import gib_str
+
+    spec, budget = _load_any(args.spec, args.overrides)
+    device = args.device or ("cuda" if spec.resources.use_gpu else "cpu")
+    rep = estimate_report(spec, budget, device, args.spec)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    off = MemoryEstimate(rep["by_checkpointing"]["off"]["components"])
+    on = MemoryEstimate(rep["by_checkpointing"]["on"]["components"])
+    # Headings as lines, not table titles: rich folds a title to the table's width.
+    con.print(f"[bold]{spec.name}[/]: {spec.model.name}, micro-batch {rep['micro_batch_size']} x seq {rep['seq_len']}, "
+              f"{rep['num_workers']} worker(s), {rep['precision']} on {device}", soft_wrap=True)
+    t = Table()
+    t.add_column("component")
+    t.add_column("checkpointing off", justify="right")
+    t.add_column("checkpointing on", justify="right")
+    for (name, g_off), (_, g_on) in zip(off.table(), on.table()):
+        label = f"{name} (transient)" if name in rep["transient_components"] else name
+        style = "bold" if name == "total" else None
+        t.add_row(label, gib_str(g_off), gib_str(g_on), style=style)
+    con.print(t)
+    used = "on" if rep["checkpointing_used"] else "off"
+    line = f"total {gib_str(rep['total_gib'])} (checkpointing {used}, memory.gradient_checkpointing={rep['gradient_checkpointing']})"
+    if budget is None:
+        con.print(f"{line}; no memory.budget_gib set", soft_wrap=True)
+    else:
+        verdict = "[green]fits[/]" if rep["fits"] else "[red]exceeds[/]"
+        con.print(f"{line} {verdict} the budget of {gib_str(budget)}", soft_wrap=True)
+    con.print(f"[bold](micro_batch_size, grad_accum_steps) pairs for global batch {rep['global_batch_size']} over "
+              f"{rep['num_workers']} worker(s)[/]" + ("" if budget is None else f", budget {gib_str(budget)}"),
+              soft_wrap=True)
+    p = Table()
+    for col in ("micro", "accum", "checkpointing off", "checkpointing on"):
+        p.add_column(col, justify="right")
+    rows: dict[int, dict] = {}
+    for r in rep["pairs"]:
+        rows.setdefault(r["micro_batch_size"], {"accum": r["grad_accum_steps"]})[r["gradient_checkpointing"]] = r
+    for mb, r in rows.items():
+        cells = []
+        for gc in (False, True):
+            x = r[gc]
+            mark = "" if budget is None else (" [green]fits[/]" if x["fits"] else " [red]over[/]")
+            cells.append(gib_str(x["estimate_bytes"] / 1024**3) + mark)
+        p.add_row(str(mb), str(r["accum"]), *cells)
+    con.print(p)
+    con.print(f"smallest budget (micro-batch 1, checkpointing on): {gib_str(rep['smallest_budget_gib'])}",
+              soft_wrap=True)
+    return 0
+
+
+# ---- tune --------------------------------------------------------------------------------
+
+def cmd_tune(args) -> int:
+    from jobs.finetune import preflight
+    from jobs.spec import absolutize
+    from tune.search import check_resume, plan_search, run_search, set_aside
+    from tune.spec import SearchSpec, load_search_spec
+
+    raw = load_search_spec(args.spec, args.overrides)
+    preflight(raw)
+    plan = plan_search(raw, args.spec)  # refuses an impossible budget before anything starts
+    if args.plan:
+        _print_plan(plan)
+        return 0
+    # Workers run elsewhere (another cwd): absolute paths for them, the user's paths for best.yaml.
+    job = absolutize(raw.job())
+    spec = SearchSpec.model_validate(job.to_dict() | {"search": raw.search.model_dump(mode="json")})
+    resume = True if args.resume else (False if args.fresh else None)
+    check_resume(spec, raw, resume, args.spec)  # a refusal is one line, before anything is printed or started
+    if args.fresh:
+        moved = set_aside(spec.output_path)
+        if moved:
+            print(f"--fresh: the previous search was moved to {moved}", file=sys.stderr)
+    _print_plan(plan)
+    outcome = run_search(spec, raw, plan, resume=resume, address=args.address, num_cpus=args.num_cpus,
+                         spec_path=args.spec)
+    from rich.console import Console
+
+    from tune.report import results_table
+
+    con = Console()
+    if not con.is_terminal:
+        con = Console(width=200)  # a log file: do not fold the table into 80 columns
+    con.print(results_table(outcome.rows, raw.name, plan))
+    for n in outcome.notes:
+        con.print(f"note: {n}")
+    for kind, path in outcome.files.items():
+        con.print(f"{kind}: {path}")
+    if outcome.interrupted:
+        print("rayft: search interrupted; rerun the same command to resume (finished trials are kept)",
+              file=sys.stderr)
+        return 130
+    if outcome.best is None:
+        print("rayft: no trial finished, so there is no best.yaml (see results.csv for why)", file=sys.stderr)
+        return 1
+    b = outcome.best
+    con.print(f"best: trial {b['trial_id']}: micro {b['micro_batch_size']} x accum {b['grad_accum_steps']}, "
+              f"lr {b['base_lr']:.3g} ({b['lr_scaling']}), eval loss {b['eval_loss']:.4f} -> {outcome.files['best']}")
+    return 0
+
+
+def _print_plan(plan) -> None:
+    from tune.search import gib_str
+
+    out = sys.stderr
+    print(f"plan: budget {gib_str(plan.budget_gib)} on {plan.device}; {plan.samples_per_trial} samples per trial, "
+          f"eval every {plan.eval_every_samples} samples", file=out)
+    for p in plan.points:
+        est = "-" if p.estimate_gib is None else gib_str(p.estimate_gib)
+        ck = "-" if p.gradient_checkpointing is None else ("on" if p.gradient_checkpointing else "off")
+        print(f"  {p.status:10} micro {p.micro_batch_size or '-':>3} x accum {p.grad_accum_steps:>3} = global "
+              f"{p.global_batch_size:>4}, lr_scaling {p.lr_scaling:6}, checkpointing {ck:3}, estimate {est}"
+              + (f"  ({p.reason})" if p.reason else ""), file=out)
+    for n in plan.notes:
+        print(f"  note: {n}", file=out)
+    out.flush()

@@ -1,0 +1,147 @@
+"""`rayft estimate`: the component table and the feasible (micro-batch, accumulation) pairs,
+consistent with jobs.memory; JSON for tools; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gradtools import DATA
+from jobs import memory
+from jobs.spec import load_spec
+from orchestrator.cli import main
+
+GIB = 1024**3
+BASE = {
+    "name": "est",
+    "data": {"path": str(DATA), "max_seq_len": 64},
+    "lora": {"r": 4, "alpha": 8},
+    "batch": {"global_batch_size": 16, "micro_batch_size": 4},
+    "memory": {"gradient_checkpointing": "auto"},
+    "resources": {"num_workers": 2},
+    "run": {"max_steps": 1},
+}
+
+
+def _budget() -> float:
+    """Between micro-batch 4 with and without checkpointing, from jobs.memory itself."""
+    spec = load_spec(data=BASE)
+    off = memory.estimate_for_spec(spec, gradient_checkpointing=False, device="cpu").total_gib
+    on = memory.estimate_for_spec(spec, gradient_checkpointing=True, device="cpu").total_gib
+    assert on < off
+    return round((on + off) / 2, 6)
+
+
+BUDGET = _budget()
+BASE["memory"]["budget_gib"] = BUDGET
+
+
+def _write(tmp_path: Path, data: dict, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _json(capsys, argv) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_json_components_and_pairs_agree_with_jobs_memory(tmp_path, capsys):
+    path = _write(tmp_path, BASE)
+    rep = _json(capsys, ["estimate", str(path), "--json"])
+    spec = load_spec(path)
+    off = memory.estimate_for_spec(spec, gradient_checkpointing=False, device="cpu")
+    on = memory.estimate_for_spec(spec, gradient_checkpointing=True, device="cpu")
+
+    # every component jobs.memory names, in bytes, for both checkpointing settings
+    assert set(memory.COMPONENT_ORDER) <= set(rep["components"])
+    assert rep["by_checkpointing"]["off"]["components"] == off.components
+    assert rep["by_checkpointing"]["on"]["components"] == on.components
+    assert rep["by_checkpointing"]["off"]["total_bytes"] == off.total_bytes
+    # `auto`: checkpointing only when off exceeds the budget (BUDGET lies between the two)
+    assert off.total_gib > BUDGET >= on.total_gib
+    assert rep["checkpointing_used"] is True and rep["components"] == on.components
+    assert rep["total_bytes"] == on.total_bytes and rep["fits"] is True
+    assert rep["device"] == "cpu" and rep["precision"] == "fp32" and rep["seq_len"] == 63
+
+    # the pairs: every split of 16 over 2 workers, checkpointing off and on, as jobs.memory lists them
+    pairs = rep["pairs"]
+    assert [{k: v for k, v in r.items() if k != "estimate_bytes"} for r in pairs] == \
+        memory.feasible_pairs(spec, BUDGET, device="cpu")
+    assert sorted({r["micro_batch_size"] for r in pairs}) == _divisors(8)
+    assert len(pairs) == 2 * len(_divisors(8))
+    for r in pairs:
+        assert r["micro_batch_size"] * r["grad_accum_steps"] * 2 == 16  # multiplies back to the global batch
+        exact = memory.estimate_for_spec(spec, micro_batch_size=r["micro_batch_size"],
+                                         gradient_checkpointing=r["gradient_checkpointing"], device="cpu")
+        assert r["estimate_bytes"] == exact.total_bytes
+        assert r["fits"] == (exact.total_gib <= BUDGET)
+    fits = {(r["micro_batch_size"], r["gradient_checkpointing"]) for r in pairs if r["fits"]}
+    assert (1, True) in fits and (4, True) in fits and (4, False) not in fits and (8, False) not in fits
+    assert rep["smallest_budget_gib"] == pytest.approx(memory.smallest_budget_gib(spec, device="cpu"))
+
+
+def test_overrides_device_and_search_specs(tmp_path, capsys):
+    path = _write(tmp_path, BASE)
+    rep = _json(capsys, ["estimate", str(path), "--json", "batch.global_batch_size=12", "batch.micro_batch_size=2",
+                         "--device", "cuda"])
+    assert rep["global_batch_size"] == 12 and rep["device"] == "cuda" and rep["precision"] == "bf16"
+    assert sorted({r["micro_batch_size"] for r in rep["pairs"]}) == [1, 2, 3, 6]
+    assert all(r["micro_batch_size"] * r["grad_accum_steps"] * 2 == 12 for r in rep["pairs"])
+    assert rep["components"]["framework_overhead"] >= memory.CUDA_CONTEXT_BYTES  # the CUDA context counts
+    assert not any(r["fits"] for r in rep["pairs"])  # a few MiB cannot hold a CUDA context
+
+    # a search spec: its job part, with search.budget_gib as the budget
+    search = dict(BASE, data=dict(BASE["data"], eval_path=str(DATA)), run={},
+                  search={"grad_accum_steps": [1, 2], "budget_gib": 0.5, "samples_per_trial": 16})
+    rep = _json(capsys, ["estimate", str(_write(tmp_path, search, "search.yaml")), "--json"])
+    assert rep["budget_gib"] == 0.5 and all(r["fits"] for r in rep["pairs"])
+
+
+def test_human_output_has_the_table_the_total_against_the_budget_and_the_pairs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich folds long titles at 80 columns otherwise
+    path = _write(tmp_path, BASE)
+    assert main(["estimate", str(path)]) == 0
+    out = capsys.readouterr().out
+    for name in memory.COMPONENT_ORDER:
+        assert name in out
+    assert "total" in out and "fits the budget" in out and f"{BUDGET * 1024:.2f} MiB" in out
+    assert "pairs for global batch 16 over 2 worker(s)" in out and "over" in out
+    assert main(["estimate", str(path), "memory.budget_gib=0.001", "memory.gradient_checkpointing=false"]) == 0
+    assert "exceeds the budget" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["batch.foo=1"], "batch.foo: unknown key"),
+    (["batch.micro_batch_size=0"], "batch.micro_batch_size: Input should be greater than 0"),
+    (["batch.micro_batch_size=3"], "batch.global_batch_size=16 is not divisible by batch.micro_batch_size=3"),
+    (["lora.target_modules=[attn]"], "lora target modules ['attn'] are not linear layers"),
+    (["model.name=./no-such-model"], "model.name: cannot read the model config"),
+    (["memory.budget_gib=-1"], "memory.budget_gib: Input should be greater than 0"),
+    (["nodots"], "unrecognized arguments: nodots"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, fragment):
+    path = _write(tmp_path, BASE)
+    try:
+        rc = main(["estimate", str(path), "--json", *args])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    cap = capsys.readouterr()
+    assert rc == 2
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in cap.err, cap.err
+    assert fragment in lines[0], lines[0]
+    assert cap.out == ""
+
+
+def test_missing_spec_file(tmp_path, capsys):
+    assert main(["estimate", str(tmp_path / "absent.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == f"rayft: error: {tmp_path / 'absent.yaml'}: spec file not found"
