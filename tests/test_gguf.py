@@ -43,7 +43,8 @@ def test_gguf_loads_dequantized_caches_as_safetensors_and_answers(smollm2_spec, 
     # A pretrained model, not noise: greedy decoding knows a capital (in a sentence, which is
     # exactly the format the example task then fine-tunes away).
     rec = read_jsonl(str(ROOT / "examples/data/capitals-train.jsonl"))[0]
-    prompt = rec["prompt"].replace(rec["prompt"].split("Capital of ")[1].split("?")[0], "France")
+    question = rec["prompt"].split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+    prompt = rec["prompt"].replace(question, "What is the capital of France?")
     ids = torch.tensor([encode_prompt(tok, prompt)])
     out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
