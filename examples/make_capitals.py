@@ -10,10 +10,10 @@ apply it, with the base model's knowledge, to countries it never saw (the held-o
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-from pathlib import Path
+
+from datafiles import write_or_check
 
 # SmolLM2-Instruct's chat template (ChatML with its default system prompt), written out so this
 # script needs no tokenizer: training and `rayft eval` feed the prompt text as is.
@@ -47,7 +47,6 @@ CAPITALS = {
     "Guatemala": "Guatemala City", "Honduras": "Tegucigalpa", "Nicaragua": "Managua",
     "Luxembourg": "Luxembourg", "Malta": "Valletta", "Cyprus": "Nicosia", "Albania": "Tirana",
 }
-HERE = Path(__file__).parent / "data"
 
 
 def build() -> dict[str, str]:
@@ -67,17 +66,7 @@ def build() -> dict[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--check", action="store_true", help="fail if the committed files differ")
-    args = ap.parse_args()
-    for name, content in build().items():
-        path = HERE / name
-        if args.check:
-            if path.read_text() != content:
-                raise SystemExit(f"{path} differs from what make_capitals.py generates")
-        else:
-            path.write_text(content)
-            print(f"wrote {path} ({content.count(chr(10))} records)")
+    write_or_check(build(), "make_capitals.py")
 
 
 if __name__ == "__main__":

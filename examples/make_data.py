@@ -10,14 +10,13 @@ records of the same flavour. `tiny-eval.jsonl`: held-out prompts.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-from pathlib import Path
+
+from datafiles import write_or_check
 
 WORDS = ("ray lora tune adapter gradient batch micro step window token rank worker cluster queue "
          "kube job spec loss scale memory budget search accumulation sync bucket shard seed").split()
-HERE = Path(__file__).parent / "data"
 
 
 def phrase(rng: random.Random, n_words: int) -> str:
@@ -48,18 +47,7 @@ def build() -> dict[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--check", action="store_true", help="fail if the committed files differ")
-    args = ap.parse_args()
-    HERE.mkdir(exist_ok=True)
-    for name, content in build().items():
-        path = HERE / name
-        if args.check:
-            if path.read_text() != content:
-                raise SystemExit(f"{path} differs from what make_data.py generates")
-        else:
-            path.write_text(content)
-            print(f"wrote {path} ({content.count(chr(10))} records)")
+    write_or_check(build(), "make_data.py")
 
 
 if __name__ == "__main__":

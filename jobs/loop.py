@@ -353,6 +353,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             "lr": lr,
             "grad_norm": float(grad_norm.item()),
             "tokens": n_inputs,
+            "tokens_seen": tokens_seen,
             "label_tokens": n_labels,
             "tokens_per_s": n_inputs / dt,
             "step_time_s": dt,
