@@ -406,6 +406,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             "wall_time_s": wall,
             "mean_tokens_per_s": run_tokens / run_step_s if run_step_s else None,
             "peak_mem_gib": last.get("peak_mem_gib"),
+            "peak_mem_kind": last.get("peak_mem_kind"),
             "estimate_gib": estimate_gib,
             "precision": precision,
             "gradient_checkpointing": bool(gc_every),

@@ -90,7 +90,8 @@ def _summary_table(summary: dict, spec) -> None:
         ("precision / checkpointing", f"{summary['precision']} / " + {0: "off", 1: "on"}.get(
             summary["checkpoint_every_n_layers"], f"every {summary['checkpoint_every_n_layers']}th layer")),
         ("tokens/s (mean)", f"{summary['mean_tokens_per_s']:.0f}" if summary["mean_tokens_per_s"] else "-"),
-        ("peak memory / estimate", f"{summary['peak_mem_gib']:.2f} GiB / {summary['estimate_gib']:.2f} GiB"),
+        ("peak memory / estimate", f"{summary['peak_mem_gib']:.2f} GiB / {summary['estimate_gib']:.2f} GiB"
+         + (" (CPU: whole-process RSS vs training tensors)" if summary.get("peak_mem_kind") == "cpu_max_rss" else "")),
         ("skipped steps (fp16)", str(summary["skipped_steps"])),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
         ("adapter", summary["adapter_dir"]),
