@@ -25,7 +25,7 @@ class Context:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
 
-    def report(self, metrics: dict, checkpoint_dir: Optional[str] = None) -> None:
+    def report(self, metrics: dict) -> None:
         """Called by every rank at the same points (checkpoint steps and the end)."""
 
     def progress(self, metrics: dict) -> None:
@@ -47,10 +47,6 @@ class Context:
             ckpt.publish(tmp, root, step, keep)
         self.barrier()
         self.report(metrics)
-
-    def latest_checkpoint(self) -> Optional[str]:
-        """A checkpoint the runner knows about (e.g. Ray Train's, after a worker restart)."""
-        return None
 
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():

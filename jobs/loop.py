@@ -263,12 +263,12 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     optimizer = make_optimizer(spec, params, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
-    # ---- resume: the checkpoint the runner hands us, else the newest complete one on disk ----
+    # ---- resume from the newest complete checkpoint on disk ----------------------------------
+    # (Ray Train's checkpoints are written there too, so a worker restarted by Ray and a rerun
+    # of the same command find the same one.)
     start_step, tokens_seen, skipped_steps, eval_loss = 0, 0, 0, None
-    source = ctx.latest_checkpoint() if resume else None
-    if resume and source is None:
-        newest = ckpt.newest_complete(out / "checkpoints")
-        source = str(newest) if newest else None
+    newest = ckpt.newest_complete(out / "checkpoints") if resume else None
+    source = str(newest) if newest else None
     if source is not None:
         state = ckpt.load_state(Path(source))
         ckpt.check_resumable(state["resume_key"], spec, str(source))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import ray.train
 import ray.train.torch
@@ -24,7 +23,7 @@ class RayContext(Context):
         self.device = ray.train.torch.get_device()
         self._progress = progress_actor
 
-    def report(self, metrics: dict, checkpoint_dir: Optional[str] = None) -> None:
+    def report(self, metrics: dict) -> None:
         ray.train.report(_scalars(metrics))
 
     def progress(self, metrics: dict) -> None:
