@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -97,11 +98,14 @@ def _entry(rank: int, world_size: int, init: str, tmp: str, fn: Callable, args: 
     torch.set_num_threads(1)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world_size)
-    try:
-        out = fn(rank, world_size, *args)
-        torch.save(out, Path(tmp) / f"result-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    out = fn(rank, world_size, *args)
+    torch.save(out, Path(tmp) / f"result-{rank}.pt")
+    dist.barrier()  # every rank is done with its collectives and has written its result
+    # Leave without tearing down gloo: its background threads can abort() during interpreter
+    # shutdown ("terminate called without an active exception"), a crash after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def accumulated_grads(rank: int, world: int, overrides: tuple, gc: bool, precision: str):
