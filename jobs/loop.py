@@ -23,6 +23,7 @@ No `.item()` inside the window: scalars are read once per optimizer step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -218,6 +219,7 @@ def decide_checkpointing(spec: JobSpec, device: torch.device) -> tuple[int, floa
     kind = "cuda" if device.type == "cuda" else "cpu"
     config = config_from_spec(spec)
 
+    @functools.lru_cache(maxsize=None)
     def gib(every: int) -> float:
         return estimate_for_spec(spec, gradient_checkpointing=every > 0, device=kind, config=config,
                                  checkpoint_every_n_layers=max(1, every)).total_gib
