@@ -73,6 +73,23 @@ the dev versions (README, "GPU benchmark") and install them with `pip --target` 
     python bench/gpu_compare.py --out bench/results            # the GPU run
     python bench/gpu_compare.py --dry-run --out /tmp/x         # tiny shapes on CPU, < 1 minute
 
+On the lent H200 (device tool): first, here, fetch the wheels (17 MB; /.whl/ is git-ignored):
+
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 peft==0.21.2 pydantic==2.14.4 \
+      pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
+      regex==2026.11.19
+
+then run once with carry [".whl"], timeout_s 540:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; \
+      timeout 470 python3 bench/gpu_compare.py --out $OUT 2>&1 | tee $OUT/gpu_compare.log
+
+and commit the returned `<date>-nvidia-h200.json` under bench/results/ (the file is rewritten
+after every row, so a cut-off run still leaves its finished rows).
+
 The dry run runs the whole pipeline on CPU (hidden 64, 2 layers, vocab 512, seq 64, budgets
 0.0021 and 0.01 GiB of the CPU estimate; fp32, HF's configuration from the proxy estimate as
 nothing can run out of memory there); its numbers mean nothing.
