@@ -62,6 +62,13 @@ def rel_err(a: dict, b: dict) -> float:
     return (num / den) ** 0.5
 
 
+def final_adapter(out: Path) -> dict[str, torch.Tensor]:
+    """The LoRA weights of a run's newest complete checkpoint."""
+    from jobs.checkpoint import load_adapter, newest_complete
+
+    return load_adapter(newest_complete(Path(out) / "checkpoints"))
+
+
 def window_inputs(spec: JobSpec, tok, rank: int, world: int, step: int = 0):
     data = load_dataset(spec, tok)
     idx = GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed).indices(step)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradtools import ROOT, spawn
+from gradtools import ROOT, final_adapter, rel_err, spawn
 from jobs import checkpoint as ckpt
 from jobs.context import LocalContext
 from jobs.loop import train
@@ -23,16 +23,6 @@ from jobs.spec import absolutize, load_spec
 
 BIN = Path(sys.executable).parent
 DEMO = "examples/tiny-lora.yaml"
-
-
-def _final(out: Path) -> dict:
-    return ckpt.load_adapter(ckpt.newest_complete(out / "checkpoints"))
-
-
-def _rel(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
-    return (num / sum(float(b[k].double().pow(2).sum()) for k in b)) ** 0.5
 
 
 def _reference(rank: int, world: int, overrides: list, out: str) -> None:
@@ -110,7 +100,7 @@ def test_local_crash_then_rerun_resumes_exactly(tmp_path, monkeypatch):
     assert [e["step"] for e in resumes] == [2]
     # metrics.jsonl continues from the checkpoint step: one line per step, no duplicates
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
-    assert _rel(_final(out), _final(ref)) <= 1e-6
+    assert rel_err(final_adapter(out), final_adapter(ref)) <= 1e-6
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
 
 
@@ -150,7 +140,7 @@ def ray_reference(tmp_path_factory):
         spawn(_reference, 2, out.parent / "spawn", RAY_STEPS, str(out))
     finally:
         os.chdir(cwd)
-    return _final(out)
+    return final_adapter(out)
 
 
 def _rayft_run(out: Path, *extra: str, **popen) -> subprocess.Popen:
@@ -171,7 +161,7 @@ def test_worker_sigkill_restarts_from_last_checkpoint(tmp_path, ray_reference):
     redone = 5 - resumes[0]["step"]  # steps done before the kill minus the checkpoint's step
     assert 0 <= redone <= 2, resumes
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
-    assert _rel(_final(out), ray_reference) <= 1e-6
+    assert rel_err(final_adapter(out), ray_reference) <= 1e-6
 
 
 @pytest.mark.ray
@@ -193,4 +183,4 @@ def test_driver_killed_mid_run_then_same_command_resumes(tmp_path, ray_reference
     assert p.returncode == 0, err[-3000:]
     assert "resuming from" in err and "step-00000004" in err
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
-    assert _rel(_final(out), ray_reference) <= 1e-6
+    assert rel_err(final_adapter(out), ray_reference) <= 1e-6

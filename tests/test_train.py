@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradtools import ROOT, tiny_spec
-from jobs.checkpoint import load_adapter, newest_complete
+from gradtools import ROOT, final_adapter, rel_err, tiny_spec
+from jobs.checkpoint import load_adapter
 from jobs.context import LocalContext
 from jobs.loop import train
 from jobs.outputs import read_metrics
@@ -24,15 +24,6 @@ def _run_local(tmp: Path, *overrides: str) -> tuple[dict, list[dict]]:
     return summary, read_metrics(tmp)
 
 
-def _final_adapter(out: Path) -> dict:
-    return load_adapter(newest_complete(out / "checkpoints"))
-
-
-def _rel(a: dict, b: dict) -> float:
-    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a)
-    return (num / sum(float(b[k].pow(2).sum()) for k in b)) ** 0.5
-
-
 def test_loss_curves_agree_for_1_2_4_accumulation_steps(tmp_path):
     curves, adapters = {}, {}
     for micro in (8, 4, 2):  # global batch 8 -> N = 1, 2, 4
@@ -40,12 +31,12 @@ def test_loss_curves_agree_for_1_2_4_accumulation_steps(tmp_path):
         summary, records = _run_local(out, f"batch.micro_batch_size={micro}")
         assert summary["grad_accum_steps"] == 8 // micro
         curves[micro] = [r["loss"] for r in records]
-        adapters[micro] = _final_adapter(out)
+        adapters[micro] = final_adapter(out)
     assert len(curves[8]) == 3
     for micro in (4, 2):
         for step, (a, b) in enumerate(zip(curves[micro], curves[8])):
             assert abs(a - b) <= 1e-5 * abs(b), (micro, step, a, b)
-        assert _rel(adapters[micro], adapters[8]) <= 1e-5
+        assert rel_err(adapters[micro], adapters[8]) <= 1e-5
     # and the loss is not trivially constant: training moved it
     assert curves[8][0] != curves[8][-1]
 
@@ -55,10 +46,10 @@ def test_grouping_by_length_changes_padding_not_the_result(tmp_path):
     for group in (True, False):
         out = tmp_path / str(group)
         _, records = _run_local(out, "batch.micro_batch_size=2", f"data.group_by_length={str(group).lower()}")
-        runs[group] = ([r["loss"] for r in records], _final_adapter(out))
+        runs[group] = ([r["loss"] for r in records], final_adapter(out))
     for a, b in zip(runs[True][0], runs[False][0]):
         assert abs(a - b) <= 1e-5 * abs(b)
-    assert _rel(runs[True][1], runs[False][1]) <= 1e-5
+    assert rel_err(runs[True][1], runs[False][1]) <= 1e-5
 
 
 def test_outputs_metrics_summary_plot_adapter(tmp_path):
@@ -126,4 +117,4 @@ def test_rayft_run_two_workers_matches_single_process_and_pins_loss(tmp_path, mo
     local_records = read_metrics(local)
     for a, b in zip(records, local_records):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
-    assert _rel(_final_adapter(out), _final_adapter(local)) <= 1e-4
+    assert rel_err(final_adapter(out), final_adapter(local)) <= 1e-4
