@@ -137,10 +137,6 @@ class GlobalBatches:
         self.seed = seed
         self._perms: dict[int, list[int]] = {}
 
-    @property
-    def steps_per_epoch(self) -> float:
-        return self.n / self.g
-
     def _perm(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
             order = list(range(self.n))

@@ -230,6 +230,3 @@ def enable_checkpointing(model, every_n_layers: int = 1) -> None:
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -260,8 +259,6 @@ class JobSpec(BaseModel):
             )
         # Bypass validate_assignment: the value was just checked.
         object.__setattr__(b, "grad_accum_steps", derived)
-        if self.precision == "fp16" and not self.resources.use_gpu:
-            pass  # fp16 autocast works on CPU in torch>=2.3; allowed for tests of the scaler path.
         return self
 
     # ---- derived quantities, kept in one place -------------------------------------------
@@ -393,10 +390,9 @@ def check_files(spec: JobSpec, where: str = "spec") -> None:
         gguf = Path(resolve_model_dir(spec.model.name)) / spec.model.gguf_file
         if not gguf.is_file():
             raise SpecError(f"{where}: model.gguf_file: file not found: {gguf}")
-    elif spec.model.name != "tiny-llama" and (spec.model.name.startswith((".", "/")) or os.sep in spec.model.name):
+    elif spec.model.name.startswith((".", "/")) and not Path(spec.model.name).is_dir():
         # A path-like name must be a directory; a bare `org/name` may be a hub id.
-        if spec.model.name.startswith((".", "/")) and not Path(spec.model.name).is_dir():
-            raise SpecError(f"{where}: model.name: directory not found: {spec.model.name}")
+        raise SpecError(f"{where}: model.name: directory not found: {spec.model.name}")
 
 
 def load_spec(path: Union[str, Path, None] = None, overrides: Optional[list[str]] = None, *,
