@@ -38,6 +38,11 @@ What runs
   choice is stricter: its estimate *total* (allocator peak + 8% slack + 0.75 GiB CUDA context)
   must fit, as `memory.budget_gib` means in rayft.
 * Order: the two loops alternate (rayft first, then HF first for the next budget, ...).
+* Then, only if the time limit allows: one more rayft row per `--compile-shapes` shape
+  (default: the first, llama-1b) at the first budget with `model.compile: true` (each decoder
+  layer through torch.compile), the same configuration choice as the plain rayft row. Its
+  compile time falls in the warmup steps (`row_wall_s` shows it); `compile_speedup` in the
+  comparison is its tok/s over the plain row's: the number that decides `model.compile`'s default.
 
 Timing
 ------
@@ -81,13 +86,19 @@ On the lent H200 (device tool): first, here, fetch the wheels (17 MB; /.whl/ is 
       pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
       regex==2026.11.19
 
-then run once with carry [".whl"], timeout_s 540:
+then run both GPU benchmarks (this one and bench/gpu_memory.py, each under its own time limit,
+about 9 minutes together) in one call with carry [".whl"], timeout_s 590:
+
+    bash bench/gpu_all.sh $OUT
+
+or this script alone, with carry [".whl"], timeout_s 540:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; \
       timeout 470 python3 bench/gpu_compare.py --out $OUT 2>&1 | tee $OUT/gpu_compare.log
 
-and commit the returned `<date>-nvidia-h200.json` under bench/results/ (the file is rewritten
+and commit the returned `<date>-nvidia-h200.json` (and `memory-<date>-nvidia-h200.json`) under
+bench/results/ (the files are rewritten
 after every row, so a cut-off run still leaves its finished rows).
 
 The dry run runs the whole pipeline on CPU (hidden 64, 2 layers, vocab 512, seq 64, budgets
@@ -319,12 +330,12 @@ class Workload:
         return torch.bfloat16 if self.device.type == "cuda" else torch.float32
 
 
-def rayft_spec(w: Workload, micro: int, chunk: int, out_dir: Path):
+def rayft_spec(w: Workload, micro: int, chunk: int, out_dir: Path, compile_layers: bool = False):
     from jobs.spec import load_spec
 
     data = {
         "name": f"bench-{w.shape}",
-        "model": {"name": str(w.model_dir), "attn_implementation": "sdpa"},
+        "model": {"name": str(w.model_dir), "attn_implementation": "sdpa", "compile": compile_layers},
         "data": {"path": [str(w.data_path)], "max_seq_len": w.seq + 1},
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": TARGETS},
         "batch": {"global_batch_size": w.global_batch, "micro_batch_size": micro},
@@ -361,7 +372,7 @@ def rayft_candidates(w: Workload, flops: dict) -> list[dict]:
             est = memory.estimate(w.config, micro_batch_size=mb, seq_len=w.seq, gradient_checkpointing=every > 0,
                                   checkpoint_every_n_layers=max(1, every), base_dtype=w.precision,
                                   lora_r=LORA_R, lora_target_modules=TARGETS, loss_chunk_tokens=chunk or None,
-                                  padded=False, device=w.device.type)
+                                  device=w.device.type)
             rows.append({"micro_batch_size": mb, "loss_chunk_tokens": chunk, "checkpoint_every_n_layers": every,
                          "estimate_spec_gib": round(float(est_spec), 3),
                          "estimate_gib": round(est.peak_allocated_gib, 3),
@@ -372,13 +383,13 @@ def rayft_candidates(w: Workload, flops: dict) -> list[dict]:
     return rows
 
 
-def run_rayft(w: Workload, cand: dict, tokenizer) -> dict:
+def run_rayft(w: Workload, cand: dict, tokenizer, compile_layers: bool = False) -> dict:
     """One row: `jobs.loop.train` with a random-init base built on the device."""
     from jobs import loop
     from jobs.context import LocalContext
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"rayft-{w.shape}-", dir=w.workdir))
-    spec = rayft_spec(w, cand["micro_batch_size"], cand["loss_chunk_tokens"], out_dir)
+    spec = rayft_spec(w, cand["micro_batch_size"], cand["loss_chunk_tokens"], out_dir, compile_layers)
     ends: list[float] = []
 
     def on_progress(metrics: dict) -> None:
@@ -501,7 +512,7 @@ def run_hf(w: Workload) -> tuple[dict, list[dict]]:
             for micro in divisors_desc(w.global_batch):
                 proxy = memory.estimate(w.config, micro_batch_size=micro, seq_len=w.seq, gradient_checkpointing=gc_on,
                                         base_dtype=w.precision, lora_r=LORA_R, lora_target_modules=TARGETS,
-                                        padded=False, device=w.device.type)
+                                        device=w.device.type)
                 att = {"micro_batch_size": micro, "gradient_checkpointing": gc_on,
                        "proxy_estimate_gib": round(proxy.peak_allocated_gib, 3)}
                 limit = w.budget_gib * (HF_PROXY_MARGIN if w.device.type == "cuda" else 1.0)
@@ -562,14 +573,14 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
     base["allocated_before_gib"] = round(start_alloc, 3)
     t0 = time.perf_counter()
     try:
-        if loop_name == "rayft":
+        if loop_name in ("rayft", "rayft-compile"):
             cands = rayft_candidates(w, flops)
             base["candidates"] = [c for c in cands if c["fits"]][:6]
             tried = []
             for cand in [c for c in cands if c["fits"]][:3]:
                 failed = None
                 try:
-                    res = run_rayft(w, cand, tokenizer)
+                    res = run_rayft(w, cand, tokenizer, compile_layers=loop_name == "rayft-compile")
                 except Exception as e:  # noqa: BLE001
                     failed = e
                 if failed is None:
@@ -650,7 +661,10 @@ def comparisons(rows: list[dict], goal: float) -> list[dict]:
         a, b = by.get("rayft", {}).get("tok_s"), by.get("hf", {}).get("tok_s")
         ratio = a / b if a and b else None
         ray = by.get("rayft", {})
+        compiled = by.get("rayft-compile", {}).get("tok_s")
         out.append({"shape": shape, "budget_gib": budget, "rayft_tok_s": a, "hf_tok_s": b,
+                    "rayft_compile_tok_s": compiled,
+                    "compile_speedup": round(compiled / a, 3) if compiled and a else None,
                     "ratio": round(ratio, 3) if ratio else None, "goal": goal,
                     "met": ratio >= goal if ratio else None,
                     "rayft_fraction_of_matmul_ceiling": ray.get("fraction_of_matmul_ceiling"),
@@ -659,7 +673,7 @@ def comparisons(rows: list[dict], goal: float) -> list[dict]:
     return out
 
 
-HEADER = (f"{'shape':9} {'budget':>6} {'loop':5} {'mb':>3} {'acc':>3} {'gc':>4} {'chunk':>5} {'tok/s':>9} "
+HEADER = (f"{'shape':9} {'budget':>6} {'loop':13} {'mb':>3} {'acc':>3} {'gc':>4} {'chunk':>5} {'tok/s':>9} "
           f"{'TFLOP/s':>8} {'%ceil':>6} {'peak':>7} {'est':>7} {'err':>6}  status")
 
 
@@ -671,7 +685,7 @@ def fmt_row(r: dict) -> str:
         "off" if not r["gradient_checkpointing"] else
         (f"/{r['checkpoint_every_n_layers']}" if (r.get("checkpoint_every_n_layers") or 1) > 1 else "on"))
     frac = r.get("fraction_of_matmul_ceiling")
-    return (f"{r['shape']:9} {r['budget_gib']:6g} {r['loop']:5} {f(r.get('micro_batch_size'), '3d', 3)} "
+    return (f"{r['shape']:9} {r['budget_gib']:6g} {r['loop']:13} {f(r.get('micro_batch_size'), '3d', 3)} "
             f"{f(r.get('grad_accum_steps'), '3d', 3)} {gc_s:>4} {f(r.get('loss_chunk_tokens'), '5d', 5)} "
             f"{f(r.get('tok_s'), '9.0f', 9)} {f(r.get('model_tflops'), '8.1f', 8)} "
             f"{f(frac * 100 if frac is not None else None, '5.1f', 5)}% {f(r.get('peak_alloc_gib'), '7.2f', 7)} "
@@ -688,7 +702,7 @@ def print_table(result: dict) -> None:
     print(f"\ngoals: rayft/hf >= {goals['speedup_vs_hf']}; 8B rayft >= {goals['fraction_of_matmul_ceiling_8b']:.0%} "
           f"of the matmul ceiling; rayft estimate within +-{goals['estimate_rel_err']:.0%} of the measured peak")
     print(f"{'shape':9} {'budget':>6} {'rayft tok/s':>12} {'hf tok/s':>10} {'rayft/hf':>9} {'speedup':>8} "
-          f"{'rayft %ceil':>11} {'hf %ceil':>9} {'est err':>8}")
+          f"{'rayft %ceil':>11} {'hf %ceil':>9} {'est err':>8} {'compile x':>9}")
     for c in result["comparisons"]:
         def f(v, spec, width):
             return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else f"{'-':>{width}}"
@@ -696,7 +710,8 @@ def print_table(result: dict) -> None:
         met = "-" if c["met"] is None else ("met" if c["met"] else "MISSED")
         print(f"{c['shape']:9} {c['budget_gib']:6g} {f(c['rayft_tok_s'], '12.0f', 12)} {f(c['hf_tok_s'], '10.0f', 10)} "
               f"{f(c['ratio'], '9.3f', 9)} {met:>8} {f(c['rayft_fraction_of_matmul_ceiling'], '11.1%', 11)} "
-              f"{f(c['hf_fraction_of_matmul_ceiling'], '9.1%', 9)} {f(c['rayft_estimate_rel_err'], '+8.1%', 8)}")
+              f"{f(c['hf_fraction_of_matmul_ceiling'], '9.1%', 9)} {f(c['rayft_estimate_rel_err'], '+8.1%', 8)} "
+              f"{f(c['compile_speedup'], '9.3f', 9)}")
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -710,6 +725,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seq", type=int, help="sequence length (default 2048; dry run 64)")
     ap.add_argument("--warmup", type=int, help="untimed optimizer steps per row (default 2; dry run 1)")
     ap.add_argument("--steps", type=int, help="timed optimizer steps per row (default 4; dry run 2)")
+    ap.add_argument("--compile-shapes", default=None,
+                    help="shapes that get one more rayft row with model.compile=true at the first budget, "
+                         "after all main rows and only within the time limit (default: the first shape; "
+                         "'' for none)")
     ap.add_argument("--time-limit-s", type=float, default=390.0,
                     help="start no new row after this many seconds (rows left are recorded as skipped)")
     args = ap.parse_args(argv)
@@ -753,9 +772,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                "recomputation not counted)",
             "tok_s": "global_batch x seq / mean interval between consecutive end-of-step timestamps after warmup",
             "peak_alloc_gib": "torch.cuda.max_memory_allocated over the row (null on CPU)",
-            "estimate_gib": "rayft rows: jobs.memory peak_allocated for the configuration and unpadded data "
-                            "(compare with peak_alloc_gib); estimate_spec_gib: what train() logged (its spec "
-                            "assumes padded batches, estimate total incl. CUDA context + slack). HF rows: null; "
+            "estimate_gib": "rayft rows: jobs.memory peak_allocated for the configuration and the bench's "
+                            "full-length data (compare with peak_alloc_gib); estimate_spec_gib: what train() "
+                            "logged (estimate total incl. CUDA context + slack). HF rows: null; "
                             "proxy_estimate_gib is rayft's model for HF's micro-batch without loss chunking",
             "budget": "allocator capped with torch.cuda.set_per_process_memory_fraction; rayft also needs its "
                       "estimate total <= budget",
@@ -809,6 +828,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                     result["rows"].append(row)
                     print(fmt_row({**row, "budget_gib": budget}), flush=True)
                     save()
+        # Optional extra rows: is torch.compile worth turning on? Last, so they never starve the
+        # main comparison; same configuration choice as the plain rayft row.
+        compile_shapes = list(shapes)[:1] if args.compile_shapes is None else [
+            n for n in args.compile_shapes.split(",") if n]
+        for shape_name in compile_shapes:
+            if shape_name not in shapes or time.perf_counter() - started > args.time_limit_s:
+                continue
+            config = llama_config(shapes[shape_name], seq)
+            w = Workload(shape_name, config, seq, gbs[shape_name], budgets[0], device, warmup, steps, workdir,
+                         workdir / f"data-{shape_name}.jsonl", workdir / f"model-{shape_name}",
+                         make_sequences(config.vocab_size, gbs[shape_name] * (warmup + steps), seq))
+            row = run_row("rayft-compile", w, flops_per_token(config, seq), ceiling["tflops"],
+                          id_tokenizer(config.vocab_size))
+            result["rows"].append(row)
+            print(fmt_row(row), flush=True)
+            save()
     save()
     print_table(result)
     print(f"\n{result['wall_s']} s; wrote {path}")

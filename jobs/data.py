@@ -167,22 +167,51 @@ def split_window(indices: Sequence[int], rank: int, world_size: int, micro_batch
     return out
 
 
-def collate(examples: Sequence[Example], pad_id: int, pin_memory: bool = False) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sequence; precompute the flat positions of label tokens.
+def collate(examples: Sequence[Example], pad_id: int, pin_memory: bool = False, *,
+            pack_tokens: int = 0, row_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """One micro-batch as tensors; precompute the flat positions of label tokens.
+
+    Default: one row per sequence, right-padded to the longest, and *no attention mask*: with
+    right padding, causal attention already keeps every real token from seeing padding (pads
+    only come after it), and pads carry no label, so their outputs never reach the loss or a
+    gradient. SDPA then runs its mask-free causal kernel (no [B, S, S] bias, native GQA, no
+    host sync in HF's mask code) on ragged batches too.
+
+    With `pack_tokens`, the sequences are packed first-fit-decreasing into rows of at most
+    `pack_tokens` tokens (`pack_rows`), with `position_ids` that restart at 0 for every
+    sequence and `seq_ids` (each token's sequence slot in its row; padding is a slot of its
+    own), from which the loss builds one block-diagonal causal mask: no token attends across
+    sequences. Packed rows are padded to a multiple of `row_multiple` (16 on GPU, so SDPA
+    uses the mask as is). If packing would leave one sequence per row, the plain layout is used.
+    The samples, their positions and so the loss are the same in both layouts.
 
     `label_pos` lets the loss gather exactly the hidden states that have a label with an
     index computed here on the host, so the device never syncs to find them.
     """
-    length = max(len(e.input_ids) for e in examples)
-    m = len(examples)
+    lengths = [len(e.input_ids) for e in examples]
+    rows = pack_rows(lengths, pack_tokens) if pack_tokens else []
+    packed = 0 < len(rows) < len(examples)
+    if not packed:
+        rows = [[i] for i in range(len(examples))]
+    length = max(sum(lengths[i] for i in row) for row in rows)
+    if packed:
+        length = -(-length // row_multiple) * row_multiple
+    m = len(rows)
     input_ids = torch.full((m, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((m, length), dtype=torch.long)
     targets = torch.full((m, length), IGNORE, dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e.input_ids)
-        input_ids[i, :n] = torch.tensor(e.input_ids)
-        attention_mask[i, :n] = 1
-        targets[i, :n] = torch.tensor(e.targets)
+    position_ids = torch.zeros((m, length), dtype=torch.long)
+    seq_ids = torch.zeros((m, length), dtype=torch.int32)
+    for r, row in enumerate(rows):
+        at = 0
+        for slot, i in enumerate(row):
+            e, n = examples[i], lengths[i]
+            input_ids[r, at:at + n] = torch.tensor(e.input_ids)
+            targets[r, at:at + n] = torch.tensor(e.targets)
+            position_ids[r, at:at + n] = torch.arange(n)
+            seq_ids[r, at:at + n] = slot
+            at += n
+        position_ids[r, at:] = torch.arange(length - at)
+        seq_ids[r, at:] = len(row)
     flat = targets.view(-1)
     label_pos = (flat != IGNORE).nonzero().squeeze(1)
     batch = {
@@ -190,13 +219,30 @@ def collate(examples: Sequence[Example], pad_id: int, pin_memory: bool = False) 
         "label_pos": label_pos,
         "label_ids": flat.index_select(0, label_pos),
     }
-    if not bool(attention_mask.all()):
-        # Only a padded batch needs a mask: without one, transformers' sdpa path skips its
-        # per-forward padding check (a host sync) and uses the causal kernel directly.
-        batch["attention_mask"] = attention_mask
+    if packed:
+        batch["position_ids"] = position_ids
+        batch["seq_ids"] = seq_ids
     if pin_memory:
         batch = {k: v.pin_memory() for k, v in batch.items()}
     return batch
+
+
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: indices into rows of at most `capacity` tokens (a longer sequence
+    gets a row of its own). Deterministic: ties keep index order; each row lists its indices
+    in ascending order."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - lengths[i])
+    return [sorted(row) for row in rows]
 
 
 def count_labels(examples: Sequence[Example], indices: Sequence[int]) -> int:

@@ -23,6 +23,11 @@ def preflight(spec) -> None:
         read_jsonl(p, "data.path" if len(spec.data.path) == 1 else f"data.path.{i}")
     if spec.data.eval_path:
         read_jsonl(spec.data.eval_path, "data.eval_path")
+    if spec.data.packing:
+        from .memory import config_from_spec
+        from .model import check_packing
+
+        check_packing(config_from_spec(spec))
 
 
 def prepare(spec_path: str, overrides: list[str], fresh: bool):

@@ -23,7 +23,6 @@ No `.item()` inside the window: scalars are read once per optimizer step.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import random
@@ -42,7 +41,8 @@ from . import checkpoint as ckpt
 from .context import Context
 from .data import GlobalBatches, collate, count_inputs, count_labels, eval_shard, load_dataset, split_window, total_steps
 from .faults import from_env
-from .model import add_lora, check_batchnorm, enable_checkpointing, load_base_model
+from .memory import checkpointing_str
+from .model import add_lora, check_batchnorm, check_packing, compile_layers, enable_checkpointing, load_base_model
 from .outputs import SUMMARY, MetricsLog, append_event, plot_loss, read_metrics, write_json_atomic
 from .spec import JobSpec, SpecError
 
@@ -74,10 +74,13 @@ class CausalLMLoss(nn.Module):
     def _causal_lm(self):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def forward(self, input_ids, label_pos, label_ids, attention_mask=None):
+    def forward(self, input_ids, label_pos, label_ids, attention_mask=None, position_ids=None, seq_ids=None):
         lm = self._causal_lm()
+        if seq_ids is not None:  # packed rows (`jobs.data.collate`)
+            attention_mask = packed_attention_mask(lm.config, seq_ids, lm.get_input_embeddings().weight.dtype)
         # `base_model` is the decoder stack under any HF causal LM (`model`, `gpt_neox`, ...).
-        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
         h = hidden.flatten(0, 1).index_select(0, label_pos)
         head = lm.get_output_embeddings()
         if not self.chunk_tokens or h.shape[0] <= self.chunk_tokens:
@@ -88,6 +91,27 @@ class CausalLMLoss(nn.Module):
             total = total + torch.utils.checkpoint.checkpoint(
                 _head_loss, head, h[sl], label_ids[sl], use_reentrant=False)
         return total
+
+
+def packed_attention_mask(config, seq_ids: torch.Tensor, weight_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The block-diagonal causal mask of packed rows, as the additive float bias SDPA and eager
+    attention take ([rows, 1, T, T]: 0 where query i may see key j -- same sequence slot,
+    j <= i -- the dtype's minimum elsewhere; padding is a slot of its own, so every query sees
+    at least itself and no softmax row is empty).
+
+    Built on the device from `seq_ids` (no host sync), once per micro-batch, in the dtype the
+    attention runs in: SDPA then uses this one tensor in every layer (a bool mask would be
+    converted to a new float bias per layer, each saved for backward). Flash-attention
+    implementations take packing from `position_ids` alone and get no mask."""
+    if "flash" in str(getattr(config, "_attn_implementation", "")):
+        return None
+    device = seq_ids.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight_dtype
+    T = seq_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
+    allowed = (seq_ids[:, :, None] == seq_ids[:, None, :]) & causal
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return bias.unsqueeze(1)
 
 
 def _head_loss(head: nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -115,6 +139,13 @@ class Engine:
     @property
     def is_ddp(self) -> bool:
         return isinstance(self.module, nn.parallel.DistributedDataParallel)
+
+
+def layout_args(spec: JobSpec, device: torch.device) -> dict:
+    """`collate`'s layout arguments: with `data.packing`, rows of up to `data.max_seq_len`
+    tokens, aligned to 16 on GPU."""
+    return {"pack_tokens": spec.data.max_seq_len if spec.data.packing else 0,
+            "row_multiple": 16 if device.type == "cuda" else 1}
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -189,18 +220,20 @@ def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int) -> Optional[float]:
+def evaluate(engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int,
+             layout: Optional[dict] = None) -> Optional[float]:
     """Token-weighted mean loss over the held-out set, sharded over ranks."""
     if not examples:
         return None
     module = engine.module.module if engine.is_ddp else engine.module
     module.eval()
     mine = eval_shard(len(examples), rank, world_size)
+    layout = layout or {}
     sums = torch.zeros(2, device=engine.device, dtype=torch.float64)
     for start in range(0, len(mine), micro_batch_size):
         batch = [examples[i] for i in mine[start:start + micro_batch_size]]
         with engine.autocast():
-            s = module(**to_device(collate(batch, pad_id), engine.device))
+            s = module(**to_device(collate(batch, pad_id, **layout), engine.device))
         sums[0] += s.double()
         sums[1] += sum(e.n_labels for e in batch)
     module.train()
@@ -211,31 +244,19 @@ def evaluate(engine: Engine, examples, rank: int, world_size: int, micro_batch_s
 def decide_checkpointing(spec: JobSpec, device: torch.device) -> tuple[int, float]:
     """(checkpoint every k-th decoder layer, 0 = off; estimated GiB for that choice).
 
-    `auto`: off when the estimate without checkpointing fits the budget (the spec's, else the
-    GPU's memory); otherwise the sparsest selective checkpointing that fits (fewer layers
-    recomputed is faster), down to every layer."""
-    from .memory import config_from_spec, estimate_for_spec
+    `auto`: `jobs.memory.choose_checkpointing` under the spec's budget, else the GPU's memory:
+    off when that fits, otherwise the sparsest selective checkpointing that fits."""
+    from .memory import choose_checkpointing, config_from_spec, estimate_for_spec
 
     kind = "cuda" if device.type == "cuda" else "cpu"
     config = config_from_spec(spec)
-
-    @functools.lru_cache(maxsize=None)
-    def gib(every: int) -> float:
-        return estimate_for_spec(spec, gradient_checkpointing=every > 0, device=kind, config=config,
-                                 checkpoint_every_n_layers=max(1, every)).total_gib
-
     gc = spec.memory.gradient_checkpointing
     if gc != "auto":
-        return int(gc), gib(int(gc))
+        return int(gc), estimate_for_spec(spec, gradient_checkpointing=bool(gc), device=kind, config=config).total_gib
     budget = spec.memory.budget_gib
     if budget is None and device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory / GIB
-    if budget is None or gib(0) <= budget:
-        return 0, gib(0)
-    for every in range(config.num_hidden_layers, 1, -1):
-        if gib(every) <= budget:
-            return every, gib(every)
-    return 1, gib(1)
+    return choose_checkpointing(spec, budget, device=kind, config=config)
 
 
 def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
@@ -249,11 +270,15 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
 
     # ---- model, adapters, data ---------------------------------------------------------
     model, tokenizer = load_base_model(spec, precision)
+    if spec.data.packing:
+        check_packing(model.config)
     model = add_lora(model, spec)
     model = check_batchnorm(model, spec.model.sync_batchnorm, world)
     gc_every, estimate_gib = decide_checkpointing(spec, device)
     if gc_every:
         enable_checkpointing(model, every_n_layers=gc_every)
+    if spec.model.compile:
+        compile_layers(model)
     model.to(device)
     model.train()
     data = load_dataset(spec, tokenizer)
@@ -311,7 +336,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             "gradient checkpointing %s; estimate %.2f GiB",
             spec.name, steps, spec.batch.global_batch_size, world, accum, micro, spec.effective_lr,
             spec.optim.lr, spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, precision,
-            {0: "off", 1: "on"}.get(gc_every, f"on every {gc_every}th layer"), estimate_gib)
+            checkpointing_str(gc_every), estimate_gib)
 
     # ---- the loop ----------------------------------------------------------------------
     faults = from_env()
@@ -319,6 +344,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     run_tokens, run_step_s = 0, 0.0
     run_start = time.perf_counter()
     pin = device.type == "cuda"
+    layout = layout_args(spec, device)
     for step in range(start_step, steps):
         t0 = time.perf_counter()
         lr = lr_at(step, steps, spec)
@@ -332,7 +358,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         n_labels = count_labels(data.train, indices)
         n_inputs = count_inputs(data.train, indices)
         mine = split_window(indices, rank, world, micro, accum)
-        micro_batches = [collate([data.train[i] for i in mb], pad_id, pin_memory=pin) for mb in mine]
+        micro_batches = [collate([data.train[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
         faults.at_step(step, rank, micro)
 
         loss_sum = train_window(engine, micro_batches, n_labels)
@@ -347,7 +373,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         run_tokens, run_step_s = run_tokens + n_inputs, run_step_s + dt
         done = step + 1
         if spec.run.eval_every and done % spec.run.eval_every == 0 or done == steps:
-            eval_loss = evaluate(engine, data.eval, rank, world, micro, pad_id)
+            eval_loss = evaluate(engine, data.eval, rank, world, micro, pad_id, layout)
         peak, peak_kind = peak_memory_bytes(device)
         last = {
             "step": done,

@@ -23,10 +23,12 @@ transformers 5 / peft 0.21 (tests/test_memory.py checks them against
   In fp32 the copies are the same storage and are counted once.
 * RMSNorm keeps an fp32 copy of its input; without checkpointing the first layer's input
   norm saves nothing (the embeddings are frozen); HF checkpointing turns input grads on.
-* SDPA keeps q, k, v, out and the log-sum-exp, no seq x seq matrix; a padded batch makes
-  HF build a mask, which disables SDPA's native GQA (k, v repeated to all heads) and is
-  converted to a float bias that each layer saves. Eager keeps the fp32 softmax and its
-  compute-dtype copy.
+* SDPA keeps q, k, v, out and the log-sum-exp, no seq x seq matrix. Padded batches carry no
+  mask (`jobs.data.collate`: right padding + causal attention is exact), so they cost what
+  full ones do. A mask -- packed rows' block-diagonal float bias (one tensor shared by every
+  layer), or HF's sliding-window bool mask (converted to a float bias that each layer saves)
+  -- disables SDPA's native GQA: k, v are repeated to all heads. Eager keeps the fp32
+  softmax and its compute-dtype copy.
 * The loss head (`CausalLMLoss`): [T, vocab] logits in the compute dtype, their fp32 copy,
   the saved log-softmax, and in backward its gradient and the input gradient: the
   transient peak is 12 bytes x T x vocab at the log-softmax backward.
@@ -235,17 +237,24 @@ class _Walk:
     """Replays the ops of a decoder layer and collects what autograd saves, by storage."""
 
     def __init__(self, shape: ModelShape, *, batch: int, seq: int, act_bytes: int, autocast: bool,
-                 targets: set[str], r: int, lora_dropout: float, attn: str, mask: bool, device: str):
+                 targets: set[str], r: int, lora_dropout: float, attn: str, mask: bool, device: str,
+                 packed: bool = False):
         self.s, self.B, self.S, self.N = shape, batch, seq, batch * seq
         self.a, self.autocast = act_bytes, autocast
         self.targets, self.r, self.p = targets, r, lora_dropout
         self.attn, self.mask, self.device = attn, mask, device
         self.saved: dict[int, int] = {}
         self._next = 0
-        # Shared by every layer: RoPE cos/sin ([1, S, head_dim] each, in the embeddings' dtype).
-        self.cos = self.new(seq * (shape.rotary_dims or shape.head_dim) * act_bytes, False)
+        # Shared by every layer: RoPE cos/sin ([1, S, head_dim] each, in the embeddings' dtype;
+        # [B, S, head_dim] for packed rows, whose position ids differ per row).
+        rows = batch if packed else 1
+        self.cos = self.new(rows * seq * (shape.rotary_dims or shape.head_dim) * act_bytes, False)
         self.sin = self.new(self.cos.nbytes, False)
-        self.position_ids = self.new(seq * INDEX_BYTES, False)
+        self.position_ids = self.new(rows * seq * INDEX_BYTES, False)
+        # Packed rows: `jobs.loop.packed_attention_mask`, one [B, 1, S, S] float bias in the
+        # compute dtype that every layer's attention uses (and SDPA saves) as is.
+        self.packed = packed
+        self.bias = self.new(batch * seq * seq * act_bytes, False) if packed else None
 
     def new(self, nbytes: int, rg: bool) -> _T:
         self._next += 1
@@ -326,7 +335,9 @@ class _Walk:
             out = self.new(N * s.q_dim * a, any_rg)
             if any_rg:
                 self.save(q, k, v, out, self.new(B * s.heads * S * FP32_BYTES, True))  # + log-sum-exp
-                if self.mask:
+                if self.packed:
+                    self.save(self.bias)  # the shared bias: one storage however many layers save it
+                elif self.mask:
                     # Bool mask -> float bias (one per call), padded to 16 columns for CUDA mem-efficient.
                     cols = _round_up(S, 16) if self.device == "cuda" else S
                     self.save(self.new(B * S * cols * a, False))
@@ -406,15 +417,16 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
              optimizer: str = "adamw", momentum: float = 0.0, world_size: int = 1,
              gradient_as_bucket_view: bool = True, attn_implementation: str = "sdpa",
              checkpoint_every_n_layers: int = 1, label_fraction: float = 1.0,
-             loss_chunk_tokens: Optional[int] = None, padded: Optional[bool] = None,
+             loss_chunk_tokens: Optional[int] = None, packed: bool = False,
              device: str = "cuda") -> MemoryEstimate:
     """Per-GPU memory of one micro-step of LoRA training, as named components in bytes.
 
     `config` is a transformers config (or a `ModelShape`). `base_dtype` is the dtype of the
     frozen weights and of the activations; anything but fp32 means autocast with fp32 LoRA
-    weights, as `jobs.loop` runs it. `padded` (default: `micro_batch_size > 1`) says whether
-    the micro-batch carries padding: `collate` right-pads ragged sequences, which makes HF
-    build an attention mask. `label_fraction` is label tokens / (micro_batch_size x seq_len).
+    weights, as `jobs.loop` runs it. Ragged micro-batches cost what full ones of the same
+    padded length do (`jobs.data.collate` adds no mask). `packed` means `data.packing` rows
+    (`micro_batch_size` rows of `seq_len` tokens, several sequences each): a shared float
+    block mask and per-row RoPE tables. `label_fraction` is label tokens / (micro_batch_size x seq_len).
     `gradient_as_bucket_view` matches `jobs.loop`'s DDP (True): the LoRA gradients live in
     DDP's buckets, so buckets cost nothing extra; False adds a second fp32 copy.
     `device="cuda"` adds `framework_overhead` and follows the CUDA kernels where they differ
@@ -439,8 +451,8 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     N = B * S
     a = DTYPE_BYTES[base_dtype]
     autocast = base_dtype != "fp32"
-    padded = B > 1 if padded is None else padded
-    mask = padded or attn_implementation == "eager" or (shape.sliding_window is not None and S >= shape.sliding_window)
+    mask = (packed or attn_implementation == "eager"
+            or (shape.sliding_window is not None and S >= shape.sliding_window))
 
     # ---- static ----
     params = count_base_params(shape)
@@ -458,7 +470,8 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     # ---- activations: replay the forward ----
     def walk() -> _Walk:
         return _Walk(shape, batch=B, seq=S, act_bytes=a, autocast=autocast, targets=targets, r=lora_r,
-                     lora_dropout=lora_dropout, attn=attn_implementation, mask=mask, device=device)
+                     lora_dropout=lora_dropout, attn=attn_implementation, mask=mask, device=device,
+                     packed=packed)
 
     def one_layer_saved(input_rg: bool) -> int:
         w = walk()
@@ -476,6 +489,8 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
             # torch.utils.checkpoint keeps the layer's arguments: the hidden states, RoPE cos/sin,
             # position ids (and the mask, below); everything else is recomputed in backward.
             w.save(x, w.cos, w.sin, w.position_ids)
+            if packed:
+                w.save(w.bias)
             x = w.new(x.nbytes, True)
             checkpointed += 1
             held_mask = held_mask or mask
@@ -484,7 +499,7 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     decoder_bytes = w.saved_bytes
     w.final_norm(x)
     # The float/bool mask HF builds once ([B, 1, S, S]) stays referenced by the checkpoint frames.
-    mask_bytes = B * S * S * (a if attn_implementation == "eager" else 1) if held_mask else 0
+    mask_bytes = B * S * S * (a if attn_implementation == "eager" else 1) if held_mask and not packed else 0
     components["activations"] = w.saved_bytes + mask_bytes
 
     # ---- loss head: CausalLMLoss ----
@@ -588,8 +603,10 @@ def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
     """`estimate` with everything taken from a JobSpec.
 
     The sequence length is `data.max_seq_len - 1`, the longest input `jobs.data` produces
-    (the last token is only a label); every position is assumed to carry a label and a
-    micro-batch of several sequences to be padded: an upper bound for ragged data.
+    (the last token is only a label), and every position is assumed to carry a label: an
+    upper bound for ragged data. With `data.packing`, `micro_batch_size` full packed rows of
+    `data.max_seq_len` tokens (rounded up to 16 on GPU, as `jobs.loop.layout_args` aligns
+    them): an upper bound for packed micro-batches and for the unpacked ones packing leaves.
     `gradient_checkpointing=None` takes the spec's value; `auto` means on when the estimate
     without it exceeds `memory.budget_gib` (off without a budget -- `jobs.loop` also falls
     back to the GPU's total memory, which only it can see).
@@ -597,12 +614,15 @@ def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
     from .spec import SpecError
 
     config = config if config is not None else config_from_spec(spec)
+    packed = spec.data.packing
+    seq_len = _round_up(spec.data.max_seq_len, 16 if device == "cuda" else 1) if packed else spec.data.max_seq_len - 1
 
     def run(gc: bool) -> MemoryEstimate:
         return estimate(
             config,
             micro_batch_size=micro_batch_size or spec.batch.micro_batch_size,
-            seq_len=max(1, spec.data.max_seq_len - 1),
+            seq_len=max(1, seq_len),
+            packed=packed,
             gradient_checkpointing=gc,
             base_dtype=spec_precision(spec, device),
             lora_r=spec.lora.r,
@@ -630,6 +650,42 @@ def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
         raise
     except ValueError as e:  # an unsupported architecture or LoRA target: the user's spec
         raise SpecError(str(e)) from None
+
+
+def checkpointing_str(every: Optional[int]) -> str:
+    """0 -> off, 1 -> on, k -> "every 2nd layer" (None: not decided)."""
+    if every is None:
+        return "-"
+    if every in (0, 1):
+        return ("off", "on")[every]
+    suffix = "th" if 10 <= every % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(every % 10, "th")
+    return f"every {every}{suffix} layer"
+
+
+def choose_checkpointing(spec, budget_gib: Optional[float], *, device: str = "cuda", config=None,
+                         micro_batch_size: Optional[int] = None) -> tuple[int, float]:
+    """(checkpoint every k-th decoder layer, 0 = off; estimated GiB of that choice) for
+    `memory.gradient_checkpointing: auto`: off when the estimate without checkpointing fits
+    `budget_gib` (or there is no budget); otherwise the sparsest selective checkpointing that
+    fits (fewer layers recomputed is faster), down to every layer -- returned even when that
+    does not fit either. `jobs.loop` and the search both decide through here, so a trial runs
+    exactly the checkpointing its plan estimated."""
+    config = config if config is not None else config_from_spec(spec)
+    layers = model_shape(config).layers
+
+    def gib(every: int) -> float:
+        return estimate_for_spec(spec, micro_batch_size=micro_batch_size, gradient_checkpointing=every > 0,
+                                 device=device, config=config,
+                                 checkpoint_every_n_layers=max(1, every)).total_gib
+
+    off = gib(0)
+    if budget_gib is None or off <= budget_gib:
+        return 0, off
+    for every in range(layers, 1, -1):
+        est = gib(every)
+        if est <= budget_gib:
+            return every, est
+    return 1, gib(1)
 
 
 def _spec_device(spec) -> str:

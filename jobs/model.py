@@ -194,6 +194,18 @@ def add_lora(model, spec: JobSpec):
     return peft_model
 
 
+def check_packing(config) -> None:
+    """`data.packing` builds its own block-diagonal causal mask, which replaces HF's masks in
+    every layer: refuse models whose layers also need a sliding-window mask."""
+    types = getattr(config, "layer_types", None) or []
+    sliding = any("sliding" in str(t) for t in types) or (
+        not types and getattr(config, "sliding_window", None) is not None
+        and getattr(config, "use_sliding_window", True))
+    if sliding:
+        raise SpecError(f"data.packing: not supported for {getattr(config, 'model_type', 'this model')!r}: its "
+                        f"sliding-window attention needs its own mask (set data.packing=false)")
+
+
 def check_batchnorm(model: nn.Module, sync: bool, world_size: int) -> nn.Module:
     """Accumulation changes BatchNorm statistics (they are per micro-batch): say so loudly."""
     bns = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -209,6 +221,22 @@ def check_batchnorm(model: nn.Module, sync: bool, world_size: int) -> nn.Module:
         stacklevel=2,
     )
     return model
+
+
+def compile_layers(model) -> int:
+    """`torch.compile` every decoder layer in place; returns how many. Regional compilation:
+    the layers have the same code, and with inlined nn.Modules (torch >= 2.5) dynamo compiles
+    it once and reuses it for every layer. Runs after checkpointing is enabled (HF's
+    checkpointing wraps the layer call, so the recomputation in backward runs compiled code)
+    and before DDP wraps the model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(base.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise SpecError(f"model.compile: cannot find the decoder layers of {type(base).__name__} "
+                        "(expected a `layers` list under its base model)")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def enable_checkpointing(model, every_n_layers: int = 1) -> None:

@@ -48,6 +48,10 @@ class ModelSpec(_Section):
     """Convert BatchNorm layers to SyncBatchNorm (only matters for models that have them)."""
     hf_token_env: Optional[str] = None
     """Name of an environment variable *on the worker* holding a hub token. Never the token itself."""
+    compile: bool = False
+    """`torch.compile` each decoder layer (regional compilation: every layer reuses one compiled
+    graph, so compiling costs seconds, not minutes). The first micro-steps pay the compile time
+    (and once more when padded lengths first vary). Off by default: see README, "Performance"."""
 
     @field_validator("name")
     @classmethod
@@ -76,6 +80,11 @@ class DataSpec(_Section):
     group_by_length: bool = True
     """Within each global batch, give micro-batches sequences of similar length (less padding).
     The global batch, and so the gradient, is unchanged; only who computes which sample moves."""
+    packing: bool = False
+    """Pack each micro-batch's sequences into rows of up to `max_seq_len` tokens (first-fit
+    decreasing), with position ids restarting per sequence and a block-diagonal causal mask, so
+    no padding is computed and no token attends across sequences. Same samples, same loss.
+    Off by default: the mask moves SDPA off its fastest (mask-free causal) kernel; see README."""
 
     @field_validator("path", mode="before")
     @classmethod

@@ -49,7 +49,8 @@ def test_gpu_compare_dry_run_writes_both_loops_and_ratios(tmp_path):
     assert {"torch", "transformers", "peft"} <= result["versions"].keys()
     assert result["dry_run"] is True and result["matmul_ceiling"]["tflops"] > 0
 
-    rows = result["rows"]
+    compiled = [r for r in result["rows"] if r["loop"] == "rayft-compile"]
+    rows = [r for r in result["rows"] if r["loop"] != "rayft-compile"]
     assert {r["loop"] for r in rows} == {"rayft", "hf"}
     budgets = {r["budget_gib"] for r in rows}
     assert len(budgets) == 2
@@ -80,11 +81,22 @@ def test_gpu_compare_dry_run_writes_both_loops_and_ratios(tmp_path):
     assert first["result"].startswith("oom") and first["micro_batch_size"] == 8 and first["loss_chunk_tokens"] == 0
     assert second["result"] == "ok" and ray[loose]["loss_chunk_tokens"] == second["loss_chunk_tokens"]
 
+    # one extra rayft row with model.compile, after the main rows, at the first budget, with
+    # the configuration the plain rayft row chose there
+    assert len(compiled) == 1 and result["rows"][-1] is not None and result["rows"][-1]["loop"] == "rayft-compile"
+    c_row = compiled[0]
+    assert c_row["status"] == "ok" and c_row["tok_s"] > 0 and c_row["budget_gib"] == tight
+    for key in ("micro_batch_size", "grad_accum_steps", "gradient_checkpointing", "loss_chunk_tokens"):
+        assert c_row[key] == ray[tight][key], key
+
     # one comparison per (shape, budget), with the ratio rayft / HF
     comps = result["comparisons"]
     assert len(comps) == 2
     for c in comps:
         assert math.isclose(c["ratio"], c["rayft_tok_s"] / c["hf_tok_s"], rel_tol=1e-2)
+    by_budget = {c["budget_gib"]: c for c in comps}
+    assert math.isclose(by_budget[tight]["compile_speedup"], c_row["tok_s"] / ray[tight]["tok_s"], rel_tol=1e-2)
+    assert by_budget[loose]["compile_speedup"] is None
 
     # FLOPs per token: 4N + 6 L S d_q for the tiny shape (hidden 64, 2 layers, 4 heads, 2 kv, ff 176, vocab 512)
     f = result["flops_per_token"]["tiny"]
@@ -113,3 +125,22 @@ def test_cpu_overhead_quick_writes_ratio(tmp_path):
     assert result["same_math_max_loss_diff"] < 1e-5
     assert set(result["definitions"]) >= {"rayft", "plain", "bare"}
     assert "rayft / plain" in proc.stdout
+
+
+@pytest.mark.slow  # the compiled variant compiles for ~40 s
+def test_cpu_loop_options_quick_compares_layouts_on_the_same_math(tmp_path):
+    proc = _run("cpu_loop_options.py", "--quick", "--out", str(tmp_path), timeout=600)
+    result = _only_json(tmp_path)
+    assert result["benchmark"] == "cpu-loop-options"
+    rows = result["rows"]
+    assert set(rows) == {"padded+mask", "padded", "grouped", "packed", "packed+grouped", "grouped+compile"}
+    for name, r in rows.items():
+        assert r["cpu_s_per_step_median"] > 0 and r["real_tok_s_cpu"] > 0, name
+        assert r["max_loss_diff_vs_padded"] < 1e-4, name  # same samples, same math, every layout
+    # Layout facts, not timings: the mask changes nothing about what is computed; grouping
+    # and packing compute fewer positions than plain padding on this ragged data.
+    assert rows["padded+mask"]["computed_positions_per_step"] == rows["padded"]["computed_positions_per_step"]
+    for name in ("grouped", "packed", "packed+grouped"):
+        assert rows[name]["padding_fraction"] < rows["padded"]["padding_fraction"], name
+    assert rows["grouped+compile"]["computed_positions_per_step"] == rows["grouped"]["computed_positions_per_step"]
+    assert "padded+mask" in proc.stdout

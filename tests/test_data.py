@@ -46,16 +46,17 @@ def test_prompt_completion_masks_the_prompt_and_padding():
     assert ex[1].n_labels == len("hello world") + 1
     batch = collate(ex, tok.pad_token_id)
     assert batch["input_ids"].shape == (2, len("hello world") + 1)
-    assert batch["attention_mask"][0].sum() == 5
+    assert batch["input_ids"][0, 5:].eq(tok.pad_token_id).all()  # right padding
+    assert not any(5 <= int(pos) < batch["input_ids"].shape[1] for pos in batch["label_pos"])  # pads carry no label
     assert batch["label_ids"].tolist()[:3] == [ord("c"), ord("d"), 258]
     assert len(batch["label_pos"]) == ex[0].n_labels + ex[1].n_labels
 
 
-def test_equal_length_batches_carry_no_attention_mask():
+def test_padded_and_full_batches_carry_no_attention_mask():
     tok = byte_tokenizer()
-    ex = tokenize([{"text": "abcd"}, {"text": "wxyz"}], tok, max_seq_len=64)
-    assert "attention_mask" not in collate(ex, tok.pad_token_id)
-    assert "attention_mask" in collate(tokenize([{"text": "ab"}, {"text": "wxyz"}], tok, 64), tok.pad_token_id)
+    for texts in (["abcd", "wxyz"], ["ab", "wxyz"]):
+        batch = collate(tokenize([{"text": t} for t in texts], tok, 64), tok.pad_token_id)
+        assert set(batch) == {"input_ids", "label_pos", "label_ids"}
 
 
 def test_truncation_and_records_without_labels_are_dropped():

@@ -625,7 +625,7 @@ def test_real_memory_model_annotates_when_present():
             rj = k8s.render(spec, overlay="dev-cpu" if not spec.resources.use_gpu else "gpu")[1]
             float(rj["metadata"]["annotations"][k8s.ANN_ESTIMATE])
     huge = load_spec(data={**_inline_spec(use_gpu=True), "data": {"path": "x.jsonl", "max_seq_len": 100000},
-                           "batch": {"global_batch_size": 32, "micro_batch_size": 16},
+                           "batch": {"global_batch_size": 256, "micro_batch_size": 128},
                            "memory": {"gradient_checkpointing": False}}, files=False)
     est = jobs.memory.estimate_for_spec(huge, device="cuda").total_gib
     assert est > 80

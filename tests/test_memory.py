@@ -70,6 +70,7 @@ class Case:
     dtype: str = "fp32"
     attn: str = "sdpa"
     padded: bool = False
+    packed: bool = False
     r: int = 4
     targets: list = field(default_factory=lambda: list(ALL7))
     lora_dropout: float = 0.0
@@ -103,7 +104,7 @@ class Case:
                   base_dtype=self.dtype, lora_r=self.r, lora_target_modules=self.targets,
                   lora_dropout=self.lora_dropout, attn_implementation=self.attn,
                   label_fraction=labels / (self.batch * self.seq), loss_chunk_tokens=self.chunk or None,
-                  padded=self.padded, checkpoint_every_n_layers=self.every_n, device="cpu")
+                  packed=self.packed, checkpoint_every_n_layers=self.every_n, device="cpu")
         kw.update(overrides)
         return estimate(self.config(), **kw)
 
@@ -131,7 +132,8 @@ def build(case: Case):
 
 
 def batch_for(case: Case) -> dict:
-    """Like jobs.data.collate: right padding, label positions gathered on the host."""
+    """Like jobs.data.collate: right padding without a mask, label positions gathered on the
+    host; `packed`: two sequences per row, positions restarting, seq_ids for the block mask."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, case.vocab, (case.batch, case.seq), generator=g)
     mask = torch.ones_like(ids)
@@ -143,16 +145,21 @@ def batch_for(case: Case) -> dict:
     labels[mask == 0] = -100
     flat = labels.view(-1)
     pos = (flat != -100).nonzero().squeeze(1)
-    return {"input_ids": ids, "attention_mask": mask, "label_pos": pos, "label_ids": flat.index_select(0, pos)}
+    batch = {"input_ids": ids, "label_pos": pos, "label_ids": flat.index_select(0, pos)}
+    if case.packed:
+        half = case.seq // 2
+        batch["position_ids"] = torch.cat([torch.arange(half), torch.arange(case.seq - half)]).repeat(case.batch, 1)
+        batch["seq_ids"] = (torch.arange(case.seq) >= half).to(torch.int32).repeat(case.batch, 1)
+    return batch
 
 
 class _BaseModelLoss(CausalLMLoss):
     """`CausalLMLoss` reaches the decoder as `lm.model`; GPT-NeoX names it `gpt_neox`.
     Same computation, through `base_model` (HF's name-independent handle)."""
 
-    def forward(self, input_ids, attention_mask, label_pos, label_ids):
+    def forward(self, input_ids, label_pos, label_ids):
         lm = self._causal_lm()
-        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
         h = hidden.flatten(0, 1).index_select(0, label_pos)
         return jobs_loop._head_loss(lm.get_output_embeddings(), h, label_ids)
 
@@ -318,6 +325,11 @@ CASES = [
     Case("mha-tied-h96", hidden=96, heads=6, kv_heads=6, tied=True),
     Case("many-small-heads", heads=16, kv_heads=16, intermediate=64, dtype="bf16"),
     Case("padded-gqa-wide", hidden=128, heads=8, kv_heads=2, intermediate=128, padded=True, dtype="bf16"),
+    Case("packed-fp32", packed=True),
+    Case("packed-bf16-gqa", packed=True, dtype="bf16", hidden=128, heads=8, kv_heads=2, intermediate=128),
+    Case("packed-gc-bf16", packed=True, gc=True, dtype="bf16"),
+    Case("packed-gc-every2-L4", packed=True, gc=True, every_n=2, layers=4),
+    Case("packed-eager-bf16", packed=True, attn="eager", dtype="bf16"),
     Case("rank-64", r=64, dtype="bf16"),
     Case("wide-mlp-small-vocab", intermediate=512, vocab=40, dtype="bf16"),
     Case("small-vocab-gc", intermediate=256, vocab=40, gc=True),
