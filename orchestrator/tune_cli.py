@@ -75,17 +75,20 @@ def estimate_report(spec, budget, device: str, where: str) -> dict:
     except ValueError as e:
         raise SpecError(f"{where}: {e}") from None
     gc = spec.memory.gradient_checkpointing
-    if gc == "auto":  # as jobs.loop decides it: on when off exceeds the budget
-        used = budget is not None and off.total_gib > budget
+    if gc == "auto":  # as jobs.loop decides it: off if that fits, else the sparsest every-k that fits
+        every, _ = memory.choose_checkpointing(spec, budget, device=device, config=config)
     else:
-        used = bool(gc)
-    chosen = on if used else off
+        every = int(bool(gc))
+    used = every > 0
+    chosen = {0: off, 1: on}.get(every) or memory.estimate_for_spec(
+        spec, gradient_checkpointing=True, checkpoint_every_n_layers=every, device=device, config=config)
     return {
         "name": spec.name, "model": spec.model.name, "device": device,
         "precision": memory.spec_precision(spec, device), "seq_len": max(1, spec.data.max_seq_len - 1),
         "num_workers": spec.resources.num_workers, "global_batch_size": spec.batch.global_batch_size,
         "micro_batch_size": spec.batch.micro_batch_size, "grad_accum_steps": spec.grad_accum_steps,
-        "gradient_checkpointing": gc, "checkpointing_used": used, "budget_gib": budget,
+        "gradient_checkpointing": gc, "checkpointing_used": used, "checkpoint_every_n_layers": every,
+        "budget_gib": budget,
         "components": dict(chosen.components), "total_bytes": chosen.total_bytes, "total_gib": chosen.total_gib,
         "fits": None if budget is None else chosen.total_gib <= budget,
         "by_checkpointing": {
@@ -100,7 +103,7 @@ def estimate_report(spec, budget, device: str, where: str) -> dict:
 
 def cmd_estimate(args) -> int:
     from jobs.memory import MemoryEstimate
-    from tune.search import gib_str
+    from tune.search import checkpointing_str, gib_str
 
     spec, budget = _load_any(args.spec, args.overrides)
     device = args.device or ("cuda" if spec.resources.use_gpu else "cpu")
@@ -127,7 +130,7 @@ def cmd_estimate(args) -> int:
         style = "bold" if name == "total" else None
         t.add_row(label, gib_str(g_off), gib_str(g_on), style=style)
     con.print(t)
-    used = "on" if rep["checkpointing_used"] else "off"
+    used = checkpointing_str(rep["checkpoint_every_n_layers"])
     line = f"total {gib_str(rep['total_gib'])} (checkpointing {used}, memory.gradient_checkpointing={rep['gradient_checkpointing']})"
     if budget is None:
         con.print(f"{line}; no memory.budget_gib set", soft_wrap=True)
@@ -208,16 +211,16 @@ def cmd_tune(args) -> int:
 
 
 def _print_plan(plan) -> None:
-    from tune.search import gib_str
+    from tune.search import checkpointing_str, gib_str
 
     out = sys.stderr
     print(f"plan: budget {gib_str(plan.budget_gib)} on {plan.device}; {plan.samples_per_trial} samples per trial, "
           f"eval every {plan.eval_every_samples} samples", file=out)
     for p in plan.points:
         est = "-" if p.estimate_gib is None else gib_str(p.estimate_gib)
-        ck = "-" if p.gradient_checkpointing is None else ("on" if p.gradient_checkpointing else "off")
+        ck = checkpointing_str(p.checkpoint_every_n_layers)
         print(f"  {p.status:10} micro {p.micro_batch_size or '-':>3} x accum {p.grad_accum_steps:>3} = global "
-              f"{p.global_batch_size:>4}, lr_scaling {p.lr_scaling:6}, checkpointing {ck:3}, estimate {est}"
+              f"{p.global_batch_size:>4}, lr_scaling {p.lr_scaling:6}, checkpointing {ck}, estimate {est}"
               + (f"  ({p.reason})" if p.reason else ""), file=out)
     for n in plan.notes:
         print(f"  note: {n}", file=out)

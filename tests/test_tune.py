@@ -159,16 +159,46 @@ def test_plan_fixed_global_batch(tmp_path):
         assert p.global_batch_size == 8
         if p.status == "skipped":
             continue
-        # auto checkpointing: on exactly when off does not fit; the estimate is jobs.memory's
+        # auto checkpointing: on exactly when off does not fit, then the sparsest every-k that
+        # fits; the estimate is jobs.memory's for that choice
         off, on = est(job, p.micro_batch_size, False), est(job, p.micro_batch_size, True)
         assert p.gradient_checkpointing == (off > BUDGET)
-        assert p.estimate_gib == pytest.approx(on if p.gradient_checkpointing else off)
+        every, gib = memory.choose_checkpointing(job, BUDGET, device="cpu", micro_batch_size=p.micro_batch_size)
+        assert p.checkpoint_every_n_layers == every and p.estimate_gib == pytest.approx(gib)
+        assert p.estimate_gib == pytest.approx(off) if not every else on <= p.estimate_gib < off
         assert (p.status == "infeasible") == (p.estimate_gib > BUDGET)
     assert by_accum[1].status == "infeasible" and "> budget" in by_accum[1].reason  # micro 8 does not fit
     assert [p.micro_batch_size for p in plan.planned] == [4, 2, 1]
     assert any(p.gradient_checkpointing for p in plan.planned) and not all(p.gradient_checkpointing for p in plan.planned)
     for p in plan.planned:  # same samples, same report points, whatever the split
         assert p.max_steps * p.global_batch_size == 32 and p.every_steps * p.global_batch_size == 16
+
+
+def test_trials_run_the_checkpointing_their_plan_estimated(tmp_path):
+    """A budget between selective (every 2nd layer) and no checkpointing: the plan picks the
+    selective choice, and the trial's own `auto` (jobs.loop.decide_checkpointing) picks it too."""
+    import torch
+
+    from jobs.loop import decide_checkpointing
+    from tune.search import plan_search, trial_job_dict
+    from tune.spec import load_search_spec
+
+    job = job_of(search_spec(tmp_path))
+    m = 4
+    off = est(job, m, False)
+    every2 = memory.estimate_for_spec(job, micro_batch_size=m, gradient_checkpointing=True, device="cpu",
+                                      checkpoint_every_n_layers=2).total_gib
+    assert est(job, m, True) < every2 < off
+    budget = round((every2 + off) / 2, 6)
+    data = search_spec(tmp_path, grad_accum_steps=[2], budget_gib=budget)
+    plan = plan_search(load_search_spec(data=data))
+    (p,) = plan.planned
+    assert p.micro_batch_size == m and p.gradient_checkpointing and p.checkpoint_every_n_layers == 2
+    assert p.estimate_gib == pytest.approx(every2)
+    trial = load_spec(data=trial_job_dict(job_of(data).to_dict(), p.trial_config(), 0.01, str(tmp_path / "t"),
+                                          "ts-t", budget))
+    assert trial.memory.gradient_checkpointing == "auto" and trial.memory.budget_gib == budget
+    assert decide_checkpointing(trial, torch.device("cpu")) == (2, pytest.approx(every2))
 
 
 def test_plan_fixed_micro_batch_grows_the_global_batch_and_pins_the_reference(tmp_path):
@@ -199,8 +229,8 @@ def test_plan_fixed_micro_batch_grows_the_global_batch_and_pins_the_reference(tm
         assert job.effective_lr == pytest.approx(want)
         assert job.run.max_steps * p.global_batch_size == 64
         assert job.run.eval_every * p.global_batch_size == 8 == job.run.checkpoint_every * p.global_batch_size
-        assert job.memory.gradient_checkpointing == (est(job_of(data), 2, False) > BUDGET)
-        assert job.memory.budget_gib == BUDGET
+        # `auto` stays `auto`: the trial decides as its plan did (the test above), under the budget
+        assert job.memory.gradient_checkpointing == "auto" and job.memory.budget_gib == BUDGET
 
 
 def test_plan_skips_global_batches_that_do_not_divide_the_sample_budget(tmp_path):

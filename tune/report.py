@@ -23,11 +23,11 @@ from typing import Optional
 import yaml
 
 from jobs.spec import JobSpec
-from .search import Plan, gib_str
+from .search import Plan, checkpointing_str, gib_str
 from .spec import SearchSpec
 
 COLUMNS = ["trial_id", "status", "micro_batch_size", "grad_accum_steps", "global_batch_size", "gradient_checkpointing",
-           "lr_scaling", "reference_batch_size", "base_lr", "effective_lr", "estimate_gib", "budget_gib",
+           "checkpoint_every_n_layers", "lr_scaling", "reference_batch_size", "base_lr", "effective_lr", "estimate_gib", "budget_gib",
            "samples_seen", "tokens_seen", "steps", "eval_loss", "tokens_per_s", "trainings_started", "reason",
            "output_dir"]
 RESULTS_CSV, RESULTS_JSON, RESULTS_TXT, PLOT, BEST = "results.csv", "results.json", "results.txt", "search.png", "best.yaml"
@@ -50,8 +50,9 @@ def best_job_dict(raw: SearchSpec, best: dict) -> dict:
                   "grad_accum_steps": best["grad_accum_steps"]}
     d["optim"].update(lr=best["base_lr"], lr_scaling=best["lr_scaling"],
                       reference_batch_size=best["reference_batch_size"])
-    d["memory"].update(gradient_checkpointing=bool(best["gradient_checkpointing"]),
-                       budget_gib=raw.budget)
+    # `auto` stays `auto` (with the budget): `rayft run` then picks the checkpointing the trial ran.
+    gc = "auto" if d["memory"].get("gradient_checkpointing") == "auto" else bool(best["gradient_checkpointing"])
+    d["memory"].update(gradient_checkpointing=gc, budget_gib=raw.budget)
     out = raw.run.output_dir
     d["run"].update(max_steps=best["steps"], epochs=None,
                     output_dir=out if "{name}" in out else f"{out.rstrip('/')}/best-run")
@@ -128,7 +129,7 @@ def results_table(rows: list[dict], name: str, plan: Plan):
         t.add_row(
             r["trial_id"] or "-", f"[{styles.get(r['status'], '')}]{r['status']}[/]",
             _fmt(r["micro_batch_size"], "d"), str(r["grad_accum_steps"]), str(r["global_batch_size"]),
-            "-" if r["gradient_checkpointing"] is None else ("on" if r["gradient_checkpointing"] else "off"),
+            checkpointing_str(r.get("checkpoint_every_n_layers")),
             r["lr_scaling"], _fmt(r["base_lr"], ".3g"), _fmt(r["effective_lr"], ".3g"), gib_str(r["estimate_gib"]),
             str(r["samples_seen"] or "-"), _fmt(r["eval_loss"], ".4f"), _fmt(r["tokens_per_s"], ".0f"),
             r["reason"][:90],

@@ -5,7 +5,9 @@ trainable).
 Planning (`plan_search`) is pure and starts nothing. It expands the `search` section into
 points (micro-batch, accumulation, global batch, lr rule), estimates each point's memory
 with `jobs.memory` for the device the trials run on, decides checkpointing
-(`memory.gradient_checkpointing`: true, false, or auto = on only when off does not fit) and
+(`memory.gradient_checkpointing`: true, false, or auto = off when that fits, else the sparsest
+every-k-th-layer checkpointing that fits, as `jobs.memory.choose_checkpointing` decides for the
+trial itself) and
 marks points:
 
 * `planned`: launched, `search.num_samples` times with log-uniform base learning rates;
@@ -41,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from jobs.memory import checkpointing_str
 from jobs.spec import JobSpec, SpecError
 from .spec import SearchSpec, lcm
 
@@ -83,6 +86,7 @@ class Point:
     status: str = "planned"  # planned | infeasible | skipped
     reason: str = ""
     gradient_checkpointing: Optional[bool] = None
+    checkpoint_every_n_layers: Optional[int] = None  # 0 off, 1 every layer, k selective (auto mode)
     estimate_gib: Optional[float] = None  # for the checkpointing choice (the lower one when infeasible)
     estimate_off_gib: Optional[float] = None
     estimate_on_gib: Optional[float] = None
@@ -190,6 +194,10 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
             on = memory.estimate_for_spec(job, micro_batch_size=m, gradient_checkpointing=True, device=device,
                                           config=config).total_gib
             mem[m] = {"off": off, "on": on}
+            if spec.memory.gradient_checkpointing == "auto":
+                # what the trial's own `auto` will pick: off, else the sparsest every-k that fits
+                mem[m]["every"], mem[m]["auto"] = memory.choose_checkpointing(
+                    job, budget, device=device, config=config, micro_batch_size=m)
         gc_mode = spec.memory.gradient_checkpointing
         smallest = memory.estimate_for_spec(job, micro_batch_size=1, gradient_checkpointing=gc_mode is not False,
                                             device=device, config=config).total_gib
@@ -210,14 +218,16 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
         e = mem[p.micro_batch_size]
         p.estimate_off_gib, p.estimate_on_gib = e["off"], e["on"]
         if gc_mode == "auto":
-            p.gradient_checkpointing = e["off"] > budget
+            p.checkpoint_every_n_layers, p.estimate_gib = e["every"], e["auto"]
+            p.gradient_checkpointing = e["every"] > 0
         else:
             p.gradient_checkpointing = bool(gc_mode)
-        p.estimate_gib = e["on"] if p.gradient_checkpointing else e["off"]
+            p.checkpoint_every_n_layers = int(p.gradient_checkpointing)
+            p.estimate_gib = e["on"] if p.gradient_checkpointing else e["off"]
         if p.status == "planned" and p.estimate_gib > budget:
             p.status = "infeasible"
             p.reason = (f"estimate {gib_str(p.estimate_gib)} > budget {gib_str(budget)} "
-                        f"(checkpointing {'on' if p.gradient_checkpointing else 'off'})")
+                        f"(checkpointing {checkpointing_str(p.checkpoint_every_n_layers)})")
 
     # -- the eval/report interval: the same sample counts for every trial --
     live = [p for p in points if p.status == "planned"]  # feasible: infeasible points do not constrain it
@@ -257,7 +267,10 @@ def trial_job_dict(base: dict, p: dict, lr: float, out_dir: str, name: str, budg
     d["batch"] = {"global_batch_size": p["global_batch_size"], "micro_batch_size": p["micro_batch_size"],
                   "grad_accum_steps": p["grad_accum_steps"]}
     d["optim"].update(lr=float(lr), lr_scaling=p["lr_scaling"], reference_batch_size=p["reference_batch_size"])
-    d["memory"].update(gradient_checkpointing=bool(p["gradient_checkpointing"]), budget_gib=budget)
+    # `auto` stays `auto`: the trial decides through `jobs.memory.choose_checkpointing` under the
+    # same budget, the choice its plan estimated (selective every-k included).
+    gc = "auto" if d["memory"].get("gradient_checkpointing") == "auto" else bool(p["gradient_checkpointing"])
+    d["memory"].update(gradient_checkpointing=gc, budget_gib=budget)
     d["run"].update(max_steps=p["max_steps"], epochs=None, checkpoint_every=p["every_steps"],
                     eval_every=p["every_steps"], keep_checkpoints=1, max_failures=0, output_dir=out_dir)
     return d
@@ -423,7 +436,7 @@ def trial_dirname(trial) -> str:
 
 def _describe(p: dict, lr: float) -> str:
     return (f"micro {p['micro_batch_size']} x accum {p['grad_accum_steps']} (global {p['global_batch_size']}), "
-            f"lr {lr:.3g} {p['lr_scaling']}, checkpointing {'on' if p['gradient_checkpointing'] else 'off'}")
+            f"lr {lr:.3g} {p['lr_scaling']}, checkpointing {checkpointing_str(p.get('checkpoint_every_n_layers'))}")
 
 
 # ---- the driver --------------------------------------------------------------------------
@@ -625,6 +638,7 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
             "trial_id": trial_id, "status": status, "key": p["key"],
             "micro_batch_size": p["micro_batch_size"], "grad_accum_steps": p["grad_accum_steps"],
             "global_batch_size": p["global_batch_size"], "gradient_checkpointing": p["gradient_checkpointing"],
+            "checkpoint_every_n_layers": p.get("checkpoint_every_n_layers"),
             "lr_scaling": p["lr_scaling"], "reference_batch_size": p["reference_batch_size"],
             "base_lr": lr, "effective_lr": lr * Point(p["micro_batch_size"], p["grad_accum_steps"],
                                                       p["global_batch_size"], p["lr_scaling"],
@@ -644,7 +658,8 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
         rows.append({
             "trial_id": None, "status": p.status, "key": p.key, "micro_batch_size": p.micro_batch_size or None,
             "grad_accum_steps": p.grad_accum_steps, "global_batch_size": p.global_batch_size,
-            "gradient_checkpointing": p.gradient_checkpointing, "lr_scaling": p.lr_scaling,
+            "gradient_checkpointing": p.gradient_checkpointing,
+            "checkpoint_every_n_layers": p.checkpoint_every_n_layers, "lr_scaling": p.lr_scaling,
             "reference_batch_size": p.reference_batch_size, "base_lr": None, "effective_lr": None,
             "estimate_gib": p.estimate_gib, "budget_gib": plan.budget_gib, "samples_seen": 0, "tokens_seen": None,
             "steps": 0, "eval_loss": None, "tokens_per_s": None, "trainings_started": 0,
