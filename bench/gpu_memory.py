@@ -10,7 +10,10 @@ gradients are allocated beforehand (a steady-state micro-step), so the measured 
 context, allocator slack) is outside `max_memory_allocated`; it is reported, not compared.
 
 Needs only torch, transformers and peft (no Ray). Writes
-bench/results/memory-<date>-<gpu>.json and prints a table. About 2-3 minutes on an H200.
+bench/results/memory-<date>-<gpu>.json (rewritten after every combination, so a cut-off run
+keeps what it measured) and prints a table. About 2-3 minutes on an H200 (estimated; not yet
+run there); `--time-limit-s` stops starting combinations. `bash bench/gpu_all.sh $OUT` runs it
+and bench/gpu_compare.py in one device call (see that script's docstring for the wheels).
 
     python bench/gpu_memory.py                      # the GPU run
     python bench/gpu_memory.py --dry-run            # tiny shapes on CPU, to check the script
@@ -22,6 +25,7 @@ import argparse
 import datetime as _dt
 import gc
 import json
+import os
 import re
 import sys
 import tempfile
@@ -72,9 +76,9 @@ except ImportError:  # the GPU machine may only have torch/transformers/peft
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids, attention_mask, label_pos, label_ids):
+        def forward(self, input_ids, label_pos, label_ids):
             lm = self.model.get_base_model()
-            hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            hidden = lm.model(input_ids=input_ids, use_cache=False).last_hidden_state
             h = hidden.flatten(0, 1).index_select(0, label_pos)
             return F.cross_entropy(lm.get_output_embeddings()(h).float(), label_ids, reduction="sum")
 
@@ -105,7 +109,7 @@ def make_batch(vocab: int, micro_batch_size: int, seq_len: int, device: torch.de
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (micro_batch_size, seq_len), generator=g)
     flat = ids.view(-1)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+    batch = {"input_ids": ids,
              "label_pos": torch.arange(flat.numel()), "label_ids": flat.roll(-1)}
     return {k: v.to(device) for k, v in batch.items()}
 
@@ -186,7 +190,8 @@ def set_checkpointing(model, on: bool) -> None:
         base.activation_checkpointing_disable()
 
 
-def run_shape(name: str, shape: dict, args, device: torch.device) -> list[dict]:
+def run_shape(name: str, shape: dict, args, device: torch.device, rows: list, save, started: float) -> None:
+    """Measures `shape` into `rows`, calling `save()` after each row (a killed run keeps its rows)."""
     config = llama_config(shape)
     t0 = time.perf_counter()
     model = build(config, device, args.lora_r)
@@ -195,7 +200,6 @@ def run_shape(name: str, shape: dict, args, device: torch.device) -> list[dict]:
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     warm_up(loss_fn, model, optimizer, config.vocab_size, device)
     print(f"# {name}: built in {time.perf_counter() - t0:.1f}s", flush=True)
-    rows = []
     # Checkpointing off first: enabling it turns on input grads for the embeddings, which
     # disabling (for a model without PEFT's transformers integration) does not undo.
     for gc_on in (False, True):
@@ -204,13 +208,16 @@ def run_shape(name: str, shape: dict, args, device: torch.device) -> list[dict]:
             for mb in args.micro_batches:
                 est = memory.estimate(config, micro_batch_size=mb, seq_len=seq, gradient_checkpointing=gc_on,
                                       base_dtype="bf16", lora_r=args.lora_r, lora_target_modules=TARGETS,
-                                      optimizer="adamw", padded=False, device=device.type)
+                                      optimizer="adamw", device=device.type)
                 row = {"shape": name, "seq_len": seq, "micro_batch_size": mb, "gradient_checkpointing": gc_on,
                        "measured_gib": None, "estimate_gib": round(est.peak_allocated_gib, 4),
                        "estimate_total_gib": round(est.total_gib, 4), "rel_err": None,
                        "components_gib": {k: round(v / GIB, 4) for k, v in est.components.items()}}
                 if est.total_gib > args.max_gib:
                     rows.append({**row, "status": f"skipped: estimate {est.total_gib:.3g} GiB > {args.max_gib:g}"})
+                    continue
+                if time.perf_counter() - started > args.time_limit_s:
+                    rows.append({**row, "status": f"skipped: time limit {args.time_limit_s:g} s"})
                     continue
                 t = time.perf_counter()
                 peak = None
@@ -225,17 +232,18 @@ def run_shape(name: str, shape: dict, args, device: torch.device) -> list[dict]:
                     torch.cuda.empty_cache()
                     rows.append({**row, "status": "oom"})
                     print(_fmt(rows[-1]), flush=True)
+                    save()
                     continue
                 measured = peak / GIB
                 rows.append({**row, "status": "ok", "measured_gib": round(measured, 4),
                              "rel_err": round((est.peak_allocated_gib - measured) / measured, 4),
                              "seconds": round(time.perf_counter() - t, 2)})
                 print(_fmt(rows[-1]), flush=True)
+                save()
     del model, loss_fn, optimizer, params
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -266,6 +274,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--max-gib", type=float, default=130.0, help="skip combinations estimated above this")
     ap.add_argument("--out-dir", type=Path, help="default: bench/results (a temp dir with --dry-run)")
+    ap.add_argument("--time-limit-s", type=float, default=float("inf"),
+                    help="measure no new combination after this many seconds (the rest: skipped)")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.device, args.tiny = "cpu", True
@@ -285,10 +295,6 @@ def main(argv=None) -> int:
     import transformers
 
     started = time.perf_counter()
-    print(HEADER)
-    rows = []
-    for name, shape in shapes.items():
-        rows += run_shape(name, shape, args, device)
     today = _dt.date.today().isoformat()
     out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="rayft-bench-")) if args.dry_run else ROOT / "bench" / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -303,9 +309,19 @@ def main(argv=None) -> int:
         "measured": "torch.cuda.max_memory_allocated over forward+backward" if device.type == "cuda"
                     else "CPU live-storage tracker (dry run)",
         "estimate": "MemoryEstimate.peak_allocated_bytes (total minus framework_overhead)",
-        "wall_s": round(time.perf_counter() - started, 1),
     }
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    rows: list[dict] = []
+
+    def save() -> None:
+        meta["wall_s"] = round(time.perf_counter() - started, 1)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        os.replace(tmp, path)
+
+    print(HEADER)
+    for name, shape in shapes.items():
+        run_shape(name, shape, args, device, rows, save, started)
+    save()
     print("\n" + HEADER)
     for r in rows:
         print(_fmt(r))
