@@ -199,19 +199,13 @@ def collate(examples: Sequence[Example], pad_id: int, pin_memory: bool = False, 
     m = len(rows)
     input_ids = torch.full((m, length), pad_id, dtype=torch.long)
     targets = torch.full((m, length), IGNORE, dtype=torch.long)
-    position_ids = torch.zeros((m, length), dtype=torch.long)
-    seq_ids = torch.zeros((m, length), dtype=torch.int32)
     for r, row in enumerate(rows):
         at = 0
-        for slot, i in enumerate(row):
+        for i in row:
             e, n = examples[i], lengths[i]
             input_ids[r, at:at + n] = torch.tensor(e.input_ids)
             targets[r, at:at + n] = torch.tensor(e.targets)
-            position_ids[r, at:at + n] = torch.arange(n)
-            seq_ids[r, at:at + n] = slot
             at += n
-        position_ids[r, at:] = torch.arange(length - at)
-        seq_ids[r, at:] = len(row)
     flat = targets.view(-1)
     label_pos = (flat != IGNORE).nonzero().squeeze(1)
     batch = {
@@ -220,11 +214,27 @@ def collate(examples: Sequence[Example], pad_id: int, pin_memory: bool = False, 
         "label_ids": flat.index_select(0, label_pos),
     }
     if packed:
-        batch["position_ids"] = position_ids
-        batch["seq_ids"] = seq_ids
+        batch["position_ids"], batch["seq_ids"] = _packed_positions(rows, lengths, length)
     if pin_memory:
         batch = {k: v.pin_memory() for k, v in batch.items()}
     return batch
+
+
+def _packed_positions(rows: list[list[int]], lengths: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids restarting at 0 per sequence, and each token's sequence slot in its row
+    (the padding after the last sequence is one more slot)."""
+    position_ids = torch.zeros((len(rows), length), dtype=torch.long)
+    seq_ids = torch.zeros((len(rows), length), dtype=torch.int32)
+    for r, row in enumerate(rows):
+        at = 0
+        for slot, i in enumerate(row):
+            n = lengths[i]
+            position_ids[r, at:at + n] = torch.arange(n)
+            seq_ids[r, at:at + n] = slot
+            at += n
+        position_ids[r, at:] = torch.arange(length - at)
+        seq_ids[r, at:] = len(row)
+    return position_ids, seq_ids
 
 
 def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
