@@ -77,7 +77,7 @@ class CausalLMLoss(nn.Module):
     def forward(self, input_ids, label_pos, label_ids, attention_mask=None, position_ids=None, seq_ids=None):
         lm = self._causal_lm()
         if seq_ids is not None:  # packed rows (`jobs.data.collate`)
-            attention_mask = packed_attention_mask(lm.config, seq_ids, lm.get_input_embeddings().weight.dtype)
+            attention_mask = packed_attention_mask(seq_ids, lm.get_input_embeddings().weight.dtype)
         # `base_model` is the decoder stack under any HF causal LM (`model`, `gpt_neox`, ...).
         hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
@@ -93,7 +93,7 @@ class CausalLMLoss(nn.Module):
         return total
 
 
-def packed_attention_mask(config, seq_ids: torch.Tensor, weight_dtype: torch.dtype) -> Optional[torch.Tensor]:
+def packed_attention_mask(seq_ids: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
     """The block-diagonal causal mask of packed rows, as the additive float bias SDPA and eager
     attention take ([rows, 1, T, T]: 0 where query i may see key j -- same sequence slot,
     j <= i -- the dtype's minimum elsewhere; padding is a slot of its own, so every query sees
@@ -101,10 +101,7 @@ def packed_attention_mask(config, seq_ids: torch.Tensor, weight_dtype: torch.dty
 
     Built on the device from `seq_ids` (no host sync), once per micro-batch, in the dtype the
     attention runs in: SDPA then uses this one tensor in every layer (a bool mask would be
-    converted to a new float bias per layer, each saved for backward). Flash-attention
-    implementations take packing from `position_ids` alone and get no mask."""
-    if "flash" in str(getattr(config, "_attn_implementation", "")):
-        return None
+    converted to a new float bias per layer, each saved for backward)."""
     device = seq_ids.device
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight_dtype
     T = seq_ids.shape[1]
