@@ -308,7 +308,10 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             ckpt.set_rng_state(torch.load(rng_file, weights_only=False))
         start_step, tokens_seen, skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
         eval_loss = state.get("eval_loss")
-        if ctx.is_main:
+        if ctx.is_main and start_step >= steps:
+            log.warning("%s already ran all %d steps (%s): nothing to train; outputs are rewritten from it "
+                        "(--fresh trains again)", spec.name, steps, source)
+        elif ctx.is_main:
             log.warning("resuming from %s at optimizer step %d", source, start_step)
     else:
         # Per-rank seed for dropout; the data order does not depend on it.
@@ -419,19 +422,20 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         if spec.model.name == "tiny-llama":
             _save_tiny_base(spec, out / "base", adapter_dir)
         plot_loss(out, records, f"{spec.name}: {spec.batch.global_batch_size} seq/step, accum {accum}")
+        final = last or (records[-1] if records else {})  # a rerun of a finished job trains no step
         summary = {
             "name": spec.name,
             "steps": steps,
             "resumed_from_step": start_step,
             "first_loss": records[0]["loss"] if records else None,
-            "final_loss": last.get("loss"),
+            "final_loss": final.get("loss"),
             "eval_loss": eval_loss,
             "tokens_seen": tokens_seen,
             "skipped_steps": skipped_steps,
             "wall_time_s": wall,
             "mean_tokens_per_s": run_tokens / run_step_s if run_step_s else None,
-            "peak_mem_gib": last.get("peak_mem_gib"),
-            "peak_mem_kind": last.get("peak_mem_kind"),
+            "peak_mem_gib": final.get("peak_mem_gib"),
+            "peak_mem_kind": final.get("peak_mem_kind"),
             "estimate_gib": estimate_gib,
             "precision": precision,
             "gradient_checkpointing": bool(gc_every),

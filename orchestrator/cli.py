@@ -75,22 +75,27 @@ class _Progress:
         self.progress.__exit__(*exc)
 
 
+def _num(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def _summary_table(summary: dict, spec) -> None:
     from rich.table import Table
+
+    from jobs.memory import checkpointing_str
 
     t = Table(title=f"rayft run {spec.name}", show_header=False)
     rows = [
         ("steps", f"{summary['steps']} (resumed from {summary['resumed_from_step']})" if summary["resumed_from_step"]
          else str(summary["steps"])),
-        ("loss first -> final", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
+        ("loss first -> final", f"{_num(summary['first_loss'], '.4f')} -> {_num(summary['final_loss'], '.4f')}"),
         ("eval loss", "-" if summary["eval_loss"] is None else f"{summary['eval_loss']:.4f}"),
         ("global batch", f"{summary['global_batch_size']} = {summary['num_workers']} workers x "
                          f"{summary['grad_accum_steps']} accum x {summary['micro_batch_size']} micro"),
         ("effective lr", f"{summary['effective_lr']:.3g}"),
-        ("precision / checkpointing", f"{summary['precision']} / " + {0: "off", 1: "on"}.get(
-            summary["checkpoint_every_n_layers"], f"every {summary['checkpoint_every_n_layers']}th layer")),
+        ("precision / checkpointing", f"{summary['precision']} / {checkpointing_str(summary['checkpoint_every_n_layers'])}"),
         ("tokens/s (mean)", f"{summary['mean_tokens_per_s']:.0f}" if summary["mean_tokens_per_s"] else "-"),
-        ("peak memory / estimate", f"{summary['peak_mem_gib']:.2f} GiB / {summary['estimate_gib']:.2f} GiB"
+        ("peak memory / estimate", f"{_num(summary['peak_mem_gib'], '.2f')} GiB / {summary['estimate_gib']:.2f} GiB"
          + (" (CPU: whole-process RSS vs training tensors)" if summary.get("peak_mem_kind") == "cpu_max_rss" else "")),
         ("skipped steps (fp16)", str(summary["skipped_steps"])),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),

@@ -125,6 +125,30 @@ def test_spec_change_that_breaks_resuming_is_refused_before_training(tmp_path, m
     assert [e["event"] for e in read_events(out)].count("start") == 2
 
 
+def test_rerunning_a_finished_job_trains_nothing_and_reports_its_result(tmp_path, monkeypatch, capsys, caplog):
+    """The same command again after the job finished (e.g. `make demo` twice): no step runs, no
+    traceback, and the summary still gives the finished run's final loss."""
+    from orchestrator.cli import main
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    args = ["run", DEMO, "--local", f"run.output_dir={out}", "resources.num_workers=1", "run.max_steps=2",
+            "run.checkpoint_every=1"]
+    assert main(args) == 0
+    first = json.loads((out / "summary.json").read_text())
+    metrics = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    caplog.clear()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "already ran all 2 steps" in caplog.text
+    again = json.loads((out / "summary.json").read_text())
+    assert again["resumed_from_step"] == 2 and again["final_loss"] == first["final_loss"] is not None
+    assert again["first_loss"] == first["first_loss"] and again["peak_mem_gib"] is not None
+    assert (out / "metrics.jsonl").read_text() == metrics  # nothing trained, nothing appended
+    assert f"{first['final_loss']:.4f}" in err  # the summary table
+
+
 # ---- Ray: a worker SIGKILLed mid-run, and the driver killed mid-run ------------------------
 
 RAY_STEPS = ["run.max_steps=8", "run.checkpoint_every=2", "run.keep_checkpoints=4", "run.eval_every=0"]
