@@ -73,7 +73,8 @@ def window_inputs(spec: JobSpec, tok, rank: int, world: int, step: int = 0):
     data = load_dataset(spec, tok)
     idx = GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed).indices(step)
     mine = split_window(idx, rank, world, spec.batch.micro_batch_size, spec.grad_accum_steps)
-    mbs = [collate([data.train[i] for i in mb], tok.pad_token_id) for mb in mine]
+    layout = {"pack_tokens": spec.data.max_seq_len} if spec.data.packing else {}
+    mbs = [collate([data.train[i] for i in mb], tok.pad_token_id, **layout) for mb in mine]
     return mbs, count_labels(data.train, idx), idx, data
 
 

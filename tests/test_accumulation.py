@@ -41,6 +41,27 @@ def test_accumulated_gradient_equals_big_batch_fp32(w, m, gc, tmp_path):
     assert rel_err(got, ref) <= 1e-5
 
 
+PACKED_SPLITS = [(1, 4), (2, 4), (2, 2)]
+
+
+@pytest.mark.parametrize("w,m", PACKED_SPLITS, ids=[f"W{w}xN{8 // (w * m)}xm{m}" for w, m in PACKED_SPLITS])
+def test_packed_accumulation_equals_the_unpacked_big_batch(w, m, tmp_path):
+    """data.packing under DDP and accumulation: packed micro-batches, one unpacked reference."""
+    over = (*_split_overrides(w, m), "data.packing=true")
+    spec = tiny_spec(*over)
+    _, tok = build_engine(spec, optimizer=False)[1:]
+    packed = [mb for r in range(w) for mb in window_inputs(spec, tok, r, w)[0] if "seq_ids" in mb]
+    assert packed, "no micro-batch was packed: the test would not exercise packing"
+    ref = reference_grads(tiny_spec(*_split_overrides(w, m)))
+    if w == 1:
+        got = accumulated_grads(0, 1, over, False, "fp32")
+    else:
+        per_rank = spawn(accumulated_grads, w, tmp_path, over, False, "fp32")
+        assert rel_err(per_rank[1], per_rank[0]) == 0.0
+        got = per_rank[0]
+    assert rel_err(got, ref) <= 1e-5
+
+
 def test_mean_of_micro_means_would_be_caught():
     """Guard on the oracle itself: the naive normalization is measurably wrong on this data."""
     spec = tiny_spec("batch.micro_batch_size=2")
