@@ -86,7 +86,8 @@ except ImportError:  # the GPU machine may only have torch/transformers/peft
 # ---- the model, as jobs.model builds it ---------------------------------------------------------
 
 def build(config, device: torch.device, lora_r: int):
-    """Random init directly on the device in bf16; frozen base; fp32 LoRA on all linears."""
+    """Random init directly on the device in bf16; frozen base; fp32 LoRA on all linears that
+    reads its input in bf16 (no PEFT cast to fp32), as jobs.model builds it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -100,6 +101,10 @@ def build(config, device: torch.device, lora_r: int):
     for p in model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
+    # As jobs.model.keep_lora_inputs_in_compute_dtype: the adapters read the bf16 input as is.
+    for module in model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = False
     model.train()
     return model
 

@@ -303,7 +303,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     model, tokenizer = load_base_model(spec, precision)
     if spec.data.packing:
         check_packing(model.config)
-    model = add_lora(model, spec)
+    model = add_lora(model, spec, precision)
     model = check_batchnorm(model, spec.model.sync_batchnorm, world)
     gc_every, estimate_gib = decide_checkpointing(spec, device)
     if gc_every:

@@ -18,9 +18,9 @@ transformers 5 / peft 0.21 (tests/test_memory.py checks them against
 `saved_tensors_hooks`):
 
 * Frozen base linears save nothing but their weight; the LoRA A matmul saves the input.
-* Under autocast, PEFT casts every LoRA input to fp32 and autocast casts it back, so each
-  adapted module keeps its *own* bf16 copy of its input (q, k and v: three copies).
-  In fp32 the copies are the same storage and are counted once.
+* PEFT would cast every LoRA input to fp32 under autocast (and autocast back), giving each
+  adapted module its *own* bf16 copy of its input to keep; `jobs.model` turns that off, so
+  the adapters of q, k and v (gate and up) keep one shared tensor, counted once.
 * RMSNorm keeps an fp32 copy of its input; without checkpointing the first layer's input
   norm saves nothing (the embeddings are frozen); HF checkpointing turns input grads on.
 * SDPA keeps q, k, v, out and the log-sum-exp, no seq x seq matrix. Padded batches carry no
@@ -299,17 +299,21 @@ class _Walk:
         if name not in self.targets:
             return out
         n, r, a = self.N, self.r, self.a
+        # The adapters read their input in the compute dtype (`jobs.model` keeps PEFT from
+        # casting it to fp32 under autocast), so lora_A keeps the very tensor the base linear
+        # got: q, k and v (gate and up) share it.
         lora_in = x
         if self.p > 0:
-            # Dropout on PEFT's fp32 cast of the input. CUDA's fused kernel keeps a bool mask,
-            # the CPU kernel (input * bernoulli noise) keeps the fp32 noise.
+            # Dropout on the LoRA input: CUDA's fused kernel keeps a bool mask, the CPU kernel
+            # (input * bernoulli noise) keeps the noise in the input's dtype.
             if x.rg:
-                self.save(self.new(n * fan_in * (1 if self.device == "cuda" else FP32_BYTES), True))
-            lora_in = self.new(n * fan_in * FP32_BYTES, x.rg)
-        # lora_A saves its input (for A's gradient). Under autocast that is a fresh bf16 cast
-        # of PEFT's fp32 cast -- one per adapted module, even when they read the same tensor.
-        a_in = self.new(n * fan_in * a, x.rg) if self.autocast else lora_in
-        self.save(a_in)
+                self.save(self.new(n * fan_in if self.device == "cuda" else x.nbytes, True))
+            lora_in = self.new(x.nbytes, x.rg)
+        # An fp32 input under autocast (CUDA layer_norm's output) is cast for the matmul, and
+        # lora_A keeps that copy.
+        if self.autocast and lora_in.nbytes != n * fan_in * a:
+            lora_in = self.new(n * fan_in * a, x.rg)
+        self.save(lora_in)
         if self.autocast:
             if x.rg:
                 self.save(self.new(r * fan_in * a, False))  # autocast copy of A (for the input gradient)
@@ -518,14 +522,14 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     components["logits_loss"] = logits_peak + index_bytes + (T * shape.hidden * a if chunk < T else 0)
 
     # ---- one decoder layer's backward ----
-    # The widest moment of one layer beyond what it saves. At the MLP: an [N, intermediate]
-    # gradient in the compute dtype plus LoRA's fp32 copy of the down_proj input (its forward
-    # cast, its backward gradient), with a few [N, hidden] gradients under autocast. At the
-    # norms: fp32 [N, hidden] temporaries. Checkpointing adds the recomputed layer, all alive
-    # when the MLP backward (the first part of the layer's backward) runs. Measured on CPU with
-    # a live-storage tracker over forward + backward (tests/test_memory.py::test_peak_*).
+    # The widest moment of one layer beyond what it saves. At the MLP: [N, intermediate]
+    # gradients (fp32: two of them; under autocast one in the compute dtype, plus a few
+    # [N, hidden] gradients). At the norms: fp32 [N, hidden] temporaries. Checkpointing adds the
+    # recomputed layer, all alive when the MLP backward (the first part of the layer's backward)
+    # runs; beside it, fewer [N, hidden] gradients coexist under autocast. Measured on CPU with a
+    # live-storage tracker over forward + backward (tests/test_memory.py::test_peak_*).
     H, I = shape.hidden, shape.intermediate
-    mlp_point = N * (I * (FP32_BYTES + a) + (5 * H * a if autocast else 0))
+    mlp_point = N * (I * a + 5 * H * a) if autocast else N * I * (FP32_BYTES + a)
     norm_point = N * 5 * H * FP32_BYTES
     plain_point = max(mlp_point, norm_point) if checkpointed < shape.layers else 0
     if checkpointed:
@@ -533,7 +537,8 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
         # freed; earlier checkpointed layers find even less alive.
         last = (shape.layers - 1) // checkpoint_every_n_layers * checkpoint_every_n_layers
         freed = (shape.layers - 1 - last) * full_layer_bytes
-        components["layer_backward"] = max(plain_point, full_layer_bytes + mlp_point - freed)
+        recomputed_point = N * (I * a + 3 * H * a) if autocast else mlp_point
+        components["layer_backward"] = max(plain_point, full_layer_bytes + recomputed_point - freed)
     else:
         components["layer_backward"] = plain_point
 

@@ -164,8 +164,10 @@ def _gguf_cache(directory: Path, gguf_file: str) -> Path:
     return cache
 
 
-def add_lora(model, spec: JobSpec):
-    """Wrap with PEFT LoRA; adapter init is seeded so every rank starts identical."""
+def add_lora(model, spec: JobSpec, precision: str = "fp32"):
+    """Wrap with PEFT LoRA; adapter init is seeded so every rank starts identical.
+
+    `precision` bf16/fp16 (autocast): see `keep_lora_inputs_in_compute_dtype`."""
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(
@@ -191,7 +193,23 @@ def add_lora(model, spec: JobSpec):
     for p in peft_model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
+    if precision in ("bf16", "fp16"):
+        keep_lora_inputs_in_compute_dtype(peft_model)
     return peft_model
+
+
+def keep_lora_inputs_in_compute_dtype(peft_model) -> None:
+    """Under autocast, let the adapters read their input in the compute dtype.
+
+    PEFT casts each adapted module's input to the dtype of the LoRA weights (fp32), and
+    autocast casts it straight back to bf16/fp16 for the matmul: a lossless round trip (the
+    gradients are bitwise the same, tests/test_train.py) that costs two full-size copies per
+    adapted module and keeps one bf16 copy per module for backward (q, k and v: three copies of
+    the same tensor). Without it the adapters of q, k, v (and of gate, up) share their saved
+    input. Only for autocast: in fp32 there is nothing to cast."""
+    for module in peft_model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = False
 
 
 def check_packing(config) -> None:

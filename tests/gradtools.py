@@ -33,7 +33,7 @@ def build_engine(spec: JobSpec, *, world_size: int = 1, gc: bool = False, precis
                  optimizer: bool = True) -> tuple[Engine, nn.Module, object]:
     """Model + LoRA with B perturbed away from zero, so every LoRA parameter gets a gradient."""
     model, tok = load_base_model(spec, precision)
-    model = add_lora(model, spec)
+    model = add_lora(model, spec, precision)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(99)
         for n, p in model.named_parameters():

@@ -30,6 +30,7 @@ from jobs import memory
 from jobs import loop as jobs_loop
 from jobs.loop import CausalLMLoss
 from jobs.memory import estimate
+from jobs.model import keep_lora_inputs_in_compute_dtype
 
 TOL = 0.10
 # The activation replay follows autograd op by op, so on saved bytes it is held to 1%: that
@@ -110,7 +111,8 @@ class Case:
 
 
 def build(case: Case):
-    """Random-init model, frozen base in the case's dtype, fp32 LoRA (as jobs.model does)."""
+    """Random-init model, frozen base in the case's dtype, fp32 LoRA reading its input in the
+    compute dtype under autocast (as jobs.model.add_lora does)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -124,6 +126,8 @@ def build(case: Case):
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+    if case.dtype != "fp32":
+        keep_lora_inputs_in_compute_dtype(model)
     if case.gc:
         model.get_base_model().activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=case.every_n)

@@ -118,3 +118,32 @@ def test_rayft_run_two_workers_matches_single_process_and_pins_loss(tmp_path, mo
     for a, b in zip(records, local_records):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
     assert rel_err(final_adapter(out), final_adapter(local)) <= 1e-4
+
+
+def test_lora_inputs_in_the_compute_dtype_same_gradient_fewer_saved_bytes():
+    """Under bf16 autocast rayft keeps PEFT from casting each adapter's input to fp32 (autocast
+    casts it straight back): the gradient is bitwise the same, and backward keeps less."""
+    from gradtools import build_engine, grads, window_inputs
+    from jobs.loop import train_window
+
+    result = {}
+    for casting in (True, False):
+        spec = tiny_spec("batch.micro_batch_size=4", "precision=bf16")
+        engine, model, tok = build_engine(spec, precision="bf16")
+        lora_layers = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+        assert lora_layers and not any(m.cast_input_dtype_enabled for m in lora_layers)  # rayft's default
+        for m in lora_layers:
+            m.cast_input_dtype_enabled = casting
+        mbs, n_labels, _, _ = window_inputs(spec, tok, 0, 1)
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = train_window(engine, mbs[:1], n_labels)
+        result[casting] = (loss.item(), grads(model), sum(storages.values()))
+    assert result[False][0] == result[True][0]
+    assert rel_err(result[False][1], result[True][1]) == 0.0
+    assert result[False][2] < 0.9 * result[True][2], (result[False][2], result[True][2])
