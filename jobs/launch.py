@@ -9,7 +9,6 @@ import math
 import os
 import socket
 import threading
-import time
 from typing import Callable, Optional
 
 import ray

@@ -11,7 +11,7 @@ import torch
 
 from gradtools import build_engine, final_adapter, grads, rel_err, tiny_spec
 from jobs.context import LocalContext
-from jobs.data import IGNORE, collate, load_dataset, pack_rows
+from jobs.data import collate, load_dataset, pack_rows
 from jobs.loop import train
 from jobs.outputs import read_metrics
 
