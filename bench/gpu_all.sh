@@ -7,7 +7,10 @@
 #
 # Budget (seconds, override by environment): MEM_S for bench/gpu_memory.py (it starts no new
 # combination after MEM_S - 20), CMP_S for bench/gpu_compare.py (no new row after CMP_S - 90).
-# Defaults 150 + 390 = 540 s: with the wheel install it fits the device tool's 600-s call.
+# Defaults 120 + 430 = 550 s: with the wheel install it fits the device tool's 600-s call
+# (timeout_s 600). gpu_compare gets the larger share: its 8 main rows (two shapes, two budgets,
+# two loops) each build a model and run 6 optimizer steps; gpu_memory's combinations are single
+# steps on two models.
 #
 # The GPU machine has torch, transformers (older) and peft but no pydantic and no internet:
 # carry the wheels listed in bench/gpu_compare.py's docstring as `.whl/` (git-ignored; run
@@ -35,8 +38,8 @@ except ImportError:
 EOF
 cat "$out/versions.txt"
 
-mem_s=${MEM_S:-150}
-cmp_s=${CMP_S:-390}
+mem_s=${MEM_S:-120}
+cmp_s=${CMP_S:-430}
 if [ -n "${DRY_RUN:-}" ]; then
   mem_args=(--dry-run --out-dir "$out"); cmp_args=(--dry-run --out "$out")
 else

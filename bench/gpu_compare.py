@@ -87,7 +87,7 @@ On the lent H200 (device tool): first, here, fetch the wheels (17 MB; /.whl/ is 
       regex==2026.11.19
 
 then run both GPU benchmarks (this one and bench/gpu_memory.py, each under its own time limit,
-about 9 minutes together) in one call with carry [".whl"], timeout_s 590:
+at most 9 min 10 s together) in one call with carry [".whl"], timeout_s 600:
 
     bash bench/gpu_all.sh $OUT
 
