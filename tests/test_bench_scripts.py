@@ -144,3 +144,22 @@ def test_cpu_loop_options_quick_compares_layouts_on_the_same_math(tmp_path):
         assert rows[name]["padding_fraction"] < rows["padded"]["padding_fraction"], name
     assert rows["grouped+compile"]["computed_positions_per_step"] == rows["grouped"]["computed_positions_per_step"]
     assert "padded+mask" in proc.stdout
+
+
+@pytest.mark.slow  # both dry runs, ~40 s
+def test_gpu_all_runs_both_gpu_benchmarks_in_one_call(tmp_path):
+    """bench/gpu_all.sh is the one command a lent GPU gets: its dry run must leave both result
+    files, the logs and the versions it ran with."""
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_all.sh"), str(tmp_path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1", "MEM_S": "120",
+                               "CMP_S": "300"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"versions.txt", "gpu_memory.log", "gpu_compare.log"} <= names
+    (memory_file,) = tmp_path.glob("memory-*-cpu.json")
+    (compare_file,) = tmp_path.glob("*-cpu-dry-run.json")
+    assert all(r["status"] == "ok" for r in json.loads(memory_file.read_text())["rows"])
+    compare = json.loads(compare_file.read_text())
+    assert {r["loop"] for r in compare["rows"]} == {"rayft", "hf", "rayft-compile"}
+    assert "gpu_memory exit 0, gpu_compare exit 0" in proc.stdout
