@@ -602,6 +602,14 @@ def spec_precision(spec, device: str) -> str:
     return spec.precision
 
 
+def spec_seq_len(spec, device: str) -> int:
+    """The row length a spec's estimate assumes: `data.max_seq_len - 1` (the longest input), or
+    with `data.packing` the packed row of `data.max_seq_len` tokens (16-aligned on GPU)."""
+    if spec.data.packing:
+        return _round_up(spec.data.max_seq_len, 16 if device == "cuda" else 1)
+    return max(1, spec.data.max_seq_len - 1)
+
+
 def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
                       gradient_checkpointing: Optional[bool] = None, device: str = "cuda",
                       config=None, checkpoint_every_n_layers: int = 1) -> MemoryEstimate:
@@ -620,13 +628,13 @@ def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
 
     config = config if config is not None else config_from_spec(spec)
     packed = spec.data.packing
-    seq_len = _round_up(spec.data.max_seq_len, 16 if device == "cuda" else 1) if packed else spec.data.max_seq_len - 1
+    seq_len = spec_seq_len(spec, device)
 
     def run(gc: bool) -> MemoryEstimate:
         return estimate(
             config,
             micro_batch_size=micro_batch_size or spec.batch.micro_batch_size,
-            seq_len=max(1, seq_len),
+            seq_len=seq_len,
             packed=packed,
             gradient_checkpointing=gc,
             base_dtype=spec_precision(spec, device),

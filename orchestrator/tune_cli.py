@@ -84,7 +84,7 @@ def estimate_report(spec, budget, device: str, where: str) -> dict:
         spec, gradient_checkpointing=True, checkpoint_every_n_layers=every, device=device, config=config)
     return {
         "name": spec.name, "model": spec.model.name, "device": device,
-        "precision": memory.spec_precision(spec, device), "seq_len": max(1, spec.data.max_seq_len - 1),
+        "precision": memory.spec_precision(spec, device), "seq_len": memory.spec_seq_len(spec, device),
         "num_workers": spec.resources.num_workers, "global_batch_size": spec.batch.global_batch_size,
         "micro_batch_size": spec.batch.micro_batch_size, "grad_accum_steps": spec.grad_accum_steps,
         "gradient_checkpointing": gc, "checkpointing_used": used, "checkpoint_every_n_layers": every,
@@ -119,7 +119,8 @@ def cmd_estimate(args) -> int:
     off = MemoryEstimate(rep["by_checkpointing"]["off"]["components"])
     on = MemoryEstimate(rep["by_checkpointing"]["on"]["components"])
     # Headings as lines, not table titles: rich folds a title to the table's width.
-    con.print(f"[bold]{spec.name}[/]: {spec.model.name}, micro-batch {rep['micro_batch_size']} x seq {rep['seq_len']}, "
+    rows = " (packed rows)" if spec.data.packing else ""
+    con.print(f"[bold]{spec.name}[/]: {spec.model.name}, micro-batch {rep['micro_batch_size']} x seq {rep['seq_len']}{rows}, "
               f"{rep['num_workers']} worker(s), {rep['precision']} on {device}", soft_wrap=True)
     t = Table()
     t.add_column("component")

@@ -149,3 +149,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, fragment):
 def test_missing_spec_file(tmp_path, capsys):
     assert main(["estimate", str(tmp_path / "absent.yaml")]) == 2
     assert capsys.readouterr().err.strip() == f"rayft: error: {tmp_path / 'absent.yaml'}: spec file not found"
+
+
+def test_packing_is_estimated_as_full_packed_rows(tmp_path, capsys):
+    """data.packing: rows of max_seq_len tokens carrying the shared block mask, so the estimate
+    is above the unpacked one by at least that bias, and says which row length it assumed."""
+    path = _write(tmp_path, BASE)
+    plain = _json(capsys, ["estimate", str(path), "--json", "memory.gradient_checkpointing=false"])
+    packed = _json(capsys, ["estimate", str(path), "--json", "memory.gradient_checkpointing=false",
+                            "data.packing=true"])
+    spec = load_spec(path)
+    S, B = spec.data.max_seq_len, spec.batch.micro_batch_size
+    assert plain["seq_len"] == S - 1 and packed["seq_len"] == S
+    bias = B * S * S * 4  # fp32 on CPU
+    assert packed["components"]["activations"] - plain["components"]["activations"] >= bias
+    assert main(["estimate", str(path), "data.packing=true"]) == 0
+    assert f"x seq {S} (packed rows)" in capsys.readouterr().out
