@@ -202,10 +202,11 @@ def keep_lora_inputs_in_compute_dtype(peft_model) -> None:
     """Under autocast, let the adapters read their input in the compute dtype.
 
     PEFT casts each adapted module's input to the dtype of the LoRA weights (fp32), and
-    autocast casts it straight back to bf16/fp16 for the matmul: a lossless round trip (the
-    gradients are bitwise the same, tests/test_train.py) that costs two full-size copies per
-    adapted module and keeps one bf16 copy per module for backward (q, k and v: three copies of
-    the same tensor). Without it the adapters of q, k, v (and of gate, up) share their saved
+    autocast casts it straight back to bf16/fp16 for the matmul: a lossless round trip (with
+    `lora.dropout` 0 the gradients are bitwise the same, tests/test_train.py; with dropout, the
+    mask now scales the bf16 input rather than its fp32 copy) that costs two full-size copies
+    per adapted module and keeps one bf16 copy per module for backward (q, k and v: three copies
+    of the same tensor). Without it the adapters of q, k, v (and of gate, up) share their saved
     input. Only for autocast: in fp32 there is nothing to cast."""
     for module in peft_model.modules():
         if hasattr(module, "cast_input_dtype_enabled"):
