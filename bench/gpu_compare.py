@@ -19,7 +19,7 @@ What runs
   base-model loader is replaced (random init on the device instead of `from_pretrained`).
   Its configuration is chosen with the memory model: for every micro-batch that divides the
   global batch and every `memory.loss_chunk_tokens` in {0, 4, 2, 1, 1/2 x seq},
-  `jobs.loop.decide_checkpointing` (what `train()` itself runs, `gradient_checkpointing: auto`
+  `jobs.loop.memory_plan` (what `train()` itself runs, `gradient_checkpointing: auto`
   with `memory.budget_gib` = the budget) gives the checkpointing it would use and its estimate;
   among those whose estimate fits, the one with the least predicted time per token wins:
   (model FLOPs + recomputed FLOPs) / eff, recomputed = forward of the checkpointed layers +
@@ -363,8 +363,8 @@ def rayft_candidates(w: Workload, flops: dict) -> list[dict]:
             if chunk and chunk >= tokens:
                 continue  # CausalLMLoss does not chunk then: the same as 0
             spec = rayft_spec(w, mb, chunk, w.workdir / "unused")
-            every, est_spec = loop.decide_checkpointing(spec, kind)
-            every = int(every)
+            planned = loop.memory_plan(spec, kind)
+            every, est_spec = planned.checkpoint_every_n_layers, planned.total_gib
             n_ckpt = 0 if every == 0 else len(range(0, L, every))
             recompute = n_ckpt * (2 * flops["layer_linear"] + flops["attn_fwd_per_layer"])
             recompute += 2 * flops["N_head"] if chunk else 0

@@ -272,22 +272,13 @@ def evaluate(engine: Engine, examples, rank: int, world_size: int, micro_batch_s
     return (sums[0] / sums[1]).item()
 
 
-def decide_checkpointing(spec: JobSpec, device: torch.device) -> tuple[int, float]:
-    """(checkpoint every k-th decoder layer, 0 = off; estimated GiB for that choice).
+def memory_plan(spec: JobSpec, device: torch.device):
+    """The plan this worker runs: `jobs.memory.plan_for_spec` judged against `memory.budget_gib`,
+    else the memory of this worker's GPU (the one input only the worker can see)."""
+    from .memory import plan_for_spec
 
-    `auto`: `jobs.memory.choose_checkpointing` under the spec's budget, else the GPU's memory:
-    off when that fits, otherwise the sparsest selective checkpointing that fits."""
-    from .memory import choose_checkpointing, config_from_spec, estimate_for_spec
-
-    kind = "cuda" if device.type == "cuda" else "cpu"
-    config = config_from_spec(spec)
-    gc = spec.memory.gradient_checkpointing
-    if gc != "auto":
-        return int(gc), estimate_for_spec(spec, gradient_checkpointing=bool(gc), device=kind, config=config).total_gib
-    budget = spec.memory.budget_gib
-    if budget is None and device.type == "cuda":
-        budget = torch.cuda.get_device_properties(device).total_memory / GIB
-    return choose_checkpointing(spec, budget, device=kind, config=config)
+    gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
+    return plan_for_spec(spec, device="cuda" if device.type == "cuda" else "cpu", gpu_memory_gib=gpu_gib)
 
 
 def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
@@ -305,7 +296,8 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         check_packing(model.config)
     model = add_lora(model, spec, precision)
     model = check_batchnorm(model, spec.model.sync_batchnorm, world)
-    gc_every, estimate_gib = decide_checkpointing(spec, device)
+    plan = memory_plan(spec, device)
+    gc_every, estimate_gib = plan.checkpoint_every_n_layers, plan.total_gib
     if gc_every:
         enable_checkpointing(model, every_n_layers=gc_every)
     if spec.model.compile:

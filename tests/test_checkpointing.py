@@ -73,7 +73,7 @@ def test_chunked_loss_gives_the_same_gradient_and_keeps_fewer_logits():
 
 
 def test_auto_checkpointing_picks_the_sparsest_layers_that_fit():
-    from jobs.loop import decide_checkpointing
+    from jobs.loop import memory_plan
     from jobs.memory import estimate_for_spec
 
     spec = tiny_spec("batch.micro_batch_size=8", "memory.gradient_checkpointing=auto")
@@ -86,6 +86,6 @@ def test_auto_checkpointing_picks_the_sparsest_layers_that_fit():
     cpu = torch.device("cpu")
     for budget, want in ((off * 1.01, 0), ((off + every2) / 2, 2), ((every2 + every1) / 2, 1), (every1 / 2, 1)):
         s = tiny_spec("batch.micro_batch_size=8", "memory.gradient_checkpointing=auto", f"memory.budget_gib={budget}")
-        assert decide_checkpointing(s, cpu)[0] == want, (budget, want)
-    assert decide_checkpointing(tiny_spec("memory.gradient_checkpointing=true"), cpu)[0] == 1
-    assert decide_checkpointing(tiny_spec("memory.gradient_checkpointing=false"), cpu)[0] == 0
+        assert memory_plan(s, cpu).checkpoint_every_n_layers == want, (budget, want)
+    assert memory_plan(tiny_spec("memory.gradient_checkpointing=true"), cpu).checkpoint_every_n_layers == 1
+    assert memory_plan(tiny_spec("memory.gradient_checkpointing=false"), cpu).checkpoint_every_n_layers == 0

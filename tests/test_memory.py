@@ -552,10 +552,17 @@ def test_auto_checkpointing_follows_the_budget():
     off = memory.estimate_for_spec(spec, gradient_checkpointing=False, device="cpu")
     on = memory.estimate_for_spec(spec, gradient_checkpointing=True, device="cpu")
     assert on.total_bytes < off.total_bytes
+    every2 = memory.estimate_for_spec(spec, gradient_checkpointing=True, checkpoint_every_n_layers=2, device="cpu")
+    assert on.total_bytes < every2.total_bytes < off.total_bytes  # tiny-llama: 2 layers
     roomy = _spec(memory={"gradient_checkpointing": "auto", "budget_gib": off.total_gib * 2})
-    tight = _spec(memory={"gradient_checkpointing": "auto", "budget_gib": off.total_gib * 0.99})
+    sparse = _spec(memory={"gradient_checkpointing": "auto", "budget_gib": (off.total_gib + every2.total_gib) / 2})
+    tight = _spec(memory={"gradient_checkpointing": "auto", "budget_gib": (every2.total_gib + on.total_gib) / 2})
     assert memory.estimate_for_spec(roomy, device="cpu").components == off.components
+    # `auto` takes the sparsest checkpointing that fits (the plan the loop runs), not "every layer"
+    assert memory.estimate_for_spec(sparse, device="cpu").components == every2.components
     assert memory.estimate_for_spec(tight, device="cpu").components == on.components
+    plan = memory.plan_for_spec(sparse, device="cpu")
+    assert (plan.checkpoint_every_n_layers, plan.fits) == (2, True)
 
 
 def test_feasible_pairs_lists_only_divisors():
