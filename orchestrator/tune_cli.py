@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 
-from jobs.spec import SpecError
+from jobs.errors import SpecError
 
 
 def register(sub) -> None:
@@ -43,54 +43,52 @@ def register(sub) -> None:
 # ---- estimate ----------------------------------------------------------------------------
 
 def _load_any(path: str, overrides: list[str]):
-    """A job spec, or a search spec (its job part, with search.budget_gib as the budget)."""
-    from jobs.spec import apply_overrides, load_spec, read_yaml
+    """A job spec, or a search spec's job part with the search budget as its memory.budget_gib
+    (what each trial runs with); and the budget."""
+    from jobs.spec import JobSpec, apply_overrides, load_spec, read_yaml
 
     raw = apply_overrides(read_yaml(path), overrides or [])
     if "search" in raw:
         from tune.spec import load_search_spec
 
         s = load_search_spec(path, data=raw, files=False)
-        return s.job(), s.budget
+        job = s.job_dict()
+        job["memory"]["budget_gib"] = s.budget
+        return JobSpec.model_validate(job), s.budget
     spec = load_spec(path, data=raw, files=False)  # the estimate reads the model config, no data
     return spec, spec.memory.budget_gib
 
 
 def estimate_report(spec, budget, device: str, where: str) -> dict:
+    """The plan `spec` runs on `device` (`jobs.memory.plan_for_spec`: its checkpointing, components
+    and total), checkpointing off and on beside it, and every (micro, accumulation) split."""
     from jobs import memory
 
     try:
         config = memory.config_from_spec(spec)
+        plan = memory.plan_for_spec(spec, device=device, config=config)
         off = memory.estimate_for_spec(spec, gradient_checkpointing=False, device=device, config=config)
         on = memory.estimate_for_spec(spec, gradient_checkpointing=True, device=device, config=config)
         pairs = memory.feasible_pairs(spec, budget, device=device)
-        by_mb = {}
         for row in pairs:
-            key = (row["micro_batch_size"], row["gradient_checkpointing"])
-            by_mb[key] = memory.estimate_for_spec(spec, micro_batch_size=row["micro_batch_size"],
-                                                  gradient_checkpointing=row["gradient_checkpointing"],
-                                                  device=device, config=config).total_bytes
-            row["estimate_bytes"] = by_mb[key]
+            row["estimate_bytes"] = memory.estimate_for_spec(
+                spec, micro_batch_size=row["micro_batch_size"], gradient_checkpointing=row["gradient_checkpointing"],
+                device=device, config=config).total_bytes
         smallest = memory.smallest_budget_gib(spec, device=device)
-    except ValueError as e:
+    except ValueError as e:  # SpecError included: the field it names, prefixed with the spec's path
         raise SpecError(f"{where}: {e}") from None
-    gc = spec.memory.gradient_checkpointing
-    if gc == "auto":  # as jobs.loop decides it: off if that fits, else the sparsest every-k that fits
-        every, _ = memory.choose_checkpointing(spec, budget, device=device, config=config)
-    else:
-        every = int(bool(gc))
-    used = every > 0
-    chosen = {0: off, 1: on}.get(every) or memory.estimate_for_spec(
-        spec, gradient_checkpointing=True, checkpoint_every_n_layers=every, device=device, config=config)
+    chosen = plan.estimate
     return {
         "name": spec.name, "model": spec.model.name, "device": device,
-        "precision": memory.spec_precision(spec, device), "seq_len": memory.spec_seq_len(spec, device),
+        "precision": plan.precision, "seq_len": plan.seq_len,
         "num_workers": spec.resources.num_workers, "global_batch_size": spec.batch.global_batch_size,
-        "micro_batch_size": spec.batch.micro_batch_size, "grad_accum_steps": spec.grad_accum_steps,
-        "gradient_checkpointing": gc, "checkpointing_used": used, "checkpoint_every_n_layers": every,
+        "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": spec.grad_accum_steps,
+        "gradient_checkpointing": spec.memory.gradient_checkpointing,
+        "checkpointing_used": plan.checkpoint_every_n_layers > 0,
+        "checkpoint_every_n_layers": plan.checkpoint_every_n_layers,
         "budget_gib": budget,
         "components": dict(chosen.components), "total_bytes": chosen.total_bytes, "total_gib": chosen.total_gib,
-        "fits": None if budget is None else chosen.total_gib <= budget,
+        "fits": None if budget is None else plan.fits,
         "by_checkpointing": {
             "off": {"components": dict(off.components), "total_bytes": off.total_bytes, "total_gib": off.total_gib},
             "on": {"components": dict(on.components), "total_bytes": on.total_bytes, "total_gib": on.total_gib},
@@ -102,8 +100,8 @@ def estimate_report(spec, budget, device: str, where: str) -> dict:
 
 
 def cmd_estimate(args) -> int:
-    from jobs.memory import MemoryEstimate
-    from tune.search import checkpointing_str, gib_str
+    from jobs.memory import MemoryEstimate, checkpointing_str
+    from tune.plan import gib_str
 
     spec, budget = _load_any(args.spec, args.overrides)
     device = args.device or ("cuda" if spec.resources.use_gpu else "cpu")
@@ -165,7 +163,8 @@ def cmd_estimate(args) -> int:
 def cmd_tune(args) -> int:
     from jobs.finetune import preflight
     from jobs.spec import absolutize
-    from tune.search import check_resume, plan_search, run_search, set_aside
+    from tune.plan import plan_search
+    from tune.run import check_resume, run_search, set_aside
     from tune.spec import SearchSpec, load_search_spec
 
     raw = load_search_spec(args.spec, args.overrides)
@@ -212,7 +211,8 @@ def cmd_tune(args) -> int:
 
 
 def _print_plan(plan) -> None:
-    from tune.search import checkpointing_str, gib_str
+    from jobs.memory import checkpointing_str
+    from tune.plan import gib_str
 
     out = sys.stderr
     print(f"plan: budget {gib_str(plan.budget_gib)} on {plan.device}; {plan.samples_per_trial} samples per trial, "

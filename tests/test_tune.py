@@ -142,13 +142,14 @@ def test_search_section_fields_are_documented():
 # ---- the plan --------------------------------------------------------------------------------
 
 def test_plan_fixed_global_batch(tmp_path):
-    from tune.search import plan_search
+    from tune.plan import plan_search
     from tune.spec import load_search_spec
 
     data = search_spec(tmp_path)
     spec = load_search_spec(data=data)
     plan = plan_search(spec)
     job = job_of(data)
+    budget_job = job_of(dict(data, memory=dict(data["memory"], budget_gib=BUDGET)))  # as a trial runs it
     by_accum = {p.grad_accum_steps: p for p in plan.points}
     # one rule: in this mode every trial's global batch is the reference batch, so linear == none
     assert {p.lr_scaling for p in plan.points} == {"none"} and any("searched once" in n for n in plan.notes)
@@ -163,8 +164,9 @@ def test_plan_fixed_global_batch(tmp_path):
         # fits; the estimate is jobs.memory's for that choice
         off, on = est(job, p.micro_batch_size, False), est(job, p.micro_batch_size, True)
         assert p.gradient_checkpointing == (off > BUDGET)
-        every, gib = memory.choose_checkpointing(job, BUDGET, device="cpu", micro_batch_size=p.micro_batch_size)
-        assert p.checkpoint_every_n_layers == every and p.estimate_gib == pytest.approx(gib)
+        mp = memory.plan_for_spec(budget_job, device="cpu", micro_batch_size=p.micro_batch_size)
+        every = mp.checkpoint_every_n_layers
+        assert p.checkpoint_every_n_layers == every and p.estimate_gib == pytest.approx(mp.total_gib)
         assert p.estimate_gib == pytest.approx(off) if not every else on <= p.estimate_gib < off
         assert (p.status == "infeasible") == (p.estimate_gib > BUDGET)
     assert by_accum[1].status == "infeasible" and "> budget" in by_accum[1].reason  # micro 8 does not fit
@@ -176,11 +178,11 @@ def test_plan_fixed_global_batch(tmp_path):
 
 def test_trials_run_the_checkpointing_their_plan_estimated(tmp_path):
     """A budget between selective (every 2nd layer) and no checkpointing: the plan picks the
-    selective choice, and the trial's own `auto` (jobs.loop.decide_checkpointing) picks it too."""
+    selective choice, and the trial's own `auto` (jobs.loop.memory_plan) picks it too."""
     import torch
 
-    from jobs.loop import decide_checkpointing
-    from tune.search import plan_search, trial_job_dict
+    from jobs.loop import memory_plan
+    from tune.plan import plan_search, trial_job_dict
     from tune.spec import load_search_spec
 
     job = job_of(search_spec(tmp_path))
@@ -198,11 +200,12 @@ def test_trials_run_the_checkpointing_their_plan_estimated(tmp_path):
     trial = load_spec(data=trial_job_dict(job_of(data).to_dict(), p.trial_config(), 0.01, str(tmp_path / "t"),
                                           "ts-t", budget))
     assert trial.memory.gradient_checkpointing == "auto" and trial.memory.budget_gib == budget
-    assert decide_checkpointing(trial, torch.device("cpu")) == (2, pytest.approx(every2))
+    run = memory_plan(trial, torch.device("cpu"))
+    assert (run.checkpoint_every_n_layers, run.total_gib) == (2, pytest.approx(every2))
 
 
 def test_plan_fixed_micro_batch_grows_the_global_batch_and_pins_the_reference(tmp_path):
-    from tune.search import plan_search, trial_job_dict
+    from tune.plan import plan_search, trial_job_dict
     from tune.spec import load_search_spec
 
     data = search_spec(tmp_path, mode="fixed_micro_batch", micro_batch_size=[2, 8], grad_accum_steps=[1, 2, 4],
@@ -234,7 +237,7 @@ def test_plan_fixed_micro_batch_grows_the_global_batch_and_pins_the_reference(tm
 
 
 def test_plan_skips_global_batches_that_do_not_divide_the_sample_budget(tmp_path):
-    from tune.search import plan_search
+    from tune.plan import plan_search
     from tune.spec import load_search_spec
 
     data = search_spec(tmp_path, mode="fixed_micro_batch", micro_batch_size=[1], grad_accum_steps=[2, 3],
@@ -246,7 +249,7 @@ def test_plan_skips_global_batches_that_do_not_divide_the_sample_budget(tmp_path
 
 
 def test_forwarded_reports_count_samples_not_steps():
-    from tune.search import forward_metrics
+    from tune.run import forward_metrics
 
     # global batch 4, 8 steps: steps 2 and 4 become 8 and 16 samples; the last step is the trial's own report
     assert forward_metrics({"step": 2, "eval_loss": 3.0, "loss": 3.1}, 4, 8)["samples_seen"] == 8
@@ -261,7 +264,8 @@ def test_results_classify_trials_by_tunes_verdict_and_the_trials_own_record(tmp_
     ASHA stopped may have written an "error" status while it was being killed: Tune's verdict wins."""
     from types import SimpleNamespace
 
-    from tune.search import collect_rows, plan_search
+    from tune.plan import plan_search
+    from tune.run import collect_rows
     from tune.spec import load_search_spec
 
     plan = plan_search(load_search_spec(data=search_spec(tmp_path)))
@@ -299,7 +303,7 @@ def test_results_classify_trials_by_tunes_verdict_and_the_trials_own_record(tmp_
 def test_oom_is_recognised_through_ray_wrapping():
     import torch
 
-    from tune.search import oom_line
+    from tune.run import oom_line
 
     try:
         raise RuntimeError("worker group failed") from torch.OutOfMemoryError("CUDA out of memory (injected)")
@@ -313,7 +317,7 @@ def test_oom_is_recognised_through_ray_wrapping():
 def test_budget_too_small_for_micro_batch_1_is_refused_before_anything_starts(tmp_path, capsys):
     import ray
 
-    from tune.search import plan_search, smallest_budget_str
+    from tune.plan import plan_search, smallest_budget_str
     from tune.spec import load_search_spec
 
     data = search_spec(tmp_path)

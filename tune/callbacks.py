@@ -6,7 +6,7 @@ import sys
 
 from ray.tune import Callback
 
-from .search import METRIC, TIME_ATTR, _describe
+from .plan import METRIC, TIME_ATTR, describe
 
 
 class Announce(Callback):
@@ -14,7 +14,7 @@ class Announce(Callback):
     state and comes back with `Tuner.restore`."""
 
     def on_trial_start(self, iteration, trials, trial, **info):
-        print(f"  start  {trial.trial_id}: {_describe(trial.config['point'], trial.config['lr'])}",
+        print(f"  start  {trial.trial_id}: {describe(trial.config['point'], trial.config['lr'])}",
               file=sys.stderr, flush=True)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
@@ -29,5 +29,5 @@ class Announce(Callback):
                   file=sys.stderr, flush=True)
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        print(f"  failed {trial.trial_id}: {_describe(trial.config['point'], trial.config['lr'])} "
+        print(f"  failed {trial.trial_id}: {describe(trial.config['point'], trial.config['lr'])} "
               "(recorded, not retried)", file=sys.stderr, flush=True)

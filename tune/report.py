@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 from pathlib import Path
@@ -22,8 +21,10 @@ from typing import Optional
 
 import yaml
 
+from jobs.memory import checkpointing_str
+from jobs.outputs import write_json_atomic
 from jobs.spec import JobSpec
-from .search import Plan, checkpointing_str, gib_str
+from .plan import METRIC, TIME_ATTR, Plan, gib_str
 from .spec import SearchSpec
 
 COLUMNS = ["trial_id", "status", "micro_batch_size", "grad_accum_steps", "global_batch_size", "gradient_checkpointing",
@@ -75,13 +76,13 @@ def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: Op
     summary = {
         "name": raw.name, "mode": raw.search.mode, "device": plan.device, "budget_gib": plan.budget_gib,
         "smallest_budget_gib": plan.smallest_budget_gib, "samples_per_trial": plan.samples_per_trial,
-        "eval_every_samples": plan.eval_every_samples, "time_attr": "samples_seen", "metric": "eval_loss",
+        "eval_every_samples": plan.eval_every_samples, "time_attr": TIME_ATTR, "metric": METRIC,
         "scheduler": raw.search.scheduler, "interrupted": interrupted, "notes": notes,
         "counts": {s: sum(r["status"] == s for r in rows) for s in
                    ("finished", "stopped", "infeasible", "error", "skipped", "not run")},
         "best": best, "trials": rows,
     }
-    _atomic(out / RESULTS_JSON, json.dumps(summary, indent=2) + "\n")
+    write_json_atomic(out / RESULTS_JSON, summary)
     files["json"] = str(out / RESULTS_JSON)
     from rich.console import Console
 
@@ -106,6 +107,7 @@ def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: Op
 
 
 def _atomic(path: Path, text: str) -> None:
+    """A reader (or a search killed mid-write) sees the old file or the new one, never half."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

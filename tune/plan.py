@@ -1,0 +1,284 @@
+"""The search plan: every configuration of a search spec, judged against the memory budget
+before anything starts. Pure: no Ray, no model weights, no files written.
+
+`plan_search` expands the `search` section into points (micro-batch, accumulation, global
+batch, lr rule) and gives each micro-batch the `jobs.memory.MemoryPlan` its trials will run:
+`plan_for_spec` on the base job with the search budget as `memory.budget_gib`, the same call
+(same spec fields, same budget) a trial's worker makes through `jobs.loop.memory_plan`. So the
+checkpointing a point is judged with (`memory.gradient_checkpointing`: true, false, or auto =
+off when that fits, else the sparsest every-k-th-layer checkpointing that fits) is the one
+its trial uses, and the estimate is that plan's. Each point is marked:
+
+* `planned`: launched, `search.num_samples` times with log-uniform base learning rates;
+* `infeasible`: the plan's estimate exceeds the budget -- never launched, listed with its estimate;
+* `skipped`: cannot be run as asked (not divisible, same run as another point), with why.
+
+A budget below the smallest possible job (micro-batch 1 with checkpointing) is refused
+before anything starts, naming the smallest budget that fits.
+
+Fair comparison (ASHA on eval loss at equal tokens). Every trial runs the same number of
+training samples (`search.samples_per_trial`; max_steps = samples / global batch) and
+evaluates at the same sample counts (`eval_every_samples`). ASHA's time attribute is
+`samples_seen`. rayft's sample order does not depend on the global batch (step k takes
+samples [k*G, (k+1)*G) of one seeded permutation per epoch), so equal samples seen means the
+very same sequences, hence the same tokens, whatever the batch size.
+
+`trial_job_dict` turns a point into the job spec one trial runs; `tune.run` launches them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from jobs import memory
+from jobs.errors import SpecError
+from jobs.memory import checkpointing_str
+from jobs.spec import JobSpec
+from .spec import SearchSpec, lcm
+
+# What a search leaves in run.output_dir (see tune.report for the results files).
+TUNE_DIR = "tune"  # the Tune experiment (Tuner.restore path)
+TRIALS_DIR = "trials"  # one job output dir per trial: trials/<trial_id>/
+PLAN_FILE = "search_plan.json"  # this plan and the spec fingerprint (what a resume is checked against)
+STATUS_FILE = "status.json"  # a trial's own verdict: finished / oom / error
+STARTS_FILE = "starts.log"  # one line per time a trial function started
+TIME_ATTR = "samples_seen"  # ASHA's time attribute: training samples, not steps
+METRIC = "eval_loss"
+
+
+def gib_str(x: Optional[float]) -> str:
+    """GiB for people: MiB below 1 GiB (tiny models live there)."""
+    if x is None:
+        return "-"
+    return f"{x * 1024:.2f} MiB" if x < 1 else f"{x:.2f} GiB"
+
+
+def smallest_budget_str(gib: float) -> str:
+    """Round *up* to 4 significant digits: a budget of exactly this number fits."""
+    if gib <= 0:
+        return "0"
+    digits = 3 - int(math.floor(math.log10(gib)))
+    q = 10 ** digits
+    return f"{math.ceil(gib * q) / q:.{max(digits, 0)}f}"
+
+
+# ---- plan --------------------------------------------------------------------------------
+
+@dataclass
+class Point:
+    micro_batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int
+    lr_scaling: str
+    reference_batch_size: int
+    status: str = "planned"  # planned | infeasible | skipped
+    reason: str = ""
+    gradient_checkpointing: Optional[bool] = None
+    checkpoint_every_n_layers: Optional[int] = None  # the plan's: 0 off, 1 every layer, k every k-th layer
+    estimate_gib: Optional[float] = None  # the plan's estimate (the least memory there is when infeasible)
+    estimate_off_gib: Optional[float] = None  # checkpointing off, for the report
+    estimate_on_gib: Optional[float] = None  # checkpointing every layer, for the report
+    max_steps: Optional[int] = None
+    every_steps: Optional[int] = None
+
+    @property
+    def key(self) -> str:
+        return f"m{self.micro_batch_size}-a{self.grad_accum_steps}-{self.lr_scaling}"
+
+    def trial_config(self) -> dict:
+        """What Tune gets per grid point (the lr is sampled beside it)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("status", "reason")} | {"key": self.key}
+
+
+@dataclass
+class Plan:
+    device: str
+    budget_gib: float
+    smallest_budget_gib: float
+    samples_per_trial: int
+    eval_every_samples: int
+    grace_samples: int
+    points: list[Point]
+    notes: list[str] = field(default_factory=list)
+    memory: dict[int, dict] = field(default_factory=dict)  # micro -> {off, on} GiB, for the plot
+    job: dict = field(default_factory=dict, repr=False)  # the base job every trial starts from
+
+    @property
+    def planned(self) -> list[Point]:
+        return [p for p in self.points if p.status == "planned"]
+
+    def trial_spec(self, point: dict, lr: float, out_dir: str = "", name: Optional[str] = None) -> JobSpec:
+        """The job spec a trial of `point` (a `Point.trial_config()`) with base lr `lr` runs."""
+        return JobSpec.model_validate(trial_job_dict(self.job, point, lr, out_dir, name or self.job["name"],
+                                                     self.budget_gib))
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "budget_gib": self.budget_gib, "smallest_budget_gib": self.smallest_budget_gib,
+                "samples_per_trial": self.samples_per_trial, "eval_every_samples": self.eval_every_samples,
+                "grace_samples": self.grace_samples, "notes": self.notes,
+                "memory": {str(k): v for k, v in self.memory.items()},
+                "points": [asdict(p) | {"key": p.key} for p in self.points]}
+
+
+def trial_device(spec: JobSpec) -> str:
+    """The estimate is for the device the trials run on: cuda with resources.use_gpu, else cpu."""
+    return "cuda" if spec.resources.use_gpu else "cpu"
+
+
+def _splits(spec: SearchSpec, notes: list[str]) -> tuple[list[tuple[int, int, int, str]], list[str], int]:
+    """(micro, accum, global, why not) per batch split, the lr rules to search, the reference batch."""
+    s = spec.search
+    W = spec.resources.num_workers
+    G0 = spec.batch.global_batch_size
+    # The base job's global batch anchors the lr rule: lr = base x f(global / reference).
+    reference = spec.optim.reference_batch_size or G0
+    rules = list(s.lr_scaling)
+    if s.mode == "fixed_global_batch":
+        splits = []
+        for a in s.grad_accum_steps:
+            if G0 % (a * W):
+                splits.append((0, a, G0, f"batch.global_batch_size={G0} is not divisible by grad_accum_steps={a} "
+                                         f"x resources.num_workers={W}"))
+            else:
+                splits.append((G0 // (a * W), a, G0, ""))
+        if reference == G0 and len(rules) > 1:
+            # Every trial has global batch == reference batch: f(1) = 1 for every rule.
+            notes.append(f"lr_scaling {', '.join(rules[1:])}: same run as {rules[0]} in fixed_global_batch mode "
+                         f"(every trial's global batch {G0} equals the reference batch {reference}); searched once")
+            rules = rules[:1]
+    else:
+        micros = s.micro_batch_size or [spec.batch.micro_batch_size]
+        splits = [(m, a, m * a * W, "") for m in micros for a in s.grad_accum_steps]
+    return splits, rules, reference
+
+
+def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
+    s = spec.search
+    device = trial_device(spec)
+    budget = spec.budget
+    budget_key = "search.budget_gib" if s.budget_gib is not None else "memory.budget_gib"
+    notes: list[str] = []
+
+    # -- points: the batch split x the lr rules --
+    splits, rules, reference = _splits(spec, notes)
+    points: list[Point] = []
+    for m, a, g, why in splits:
+        for i, rule in enumerate(rules[:1] if why else rules):  # a split that cannot run is listed once
+            p = Point(m, a, g, rule, reference)
+            if why:
+                p.status, p.reason = "skipped", why
+            elif i and g == reference:
+                p.status, p.reason = "skipped", (f"same run as lr_scaling={rules[0]}: the global batch {g} is the "
+                                                 "reference batch, where every rule gives the base lr")
+            elif s.samples_per_trial % g:
+                p.status, p.reason = "skipped", (f"search.samples_per_trial={s.samples_per_trial} is not a multiple "
+                                                 f"of the global batch {g} (every trial sees the same samples)")
+            points.append(p)
+
+    # -- memory: one MemoryPlan per micro-batch, as the trials' workers will make it --
+    job_dict = spec.job_dict()
+    # A trial's spec carries the search budget as memory.budget_gib (trial_job_dict): plan with it.
+    budget_job = JobSpec.model_validate(json.loads(json.dumps(job_dict)) | {
+        "memory": {**job_dict["memory"], "budget_gib": budget}})
+    gc_mode = spec.memory.gradient_checkpointing
+    try:
+        config = memory.config_from_spec(budget_job)
+        plans: dict[int, memory.MemoryPlan] = {}
+        mem: dict[int, dict] = {}
+        for m in sorted({p.micro_batch_size for p in points if p.micro_batch_size}):
+            plans[m] = memory.plan_for_spec(budget_job, device=device, micro_batch_size=m, config=config)
+            mem[m] = {k: memory.estimate_for_spec(budget_job, micro_batch_size=m, gradient_checkpointing=gc,
+                                                  device=device, config=config).total_gib
+                      for k, gc in (("off", False), ("on", True))}
+        smallest = memory.estimate_for_spec(budget_job, micro_batch_size=1, gradient_checkpointing=gc_mode is not False,
+                                            device=device, config=config).total_gib
+    except ValueError as e:  # SpecError included: the field it names, prefixed with the spec's path
+        raise SpecError(f"{where}: {e}") from None
+
+    if budget < smallest:
+        how = "with gradient checkpointing" if gc_mode is not False else "(memory.gradient_checkpointing=false)"
+        raise SpecError(
+            f"{where}: {budget_key}={budget:g} is too small: even micro_batch_size=1 {how} needs "
+            f"{gib_str(smallest)} on {device} (jobs.memory estimate); the smallest budget that fits is "
+            f"{smallest_budget_str(smallest)} GiB")
+
+    for p in points:
+        if not p.micro_batch_size:
+            continue
+        mp = plans[p.micro_batch_size]
+        p.estimate_off_gib, p.estimate_on_gib = mem[p.micro_batch_size]["off"], mem[p.micro_batch_size]["on"]
+        p.checkpoint_every_n_layers, p.estimate_gib = mp.checkpoint_every_n_layers, mp.total_gib
+        p.gradient_checkpointing = mp.checkpoint_every_n_layers > 0
+        if p.status == "planned" and not mp.fits:
+            p.status = "infeasible"
+            p.reason = (f"estimate {gib_str(p.estimate_gib)} > budget {gib_str(budget)} "
+                        f"(checkpointing {mp.checkpointing})")
+
+    # -- the eval/report interval: the same sample counts for every trial --
+    live = [p for p in points if p.status == "planned"]  # feasible: infeasible points do not constrain it
+    if s.eval_every_samples is not None:
+        every = s.eval_every_samples
+        for p in live:
+            if every % p.global_batch_size:
+                p.status, p.reason = "skipped", (f"search.eval_every_samples={every} is not a multiple of the global "
+                                                 f"batch {p.global_batch_size} (trials report at equal samples seen)")
+    else:
+        # Each global batch divides samples_per_trial, so their lcm does too.
+        every = lcm(p.global_batch_size for p in live) if live else s.samples_per_trial
+    grace = s.asha.grace_samples or every
+    if grace % every:
+        raise SpecError(f"{where}: search.asha.grace_samples={grace} is not a multiple of the eval interval "
+                        f"{every} samples (set search.eval_every_samples)")
+
+    for p in points:
+        if p.status == "planned":
+            p.max_steps = s.samples_per_trial // p.global_batch_size
+            p.every_steps = every // p.global_batch_size
+
+    if not any(p.status == "planned" for p in points):
+        reasons = sorted({f"{p.key}: {p.reason}" for p in points})
+        raise SpecError(f"{where}: search: no configuration can run under {budget_key}={budget:g} ({'; '.join(reasons)})")
+    return Plan(device=device, budget_gib=budget, smallest_budget_gib=smallest,
+                samples_per_trial=s.samples_per_trial, eval_every_samples=every, grace_samples=grace,
+                points=points, notes=notes, memory=mem, job=job_dict)
+
+
+# ---- one trial's job ---------------------------------------------------------------------
+
+def trial_job_dict(base: dict, p: dict, lr: float, out_dir: str, name: str, budget_gib: float) -> dict:
+    """The JobSpec of one trial: the base job with this point's split, lr, rule and cadence."""
+    d = json.loads(json.dumps(base))
+    d["name"] = name
+    d["batch"] = {"global_batch_size": p["global_batch_size"], "micro_batch_size": p["micro_batch_size"],
+                  "grad_accum_steps": p["grad_accum_steps"]}
+    d["optim"].update(lr=float(lr), lr_scaling=p["lr_scaling"], reference_batch_size=p["reference_batch_size"])
+    # `auto` stays `auto`: under the same budget the trial's worker makes the very MemoryPlan
+    # (`jobs.memory.plan_for_spec`) this point was judged with, selective every-k included.
+    gc = "auto" if d["memory"].get("gradient_checkpointing") == "auto" else bool(p["gradient_checkpointing"])
+    d["memory"].update(gradient_checkpointing=gc, budget_gib=budget_gib)
+    # max_failures=0: out of memory is an answer, not a retry (tune.run records it as infeasible).
+    d["run"].update(max_steps=p["max_steps"], epochs=None, checkpoint_every=p["every_steps"],
+                    eval_every=p["every_steps"], keep_checkpoints=1, max_failures=0, output_dir=out_dir)
+    return d
+
+
+def trial_name(base_name: str, trial_id: str) -> str:
+    """The trial's job name: the search's, cut so that the suffix fits a 63-character DNS label."""
+    suffix = trial_id.replace("_", "-").lower()
+    return f"{base_name[: 62 - len(suffix)].rstrip('-')}-{suffix}"
+
+
+def describe(p: dict, lr: float) -> str:
+    """One trial, for a log line."""
+    return (f"micro {p['micro_batch_size']} x accum {p['grad_accum_steps']} (global {p['global_batch_size']}), "
+            f"lr {lr:.3g} {p['lr_scaling']}, checkpointing {checkpointing_str(p.get('checkpoint_every_n_layers'))}")
+
+
+def spec_fingerprint(spec: SearchSpec) -> str:
+    """What a resume is checked against: the whole search spec, as the user wrote it."""
+    d = spec.model_dump(mode="json")
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

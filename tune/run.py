@@ -1,0 +1,444 @@
+"""Running a search plan (`tune.plan`) on Ray: each planned point becomes Ray Tune trials, each
+trial a Ray Train TorchTrainer run of the trial's job (Train v2 inside a Tune function trainable).
+
+Only `planned` points are launched; a trial refuses to start if its point is over budget, so
+an infeasible configuration cannot run even through a hand-edited experiment state.
+
+Out of memory is an answer, not a retry. Each trial's Train run has
+`FailureConfig(max_failures=0)` and Tune's failure config does not retry either: a trial that
+still runs out of memory is recorded as infeasible (its `status.json` says so) and the search
+goes on. On resume (`Tuner.restore`, errored trials neither resumed nor restarted) a trial whose
+own record says finished or out of memory is reported from that record, never trained again.
+
+Workers report every eval; `forward_metrics` turns optimizer steps into samples seen (ASHA's
+time attribute) and holds the final step back for the trial function, which reports it once the
+job's outputs exist. Trials at once: what the cluster holds (`concurrency`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+from jobs.errors import SpecError
+from jobs.outputs import write_json_atomic
+from jobs.spec import JobSpec
+from .plan import (METRIC, PLAN_FILE, STARTS_FILE, STATUS_FILE, TIME_ATTR, TRIALS_DIR, TUNE_DIR, Plan, gib_str,
+                   spec_fingerprint, trial_job_dict, trial_name)
+from .spec import SearchSpec
+
+log = logging.getLogger("rayft")
+
+
+# ---- failures: unwrapping Ray's exceptions -------------------------------------------------
+
+class TrialOutOfMemory(RuntimeError):
+    """A launched trial ran out of memory: recorded as infeasible, never retried."""
+
+
+def causes(err: Optional[BaseException]) -> Iterator[BaseException]:
+    """`err` and everything it wraps: Ray Train's per-worker failures, `__cause__`, `__context__`."""
+    seen: set[int] = set()
+    todo: list[Optional[BaseException]] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict):
+            todo.extend(failures.values())
+        todo.extend([e.__cause__, e.__context__])
+
+
+_OOM_LINE = re.compile(r"(\w+\.)*OutOfMemoryError: .*")
+
+
+def oom_line(err: Union[BaseException, str, None]) -> Optional[str]:
+    """The out-of-memory message inside a (Ray-wrapped) training failure or its text, if that is
+    what it is: an OutOfMemoryError/MemoryError in the chain, else the exception line Ray flattened
+    into a message, else any line that says "out of memory". None: not out of memory."""
+    found: Optional[str] = None
+    for e in ([err] if isinstance(err, str) else causes(err)):
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+        # Ray flattens remote tracebacks into the message: find the exception line in it.
+        for line in str(e).splitlines():
+            m = _OOM_LINE.search(line)
+            if m:
+                return m.group(0).strip()[:300]
+            if found is None and "out of memory" in line.lower():
+                found = line.strip()[:300]
+    return found
+
+
+# ---- one trial ---------------------------------------------------------------------------
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def forward_metrics(m: dict, global_batch: int, max_steps: int) -> Optional[dict]:
+    """What one worker report becomes for Tune, or None to hold it back.
+
+    `samples_seen` = optimizer steps x global batch: the ASHA time attribute. The final step is
+    held back: the trial function reports it once the job has written its outputs, so an ASHA
+    decision at the last rung can never cut the job off before summary.json and the adapter exist.
+    Reports without an eval loss (there are none with the cadence the plan sets) are held back too.
+    """
+    step = m.get("step")
+    if not step or step >= max_steps or m.get(METRIC) is None:
+        return None
+    return {TIME_ATTR: int(step) * global_batch, METRIC: float(m[METRIC]), "step": int(step),
+            "loss": m.get("loss"), "tokens_per_s": m.get("tokens_per_s")}
+
+
+def _make_forwarder(global_batch: int, max_steps: int):
+    """A Ray Train UserCallback (it runs in the Train controller) that forwards rank 0's reports to
+    the Tune session of the trial, as Ray's own `TuneReportCallback` does, through `forward_metrics`."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class ForwardToTune(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            out = forward_metrics(metrics[0], global_batch, max_steps)
+            if out is None:
+                return
+            if checkpoint is not None:
+                out["checkpoint_path"] = checkpoint.path
+            self._training_actor_item_queue.put(out)
+
+    return ForwardToTune()
+
+
+def _trainer(spec: JobSpec, callbacks: list):
+    """The trial's TorchTrainer: `spec` on Ray Train as `jobs.launch.run_on_ray` runs a job, with
+    the Tune forwarder as a callback. Failures and checkpoints kept come from the trial's spec
+    (`trial_job_dict`: max_failures 0, one checkpoint)."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from jobs.launch import train_worker
+
+    r = spec.resources
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={"spec": spec.to_dict(), "progress": None, "resume": True},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=r.num_workers, use_gpu=r.use_gpu, accelerator_type=r.accelerator_type,
+            resources_per_worker={"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})}),
+        run_config=ray.train.RunConfig(
+            name="checkpoints",
+            storage_path=str(spec.output_path),
+            failure_config=ray.train.FailureConfig(max_failures=spec.run.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.run.keep_checkpoints),
+            worker_runtime_env={"env_vars": dict(spec.run.env)} if spec.run.env else None,
+            callbacks=callbacks,
+        ),
+    )
+
+
+def _log_start(out: Path, what: str) -> None:
+    with open(out / STARTS_FILE, "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {what}\n")
+
+
+def run_trial(config: dict, setup: dict) -> None:
+    """Tune function trainable: one trial = one Ray Train TorchTrainer run of the trial's job."""
+    from ray import tune
+
+    trial_id = tune.get_context().get_trial_id()
+    p, lr = config["point"], float(config["lr"])
+    out = Path(setup["trials_dir"]) / trial_id
+    out.mkdir(parents=True, exist_ok=True)
+    d = trial_job_dict(setup["job"], p, lr, str(out), trial_name(setup["name"], trial_id), setup["budget_gib"])
+    spec = JobSpec.model_validate(d)
+    write_json_atomic(out / "trial.json", {"trial_id": trial_id, "point": p, "lr": lr,
+                                           "effective_lr": spec.effective_lr, "spec": spec.to_dict()})
+
+    status = read_json(out / STATUS_FILE)
+    if status and status.get("status") == "oom":
+        # Ran out of memory before an interruption the experiment state did not see: still infeasible.
+        _log_start(out, "out of memory earlier: not rerun")
+        raise TrialOutOfMemory(f"out of memory at micro_batch_size={p['micro_batch_size']} (recorded earlier, "
+                               f"not retried): {status.get('error')}")
+    if status and status.get("status") == "finished":
+        # Finished before an interruption the experiment state did not see: report, don't retrain.
+        _log_start(out, "already finished: not rerun")
+        tune.report(status["result"])
+        return
+    if p["estimate_gib"] is None or p["estimate_gib"] > setup["budget_gib"]:  # the plan never lets this through
+        raise RuntimeError(f"trial {p['key']} is over budget and must not run")
+    _log_start(out, "train")
+
+    trainer = _trainer(spec, [_make_forwarder(p["global_batch_size"], p["max_steps"])])
+    t0 = time.time()
+    try:
+        trainer.fit()
+    except Exception as e:
+        oom = oom_line(e)
+        if oom:
+            write_json_atomic(out / STATUS_FILE, {"status": "oom", "error": oom, "wall_s": time.time() - t0})
+            raise TrialOutOfMemory(f"out of memory at micro_batch_size={p['micro_batch_size']} "
+                                   f"(estimate {gib_str(p['estimate_gib'])}): {oom}") from None
+        write_json_atomic(out / STATUS_FILE, {"status": "error", "error": f"{type(e).__name__}: {str(e)[:500]}"})
+        raise
+    summary = read_json(out / "summary.json") or {}
+    result = {TIME_ATTR: p["max_steps"] * p["global_batch_size"], METRIC: summary.get("eval_loss"),
+              "step": summary.get("steps"), "loss": summary.get("final_loss"),
+              "tokens_per_s": summary.get("mean_tokens_per_s"), "tokens_seen": summary.get("tokens_seen"),
+              "peak_mem_gib": summary.get("peak_mem_gib"), "finished": True}
+    write_json_atomic(out / STATUS_FILE, {"status": "finished", "result": result, "wall_s": time.time() - t0})
+    tune.report(result)
+
+
+def trial_dirname(trial) -> str:
+    return trial.trial_id
+
+
+# ---- the driver --------------------------------------------------------------------------
+
+def per_trial_cpus(spec: SearchSpec) -> int:
+    """A trial holds one CPU for the trial function and its workers' CPUs."""
+    r = spec.resources
+    return 1 + math.ceil(r.num_workers * r.cpus_per_worker)
+
+
+def init_ray(address: Optional[str], num_cpus: Optional[int], per_trial: int) -> None:
+    """An embedded Ray big enough for two trials at once: on 2 cores two 1-worker trials need
+    4 logical CPUs."""
+    from jobs.launch import init_ray as init
+
+    init(address, num_cpus or max(os.cpu_count() or 1, 2 * per_trial), log_to_driver=False)
+
+
+def concurrency(spec: SearchSpec, n_trials: int, notes: list[str]) -> int:
+    """Trials at once: what the cluster holds (1 CPU for the trial function + the workers' CPUs/GPUs)."""
+    import ray
+
+    r = spec.resources
+    per_cpu = per_trial_cpus(spec)
+    res = ray.cluster_resources()
+    fit = int(res.get("CPU", 0) // per_cpu)
+    what = f"{res.get('CPU', 0):g} CPUs / {per_cpu} per trial"
+    if r.use_gpu:
+        fit = min(fit, int(res.get("GPU", 0) // r.num_workers))
+        what += f", {res.get('GPU', 0):g} GPUs / {r.num_workers} per trial"
+    if fit < 1:
+        raise SpecError(f"resources.num_workers: the cluster cannot hold one trial ({what})")
+    want = spec.search.max_concurrent_trials
+    if want and want > fit:
+        notes.append(f"search.max_concurrent_trials={want} capped at {fit}: the cluster holds {fit} trials ({what})")
+    n = min(want or fit, fit, max(1, n_trials))
+    notes.append(f"{n} trial(s) at a time ({what})")
+    return n
+
+
+@dataclass
+class Outcome:
+    rows: list[dict]
+    best: Optional[dict]
+    interrupted: bool
+    resumed: bool
+    files: dict[str, str]
+    notes: list[str]
+
+
+def check_resume(spec: SearchSpec, raw_spec: SearchSpec, resume: Optional[bool], spec_path: str = "spec") -> bool:
+    """Whether this run resumes an earlier search in run.output_dir (`resume`: None = if there is
+    one, True = there must be one, False = never). Refuses to resume a search whose spec changed."""
+    from ray import tune
+
+    out = spec.output_path
+    exp = (out / TUNE_DIR).resolve()
+    can = exp.exists() and tune.Tuner.can_restore(str(exp))
+    if resume and not can:
+        raise SpecError(f"{spec_path}: --resume: no interrupted search to resume in {exp}")
+    if not can or resume is False:
+        return False
+    saved = read_json(out / PLAN_FILE) or {}
+    if saved.get("fingerprint") != spec_fingerprint(raw_spec):
+        diffs = _diff(saved.get("spec") or {}, raw_spec.model_dump(mode="json"))
+        shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+        raise SpecError(f"{spec_path}: cannot resume the search in {out}: the search spec changed since it "
+                        f"started ({shown or 'unreadable search_plan.json'}); use --fresh to start over "
+                        "(the old search is moved aside)")
+    return True
+
+
+def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ, `key: old -> new`."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: Optional[bool] = None,
+               address: Optional[str] = None, num_cpus: Optional[int] = None,
+               spec_path: str = "spec") -> Outcome:
+    """Run (or resume) the search. `spec` is absolutized for workers; `raw_spec` is what the user wrote
+    (best.yaml keeps its relative paths). `resume`: None = if possible, True = must, False = fresh."""
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # rayft prints its own lines; verbose=0 then means quiet
+    # Save the experiment state (trial statuses: what Tuner.restore resumes from) every 2 s instead
+    # of Tune's adaptive >= 10 s: the state is a few KB, and a killed search then loses at most 2 s.
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    from . import report
+    from .callbacks import Announce
+
+    out = spec.output_path
+    exp = (out / TUNE_DIR).resolve()
+    notes = list(plan.notes)
+    resumed = check_resume(spec, raw_spec, resume, spec_path)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / PLAN_FILE, {"fingerprint": spec_fingerprint(raw_spec),
+                                        "spec": raw_spec.model_dump(mode="json"), "plan": plan.to_dict()})
+
+    init_ray(address, num_cpus, per_trial_cpus(spec))
+    n_trials = len(plan.planned) * spec.search.num_samples
+    max_conc = concurrency(spec, n_trials, notes)
+
+    setup = {"job": spec.job_dict(), "trials_dir": str((out / TRIALS_DIR).resolve()), "budget_gib": plan.budget_gib,
+             "name": spec.name}
+    trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": 1})
+    s = spec.search
+    if resumed:
+        print(f"resuming the search in {exp} (finished trials are not rerun)", file=sys.stderr, flush=True)
+        tuner = tune.Tuner.restore(str(exp), trainable=trainable, resume_unfinished=True, resume_errored=False,
+                                   restart_errored=False)
+    else:
+        lo, hi = (s.lr.low, s.lr.high) if s.lr else (spec.optim.lr, spec.optim.lr)
+        lr_space = tune.loguniform(lo, hi) if hi > lo else lo
+        scheduler = (ASHAScheduler(time_attr=TIME_ATTR, max_t=plan.samples_per_trial, grace_period=plan.grace_samples,
+                                   reduction_factor=s.asha.reduction_factor)
+                     if s.scheduler == "asha" else FIFOScheduler())
+        seed = s.seed if s.seed is not None else spec.run.seed
+        tuner = tune.Tuner(
+            trainable,
+            param_space={"point": tune.grid_search([p.trial_config() for p in plan.planned]), "lr": lr_space},
+            tune_config=tune.TuneConfig(
+                metric=METRIC, mode="min", scheduler=scheduler, num_samples=s.num_samples,
+                # The concurrency limit goes to the generator: Tune ignores max_concurrent_trials when
+                # a search_alg is passed, and a seeded generator is what makes the lr draws reproducible.
+                search_alg=BasicVariantGenerator(max_concurrent=max_conc, random_state=seed),
+                trial_dirname_creator=trial_dirname, reuse_actors=False),
+            run_config=tune.RunConfig(
+                name=TUNE_DIR, storage_path=str(out.resolve()), verbose=0,
+                failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),  # never retried
+                callbacks=[Announce()]),
+        )
+    print(f"search {spec.name}: {n_trials} trial(s) of {len(plan.points)} point(s) "
+          f"({sum(p.status == 'infeasible' for p in plan.points)} infeasible, "
+          f"{sum(p.status == 'skipped' for p in plan.points)} skipped); {notes[-1]}", file=sys.stderr, flush=True)
+    tune_log = logging.getLogger("ray.tune.tune")
+    level = tune_log.level
+    tune_log.setLevel(logging.CRITICAL)  # "Trials did not complete": rayft reports failed trials itself
+    try:
+        grid = tuner.fit()
+    finally:
+        tune_log.setLevel(level)
+    interrupted = grid.num_terminated + grid.num_errors < len(grid)
+    rows = collect_rows(plan, grid, out)
+    best = report.pick_best(rows, plan.samples_per_trial)
+    files = report.write_all(out, raw_spec, plan, rows, best, notes, interrupted=interrupted)
+    return Outcome(rows, best, interrupted, resumed, files, notes)
+
+
+def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
+    """One row per launched trial (from Tune's result grid and the trial's own files) and one per
+    point that was never launched."""
+    from jobs.outputs import read_metrics
+
+    rows: list[dict] = []
+    for res in grid:
+        trial_id = Path(res.path).name
+        tdir = out / TRIALS_DIR / trial_id
+        # A trial restored from the experiment state without results has no config on its Result:
+        # the trial's own record (or Tune's params.json) has it.
+        cfg = res.config or read_json(tdir / "trial.json") or read_json(Path(res.path) / "params.json")
+        if not cfg or "point" not in cfg:
+            continue
+        p = cfg["point"]
+        lr = float(cfg["lr"])
+        st = read_json(tdir / STATUS_FILE) or {}
+        m = dict(res.metrics or {})
+        samples = int(m.get(TIME_ATTR) or 0)
+        # Tune's verdict first: a trial ASHA stops is killed while its Train run is going, so its
+        # trial function may still see the controller die and write an "error" status on the way out.
+        if res.error is not None:
+            err_text = st.get("error") or str(res.error).strip().splitlines()[-1][:300]
+            oom = st.get("status") == "oom" or oom_line(res.error) is not None or oom_line(err_text) is not None
+            status = "infeasible" if oom else "error"
+            reason = f"out of memory when run (not retried): {err_text}" if oom else err_text
+        elif m.get("finished") or st.get("status") == "finished":
+            status, reason = "finished", ""
+            m = {**(st.get("result") or {}), **m}
+            samples = int(m.get(TIME_ATTR) or samples)
+        elif samples:
+            status, reason = "stopped", f"ASHA stopped it at {samples} samples"
+        else:
+            status, reason = "not run", "interrupted before it reported"
+        recs = [x for x in read_metrics(tdir) if x.get("step", 0) * p["global_batch_size"] <= samples] if samples else []
+        tps = [x["tokens_per_s"] for x in recs if x.get("tokens_per_s")]
+        starts = (tdir / STARTS_FILE).read_text().splitlines() if (tdir / STARTS_FILE).exists() else []
+        rows.append({
+            "trial_id": trial_id, "status": status, "key": p["key"],
+            "micro_batch_size": p["micro_batch_size"], "grad_accum_steps": p["grad_accum_steps"],
+            "global_batch_size": p["global_batch_size"], "gradient_checkpointing": p["gradient_checkpointing"],
+            "checkpoint_every_n_layers": p.get("checkpoint_every_n_layers"),
+            "lr_scaling": p["lr_scaling"], "reference_batch_size": p["reference_batch_size"],
+            "base_lr": lr, "effective_lr": plan.trial_spec(p, lr).effective_lr,  # the lr the trial trains with
+            "estimate_gib": p["estimate_gib"], "budget_gib": plan.budget_gib,
+            "samples_seen": samples, "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
+            "steps": samples // p["global_batch_size"] if samples else 0,
+            "eval_loss": m.get(METRIC) if status in ("finished", "stopped") else None,
+            "tokens_per_s": m.get("tokens_per_s") if status == "finished" and m.get("tokens_per_s")
+            else (sum(tps) / len(tps) if tps else None),
+            "trainings_started": sum(1 for line in starts if line.endswith(" train")),
+            "reason": reason, "output_dir": str(tdir),
+        })
+    for p in plan.points:
+        if p.status == "planned":
+            continue
+        rows.append({
+            "trial_id": None, "status": p.status, "key": p.key, "micro_batch_size": p.micro_batch_size or None,
+            "grad_accum_steps": p.grad_accum_steps, "global_batch_size": p.global_batch_size,
+            "gradient_checkpointing": p.gradient_checkpointing,
+            "checkpoint_every_n_layers": p.checkpoint_every_n_layers, "lr_scaling": p.lr_scaling,
+            "reference_batch_size": p.reference_batch_size, "base_lr": None, "effective_lr": None,
+            "estimate_gib": p.estimate_gib, "budget_gib": plan.budget_gib, "samples_seen": 0, "tokens_seen": None,
+            "steps": 0, "eval_loss": None, "tokens_per_s": None, "trainings_started": 0,
+            "reason": p.reason, "output_dir": None,
+        })
+    order = {"finished": 0, "stopped": 1, "infeasible": 2, "error": 3, "not run": 4, "skipped": 5}
+    rows.sort(key=lambda x: (order.get(x["status"], 9), x["eval_loss"] if x["eval_loss"] is not None else math.inf,
+                             x["micro_batch_size"] or 0, x["grad_accum_steps"]))
+    return rows
+
+
+def set_aside(out: Path) -> Optional[Path]:
+    """`--fresh`: the previous search (Tune experiment, trials, results) is renamed, never deleted."""
+    if not out.exists() or not any(out.iterdir()):
+        return None
+    dest = out.with_name(f"{out.name}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}")
+    out.rename(dest)
+    return dest
