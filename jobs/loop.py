@@ -41,20 +41,15 @@ from . import checkpoint as ckpt
 from .context import Context
 from .data import GlobalBatches, collate, count_inputs, count_labels, eval_shard, load_dataset, split_window, total_steps
 from .faults import from_env
-from .memory import checkpointing_str
+from .memory import MemoryPlan
 from .model import add_lora, check_batchnorm, check_packing, compile_layers, enable_checkpointing, load_base_model
 from .outputs import SUMMARY, MetricsLog, append_event, plot_loss, read_metrics, write_json_atomic
-from .spec import JobSpec, SpecError
+from .errors import SpecError
+from .spec import JobSpec, compute_precision
 
 log = logging.getLogger("rayft")
 GIB = 1024**3
 
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return precision
 
 
 class CausalLMLoss(nn.Module):
@@ -281,202 +276,212 @@ def memory_plan(spec: JobSpec, device: torch.device):
     return plan_for_spec(spec, device="cuda" if device.type == "cuda" else "cpu", gpu_memory_gib=gpu_gib)
 
 
-def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
-    """Run the job described by `spec` on this rank. Returns the summary (on every rank)."""
-    out = spec.output_path
-    rank, world, device = ctx.rank, ctx.world_size, ctx.device
-    if world != spec.resources.num_workers:
-        raise SpecError(f"resources.num_workers={spec.resources.num_workers} but the runner started {world} workers")
-    precision = resolve_precision(spec.precision, device)
-    accum, micro = spec.grad_accum_steps, spec.batch.micro_batch_size
+@dataclass
+class Job:
+    """What `train` sets up before the first step: the model with its adapters, the plan it runs,
+    the data and the optimizer state."""
 
-    # ---- model, adapters, data ---------------------------------------------------------
+    model: nn.Module          # the PEFT model (not wrapped)
+    tokenizer: object
+    plan: MemoryPlan
+    precision: str
+    data: object              # jobs.data.Dataset
+    batches: GlobalBatches
+    steps: int                # optimizer steps of the whole run
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+
+
+@dataclass
+class Position:
+    """Where the run stands; a checkpoint restores it."""
+
+    step: int = 0             # optimizer steps done (= the next global batch)
+    tokens_seen: int = 0
+    skipped_steps: int = 0
+    eval_loss: Optional[float] = None
+    source: Optional[str] = None  # the checkpoint resumed from
+
+
+def set_up(spec: JobSpec, ctx: Context) -> Job:
+    """Model, adapters, the memory plan (checkpointing), data, optimizer; nothing trained yet."""
+    if ctx.world_size != spec.resources.num_workers:
+        raise SpecError(f"resources.num_workers={spec.resources.num_workers} but the runner started "
+                        f"{ctx.world_size} workers")
+    precision = compute_precision(spec.precision, ctx.device.type)
     model, tokenizer = load_base_model(spec, precision)
     if spec.data.packing:
         check_packing(model.config)
     model = add_lora(model, spec, precision)
-    model = check_batchnorm(model, spec.model.sync_batchnorm, world)
-    plan = memory_plan(spec, device)
-    gc_every, estimate_gib = plan.checkpoint_every_n_layers, plan.total_gib
-    if gc_every:
-        enable_checkpointing(model, every_n_layers=gc_every)
+    model = check_batchnorm(model, spec.model.sync_batchnorm, ctx.world_size)
+    plan = memory_plan(spec, ctx.device)
+    if plan.checkpoint_every_n_layers:
+        enable_checkpointing(model, every_n_layers=plan.checkpoint_every_n_layers)
     if spec.model.compile:
         compile_layers(model)
-    model.to(device)
+    model.to(ctx.device)
     model.train()
     data = load_dataset(spec, tokenizer)
-    batches = GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed)
-    steps = total_steps(spec, len(data.train))
-    pad_id = tokenizer.pad_token_id
-
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(spec, params, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    return Job(model, tokenizer, plan, precision, data,
+               GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed),
+               total_steps(spec, len(data.train)), make_optimizer(spec, params, ctx.device),
+               torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"))
 
-    # ---- resume from the newest complete checkpoint on disk ----------------------------------
-    # (Ray Train's checkpoints are written there too, so a worker restarted by Ray and a rerun
-    # of the same command find the same one.)
-    start_step, tokens_seen, skipped_steps, eval_loss = 0, 0, 0, None
-    newest = ckpt.newest_complete(out / "checkpoints") if resume else None
-    source = str(newest) if newest else None
-    if source is not None:
-        state = ckpt.load_state(Path(source))
-        ckpt.check_resumable(state["resume_key"], spec, str(source))
-        named = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in ckpt.load_adapter(Path(source)).items():
-                named[name].copy_(tensor)
-        optimizer.load_state_dict(torch.load(Path(source) / "optimizer.pt", weights_only=False))
-        if scaler.is_enabled() and (Path(source) / "scaler.pt").exists():
-            scaler.load_state_dict(torch.load(Path(source) / "scaler.pt", weights_only=False))
-        rng_file = Path(source) / f"rng-rank{rank}.pt"
-        if state["world_size"] == world and rng_file.exists():
-            ckpt.set_rng_state(torch.load(rng_file, weights_only=False))
-        start_step, tokens_seen, skipped_steps = state["step"], state["tokens_seen"], state["skipped_steps"]
-        eval_loss = state.get("eval_loss")
-        if ctx.is_main and start_step >= steps:
-            log.warning("%s already ran all %d steps (%s): nothing to train; outputs are rewritten from it "
-                        "(--fresh trains again)", spec.name, steps, source)
-        elif ctx.is_main:
-            log.warning("resuming from %s at optimizer step %d", source, start_step)
-    else:
+
+def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, resume: bool) -> Position:
+    """Continue from the newest complete checkpoint on disk (Ray Train writes its checkpoints
+    there too, so a worker restarted by Ray and a rerun of the same command find the same one),
+    or seed this rank for a fresh start."""
+    newest = ckpt.newest_complete(spec.output_path / "checkpoints") if resume else None
+    if newest is None:
         # Per-rank seed for dropout; the data order does not depend on it.
-        torch.manual_seed(spec.run.seed * 7919 + rank)
-        random.seed(spec.run.seed * 7919 + rank)
+        torch.manual_seed(spec.run.seed * 7919 + ctx.rank)
+        random.seed(spec.run.seed * 7919 + ctx.rank)
+        return Position()
+    state = ckpt.restore(newest, spec, ctx.rank, ctx.world_size, job.model, job.optimizer, job.scaler)
+    pos = Position(state["step"], state["tokens_seen"], state["skipped_steps"], state.get("eval_loss"), str(newest))
+    if ctx.is_main and pos.step >= job.steps:
+        log.warning("%s already ran all %d steps (%s): nothing to train; outputs are rewritten from it "
+                    "(--fresh trains again)", spec.name, job.steps, newest)
+    elif ctx.is_main:
+        log.warning("resuming from %s at optimizer step %d", newest, pos.step)
+    return pos
 
-    module: nn.Module = CausalLMLoss(model, chunk_tokens=spec.memory.loss_chunk_tokens)
-    if world > 1:
+
+def make_engine(spec: JobSpec, ctx: Context, job: Job) -> Engine:
+    module: nn.Module = CausalLMLoss(job.model, chunk_tokens=job.plan.loss_chunk_tokens)
+    if ctx.world_size > 1:
         module = nn.parallel.DistributedDataParallel(
-            module, device_ids=[device.index] if device.type == "cuda" else None,
+            module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             gradient_as_bucket_view=True, find_unused_parameters=False)
-    engine = Engine(module, params, optimizer, scaler, device, precision, world)
+    params = [p for p in job.model.parameters() if p.requires_grad]
+    return Engine(module, params, job.optimizer, job.scaler, ctx.device, job.precision, ctx.world_size)
 
-    metrics_log = MetricsLog(out, start_step) if ctx.is_main else None
-    if ctx.is_main:
-        append_event(out, "resume" if start_step else "start", step=start_step, world_size=world,
-                     checkpoint=source)
-    if ctx.is_main:
-        log.warning(
-            "job %s: %d steps, global batch %d = %d workers x %d accumulation x %d micro; "
-            "lr %.3g (base %.3g x %s scaling %.3g at reference batch %d); precision %s; "
-            "gradient checkpointing %s; estimate %.2f GiB",
-            spec.name, steps, spec.batch.global_batch_size, world, accum, micro, spec.effective_lr,
-            spec.optim.lr, spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, precision,
-            checkpointing_str(gc_every), estimate_gib)
 
-    # ---- the loop ----------------------------------------------------------------------
-    faults = from_env()
-    last: dict = {}
-    run_tokens, run_step_s = 0, 0.0
-    run_start = time.perf_counter()
-    pin = device.type == "cuda"
-    layout = layout_args(spec, device)
-    for step in range(start_step, steps):
+def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> tuple[list[dict], int, int]:
+    """This rank's micro-batches of global batch `step`, and the window's label and input tokens
+    over all ranks (known locally: every rank holds the tokenized data)."""
+    indices = job.batches.indices(step)
+    if spec.data.group_by_length:
+        # Same samples, grouped so each micro-batch pads little (measured on the demo data:
+        # 48% of computed tokens were padding, 11% grouped).
+        indices = sorted(indices, key=lambda i: (len(job.data.train[i].input_ids), i))
+    mine = split_window(indices, ctx.rank, ctx.world_size, spec.batch.micro_batch_size, spec.grad_accum_steps)
+    layout = layout_args(spec, ctx.device)
+    pad_id, pin = job.tokenizer.pad_token_id, ctx.device.type == "cuda"
+    micro = [collate([job.data.train[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
+    return micro, count_labels(job.data.train, indices), count_inputs(job.data.train, indices)
+
+
+def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
+    """Run the job described by `spec` on this rank. Returns the summary (rank 0; {} elsewhere)."""
+    out, rank, world, device = spec.output_path, ctx.rank, ctx.world_size, ctx.device
+    job = set_up(spec, ctx)
+    pos = resume_or_seed(spec, ctx, job, resume)
+    engine = make_engine(spec, ctx, job)
+    metrics_log = MetricsLog(out, pos.step) if ctx.is_main else None
+    if ctx.is_main:
+        append_event(out, "resume" if pos.step else "start", step=pos.step, world_size=world, checkpoint=pos.source)
+        log.warning("job %s: %d steps, global batch %d = %d workers x %d accumulation x %d micro; lr %.3g (base "
+                    "%.3g x %s scaling %.3g at reference batch %d); precision %s; gradient checkpointing %s; "
+                    "estimate %.2f GiB", spec.name, job.steps, spec.batch.global_batch_size, world,
+                    spec.grad_accum_steps, spec.batch.micro_batch_size, spec.effective_lr, spec.optim.lr,
+                    spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, job.precision,
+                    job.plan.checkpointing, job.plan.total_gib)
+
+    faults, last = from_env(), {}
+    run_tokens, run_step_s, run_start = 0, 0.0, time.perf_counter()
+    for step in range(pos.step, job.steps):
         t0 = time.perf_counter()
-        lr = lr_at(step, steps, spec)
-        for group in optimizer.param_groups:
+        lr = lr_at(step, job.steps, spec)
+        for group in job.optimizer.param_groups:
             group["lr"] = lr
-        indices = batches.indices(step)
-        if spec.data.group_by_length:
-            # Same samples, grouped so each micro-batch pads little (measured on the demo data:
-            # 48% of computed tokens were padding, 11% grouped).
-            indices = sorted(indices, key=lambda i: (len(data.train[i].input_ids), i))
-        n_labels = count_labels(data.train, indices)
-        n_inputs = count_inputs(data.train, indices)
-        mine = split_window(indices, rank, world, micro, accum)
-        micro_batches = [collate([data.train[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
-        faults.at_step(step, rank, micro)
+        micro_batches, n_labels, n_inputs = micro_batches_of(spec, ctx, job, step)
+        faults.at_step(step, rank, spec.batch.micro_batch_size)
 
         loss_sum = train_window(engine, micro_batches, n_labels)
         grad_norm, scale_before = optimizer_step(engine, spec.optim.max_grad_norm)
 
         # One small all-reduce for logging; then the only host reads of the step.
         loss = all_reduce_sum(loss_sum, world).item() / n_labels
-        skipped = scale_before is not None and scaler.get_scale() < scale_before
-        skipped_steps += int(skipped)
-        tokens_seen += n_inputs
+        skipped = scale_before is not None and job.scaler.get_scale() < scale_before
+        pos.skipped_steps += int(skipped)
+        pos.tokens_seen += n_inputs
         dt = time.perf_counter() - t0
         run_tokens, run_step_s = run_tokens + n_inputs, run_step_s + dt
         done = step + 1
-        if spec.run.eval_every and done % spec.run.eval_every == 0 or done == steps:
-            eval_loss = evaluate(engine, data.eval, rank, world, micro, pad_id, layout)
+        if spec.run.eval_every and done % spec.run.eval_every == 0 or done == job.steps:
+            pos.eval_loss = evaluate(engine, job.data.eval, rank, world, spec.batch.micro_batch_size,
+                                     job.tokenizer.pad_token_id, layout_args(spec, device))
         peak, peak_kind = peak_memory_bytes(device)
-        last = {
-            "step": done,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": float(grad_norm.item()),
-            "tokens": n_inputs,
-            "tokens_seen": tokens_seen,
-            "label_tokens": n_labels,
-            "tokens_per_s": n_inputs / dt,
-            "step_time_s": dt,
-            "epoch": batches.epoch_of(done),
-            "peak_mem_gib": peak / GIB,
-            "peak_mem_kind": peak_kind,
-            "estimate_gib": estimate_gib,
-            "skipped": skipped,
-            "eval_loss": eval_loss,
-        }
+        last = {"step": done, "loss": loss, "lr": lr, "grad_norm": float(grad_norm.item()), "tokens": n_inputs,
+                "tokens_seen": pos.tokens_seen, "label_tokens": n_labels, "tokens_per_s": n_inputs / dt,
+                "step_time_s": dt, "epoch": job.batches.epoch_of(done), "peak_mem_gib": peak / GIB,
+                "peak_mem_kind": peak_kind, "estimate_gib": job.plan.total_gib, "skipped": skipped,
+                "eval_loss": pos.eval_loss}
         if ctx.is_main:
-            if step == start_step:
+            if step == pos.step:  # the first step of this run
                 append_event(out, "first_step", step=done)
             metrics_log.write(last)
-            ctx.progress(dict(last, total_steps=steps))
+            ctx.progress(dict(last, total_steps=job.steps))
 
-        if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == steps:
-            state = {"step": done, "next_global_batch": done, "tokens_seen": tokens_seen,
-                     "skipped_steps": skipped_steps, "world_size": world, "eval_loss": eval_loss,
+        if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == job.steps:
+            state = {"step": done, "next_global_batch": done, "tokens_seen": pos.tokens_seen,
+                     "skipped_steps": pos.skipped_steps, "world_size": world, "eval_loss": pos.eval_loss,
                      "resume_key": ckpt.resume_key(spec)}
-            files: dict[str, object] = {f"rng-rank{rank}.pt": ckpt.rng_state()}
-            if ctx.is_main:
-                files.update({"adapter.safetensors": {n: p for n, p in model.named_parameters() if p.requires_grad},
-                              "optimizer.pt": optimizer.state_dict(), "state.json": state})
-                if scaler.is_enabled():
-                    files["scaler.pt"] = scaler.state_dict()
-            ctx.save_checkpoint(out / "checkpoints", done, files, last, spec.run.keep_checkpoints)
+            shared = (job.model, job.optimizer, job.scaler) if ctx.is_main else ()
+            ctx.save_checkpoint(out / "checkpoints", done, ckpt.rank_files(rank, state, *shared), last,
+                                spec.run.keep_checkpoints)
 
-    # ---- outputs (rank 0) --------------------------------------------------------------
-    wall = time.perf_counter() - run_start
     summary = {}
     if ctx.is_main:
         metrics_log.close()
-        records = read_metrics(out)
-        adapter_dir = out / "adapter"
-        model.save_pretrained(adapter_dir)
-        tokenizer.save_pretrained(adapter_dir)
-        if spec.model.name == "tiny-llama":
-            _save_tiny_base(spec, out / "base", adapter_dir)
-        plot_loss(out, records, f"{spec.name}: {spec.batch.global_batch_size} seq/step, accum {accum}")
-        final = last or (records[-1] if records else {})  # a rerun of a finished job trains no step
-        summary = {
-            "name": spec.name,
-            "steps": steps,
-            "resumed_from_step": start_step,
-            "first_loss": records[0]["loss"] if records else None,
-            "final_loss": final.get("loss"),
-            "eval_loss": eval_loss,
-            "tokens_seen": tokens_seen,
-            "skipped_steps": skipped_steps,
-            "wall_time_s": wall,
-            "mean_tokens_per_s": run_tokens / run_step_s if run_step_s else None,
-            "peak_mem_gib": final.get("peak_mem_gib"),
-            "peak_mem_kind": final.get("peak_mem_kind"),
-            "estimate_gib": estimate_gib,
-            "precision": precision,
-            "gradient_checkpointing": bool(gc_every),
-            "checkpoint_every_n_layers": gc_every,
-            "effective_lr": spec.effective_lr,
-            "global_batch_size": spec.batch.global_batch_size,
-            "micro_batch_size": micro,
-            "grad_accum_steps": accum,
-            "num_workers": world,
-            "adapter_dir": str(adapter_dir),
-            "dropped_records": data.dropped,
-        }
-        write_json_atomic(out / SUMMARY, summary)
-        append_event(out, "end", step=steps)
+        summary = write_outputs(spec, job, pos, last, wall_s=time.perf_counter() - run_start,
+                                mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None)
     ctx.report(dict(last, done=True))
+    return summary
+
+
+def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, *, wall_s: float,
+                  mean_tokens_per_s: Optional[float]) -> dict:
+    """Rank 0, at the end: the adapter (PEFT format), the loss curve, summary.json."""
+    out = spec.output_path
+    records = read_metrics(out)
+    adapter_dir = out / "adapter"
+    job.model.save_pretrained(adapter_dir)
+    job.tokenizer.save_pretrained(adapter_dir)
+    if spec.model.name == "tiny-llama":
+        _save_tiny_base(spec, out / "base", adapter_dir)
+    plot_loss(out, records, f"{spec.name}: {spec.batch.global_batch_size} seq/step, accum {spec.grad_accum_steps}")
+    final = last or (records[-1] if records else {})  # a rerun of a finished job trains no step
+    summary = {
+        "name": spec.name,
+        "steps": job.steps,
+        "resumed_from_step": pos.step,
+        "first_loss": records[0]["loss"] if records else None,
+        "final_loss": final.get("loss"),
+        "eval_loss": pos.eval_loss,
+        "tokens_seen": pos.tokens_seen,
+        "skipped_steps": pos.skipped_steps,
+        "wall_time_s": wall_s,
+        "mean_tokens_per_s": mean_tokens_per_s,
+        "peak_mem_gib": final.get("peak_mem_gib"),
+        "peak_mem_kind": final.get("peak_mem_kind"),
+        "estimate_gib": job.plan.total_gib,
+        "precision": job.precision,
+        "gradient_checkpointing": bool(job.plan.checkpoint_every_n_layers),
+        "checkpoint_every_n_layers": job.plan.checkpoint_every_n_layers,
+        "effective_lr": spec.effective_lr,
+        "global_batch_size": spec.batch.global_batch_size,
+        "micro_batch_size": spec.batch.micro_batch_size,
+        "grad_accum_steps": spec.grad_accum_steps,
+        "num_workers": spec.resources.num_workers,
+        "adapter_dir": str(adapter_dir),
+        "dropped_records": job.data.dropped,
+    }
+    write_json_atomic(out / SUMMARY, summary)
+    append_event(out, "end", step=job.steps)
     return summary
 
 

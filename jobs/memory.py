@@ -598,10 +598,8 @@ def config_from_spec(spec):
 
 
 def spec_precision(spec, device: str) -> str:
-    """`auto` is bf16 on GPU and fp32 on CPU, as `jobs.loop.resolve_precision` decides."""
-    if spec.precision == "auto":
-        return "bf16" if device == "cuda" else "fp32"
-    return spec.precision
+    """The compute dtype of `spec` on `device`: `JobSpec.compute_precision`, the one rule."""
+    return spec.compute_precision(device)
 
 
 def spec_seq_len(spec, device: str) -> int:
@@ -779,10 +777,6 @@ def checkpointing_table(spec, *, device: str = "cuda", config=None) -> dict[int,
             for k in checkpointing_candidates(model_shape(config).layers)}
 
 
-def _spec_device(spec) -> str:
-    return "cuda" if spec.resources.use_gpu else "cpu"
-
-
 def feasible_pairs(spec, budget_gib: Optional[float] = None, *, device: Optional[str] = None) -> list[dict]:
     """Every (micro_batch_size, grad_accum_steps) that splits the global batch, checkpointing off and on.
 
@@ -790,7 +784,7 @@ def feasible_pairs(spec, budget_gib: Optional[float] = None, *, device: Optional
     Rows are sorted by micro-batch, then checkpointing off before on; `fits` is
     estimate <= budget (always True without a budget).
     """
-    device = device or _spec_device(spec)
+    device = device or spec.planned_device
     budget = budget_gib if budget_gib is not None else spec.memory.budget_gib
     per_worker, rem = divmod(spec.batch.global_batch_size, spec.resources.num_workers)
     if rem:
@@ -811,4 +805,4 @@ def feasible_pairs(spec, budget_gib: Optional[float] = None, *, device: Optional
 def smallest_budget_gib(spec, *, device: Optional[str] = None) -> float:
     """The least memory the job can run in: micro-batch 1 with checkpointing."""
     return estimate_for_spec(spec, micro_batch_size=1, gradient_checkpointing=True,
-                             device=device or _spec_device(spec)).total_gib
+                             device=device or spec.planned_device).total_gib

@@ -289,6 +289,15 @@ class JobSpec(BaseModel):
         return self.optim.lr * self.lr_scale
 
     @property
+    def planned_device(self) -> str:
+        """The device kind the workers train on: "cuda" with `resources.use_gpu`, else "cpu"."""
+        return "cuda" if self.resources.use_gpu else "cpu"
+
+    def compute_precision(self, device_kind: str) -> str:
+        """The precision that runs on `device_kind` ("cuda" or "cpu"): see `compute_precision`."""
+        return compute_precision(self.precision, device_kind)
+
+    @property
     def output_path(self) -> Path:
         return Path(self.run.output_dir.replace("{name}", self.name))
 
@@ -302,6 +311,14 @@ class JobSpec(BaseModel):
         """Stable hash of the full validated spec (defaults included)."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:length]
+
+
+def compute_precision(precision: str, device_kind: str) -> str:
+    """`auto` is bf16 on a GPU and fp32 on a CPU (no fast bf16 matmuls there); the others are
+    what they say. The loop, the memory model and every estimate decide through here."""
+    if precision == "auto":
+        return "bf16" if device_kind == "cuda" else "fp32"
+    return precision
 
 
 # ---- loading ---------------------------------------------------------------------------------
