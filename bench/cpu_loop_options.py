@@ -23,7 +23,7 @@ micro-batch 8, one process). Only the layout of each micro-batch changes:
 
 Each variant is `jobs.loop.train(spec, LocalContext)`, timed as the interval between
 consecutive `Context.progress` calls after the warmup steps (CPU time of the process, the
-headline on this shared 2-core machine, and wall). Variants alternate over `--repeats`
+headline on a shared machine, and wall). Variants alternate over `--repeats`
 (order reversed every other repeat). `collate` is wrapped to count the positions each layout
 computes. tok_s counts real input tokens (no padding), the same for every layout, so it is
 directly comparable. The losses of every step must agree across layouts (same samples, same

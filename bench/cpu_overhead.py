@@ -333,8 +333,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "rayft_host_data": "CPU time per step of the data work only train() does per step (sampler indices, "
                                "label/input token counts, split_window, collate of every micro-batch), measured "
                                "alone: the part of rayft's overhead that does not depend on noise",
-            "clocks": "cpu: time.process_time() of this process per step (the headline: the 2-core machine is "
-                      "shared with other work, which inflates wall time at random); wall: time.perf_counter()",
+            "clocks": "cpu: time.process_time() of this process per step (the headline: a shared machine "
+                      "runs other work, which inflates wall time at random); wall: time.perf_counter()",
             "statistic": "median seconds per optimizer step over all timed steps of all repeats; loops alternate "
                          "per repeat (rayft, plain, bare / bare, plain, rayft)",
         },

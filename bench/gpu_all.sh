@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# Both GPU benchmarks in one device call (issue 4: memory estimate vs measured peak; issue 7:
-# rayft vs HF Trainer + PEFT), each under its own time limit, results written as they come.
+# Both GPU benchmarks in one call (the memory estimate vs the measured peak; rayft vs HF
+# Trainer + PEFT), each under its own time limit, results written as they come.
 #
-#   bash bench/gpu_all.sh OUT_DIR            # on the GPU machine (the device tool: OUT_DIR=$OUT)
+#   bash bench/gpu_all.sh OUT_DIR            # on a GPU machine without Ray
 #   DRY_RUN=1 bash bench/gpu_all.sh /tmp/x   # the same pipeline with tiny shapes on CPU
 #
 # Budget (seconds, override by environment): MEM_S for bench/gpu_memory.py (it starts no new
 # combination after MEM_S - 20), CMP_S for bench/gpu_compare.py (no new row after CMP_S - 90).
-# Defaults 120 + 430 = 550 s: with the wheel install it fits the device tool's 600-s call
-# (timeout_s 600). gpu_compare gets the larger share: its 8 main rows (two shapes, two budgets,
+# Defaults 120 + 430 = 550 s: with the wheel install it fits a 600-s limit on one command. gpu_compare gets the larger share: its 8 main rows (two shapes, two budgets,
 # two loops) each build a model and run 6 optimizer steps; gpu_memory's combinations are single
 # steps on two models.
 #

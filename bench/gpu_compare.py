@@ -73,12 +73,12 @@ model_tflops = tok_s x FLOPs/token / 1e12, also as a fraction of the measured bf
 Needs torch, transformers, peft, accelerate and rayft's `jobs` package (pydantic, pyyaml) --
 not Ray. The GPU machine has no pydantic and an older transformers (5.17, whose
 `gradient_checkpointing_enable` path in `jobs.model` loses `every_n_layers`): carry wheels of
-the dev versions (README, "GPU benchmark") and install them with `pip --target` first. Run (estimated 4-6 minutes on an H200, not yet measured there; --time-limit-s stops starting rows after 390 s):
+the dev versions (below) and install them with `pip --target` first. Run (estimated 4-6 minutes on an H200, not yet measured there; --time-limit-s stops starting rows after 390 s):
 
     python bench/gpu_compare.py --out bench/results            # the GPU run
     python bench/gpu_compare.py --dry-run --out /tmp/x         # tiny shapes on CPU, < 1 minute
 
-On the lent H200 (device tool): first, here, fetch the wheels (17 MB; /.whl/ is git-ignored):
+On a GPU machine without internet: first, on a machine with PyPI access, fetch the wheels (17 MB; /.whl/ is git-ignored):
 
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
@@ -642,7 +642,7 @@ def environment_warnings() -> list[str]:
     if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
         out.append("transformers has no activation_checkpointing_enable: jobs.model.enable_checkpointing falls back "
                    "to gradient_checkpointing_enable without every_n_layers, so rayft's selective checkpointing "
-                   "(every k-th layer) checkpoints every layer here; carry transformers>=5.24 (see README)")
+                   "(every k-th layer) checkpoints every layer here; carry transformers>=5.24 (see this file's docstring)")
     for w in out:
         print(f"# WARNING: {w}", flush=True)
     return out

@@ -48,9 +48,9 @@ class ModelSpec(_Section):
     """Name of an environment variable *on the worker* holding a hub token. Never the token itself."""
     compile: bool = False
     """`torch.compile` each decoder layer (regional compilation: every layer reuses one compiled
-    graph, so the compile time does not grow with depth). The first micro-steps pay it (44 s for
-    tiny-llama on 2 CPU cores; again once when padded lengths first vary). Off by default: see
-    README, "Performance"."""
+    graph, so the compile time does not grow with depth). The first micro-steps pay the compile
+    time, and again once when padded lengths first vary. Off by default: measurements in
+    docs/benchmarks.md."""
 
     @field_validator("name")
     @classmethod
@@ -83,7 +83,8 @@ class DataSpec(_Section):
     """Pack each micro-batch's sequences into rows of up to `max_seq_len` tokens (first-fit
     decreasing), with position ids restarting per sequence and a block-diagonal causal mask, so
     no padding is computed and no token attends across sequences. Same samples, same loss.
-    Off by default: the mask moves SDPA off its fastest (mask-free causal) kernel; see README."""
+    Off by default: the mask moves SDPA off its fastest (mask-free causal) kernel; see
+    docs/benchmarks.md."""
 
     @field_validator("path", mode="before")
     @classmethod
