@@ -18,7 +18,6 @@ import json
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -180,16 +179,6 @@ def restore(directory: Path, spec: JobSpec, rank: int, world_size: int, model, o
     if state["world_size"] == world_size and (directory / rng_file(rank)).exists():
         set_rng_state(torch.load(directory / rng_file(rank), weights_only=False))
     return state
-
-
-def set_aside(output_dir: Path) -> Optional[Path]:
-    """`--fresh`: move old checkpoints out of the way (renamed, never deleted)."""
-    root = output_dir / "checkpoints"
-    if not root.exists():
-        return None
-    dest = output_dir / f"checkpoints.set-aside-{time.strftime('%Y%m%dT%H%M%S')}"
-    root.rename(dest)
-    return dest
 
 
 def resume_key(spec: JobSpec) -> dict:

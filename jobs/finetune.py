@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 
-from .spec import SpecError, absolutize, load_spec
+from .spec import absolutize, load_spec
 
 
 def preflight(spec) -> None:
@@ -33,6 +33,7 @@ def preflight(spec) -> None:
 def prepare(spec_path: str, overrides: list[str], fresh: bool):
     """Validate everything that can be checked on the driver; only then touch the output dir."""
     from . import checkpoint as ckpt
+    from .outputs import set_aside
 
     spec = load_spec(spec_path, overrides)
     preflight(spec)
@@ -41,7 +42,7 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool):
     if newest is not None:  # refuse a resume that cannot be exact, before anything starts
         ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
     if fresh:
-        moved = ckpt.set_aside(spec.output_path)
+        moved = set_aside(spec.output_path / "checkpoints")
         if moved:
             logging.getLogger("rayft").warning("--fresh: previous checkpoints moved to %s", moved)
     return spec
@@ -76,26 +77,33 @@ def run(spec, *, local: bool = False, address: str | None = None, fresh: bool = 
     return run_on_ray(spec, address=address, resume=not fresh, on_progress=on_progress)
 
 
-def _print_step(rec: dict) -> None:
-    print(f"step {rec['step']}/{rec['total_steps']} loss {rec['loss']:.4f} "
-          f"lr {rec['lr']:.3g} tokens/s {rec['tokens_per_s']:.0f}", flush=True)
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of one job run: `rayft run` and `python -m jobs.finetune` take the same."""
+    parser.add_argument("spec", help="job spec YAML")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value")
+    parser.add_argument("--address", help="Ray cluster (GCS) address, e.g. 127.0.0.1:6379 or ray://host:10001 "
+                                          "(default: the enclosing Ray job's cluster, else an embedded local Ray)")
+    parser.add_argument("--local", action="store_true", help="run in this process without Ray (torchrun-compatible)")
+    parser.add_argument("--fresh", action="store_true", help="do not resume; existing checkpoints are moved aside")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `ray job submit` entrypoint: the same preparation and run as `rayft run`, printing one
+    plain line per optimizer step and summary.json at the end."""
+    from .errors import RayftError
+    from .outputs import format_step
+
     ap = argparse.ArgumentParser(prog="python -m jobs.finetune", description=__doc__.splitlines()[0])
-    ap.add_argument("spec", help="job spec YAML")
-    ap.add_argument("overrides", nargs="*", help="section.field=value")
-    ap.add_argument("--address", help="Ray cluster address (default: the enclosing Ray job's, else a local Ray)")
-    ap.add_argument("--local", action="store_true", help="run without Ray (torchrun-compatible)")
-    ap.add_argument("--fresh", action="store_true", help="ignore existing checkpoints (they are moved aside)")
+    add_run_arguments(ap)
     args = parse_with_overrides(ap, argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         spec = prepare(args.spec, args.overrides, args.fresh)
-        summary = run(spec, local=args.local, address=args.address, fresh=args.fresh, on_progress=_print_step)
-    except SpecError as e:
+        summary = run(spec, local=args.local, address=args.address, fresh=args.fresh,
+                      on_progress=lambda rec: print(format_step(rec), flush=True))
+    except RayftError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     if summary:
         print(json.dumps(summary, indent=2))
     return 0

@@ -9,11 +9,12 @@ import math
 import os
 import socket
 import threading
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import ray
 
-from .spec import JobSpec, SpecError
+from .errors import SpecError
+from .spec import JobSpec
 
 log = logging.getLogger("rayft")
 
@@ -77,20 +78,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = True,
-               on_progress: Optional[Callable[[dict], None]] = None) -> dict:
-    """Train `spec` on Ray; returns summary.json's content. Blocks until the run ends."""
+def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks: Optional[list] = None):
+    """The TorchTrainer that runs `spec` (the one setup `run_on_ray` and every Tune trial use):
+    `resources.num_workers` workers with `cpus_per_worker` CPUs and one GPU each when `use_gpu`,
+    checkpoints in `<output_dir>/checkpoints/step-NNNNNNNN` (Ray Train's storage is the output
+    dir, see jobs.checkpoint), `run.max_failures` restarts, `run.env` in every worker."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from .outputs import SUMMARY
-
-    # One logical CPU per worker plus one for Ray Train's controller.
-    init_ray(address, math.ceil(spec.resources.num_workers * spec.resources.cpus_per_worker) + 1)
-    out = spec.output_path.resolve()
-    progress = ProgressActor.remote() if on_progress else None
     r = spec.resources
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_worker,
         train_loop_config={"spec": spec.to_dict(), "progress": progress, "resume": resume},
         scaling_config=ScalingConfig(
@@ -98,15 +95,27 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
             resources_per_worker={"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})},
         ),
         run_config=RunConfig(
-            # Checkpoints land in <output_dir>/checkpoints/step-NNNNNNNN (see jobs.checkpoint).
             name="checkpoints",
-            storage_path=str(out),
+            storage_path=str(spec.output_path.resolve()),
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=spec.run.keep_checkpoints),
             logging_config=LoggingConfig(log_level="WARNING"),  # rayft prints its own progress
             worker_runtime_env={"env_vars": dict(spec.run.env)} if spec.run.env else None,
+            callbacks=callbacks,
         ),
     )
+
+
+def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = True,
+               on_progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """Train `spec` on Ray; returns summary.json's content. Blocks until the run ends."""
+    from .outputs import SUMMARY
+
+    # One logical CPU per worker plus one for Ray Train's controller.
+    init_ray(address, math.ceil(spec.resources.num_workers * spec.resources.cpus_per_worker) + 1)
+    out = spec.output_path.resolve()
+    progress = ProgressActor.remote() if on_progress else None
+    trainer = make_trainer(spec, resume=resume, progress=progress)
     result: dict = {}
 
     def fit() -> None:
@@ -128,21 +137,34 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
         for rec in ray.get(progress.since.remote(seen)):
             on_progress(rec)
     if "error" in result:
-        raise _user_error(result["error"]) or result["error"]
+        raise user_error(result["error"]) or result["error"]
     return json.loads((out / SUMMARY).read_text())
 
 
-def _user_error(err: Exception) -> Optional[SpecError]:
+def causes(err: Optional[BaseException]) -> Iterator[BaseException]:
+    """`err` and everything it wraps: Ray Train's per-worker failures, `__cause__`, `__context__`.
+    The one walk over Ray's wrapping that every unwrapping helper uses."""
+    seen: set[int] = set()
+    todo: list[Optional[BaseException]] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict):
+            todo.extend(failures.values())
+        todo.extend([e.__cause__, e.__context__])
+
+
+def user_error(err: Optional[BaseException]) -> Optional[SpecError]:
     """A SpecError raised on a worker (bad data line, LoRA targets that match nothing) comes
-    back wrapped by Ray; unwrap it so the CLI prints one line and exits 2."""
-    failures = getattr(err, "worker_failures", None) or {}
-    for exc in failures.values():
-        cause = exc
-        while cause is not None:
-            if isinstance(cause, SpecError):
-                return SpecError(str(cause))
-            text = str(cause)
-            if "SpecError: " in text:
-                return SpecError(text.rsplit("SpecError: ", 1)[1].strip().splitlines()[0])
-            cause = cause.__cause__
+    back wrapped by Ray, sometimes only as text; unwrap it so the CLI prints one line, exit 2."""
+    for e in causes(err):
+        if isinstance(e, SpecError):
+            return SpecError(str(e))
+        text = str(e)
+        if "SpecError: " in text:
+            return SpecError(text.rsplit("SpecError: ", 1)[1].strip().splitlines()[0])
     return None

@@ -246,7 +246,7 @@ def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int,
+def held_out_loss(engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int,
              layout: Optional[dict] = None) -> Optional[float]:
     """Token-weighted mean loss over the held-out set, sharded over ranks."""
     if not examples:
@@ -412,7 +412,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         run_tokens, run_step_s = run_tokens + n_inputs, run_step_s + dt
         done = step + 1
         if spec.run.eval_every and done % spec.run.eval_every == 0 or done == job.steps:
-            pos.eval_loss = evaluate(engine, job.data.eval, rank, world, spec.batch.micro_batch_size,
+            pos.eval_loss = held_out_loss(engine, job.data.eval, rank, world, spec.batch.micro_batch_size,
                                      job.tokenizer.pad_token_id, layout_args(spec, device))
         peak, peak_kind = peak_memory_bytes(device)
         last = {"step": done, "loss": loss, "lr": lr, "grad_norm": float(grad_norm.item()), "tokens": n_inputs,

@@ -63,10 +63,32 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
+def format_step(rec: dict) -> str:
+    """One optimizer step as the plain progress line `rayft run` and `python -m jobs.finetune` print."""
+    return (f"step {rec['step']}/{rec.get('total_steps')} loss {rec['loss']:.4f} lr {rec['lr']:.3g} "
+            f"grad_norm {rec['grad_norm']:.3g} tokens/s {rec['tokens_per_s']:.0f}")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write beside `path`, then rename over it: a reader sees the old file or the new one, whole."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def set_aside(path: Path) -> Optional[Path]:
+    """`--fresh`: rename `path` (old checkpoints, a previous search) to `<name>.set-aside-<time>`
+    beside it, never deleting anything. None when there is nothing there."""
+    path = Path(path)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return None
+    dest = path.with_name(f"{path.name}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}")
+    path.rename(dest)
+    return dest
 
 
 def plot_loss(output_dir: Path, records: list[dict], title: str) -> Optional[Path]:
