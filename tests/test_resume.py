@@ -167,6 +167,25 @@ def ray_reference(tmp_path_factory):
     return final_adapter(out)
 
 
+def _wait_until_group_gone(pgid: int, timeout_s: float = 60.0) -> None:
+    """Return once no live (non-zombie) process of process group `pgid` is left."""
+    def alive() -> list[str]:
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # not a process, or it just exited
+            if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+                out.append(d.name)
+        return out
+
+    deadline = time.monotonic() + timeout_s
+    while alive():
+        assert time.monotonic() < deadline, f"processes {alive()} of group {pgid} still alive after SIGKILL"
+        time.sleep(0.05)  # polling the condition above
+
+
 def _rayft_run(out: Path, *extra: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "rayft"), "run", DEMO, f"run.output_dir={out}", *RAY_STEPS, *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
@@ -201,7 +220,7 @@ def test_driver_killed_mid_run_then_same_command_resumes(tmp_path, ray_reference
         time.sleep(0.5)
     os.killpg(p.pid, signal.SIGKILL)  # the driver and the embedded Ray with it
     p.wait(timeout=60)
-    time.sleep(2)
+    _wait_until_group_gone(p.pid)  # the killed run's Ray workers must not write alongside the rerun
     p = _rayft_run(out, fault)
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
