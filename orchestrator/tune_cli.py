@@ -104,7 +104,7 @@ def cmd_estimate(args) -> int:
     from tune.plan import gib_str
 
     spec, budget = _load_any(args.spec, args.overrides)
-    device = args.device or ("cuda" if spec.resources.use_gpu else "cpu")
+    device = args.device or spec.planned_device
     rep = estimate_report(spec, budget, device, args.spec)
     if args.json:
         print(json.dumps(rep, indent=2))
@@ -164,7 +164,6 @@ def cmd_tune(args) -> int:
     from jobs.finetune import preflight
     from jobs.spec import absolutize
     from tune.plan import plan_search
-    from tune.run import check_resume, run_search, set_aside
     from tune.spec import SearchSpec, load_search_spec
 
     raw = load_search_spec(args.spec, args.overrides)
@@ -173,6 +172,9 @@ def cmd_tune(args) -> int:
     if args.plan:
         _print_plan(plan)
         return 0
+    from jobs.outputs import set_aside
+    from tune.run import check_resume, run_search  # Ray: only when the search runs
+
     # Workers run elsewhere (another cwd): absolute paths for them, the user's paths for best.yaml.
     job = absolutize(raw.job())
     spec = SearchSpec.model_validate(job.to_dict() | {"search": raw.search.model_dump(mode="json")})

@@ -124,11 +124,6 @@ class Plan:
                 "points": [asdict(p) | {"key": p.key} for p in self.points]}
 
 
-def trial_device(spec: JobSpec) -> str:
-    """The estimate is for the device the trials run on: cuda with resources.use_gpu, else cpu."""
-    return "cuda" if spec.resources.use_gpu else "cpu"
-
-
 def _splits(spec: SearchSpec, notes: list[str]) -> tuple[list[tuple[int, int, int, str]], list[str], int]:
     """(micro, accum, global, why not) per batch split, the lr rules to search, the reference batch."""
     s = spec.search
@@ -158,7 +153,7 @@ def _splits(spec: SearchSpec, notes: list[str]) -> tuple[list[tuple[int, int, in
 
 def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
     s = spec.search
-    device = trial_device(spec)
+    device = spec.planned_device  # the estimate is for the device the trials run on
     budget = spec.budget
     budget_key = "search.budget_gib" if s.budget_gib is not None else "memory.budget_gib"
     notes: list[str] = []

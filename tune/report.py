@@ -22,7 +22,7 @@ from typing import Optional
 import yaml
 
 from jobs.memory import checkpointing_str
-from jobs.outputs import write_json_atomic
+from jobs.outputs import write_json_atomic, write_text_atomic
 from jobs.spec import JobSpec
 from .plan import METRIC, TIME_ATTR, Plan, gib_str
 from .spec import SearchSpec
@@ -88,7 +88,7 @@ def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: Op
 
     rec = Console(record=True, width=200, file=open(os.devnull, "w"))
     rec.print(results_table(rows, raw.name, plan))
-    _atomic(out / RESULTS_TXT, rec.export_text())
+    write_text_atomic(out / RESULTS_TXT, rec.export_text())
     files["table"] = str(out / RESULTS_TXT)
     png = plot(out / PLOT, rows, plan, raw.name)
     if png:
@@ -99,18 +99,11 @@ def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: Op
                   f"{best['eval_loss']:.4f} after {best['samples_seen']} samples; micro {best['micro_batch_size']} x "
                   f"accum {best['grad_accum_steps']} x {raw.resources.num_workers} workers, lr {best['base_lr']:.4g} "
                   f"({best['lr_scaling']} -> {best['effective_lr']:.4g}).\n# A complete job spec: rayft run {BEST}\n")
-        _atomic(best_path, header + yaml.safe_dump(best_job_dict(raw, best), sort_keys=False))
+        write_text_atomic(best_path, header + yaml.safe_dump(best_job_dict(raw, best), sort_keys=False))
         files["best"] = str(best_path)
     elif best_path.exists():
         best_path.unlink()  # from an older state of this search; nothing finished now
     return files
-
-
-def _atomic(path: Path, text: str) -> None:
-    """A reader (or a search killed mid-write) sees the old file or the new one, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _fmt(x, spec: str) -> str:

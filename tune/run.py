@@ -26,9 +26,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
 from jobs.errors import SpecError
+from jobs.launch import causes, make_trainer
 from jobs.outputs import write_json_atomic
 from jobs.spec import JobSpec
 from .plan import (METRIC, PLAN_FILE, STARTS_FILE, STATUS_FILE, TIME_ATTR, TRIALS_DIR, TUNE_DIR, Plan, gib_str,
@@ -38,26 +39,10 @@ from .spec import SearchSpec
 log = logging.getLogger("rayft")
 
 
-# ---- failures: unwrapping Ray's exceptions -------------------------------------------------
+# ---- failures: out of memory inside Ray's wrapping ---------------------------------------------
 
 class TrialOutOfMemory(RuntimeError):
     """A launched trial ran out of memory: recorded as infeasible, never retried."""
-
-
-def causes(err: Optional[BaseException]) -> Iterator[BaseException]:
-    """`err` and everything it wraps: Ray Train's per-worker failures, `__cause__`, `__context__`."""
-    seen: set[int] = set()
-    todo: list[Optional[BaseException]] = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        failures = getattr(e, "worker_failures", None)
-        if isinstance(failures, dict):
-            todo.extend(failures.values())
-        todo.extend([e.__cause__, e.__context__])
 
 
 _OOM_LINE = re.compile(r"(\w+\.)*OutOfMemoryError: .*")
@@ -122,33 +107,6 @@ def _make_forwarder(global_batch: int, max_steps: int):
     return ForwardToTune()
 
 
-def _trainer(spec: JobSpec, callbacks: list):
-    """The trial's TorchTrainer: `spec` on Ray Train as `jobs.launch.run_on_ray` runs a job, with
-    the Tune forwarder as a callback. Failures and checkpoints kept come from the trial's spec
-    (`trial_job_dict`: max_failures 0, one checkpoint)."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    from jobs.launch import train_worker
-
-    r = spec.resources
-    return TorchTrainer(
-        train_worker,
-        train_loop_config={"spec": spec.to_dict(), "progress": None, "resume": True},
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=r.num_workers, use_gpu=r.use_gpu, accelerator_type=r.accelerator_type,
-            resources_per_worker={"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})}),
-        run_config=ray.train.RunConfig(
-            name="checkpoints",
-            storage_path=str(spec.output_path),
-            failure_config=ray.train.FailureConfig(max_failures=spec.run.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.run.keep_checkpoints),
-            worker_runtime_env={"env_vars": dict(spec.run.env)} if spec.run.env else None,
-            callbacks=callbacks,
-        ),
-    )
-
-
 def _log_start(out: Path, what: str) -> None:
     with open(out / STARTS_FILE, "a") as f:
         f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {what}\n")
@@ -182,7 +140,9 @@ def run_trial(config: dict, setup: dict) -> None:
         raise RuntimeError(f"trial {p['key']} is over budget and must not run")
     _log_start(out, "train")
 
-    trainer = _trainer(spec, [_make_forwarder(p["global_batch_size"], p["max_steps"])])
+    # The job's own TorchTrainer (max_failures 0 and one checkpoint kept come from the trial's spec),
+    # with rank 0's reports forwarded to this trial's Tune session.
+    trainer = make_trainer(spec, resume=True, callbacks=[_make_forwarder(p["global_batch_size"], p["max_steps"])])
     t0 = time.time()
     try:
         trainer.fit()
@@ -433,12 +393,3 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
     rows.sort(key=lambda x: (order.get(x["status"], 9), x["eval_loss"] if x["eval_loss"] is not None else math.inf,
                              x["micro_batch_size"] or 0, x["grad_accum_steps"]))
     return rows
-
-
-def set_aside(out: Path) -> Optional[Path]:
-    """`--fresh`: the previous search (Tune experiment, trials, results) is renamed, never deleted."""
-    if not out.exists() or not any(out.iterdir()):
-        return None
-    dest = out.with_name(f"{out.name}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}")
-    out.rename(dest)
-    return dest
