@@ -1,13 +1,16 @@
 """`rayft estimate` and `rayft tune`.
 
     rayft estimate SPEC [k=v ...] [--json] [--device cpu|cuda]
-        memory components (jobs.memory) for the spec's micro-batch, checkpointing off and on,
-        the total against memory.budget_gib, and every (micro_batch_size, grad_accum_steps)
-        pair that splits the global batch over the workers, with checkpointing off and on.
+        the memory plan of the spec (jobs.memory.plan_for_spec: the checkpointing the job will
+        use, its components and total against memory.budget_gib), the components with
+        checkpointing off and on beside it, and every (micro_batch_size, grad_accum_steps) pair
+        that splits the global batch over the workers, with checkpointing off and on.
     rayft tune SPEC [k=v ...] [--resume | --fresh] [--plan] [--address ADDR] [--num-cpus N]
-        the search of a search spec (a job spec plus `search`; see tune/spec.py).
+        the search of a search spec (a job spec plus `search`; see tune/spec.py): the plan
+        (tune.plan), then the trials on Ray (tune.run).
 
-Every user mistake is one line on stderr and exit code 2, before anything starts.
+Every user mistake raises `jobs.errors.SpecError` before anything starts; `orchestrator.cli.main`
+prints it as one line, exit code 2.
 """
 
 from __future__ import annotations
@@ -189,6 +192,8 @@ def cmd_tune(args) -> int:
                          spec_path=args.spec)
     from rich.console import Console
 
+    from orchestrator.cli import EXIT_INTERRUPTED
+    from orchestrator.cli.output import say
     from tune.report import results_table
 
     con = Console()
@@ -200,11 +205,10 @@ def cmd_tune(args) -> int:
     for kind, path in outcome.files.items():
         con.print(f"{kind}: {path}")
     if outcome.interrupted:
-        print("rayft: search interrupted; rerun the same command to resume (finished trials are kept)",
-              file=sys.stderr)
-        return 130
+        say("search interrupted; rerun the same command to resume (finished trials are kept)")
+        return EXIT_INTERRUPTED
     if outcome.best is None:
-        print("rayft: no trial finished, so there is no best.yaml (see results.csv for why)", file=sys.stderr)
+        say("no trial finished, so there is no best.yaml (see results.csv for why)")
         return 1
     b = outcome.best
     con.print(f"best: trial {b['trial_id']}: micro {b['micro_batch_size']} x accum {b['grad_accum_steps']}, "
