@@ -38,7 +38,7 @@ from jobs import memory
 from jobs.errors import SpecError
 from jobs.memory import checkpointing_str
 from jobs.spec import JobSpec
-from .spec import SearchSpec, lcm
+from .spec import SearchSpec
 
 # What a search leaves in run.output_dir (see tune.report for the results files).
 TUNE_DIR = "tune"  # the Tune experiment (Tuner.restore path)
@@ -152,6 +152,8 @@ def _splits(spec: SearchSpec, notes: list[str]) -> tuple[list[tuple[int, int, in
 
 
 def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
+    """Every point of `spec` with its status, memory plan and cadence. Raises `SpecError` (prefixed
+    with `where`, the spec's path) for a budget below micro-batch 1 or when no point can run."""
     s = spec.search
     device = spec.planned_device  # the estimate is for the device the trials run on
     budget = spec.budget
@@ -223,7 +225,7 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
                                                  f"batch {p.global_batch_size} (trials report at equal samples seen)")
     else:
         # Each global batch divides samples_per_trial, so their lcm does too.
-        every = lcm(p.global_batch_size for p in live) if live else s.samples_per_trial
+        every = math.lcm(*(p.global_batch_size for p in live)) if live else s.samples_per_trial
     grace = s.asha.grace_samples or every
     if grace % every:
         raise SpecError(f"{where}: search.asha.grace_samples={grace} is not a multiple of the eval interval "

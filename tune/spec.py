@@ -19,16 +19,14 @@ Two modes:
 
 from __future__ import annotations
 
-import math
 from typing import Literal, Optional
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jobs.spec import JobSpec, SpecError, apply_overrides, check_files, read_yaml, validate
+from jobs.errors import SpecError
+from jobs.spec import JobSpec, apply_overrides, check_files, read_yaml, validate
 
 Rule = Literal["none", "linear", "sqrt"]
-MODES = ("fixed_global_batch", "fixed_micro_batch")
 
 
 class _Section(BaseModel):
@@ -172,16 +170,4 @@ def load_search_spec(path=None, overrides: Optional[list[str]] = None, *, data: 
     return spec
 
 
-def lcm(values) -> int:
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out
-
-
-def dump_yaml(d: dict, header: str = "") -> str:
-    return header + yaml.safe_dump(d, sort_keys=False)
-
-
-__all__ = ["SearchSpec", "SearchSection", "LrRange", "AshaSpec", "load_search_spec", "MODES", "Rule", "lcm",
-           "dump_yaml"]
+__all__ = ["SearchSpec", "SearchSection", "LrRange", "AshaSpec", "load_search_spec", "Rule"]
