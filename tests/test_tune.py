@@ -374,6 +374,35 @@ def _statuses(trials: Path) -> dict[str, str]:
     return out
 
 
+def _saved_states(experiment: Path) -> dict[str, str]:
+    """Trial id -> Tune status in the newest saved experiment state (what Tuner.restore resumes from)."""
+    files = sorted(experiment.glob("experiment_state-*.json"), key=lambda f: f.stat().st_mtime)
+    try:
+        data = json.loads(files[-1].read_text())
+        return {t["trial_id"]: t["status"] for t in (json.loads(state) for state, _ in data["trial_data"])}
+    except (IndexError, OSError, ValueError, KeyError):
+        return {}  # none yet, or one being replaced
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies waiting for a reaper do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _wait(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting until {what}"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def search(tmp_path_factory):
     """fixed_global_batch, global batch 8: micro 8 infeasible by estimate; micro 4, 2, 1 launched, and
@@ -393,12 +422,16 @@ def search(tmp_path_factory):
             assert p.poll() is None, (tmp / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no trial finished in time"
             time.sleep(0.5)
-        time.sleep(5)  # the experiment state is saved every 2 s: let it record the finished trial
         before = _statuses(trials)
+        # Kill only once the saved experiment state (every 2 s) has every trial that ended as ended:
+        # finished as TERMINATED, out of memory as ERROR. The resume then must not start them again.
+        ended = {t: {"finished": "TERMINATED", "oom": "ERROR"}[s] for t, s in before.items() if s in ("finished", "oom")}
+        _wait(lambda: all(_saved_states(tmp / "out" / "tune").get(t) == s for t, s in ended.items()), 60,
+              f"the saved experiment state records {ended}")
     finally:
         os.killpg(p.pid, signal.SIGKILL)  # the driver and everything in its session: no goodbye
         p.wait()
-    time.sleep(3)
+    _wait(lambda: not _group_alive(p.pid), 60, "the killed search's processes are gone")
     second = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=500)
     out = tmp / "out"
     return {"tmp": tmp, "out": out, "data": data, "before": before, "second": second,
