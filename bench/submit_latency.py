@@ -75,7 +75,7 @@ def start_cluster() -> tuple[subprocess.Popen, str]:
          "--num-cpus=4", "--disable-usage-stats"],
         env=_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"http://127.0.0.1:{dash}"
-    from orchestrator.submit import RayJobsBackend
+    from orchestrator.backends.ray_jobs import RayJobsBackend
 
     deadline = time.monotonic() + 180
     while True:
@@ -114,7 +114,7 @@ def _task_times(backend, job_id: str) -> dict:
 
 
 def one_run(address: str, overrides: list[str], workdir: Path, env: dict) -> dict:
-    from orchestrator.submit import RayJobsBackend
+    from orchestrator.backends.ray_jobs import RayJobsBackend
 
     backend = RayJobsBackend(address)
     name = f"bench-{uuid.uuid4().hex[:6]}"

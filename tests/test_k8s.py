@@ -28,9 +28,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs.spec import SpecError, load_spec, validate as validate_spec
+from jobs.errors import ClusterUnreachable, JobNotFound, SpecError, UserError
+from jobs.spec import load_spec, validate as validate_spec
 from k8s_fake_api import (CRD_DIR, FakeKubeAPI, crds_available, k8s_validate_errors, strict_crd_validator)
-from orchestrator import k8s
+from orchestrator.backends import kuberay as k8s
+from orchestrator.backends.kuberay import client as kuberay_client
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -520,6 +522,29 @@ def test_render_tune_kind_carries_the_search_text():
     assert rj["spec"]["backoffLimit"] == 0
 
 
+def test_rayjob_templates_are_generated_from_render():
+    """k8s/jobs/rayjob-*.yaml are what `render` writes for the example specs, byte for byte
+    (regenerate: `python -m orchestrator.backends.kuberay.templates`), and load back as those objects."""
+    from orchestrator.backends.kuberay import templates
+
+    files = templates.generate()
+    assert set(files) == {"rayjob-finetune.yaml", "rayjob-tune.yaml"}
+    for kind, (fname, name, configmap) in templates.TEMPLATES.items():
+        text = files[fname]
+        assert (K8S / "jobs" / fname).read_text() == text, \
+            f"k8s/jobs/{fname} is stale: run python -m orchestrator.backends.kuberay.templates"
+        rj = yaml.safe_load(text)
+        assert rj == templates.template(kind) and rj["metadata"]["name"] == name
+        assert text.startswith("# ") and "\n  # " in text          # the comments are written into the file
+        mounted = {v["configMap"]["name"] for _, pod in k8s.pod_specs(rj) for v in pod.get("volumes", [])
+                   if "configMap" in v}
+        assert mounted == {configmap}
+    tune = yaml.safe_load(files["rayjob-tune.yaml"])
+    search = yaml.safe_load(templates.example_spec_text("rayft-search-example", K8S / "jobs"))
+    assert tune["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == \
+        search["resources"]["num_workers"] * search["search"]["max_concurrent_trials"]
+
+
 @NEEDS_KUBECTL
 def test_render_matches_the_kustomize_templates(built):
     """The rendered RayJob keeps the templates' shape: same security, volumes, labels, auth."""
@@ -560,10 +585,11 @@ def _fake_memory(monkeypatch, total_gib: float):
     mod = types.ModuleType("jobs.memory")
     calls = []
 
-    def estimate_for_spec(spec, device="cuda"):
+    def plan_for_spec(spec, device="cuda", gpu_memory_gib=None):
         calls.append(device)
-        return types.SimpleNamespace(total_gib=total_gib)
-    mod.estimate_for_spec = estimate_for_spec
+        return types.SimpleNamespace(total_gib=total_gib, checkpointing="off",
+                                     estimate=types.SimpleNamespace(total_bytes=int(total_gib * 2**30)))
+    mod.plan_for_spec = plan_for_spec
     monkeypatch.setitem(sys.modules, "jobs.memory", mod)
     return calls
 
@@ -608,10 +634,10 @@ def test_refuses_cpus_and_wrong_gpu_model():
     k8s.render(spec_of(use_gpu=True, accelerator_type="h100"), overlay="gpu")
 
 
-def test_unknown_overlay_is_a_spec_error():
-    with pytest.raises(SpecError, match="overlays: .*gpu"):
+def test_unknown_overlay_is_a_user_error():
+    with pytest.raises(UserError, match="overlays: .*gpu"):
         k8s.render(spec_of(), overlay="nope")
-    with pytest.raises(SpecError):
+    with pytest.raises(UserError):
         k8s.render(spec_of(), overlay="../../etc")
 
 
@@ -650,7 +676,7 @@ def _backend(api, **kw):
 def test_backend_submit_status_logs_stop(fake_api):
     spec = spec_of()
     be = _backend(fake_api)
-    name = be.submit(spec)
+    name = be.submit_spec(spec)
     assert name == k8s.job_name(spec)
     assert set(fake_api.rayjobs) == {("rayft", name)} and set(fake_api.configmaps) == {("rayft", f"{name}-spec")}
     stored = fake_api.rayjobs[("rayft", name)]
@@ -660,9 +686,9 @@ def test_backend_submit_status_logs_stop(fake_api):
     assert load_spec(data=yaml.safe_load(cm["data"]["spec.yaml"]), files=False).spec_hash() == spec.spec_hash()
 
     seen = [be.status(name) for _ in range(4)]
-    assert [s["deployment_status"] for s in seen] == ["Initializing", "Running", "Complete", "Complete"]
-    assert [s["state"] for s in seen] == ["PENDING", "RUNNING", "SUCCEEDED", "SUCCEEDED"]
-    assert seen[2]["job_status"] == "SUCCEEDED" and seen[0]["spec_hash"] == spec.spec_hash(10)
+    assert [s.details["deployment_status"] for s in seen] == ["Initializing", "Running", "Complete", "Complete"]
+    assert [s.state for s in seen] == ["PENDING", "RUNNING", "SUCCEEDED", "SUCCEEDED"]
+    assert seen[2].details["job_status"] == "SUCCEEDED" and seen[0].spec_hash == spec.spec_hash(10)
 
     fake_api.add_pod("rayft", f"{name}-x7k2p", {"batch.kubernetes.io/job-name": name},
                      "Job submitted\nstep 1/40 loss 5.5\nstep 40/40 loss 2.1\n")
@@ -671,19 +697,19 @@ def test_backend_submit_status_logs_stop(fake_api):
     assert "step 40/40 loss 2.1" in out and "not this one" not in out
     assert be.logs(name, tail_lines=1) == "step 40/40 loss 2.1\n"
 
-    assert be.list() == [{"name": name, "state": "SUCCEEDED", "job": spec.name}]
+    assert [(s.name, s.state, s.details["job"]) for s in be.list()] == [(name, "SUCCEEDED", spec.name)]
     assert be.stop(name) is True
     assert not fake_api.rayjobs and not fake_api.configmaps
-    with pytest.raises(SpecError, match="no RayJob"):
+    with pytest.raises(JobNotFound, match="no RayJob"):
         be.status(name)
-    with pytest.raises(SpecError, match="no RayJob"):
+    with pytest.raises(JobNotFound, match="no RayJob"):
         be.stop(name)
 
 
 def test_backend_submit_is_idempotent(fake_api):
     spec = spec_of()
     be = _backend(fake_api)
-    assert be.submit(spec) == be.submit(spec)
+    assert be.submit_spec(spec) == be.submit_spec(spec)
     posts = [code for method, path, code in fake_api.requests if method == "POST" and path.endswith("/rayjobs")]
     assert posts == [201, 409]                         # the second create met AlreadyExists
     assert len(fake_api.rayjobs) == 1 and len(fake_api.configmaps) == 1
@@ -692,11 +718,11 @@ def test_backend_submit_is_idempotent(fake_api):
 def test_backend_refuses_a_different_job_under_the_same_name(fake_api):
     spec = spec_of()
     be = _backend(fake_api)
-    name = be.submit(spec)
+    name = be.submit_spec(spec)
     fake_api.rayjobs[("rayft", name)]["metadata"]["annotations"][k8s.ANN_SPEC_HASH] = "0000000000"
     fake_api.configmaps.clear()
     with pytest.raises(k8s.KubeRayError, match="0000000000"):
-        be.submit(spec)
+        be.submit_spec(spec)
 
 
 @NEEDS_CRDS
@@ -707,16 +733,16 @@ def test_fake_api_rejects_an_invalid_rayjob(fake_api, monkeypatch):
         objs = real(*a, **kw)
         objs[1]["spec"]["rayClusterSpec"]["headGroupSpec"]["serviceTyp"] = "ClusterIP"
         return objs
-    monkeypatch.setattr(k8s, "render", broken)
+    monkeypatch.setattr(kuberay_client, "render", broken)
     with pytest.raises(k8s.KubeRayError, match="422.*serviceTyp"):
-        _backend(fake_api).submit(spec_of())
+        _backend(fake_api).submit_spec(spec_of())
     assert not fake_api.rayjobs
 
 
 def test_backend_logs_fall_back_to_the_head_pod(fake_api):
     fake_api.transitions = [("Running", "RUNNING")]
     be = _backend(fake_api)
-    name = be.submit(spec_of())
+    name = be.submit_spec(spec_of())
     assert "no submitter or head pod" in be.logs(name)
     fake_api.add_pod("rayft", f"{name}-abcde-head-1", {"ray.io/cluster": f"{name}-abcde", "ray.io/node-type": "head"},
                      "driver says hi\n", container="ray-head")
@@ -725,11 +751,11 @@ def test_backend_logs_fall_back_to_the_head_pod(fake_api):
 
 def test_backend_reports_api_errors_in_one_line(fake_api):
     be = _backend(fake_api)
-    with pytest.raises(SpecError, match="no RayJob nope in namespace rayft"):
+    with pytest.raises(JobNotFound, match="no RayJob nope in namespace rayft"):
         be.logs("nope")
     bad = k8s.KubeRayBackend("rayft", api_client=None, context="no-such-context")
     if not os.environ.get("KUBERNETES_SERVICE_HOST"):
-        with pytest.raises(SpecError, match="kuberay: no usable Kubernetes configuration"):
+        with pytest.raises(ClusterUnreachable, match="kuberay: no usable Kubernetes configuration"):
             bad.status("x")
 
 

@@ -16,8 +16,11 @@ import pytest
 
 from test_submit import BIN, ROOT, SPEC, TINY, _token_mode, jobs_on, metrics_steps, rayft, uniq  # noqa: F401
 
-from jobs.spec import SpecError, load_spec
-from orchestrator.queue import GPU_MEMORY_GIB, ClusterView, Demand, Driver, Queue, fit, parse_gpu_memory
+from jobs.errors import UserError
+from jobs.spec import load_spec
+from orchestrator.queue.admission import GPU_MEMORY_GIB, ClusterView, Demand, fit, parse_gpu_memory
+from orchestrator.queue.driver import Driver, enqueue
+from orchestrator.queue.store import Queue
 
 
 # ---- admission (pure) ------------------------------------------------------------------------
@@ -39,7 +42,7 @@ def view(*nodes: dict) -> ClusterView:
 
 
 def gpu_job(workers: int = 1, off: float = 30.0, on: float = 12.0, gc: str = "false", accel=None) -> Demand:
-    return Demand(workers, 1.0, True, accel, est_gib_off=off, est_gib_on=on, gc_mode=gc)
+    return Demand(workers, 1.0, True, accel, gib_by_every={0: off, 1: on}, gc_mode=gc)
 
 
 def test_gpu_admission_by_memory_type_and_free_gpus():
@@ -80,7 +83,7 @@ def test_gpu_admission_by_memory_type_and_free_gpus():
     assert (ok, ever) == (False, True) and "needs 3.5 CPUs, 3 CPUs free" in why
     assert not fit(Demand(1, 8.0), view(dict(cpu=4), dict(cpu=4)))[1]     # 8 CPUs on no single node
     assert not fit(gpu_job(off=1), view(dict(cpu=64)))[1]
-    with pytest.raises(SpecError):
+    with pytest.raises(UserError):
         parse_gpu_memory(["H100=lots"])
 
 
@@ -108,7 +111,7 @@ def test_one_driver_per_queue_file(tmp_path):
     q = Queue(tmp_path / "q.db")
     holder = Driver(q, backend=None)
     holder.lock()
-    with pytest.raises(SpecError, match="another `rayft queue run` holds"):
+    with pytest.raises(UserError, match="another `rayft queue run` holds"):
         Driver(Queue(tmp_path / "q.db"), backend=None).lock()
 
 
@@ -140,13 +143,13 @@ def test_end_of_attempt_decisions(tmp_path):
     """What the driver records when an attempt ends (the cluster side is in the tests below):
     out of memory -> one retry at half the micro-batch, a second one is final; other failures ->
     bounded retries with doubling backoff; an end is recorded once."""
-    from orchestrator.queue import DriverConfig
+    from orchestrator.queue.driver import DriverConfig
 
     q = Queue(tmp_path / "q.db")
     drv = Driver(q, backend=None, config=DriverConfig(backoff_s=10, log=lambda m: None))
     oom_log = "torch.OutOfMemoryError: CUDA out of memory (injected by RAYFT_FAULT: micro_batch_size=4 > 2)"
 
-    a, _ = q.add(SPEC, [*TINY, "name=oom-unit"], max_retries=2)
+    a, _ = enqueue(q, SPEC, [*TINY, "name=oom-unit"], max_retries=2)
     job = _running(q, a, "s1")
     drv.ended(job, "FAILED", "Job entrypoint command failed with exit code 1", "...\n" + oom_log + "\n")
     drv.ended(job, "FAILED", "again", oom_log)               # the same end seen twice: recorded once
@@ -161,7 +164,7 @@ def test_end_of_attempt_decisions(tmp_path):
     kinds = [e["kind"] for e in q.events(a)]
     assert kinds.count("ended") == 1 and kinds.count("oom_retry") == 1 and kinds.count("attempt_ended") == 2
 
-    b, _ = q.add(SPEC, [*TINY, "name=flaky-unit"], max_retries=2)
+    b, _ = enqueue(q, SPEC, [*TINY, "name=flaky-unit"], max_retries=2)
     t0 = time.time()
     for n, sid in enumerate(("f1", "f2"), start=1):
         drv.ended(_running(q, b, sid), "FAILED", "Job entrypoint command failed with exit code 1", "boom")
@@ -172,14 +175,14 @@ def test_end_of_attempt_decisions(tmp_path):
     assert q.job(b)["state"] == "FAILED" and len(q.attempts(b)) == 3
     # `rayft queue retry`: queued again, its next attempt is the 4th (a new submission id)
     assert q.retry(b) == "QUEUED" and q.job(b)["attempt"] == 3 and q.job(b)["retries"] == 0
-    with pytest.raises(SpecError, match="only a FAILED, STOPPED or CANCELED job"):
+    with pytest.raises(UserError, match="only a FAILED, STOPPED or CANCELED job"):
         q.retry(b)
 
-    c, _ = q.add(SPEC, [*TINY, "name=odd-unit", "batch.micro_batch_size=1"])
+    c, _ = enqueue(q, SPEC, [*TINY, "name=odd-unit", "batch.micro_batch_size=1"])
     drv.ended(_running(q, c, "o1"), "FAILED", "", oom_log)
     assert q.job(c)["state"] == "FAILED" and "cannot be halved" in q.job(c)["message"]
 
-    d, _ = q.add(SPEC, [*TINY, "name=stopped-unit"])
+    d, _ = enqueue(q, SPEC, [*TINY, "name=stopped-unit"])
     drv.ended(_running(q, d, "x1"), "STOPPED", "Job was intentionally stopped.", "")
     assert q.job(d)["state"] == "STOPPED"                    # stopped by hand: never retried
 
@@ -332,7 +335,7 @@ def test_out_of_memory_is_retried_once_with_half_the_micro_batch(ray_head, tmp_p
 def test_admission_waits_for_free_cpus(ray_head, tmp_path):
     from ray.job_submission import JobSubmissionClient
 
-    from orchestrator.submit import RayJobsBackend
+    from orchestrator.backends.ray_jobs import RayJobsBackend
 
     os.environ["RAY_AUTH_MODE"] = "token"
     backend = RayJobsBackend(ray_head.dashboard)

@@ -143,8 +143,40 @@ def _assert_refused(rc: int, err: str, fragment: str, out: Path) -> None:
     assert not out.exists(), "nothing may be created for a refused spec"
 
 
-def test_there_are_more_than_fifty_cases():
-    assert len(SPEC_CASES) + len(OVERRIDE_CASES) + len(FILE_CASES) + len(DATA_CASES) >= 50
+# Every command that reads a job spec, with what it needs besides the spec to get that far.
+SPEC_COMMANDS = [
+    (["run"], []),
+    (["spec", "check"], []),
+    (["estimate"], []),
+    (["k8s", "render"], ["--overlay", "dev-cpu"]),
+    (["submit"], ["--dry-run", "--address", "http://127.0.0.1:1"]),
+    (["queue", "add"], ["--db", "{tmp}/q.db"]),
+]
+SHARED_CASES = ["unknown-section-key", "not-divisible", "lr-zero", "name-uppercase", "token-value-not-name"]
+
+
+@pytest.mark.parametrize("case", SHARED_CASES)
+def test_every_command_that_reads_a_spec_refuses_it_the_same_way(tmp_path, capsys, case):
+    """The same mistake, through every command: exit 2, one line naming the field, nothing created.
+    The spec lives inside the project (submit and the queue refuse specs outside it first)."""
+    change, fragment = next(c[1:] for c in SPEC_CASES if c[0] == case)
+    spec = yaml.safe_load(yaml.safe_dump(BASE))
+    spec.setdefault("run", {})["output_dir"] = str(tmp_path / "out")
+    for k, v in change.items():
+        _set(spec, k, v)
+    where = ROOT / "outputs" / "test-spec-errors"
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{case}-{tmp_path.name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    try:
+        for words, extra in SPEC_COMMANDS:
+            rc, err = _run(capsys, [*words, str(path), *[e.format(tmp=tmp_path) for e in extra]])
+            _assert_refused(rc, err, fragment, tmp_path / "out")
+        from orchestrator.queue.store import Queue
+
+        assert Queue(tmp_path / "q.db").jobs() == []          # nothing queued
+    finally:
+        path.unlink()
 
 
 @pytest.mark.parametrize("change,fragment", [c[1:] for c in SPEC_CASES], ids=[c[0] for c in SPEC_CASES])

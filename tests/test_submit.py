@@ -65,7 +65,7 @@ def metrics_steps(out: Path) -> list[int]:
 # ---- before anything is sent (no cluster) ------------------------------------------------------
 
 def test_submission_id_is_deterministic_and_carries_no_token():
-    from orchestrator.submit import build_submission
+    from orchestrator.backends.ray_jobs import build_submission
 
     secret = "tok-" + uuid.uuid4().hex
     env = dict(os.environ, RAY_AUTH_TOKEN=secret)
@@ -100,7 +100,7 @@ def test_upload_size_matches_what_ray_packages(tmp_path):
     """The size rayft checks is the size of the package Ray builds: same files, same excludes."""
     from ray._private.runtime_env.packaging import create_package
 
-    from orchestrator.submit import DEFAULT_EXCLUDES, plan_upload
+    from orchestrator.backends.ray_jobs import DEFAULT_EXCLUDES, plan_upload
 
     proj = tmp_path / "proj"
     (proj / "jobs").mkdir(parents=True)
@@ -137,8 +137,8 @@ def test_upload_size_matches_what_ray_packages(tmp_path):
 
 
 def test_working_dir_must_not_escape_the_project(tmp_path):
-    from jobs.spec import SpecError
-    from orchestrator.submit import DEFAULT_EXCLUDES, build_submission, plan_upload
+    from jobs.errors import SpecError, UserError
+    from orchestrator.backends.ray_jobs import DEFAULT_EXCLUDES, build_submission, plan_upload
 
     proj = tmp_path / "proj"
     (proj / "jobs").mkdir(parents=True)
@@ -149,7 +149,7 @@ def test_working_dir_must_not_escape_the_project(tmp_path):
     (proj / "inner-link").symlink_to(proj / "jobs")      # inside: fine
     plan_upload(proj, DEFAULT_EXCLUDES)
     (proj / "data-link").symlink_to(outside)             # outside: Ray would upload what it points to
-    with pytest.raises(SpecError, match="data-link is a symlink to .* outside the project"):
+    with pytest.raises(UserError, match="data-link is a symlink to .* outside the project"):
         plan_upload(proj, DEFAULT_EXCLUDES)
 
     # A spec outside the working dir (through the CLI: one line, exit 2), a data path leaving it,
@@ -162,7 +162,7 @@ def test_working_dir_must_not_escape_the_project(tmp_path):
     data.write_text((ROOT / "examples/data/tiny.jsonl").read_text())
     with pytest.raises(SpecError, match="data.path: .* is outside the working dir"):
         build_submission(SPEC, [f"data.path={os.path.relpath(data, ROOT)}"], address="http://127.0.0.1:1")
-    with pytest.raises(SpecError, match="not the rayft project"):
+    with pytest.raises(UserError, match="not the rayft project"):
         build_submission(SPEC, [], working_dir=str(tmp_path))
 
 
@@ -312,7 +312,7 @@ def test_nothing_invalid_reaches_the_cluster(ray_head, tmp_path):
 
 
 def test_backend_kuberay_dispatches_to_the_kubernetes_api(tmp_path):
-    """`--backend kuberay` goes to orchestrator.k8s.KubeRayBackend: here through the real
+    """`--backend kuberay` goes to orchestrator.backends.kuberay.KubeRayBackend: here through the real
     `kubernetes` client (a kubeconfig in KUBECONFIG) to the fake API server of tests/k8s_fake_api.py."""
     from k8s_fake_api import FakeKubeAPI
 

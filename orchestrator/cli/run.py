@@ -1,33 +1,12 @@
-"""`rayft`: the user-facing command line.
-
-Every user mistake (a bad spec, override, file or argument) ends as one line on stderr and
-exit code 2, never a traceback; commands validate everything before they start anything.
-"""
+"""`rayft run | eval | spec`: run a job now, evaluate an adapter, inspect specs."""
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
-import logging
 import sys
-from typing import Optional
 
-from jobs.spec import SpecError
-
-EXIT_USAGE = 2
-COMMAND_MODULES: tuple[str, ...] = ("orchestrator.k8s_cli", "orchestrator.tune_cli", "orchestrator.jobs_cli")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse's default prints usage too)
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-def _console():
-    from rich.console import Console
-
-    return Console(stderr=True)
+from . import Parser
+from .output import console
 
 
 # ---- rayft run -------------------------------------------------------------------------------
@@ -47,7 +26,7 @@ class _Progress:
 
     def __init__(self, spec):
         self.spec = spec
-        self.console = _console()
+        self.console = console()
         self.task = None
 
     def __enter__(self):
@@ -103,7 +82,7 @@ def _summary_table(summary: dict, spec) -> None:
     ]
     for k, v in rows:
         t.add_row(k, v)
-    _console().print(t)
+    console().print(t)
 
 
 # ---- rayft eval ------------------------------------------------------------------------------
@@ -122,9 +101,9 @@ def cmd_eval(args) -> int:
     t.add_row("base", f"{result['base_exact_match']:.1%}")
     if "adapter_exact_match" in result:
         t.add_row(f"base + adapter ({result['adapter_dir']})", f"{result['adapter_exact_match']:.1%}")
-    _console().print(t)
+    console().print(t)
     for ex in result["examples"][:3]:
-        _console().print(f"  want {ex['reference']!r}  base {ex['base']!r}" +
+        console().print(f"  want {ex['reference']!r}  base {ex['base']!r}" +
                          (f"  adapter {ex['adapter']!r}" if "adapter" in ex else ""))
     return 0
 
@@ -142,16 +121,14 @@ def cmd_spec(args) -> int:
     return 0
 
 
-# ---- wiring ----------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="rayft", description="LoRA fine-tuning on Ray, with exact gradient accumulation.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-
+def register(sub) -> None:
     run = sub.add_parser("run", help="run a job now (embedded local Ray unless --address)")
     run.add_argument("spec")
     run.add_argument("overrides", nargs="*", metavar="section.field=value")
-    run.add_argument("--address", help="Ray cluster address, e.g. 127.0.0.1:6379 or ray://host:10001")
+    run.add_argument("--address", metavar="GCS_ADDRESS",
+                     help="an existing Ray cluster to run on, as `ray.init` takes it: its GCS address HOST:6379, "
+                          "or ray://HOST:10001 (default: an embedded local Ray). Not the Jobs API URL "
+                          "http://HOST:8265 that `rayft submit --address` takes")
     run.add_argument("--local", action="store_true", help="run in this process without Ray")
     run.add_argument("--fresh", action="store_true", help="do not resume; existing checkpoints are moved aside")
     run.set_defaults(fn=cmd_run)
@@ -164,39 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(fn=cmd_eval)
 
     spec = sub.add_parser("spec", help="inspect specs")
-    ssub = spec.add_subparsers(dest="spec_cmd", required=True, parser_class=_Parser)
+    ssub = spec.add_subparsers(dest="spec_cmd", required=True, parser_class=Parser)
     ssub.add_parser("schema", help="print the JSON schema of a job spec")
     chk = ssub.add_parser("check", help="validate a spec (with overrides) and print it with defaults filled in")
     chk.add_argument("spec")
     chk.add_argument("overrides", nargs="*", metavar="section.field=value")
     spec.set_defaults(fn=cmd_spec)
-
-    # Each command family lives in its own module with `register(subparsers)`; heavy imports
-    # (ray, torch, kubernetes) happen inside the command functions, so `rayft --help` is fast.
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
-    return p
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from jobs.finetune import parse_with_overrides
-
-    args = parse_with_overrides(build_parser(), argv)
-    try:
-        return args.fn(args)
-    except SpecError as e:
-        print(f"rayft: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except Exception as e:  # a cluster that refused: one line, not a traceback
-        if type(e).__name__ != "KubeRayError":
-            raise
-        print(f"rayft: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("rayft: interrupted (checkpoints on disk are kept; rerun to resume)", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

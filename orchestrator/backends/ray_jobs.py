@@ -6,8 +6,8 @@ A submission is the same thing as
 
 plus what `ray job submit` does not do:
 
-* the spec is validated (`load_spec` + `preflight`, relative paths resolved in the working dir
-  exactly as the job will see them) before anything reaches the cluster;
+* the spec is loaded and validated once (`load_spec` + `preflight`, relative paths resolved in
+  the working dir exactly as the job will see them) before anything reaches the cluster;
 * the working dir is checked before upload: it must be the rayft project (it holds
   `jobs/finetune.py`), nothing uploaded may point outside it (a symlink, a `../` data path, a
   spec file elsewhere), and what would be uploaded -- honoring `.gitignore`, `.rayignore` and
@@ -19,24 +19,28 @@ plus what `ray job submit` does not do:
 * auth: token-authenticated clusters work the way `ray.init` finds its token (RAY_AUTH_TOKEN,
   then RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token). The token only ever travels in the HTTP
   Authorization header -- never in the runtime_env, the metadata or the entrypoint.
+
+The address is the Jobs API (the dashboard's HTTP URL, http://HOST:8265), not the GCS address
+HOST:6379 that `ray.init` and `rayft run --address` take.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import os
-import re
 import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, TextIO
 from urllib.parse import urlparse
 
-from jobs.spec import JobSpec, SpecError, load_spec
+from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, JobNotFound, RayftError, SpecError, UserError
+from jobs.spec import JobSpec, apply_overrides, load_spec, validate
+
+from .base import FINAL, JobStatus, first_line, job_state, sorted_by_start
 
 ENTRYPOINT = ("python", "-m", "jobs.finetune")
 # Never uploaded (besides what .gitignore / .rayignore exclude): the venv, outputs, VCS data,
@@ -45,13 +49,8 @@ DEFAULT_EXCLUDES = [".git", ".venv", "outputs", ".rayft", "__pycache__", "*.egg-
 # The job driver only starts a TorchTrainer and relays progress; the workers' CPUs/GPUs are
 # requested by Ray Train itself. A fraction keeps it off nodes that have no CPU for jobs.
 DRIVER_NUM_CPUS = 0.5
-FINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 META_PREFIX = "rayft."
-AUTH_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-
-
-class ClusterError(RuntimeError):
-    """The cluster refused or failed a request that was well-formed (one line, exit 1)."""
+ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")   # `ray job submit` reads them in this order
 
 
 # ---- auth ------------------------------------------------------------------------------------
@@ -97,7 +96,7 @@ def configure_auth() -> Optional[str]:
     if os.environ.get("RAY_AUTH_TOKEN_PATH") and not os.environ.get("RAY_AUTH_TOKEN", "").strip():
         p = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).expanduser()
         if not p.is_file() or not p.read_text().strip():
-            raise SpecError(f"RAY_AUTH_TOKEN_PATH={p}: no token in that file")
+            raise ClusterAuthError(f"RAY_AUTH_TOKEN_PATH={p}: no token in that file")
     return src
 
 
@@ -110,6 +109,9 @@ def auth_hint() -> str:
 
 @dataclass
 class UploadPlan:
+    """What Ray will package from the working dir: file count and bytes (files are stored
+    uncompressed, so the bytes are the package size), against Ray's limit."""
+
     root: Path
     files: int
     size_bytes: int
@@ -170,7 +172,7 @@ def plan_upload(root: Path, excludes: list[str], limit_bytes: Optional[int] = No
             if p.is_symlink():
                 target = p.resolve()
                 if target != root and root not in target.parents:
-                    raise SpecError(f"working dir {root}: {p.relative_to(root)} is a symlink to {target}, outside "
+                    raise UserError(f"working dir {root}: {p.relative_to(root)} is a symlink to {target}, outside "
                                     "the project; Ray would upload what it points to (exclude it in .rayignore)")
             if p.is_dir():
                 walk(p, matchers)
@@ -186,18 +188,19 @@ def plan_upload(root: Path, excludes: list[str], limit_bytes: Optional[int] = No
 
 def check_upload(plan: UploadPlan) -> None:
     if plan.size_bytes > plan.limit_bytes:
-        raise SpecError(
+        raise UserError(
             f"working dir {plan.root}: would upload more than {plan.size_bytes / 2**20:.1f} MiB, over Ray's "
             f"limit of {plan.limit_bytes / 2**20:.1f} MiB for a runtime_env package; exclude large files "
             "in .gitignore or .rayignore (data and models belong on shared storage)")
 
 
 def find_project(working_dir: Optional[str]) -> Path:
+    """The project directory to upload: it must hold `jobs/finetune.py` (the entrypoint)."""
     wd = Path(working_dir or ".").resolve()
     if not wd.is_dir():
-        raise SpecError(f"--working-dir {wd}: not a directory")
+        raise UserError(f"--working-dir {wd}: not a directory")
     if not (wd / "jobs" / "finetune.py").is_file():
-        raise SpecError(f"working dir {wd} is not the rayft project (no jobs/finetune.py there): run from the "
+        raise UserError(f"working dir {wd} is not the rayft project (no jobs/finetune.py there): run from the "
                         "project root or pass --working-dir")
     return wd
 
@@ -236,7 +239,7 @@ def is_loopback(address: Optional[str]) -> bool:
 
 
 @dataclass
-class Submission:
+class RaySubmission:
     """Everything `JobSubmissionClient.submit_job` gets, computed and checked locally."""
 
     spec: JobSpec
@@ -256,11 +259,21 @@ class Submission:
                     metadata=self.metadata, entrypoint_num_cpus=self.entrypoint_num_cpus,
                     entrypoint_num_gpus=0)
 
+    def summary(self) -> str:
+        return f"{self.upload.files} files, {self.upload.size_bytes / 2**20:.2f} MiB"
+
+    def describe(self) -> dict:
+        return {"submission_id": self.submission_id, "entrypoint": self.entrypoint,
+                "runtime_env": self.runtime_env, "metadata": self.metadata,
+                "entrypoint_num_cpus": self.entrypoint_num_cpus,
+                "upload_mib": round(self.upload.size_bytes / 2**20, 3), "upload_files": self.upload.files}
+
 
 def resolve_spec(spec_path: str, overrides: list[str], working_dir: Path, *,
                  address: Optional[str] = None) -> tuple[JobSpec, str, list[str], list[str]]:
-    """Validate the spec as the job will see it; returns (spec, spec path relative to the working
-    dir, overrides for the entrypoint, warnings). Relative paths resolve in the working dir."""
+    """Load and validate the spec, once, as the job will see it; returns (spec, spec path
+    relative to the working dir, overrides for the entrypoint, warnings). Relative paths
+    resolve in the working dir; `preflight` reads the data files."""
     from jobs.finetune import preflight
 
     p = Path(spec_path).resolve()
@@ -283,8 +296,10 @@ def resolve_spec(spec_path: str, overrides: list[str], working_dir: Path, *,
         if not Path(spec.run.output_dir).is_absolute():
             if is_loopback(address):
                 # A local cluster: write where `rayft run` would, not into Ray's copy of the project.
-                overrides.append(f"run.output_dir={spec.output_path.resolve()}")
-                spec = load_spec(rel, overrides)
+                # The override travels on the entrypoint; the typed spec takes it without a re-read.
+                out = f"run.output_dir={spec.output_path.resolve()}"
+                overrides.append(out)
+                spec = validate(apply_overrides(spec.to_dict(), [out]), rel)
             elif address is not None:
                 warnings.append(f"run.output_dir={spec.run.output_dir} is relative: the job writes it inside Ray's "
                                 "temporary copy of the working dir on the cluster; set an absolute path on shared "
@@ -294,8 +309,8 @@ def resolve_spec(spec_path: str, overrides: list[str], working_dir: Path, *,
 
 def build_submission(spec_path: str, overrides: list[str], *, address: Optional[str] = None,
                      working_dir: Optional[str] = None, attempt: int = 1, extra_metadata: Optional[dict] = None,
-                     excludes: Optional[list[str]] = None, driver_num_cpus: float = DRIVER_NUM_CPUS) -> Submission:
-    """Validate and prepare one submission; raises SpecError (nothing sent) on any mistake."""
+                     excludes: Optional[list[str]] = None, driver_num_cpus: float = DRIVER_NUM_CPUS) -> RaySubmission:
+    """Validate and prepare one submission; raises a `UserError` (nothing sent) on any mistake."""
     wd = find_project(working_dir)
     spec, rel, overrides, warnings = resolve_spec(spec_path, overrides, wd, address=address)
     excludes = list(DEFAULT_EXCLUDES if excludes is None else excludes)
@@ -307,7 +322,7 @@ def build_submission(spec_path: str, overrides: list[str], *, address: Optional[
                 f"{META_PREFIX}attempt": str(attempt), f"{META_PREFIX}micro_batch_size": str(spec.batch.micro_batch_size),
                 f"{META_PREFIX}grad_accum_steps": str(spec.grad_accum_steps)}
     metadata.update({f"{META_PREFIX}{k}": str(v) for k, v in (extra_metadata or {}).items()})
-    return Submission(
+    return RaySubmission(
         spec=spec, spec_hash=h, submission_id=sid,
         entrypoint=shlex.join([*ENTRYPOINT, rel, *overrides]),
         runtime_env={"working_dir": str(wd), "excludes": excludes},
@@ -317,32 +332,60 @@ def build_submission(spec_path: str, overrides: list[str], *, address: Optional[
 
 # ---- the client ------------------------------------------------------------------------------
 
-def resolve_address(address: Optional[str]) -> str:
-    addr = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+def resolve_address(address: Optional[str]) -> Optional[str]:
+    """The Jobs API URL: `address`, else $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS (as `ray job
+    submit` does); "HOST:PORT" gets http://. None when none is given anywhere."""
+    addr = address or next((os.environ[k] for k in ADDRESS_ENV if os.environ.get(k)), None)
     if not addr:
-        raise SpecError("no cluster: pass --address http://HOST:8265 (the Ray dashboard / Jobs API), "
-                        "or set RAY_API_SERVER_ADDRESS")
+        return None
     if "://" not in addr:
         addr = f"http://{addr}"
     return addr.rstrip("/")
 
 
-def _first_line(text: str) -> str:
-    for line in str(text).splitlines():
-        if line.strip():
-            return line.strip()
-    return str(text).strip()
+def _seconds(ms: Optional[int]) -> Optional[float]:
+    return None if not ms else ms / 1000.0        # Ray reports milliseconds since the epoch
+
+
+def to_status(info) -> JobStatus:
+    """A Ray `JobDetails` as a `JobStatus` (rayft's metadata unpacked into it)."""
+    md = info.metadata or {}
+    return JobStatus(
+        id=info.submission_id or info.job_id, state=job_state(info.status), message=info.message or "",
+        name=md.get(f"{META_PREFIX}name", ""), spec_hash=md.get(f"{META_PREFIX}spec_hash", ""),
+        start_time_s=_seconds(info.start_time), end_time_s=_seconds(info.end_time), backend="ray",
+        details={"attempt": md.get(f"{META_PREFIX}attempt", ""),
+                 "micro_batch_size": md.get(f"{META_PREFIX}micro_batch_size", ""),
+                 "grad_accum_steps": md.get(f"{META_PREFIX}grad_accum_steps", ""),
+                 "entrypoint": info.entrypoint, "driver_exit_code": getattr(info, "driver_exit_code", None),
+                 "metadata": dict(md), "runtime_env": dict(info.runtime_env or {})})
+
+
+def is_rayft_job(info) -> bool:
+    return bool((info.metadata or {}).get(f"{META_PREFIX}spec_hash"))
 
 
 class RayJobsBackend:
-    """Submit, inspect, stop and list jobs of one Ray cluster through its Jobs API."""
+    """Submit, inspect, stop and list jobs of one Ray cluster through its Jobs API.
+
+    Nothing is contacted (and auth is not configured) until a request is made, so `prepare`
+    works without a cluster (`rayft submit --dry-run`).
+    """
 
     name = "ray"
 
     def __init__(self, address: Optional[str] = None):
         self.address = resolve_address(address)
-        self.token_source = configure_auth()
+        self.token_source: Optional[str] = None
         self._client = None
+
+    @property
+    def where(self) -> str:
+        return self.address or "the Ray cluster"
+
+    @property
+    def cli_flags(self) -> str:
+        return f"--address {self.address}" if self.address else ""
 
     # -- errors: one line each, the token never printed --
     @contextlib.contextmanager
@@ -352,24 +395,25 @@ class RayJobsBackend:
 
         try:
             yield
+        except RayftError:
+            raise
         except AuthenticationError as e:
             text = str(e)
             if text.startswith("Authentication failed"):          # HTTP 403
-                raise SpecError(
+                raise ClusterAuthError(
                     f"the Ray cluster at {self.address} rejected the auth token"
                     f"{f' (from {self.token_source})' if self.token_source else ''}: it is not this cluster's "
                     f"token; {auth_hint()}") from None
             if text.startswith("Authentication required"):        # HTTP 401
-                raise SpecError(f"the Ray cluster at {self.address} requires an auth token and none was sent "
-                                f"(RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset)')}); {auth_hint()}") from None
-            raise SpecError(f"auth token: {_first_line(text).split('. ')[0]}") from None   # the token loader
+                raise ClusterAuthError(
+                    f"the Ray cluster at {self.address} requires an auth token and none was sent "
+                    f"(RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset)')}); {auth_hint()}") from None
+            raise ClusterAuthError(f"auth token: {first_line(text).split('. ')[0]}") from None   # the token loader
         except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
-            raise SpecError(f"cannot reach the Ray Jobs API at {self.address} ({_first_line(str(e))[:160]}); "
-                            "is the cluster up and is this its dashboard address?") from None
+            raise ClusterUnreachable(f"cannot reach the Ray Jobs API at {self.address} ({first_line(e, 160)}); "
+                                     "is the cluster up and is this its dashboard address?") from None
         except RuntimeError as e:
-            if isinstance(e, (SpecError, ClusterError)):
-                raise
-            raise ClusterError(f"{what}: {_first_line(str(e))[:300]}") from None
+            raise ClusterError(f"{what}: {first_line(e)}") from None
 
     @property
     def client(self):
@@ -378,6 +422,10 @@ class RayJobsBackend:
 
             from ray.job_submission import JobSubmissionClient
 
+            if self.address is None:
+                raise UserError("no cluster: pass --address http://HOST:8265 (the Ray dashboard / Jobs API URL), "
+                                "or set RAY_API_SERVER_ADDRESS")
+            self.token_source = configure_auth()
             # Ray's packaging logs every .gitignore it honors at INFO and its own default excludes
             # at WARNING; rayft reports what it uploads itself. (Set after `import ray`, which
             # configures the "ray" logger.)
@@ -391,12 +439,12 @@ class RayJobsBackend:
         with self._errors(f"GET {endpoint}"):
             r = self.client._do_request("GET", endpoint)
             if r.status_code != 200:
-                raise ClusterError(f"GET {endpoint}: HTTP {r.status_code}: {_first_line(r.text)[:200]}")
+                raise ClusterError(f"GET {endpoint}: HTTP {r.status_code}: {first_line(r.text, 200)}")
             return r.json()
 
     # -- jobs --
-    def info(self, sid: str):
-        """JobDetails, or None when the cluster has no job with that submission id."""
+    def details(self, sid: str):
+        """Ray's `JobDetails` of a job, or None when the cluster has no job with that submission id."""
         from ray.job_submission import JobDetails
 
         with self._errors(f"get job {sid}"):
@@ -404,38 +452,49 @@ class RayJobsBackend:
             if r.status_code == 404:
                 return None
             if r.status_code != 200:
-                raise ClusterError(f"get job {sid}: HTTP {r.status_code}: {_first_line(r.text)[:200]}")
+                raise ClusterError(f"get job {sid}: HTTP {r.status_code}: {first_line(r.text, 200)}")
             return JobDetails(**r.json())
 
     def require(self, sid: str):
-        info = self.info(sid)
+        """Ray's `JobDetails` of a job; `JobNotFound` when there is none."""
+        info = self.details(sid)
         if info is None:
-            raise SpecError(f"no job {sid!r} on the Ray cluster at {self.address} (`rayft list` shows its jobs)")
+            raise JobNotFound(f"no job {sid!r} on the Ray cluster at {self.address} (`rayft list` shows its jobs)")
         return info
 
-    def submit(self, sub: Submission) -> tuple[str, bool]:
-        """Submit unless a job with that submission id exists. Returns (id, created)."""
-        if self.info(sub.submission_id) is not None:
-            return sub.submission_id, False
+    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: Optional[str] = None,
+                attempt: int = 1, extra_metadata: Optional[dict] = None) -> RaySubmission:
+        return build_submission(spec_path, overrides, address=self.address, working_dir=working_dir,
+                                attempt=attempt, extra_metadata=extra_metadata)
+
+    def submit(self, sub: RaySubmission) -> tuple[JobStatus, bool]:
+        """Submit unless a job with that submission id exists: (its status, created)."""
+        if self.details(sub.submission_id) is not None:
+            return self.status(sub.submission_id), False
+        created = True
         with self._errors(f"submit {sub.submission_id}"):
             try:
                 self.client.submit_job(**sub.submit_kwargs())
             except RuntimeError as e:
                 # Two submitters raced with the same deterministic id: the other one won.
-                if "already exists" in str(e) and self.info(sub.submission_id) is not None:
-                    return sub.submission_id, False
-                raise
-        return sub.submission_id, True
+                if "already exists" not in str(e) or self.details(sub.submission_id) is None:
+                    raise
+                created = False
+        return self.status(sub.submission_id), created
 
-    def status(self, sid: str) -> dict:
-        return job_row(self.require(sid))
+    def info(self, sid: str) -> Optional[JobStatus]:
+        details = self.details(sid)
+        return None if details is None else to_status(details)
+
+    def status(self, sid: str) -> JobStatus:
+        return to_status(self.require(sid))
 
     def logs(self, sid: str) -> str:
         self.require(sid)
         with self._errors(f"logs of {sid}"):
             return self.client.get_job_logs(sid)
 
-    def follow(self, sid: str, out=None) -> str:
+    def follow(self, sid: str, out: Optional[TextIO] = None) -> JobStatus:
         """Stream the logs until the job ends; returns its final status."""
         import asyncio
 
@@ -449,92 +508,33 @@ class RayJobsBackend:
 
         with self._errors(f"logs of {sid}"):
             asyncio.run(tail())
-        for _ in range(60):  # the stream closes as the job ends; its status follows shortly
-            st = str(self.require(sid).status)
-            if st in FINAL:
+        # The stream closes as the job ends; its status follows within a few seconds.
+        return self.wait(sid, timeout_s=30.0, poll_s=0.5)
+
+    def wait(self, sid: str, timeout_s: Optional[float] = None, poll_s: float = 1.0) -> JobStatus:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            st = self.status(sid)
+            if st.ended or (deadline is not None and time.monotonic() > deadline):
                 return st
-            time.sleep(0.5)
-        return st
+            time.sleep(poll_s)
 
     def stop(self, sid: str) -> bool:
         """True when a stop was sent; False when the job had already ended."""
-        info = self.require(sid)
-        if str(info.status) in FINAL:
+        if self.status(sid).state in FINAL:
             return False
         with self._errors(f"stop {sid}"):
             return bool(self.client.stop_job(sid))
 
-    def list(self, all_jobs: bool = False) -> list[dict]:
+    def list(self, all_jobs: bool = False) -> list[JobStatus]:
         with self._errors("list jobs"):
             jobs = self.client.list_jobs()
-        rows = [job_row(j) for j in jobs if all_jobs or is_rayft_job(j)]
-        return sorted(rows, key=lambda r: r["start_time"] or 0)
-
-    def wait(self, sid: str, timeout_s: Optional[float] = None, poll_s: float = 1.0) -> str:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            st = str(self.require(sid).status)
-            if st in FINAL:
-                return st
-            if deadline is not None and time.monotonic() > deadline:
-                return st
-            time.sleep(poll_s)
+        return sorted_by_start(to_status(j) for j in jobs if all_jobs or is_rayft_job(j))
 
     # -- resources, for the queue's admission --
     def cluster_view(self):
-        from .queue import ClusterView
+        from orchestrator.queue.admission import ClusterView
 
         nodes = self._get("/api/v0/nodes?limit=10000&detail=true")
         status = self._get("/api/cluster_status")
         return ClusterView.from_api(nodes, status)
-
-
-def is_rayft_job(info) -> bool:
-    return bool((info.metadata or {}).get(f"{META_PREFIX}spec_hash"))
-
-
-def job_row(info) -> dict:
-    md = info.metadata or {}
-    return {
-        "submission_id": info.submission_id or info.job_id,
-        "status": str(info.status.value if hasattr(info.status, "value") else info.status),
-        "message": info.message or "",
-        "name": md.get(f"{META_PREFIX}name", ""),
-        "spec_hash": md.get(f"{META_PREFIX}spec_hash", ""),
-        "attempt": md.get(f"{META_PREFIX}attempt", ""),
-        "micro_batch_size": md.get(f"{META_PREFIX}micro_batch_size", ""),
-        "grad_accum_steps": md.get(f"{META_PREFIX}grad_accum_steps", ""),
-        "start_time": info.start_time,
-        "end_time": info.end_time,
-        "entrypoint": info.entrypoint,
-        "metadata": dict(md),
-        "runtime_env": dict(info.runtime_env or {}),
-        "driver_exit_code": getattr(info, "driver_exit_code", None),
-    }
-
-
-OOM_PATTERNS = re.compile(r"(torch\.(cuda\.)?OutOfMemoryError|CUDA out of memory|CUDA error: out of memory"
-                          r"|HIP out of memory|OutOfMemoryError)")
-
-
-def looks_like_oom(*texts: str) -> Optional[str]:
-    """The first line that says the job ran out of (GPU) memory, if any."""
-    for text in texts:
-        for line in (text or "").splitlines():
-            if OOM_PATTERNS.search(line):
-                return line.strip()[:300]
-    return None
-
-
-def fmt_time(ms: Optional[int]) -> str:
-    if not ms:
-        return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000))
-
-
-def describe(sub: Submission) -> str:
-    return json.dumps({"submission_id": sub.submission_id, "entrypoint": sub.entrypoint,
-                       "runtime_env": sub.runtime_env, "metadata": sub.metadata,
-                       "entrypoint_num_cpus": sub.entrypoint_num_cpus,
-                       "upload_mib": round(sub.upload.size_bytes / 2**20, 3), "upload_files": sub.upload.files},
-                      indent=2)

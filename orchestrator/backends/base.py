@@ -1,0 +1,167 @@
+"""What every backend is: the `Backend` protocol, the one `JobStatus`, and the one state vocabulary.
+
+A backend runs job specs somewhere and answers for them by id:
+
+    ray_jobs.RayJobsBackend    a Ray cluster's Jobs API (`ray job submit`); id = Ray submission id
+    kuberay.KubeRayBackend     one KubeRay RayJob per job; id = RayJob name (also its Ray submission id)
+
+The CLI (`orchestrator.cli.jobs`) has one code path for all of them: it asks the backend to
+`prepare` a spec (validate it, once, and compute everything that will be sent), then to `submit`
+it, and prints the `JobStatus` it gets back. Nothing outside a backend looks at backend-native
+status objects.
+
+States, one vocabulary (`STATES`):
+
+    QUEUED     accepted, waiting for admission (Kueue has the RayJob suspended)
+    PENDING    admitted, starting (cluster coming up, runtime env, driver starting)
+    RUNNING    the entrypoint runs
+    SUCCEEDED | FAILED | STOPPED   ended (`FINAL`); STOPPED = stopped by hand
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Protocol, TextIO, runtime_checkable
+
+QUEUED, PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "QUEUED", "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
+STATES = (QUEUED, PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)
+FINAL = (SUCCEEDED, FAILED, STOPPED)
+
+
+def job_state(status: Any) -> str:
+    """A Ray job status (the `ray.job_submission.JobStatus` enum, or its string) as one of `STATES`.
+
+    The one normalisation of Ray's job status: the Ray Jobs backend reads it from `JobDetails`,
+    the KubeRay backend from a RayJob's `status.jobStatus`. Ray's statuses are PENDING, RUNNING,
+    STOPPED, SUCCEEDED, FAILED; anything else (an empty field, a newer Ray's word) is PENDING:
+    not ended, not known to run.
+    """
+    word = str(getattr(status, "value", status) or "").strip().upper()
+    return word if word in STATES else PENDING
+
+
+def first_line(text: Any, limit: int = 300) -> str:
+    """The first non-blank line of an error text, at most `limit` characters.
+
+    Ray's client exceptions and the Kubernetes API's error bodies carry multi-line texts (remote
+    tracebacks, JSON); rayft reports one line of them. Every backend error message goes through here.
+    """
+    s = str(text)
+    for line in s.splitlines():
+        if line.strip():
+            return line.strip()[:limit]
+    return s.strip()[:limit]
+
+
+@dataclass
+class JobStatus:
+    """One job as a backend reports it.
+
+    id:         what `rayft status|logs|stop ID` takes (Ray submission id / RayJob name)
+    state:      one of `STATES`
+    message:    the backend's last word on it (why it failed, what it waits for); may span lines
+    name:       the job's name: the spec's `name` for a Ray job; the RayJob's object name for KubeRay
+    spec_hash:  the hash of the validated spec it runs (empty when rayft did not submit it)
+    start_time_s / end_time_s: seconds since the epoch, None while unknown / not ended
+    backend:    "ray" or "kuberay"
+    details:    backend-specific facts (entrypoint, batch split, RayJob deployment status, ...)
+    """
+
+    id: str
+    state: str
+    message: str = ""
+    name: str = ""
+    spec_hash: str = ""
+    start_time_s: Optional[float] = None
+    end_time_s: Optional[float] = None
+    backend: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise ValueError(f"job state {self.state!r} is not one of {STATES}")
+
+    @property
+    def ended(self) -> bool:
+        return self.state in FINAL
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `--json` prints. The id and state keep the names rayft's JSON has always used
+        (`submission_id`, `status`), so scripts reading them keep working."""
+        return {"submission_id": self.id, "status": self.state, "message": self.message, "name": self.name,
+                "spec_hash": self.spec_hash, "start_time_s": self.start_time_s, "end_time_s": self.end_time_s,
+                "backend": self.backend, "details": dict(self.details)}
+
+
+@runtime_checkable
+class Submission(Protocol):
+    """A validated job, ready to send: made by `Backend.prepare`, taken by `Backend.submit`."""
+
+    spec: Any                   # the typed JobSpec, loaded once
+    spec_hash: str
+    submission_id: str          # deterministic: the same spec (and attempt) gets the same id
+    warnings: list[str]
+
+    def summary(self) -> str:
+        """A few words on what will be sent (files and MiB; node type and estimate)."""
+
+    def describe(self) -> dict:
+        """Everything that would be sent, for `rayft submit --dry-run`."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Runs job specs and answers for them by id. Errors are `jobs.errors` classes: `UserError`
+    for the input, `ClusterUnreachable` / `ClusterAuthError` / `JobNotFound` / `ClusterError`
+    for the cluster, each with a one-line message."""
+
+    name: str
+
+    @property
+    def where(self) -> str:
+        """Where jobs go, in words: "http://HOST:8265", "namespace rayft"."""
+
+    @property
+    def cli_flags(self) -> str:
+        """The flags that name this backend again on the command line (for hints)."""
+
+    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: Optional[str] = None,
+                attempt: int = 1, extra_metadata: Optional[dict] = None) -> Submission:
+        """Load and validate the spec once; compute what `submit` sends. Sends nothing."""
+
+    def submit(self, sub: Submission) -> tuple[JobStatus, bool]:
+        """Submit unless a job with that id exists: (its status, whether this call created it)."""
+
+    def info(self, job_id: str) -> Optional[JobStatus]:
+        """The job's status, or None when the backend has no job of that id."""
+
+    def status(self, job_id: str) -> JobStatus:
+        """The job's status; `JobNotFound` when there is none."""
+
+    def logs(self, job_id: str) -> str:
+        """The driver's output so far."""
+
+    def follow(self, job_id: str, out: Optional[TextIO] = None) -> JobStatus:
+        """Write the logs to `out` (stdout) as they come until the job ends; its final status."""
+
+    def wait(self, job_id: str, timeout_s: Optional[float] = None) -> JobStatus:
+        """Wait, silently, until the job ends (or `timeout_s`); its last status."""
+
+    def stop(self, job_id: str) -> bool:
+        """Stop the job: True when a stop was sent, False when it had already ended."""
+
+    def list(self, all_jobs: bool = False) -> list[JobStatus]:
+        """The jobs rayft submitted (`all_jobs`: every job the backend has), oldest first."""
+
+
+def write_new_text(out: Optional[TextIO], seen: str, text: str) -> str:
+    """Write what `text` adds to `seen` (all of it when the log was rotated); returns `text`."""
+    out = out or sys.stdout
+    out.write(text[len(seen):] if text.startswith(seen) else text)
+    out.flush()
+    return text
+
+
+def sorted_by_start(rows: Iterable[JobStatus]) -> list[JobStatus]:
+    return sorted(rows, key=lambda r: (r.start_time_s is None, r.start_time_s or 0.0, r.id))

@@ -1,0 +1,359 @@
+"""The KubeRay backend: one RayJob per job, through the Kubernetes API (`kubernetes` client).
+
+`submit` creates the spec ConfigMap and the RayJob `render` made; `status` / `logs` / `stop` /
+`list` read and delete them. RayJob names are deterministic (`render.job_name`), so submitting
+the same spec twice finds the first RayJob. Every failure is one line: `JobNotFound` for a RayJob
+that is not there, `ClusterAuthError` for 401/403, `ClusterUnreachable` for no configuration or no
+answer, `KubeRayError` (a `ClusterError`) for any other refusal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator, Optional, TextIO, Union
+
+from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, JobNotFound, UserError
+from jobs.spec import JobSpec
+
+from ..base import FAILED, FINAL, PENDING, QUEUED, RUNNING, SUCCEEDED, JobStatus, first_line, sorted_by_start, \
+    write_new_text
+from ..base import job_state as ray_job_state
+from .node_types import DEFAULT_OVERLAY
+from .render import (ANN_CHECKPOINTING, ANN_ESTIMATE, ANN_NODE_TYPE, ANN_SPEC_HASH, DEFAULT_NAMESPACE, RAY_GROUP,
+                     RAY_VERSION_API, RAYJOB_PLURAL, Obj, load_spec_for_k8s, render, spec_configmap_name)
+
+MANAGED_BY = "app.kubernetes.io/managed-by=rayft"
+
+
+class KubeRayError(ClusterError):
+    """The Kubernetes API refused or failed a well-formed request (one line)."""
+
+
+def job_state(obj: Obj) -> str:
+    """A RayJob's state in rayft's vocabulary (`base.STATES`).
+
+    KubeRay reports two fields: `jobDeploymentStatus` (the RayJob: New, Initializing, Running,
+    Complete, Failed, Suspended, ...) and `jobStatus` (the Ray job inside, normalised by
+    `base.job_state`). A suspended RayJob waits for Kueue: QUEUED.
+    """
+    st = obj.get("status") or {}
+    ds = st.get("jobDeploymentStatus") or ""
+    js = ray_job_state(st["jobStatus"]) if st.get("jobStatus") else ""
+    if ds == "Complete":
+        return js if js in FINAL else SUCCEEDED
+    if ds in ("Failed", "ValidationFailed"):
+        return FAILED
+    if ds in ("Suspended", "Suspending") or ((obj.get("spec") or {}).get("suspend") and ds in ("", "New")):
+        return QUEUED
+    if ds in ("Running", "Retrying"):
+        return js if js in (PENDING, *FINAL) else RUNNING
+    return PENDING                       # New, Initializing, Waiting, and whatever a newer KubeRay adds
+
+
+def _epoch_s(stamp: Optional[str]) -> Optional[float]:
+    """An RFC 3339 time of the Kubernetes API ("2026-01-02T03:04:05Z") as seconds since the epoch."""
+    if not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def to_status(obj: Obj, namespace: str) -> JobStatus:
+    st = obj.get("status") or {}
+    meta = obj.get("metadata") or {}
+    ann = meta.get("annotations") or {}
+    return JobStatus(
+        id=meta["name"], state=job_state(obj), message=st.get("message") or st.get("reason") or "",
+        name=meta["name"], spec_hash=ann.get(ANN_SPEC_HASH, ""),
+        start_time_s=_epoch_s(st.get("startTime")), end_time_s=_epoch_s(st.get("endTime")), backend="kuberay",
+        details={"namespace": namespace, "job": (meta.get("labels") or {}).get("rayft.io/job", ""),
+                 "deployment_status": st.get("jobDeploymentStatus") or "", "job_status": st.get("jobStatus") or "",
+                 "ray_cluster": st.get("rayClusterName") or "", "dashboard_url": st.get("dashboardURL") or "",
+                 "failed": st.get("failed") or 0, "memory_estimate_gib": ann.get(ANN_ESTIMATE, ""),
+                 "gradient_checkpointing": ann.get(ANN_CHECKPOINTING, "")})
+
+
+@dataclass
+class KubeRaySubmission:
+    """The rendered [ConfigMap, RayJob] of one job, ready to create."""
+
+    spec: JobSpec
+    objects: list[Obj]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def rayjob(self) -> Obj:
+        return self.objects[1]
+
+    @property
+    def submission_id(self) -> str:
+        return self.rayjob["metadata"]["name"]
+
+    @property
+    def spec_hash(self) -> str:
+        return self.rayjob["metadata"]["annotations"][ANN_SPEC_HASH]
+
+    def summary(self) -> str:
+        ann = self.rayjob["metadata"]["annotations"]
+        return f"node type {ann[ANN_NODE_TYPE]}, memory estimate {ann[ANN_ESTIMATE]} GiB per worker"
+
+    def describe(self) -> dict:
+        return {"submission_id": self.submission_id, "objects": self.objects}
+
+
+class KubeRayBackend:
+    """Runs jobs as KubeRay RayJobs through the `kubernetes` client.
+
+    Configuration: an injected `kubernetes.client.ApiClient`, else in-cluster config (inside a
+    pod), else ~/.kube/config (`context` picks one). Namespace: the argument, else
+    $RAYFT_K8S_NAMESPACE, else `rayft` (where the overlays install the queue, PVC and policies).
+    """
+
+    name = "kuberay"
+
+    def __init__(self, namespace: Optional[str] = None, *, api_client: Any = None,
+                 overlay: Union[str, Path] = DEFAULT_OVERLAY, queue: Optional[str] = None,
+                 image: Optional[str] = None, context: Optional[str] = None):
+        self.namespace = namespace or os.environ.get("RAYFT_K8S_NAMESPACE") or DEFAULT_NAMESPACE
+        self.overlay, self.queue, self.image, self.context = overlay, queue, image, context
+        self._api_client = api_client
+
+    @property
+    def where(self) -> str:
+        return f"namespace {self.namespace}"
+
+    @property
+    def cli_flags(self) -> str:
+        return f"--backend kuberay --namespace {self.namespace}"
+
+    # -- plumbing --
+    @property
+    def api_client(self):
+        if self._api_client is None:
+            from kubernetes import client, config
+
+            try:
+                if os.environ.get("KUBERNETES_SERVICE_HOST"):
+                    config.load_incluster_config()
+                else:
+                    config.load_kube_config(context=self.context)
+            except Exception as e:  # ConfigException, missing file, bad context
+                raise ClusterUnreachable(f"kuberay: no usable Kubernetes configuration ({first_line(e)})") from None
+            self._api_client = client.ApiClient()
+        return self._api_client
+
+    def _core(self):
+        from kubernetes import client
+
+        return client.CoreV1Api(self.api_client)
+
+    def _custom(self):
+        from kubernetes import client
+
+        return client.CustomObjectsApi(self.api_client)
+
+    @contextlib.contextmanager
+    def _api(self, what: str, missing: Optional[str] = None) -> Iterator[None]:
+        """Kubernetes API failures as rayft errors; `missing`: the message for a 404 (JobNotFound)."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            yield
+        except ApiException as e:
+            if e.status == 404 and missing:
+                raise JobNotFound(missing) from None
+            msg = getattr(e, "reason", "") or ""
+            if e.body:
+                try:
+                    msg = json.loads(e.body).get("message") or msg
+                except (ValueError, AttributeError):
+                    pass
+            text = first_line(f"kuberay: {what}: HTTP {e.status}: {msg}")
+            raise (ClusterAuthError if e.status in (401, 403) else KubeRayError)(text) from None
+        except HTTPError as e:              # no answer: connection refused, DNS, TLS
+            raise ClusterUnreachable(f"kuberay: {what}: cannot reach the Kubernetes API ({first_line(e, 160)})") \
+                from None
+
+    def _not_found(self, name: str) -> str:
+        return f"kuberay: no RayJob {name} in namespace {self.namespace}"
+
+    def _get_rayjob(self, name: str) -> Obj:
+        with self._api(f"get RayJob {name}", missing=self._not_found(name)):
+            return self._custom().get_namespaced_custom_object(
+                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, name)
+
+    # -- the interface --
+    def render(self, spec: JobSpec, **kw: Any) -> list[Obj]:
+        kw.setdefault("queue", self.queue)
+        kw.setdefault("image", self.image)
+        kw.setdefault("overlay", self.overlay)
+        return render(spec, namespace=self.namespace, **kw)
+
+    def prepare_spec(self, spec: JobSpec, *, spec_path: Optional[str] = None) -> KubeRaySubmission:
+        """Render a typed spec (refused when it does not fit the overlay's node type)."""
+        return KubeRaySubmission(spec, self.render(spec, spec_path=spec_path))
+
+    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: Optional[str] = None,
+                attempt: int = 1, extra_metadata: Optional[dict] = None) -> KubeRaySubmission:
+        if attempt != 1:
+            raise UserError(f"--attempt {attempt}: a RayJob is named by its spec hash alone; `rayft stop` it and "
+                            "submit again to rerun the same spec")
+        sub = self.prepare_spec(load_spec_for_k8s(spec_path, overrides).spec, spec_path=spec_path)
+        if working_dir:
+            sub.warnings.append(f"--working-dir {working_dir} is not uploaded: a RayJob runs the project inside "
+                                "its image (k8s/image/Dockerfile)")
+        return sub
+
+    def submit(self, sub: KubeRaySubmission) -> tuple[JobStatus, bool]:
+        """Create the spec ConfigMap and the RayJob: (its status, created).
+
+        Idempotent: a RayJob of that name with the same spec hash is the same job (already
+        submitted), and is not created again. One with another hash is an error.
+        """
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        cm, rj = sub.objects
+        name, h, cm_name = sub.submission_id, sub.spec_hash, cm["metadata"]["name"]
+        core, custom = self._core(), self._custom()
+
+        body = client.V1ConfigMap.from_dict(cm) if hasattr(client.V1ConfigMap, "from_dict") else cm
+        with self._api(f"create ConfigMap {cm_name}"):
+            try:
+                core.create_namespaced_config_map(self.namespace, body)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                have = core.read_namespaced_config_map(cm_name, self.namespace)
+                have_hash = ((have.metadata.annotations or {}) if have.metadata else {}).get(ANN_SPEC_HASH)
+                if have_hash != h:
+                    raise KubeRayError(f"kuberay: ConfigMap {cm_name} exists with spec hash {have_hash}, not {h}") \
+                        from None
+        with self._api(f"create RayJob {name}"):
+            try:
+                created = custom.create_namespaced_custom_object(
+                    RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, rj)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                created = None
+        if created is None:                               # AlreadyExists: the same job, or a clash
+            have = self._get_rayjob(name)
+            have_hash = ((have.get("metadata") or {}).get("annotations") or {}).get(ANN_SPEC_HASH)
+            if have_hash != h:
+                raise KubeRayError(f"kuberay: RayJob {name} exists with spec hash {have_hash}, not {h}; "
+                                   f"`rayft stop {name} {self.cli_flags}` first")
+            return to_status(have, self.namespace), False
+        # Let the ConfigMap go with the RayJob (garbage collection by owner reference).
+        uid = (created.get("metadata") or {}).get("uid") if isinstance(created, dict) else None
+        if uid:
+            owner = [{"apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}", "kind": "RayJob", "name": name,
+                      "uid": uid, "blockOwnerDeletion": False}]
+            try:
+                core.patch_namespaced_config_map(cm_name, self.namespace,
+                                                 [{"op": "add", "path": "/metadata/ownerReferences", "value": owner}])
+            except ApiException:
+                pass                                      # stop() deletes it explicitly anyway
+        return to_status(created if isinstance(created, dict) else rj, self.namespace), True
+
+    def submit_spec(self, spec: JobSpec, **render_kw: Any) -> str:
+        """Render and create a typed spec; returns the RayJob name."""
+        sub = KubeRaySubmission(spec, self.render(spec, **render_kw))
+        return self.submit(sub)[0].id
+
+    def info(self, name: str) -> Optional[JobStatus]:
+        try:
+            return self.status(name)
+        except JobNotFound:
+            return None
+
+    def status(self, name: str) -> JobStatus:
+        return to_status(self._get_rayjob(name), self.namespace)
+
+    def logs(self, name: str, tail_lines: Optional[int] = None) -> str:
+        """Best effort: the submitter pod's log (it follows the driver), else the head pod's."""
+        from kubernetes.client.exceptions import ApiException
+
+        obj = self._get_rayjob(name)
+        core = self._core()
+
+        def newest(selector: str):
+            with self._api(f"list pods ({selector})"):
+                pods = core.list_namespaced_pod(self.namespace, label_selector=selector).items or []
+            pods = [p for p in pods if p.metadata is not None]
+            return max(pods, key=lambda p: str(p.metadata.creation_timestamp or "")) if pods else None
+
+        pod = newest(f"batch.kubernetes.io/job-name={name}") or newest(f"job-name={name}")
+        container = None
+        if pod is None:
+            cluster = (obj.get("status") or {}).get("rayClusterName")
+            if cluster:
+                pod = newest(f"ray.io/cluster={cluster},ray.io/node-type=head")
+                container = "ray-head"
+        if pod is None:
+            return f"(no submitter or head pod for RayJob {name} yet: {job_state(obj)})\n"
+        kw: dict = {"tail_lines": tail_lines} if tail_lines else {}
+        if container:
+            kw["container"] = container
+        with self._api(f"log of pod {pod.metadata.name}"):
+            try:
+                return core.read_namespaced_pod_log(pod.metadata.name, self.namespace, **kw) or ""
+            except ApiException as e:
+                if e.status not in (400, 404):   # 400: container not started yet; 404: pod gone
+                    raise
+        return f"(no log from pod {pod.metadata.name} yet: {job_state(obj)})\n"
+
+    def follow(self, name: str, out: Optional[TextIO] = None, poll_s: float = 2.0) -> JobStatus:
+        """Write the log as it grows (polled: the API has no log stream across pods) until the end."""
+        seen = ""
+        while True:
+            seen = write_new_text(out or sys.stdout, seen, self.logs(name))
+            st = self.status(name)
+            if st.ended:
+                return st
+            time.sleep(poll_s)
+
+    def wait(self, name: str, timeout_s: Optional[float] = None, poll_s: float = 2.0) -> JobStatus:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            st = self.status(name)
+            if st.ended or (deadline is not None and time.monotonic() > deadline):
+                return st
+            time.sleep(poll_s)
+
+    def stop(self, name: str) -> bool:
+        """Delete the RayJob (KubeRay deletes its cluster and submitter) and its spec ConfigMap.
+        Always True: deleting is the stop, whether the job still ran or not."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        opts = client.V1DeleteOptions(propagation_policy="Background")
+        with self._api(f"delete RayJob {name}", missing=self._not_found(name)):
+            self._custom().delete_namespaced_custom_object(
+                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, name, body=opts)
+        cm_name = spec_configmap_name(name)
+        with self._api(f"delete ConfigMap {cm_name}"):
+            try:
+                self._core().delete_namespaced_config_map(cm_name, self.namespace)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        return True
+
+    def list(self, all_jobs: bool = False) -> list[JobStatus]:
+        """rayft's RayJobs in the namespace (`all_jobs`: every RayJob there), oldest first."""
+        with self._api("list RayJobs"):
+            got = self._custom().list_namespaced_custom_object(
+                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL,
+                **({} if all_jobs else {"label_selector": MANAGED_BY}))
+        return sorted_by_start(to_status(o, self.namespace) for o in got.get("items") or [])

@@ -1,0 +1,96 @@
+"""Node types: what one node of the cluster an overlay targets looks like.
+
+Each overlay under ``k8s/overlays/<name>/`` carries a ConfigMap ``rayft-node-type``
+(``node-type/node-type.yaml``): GPU product and count, GPU memory, CPUs, pod memory, image.
+Kustomize copies its image and GPU product into the manifests (k8s/components); `render`
+sizes a job's pods from it and refuses specs that cannot fit one node of it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from jobs.errors import UserError
+
+DEFAULT_OVERLAY = "gpu"
+
+Obj = dict[str, Any]
+
+
+def k8s_dir() -> Path:
+    """The repository's k8s/ folder (or $RAYFT_K8S_DIR)."""
+    env = os.environ.get("RAYFT_K8S_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "k8s"
+
+
+def overlays() -> list[str]:
+    """The overlays under k8s/overlays/ that carry a node type."""
+    root = k8s_dir() / "overlays"
+    return sorted(p.parent.parent.name for p in root.glob("*/node-type/node-type.yaml"))
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """One node of the cluster an overlay targets (its `rayft-node-type` ConfigMap)."""
+
+    overlay: str
+    name: str
+    gpu_product: str
+    ray_accelerator_type: str
+    gpus_per_node: int
+    gpu_memory_gib: float
+    cpus_per_node: float
+    worker_memory_gib: float
+    head_cpu: float
+    head_memory_gib: float
+    image: str
+
+    @classmethod
+    def from_configmap(cls, obj: Obj, overlay: str) -> "NodeType":
+        d = obj.get("data") or {}
+        where = f"overlay {overlay}: node-type ConfigMap"
+        try:
+            return cls(
+                overlay=overlay,
+                name=str(d.get("nodeType") or overlay),
+                gpu_product=str(d.get("gpuProduct") or ""),
+                ray_accelerator_type=str(d.get("rayAcceleratorType") or ""),
+                gpus_per_node=int(d.get("gpusPerNode", 0)),
+                gpu_memory_gib=float(d.get("gpuMemoryGiB", 0)),
+                cpus_per_node=float(d["cpusPerNode"]),
+                worker_memory_gib=float(d["workerMemoryGiB"]),
+                head_cpu=float(d["headCpu"]),
+                head_memory_gib=float(d["headMemoryGiB"]),
+                image=str(d["image"]),
+            )
+        except KeyError as e:
+            raise UserError(f"{where}: data.{e.args[0]} is missing") from None
+        except ValueError as e:
+            raise UserError(f"{where}: {e}") from None
+
+
+def load_node_type(overlay: Union[str, Path] = DEFAULT_OVERLAY) -> NodeType:
+    """The node type of an overlay: a name under k8s/overlays/, or a path to an overlay folder."""
+    p = Path(overlay)
+    if p.is_dir():
+        base = p
+    else:
+        if "/" in str(overlay) or not re.fullmatch(r"[A-Za-z0-9._-]+", str(overlay)):
+            raise UserError(f"--overlay {overlay}: not an overlay folder")
+        base = k8s_dir() / "overlays" / str(overlay)
+    for f in (base / "node-type" / "node-type.yaml", base / "node-type.yaml"):
+        if f.is_file():
+            for doc in yaml.safe_load_all(f.read_text()):
+                if isinstance(doc, dict) and doc.get("kind") == "ConfigMap" and \
+                        (doc.get("metadata") or {}).get("name") == "rayft-node-type":
+                    return NodeType.from_configmap(doc, base.name)
+            raise UserError(f"{f}: no ConfigMap rayft-node-type in it")
+    known = ", ".join(overlays()) or "none found"
+    raise UserError(f"--overlay {overlay}: no node type (node-type/node-type.yaml) there; overlays: {known}")
+

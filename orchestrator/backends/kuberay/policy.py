@@ -1,0 +1,231 @@
+"""rayft's deployment policy for Kubernetes manifests, as a checker.
+
+`policy_violations(objects)` lists everything in a set of manifests that breaks it (empty: all
+good): a restricted securityContext on every pod (Pod Security Standards "restricted", the
+parts a manifest shows), secrets by reference only (no inline env values under secret-like
+names, no Secret data, nothing shaped like a credential anywhere), Ray's dashboard and client
+ports never exposed outside the cluster, and every RayJob bounded and admitted by Kueue
+(backoffLimit, activeDeadlineSeconds, a queue label, a restricted submitter, one plain entrypoint
+command). `render` checks its own output with it; the tests check all of k8s/ with it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Iterator, Optional
+
+import yaml
+
+from jobs.spec import SECRET_NAME, SECRET_VALUE
+
+Obj = dict[str, Any]
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# KubeRay pastes a RayJob's entrypoint into the submitter's bash command line and Ray runs it
+# through a shell again: one plain command of plain words.
+SHELL_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./{}-]+")
+SHELL_OPERATORS = re.compile(r"&&|\|\||[;|&`<>\n]|\$\(")
+# Where a credential-shaped word may end inside a manifest string (YAML, JSON, env lines, URLs).
+_WORD_BREAKS = re.compile(r"[\s\"'`=,;:()\[\]{}<>|]+")
+RAY_PORTS = {8265, 10001}
+RESTRICTED_CAPS_ADD = {"NET_BIND_SERVICE"}
+
+
+def credential_in(text: str) -> Optional[str]:
+    """The first word of `text` that has a credential's shape (`jobs.spec.SECRET_VALUE`, the one
+    definition: the spec refuses such values in `run.env`, the policy anywhere in a manifest)."""
+    for word in _WORD_BREAKS.split(text):
+        if word and SECRET_VALUE.match(word):
+            return word
+    return None
+
+
+def _oid(o: Obj) -> str:
+    return f"{o.get('kind', '?')}/{(o.get('metadata') or {}).get('name', '?')}"
+
+
+def _ray_cluster_pods(rc_spec: Obj, where: str) -> Iterator[tuple[str, Obj]]:
+    head = (rc_spec.get("headGroupSpec") or {}).get("template") or {}
+    yield f"{where} head", head.get("spec") or {}
+    for g in rc_spec.get("workerGroupSpecs") or []:
+        yield f"{where} worker group {g.get('groupName', '?')}", (g.get("template") or {}).get("spec") or {}
+
+
+def pod_specs(o: Obj) -> Iterator[tuple[str, Obj]]:
+    """(description, pod spec) for every pod template an object carries."""
+    kind, spec, oid = o.get("kind"), o.get("spec") or {}, _oid(o)
+    if kind == "Pod":
+        yield oid, spec
+    elif kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job", "ReplicationController"):
+        yield oid, (spec.get("template") or {}).get("spec") or {}
+    elif kind == "CronJob":
+        yield oid, ((spec.get("jobTemplate") or {}).get("spec") or {}).get("template", {}).get("spec") or {}
+    elif kind == "RayCluster":
+        yield from _ray_cluster_pods(spec, oid)
+    elif kind == "RayJob":
+        yield from _ray_cluster_pods(spec.get("rayClusterSpec") or {}, oid)
+        if spec.get("submitterPodTemplate"):
+            yield f"{oid} submitter", spec["submitterPodTemplate"].get("spec") or {}
+    elif kind == "RayService":
+        yield from _ray_cluster_pods(spec.get("rayClusterConfig") or {}, oid)
+
+
+def _restricted(where: str, pod: Obj, extra_containers: Iterable[tuple[str, Obj]] = ()) -> list[str]:
+    """Pod Security Standards "restricted" (the parts a manifest can show)."""
+    bad = []
+    psc = pod.get("securityContext") or {}
+    for f in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(f):
+            bad.append(f"{where}: {f} must not be true")
+    for v in pod.get("volumes") or []:
+        if "hostPath" in v:
+            bad.append(f"{where}: volume {v.get('name')} is a hostPath")
+    if psc.get("runAsUser") == 0:
+        bad.append(f"{where}: securityContext.runAsUser must not be 0")
+    containers = [(f"container {c.get('name', '?')}", c) for c in pod.get("containers") or []]
+    containers += [(f"init container {c.get('name', '?')}", c) for c in pod.get("initContainers") or []]
+    containers += [(f"ephemeral container {c.get('name', '?')}", c) for c in pod.get("ephemeralContainers") or []]
+    containers += list(extra_containers)
+    if not pod.get("containers"):
+        bad.append(f"{where}: no containers")
+    pod_nonroot = psc.get("runAsNonRoot") is True
+    pod_seccomp = (psc.get("seccompProfile") or {}).get("type") in ("RuntimeDefault", "Localhost")
+    for cname, c in containers:
+        sc = c.get("securityContext") or {}
+        w = f"{where}: {cname}"
+        if sc.get("privileged"):
+            bad.append(f"{w}: privileged must not be true")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{w}: securityContext.allowPrivilegeEscalation must be false")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            bad.append(f"{w}: securityContext.capabilities.drop must include ALL")
+        extra = set(caps.get("add") or []) - RESTRICTED_CAPS_ADD
+        if extra:
+            bad.append(f"{w}: securityContext.capabilities.add {sorted(extra)} is not allowed")
+        nonroot = sc.get("runAsNonRoot")
+        if nonroot is False or (nonroot is None and not pod_nonroot):
+            bad.append(f"{w}: runAsNonRoot must be true (pod or container securityContext)")
+        if sc.get("runAsUser") == 0:
+            bad.append(f"{w}: securityContext.runAsUser must not be 0")
+        stype = (sc.get("seccompProfile") or {}).get("type")
+        if stype == "Unconfined" or (stype is None and not pod_seccomp):
+            bad.append(f"{w}: seccompProfile.type must be RuntimeDefault or Localhost (pod or container)")
+    return bad
+
+
+def _env_violations(where: str, pod: Obj) -> list[str]:
+    bad = []
+    for c in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+        for e in c.get("env") or []:
+            if SECRET_NAME.search(e.get("name", "")) and e.get("value"):
+                bad.append(f"{where}: container {c.get('name')}: env {e['name']} has an inline value "
+                           "(use valueFrom.secretKeyRef)")
+    return bad
+
+
+def _strings(x: Any) -> Iterator[str]:
+    if isinstance(x, str):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _strings(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _strings(v)
+
+
+def _exposes_ray_ports(ports: list[Obj]) -> bool:
+    for p in ports or []:
+        if p.get("port") in RAY_PORTS or p.get("targetPort") in RAY_PORTS or \
+                p.get("targetPort") in ("dashboard", "client"):
+            return True
+    return False
+
+
+def _head_exposure(where: str, rc_spec: Obj) -> list[str]:
+    bad = []
+    head = rc_spec.get("headGroupSpec") or {}
+    if head.get("serviceType") in ("NodePort", "LoadBalancer"):
+        bad.append(f"{where}: headGroupSpec.serviceType {head['serviceType']} exposes 8265/10001 (use ClusterIP)")
+    hs_type = ((head.get("headService") or {}).get("spec") or {}).get("type")
+    if hs_type in ("NodePort", "LoadBalancer"):
+        bad.append(f"{where}: headGroupSpec.headService type {hs_type} exposes 8265/10001 (use ClusterIP)")
+    if head.get("enableIngress"):
+        bad.append(f"{where}: headGroupSpec.enableIngress exposes the dashboard")
+    return bad
+
+
+def policy_violations(objs: Iterable[Obj]) -> list[str]:
+    """Everything in these manifests that breaks rayft's deployment policy (empty: all good)."""
+    bad: list[str] = []
+    for o in objs:
+        if not isinstance(o, dict):
+            continue
+        kind, spec, oid = o.get("kind"), o.get("spec") or {}, _oid(o)
+        for where, pod in pod_specs(o):
+            extra = []
+            if kind == "RayCluster" and where.endswith(" head") and spec.get("enableInTreeAutoscaling"):
+                # KubeRay adds the autoscaler sidecar to the head pod with this securityContext.
+                extra.append(("autoscaler sidecar",
+                              {"securityContext": (spec.get("autoscalerOptions") or {}).get("securityContext")}))
+            bad += _restricted(where, pod, extra)
+            bad += _env_violations(where, pod)
+        # Secrets by reference only.
+        if kind == "Secret":
+            for field in ("data", "stringData"):
+                for k, v in (o.get(field) or {}).items():
+                    if v:
+                        bad.append(f"{oid}: {field}.{k} carries a value (create Secrets out of band)")
+        if kind == "ConfigMap":
+            for k, v in (o.get("data") or {}).items():
+                if SECRET_NAME.search(k) and v and not k.endswith((".yaml", ".yml", ".json")):
+                    bad.append(f"{oid}: data.{k} looks like a secret in a ConfigMap")
+        for s in _strings(o):
+            found = credential_in(s)
+            if found:
+                bad.append(f"{oid}: contains what looks like a credential ({found[:6]}...)")
+                break
+        # Ray ports stay inside the cluster.
+        if kind == "Service":
+            if spec.get("type") in ("NodePort", "LoadBalancer") and _exposes_ray_ports(spec.get("ports")):
+                bad.append(f"{oid}: type {spec['type']} exposes Ray port 8265/10001")
+            if spec.get("externalIPs") and _exposes_ray_ports(spec.get("ports")):
+                bad.append(f"{oid}: externalIPs expose Ray port 8265/10001")
+        if kind == "Ingress":
+            for rule in spec.get("rules") or []:
+                for p in ((rule.get("http") or {}).get("paths") or []):
+                    port = (((p.get("backend") or {}).get("service") or {}).get("port") or {}).get("number")
+                    if port in RAY_PORTS:
+                        bad.append(f"{oid}: routes outside traffic to Ray port {port}")
+        if kind == "RayCluster":
+            bad += _head_exposure(oid, spec)
+        if kind == "RayJob":
+            bad += _head_exposure(oid, spec.get("rayClusterSpec") or {})
+            for f in ("backoffLimit", "activeDeadlineSeconds"):
+                if not isinstance(spec.get(f), int) or isinstance(spec.get(f), bool):
+                    bad.append(f"{oid}: spec.{f} must be set")
+            if isinstance(spec.get("activeDeadlineSeconds"), int) and spec["activeDeadlineSeconds"] <= 0:
+                bad.append(f"{oid}: spec.activeDeadlineSeconds must be positive")
+            if SHELL_OPERATORS.search(spec.get("entrypoint") or ""):
+                bad.append(f"{oid}: spec.entrypoint must be one plain command (KubeRay pastes it into the "
+                           "submitter's bash line: &&, ;, | and redirections would run in the submitter)")
+            if spec.get("submissionMode", "K8sJobMode") == "K8sJobMode" and not spec.get("submitterPodTemplate"):
+                bad.append(f"{oid}: spec.submitterPodTemplate must be set (the default submitter is not restricted)")
+            if not ((o.get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL):
+                bad.append(f"{oid}: metadata.labels[{QUEUE_LABEL}] must name a Kueue LocalQueue")
+            elif spec.get("shutdownAfterJobFinishes") is not True:
+                bad.append(f"{oid}: Kueue-managed RayJobs need spec.shutdownAfterJobFinishes: true")
+            if spec.get("clusterSelector"):
+                bad.append(f"{oid}: spec.clusterSelector (an existing cluster) is not admitted by Kueue")
+            rt = spec.get("runtimeEnvYAML")
+            if rt:
+                try:
+                    env_vars = (yaml.safe_load(rt) or {}).get("env_vars") or {}
+                except yaml.YAMLError:
+                    env_vars = {}
+                for k, v in env_vars.items():
+                    if SECRET_NAME.search(k) and v:
+                        bad.append(f"{oid}: runtimeEnvYAML env_vars.{k} has an inline value")
+    return bad
+

@@ -1,0 +1,459 @@
+"""Render a job spec as a KubeRay RayJob: the one place the RayJob's shape is written.
+
+`render(spec, ...)` returns the objects for one job, in apply order:
+
+1. a ConfigMap ``<job>-spec`` carrying the validated spec (``spec.yaml``), mounted read-only at
+   ``/home/ray/rayft-spec`` in every Ray pod, and
+2. a RayJob ``<job>`` (KubeRay ``ray.io/v1``) whose entrypoint is
+   ``python -m jobs.finetune /home/ray/rayft-spec/spec.yaml run.output_dir=/mnt/rayft/...``
+   (or ``rayft tune ...`` for a search), with one worker pod per Ray Train worker.
+
+They are plain dicts, no kustomize needed; `to_yaml` writes them as one multi-document YAML that
+`kubectl apply -f -` takes. The committed templates in ``k8s/jobs`` are generated from `render`
+(`orchestrator.backends.kuberay.templates`), so the shape exists once. The sizes come from the spec
+and from the overlay's *node type* (`node_types`): a spec that asks for more GPUs per worker or more
+CPUs per worker than one node of that type has, a per-GPU budget above its GPU memory, or whose
+memory plan (`jobs.memory.plan_for_spec` on that GPU) does not fit it, is refused with a
+`SpecError` naming both numbers. The RayJob is annotated with the plan's estimate and its
+gradient checkpointing: the numbers queue admission and the training loop use.
+
+Job names are deterministic: ``<spec.name>-<spec hash>``, so submitting the same spec twice finds
+the first RayJob instead of starting a second one (`KubeRayBackend.submit` is idempotent).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import yaml
+
+from jobs.errors import SpecError, UserError
+from jobs.spec import JobSpec
+
+from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
+from .policy import QUEUE_LABEL, SHELL_OPERATORS, SHELL_SAFE, policy_violations  # noqa: F401 (re-exported)
+
+RAY_VERSION = "2.60.0"
+DEFAULT_QUEUE = "rayft"                  # the LocalQueue in k8s/base/kueue.yaml
+DEFAULT_NAMESPACE = "rayft"              # the namespace the overlays install into
+PVC_NAME = "rayft-data"                  # k8s/base/pvc.yaml
+DATA_MOUNT = "/mnt/rayft"                # where every Ray pod mounts the PVC
+SPEC_MOUNT = "/home/ray/rayft-spec"      # where every Ray pod mounts the job's spec ConfigMap
+WORKDIR = "/home/ray/rayft"              # the repository inside the rayft image (k8s/image/Dockerfile)
+HF_SECRET = "rayft-hf-token"             # Secret holding the hub token (created by hand), key `token`
+HF_SECRET_KEY = "token"
+MAX_RAYJOB_NAME = 47                     # KubeRay: RayJob names are DNS-1035 labels of <= 47 chars
+RAY_GROUP, RAY_VERSION_API, RAYJOB_PLURAL = "ray.io", "v1", "rayjobs"
+KINDS = ("finetune", "tune")
+
+# The driver and every Ray worker start in a copy of the repository inside the image (uploaded by
+# the submitter, which runs the same image), so the examples' relative data paths resolve.
+RUNTIME_ENV_YAML = (f"working_dir: {WORKDIR}\n"
+                    "excludes: [\"outputs/\", \".git/\", \"*.egg-info/\", \"__pycache__/\"]\n")
+
+ANN_SPEC_HASH = "rayft.io/spec-hash"
+ANN_SPEC_SOURCE = "rayft.io/spec-source"
+ANN_ESTIMATE = "rayft.io/memory-estimate-gib"             # the plan's estimate, 2 decimals, for people
+ANN_ESTIMATE_BYTES = "rayft.io/memory-estimate-bytes"     # ... exactly, for programs
+ANN_CHECKPOINTING = "rayft.io/gradient-checkpointing"     # the plan's: off, on, every 2nd layer, ...
+ANN_ESTIMATE_ERROR = "rayft.io/memory-estimate-error"
+ANN_NODE_TYPE = "rayft.io/node-type"
+ANN_GPU_MEMORY = "rayft.io/gpu-memory-gib"
+
+Obj = dict[str, Any]
+
+
+# ---- the spec, as Kubernetes jobs read it ----------------------------------------------------
+
+@dataclass
+class K8sSpec:
+    """A spec loaded for Kubernetes: data paths are not checked here (they resolve inside the
+    image / on the PVC), and a search spec keeps its own text for the ConfigMap."""
+
+    spec: JobSpec                      # the job (for a search: its base job)
+    kind: str                          # "finetune" or "tune"
+    spec_text: Optional[str] = None    # a search's YAML as written (None: render writes the spec)
+    entrypoint_overrides: tuple[str, ...] = ()   # a search's overrides travel on the command line
+    concurrent_trials: int = 1         # a search's `search.max_concurrent_trials`
+
+
+def load_spec_for_k8s(spec_path: str, overrides: Sequence[str], kind: str = "finetune") -> K8sSpec:
+    """Load and validate a job spec (or, `kind="tune"`, a search spec) once, for `render`."""
+    from jobs.spec import load_spec
+
+    if kind not in KINDS:
+        raise UserError(f"--kind {kind}: expected one of {', '.join(KINDS)}")
+    if kind == "tune":
+        from tune.spec import load_search_spec
+
+        search = load_search_spec(spec_path, list(overrides), files=False)
+        # render sets run.output_dir on the command line itself (from the spec, overrides applied).
+        words = tuple(o for o in overrides if not o.startswith("run.output_dir="))
+        return K8sSpec(search.job(), kind, spec_text=Path(spec_path).read_text(), entrypoint_overrides=words,
+                       concurrent_trials=search.search.max_concurrent_trials or 1)
+    return K8sSpec(load_spec(spec_path, list(overrides), files=False), kind)
+
+
+# ---- names -------------------------------------------------------------------------------------
+
+def job_name(spec: JobSpec) -> str:
+    """Deterministic RayJob name: <spec.name>-<spec hash>, a DNS-1035 label of <= 47 characters."""
+    h = spec.spec_hash(10)
+    base = spec.name if spec.name[0].isalpha() else f"job-{spec.name}"
+    base = base[: MAX_RAYJOB_NAME - len(h) - 1].rstrip("-")
+    return f"{base}-{h}"
+
+
+def spec_configmap_name(name: str) -> str:
+    return f"{name}-spec"
+
+
+# ---- pieces of pod templates ---------------------------------------------------------------------
+
+def _pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,       # `ray` in the rayproject/ray images
+        "runAsGroup": 100,       # `users`
+        "fsGroup": 100,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _gib(x: float) -> str:
+    """A memory quantity: whole GiB when it is one, else MiB."""
+    return f"{int(x)}Gi" if float(x).is_integer() else f"{int(math.ceil(x * 1024))}Mi"
+
+
+def _cpu(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{int(math.ceil(x * 1000))}m"
+
+
+def _env(spec: JobSpec) -> list[Obj]:
+    if not spec.model.hf_token_env:
+        return []
+    return [{
+        "name": spec.model.hf_token_env,
+        "valueFrom": {"secretKeyRef": {"name": HF_SECRET, "key": HF_SECRET_KEY, "optional": True}},
+    }]
+
+
+def _volumes(cm_name: str, shm_gib: float) -> list[Obj]:
+    return [
+        {"name": "rayft-data", "persistentVolumeClaim": {"claimName": PVC_NAME}},
+        {"name": "spec", "configMap": {"name": cm_name}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _gib(shm_gib)}},
+    ]
+
+
+def _mounts() -> list[Obj]:
+    return [
+        {"name": "rayft-data", "mountPath": DATA_MOUNT},
+        {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+
+
+def _shm(memory_gib: float) -> float:
+    # Ray's object store defaults to 30% of the pod's memory and lives in /dev/shm.
+    return max(0.5, math.ceil(memory_gib * 0.3 * 2) / 2)
+
+
+# ---- the memory plan -----------------------------------------------------------------------------
+
+def memory_plan(spec: JobSpec, node: NodeType, gpus_per_worker: int):
+    """(plan, None) from `jobs.memory.plan_for_spec` for one worker on this node type's GPU (its
+    CPU when the job has no GPU), or (None, why not) when the model's shape cannot be read here
+    (e.g. a hub model without network access). A spec mistake is raised."""
+    from jobs.memory import plan_for_spec    # here, not at the top: `rayft --help` stays light
+
+    device = "cuda" if gpus_per_worker else "cpu"
+    try:
+        return plan_for_spec(spec, device=device, gpu_memory_gib=node.gpu_memory_gib or None), None
+    except SpecError:
+        raise
+    except Exception as e:  # e.g. a hub model whose config cannot be read here
+        return None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
+# ---- render --------------------------------------------------------------------------------------
+
+def _check_fits(spec: JobSpec, node: NodeType, where: str, gpus: int, worker_cpu: float, plan) -> None:
+    """Refuse (SpecError, both numbers named) a job one node of this type cannot hold."""
+    res = spec.resources
+    desc = f"overlay {node.overlay}'s node type {node.name}"
+    if gpus > node.gpus_per_node:
+        raise SpecError(
+            f"{where}: resources asks for {gpus} GPU(s) per worker but {desc} has "
+            f"{node.gpus_per_node} GPU(s) per node")
+    if worker_cpu > node.cpus_per_node:
+        raise SpecError(
+            f"{where}: resources.cpus_per_worker={res.cpus_per_worker} needs {_cpu(worker_cpu)} CPUs per "
+            f"worker pod but {desc} has {_cpu(node.cpus_per_node)} CPUs per node")
+    if not gpus:
+        return
+    if res.accelerator_type:
+        want = res.accelerator_type.lower()
+        if want not in {node.ray_accelerator_type.lower(), node.gpu_product.lower()}:
+            raise SpecError(
+                f"{where}: resources.accelerator_type={res.accelerator_type} but {desc} has "
+                f"{node.ray_accelerator_type or 'unknown'} GPUs ({node.gpu_product}); pick an overlay for that GPU")
+    cap = node.gpu_memory_gib
+    if spec.memory.budget_gib is not None and spec.memory.budget_gib > cap:
+        raise SpecError(
+            f"{where}: memory.budget_gib={spec.memory.budget_gib:g} GiB per GPU exceeds the "
+            f"{cap:g} GiB of one {node.gpu_product} GPU ({desc})")
+    if plan is not None and plan.total_gib > cap:
+        raise SpecError(
+            f"{where}: the memory estimate is {plan.total_gib:.1f} GiB per GPU (gradient checkpointing "
+            f"{plan.checkpointing}), more than the {cap:g} GiB of one {node.gpu_product} GPU ({desc}); lower "
+            f"batch.micro_batch_size or data.max_seq_len, or turn on memory.gradient_checkpointing")
+
+
+def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] = None,
+           overlay: Union[str, Path] = DEFAULT_OVERLAY, spec_path: Optional[str] = None,
+           kind: str = "finetune", spec_text: Optional[str] = None,
+           namespace: Optional[str] = None, entrypoint_overrides: Sequence[str] = (),
+           concurrent_trials: int = 1) -> list[Obj]:
+    """[ConfigMap, RayJob] for one job spec; raises SpecError when it cannot fit the node type.
+
+    queue:     Kueue LocalQueue for the `kueue.x-k8s.io/queue-name` label (default `rayft`).
+    image:     container image (default: the overlay node type's `image`); it must contain rayft
+               at /home/ray/rayft (k8s/image/Dockerfile).
+    overlay:   overlay name under k8s/overlays/ (or a folder) whose node type sizes the pods.
+    spec_path: where the spec came from; recorded in an annotation only.
+    kind:      `finetune` (python -m jobs.finetune) or `tune` (rayft tune: a search spec).
+    spec_text: the YAML the ConfigMap carries (default: the validated spec, defaults filled in;
+               a search spec passes its own text, `search` section included).
+    entrypoint_overrides: `section.field=value` words appended to the entrypoint (plain words only).
+    concurrent_trials: for a search, trials at once: the cluster gets that many times the job's workers.
+    """
+    if kind not in KINDS:
+        raise UserError(f"--kind {kind}: expected one of {', '.join(KINDS)}")
+    where = spec_path or spec.name
+    node = load_node_type(overlay)
+    res = spec.resources
+    gpus = int(getattr(res, "gpus_per_worker", None) or (1 if res.use_gpu else 0))
+    worker_cpu = math.ceil(res.cpus_per_worker) + 1       # + Ray Train's coordinator / trial
+    plan, plan_error = memory_plan(spec, node, gpus)
+    _check_fits(spec, node, where, gpus, worker_cpu, plan)
+    for word in entrypoint_overrides:
+        if not SHELL_SAFE.fullmatch(word):
+            raise SpecError(f"{where}: override {word!r}: on Kubernetes overrides travel on the RayJob's command "
+                            "line and must be plain words (letters, digits, / . _ - = , : {{}})")
+    worker_pods = res.num_workers * (max(1, concurrent_trials) if kind == "tune" else 1)
+
+    name = job_name(spec)
+    cm_name = spec_configmap_name(name)
+    image = image or node.image
+    queue = queue or DEFAULT_QUEUE
+    h = spec.spec_hash(10)
+
+    labels = {
+        "app.kubernetes.io/part-of": "rayft",
+        "app.kubernetes.io/managed-by": "rayft",
+        "rayft.io/job": spec.name,
+        "rayft.io/kind": kind,
+        ANN_SPEC_HASH: h,
+    }
+    annotations = {
+        ANN_SPEC_HASH: h,
+        ANN_NODE_TYPE: f"{node.overlay}/{node.name}",
+        ANN_ESTIMATE: "unknown" if plan is None else f"{plan.total_gib:.2f}",
+    }
+    if plan is not None:
+        annotations[ANN_ESTIMATE_BYTES] = str(int(plan.estimate.total_bytes))
+        annotations[ANN_CHECKPOINTING] = plan.checkpointing
+    if plan_error:
+        annotations[ANN_ESTIMATE_ERROR] = plan_error
+    if gpus:
+        annotations[ANN_GPU_MEMORY] = f"{node.gpu_memory_gib:g}"
+    if spec_path:
+        annotations[ANN_SPEC_SOURCE] = str(spec_path)
+
+    def meta(obj_name: str, extra_labels: Optional[dict] = None) -> Obj:
+        m: Obj = {"name": obj_name, "labels": {**labels, **(extra_labels or {})},
+                  "annotations": dict(annotations)}
+        if namespace:
+            m["namespace"] = namespace
+        return m
+
+    configmap: Obj = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta(cm_name),
+        "data": {"spec.yaml": spec_text if spec_text is not None else spec.to_yaml()},
+    }
+
+    out_dir = spec.run.output_dir
+    if not out_dir.startswith("/"):
+        out_dir = f"{DATA_MOUNT}/{out_dir}"            # outputs/{name} -> /mnt/rayft/outputs/{name}
+    if not SHELL_SAFE.fullmatch(out_dir):
+        raise SpecError(f"{where}: run.output_dir={spec.run.output_dir!r}: on Kubernetes it must be a plain "
+                        "path (letters, digits, / . _ - {name})")
+    # KubeRay pastes the entrypoint into the submitter's bash command line and Ray runs it through
+    # a shell again: plain words only (no quotes, &&, ;). The working directory comes from the
+    # runtime env instead of a `cd`.
+    cmd = ["python", "-m", "jobs.finetune"] if kind == "finetune" else ["rayft", "tune"]
+    entrypoint = " ".join([*cmd, f"{SPEC_MOUNT}/spec.yaml", f"run.output_dir={out_dir}", *entrypoint_overrides])
+
+    env = _env(spec)
+    head_mem = node.head_memory_gib
+    head = {
+        "serviceType": "ClusterIP",
+        "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+        "template": {
+            "metadata": {"labels": {"rayft.io/ray-node": "true"}},
+            "spec": {
+                "automountServiceAccountToken": False,
+                "securityContext": _pod_security(),
+                "containers": [{
+                    "name": "ray-head",
+                    "image": image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "ports": [
+                        {"containerPort": 6379, "name": "gcs-server"},
+                        {"containerPort": 8265, "name": "dashboard"},
+                        {"containerPort": 10001, "name": "client"},
+                    ],
+                    **({"env": env} if env else {}),
+                    "resources": {
+                        "requests": {"cpu": _cpu(node.head_cpu), "memory": _gib(head_mem)},
+                        "limits": {"cpu": _cpu(node.head_cpu), "memory": _gib(head_mem)},
+                    },
+                    "securityContext": _container_security(),
+                    "volumeMounts": _mounts(),
+                }],
+                "volumes": _volumes(cm_name, _shm(head_mem)),
+            },
+        },
+    }
+    worker_mem = node.worker_memory_gib
+    worker_res: Obj = {"cpu": _cpu(worker_cpu), "memory": _gib(worker_mem)}
+    if gpus:
+        worker_res["nvidia.com/gpu"] = str(gpus)
+    worker_spec: Obj = {
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(),
+    }
+    if gpus:
+        worker_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        if node.gpu_product:
+            worker_spec["nodeSelector"] = {"nvidia.com/gpu.product": node.gpu_product}
+    worker_spec["containers"] = [{
+        "name": "ray-worker",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        **({"env": env} if env else {}),
+        "resources": {"requests": dict(worker_res), "limits": dict(worker_res)},
+        "securityContext": _container_security(),
+        "volumeMounts": _mounts(),
+    }]
+    worker_spec["volumes"] = _volumes(cm_name, _shm(worker_mem))
+    workers = [{
+        "groupName": "gpu" if gpus else "cpu",
+        "replicas": worker_pods,
+        "minReplicas": worker_pods,
+        "maxReplicas": worker_pods,
+        "rayStartParams": {},
+        "template": {"metadata": {"labels": {"rayft.io/ray-node": "true"}}, "spec": worker_spec},
+    }]
+    submitter = {
+        "metadata": {"labels": {"rayft.io/submitter": "true"}},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "securityContext": {k: v for k, v in _pod_security().items() if k != "fsGroup"},
+            "containers": [{
+                "name": "ray-job-submitter",
+                "image": image,
+                "imagePullPolicy": "IfNotPresent",
+                "resources": {"requests": {"cpu": "200m", "memory": "512Mi"},
+                              "limits": {"cpu": "1", "memory": "1Gi"}},
+                "securityContext": _container_security(),
+            }],
+        },
+    }
+    rayjob: Obj = {
+        "apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}",
+        "kind": "RayJob",
+        "metadata": meta(name, {QUEUE_LABEL: queue}),
+        "spec": {
+            "entrypoint": entrypoint,
+            "jobId": name,                                  # the Ray submission id: deterministic
+            "submissionMode": "K8sJobMode",
+            "shutdownAfterJobFinishes": True,               # Kueue needs it; frees the GPUs
+            "ttlSecondsAfterFinished": 600,
+            "activeDeadlineSeconds": 86400 if kind == "finetune" else 172800,
+            "backoffLimit": 1 if kind == "finetune" else 0,  # a retry resumes from the checkpoint
+            "submitterConfig": {"backoffLimit": 2},
+            "runtimeEnvYAML": RUNTIME_ENV_YAML,
+            "rayClusterSpec": {
+                "rayVersion": RAY_VERSION,
+                "authOptions": {"mode": "token"},
+                "enableInTreeAutoscaling": False,
+                "headGroupSpec": head,
+                "workerGroupSpecs": workers,
+            },
+            "submitterPodTemplate": submitter,
+        },
+    }
+    objs = [configmap, rayjob]
+    bad = policy_violations(objs)
+    if bad:  # a bug here, not a user mistake
+        raise RuntimeError("rendered RayJob breaks rayft's policy: " + "; ".join(bad))
+    return objs
+
+
+def render_rayjob(spec: JobSpec, **kw: Any) -> Obj:
+    """Only the RayJob of `render` (the ConfigMap it mounts is `render(...)[0]`)."""
+    return render(spec, **kw)[1]
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the spec in the ConfigMap) as literal blocks."""
+
+
+def _str_representer(dumper: yaml.SafeDumper, s: str):
+    if "\n" in s:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", s)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def to_yaml(objs: Iterable[Obj], header: Optional[str] = None) -> str:
+    """Multi-document YAML, in order (the ConfigMap before the RayJob that mounts it)."""
+    docs = [yaml.dump(o, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
+            for o in objs]
+    text = "---\n".join(docs)
+    if header:
+        text = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + "---\n" + text
+    return text
+
+
+def render_yaml(spec: JobSpec, **kw: Any) -> str:
+    """What `rayft k8s render` prints."""
+    objs = render(spec, **kw)
+    rj = objs[1]
+    ann = rj["metadata"]["annotations"]
+    head = (f"rayft k8s render: job {spec.name} as RayJob {rj['metadata']['name']} "
+            f"(node type {ann[ANN_NODE_TYPE]}, memory estimate {ann[ANN_ESTIMATE]} GiB"
+            + (f" of {ann[ANN_GPU_MEMORY]} GiB per GPU" if ANN_GPU_MEMORY in ann else "")
+            + (f", gradient checkpointing {ann[ANN_CHECKPOINTING]}" if ANN_CHECKPOINTING in ann else "") + ")\n"
+            "apply with: kubectl apply -n rayft -f -")
+    return to_yaml(objs, header=head)
+

@@ -1,0 +1,152 @@
+"""`rayft queue add | run | status | retry | cancel`: a persistent queue and its driver.
+
+The driver submits through the Ray Jobs API (`--jobs-api`/`--address http://HOST:8265`); the
+queue itself is a SQLite file (`--db`, default $RAYFT_QUEUE_DB or ~/.rayft/queue.db).
+"""
+
+from __future__ import annotations
+
+import json
+
+from jobs.errors import UserError
+
+from . import Parser
+from .jobs import JOBS_API_HELP, add_jobs_api_arg
+from .output import say, table
+
+
+def _queue(args):
+    from orchestrator.queue.store import Queue
+
+    return Queue(args.db)
+
+
+def cmd_queue_add(args) -> int:
+    from orchestrator.queue.driver import enqueue
+
+    # `section.field=value` words may sit among the specs; they apply to every spec.
+    specs = [s for s in args.specs if "=" not in s]
+    overrides = list(args.overrides or []) + [s for s in args.specs if "=" in s]
+    if not specs:
+        raise UserError("queue add: name at least one spec file")
+    q = _queue(args)
+    ids = []
+    for spec in specs:
+        job_id, created = enqueue(q, spec, overrides, priority=args.priority, max_retries=args.max_retries,
+                                  working_dir=args.working_dir)
+        row = q.job(job_id)
+        ids.append(job_id)
+        if created:
+            say(f"queued #{job_id} {row['name']} (spec hash {row['spec_hash']}, priority {row['priority']}) in {q.path}")
+        else:
+            from orchestrator.queue.store import RETRYABLE
+
+            hint = f"; `rayft queue retry {job_id}` runs it again" if row["state"] in RETRYABLE else ""
+            say(f"already queued: #{job_id} {row['name']} is {row['state']} (same spec hash {row['spec_hash']}){hint}")
+    for i in ids:
+        print(i)
+    return 0
+
+
+def cmd_queue_run(args) -> int:
+    from orchestrator.backends.ray_jobs import RayJobsBackend
+    from orchestrator.queue.admission import parse_gpu_memory
+    from orchestrator.queue.driver import Driver, DriverConfig
+
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise UserError("--max-concurrency must be at least 1")
+    cfg = DriverConfig(max_concurrency=args.max_concurrency, poll_s=args.poll, backoff_s=args.backoff,
+                       gpu_memory=parse_gpu_memory(args.gpu_memory))
+    driver = Driver(_queue(args), RayJobsBackend(args.address), cfg)
+    return driver.run(once=args.once, forever=args.forever)
+
+
+def cmd_queue_status(args) -> int:
+    q = _queue(args)
+    rows = q.jobs()
+    if args.json:
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["overrides"], d["changes"] = json.loads(d["overrides"]), json.loads(d["changes"])
+            d["demand"] = json.loads(d["demand"])
+            d["attempts"] = [dict(a) for a in q.attempts(r["id"])]
+            d["events"] = [dict(e) for e in q.events(r["id"])]
+            out.append(d)
+        print(json.dumps(out, indent=2))
+        return 0
+    from orchestrator.queue.store import RETRYABLE
+
+    table(f"rayft queue {q.path}",
+          ["#", "name", "prio", "state", "attempt", "submission id", "micro x accum", "change", "detail / message"],
+          [[r["id"], r["name"], r["priority"], r["state"], r["attempt"], r["submission_id"] or "-",
+            f"{r['micro_batch_size']} x {r['grad_accum_steps']}", r["change_note"] or "-",
+            (r["message"] if r["state"] in RETRYABLE and r["message"] else r["status_detail"]) or "-"]
+           for r in rows])
+    return 0
+
+
+def cmd_queue_cancel(args) -> int:
+    from orchestrator.queue.store import ACTIVE
+
+    q = _queue(args)
+    stop = None
+    if args.address or q.job(args.id)["state"] in ACTIVE:
+        from orchestrator.backends.ray_jobs import RayJobsBackend
+
+        b = RayJobsBackend(args.address)
+        stop = lambda sid: b.info(sid) is not None and b.stop(sid)  # noqa: E731
+    say(f"#{args.id}: {q.cancel(args.id, stop)}")
+    return 0
+
+
+def cmd_queue_retry(args) -> int:
+    say(f"#{args.id}: {_queue(args).retry(args.id)}")
+    return 0
+
+
+# ---- wiring ----------------------------------------------------------------------------------
+
+def _add_db(p) -> None:
+    p.add_argument("--db", help="queue database (default $RAYFT_QUEUE_DB or ~/.rayft/queue.db)")
+
+
+def register(sub) -> None:
+    q = sub.add_parser("queue", help="a persistent job queue and the driver that admits its jobs")
+    qs = q.add_subparsers(dest="queue_cmd", required=True, parser_class=Parser)
+    add = qs.add_parser("add", help="queue job specs (validated now)")
+    add.add_argument("specs", nargs="+", metavar="SPEC")
+    add.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
+    add.add_argument("--max-retries", type=int, default=2, help="retries of a failed job, with backoff (default 2)")
+    add.add_argument("--working-dir", help="the project directory (default: the current directory)")
+    _add_db(add)
+    add.set_defaults(fn=cmd_queue_add, overrides=[])
+
+    run = qs.add_parser("run", help="the driver: admit queued jobs when the cluster has room, track them")
+    add_jobs_api_arg(run)
+    _add_db(run)
+    run.add_argument("--once", action="store_true", help="one pass (reconcile, poll, admit) and exit")
+    run.add_argument("--forever", action="store_true", help="keep running when the queue is empty")
+    run.add_argument("--max-concurrency", type=int, help="at most N jobs on the cluster at once")
+    run.add_argument("--poll", type=float, default=2.0, help="seconds between passes (default 2)")
+    run.add_argument("--backoff", type=float, default=30.0, help="first retry delay in seconds, doubling (default 30)")
+    run.add_argument("--gpu-memory", action="append", default=[], metavar="TYPE=GiB",
+                     help="GPU memory by Ray accelerator_type, overriding the built-in table; "
+                          "`default=GiB` for GPUs without a type (repeatable)")
+    run.set_defaults(fn=cmd_queue_run)
+
+    st = qs.add_parser("status", help="the queue as a table")
+    _add_db(st)
+    st.add_argument("--json", action="store_true", help="everything, with attempts and events")
+    st.set_defaults(fn=cmd_queue_status)
+
+    retry = qs.add_parser("retry", help="queue a failed, stopped or canceled job again (next attempt)")
+    retry.add_argument("id", type=int)
+    _add_db(retry)
+    retry.set_defaults(fn=cmd_queue_retry)
+
+    cancel = qs.add_parser("cancel", help="cancel a queued job (stopping it if it runs)")
+    cancel.add_argument("id", type=int)
+    add_jobs_api_arg(cancel, f"needed when the job runs: {JOBS_API_HELP}")
+    _add_db(cancel)
+    cancel.set_defaults(fn=cmd_queue_cancel)

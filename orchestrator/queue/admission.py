@@ -1,0 +1,283 @@
+"""Admission: does a queued job fit the cluster now, could it ever, and why not.
+
+A job's `Demand` is what it holds while it runs: the driver's CPU share, `cpus_per_worker` per
+worker and, for GPU jobs, one GPU per worker whose memory holds the job's memory plan. The plan
+is `jobs.memory`'s, decided by the one rule (`choose_checkpointing_every`) for the GPU it would
+land on: `Demand` keeps the estimate of every checkpointing choice (`checkpointing_table`, made
+once at `queue add`), so admission applies the rule per GPU size without reloading the spec, and
+gets exactly what `plan_for_spec(spec, device="cuda", gpu_memory_gib=GPU)` -- and so the training
+loop on that GPU -- gets.
+
+GPU memory comes from the node's Ray `accelerator_type` (`GPU_MEMORY_GIB`, overridable with
+`--gpu-memory TYPE=GiB`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from jobs.errors import UserError
+from orchestrator.backends.ray_jobs import DRIVER_NUM_CPUS
+
+# GiB of memory per GPU by Ray `accelerator_type` (ray.util.accelerators). Where one name covers
+# two sizes (V100 16/32 GB, A100 40/80 GB) the smaller is used; `--gpu-memory TYPE=GiB` overrides.
+GPU_MEMORY_GIB: dict[str, float] = {
+    "K80": 12, "P4": 8, "P100": 16, "V100": 16, "T4": 16, "A10G": 24, "L4": 24, "L40S": 48,
+    "A100": 40, "A100-40G": 40, "A100-80G": 80, "H100": 80, "H200": 141, "H20": 96,
+    "B200": 180, "B300": 288, "GB200": 186, "GB300": 288, "RTX-PRO-6000": 96,
+    "AMD-Instinct-MI210": 64, "AMD-Instinct-MI250X": 64, "AMD-Instinct-MI250X-MI250": 64,
+    "AMD-Instinct-MI300X-OAM": 192, "AMD-Instinct-MI300X-HF": 192, "AMD-Instinct-MI325X-OAM": 256,
+    "AMD-Instinct-MI350X-OAM": 288, "AMD-Instinct-MI355X-OAM": 288,
+    "Intel-GPU-Max-1550": 128, "Intel-GPU-Max-1100": 48,
+}
+
+
+# ---- resources -------------------------------------------------------------------------------
+
+@dataclass
+class Node:
+    """One alive Ray node: totals, what is free now, and its GPUs' Ray accelerator type."""
+
+    node_id: str
+    cpu_total: float
+    cpu_free: float
+    gpu_total: float = 0.0
+    gpu_free: float = 0.0
+    accelerator_type: Optional[str] = None
+
+
+@dataclass
+class ClusterView:
+    """The cluster as admission sees it in one pass; `fit` takes placed jobs off it."""
+
+    nodes: list[Node]
+    usage_known: bool = True
+
+    @classmethod
+    def from_api(cls, nodes_json: dict, status_json: dict) -> "ClusterView":
+        """From the dashboard's `/api/v0/nodes` (totals, accelerator types) and `/api/cluster_status`
+        (per-node usage, refreshed by the autoscaler monitor every few seconds)."""
+        data = (status_json or {}).get("data") or {}
+        report = ((data.get("clusterStatus") or {}).get("loadMetricsReport") or {})
+        usage = report.get("usageByNode") or {}
+        out = []
+        for n in ((nodes_json.get("data") or {}).get("result") or {}).get("result") or []:
+            if n.get("state") != "ALIVE":
+                continue
+            res = n.get("resources_total") or {}
+            used = usage.get(n["node_id"]) or {}
+            accel = next((k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")), None)
+            accel = accel or (n.get("labels") or {}).get("ray.io/accelerator-type")
+            cpu, gpu = float(res.get("CPU", 0)), float(res.get("GPU", 0))
+            out.append(Node(n["node_id"], cpu, cpu - float((used.get("CPU") or [0])[0]),
+                            gpu, gpu - float((used.get("GPU") or [0])[0]), accel))
+        return cls(out, usage_known=bool(usage))
+
+    @property
+    def cpu_total(self) -> float:
+        return sum(n.cpu_total for n in self.nodes)
+
+    @property
+    def cpu_free(self) -> float:
+        return sum(n.cpu_free for n in self.nodes)
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(n.gpu_total for n in self.nodes)
+
+    @property
+    def gpu_free(self) -> float:
+        return sum(n.gpu_free for n in self.nodes)
+
+
+@dataclass
+class Demand:
+    """What one job holds while it runs, and what it needs of a GPU.
+
+    `gib_by_every` is {k: estimated GiB per GPU with gradient checkpointing every k-th layer
+    (0 = off)} for every checkpointing choice (`jobs.memory.checkpointing_table`, device cuda);
+    with `gc_mode`, `budget_gib` and `num_layers` it is all `gpu_need_gib` needs. Stored as JSON
+    in the queue database, so it must stay plain data.
+    """
+
+    num_workers: int
+    cpus_per_worker: float
+    use_gpu: bool = False
+    accelerator_type: Optional[str] = None
+    driver_cpus: float = DRIVER_NUM_CPUS
+    gib_by_every: Optional[dict[int, float]] = None
+    gc_mode: str = "auto"                 # memory.gradient_checkpointing: "true", "false" or "auto"
+    budget_gib: Optional[float] = None    # memory.budget_gib
+    num_layers: int = 1                   # decoder layers of the model (the checkpointing candidates)
+
+    @property
+    def cpus(self) -> float:
+        return self.driver_cpus + self.num_workers * self.cpus_per_worker
+
+    @property
+    def gpus(self) -> float:
+        return float(self.num_workers) if self.use_gpu else 0.0
+
+    def gpu_plan(self, gpu_mem_gib: float) -> tuple[int, float]:
+        """(checkpoint every k-th layer, GiB per GPU) the job runs with on a GPU of `gpu_mem_gib`:
+        `choose_checkpointing_every` under the budget `memory.budget_gib`, else the GPU's memory."""
+        from jobs.memory import choose_checkpointing_every
+
+        if not self.gib_by_every:
+            return 0, 0.0
+        budget = self.budget_gib if self.budget_gib is not None else gpu_mem_gib
+        every = choose_checkpointing_every(self.gc_mode, self.gib_by_every.__getitem__, self.num_layers, budget)
+        return every, self.gib_by_every[every]
+
+    def gpu_need_gib(self, gpu_mem_gib: float) -> float:
+        """The estimate the job will run with on a GPU of `gpu_mem_gib` GiB (see `gpu_plan`)."""
+        return self.gpu_plan(gpu_mem_gib)[1]
+
+    @property
+    def est_gib_off(self) -> Optional[float]:
+        """GiB per GPU with gradient checkpointing off."""
+        return None if not self.gib_by_every else self.gib_by_every[0]
+
+    @property
+    def est_gib_on(self) -> Optional[float]:
+        """GiB per GPU with gradient checkpointing on every layer."""
+        return None if not self.gib_by_every else self.gib_by_every[1]
+
+    @classmethod
+    def from_spec(cls, spec, driver_cpus: float = DRIVER_NUM_CPUS) -> "Demand":
+        """The demand of a validated JobSpec; for a GPU job this runs the memory model (once per
+        checkpointing choice), which is why the queue stores the result instead of the spec."""
+        r = spec.resources
+        d = cls(r.num_workers, r.cpus_per_worker, r.use_gpu, r.accelerator_type, driver_cpus,
+                gc_mode=str(spec.memory.gradient_checkpointing).lower(), budget_gib=spec.memory.budget_gib)
+        if r.use_gpu:
+            from jobs.memory import checkpointing_table, config_from_spec, model_shape
+
+            config = config_from_spec(spec)
+            d.gib_by_every = checkpointing_table(spec, device="cuda", config=config)
+            d.num_layers = model_shape(config).layers
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Demand":
+        d: dict[str, Any] = json.loads(text)
+        table = d.pop("gib_by_every", None)
+        # A row queued before the checkpointing table existed has off/on estimates only.
+        off, on = d.pop("est_gib_off", None), d.pop("est_gib_on", None)
+        if table is None and off is not None:
+            table, d["num_layers"] = {0: off, 1: on if on is not None else off}, 1
+        d["gib_by_every"] = None if table is None else {int(k): float(v) for k, v in table.items()}
+        return cls(**d)
+
+
+def gpu_memory_of(accel: Optional[str], overrides: dict[str, float]) -> Optional[float]:
+    """GiB per GPU of a Ray accelerator type: `--gpu-memory` first, then `GPU_MEMORY_GIB`, then
+    `--gpu-memory default=GiB`; None when unknown (never guessed)."""
+    lower = {k.lower(): v for k, v in overrides.items()}
+    if accel:
+        if accel.lower() in lower:
+            return lower[accel.lower()]
+        table = {k.lower(): v for k, v in GPU_MEMORY_GIB.items()}
+        if accel.lower() in table:
+            return table[accel.lower()]
+    return lower.get("default")
+
+
+def fit(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]] = None,
+        held: Optional[tuple[float, float]] = None) -> tuple[bool, bool, str]:
+    """(fits now, could ever fit this cluster, why not).
+
+    Workers are placed first-fit on nodes' free CPUs/GPUs (a GPU node only when its GPU memory
+    holds the job's estimate and its type matches `resources.accelerator_type`); the driver's CPU
+    share goes anywhere. `held` = (CPUs, GPUs) of this queue's active jobs: a job submitted
+    moments ago holds resources the cluster's usage report may not show yet, so free is at most
+    total - held. When the job fits, its placement is taken off `view`'s free resources, so the
+    next job of the same admission pass sees what is left.
+    """
+    gpu_memory = gpu_memory or {}
+
+    def node_ok(n: Node) -> tuple[bool, str]:
+        if not demand.use_gpu:
+            return True, ""
+        if n.gpu_total < 1:
+            return False, ""
+        if demand.accelerator_type and (n.accelerator_type or "").lower() != demand.accelerator_type.lower():
+            return False, f"accelerator_type {n.accelerator_type or 'unknown'} is not {demand.accelerator_type}"
+        mem = gpu_memory_of(n.accelerator_type, gpu_memory)
+        if mem is None:
+            return False, (f"GPU memory of accelerator_type {n.accelerator_type or '(none)'} is unknown: pass "
+                           f"--gpu-memory {n.accelerator_type or 'default'}=GiB")
+        every, need = demand.gpu_plan(mem)
+        if need > mem:
+            from jobs.memory import checkpointing_str
+
+            return False, (f"needs {need:.1f} GiB per GPU, {n.accelerator_type} has {mem:g} GiB "
+                           f"(gradient checkpointing {checkpointing_str(every)})")
+        return True, ""
+
+    def place(free: dict[str, tuple[float, float]]) -> Optional[dict[str, tuple[float, float]]]:
+        free = dict(free)
+        for _ in range(demand.num_workers):
+            for n in view.nodes:
+                ok, _ = node_ok(n)
+                c, g = free[n.node_id]
+                if ok and c >= demand.cpus_per_worker - 1e-9 and (not demand.use_gpu or g >= 1 - 1e-9):
+                    free[n.node_id] = (c - demand.cpus_per_worker, g - (1 if demand.use_gpu else 0))
+                    break
+            else:
+                return None
+        rest = demand.driver_cpus
+        for n in view.nodes:             # the driver's share, wherever CPUs are left
+            c, g = free[n.node_id]
+            take = min(max(c, 0.0), rest)
+            free[n.node_id] = (c - take, g)
+            rest -= take
+        return free if rest <= 1e-9 else None
+
+    ever = place({n.node_id: (n.cpu_total, n.gpu_total) for n in view.nodes}) is not None
+    if not ever:
+        reasons = sorted({r for n in view.nodes for ok, r in [node_ok(n)] if not ok and r})
+        if demand.use_gpu and view.gpu_total < 1:
+            why = "the cluster has no GPUs"
+        elif reasons and demand.use_gpu:
+            why = "; ".join(reasons)
+        else:
+            why = f"needs {demand.cpus:g} CPUs{f' and {demand.gpus:g} GPUs' if demand.gpus else ''} in total"
+        return False, False, f"can never fit this cluster ({view.cpu_total:g} CPUs, {view.gpu_total:g} GPUs): {why}"
+    placed = place({n.node_id: (n.cpu_free, n.gpu_free) for n in view.nodes})
+    now = placed is not None
+    cpu_free, gpu_free = view.cpu_free, view.gpu_free
+    if held is not None:
+        cpu_free = min(cpu_free, view.cpu_total - held[0])
+        gpu_free = min(gpu_free, view.gpu_total - held[1])
+        now = now and demand.cpus <= cpu_free + 1e-9 and demand.gpus <= gpu_free + 1e-9
+    if not now:
+        what = f"{demand.cpus:g} CPUs" + (f" and {demand.gpus:g} GPUs" if demand.gpus else "")
+        have = f"{max(cpu_free, 0):g} CPUs" + (f" and {max(gpu_free, 0):g} GPUs" if demand.gpus else "") + " free"
+        return False, True, f"waiting for resources: needs {what}, {have}"
+    for n in view.nodes:                 # so that the next job of the same pass sees what is left
+        n.cpu_free, n.gpu_free = placed[n.node_id]
+    return True, True, ""
+
+
+def parse_gpu_memory(items: list[str]) -> dict[str, float]:
+    """`--gpu-memory TYPE=GiB` (repeatable; a bare `GiB` is `default=GiB`) as {type: GiB}."""
+    out = {}
+    for item in items or []:
+        key, sep, val = item.partition("=")
+        if not sep:
+            key, val = "default", item
+        try:
+            gib = float(val)
+        except ValueError:
+            raise UserError(f"--gpu-memory {item!r}: expected TYPE=GiB (e.g. H100=80) or GiB") from None
+        if gib <= 0 or not math.isfinite(gib):
+            raise UserError(f"--gpu-memory {item!r}: GiB must be positive")
+        out[key.strip()] = gib
+    return out

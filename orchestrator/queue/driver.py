@@ -1,0 +1,344 @@
+"""The queue's driver: admits queued jobs to a Ray cluster when they fit, tracks them, retries.
+
+One pass (`Driver.step`) reconciles SUBMITTING rows (a driver died mid-submission), polls RUNNING
+ones, and admits QUEUED ones; `rayft queue run` repeats it. One driver per queue file (an flock on
+`<db>.lock`). The store's docstring (orchestrator.queue.store) gives the states and why a driver
+killed at any moment resumes exactly.
+
+Admission: jobs go by priority (higher first), then queue order. A job is admitted when the
+concurrency limit allows and the cluster has free resources for it (orchestrator.queue.admission:
+CPUs, and GPUs whose memory holds the job's memory plan). The head of the queue waits for
+resources (lower priorities do not overtake it) unless it can never fit this cluster, which is
+reported and skipped.
+
+Failures: out of memory (torch OutOfMemoryError / "CUDA out of memory" in the job's status message
+or logs) is retried once with half the micro-batch and twice the accumulation steps (same global
+batch); the change is recorded and shown by `rayft queue status`. Other failures are retried up to
+`max_retries` times with exponential backoff. A second out-of-memory is final.
+
+`enqueue` is `rayft queue add`: the spec is validated as the Ray Jobs backend will submit it and
+its `Demand` estimated, once, before the store sees it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import sqlite3
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, RayftError, UserError
+from orchestrator.backends.base import FAILED, SUCCEEDED, Backend
+from orchestrator.backends.ray_jobs import find_project, resolve_spec
+
+from .admission import Demand, fit
+from .store import ACTIVE, DONE, NewJob, Queue
+
+# How a job that ran out of (GPU) memory says so: torch's exception, CUDA's and ROCm's messages.
+OOM_PATTERNS = re.compile(r"(torch\.(cuda\.)?OutOfMemoryError|CUDA out of memory|CUDA error: out of memory"
+                          r"|HIP out of memory|OutOfMemoryError)")
+
+
+def looks_like_oom(*texts: str) -> Optional[str]:
+    """The first line that says the job ran out of (GPU) memory, if any."""
+    for text in texts:
+        for line in (text or "").splitlines():
+            if OOM_PATTERNS.search(line):
+                return line.strip()[:300]
+    return None
+
+
+def enqueue(queue: Queue, spec_path: str, overrides: list[str], *, priority: int = 0, max_retries: int = 2,
+            working_dir: Optional[str] = None) -> tuple[int, bool]:
+    """`rayft queue add` of one spec: validate it (as it will be submitted, relative paths in the
+    working dir), estimate its demand, store it. Returns (id, created); the same spec twice is one job."""
+    wd = find_project(working_dir)
+    spec, rel, _, _ = resolve_spec(spec_path, overrides, wd)
+    return queue.add(NewJob(
+        name=spec.name, working_dir=str(wd), spec_path=rel, overrides=tuple(overrides), spec_hash=spec.spec_hash(),
+        micro_batch_size=spec.batch.micro_batch_size, grad_accum_steps=spec.grad_accum_steps,
+        demand_json=Demand.from_spec(spec).to_json(), priority=priority, max_retries=max_retries))
+
+
+@dataclass
+class DriverConfig:
+    """How the driver admits: concurrency limit, seconds between passes, first retry delay
+    (doubling), GPU memory overrides by Ray accelerator type, and where it logs."""
+
+    max_concurrency: Optional[int] = None
+    poll_s: float = 2.0
+    backoff_s: float = 30.0
+    gpu_memory: dict[str, float] = field(default_factory=dict)
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+
+
+class Driver:
+    """One pass (`step`) = reconcile SUBMITTING rows, poll RUNNING ones, admit QUEUED ones."""
+
+    def __init__(self, queue: Queue, backend: Optional[Backend], config: Optional[DriverConfig] = None):
+        self.q = queue
+        self.backend = backend
+        self.cfg = config or DriverConfig()
+        self._lock_file = None
+
+    def log(self, job: sqlite3.Row, msg: str) -> None:
+        self.cfg.log(f"{time.strftime('%H:%M:%S')} #{job['id']} {job['name']}: {msg}")
+
+    # -- one driver per file --
+    def lock(self) -> None:
+        """An flock on `<db>.lock`, released by the kernel when the driver dies (SIGKILL included)."""
+        path = self.q.path.with_name(self.q.path.name + ".lock")
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            raise UserError(f"another `rayft queue run` holds {path} ({f.read().strip() or 'pid unknown'})") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}\n")
+        f.flush()
+        self._lock_file = f
+
+    # -- the pass --
+    def step(self) -> dict:
+        self.reconcile()
+        self.poll()
+        admitted = self.admit()
+        counts: dict[str, int] = {}
+        for row in self.q.jobs():
+            counts[row["state"]] = counts.get(row["state"], 0) + 1
+        return {"admitted": admitted, "counts": counts}
+
+    def reconcile(self) -> None:
+        for job in self.q.jobs(("SUBMITTING",)):
+            info = self.backend.info(job["submission_id"])
+            with self.q.txn() as c:
+                if info is not None:
+                    n = c.execute("UPDATE jobs SET state='RUNNING' WHERE id=? AND state='SUBMITTING' AND "
+                                  "submission_id=?", (job["id"], job["submission_id"])).rowcount
+                    if n:
+                        self.q.event(c, job["id"], "running", f"{job['submission_id']} (found on the cluster "
+                                     "after a driver restart)")
+                else:  # never reached the cluster: admit it again, with the same id
+                    n = c.execute("UPDATE jobs SET state='QUEUED', attempt=attempt-1 WHERE id=? AND "
+                                  "state='SUBMITTING' AND submission_id=?",
+                                  (job["id"], job["submission_id"])).rowcount
+                    if n:
+                        c.execute("DELETE FROM attempts WHERE job_id=? AND attempt=?", (job["id"], job["attempt"]))
+                        self.q.event(c, job["id"], "requeued", f"{job['submission_id']} never reached the cluster")
+            if n:
+                self.log(job, f"{job['submission_id']}: {'tracking' if info is not None else 'not on the cluster; requeued'}")
+
+    def poll(self) -> None:
+        for job in self.q.jobs(("RUNNING",)):
+            st = self.backend.info(job["submission_id"])
+            if st is None:
+                self.ended(job, FAILED, "the job disappeared from the cluster (was the cluster restarted?)", "")
+                continue
+            if st.ended:
+                logs = ""
+                if st.state == FAILED:
+                    try:
+                        logs = self.backend.logs(job["submission_id"])[-200_000:]
+                    except RayftError:     # the logs only sharpen the verdict (out of memory?)
+                        logs = ""
+                self.ended(job, st.state, st.message, logs)
+            elif st.state != job["status_detail"]:
+                with self.q.txn() as c:
+                    c.execute("UPDATE jobs SET status_detail=? WHERE id=? AND state='RUNNING'", (st.state, job["id"]))
+
+    def ended(self, job: sqlite3.Row, status: str, message: str, logs: str, from_state: str = "RUNNING") -> None:
+        """Record the end of the current attempt exactly once; decide on a retry."""
+        now = time.time()
+        first = (message or "").strip().splitlines()[-1][:300] if (message or "").strip() else ""
+        oom = looks_like_oom(message, logs) if status == FAILED else None
+        micro, accum = job["micro_batch_size"], job["grad_accum_steps"]
+        new_state, note, not_before, changes, detail = status, job["change_note"], 0.0, None, status
+        retries, oom_retried, demand = job["retries"], job["oom_retried"], job["demand"]
+        if status == FAILED and oom:
+            if job["oom_retried"]:
+                first = f"out of memory again at micro_batch_size={micro} after halving it: {oom}"
+            elif micro < 2 or micro % 2:
+                first = f"out of memory at micro_batch_size={micro}, which cannot be halved: {oom}"
+            else:
+                m2, a2 = micro // 2, accum * 2
+                changes = json.loads(job["changes"]) + [f"batch.micro_batch_size={m2}", f"batch.grad_accum_steps={a2}"]
+                note = (f"out of memory at attempt {job['attempt']}: micro_batch_size {micro} -> {m2}, "
+                        f"grad_accum_steps {accum} -> {a2} (global batch unchanged)")
+                new_state, oom_retried, micro, accum = "QUEUED", 1, m2, a2
+                d = Demand.from_json(job["demand"])
+                if d.use_gpu:
+                    d = self._demand_for(job, changes) or d
+                demand = d.to_json()
+                detail = f"FAILED (out of memory) -> retry with {note.split(': ', 1)[1]}"
+        elif status == FAILED and job["retries"] < job["max_retries"]:
+            retries = job["retries"] + 1
+            delay = self.cfg.backoff_s * 2 ** (retries - 1)
+            new_state, not_before = "QUEUED", now + delay
+            detail = f"FAILED -> retry {retries}/{job['max_retries']} in {delay:g} s"
+        with self.q.txn() as c:
+            n = c.execute(
+                "UPDATE jobs SET state=?, message=?, change_note=?, changes=COALESCE(?, changes), "
+                "micro_batch_size=?, grad_accum_steps=?, retries=?, oom_retried=?, not_before=?, demand=?, "
+                "status_detail=?, ended_at=? WHERE id=? AND state=? AND submission_id=?",
+                (new_state, first, note, json.dumps(changes) if changes is not None else None, micro, accum,
+                 retries, oom_retried, not_before, demand, status, now if new_state in DONE else None,
+                 job["id"], from_state, job["submission_id"])).rowcount
+            if not n:
+                return
+            c.execute("UPDATE attempts SET status=?, message=?, ended_at=? WHERE job_id=? AND attempt=?",
+                      (status, first, now, job["id"], job["attempt"]))
+            self.q.event(c, job["id"], "attempt_ended", f"{job['submission_id']}: {detail}")
+            if new_state in DONE:
+                self.q.event(c, job["id"], "ended", new_state)
+            elif changes is not None:
+                self.q.event(c, job["id"], "oom_retry", note)
+            else:
+                self.q.event(c, job["id"], "retry", detail)
+        self.log(job, f"{job['submission_id']} {detail}" + (f": {first}" if first and new_state in DONE
+                                                           and status != SUCCEEDED else ""))
+
+    def _demand_for(self, job: sqlite3.Row, changes: list[str]) -> Optional[Demand]:
+        try:
+            spec, _, _, _ = resolve_spec(job["spec_path"], json.loads(job["overrides"]) + changes,
+                                         Path(job["working_dir"]))
+            return Demand.from_spec(spec)
+        except UserError:
+            return None
+
+    def _fail(self, job: sqlite3.Row, message: str) -> None:
+        with self.q.txn() as c:
+            n = c.execute("UPDATE jobs SET state='FAILED', message=?, ended_at=? WHERE id=? AND state='QUEUED'",
+                          (message[:300], time.time(), job["id"])).rowcount
+            if n:
+                self.q.event(c, job["id"], "ended", f"FAILED: {message[:300]}")
+        self.log(job, f"FAILED before submission: {message}")
+
+    def _reason(self, job: sqlite3.Row, reason: str) -> None:
+        if job["status_detail"] != reason:
+            with self.q.txn() as c:
+                c.execute("UPDATE jobs SET status_detail=? WHERE id=? AND state='QUEUED'", (reason, job["id"]))
+            self.log(job, reason)
+
+    def admit(self) -> int:
+        active = self.q.jobs(ACTIVE)
+        limit = self.cfg.max_concurrency
+        now = time.time()
+        queued = sorted((j for j in self.q.jobs(("QUEUED",))), key=lambda j: (-j["priority"], j["id"]))
+        if not queued:
+            return 0
+        view = self.backend.cluster_view()
+        held = [Demand.from_json(j["demand"]) for j in active]
+        held_res = (sum(d.cpus for d in held), sum(d.gpus for d in held))
+        admitted = 0
+        for job in queued:
+            if limit is not None and len(active) + admitted >= limit:
+                break
+            if job["not_before"] > now:
+                self._reason(job, f"retry backoff until {time.strftime('%H:%M:%S', time.localtime(job['not_before']))}")
+                continue
+            demand = Demand.from_json(job["demand"])
+            ok, ever, why = fit(demand, view, self.cfg.gpu_memory, held_res)
+            if not ever:
+                self._reason(job, why)
+                continue                  # skip it: it would block the queue forever
+            if not ok:
+                self._reason(job, why)
+                break                     # strict priority: lower ones do not overtake it
+            if self.submit(job):
+                admitted += 1
+                held_res = (held_res[0] + demand.cpus, held_res[1] + demand.gpus)
+        return admitted
+
+    def submit(self, job: sqlite3.Row) -> bool:
+        overrides = json.loads(job["overrides"])
+        changes = json.loads(job["changes"])
+        wd = job["working_dir"]
+        attempt = job["attempt"] + 1
+        try:
+            # The spec as queued (the submission adds the driver's changes and, on a local cluster,
+            # an absolute run.output_dir): has the file changed since `queue add`?
+            spec, _, _, _ = resolve_spec(job["spec_path"], overrides, Path(wd))
+            if spec.spec_hash() != job["spec_hash"]:
+                self._fail(job, f"{job['spec_path']} changed since it was queued (spec hash {job['spec_hash']} -> "
+                                f"{spec.spec_hash()}); add it again")
+                return False
+            sub = self.backend.prepare(str(Path(wd) / job["spec_path"]), overrides + changes, working_dir=wd,
+                                       attempt=attempt,
+                                       extra_metadata={"queue_job": job["id"], "queue_spec_hash": job["spec_hash"]})
+        except UserError as e:
+            self._fail(job, str(e))
+            return False
+        with self.q.txn() as c:
+            n = c.execute("UPDATE jobs SET state='SUBMITTING', attempt=?, submission_id=?, status_detail='', "
+                          "not_before=0 WHERE id=? AND state='QUEUED'", (attempt, sub.submission_id, job["id"])).rowcount
+            if not n:
+                return False
+            c.execute("INSERT OR REPLACE INTO attempts (job_id, attempt, submission_id, micro_batch_size, "
+                      "grad_accum_steps, submitted_at) VALUES (?, ?, ?, ?, ?, ?)",
+                      (job["id"], attempt, sub.submission_id, sub.spec.batch.micro_batch_size,
+                       sub.spec.grad_accum_steps, time.time()))
+            self.q.event(c, job["id"], "submitting", sub.submission_id)
+        try:
+            _, created = self.backend.submit(sub)
+        except (ClusterUnreachable, ClusterAuthError):
+            raise                      # not this job's fault: the pass fails, the row stays SUBMITTING
+        except ClusterError as e:      # the cluster refused this submission: a failed attempt
+            if self.backend.info(sub.submission_id) is None:
+                self.ended(self.q.job(job["id"]), FAILED, f"submission refused: {e}", "", from_state="SUBMITTING")
+                return False
+            created = False
+        if os.environ.get("RAYFT_QUEUE_FAULT") == "kill_after_submit":
+            os.kill(os.getpid(), signal.SIGKILL)   # test hook: die between "submitted" and "recorded"
+        with self.q.txn() as c:
+            n = c.execute("UPDATE jobs SET state='RUNNING' WHERE id=? AND state='SUBMITTING' AND submission_id=?",
+                          (job["id"], sub.submission_id)).rowcount
+            if n:
+                self.q.event(c, job["id"], "running", sub.submission_id if created else
+                             f"{sub.submission_id} (already on the cluster)")
+        if not n and self.q.job(job["id"])["state"] == "CANCELED":
+            self.backend.stop(sub.submission_id)      # canceled while it was being submitted
+            return False
+        self.log(job, f"submitted {sub.submission_id} (attempt {attempt}, micro_batch_size "
+                      f"{sub.spec.batch.micro_batch_size} x grad_accum_steps {sub.spec.grad_accum_steps})"
+                      + ("" if created else ": already on the cluster, tracking it"))
+        return True
+
+    def unschedulable_only(self) -> bool:
+        """Nothing active and every queued job can never fit: waiting would be forever."""
+        if self.q.jobs(ACTIVE):
+            return False
+        queued = self.q.jobs(("QUEUED",))
+        return bool(queued) and all(j["status_detail"].startswith("can never fit") for j in queued)
+
+    def run(self, *, once: bool = False, forever: bool = False,
+            should_stop: Callable[[], bool] = lambda: False) -> int:
+        """Drive the queue: one pass (`once`), until every job has ended (default), or `forever`."""
+        self.lock()
+        first = True
+        while True:
+            try:
+                self.step()
+            except RayftError as e:
+                if first or once:
+                    raise          # a wrong address or token: say so and stop
+                self.cfg.log(f"{time.strftime('%H:%M:%S')} pass failed, retrying in {self.cfg.poll_s:g} s: {e}")
+            first = False
+            if once or should_stop():
+                return 0
+            if not forever:
+                if not self.q.jobs(("QUEUED",) + ACTIVE):
+                    bad = [j for j in self.q.jobs() if j["state"] != "SUCCEEDED"]
+                    return 1 if bad else 0
+                if self.unschedulable_only():
+                    self.cfg.log("every queued job can never fit this cluster; stopping (see `rayft queue status`)")
+                    return 1
+            time.sleep(self.cfg.poll_s)

@@ -1,0 +1,208 @@
+"""The queue's SQLite store: schema, transactions, rows and events. It validates no spec and
+estimates nothing: `queue add` hands it a validated `NewJob` (orchestrator.queue.driver.enqueue).
+
+State lives in SQLite (`--db`, default $RAYFT_QUEUE_DB or ~/.rayft/queue.db). Every state change
+is one transaction, and every transition is conditional on the state it leaves, so a driver
+killed at any moment (SIGKILL included) and restarted on the same file resumes exactly where the
+file says it was:
+
+    QUEUED --(admitted)--> SUBMITTING --(cluster accepted)--> RUNNING --> SUCCEEDED | FAILED | STOPPED
+       ^                                                          |
+       +------------- retry (backoff) / out-of-memory retry ------+          (CANCELED by hand)
+
+* SUBMITTING is written, with the attempt's deterministic submission id, *before* the cluster is
+  asked. A driver that died between "submitted" and "recorded" finds the row SUBMITTING on
+  restart and asks the cluster for that id: there -> RUNNING (tracked, not resubmitted); not
+  there -> back to QUEUED (the same id is used again, and the cluster refuses duplicates).
+* RUNNING -> final is recorded once (`WHERE state='RUNNING' AND submission_id=?`), together with
+  the `ended` event; a driver killed before recording it sees the same final status on restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from jobs.errors import UserError
+
+ACTIVE = ("SUBMITTING", "RUNNING")
+DONE = ("SUCCEEDED", "FAILED", "STOPPED", "CANCELED")
+RETRYABLE = ("FAILED", "STOPPED", "CANCELED")
+
+
+def default_db() -> Path:
+    return Path(os.environ.get("RAYFT_QUEUE_DB") or Path.home() / ".rayft" / "queue.db")
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """One row to queue, everything already validated and estimated."""
+
+    name: str
+    working_dir: str
+    spec_path: str              # relative to working_dir
+    overrides: tuple[str, ...]  # as given to `queue add`
+    spec_hash: str              # of spec file + overrides
+    micro_batch_size: int
+    grad_accum_steps: int
+    demand_json: str            # admission.Demand.to_json()
+    priority: int = 0
+    max_retries: int = 2
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    working_dir TEXT NOT NULL,
+    spec_path TEXT NOT NULL,              -- relative to working_dir
+    overrides TEXT NOT NULL,              -- JSON list, as given to `queue add`
+    spec_hash TEXT NOT NULL,              -- of spec file + overrides at `queue add`
+    priority INTEGER NOT NULL DEFAULT 0,
+    state TEXT NOT NULL,
+    attempt INTEGER NOT NULL DEFAULT 0,   -- attempts submitted (the current one while active)
+    submission_id TEXT,                   -- the current / last attempt's
+    changes TEXT NOT NULL DEFAULT '[]',   -- JSON list of overrides the driver added (OOM retry)
+    change_note TEXT NOT NULL DEFAULT '',
+    micro_batch_size INTEGER NOT NULL,
+    grad_accum_steps INTEGER NOT NULL,
+    demand TEXT NOT NULL,                 -- JSON Demand
+    max_retries INTEGER NOT NULL,
+    retries INTEGER NOT NULL DEFAULT 0,
+    oom_retried INTEGER NOT NULL DEFAULT 0,
+    not_before REAL NOT NULL DEFAULT 0,
+    status_detail TEXT NOT NULL DEFAULT '',
+    message TEXT NOT NULL DEFAULT '',
+    added_at REAL NOT NULL,
+    ended_at REAL
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    job_id INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    submission_id TEXT NOT NULL,
+    micro_batch_size INTEGER NOT NULL,
+    grad_accum_steps INTEGER NOT NULL,
+    submitted_at REAL,
+    status TEXT NOT NULL DEFAULT 'SUBMITTING',
+    message TEXT NOT NULL DEFAULT '',
+    ended_at REAL,
+    PRIMARY KEY (job_id, attempt)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id INTEGER NOT NULL,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    detail TEXT NOT NULL DEFAULT ''
+);
+"""
+
+
+
+class Queue:
+    """The SQLite file. Safe to use from several processes (`queue add` while a driver runs).
+
+    Every change is one `txn` (BEGIN IMMEDIATE: writers take turns), and every transition names
+    the state it leaves in its WHERE clause, so a change made by another process in between is
+    never overwritten: the UPDATE matches nothing instead.
+    """
+
+    def __init__(self, path: Optional[os.PathLike] = None):
+        self.path = Path(path) if path is not None else default_db()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(SCHEMA)
+
+    @contextlib.contextmanager
+    def txn(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def event(self, c: sqlite3.Connection, job_id: int, kind: str, detail: str = "") -> None:
+        c.execute("INSERT INTO events (job_id, at, kind, detail) VALUES (?, ?, ?, ?)",
+                  (job_id, time.time(), kind, detail))
+
+    # -- reading --
+    def jobs(self, states: Optional[tuple[str, ...]] = None) -> list[sqlite3.Row]:
+        if states:
+            q = f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(states))}) ORDER BY id"
+            return list(self.db.execute(q, states))
+        return list(self.db.execute("SELECT * FROM jobs ORDER BY id"))
+
+    def job(self, job_id: int) -> sqlite3.Row:
+        row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise UserError(f"no job #{job_id} in the queue {self.path}")
+        return row
+
+    def attempts(self, job_id: int) -> list[sqlite3.Row]:
+        return list(self.db.execute("SELECT * FROM attempts WHERE job_id = ? ORDER BY attempt", (job_id,)))
+
+    def events(self, job_id: Optional[int] = None) -> list[sqlite3.Row]:
+        if job_id is None:
+            return list(self.db.execute("SELECT * FROM events ORDER BY id"))
+        return list(self.db.execute("SELECT * FROM events WHERE job_id = ? ORDER BY id", (job_id,)))
+
+    # -- adding --
+    def add(self, job: NewJob) -> tuple[int, bool]:
+        """Queue one validated job. The same spec (name + hash + working dir) is one job: adding it
+        again returns the existing entry. Returns (id, created)."""
+        with self.txn() as c:
+            row = c.execute("SELECT id FROM jobs WHERE name = ? AND spec_hash = ? AND working_dir = ?",
+                            (job.name, job.spec_hash, job.working_dir)).fetchone()
+            if row is not None:
+                return int(row["id"]), False
+            cur = c.execute(
+                "INSERT INTO jobs (name, working_dir, spec_path, overrides, spec_hash, priority, state, "
+                "micro_batch_size, grad_accum_steps, demand, max_retries, added_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, 'QUEUED', ?, ?, ?, ?, ?)",
+                (job.name, job.working_dir, job.spec_path, json.dumps(list(job.overrides)), job.spec_hash,
+                 job.priority, job.micro_batch_size, job.grad_accum_steps, job.demand_json, job.max_retries,
+                 time.time()))
+            self.event(c, cur.lastrowid, "queued", f"priority {job.priority}, spec {job.spec_path}, hash {job.spec_hash}")
+            return int(cur.lastrowid), True
+
+    def retry(self, job_id: int) -> str:
+        """Queue a job that ended without success again; its next attempt gets the next id."""
+        row = self.job(job_id)
+        if row["state"] not in RETRYABLE:
+            raise UserError(f"job #{job_id} is {row['state']}: only a FAILED, STOPPED or CANCELED job can be retried")
+        with self.txn() as c:
+            n = c.execute("UPDATE jobs SET state='QUEUED', retries=0, not_before=0, status_detail='', message='', "
+                          "ended_at=NULL WHERE id=? AND state=?", (job_id, row["state"])).rowcount
+            if n:
+                self.event(c, job_id, "requeued", f"by hand after {row['state']}")
+        return self.job(job_id)["state"]
+
+    def cancel(self, job_id: int, stop: Optional[Callable[[str], Any]] = None) -> str:
+        """QUEUED -> CANCELED; an active job is stopped on the cluster first (`stop(submission_id)`)."""
+        row = self.job(job_id)
+        if row["state"] in DONE:
+            return row["state"]
+        if row["state"] in ACTIVE:
+            if stop is None:
+                raise UserError(f"job #{job_id} is {row['state']} on the cluster: pass --address to stop it")
+            stop(row["submission_id"])
+        with self.txn() as c:
+            n = c.execute("UPDATE jobs SET state='CANCELED', ended_at=?, message='canceled by hand' "
+                          "WHERE id=? AND state=?", (time.time(), job_id, row["state"])).rowcount
+            if n:
+                if row["state"] in ACTIVE:
+                    c.execute("UPDATE attempts SET status='STOPPED', ended_at=? WHERE job_id=? AND attempt=?",
+                              (time.time(), job_id, row["attempt"]))
+                self.event(c, job_id, "ended", "CANCELED")
+        return "CANCELED" if n else self.job(job_id)["state"]
