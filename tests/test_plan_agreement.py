@@ -119,3 +119,64 @@ def test_the_cases_reach_every_checkpointing_choice():
         assert chosen == {"off", "every 2nd layer", "on"}, (device, chosen)
     assert all(sum(col(c) is not None for col in COLUMNS.values()) == len(COLUMNS)
                for c in CASES if c.device == "cuda")
+
+
+# ---- Tune's feasibility and `rayft estimate` -----------------------------------------------------
+# Two more consumers, in their own test: each judges only some cases (a search needs a budget and may
+# refuse to start; `rayft estimate` knows no GPU), so they stay out of `COLUMNS`, whose GPU cases
+# every column judges.
+
+REFUSED = "refused"
+
+
+def tune_column(case: Case):
+    """Tune's feasibility (`tune.plan.plan_search`) of a one-point search of the case's job, with its
+    budget as `search.budget_gib` -- for a GPU job without one, the GPU's memory (what the plan judges
+    against then). `REFUSED` when the search refuses to start; None for a CPU job without a budget."""
+    from jobs.errors import SpecError
+    from tune.plan import plan_search
+    from tune.spec import load_search_spec
+
+    job = case.spec()
+    budget = case.budget_gib if case.budget_gib is not None else (gpu_memory_gib() if case.device == "cuda" else None)
+    if budget is None:
+        return None
+    d = job.to_dict()
+    d["run"].update(max_steps=None, epochs=None)
+    d["search"] = {"grad_accum_steps": [job.grad_accum_steps], "samples_per_trial": job.batch.global_batch_size,
+                   "budget_gib": budget}
+    try:
+        plan = plan_search(load_search_spec(data=d, files=False))
+    except SpecError:
+        return REFUSED
+    (point,) = plan.points
+    assert point.micro_batch_size == job.batch.micro_batch_size and point.status == "planned"
+    return point.estimate_gib, checkpointing_str(point.checkpoint_every_n_layers)
+
+
+def estimate_column(case: Case) -> Column:
+    """`rayft estimate`'s chosen row (the JSON's total and checkpointing). It has no GPU to ask, so a
+    GPU job without a budget is not judged."""
+    from orchestrator.cli.tune import estimate_report
+
+    if case.device == "cuda" and case.budget_gib is None:
+        return None
+    rep = estimate_report(case.spec(), case.budget_gib, case.device, str(SPEC))
+    assert rep["fits"] is None if case.budget_gib is None else rep["fits"] == (rep["total_gib"] <= case.budget_gib)
+    return rep["total_gib"], checkpointing_str(rep["checkpoint_every_n_layers"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_tune_and_rayft_estimate_agree_with_the_plan(case):
+    want = plan_column(case)
+    fits = plan_for_spec(case.spec(), device=case.device,
+                         gpu_memory_gib=gpu_memory_gib() if case.device == "cuda" else None).fits
+    tune = tune_column(case)
+    # a search refuses to start exactly when its one point does not fit; otherwise it plans the plan
+    assert (tune == REFUSED) == (tune is not None and not fits), (tune, want, fits)
+    if tune not in (None, REFUSED):
+        assert tune == want
+    estimate = estimate_column(case)
+    assert estimate is None or estimate == want
+    if case.device == "cuda":
+        assert tune is not None  # every GPU case is judged by the search
