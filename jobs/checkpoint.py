@@ -7,23 +7,33 @@ one ``manifest-rank{r}.json`` per rank listing the size and SHA-256 of that rank
 
 A checkpoint counts only when every rank's manifest is present and every file matches it,
 so a copy cut off at any point (by a crash, or by a Ray upload that died) is never loaded;
-the previous complete one is used instead. Without Ray the directory is also written under a
-temporary name and renamed, so the final name only ever appears complete.
+the previous complete one is used instead, with a warning naming the one skipped. Without Ray
+the directory is also written under a temporary name and renamed, so the final name only ever
+appears complete.
+
+The manifests prove integrity, not origin: anyone who can write the directory can write a
+matching manifest. So nothing here unpickles Python objects: every `.pt` file is read with
+`torch.load(weights_only=True)` (tensors and plain containers only), and a file that holds
+anything else is refused with one line naming it, never executed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .spec import JobSpec, SpecError
+from .spec import JobSpec, SpecError, one_line
+
+log = logging.getLogger("rayft")
 
 STEP_PREFIX = "step-"
 # The files of one checkpoint. Rank 0 writes the shared ones; every rank writes its RNG state.
@@ -58,17 +68,23 @@ def _sha256(path: Path) -> str:
 
 
 def rng_state() -> dict:
+    """This process's RNG states, in types `torch.load(weights_only=True)` reads back: Python's
+    `random.getstate()` is a tuple of ints (and None), the torch states are byte tensors."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def set_rng_state(state: dict, where: str = "rng state") -> None:
+    try:
+        random.setstate(tuple(state["python"]))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise SpecError(f"checkpoint file {where}: not an RNG state ({one_line(str(e))[:120]}); "
+                        "use --fresh to start over") from None
 
 
 def write_rank_files(directory: Path, rank: int, files: dict[str, object]) -> None:
@@ -93,19 +109,31 @@ def write_rank_files(directory: Path, rank: int, files: dict[str, object]) -> No
     tmp.rename(directory / manifest_file(rank))
 
 
-def is_complete(directory: Path) -> bool:
+def why_incomplete(directory: Path) -> Optional[str]:
+    """Why `directory` is not a complete checkpoint (a missing state or manifest, a file that
+    does not match its manifest), or None when it is one."""
     try:
         state = json.loads((directory / STATE_FILE).read_text())
         world = int(state["world_size"])
+        if not 0 < world <= 100_000:
+            return f"{STATE_FILE} gives world_size={world}"
         for r in range(world):
             manifest = json.loads((directory / manifest_file(r)).read_text())
             for name, meta in manifest.items():
                 p = directory / name
+                if Path(name).name != name:
+                    return f"{manifest_file(r)} names a file outside the checkpoint"
                 if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
-                    return False
-        return True
-    except (OSError, ValueError, KeyError):
-        return False
+                    return f"{name} does not match {manifest_file(r)}"
+        return None
+    except FileNotFoundError as e:
+        return f"{Path(e.filename).name if e.filename else 'a file'} is missing"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable ({type(e).__name__})"
+
+
+def is_complete(directory: Path) -> bool:
+    return why_incomplete(directory) is None
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -114,12 +142,32 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)), key=lambda p: p.name)
 
 
-def newest_complete(root: Path) -> Optional[Path]:
-    """The newest checkpoint that verifies; incomplete ones are skipped (never deleted here)."""
+def newest_complete(root: Path, *, warn: bool = True) -> Optional[Path]:
+    """The newest checkpoint that verifies; incomplete ones are skipped (never deleted here),
+    each with a warning that names it and says why."""
     for p in reversed(list_checkpoints(root)):
-        if is_complete(p):
+        why = why_incomplete(p)
+        if why is None:
             return p
+        if warn:
+            log.warning("skipping checkpoint %s: %s", p, why)
     return None
+
+
+def resumable(root: Path) -> Optional[Path]:
+    """The checkpoint a rerun resumes from, checked before anything starts: the newest complete
+    one, its state readable and its `.pt` files plain data (`check_loadable`); None when there
+    is no checkpoint at all. When there are checkpoints but none is complete, a silent fresh
+    start would throw the run away: refused, pointing at --fresh."""
+    found = list_checkpoints(root)
+    newest = newest_complete(root)
+    if newest is None and found:
+        raise SpecError(f"{one_line(str(root))}: all {len(found)} checkpoints are incomplete or corrupt "
+                        "(see the warnings above); use --fresh to start over (they are set aside, not deleted)")
+    if newest is not None:
+        load_state(newest)
+        check_loadable(newest)
+    return newest
 
 
 def publish(tmp: Path, root: Path, step: int, keep: int) -> Path:
@@ -141,7 +189,39 @@ def prune(root: Path, keep: int) -> None:
 
 
 def load_state(directory: Path) -> dict:
-    return json.loads((directory / STATE_FILE).read_text())
+    """`state.json` of a complete checkpoint; one that lacks what resuming reads is refused."""
+    path = directory / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError(f"checkpoint file {one_line(str(path))}: unreadable ({type(e).__name__}); "
+                        "use --fresh to start over") from None
+    ok = (isinstance(state, dict) and isinstance(state.get("resume_key"), dict)
+          and all(isinstance(state.get(k), int) and not isinstance(state.get(k), bool) and state[k] >= 0
+                  for k in ("step", "tokens_seen", "skipped_steps", "world_size")))
+    if not ok:
+        raise SpecError(f"checkpoint file {one_line(str(path))}: not a rayft checkpoint state (needs step, "
+                        "tokens_seen, skipped_steps, world_size and resume_key); use --fresh to start over")
+    return state
+
+
+def load_plain(path: Path) -> object:
+    """A `.pt` file's content, read as tensors and plain containers only
+    (`torch.load(weights_only=True)`: no pickled class or function is ever resolved or called).
+    Anything else is refused as a SpecError naming the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError for foreign objects; others for damaged files
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        detail = f"it refers to {found.group(1)}" if found else one_line(str(e).strip().splitlines()[0])[:120]
+        raise SpecError(f"checkpoint file {one_line(str(path))}: refused to load: not plain tensor data "
+                        f"({detail}); move that checkpoint away, or use --fresh to start over") from None
+
+
+def check_loadable(directory: Path) -> None:
+    """Every `.pt` file of `directory` reads as plain data (see `load_plain`)."""
+    for p in sorted(directory.glob("*.pt")):
+        load_plain(p)
 
 
 def load_adapter(directory: Path) -> dict[str, torch.Tensor]:
@@ -170,15 +250,29 @@ def restore(directory: Path, spec: JobSpec, rank: int, world_size: int, model, o
     state = load_state(directory)
     check_resumable(state["resume_key"], spec, str(directory))
     named = dict(model.named_parameters())
+    adapter = load_adapter(directory)
+    if set(adapter) != {n for n, p in named.items() if p.requires_grad}:
+        raise SpecError(f"checkpoint {one_line(str(directory))}: its adapter's parameters are not this model's "
+                        "LoRA parameters; use --fresh to start over")
     with torch.no_grad():
-        for name, tensor in load_adapter(directory).items():
+        for name, tensor in adapter.items():
             named[name].copy_(tensor)
-    optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=False))
+    _load_into(optimizer, directory / OPTIMIZER_FILE)
     if scaler.is_enabled() and (directory / SCALER_FILE).exists():
-        scaler.load_state_dict(torch.load(directory / SCALER_FILE, weights_only=False))
+        _load_into(scaler, directory / SCALER_FILE)
     if state["world_size"] == world_size and (directory / rng_file(rank)).exists():
-        set_rng_state(torch.load(directory / rng_file(rank), weights_only=False))
+        set_rng_state(load_plain(directory / rng_file(rank)), str(directory / rng_file(rank)))
     return state
+
+
+def _load_into(target, path: Path) -> None:
+    """`target.load_state_dict` from a plain-data file; a state that does not fit is one line."""
+    state = load_plain(path)
+    try:
+        target.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise SpecError(f"checkpoint file {one_line(str(path))}: does not fit this run "
+                        f"({one_line(str(e))[:120]}); use --fresh to start over") from None
 
 
 def resume_key(spec: JobSpec) -> dict:
@@ -193,6 +287,8 @@ def resume_key(spec: JobSpec) -> dict:
 
 
 def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
+    if not isinstance(saved, dict):
+        raise SpecError(f"{one_line(where)}: not a rayft checkpoint (no resume key); use --fresh to start over")
     now = resume_key(spec)
     diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
     if diffs:

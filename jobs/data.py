@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from .spec import JobSpec, SpecError
+from .spec import JobSpec, SpecError, one_line, path_problem
 
 IGNORE = -100
 
@@ -35,36 +35,82 @@ class Example:
         return sum(t != IGNORE for t in self.targets)
 
 
-def read_jsonl(path: str, key: str = "data.path") -> list[dict]:
+# Each record's text fields are cut to `char_bound` characters before they are kept or tokenized,
+# so memory and tokenizer time are bounded by max_seq_len, never by what one line holds.
+TEXT_FIELDS = ("text", "prompt", "completion")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def read_jsonl(path: str, key: str = "data.path", max_chars: Optional[int] = None) -> list[dict]:
+    """The records of a JSONL file, each checked for shape; a problem is one SpecError naming
+    `key`, the file and the line. Read line by line; with `max_chars`, each record's text fields
+    are cut to that many characters as soon as the line is parsed (see `char_bound`)."""
     records = []
-    p = Path(path)
+    shown = one_line(str(path))
+    problem = path_problem(path)
+    if problem:
+        raise SpecError(f"{key}: {problem}")
     try:
-        lines = p.read_text().splitlines()
-    except FileNotFoundError:
-        raise SpecError(f"{key}: file not found: {path}") from None
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                rec = _parse_record(line, f"{key}: {shown} line {i}")
+                if max_chars is not None:
+                    rec = {k: (v[:max_chars] if k in TEXT_FIELDS else v) for k, v in rec.items()}
+                records.append(rec)
     except UnicodeDecodeError:
-        raise SpecError(f"{key}: {path}: not UTF-8 text") from None
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{key}: {path} line {i}: not valid JSON ({e.msg})") from None
-        if not isinstance(rec, dict):
-            raise SpecError(f"{key}: {path} line {i}: expected a JSON object")
-        if "text" in rec:
-            if not isinstance(rec["text"], str):
-                raise SpecError(f"{key}: {path} line {i}: \"text\" must be a string")
-        elif "prompt" in rec and "completion" in rec:
-            if not (isinstance(rec["prompt"], str) and isinstance(rec["completion"], str)):
-                raise SpecError(f"{key}: {path} line {i}: \"prompt\" and \"completion\" must be strings")
-        else:
-            raise SpecError(f"{key}: {path} line {i}: expected {{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}")
-        records.append(rec)
+        raise SpecError(f"{key}: {shown}: not UTF-8 text") from None
+    except OSError as e:
+        raise SpecError(f"{key}: {shown}: cannot be read ({e.strerror or e})") from None
     if not records:
-        raise SpecError(f"{key}: {path}: no records")
+        raise SpecError(f"{key}: {shown}: no records")
     return records
+
+
+def _parse_record(line: str, where: str) -> dict:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise SpecError(f"{where}: nested too deeply to be a record") from None
+    except ValueError as e:  # e.g. an integer longer than Python converts
+        raise SpecError(f"{where}: not a usable JSON value ({one_line(str(e))[:100]})") from None
+    if not isinstance(rec, dict):
+        raise SpecError(f"{where}: expected a JSON object")
+    if "text" in rec:
+        if not isinstance(rec["text"], str):
+            raise SpecError(f"{where}: \"text\" must be a string")
+    elif "prompt" in rec and "completion" in rec:
+        if not (isinstance(rec["prompt"], str) and isinstance(rec["completion"], str)):
+            raise SpecError(f"{where}: \"prompt\" and \"completion\" must be strings")
+    else:
+        raise SpecError(f"{where}: expected {{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}")
+    for k in TEXT_FIELDS:
+        if isinstance(rec.get(k), str) and _SURROGATE.search(rec[k]):
+            raise SpecError(f"{where}: \"{k}\" is not valid Unicode (an unpaired surrogate)")
+    return rec
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters any one token of `tokenizer`'s vocabulary stands for (vocabulary
+    strings: byte-level BPE spells each byte as one character, so this bounds bytes too)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return 64  # a tokenizer without a vocabulary listing: a generous default
+    return max((len(t) for t in vocab), default=1) or 1
+
+
+def char_bound(tokenizer, max_seq_len: int) -> int:
+    """How many characters of a text can matter for its first `max_seq_len` tokens, with a margin.
+
+    Each token covers at most `longest_token_chars` characters of (normalized) text, so the first
+    `max_seq_len` tokens lie within that many times as many characters; the margin (16 more
+    tokens, then x2) keeps the cut away from the last kept token, where a subword tokenizer may
+    split a cut word differently, and covers normalizers that shrink text."""
+    return 2 * (max_seq_len + 16) * longest_token_chars(tokenizer)
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -78,16 +124,21 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def tokenize(records: Sequence[dict], tokenizer, max_seq_len: int) -> list[Example]:
-    """BOS + prompt + completion + EOS, truncated; labels only on completion (or all of `text`)."""
+    """BOS + prompt + completion + EOS, truncated; labels only on completion (or all of `text`).
+
+    Each text is cut to `char_bound` characters before it reaches the tokenizer, so what one
+    record costs is bounded by max_seq_len; the result equals tokenizing the whole text and
+    truncating (the kept tokens lie well inside the cut)."""
     eos = tokenizer.eos_token_id
+    cut = char_bound(tokenizer, max_seq_len)
     out = []
     for rec in records:
         if "text" in rec:
-            seq = encode_prompt(tokenizer, rec["text"]) + [eos]
+            seq = encode_prompt(tokenizer, rec["text"][:cut]) + [eos]
             labels = list(seq)
         else:
-            head = encode_prompt(tokenizer, rec["prompt"])
-            c = tokenizer(rec["completion"], add_special_tokens=False)["input_ids"]
+            head = encode_prompt(tokenizer, rec["prompt"][:cut])
+            c = tokenizer(rec["completion"][:cut], add_special_tokens=False)["input_ids"]
             seq = head + c + [eos]
             labels = [IGNORE] * len(head) + c + [eos]
         seq, labels = seq[:max_seq_len], labels[:max_seq_len]
@@ -105,12 +156,13 @@ class Dataset:
 
 
 def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
+    cut = char_bound(tokenizer, spec.data.max_seq_len)
     records: list[dict] = []
     for i, p in enumerate(spec.data.path):
-        records += read_jsonl(p, "data.path" if len(spec.data.path) == 1 else f"data.path.{i}")
+        records += read_jsonl(p, "data.path" if len(spec.data.path) == 1 else f"data.path.{i}", max_chars=cut)
     eval_records: list[dict] = []
     if spec.data.eval_path:
-        eval_records = read_jsonl(spec.data.eval_path, "data.eval_path")
+        eval_records = read_jsonl(spec.data.eval_path, "data.eval_path", max_chars=cut)
     elif spec.data.eval_fraction > 0:
         order = list(range(len(records)))
         random.Random(spec.run.seed).shuffle(order)

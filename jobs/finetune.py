@@ -10,41 +10,86 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
+from .errors import SpecError
 from .spec import absolutize, load_spec
 
 
 def preflight(spec) -> None:
-    """Checks that need the data files but not the model: run before anything is created."""
+    """Checks that need the data files but not the model weights: run before anything is created."""
     from .data import read_jsonl
 
+    # Every line is parsed and checked; the texts are not kept (max_chars=0), so this costs
+    # the memory of one line, whatever the files hold.
+    n_train = 0
     for i, p in enumerate(spec.data.path):
-        read_jsonl(p, "data.path" if len(spec.data.path) == 1 else f"data.path.{i}")
+        n_train += len(read_jsonl(p, "data.path" if len(spec.data.path) == 1 else f"data.path.{i}", max_chars=0))
     if spec.data.eval_path:
-        read_jsonl(spec.data.eval_path, "data.eval_path")
+        read_jsonl(spec.data.eval_path, "data.eval_path", max_chars=0)
+    if n_train < spec.batch.global_batch_size:  # tokenizing can only drop records, never add any
+        raise SpecError(f"data.path: {n_train} training records, fewer than "
+                        f"batch.global_batch_size={spec.batch.global_batch_size}")
     if spec.data.packing:
         from .memory import config_from_spec
         from .model import check_packing
 
         check_packing(config_from_spec(spec))
+    check_lora_rank(spec)
 
 
-def prepare(spec_path: str, overrides: list[str], fresh: bool):
-    """Validate everything that can be checked on the driver; only then touch the output dir."""
+def check_lora_rank(spec) -> None:
+    """`lora.r` at most the model's hidden size (a rank above it adds nothing and can allocate
+    without bound), where the model's config is here to read without a download."""
+    if not (spec.model.name == "tiny-llama" or spec.model.name.startswith(("pkg:", ".", "/"))
+            or os.path.isdir(spec.model.name)):
+        return
+    from .memory import config_from_spec
+
+    hidden = getattr(config_from_spec(spec), "hidden_size", None)
+    if isinstance(hidden, int) and spec.lora.r > hidden:
+        raise SpecError(f"lora.r={spec.lora.r} exceeds the model's hidden size {hidden}: "
+                        "a LoRA rank above it adds nothing")
+
+
+def check_local_workers(spec, local: bool) -> None:
+    """`--local` runs one worker per process: `resources.num_workers` > 1 needs torchrun (which
+    sets WORLD_SIZE), refused here rather than after the model has loaded."""
+    if not local:
+        return
+    world = os.environ.get("WORLD_SIZE")
+    n = spec.resources.num_workers
+    if world is None and n > 1:
+        raise SpecError(f"resources.num_workers={n} with --local: one process runs one worker; start {n} with "
+                        f"`torchrun --nproc_per_node={n} -m jobs.finetune SPEC --local`, or set "
+                        "resources.num_workers=1")
+    if world is not None and world != str(n):
+        raise SpecError(f"resources.num_workers={n} but WORLD_SIZE={world}: start as many processes as workers")
+
+
+def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = False):
+    """Validate everything that can be checked on the driver; only then touch the output dir.
+
+    Invariant: a refused spec creates nothing. The output directory is checked (new, empty or
+    rayft's own; see `jobs.outputs.output_dir_problem`) before --fresh moves anything, and
+    created and claimed only after every check has passed."""
     from . import checkpoint as ckpt
-    from .outputs import set_aside
+    from .outputs import check_output_dir, claim_output_dir, set_aside
 
     spec = load_spec(spec_path, overrides)
+    check_local_workers(spec, local)
     preflight(spec)
+    check_output_dir(spec.run.output_dir.replace("{name}", spec.name))
     spec = absolutize(spec)
-    newest = None if fresh else ckpt.newest_complete(spec.output_path / "checkpoints")
+    newest = None if fresh else ckpt.resumable(spec.output_path / "checkpoints")
     if newest is not None:  # refuse a resume that cannot be exact, before anything starts
         ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
     if fresh:
         moved = set_aside(spec.output_path / "checkpoints")
         if moved:
             logging.getLogger("rayft").warning("--fresh: previous checkpoints moved to %s", moved)
+    claim_output_dir(spec.output_path, name=spec.name)
     return spec
 
 
@@ -64,11 +109,10 @@ def run(spec, *, local: bool = False, address: str | None = None, fresh: bool = 
         on_progress=None) -> dict:
     """Train a prepared spec: on Ray (an address, the enclosing Ray job, or embedded), or `local`ly."""
     if local:
-        import os
-
         from .context import LocalContext
         from .loop import train
 
+        check_local_workers(spec, local)  # for callers that prepared without `local`
         os.environ.update(spec.run.env)  # what runtime_env does for Ray workers
         return train(spec, LocalContext(use_gpu=spec.resources.use_gpu, on_progress=on_progress),
                      resume=not fresh)
@@ -98,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_with_overrides(ap, argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
-        spec = prepare(args.spec, args.overrides, args.fresh)
+        spec = prepare(args.spec, args.overrides, args.fresh, local=args.local)
         summary = run(spec, local=args.local, address=args.address, fresh=args.fresh,
                       on_progress=lambda rec: print(format_step(rec), flush=True))
     except RayftError as e:

@@ -43,7 +43,7 @@ from .data import GlobalBatches, collate, count_inputs, count_labels, eval_shard
 from .faults import from_env
 from .memory import MemoryPlan
 from .model import add_lora, check_batchnorm, check_packing, compile_layers, enable_checkpointing, load_base_model
-from .outputs import SUMMARY, MetricsLog, append_event, plot_loss, read_metrics, write_json_atomic
+from .outputs import SUMMARY, MetricsLog, append_event, claim_output_dir, plot_loss, read_metrics, write_json_atomic
 from .errors import SpecError
 from .spec import JobSpec, compute_precision
 
@@ -377,6 +377,8 @@ def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> tuple[
 def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     """Run the job described by `spec` on this rank. Returns the summary (rank 0; {} elsewhere)."""
     out, rank, world, device = spec.output_path, ctx.rank, ctx.world_size, ctx.device
+    if ctx.is_main:  # before the model loads: a directory rayft may not write is refused first
+        claim_output_dir(out, beside_others=True, name=spec.name)
     job = set_up(spec, ctx)
     pos = resume_or_seed(spec, ctx, job, resume)
     engine = make_engine(spec, ctx, job)
@@ -406,6 +408,8 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         # One small all-reduce for logging; then the only host reads of the step.
         loss = all_reduce_sum(loss_sum, world).item() / n_labels
         skipped = scale_before is not None and job.scaler.get_scale() < scale_before
+        norm = float(grad_norm.item())
+        stop_if_not_finite(spec, step + 1, loss, norm, skipped)
         pos.skipped_steps += int(skipped)
         pos.tokens_seen += n_inputs
         dt = time.perf_counter() - t0
@@ -415,7 +419,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             pos.eval_loss = held_out_loss(engine, job.data.eval, rank, world, spec.batch.micro_batch_size,
                                      job.tokenizer.pad_token_id, layout_args(spec, device))
         peak, peak_kind = peak_memory_bytes(device)
-        last = {"step": done, "loss": loss, "lr": lr, "grad_norm": float(grad_norm.item()), "tokens": n_inputs,
+        last = {"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n_inputs,
                 "tokens_seen": pos.tokens_seen, "label_tokens": n_labels, "tokens_per_s": n_inputs / dt,
                 "step_time_s": dt, "epoch": job.batches.epoch_of(done), "peak_mem_gib": peak / GIB,
                 "peak_mem_kind": peak_kind, "estimate_gib": job.plan.total_gib, "skipped": skipped,
@@ -441,6 +445,20 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
                                 mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None)
     ctx.report(dict(last, done=True))
     return summary
+
+
+def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, skipped: bool) -> None:
+    """Stop the run at optimizer step `step` (1-based) when its loss or gradient norm is NaN or
+    infinite, unless the fp16 GradScaler skipped the step (then overflow is its normal signal and
+    the update was not applied). Raised before this step is logged or checkpointed, so the newest
+    checkpoint on disk is the last good one. Every rank sees the same values (the loss is
+    all-reduced, the gradient norm is taken after DDP's reduction), so all ranks stop together."""
+    if skipped or (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return
+    last = ckpt.newest_complete(spec.output_path / "checkpoints", warn=False)
+    kept = f"the last good checkpoint is kept: {last}" if last else "no checkpoint was written before it"
+    raise SpecError(f"optimizer step {step}: training diverged (loss {loss:g}, grad norm {grad_norm:g}); "
+                    f"stopped, {kept}; lower optim.lr (now {spec.optim.lr:g}) or set optim.max_grad_norm")
 
 
 def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, *, wall_s: float,

