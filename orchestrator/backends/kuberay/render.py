@@ -34,7 +34,7 @@ from jobs.errors import SpecError, UserError
 from jobs.spec import JobSpec
 
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
-from .policy import QUEUE_LABEL, SHELL_OPERATORS, SHELL_SAFE, policy_violations  # noqa: F401 (re-exported)
+from .policy import QUEUE_LABEL, SHELL_SAFE, policy_violations
 
 RAY_VERSION = "2.60.0"
 DEFAULT_QUEUE = "rayft"                  # the LocalQueue in k8s/base/kueue.yaml

@@ -26,7 +26,7 @@ from .node_types import k8s_dir
 from .policy import QUEUE_LABEL
 from .render import ANN_SPEC_HASH, Obj, render
 
-Path_ = tuple[Any, ...]   # a key path into a manifest: ("spec", "rayClusterSpec", "workerGroupSpecs", 0)
+KeyPath = tuple[Any, ...]   # a key path into a manifest: ("spec", "rayClusterSpec", "workerGroupSpecs", 0)
 
 # kind -> (template file, RayJob name, example spec ConfigMap in spec-configmaps.yaml)
 TEMPLATES = {
@@ -60,7 +60,7 @@ WORKERS = RC + ("workerGroupSpecs",)
 WORKER_POD = WORKERS + (0, "template", "spec")
 SUBMITTER = ("spec", "submitterPodTemplate")
 
-COMMENTS: dict[Path_, str] = {
+COMMENTS: dict[KeyPath, str] = {
     ("metadata", "name"): "At most 47 characters and a DNS-1035 label (KubeRay appends a suffix for the cluster name).",
     ("metadata", "labels", QUEUE_LABEL): (
         "The Kueue LocalQueue (k8s/base/kueue.yaml) that admits this job. Without Kueue the label is\n"
@@ -104,7 +104,7 @@ COMMENTS: dict[Path_, str] = {
     SUBMITTER + ("spec", "restartPolicy"): "Required by KubeRay for the submitter Job.",
     SUBMITTER + ("spec", "containers", 0, "image"): "Needs only the `ray` CLI.",
 }
-KIND_COMMENTS: dict[str, dict[Path_, str]] = {
+KIND_COMMENTS: dict[str, dict[KeyPath, str]] = {
     "finetune": {
         ("spec", "backoffLimit"): (
             "Retries of the whole RayJob on a new cluster after a failure (default 0). A retry resumes from\n"
@@ -160,7 +160,7 @@ def template(kind: str, jobs_dir: Optional[Path] = None) -> Obj:
     return rj
 
 
-def to_commented_yaml(obj: Any, comments: dict[Path_, str], header: str = "") -> str:
+def to_commented_yaml(obj: Any, comments: dict[KeyPath, str], header: str = "") -> str:
     """Block-style YAML of plain data, with `comments[path]` written above the key at `path`
     (a header above everything). `yaml.safe_load` of the result gives `obj` back."""
     lines = [f"# {ln}".rstrip() for ln in header.splitlines()]
@@ -173,12 +173,12 @@ def _scalar(v: Any) -> str:
     return text[:-len("\n...\n")] if text.endswith("\n...\n") else text.rstrip("\n")
 
 
-def _comment(path: Path_, indent: int, comments: dict[Path_, str], out: list[str]) -> None:
+def _comment(path: KeyPath, indent: int, comments: dict[KeyPath, str], out: list[str]) -> None:
     for ln in comments.get(path, "").splitlines():
         out.append(f"{' ' * indent}# {ln}".rstrip())
 
 
-def _value(v: Any, path: Path_, indent: int, comments: dict[Path_, str], out: list[str], lead: str) -> None:
+def _value(v: Any, path: KeyPath, indent: int, comments: dict[KeyPath, str], out: list[str], lead: str) -> None:
     """`lead` ("key:" or "-") followed by `v`: inline when it is a scalar or empty, else below."""
     pad = " " * indent
     if isinstance(v, str) and "\n" in v:
@@ -198,7 +198,7 @@ def _value(v: Any, path: Path_, indent: int, comments: dict[Path_, str], out: li
         out.append(f"{pad}{lead} {_scalar(v)}")
 
 
-def _emit(node: Any, path: Path_, indent: int, comments: dict[Path_, str], out: list[str]) -> None:
+def _emit(node: Any, path: KeyPath, indent: int, comments: dict[KeyPath, str], out: list[str]) -> None:
     items = node.items() if isinstance(node, dict) else enumerate(node)
     for key, v in items:
         p = path + (key,)
