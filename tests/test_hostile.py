@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from jobs import checkpoint as ckpt
 from jobs.errors import SpecError
