@@ -759,6 +759,22 @@ def test_backend_reports_api_errors_in_one_line(fake_api):
             bad.status("x")
 
 
+def test_backend_reports_an_unreachable_api_server_in_one_line():
+    import socket
+
+    from kubernetes import client
+
+    with socket.socket() as sock:                       # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{port}"
+    be = k8s.KubeRayBackend("rayft", api_client=client.ApiClient(cfg))
+    with pytest.raises(ClusterUnreachable, match="cannot reach the Kubernetes API") as e:
+        be.status("x")
+    assert "\n" not in str(e.value) and e.value.exit_code == 2
+
+
 @pytest.mark.parametrize("status,suspend,state", [
     ({}, False, "PENDING"),
     ({}, True, "QUEUED"),

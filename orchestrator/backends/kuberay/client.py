@@ -164,9 +164,13 @@ class KubeRayBackend:
     @contextlib.contextmanager
     def _api(self, what: str, missing: Optional[str] = None) -> Iterator[None]:
         """Kubernetes API failures as rayft errors; `missing`: the message for a 404 (JobNotFound)."""
+        import logging
+
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
+        # urllib3 logs each retry of an unreachable API server; rayft reports the failure once.
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         try:
             yield
         except ApiException as e:
@@ -180,9 +184,9 @@ class KubeRayBackend:
                     pass
             text = first_line(f"kuberay: {what}: HTTP {e.status}: {msg}")
             raise (ClusterAuthError if e.status in (401, 403) else KubeRayError)(text) from None
-        except HTTPError as e:              # no answer: connection refused, DNS, TLS
-            raise ClusterUnreachable(f"kuberay: {what}: cannot reach the Kubernetes API ({first_line(e, 160)})") \
-                from None
+        except HTTPError as e:              # no answer: connection refused, DNS, TLS (after urllib3's retries)
+            why = first_line(getattr(e, "reason", None) or e, 200)
+            raise ClusterUnreachable(f"kuberay: {what}: cannot reach the Kubernetes API ({why})") from None
 
     def _not_found(self, name: str) -> str:
         return f"kuberay: no RayJob {name} in namespace {self.namespace}"
