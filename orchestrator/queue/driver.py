@@ -80,7 +80,11 @@ class DriverConfig:
 
 
 class Driver:
-    """One pass (`step`) = reconcile SUBMITTING rows, poll RUNNING ones, admit QUEUED ones."""
+    """One pass (`step`) = reconcile SUBMITTING rows, poll RUNNING ones, admit QUEUED ones.
+
+    `backend` is a `Backend` that can also describe its free resources (`cluster_view()`, a
+    `ClusterView`): the Ray Jobs backend.
+    """
 
     def __init__(self, queue: Queue, backend: Optional[Backend], config: Optional[DriverConfig] = None):
         self.q = queue
