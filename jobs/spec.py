@@ -5,7 +5,12 @@ Precedence: defaults < YAML < CLI overrides (``section.field=value``) < Tune tri
 
 Every user mistake raises :class:`SpecError` whose message is one line naming the field
 path and the reason; the CLI prints it and exits with code 2. Nothing in this module
-touches the file system except reading the spec and checking that data files exist.
+touches the file system except reading the spec, checking that the data files are readable
+regular files and that a local model directory holds a model.
+
+User YAML is read through `load_yaml_text` only: plain data, bounded in size, depth and alias
+expansion, no duplicate keys. No float field takes NaN or infinity, and no string anywhere in
+a spec may be a credential (`jobs.secrets`).
 """
 
 from __future__ import annotations
@@ -540,7 +545,8 @@ def read_yaml(path: Union[str, Path]) -> dict:
     where = one_line(str(p))
     problem = path_problem(p)
     if problem:
-        raise SpecError(f"{where}: spec file {problem.replace('file not found', 'not found')}")
+        raise SpecError(f"{where}: spec file not found" if problem.startswith("file not found")
+                        else f"spec file {problem}")
     if p.stat().st_size > MAX_SPEC_BYTES:
         raise SpecError(f"{where}: {p.stat().st_size} bytes, larger than any spec ({MAX_SPEC_BYTES} bytes at most)")
     try:

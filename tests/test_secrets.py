@@ -119,3 +119,6 @@ def test_validation_errors_never_echo_a_whole_token():
     token = "ghp_" + _fill(36)
     msg = _refusal(f"optim.name={token}")  # an enum mismatch would quote its input
     assert token not in msg and "ghp_aB..." in msg
+    for override in (f"{token}=1", f"run.{token}=1", f"batch.{token}.x=1", f"run.env.X_{token}=1", token):
+        msg = _refusal(override)  # a token as a key, in a field path, or as a whole override
+        assert token not in msg and "ghp_aB..." in msg, msg
