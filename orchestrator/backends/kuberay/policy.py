@@ -3,20 +3,22 @@
 `policy_violations(objects)` lists everything in a set of manifests that breaks it (empty: all
 good): a restricted securityContext on every pod (Pod Security Standards "restricted", the
 parts a manifest shows), secrets by reference only (no inline env values under secret-like
-names, no Secret data, nothing shaped like a credential anywhere), Ray's dashboard and client
-ports never exposed outside the cluster, and every RayJob bounded and admitted by Kueue
-(backoffLimit, activeDeadlineSeconds, a queue label, a restricted submitter, one plain entrypoint
-command). `render` checks its own output with it; the tests check all of k8s/ with it.
+names, no Secret data, nothing shaped like a credential anywhere -- `jobs.secrets` decides, as
+it does for specs), Ray's dashboard and client ports never exposed outside the cluster, and
+every RayJob bounded and admitted by Kueue (backoffLimit, activeDeadlineSeconds, a queue label,
+a restricted submitter, one plain entrypoint command). `render` checks its own output with it;
+the tests check all of k8s/ with it.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator
 
 import yaml
 
-from jobs.spec import SECRET_NAME, SECRET_VALUE
+from jobs import secrets
+from jobs.secrets import SECRET_NAME
 
 Obj = dict[str, Any]
 
@@ -25,19 +27,8 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 # through a shell again: one plain command of plain words.
 SHELL_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./{}-]+")
 SHELL_OPERATORS = re.compile(r"&&|\|\||[;|&`<>\n]|\$\(")
-# Where a credential-shaped word may end inside a manifest string (YAML, JSON, env lines, URLs).
-_WORD_BREAKS = re.compile(r"[\s\"'`=,;:()\[\]{}<>|]+")
 RAY_PORTS = {8265, 10001}
 RESTRICTED_CAPS_ADD = {"NET_BIND_SERVICE"}
-
-
-def credential_in(text: str) -> Optional[str]:
-    """The first word of `text` that has a credential's shape (`jobs.spec.SECRET_VALUE`, the one
-    definition: the spec refuses such values in `run.env`, the policy anywhere in a manifest)."""
-    for word in _WORD_BREAKS.split(text):
-        if word and SECRET_VALUE.match(word):
-            return word
-    return None
 
 
 def _oid(o: Obj) -> str:
@@ -124,17 +115,6 @@ def _env_violations(where: str, pod: Obj) -> list[str]:
     return bad
 
 
-def _strings(x: Any) -> Iterator[str]:
-    if isinstance(x, str):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _strings(v)
-    elif isinstance(x, list):
-        for v in x:
-            yield from _strings(v)
-
-
 def _exposes_ray_ports(ports: list[Obj]) -> bool:
     for p in ports or []:
         if p.get("port") in RAY_PORTS or p.get("targetPort") in RAY_PORTS or \
@@ -181,10 +161,10 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
             for k, v in (o.get("data") or {}).items():
                 if SECRET_NAME.search(k) and v and not k.endswith((".yaml", ".yml", ".json")):
                     bad.append(f"{oid}: data.{k} looks like a secret in a ConfigMap")
-        for s in _strings(o):
-            found = credential_in(s)
+        for _, s in secrets.walk_strings(o):    # jobs.secrets: the one scanner (the spec uses it too)
+            found = secrets.describe(s)
             if found:
-                bad.append(f"{oid}: contains what looks like a credential ({found[:6]}...)")
+                bad.append(f"{oid}: contains what looks like a credential: {found}")
                 break
         # Ray ports stay inside the cluster.
         if kind == "Service":
