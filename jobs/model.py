@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .cache import build_once
 from .spec import JobSpec, SpecError
 
 log = logging.getLogger("rayft")
@@ -136,32 +137,30 @@ def load_base_model(spec: JobSpec, precision: str):
 
 
 def _gguf_cache(directory: Path, gguf_file: str) -> Path:
-    """De-quantize a GGUF once and keep it as safetensors; later loads skip the slow path."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """De-quantize a GGUF once and keep it as safetensors; later loads skip the slow path.
+    Workers that start together on one machine de-quantize it once (`build_once`)."""
     path = directory / gguf_file
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
     cache = _cache_root() / "gguf" / f"{path.stem}-{key}"
-    if (cache / "config.json").is_file():
-        return cache
-    log.info("de-quantizing %s (first load; cached at %s)", path, cache)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    # transformers refuses save_pretrained on a GGUF-loaded model; the de-quantized weights are
-    # plain tensors, so write them and a config without the GGUF quantization marker.
-    from safetensors.torch import save_model
 
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(cache)  # atomic: a half-written cache is never picked up
-    return cache
+    def dequantize(tmp: Path) -> None:
+        from safetensors.torch import save_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("de-quantizing %s (first load; cached at %s)", path, cache)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+        # transformers refuses save_pretrained on a GGUF-loaded model; the de-quantized weights
+        # are plain tensors, so write them and a config without the GGUF quantization marker.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp)
+
+    return build_once(cache, dequantize, f"the de-quantized {gguf_file}")
 
 
 def add_lora(model, spec: JobSpec, precision: str = "fp32"):
