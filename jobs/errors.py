@@ -16,6 +16,9 @@ line is a `SpecError` raised on a Ray worker) and `jobs` imports nothing above i
 
 from __future__ import annotations
 
+import re
+from typing import Iterator, Optional, Union
+
 
 class RayftError(Exception):
     """Base of every error rayft reports as one line."""
@@ -55,3 +58,61 @@ class JobNotFound(ClusterError):
     """The cluster has no job with that submission id or RayJob name."""
 
     exit_code = 2
+
+
+# ---- failures that come back wrapped (by Ray Train, Ray Tune, the Jobs API) --------------------
+
+def causes(err: Optional[BaseException]) -> Iterator[BaseException]:
+    """`err` and everything it wraps: Ray Train's per-worker failures, `__cause__`, `__context__`.
+    The one walk over Ray's wrapping that `user_error` and `oom_line` use."""
+    seen: set[int] = set()
+    todo: list[Optional[BaseException]] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict):
+            todo.extend(failures.values())
+        todo.extend([e.__cause__, e.__context__])
+
+
+def user_error(err: Optional[BaseException]) -> Optional[SpecError]:
+    """A SpecError raised on a worker (bad data line, LoRA targets that match nothing) comes
+    back wrapped by Ray, sometimes only as text; unwrap it so the CLI prints one line, exit 2."""
+    for e in causes(err):
+        if isinstance(e, SpecError):
+            return SpecError(str(e))
+        text = str(e)
+        if "SpecError: " in text:
+            return SpecError(text.rsplit("SpecError: ", 1)[1].strip().splitlines()[0])
+    return None
+
+
+# torch's exception line as Ray flattens it into a message or a log (torch.OutOfMemoryError,
+# torch.cuda.OutOfMemoryError, ...); other lines count when they say "out of memory" (CUDA's
+# "CUDA out of memory" / "CUDA error: out of memory", ROCm's "HIP out of memory").
+_OOM_EXCEPTION_LINE = re.compile(r"(\w+\.)*OutOfMemoryError: .*")
+
+
+def oom_line(*failures: Union[BaseException, str, None]) -> Optional[str]:
+    """The out-of-memory message in a training failure -- an exception (walked with `causes`) or
+    the text of a job's status message or logs -- or None when it is not out of memory. The one
+    rule Tune (trial -> infeasible) and the queue driver (job -> retried at half the micro-batch) use.
+    Preference: an OutOfMemoryError/MemoryError object, then torch's exception line, then any
+    line that says "out of memory"."""
+    found: Optional[str] = None
+    for failure in failures:
+        for e in ([failure] if isinstance(failure, str) or failure is None else causes(failure)):
+            if isinstance(e, BaseException) and (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"):
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                return f"{type(e).__name__}: {first}"[:300]
+            for line in str(e or "").splitlines():
+                m = _OOM_EXCEPTION_LINE.search(line)
+                if m:
+                    return m.group(0).strip()[:300]
+                if found is None and "out of memory" in line.lower():
+                    found = line.strip()[:300]
+    return found

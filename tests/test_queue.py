@@ -18,7 +18,9 @@ from test_submit import BIN, ROOT, SPEC, TINY, _token_mode, jobs_on, metrics_ste
 
 from jobs.errors import UserError
 from jobs.spec import load_spec
-from orchestrator.queue.admission import GPU_MEMORY_GIB, ClusterView, Demand, fit, parse_gpu_memory
+from orchestrator.backends.base import ClusterView
+from orchestrator.backends.ray_jobs import cluster_view_from_api
+from orchestrator.queue.admission import GPU_MEMORY_GIB, Demand, fit, parse_gpu_memory
 from orchestrator.queue.driver import Driver, enqueue
 from orchestrator.queue.store import Queue
 
@@ -37,7 +39,7 @@ def view(*nodes: dict) -> ClusterView:
             res[f"accelerator_type:{n['type']}"] = 1.0
         result.append({"node_id": f"n{i}", "state": "ALIVE", "resources_total": res, "labels": {}})
         usage[f"n{i}"] = {"CPU": [n.get("cpu_used", 0.0), res["CPU"]], "GPU": [n.get("gpu_used", 0.0), res.get("GPU", 0.0)]}
-    return ClusterView.from_api({"data": {"result": {"result": result}}},
+    return cluster_view_from_api({"data": {"result": {"result": result}}},
                                 {"data": {"clusterStatus": {"loadMetricsReport": {"usageByNode": usage}}}})
 
 

@@ -303,7 +303,7 @@ def test_results_classify_trials_by_tunes_verdict_and_the_trials_own_record(tmp_
 def test_oom_is_recognised_through_ray_wrapping():
     import torch
 
-    from tune.run import oom_line
+    from jobs.errors import oom_line
 
     try:
         raise RuntimeError("worker group failed") from torch.OutOfMemoryError("CUDA out of memory (injected)")

@@ -21,15 +21,14 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
-from jobs.errors import SpecError
-from jobs.launch import causes, make_trainer
+from jobs.errors import SpecError, oom_line
+from jobs.launch import make_trainer
 from jobs.outputs import write_json_atomic
 from jobs.spec import JobSpec
 from .plan import (METRIC, PLAN_FILE, STARTS_FILE, STATUS_FILE, TIME_ATTR, TRIALS_DIR, TUNE_DIR, Plan, gib_str,
@@ -43,27 +42,6 @@ log = logging.getLogger("rayft")
 
 class TrialOutOfMemory(RuntimeError):
     """A launched trial ran out of memory: recorded as infeasible, never retried."""
-
-
-_OOM_LINE = re.compile(r"(\w+\.)*OutOfMemoryError: .*")
-
-
-def oom_line(err: Union[BaseException, str, None]) -> Optional[str]:
-    """The out-of-memory message inside a (Ray-wrapped) training failure or its text, if that is
-    what it is: an OutOfMemoryError/MemoryError in the chain, else the exception line Ray flattened
-    into a message, else any line that says "out of memory". None: not out of memory."""
-    found: Optional[str] = None
-    for e in ([err] if isinstance(err, str) else causes(err)):
-        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
-            return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-        # Ray flattens remote tracebacks into the message: find the exception line in it.
-        for line in str(e).splitlines():
-            m = _OOM_LINE.search(line)
-            if m:
-                return m.group(0).strip()[:300]
-            if found is None and "out of memory" in line.lower():
-                found = line.strip()[:300]
-    return found
 
 
 # ---- one trial ---------------------------------------------------------------------------

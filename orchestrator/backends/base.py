@@ -165,3 +165,41 @@ def write_new_text(out: Optional[TextIO], seen: str, text: str) -> str:
 
 def sorted_by_start(rows: Iterable[JobStatus]) -> list[JobStatus]:
     return sorted(rows, key=lambda r: (r.start_time_s is None, r.start_time_s or 0.0, r.id))
+
+
+# ---- a cluster's resources, as a backend reports them for queue admission -------------------------------------------------------------------------------
+
+@dataclass
+class Node:
+    """One alive Ray node: totals, what is free now, and its GPUs' Ray accelerator type."""
+
+    node_id: str
+    cpu_total: float
+    cpu_free: float
+    gpu_total: float = 0.0
+    gpu_free: float = 0.0
+    accelerator_type: Optional[str] = None
+
+
+@dataclass
+class ClusterView:
+    """The cluster as admission sees it in one pass; `fit` takes placed jobs off it."""
+
+    nodes: list[Node]
+    usage_known: bool = True
+
+    @property
+    def cpu_total(self) -> float:
+        return sum(n.cpu_total for n in self.nodes)
+
+    @property
+    def cpu_free(self) -> float:
+        return sum(n.cpu_free for n in self.nodes)
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(n.gpu_total for n in self.nodes)
+
+    @property
+    def gpu_free(self) -> float:
+        return sum(n.gpu_free for n in self.nodes)

@@ -40,7 +40,7 @@ from urllib.parse import urlparse
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, JobNotFound, RayftError, SpecError, UserError
 from jobs.spec import JobSpec, apply_overrides, load_spec, validate
 
-from .base import FINAL, JobStatus, first_line, job_state, sorted_by_start
+from .base import FINAL, ClusterView, JobStatus, Node, first_line, job_state, sorted_by_start
 
 ENTRYPOINT = ("python", "-m", "jobs.finetune")
 # Never uploaded (besides what .gitignore / .rayignore exclude): the venv, outputs, VCS data,
@@ -533,8 +533,26 @@ class RayJobsBackend:
 
     # -- resources, for the queue's admission --
     def cluster_view(self):
-        from orchestrator.queue.admission import ClusterView
-
         nodes = self._get("/api/v0/nodes?limit=10000&detail=true")
         status = self._get("/api/cluster_status")
-        return ClusterView.from_api(nodes, status)
+        return cluster_view_from_api(nodes, status)
+
+
+def cluster_view_from_api(nodes_json: dict, status_json: dict) -> ClusterView:
+    """From the dashboard's `/api/v0/nodes` (totals, accelerator types) and `/api/cluster_status`
+    (per-node usage, refreshed by the autoscaler monitor every few seconds)."""
+    data = (status_json or {}).get("data") or {}
+    report = ((data.get("clusterStatus") or {}).get("loadMetricsReport") or {})
+    usage = report.get("usageByNode") or {}
+    out = []
+    for n in ((nodes_json.get("data") or {}).get("result") or {}).get("result") or []:
+        if n.get("state") != "ALIVE":
+            continue
+        res = n.get("resources_total") or {}
+        used = usage.get(n["node_id"]) or {}
+        accel = next((k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")), None)
+        accel = accel or (n.get("labels") or {}).get("ray.io/accelerator-type")
+        cpu, gpu = float(res.get("CPU", 0)), float(res.get("GPU", 0))
+        out.append(Node(n["node_id"], cpu, cpu - float((used.get("CPU") or [0])[0]),
+                        gpu, gpu - float((used.get("GPU") or [0])[0]), accel))
+    return ClusterView(out, usage_known=bool(usage))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from jobs.outputs import format_step
+
 from . import Parser
 from .output import console
 
@@ -14,7 +16,7 @@ from .output import console
 def cmd_run(args) -> int:
     from jobs.finetune import prepare, run
 
-    spec = prepare(args.spec, args.overrides, args.fresh)
+    spec = prepare(args.spec, args.overrides, args.fresh, local=args.local)
     with _Progress(spec) as bar:
         summary = run(spec, local=args.local, address=args.address, fresh=args.fresh, on_progress=bar.update)
     _summary_table(summary, spec)
@@ -47,8 +49,7 @@ class _Progress:
                                                completed=rec["step"] - 1, **fields)
         self.progress.update(self.task, completed=rec["step"], **fields)
         if not self.console.is_terminal:
-            print(f"step {rec['step']}/{rec.get('total_steps')} loss {rec['loss']:.4f} lr {rec['lr']:.3g} "
-                  f"grad_norm {rec['grad_norm']:.3g} tokens/s {rec['tokens_per_s']:.0f}", file=sys.stderr, flush=True)
+            print(format_step(rec), file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         self.progress.__exit__(*exc)
@@ -122,15 +123,10 @@ def cmd_spec(args) -> int:
 
 
 def register(sub) -> None:
+    from jobs.finetune import add_run_arguments
+
     run = sub.add_parser("run", help="run a job now (embedded local Ray unless --address)")
-    run.add_argument("spec")
-    run.add_argument("overrides", nargs="*", metavar="section.field=value")
-    run.add_argument("--address", metavar="GCS_ADDRESS",
-                     help="an existing Ray cluster to run on, as `ray.init` takes it: its GCS address HOST:6379, "
-                          "or ray://HOST:10001 (default: an embedded local Ray). Not the Jobs API URL "
-                          "http://HOST:8265 that `rayft submit --address` takes")
-    run.add_argument("--local", action="store_true", help="run in this process without Ray")
-    run.add_argument("--fresh", action="store_true", help="do not resume; existing checkpoints are moved aside")
+    add_run_arguments(run)  # the same arguments as `python -m jobs.finetune`, the ray job submit entrypoint
     run.set_defaults(fn=cmd_run)
 
     ev = sub.add_parser("eval", help="exact match on data.eval_path, base model vs base + adapter")

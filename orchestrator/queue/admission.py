@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from jobs.errors import UserError
+from orchestrator.backends.base import ClusterView, Node
 from orchestrator.backends.ray_jobs import DRIVER_NUM_CPUS
 
 # GiB of memory per GPU by Ray `accelerator_type` (ray.util.accelerators). Where one name covers
@@ -33,64 +34,6 @@ GPU_MEMORY_GIB: dict[str, float] = {
     "AMD-Instinct-MI350X-OAM": 288, "AMD-Instinct-MI355X-OAM": 288,
     "Intel-GPU-Max-1550": 128, "Intel-GPU-Max-1100": 48,
 }
-
-
-# ---- resources -------------------------------------------------------------------------------
-
-@dataclass
-class Node:
-    """One alive Ray node: totals, what is free now, and its GPUs' Ray accelerator type."""
-
-    node_id: str
-    cpu_total: float
-    cpu_free: float
-    gpu_total: float = 0.0
-    gpu_free: float = 0.0
-    accelerator_type: Optional[str] = None
-
-
-@dataclass
-class ClusterView:
-    """The cluster as admission sees it in one pass; `fit` takes placed jobs off it."""
-
-    nodes: list[Node]
-    usage_known: bool = True
-
-    @classmethod
-    def from_api(cls, nodes_json: dict, status_json: dict) -> "ClusterView":
-        """From the dashboard's `/api/v0/nodes` (totals, accelerator types) and `/api/cluster_status`
-        (per-node usage, refreshed by the autoscaler monitor every few seconds)."""
-        data = (status_json or {}).get("data") or {}
-        report = ((data.get("clusterStatus") or {}).get("loadMetricsReport") or {})
-        usage = report.get("usageByNode") or {}
-        out = []
-        for n in ((nodes_json.get("data") or {}).get("result") or {}).get("result") or []:
-            if n.get("state") != "ALIVE":
-                continue
-            res = n.get("resources_total") or {}
-            used = usage.get(n["node_id"]) or {}
-            accel = next((k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")), None)
-            accel = accel or (n.get("labels") or {}).get("ray.io/accelerator-type")
-            cpu, gpu = float(res.get("CPU", 0)), float(res.get("GPU", 0))
-            out.append(Node(n["node_id"], cpu, cpu - float((used.get("CPU") or [0])[0]),
-                            gpu, gpu - float((used.get("GPU") or [0])[0]), accel))
-        return cls(out, usage_known=bool(usage))
-
-    @property
-    def cpu_total(self) -> float:
-        return sum(n.cpu_total for n in self.nodes)
-
-    @property
-    def cpu_free(self) -> float:
-        return sum(n.cpu_free for n in self.nodes)
-
-    @property
-    def gpu_total(self) -> float:
-        return sum(n.gpu_total for n in self.nodes)
-
-    @property
-    def gpu_free(self) -> float:
-        return sum(n.gpu_free for n in self.nodes)
 
 
 @dataclass

@@ -25,7 +25,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import signal
 import sqlite3
 import sys
@@ -34,26 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, RayftError, UserError
+from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, RayftError, UserError, oom_line
 from orchestrator.backends.base import FAILED, SUCCEEDED, Backend
 from orchestrator.backends.ray_jobs import find_project, resolve_spec
 
 from .admission import Demand, fit
 from .store import ACTIVE, DONE, NewJob, Queue
-
-# How a job that ran out of (GPU) memory says so: torch's exception, CUDA's and ROCm's messages.
-OOM_PATTERNS = re.compile(r"(torch\.(cuda\.)?OutOfMemoryError|CUDA out of memory|CUDA error: out of memory"
-                          r"|HIP out of memory|OutOfMemoryError)")
-
-
-def looks_like_oom(*texts: str) -> Optional[str]:
-    """The first line that says the job ran out of (GPU) memory, if any."""
-    for text in texts:
-        for line in (text or "").splitlines():
-            if OOM_PATTERNS.search(line):
-                return line.strip()[:300]
-    return None
-
 
 def enqueue(queue: Queue, spec_path: str, overrides: list[str], *, priority: int = 0, max_retries: int = 2,
             working_dir: Optional[str] = None) -> tuple[int, bool]:
@@ -163,7 +148,7 @@ class Driver:
         """Record the end of the current attempt exactly once; decide on a retry."""
         now = time.time()
         first = (message or "").strip().splitlines()[-1][:300] if (message or "").strip() else ""
-        oom = looks_like_oom(message, logs) if status == FAILED else None
+        oom = oom_line(message, logs) if status == FAILED else None
         micro, accum = job["micro_batch_size"], job["grad_accum_steps"]
         new_state, note, not_before, changes, detail = status, job["change_note"], 0.0, None, status
         retries, oom_retried, demand = job["retries"], job["oom_retried"], job["demand"]
