@@ -21,8 +21,9 @@ States, one vocabulary (`STATES`):
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Protocol, TextIO, runtime_checkable
+from typing import Any, Callable, Iterable, Optional, Protocol, TextIO, runtime_checkable
 
 QUEUED, PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "QUEUED", "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
 STATES = (QUEUED, PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)
@@ -161,6 +162,17 @@ def write_new_text(out: Optional[TextIO], seen: str, text: str) -> str:
     out.write(text[len(seen):] if text.startswith(seen) else text)
     out.flush()
     return text
+
+
+def wait_for_end(status: Callable[[], JobStatus], timeout_s: Optional[float], poll_s: float) -> JobStatus:
+    """Poll `status()` every `poll_s` seconds until the job has ended, or `timeout_s` has passed
+    (None: no limit); returns the last status seen. Every backend's `wait` is this."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        st = status()
+        if st.ended or (deadline is not None and time.monotonic() > deadline):
+            return st
+        time.sleep(poll_s)
 
 
 def sorted_by_start(rows: Iterable[JobStatus]) -> list[JobStatus]:

@@ -31,7 +31,6 @@ import ipaddress
 import os
 import shlex
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, TextIO
@@ -40,7 +39,7 @@ from urllib.parse import urlparse
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, JobNotFound, RayftError, SpecError, UserError
 from jobs.spec import JobSpec, apply_overrides, load_spec, validate
 
-from .base import FINAL, ClusterView, JobStatus, Node, first_line, job_state, sorted_by_start
+from .base import FINAL, ClusterView, JobStatus, Node, first_line, job_state, sorted_by_start, wait_for_end
 
 ENTRYPOINT = ("python", "-m", "jobs.finetune")
 # Never uploaded (besides what .gitignore / .rayignore exclude): the venv, outputs, VCS data,
@@ -512,12 +511,7 @@ class RayJobsBackend:
         return self.wait(sid, timeout_s=30.0, poll_s=0.5)
 
     def wait(self, sid: str, timeout_s: Optional[float] = None, poll_s: float = 1.0) -> JobStatus:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            st = self.status(sid)
-            if st.ended or (deadline is not None and time.monotonic() > deadline):
-                return st
-            time.sleep(poll_s)
+        return wait_for_end(lambda: self.status(sid), timeout_s, poll_s)
 
     def stop(self, sid: str) -> bool:
         """True when a stop was sent; False when the job had already ended."""

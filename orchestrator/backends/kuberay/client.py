@@ -23,7 +23,7 @@ from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, JobN
 from jobs.spec import JobSpec
 
 from ..base import FAILED, FINAL, PENDING, QUEUED, RUNNING, SUCCEEDED, JobStatus, first_line, sorted_by_start, \
-    write_new_text
+    wait_for_end, write_new_text
 from ..base import job_state as ray_job_state
 from .node_types import DEFAULT_OVERLAY
 from .render import (ANN_CHECKPOINTING, ANN_ESTIMATE, ANN_NODE_TYPE, ANN_SPEC_HASH, DEFAULT_NAMESPACE, RAY_GROUP,
@@ -328,12 +328,7 @@ class KubeRayBackend:
             time.sleep(poll_s)
 
     def wait(self, name: str, timeout_s: Optional[float] = None, poll_s: float = 2.0) -> JobStatus:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            st = self.status(name)
-            if st.ended or (deadline is not None and time.monotonic() > deadline):
-                return st
-            time.sleep(poll_s)
+        return wait_for_end(lambda: self.status(name), timeout_s, poll_s)
 
     def stop(self, name: str) -> bool:
         """Delete the RayJob (KubeRay deletes its cluster and submitter) and its spec ConfigMap.
