@@ -98,7 +98,26 @@ def k8s_column(case: Case) -> Column:
     return int(ann[kuberay.ANN_ESTIMATE_BYTES]) / GIB, ann[kuberay.ANN_CHECKPOINTING]
 
 
+def loop_column(case: Case) -> Column:
+    """The training loop: `jobs.loop.memory_plan`, what `train()` runs on its device. There is no
+    GPU here, so for a GPU case only the device's total memory -- the one thing the worker reads
+    from CUDA for its plan -- is supplied as the gpu overlay's GPU would report it."""
+    import torch
+
+    from jobs.loop import memory_plan
+
+    if case.device == "cpu":
+        plan = memory_plan(case.spec(), torch.device("cpu"))
+    else:
+        gpu = type("Props", (), {"total_memory": int(gpu_memory_gib() * GIB)})()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+            plan = memory_plan(case.spec(), torch.device("cuda", 0))
+    return plan.total_gib, plan.checkpointing
+
+
 COLUMNS: dict[str, Callable[[Case], Column]] = {
+    "training loop": loop_column,
     "queue admission": queue_column,
     "k8s render": k8s_column,
 }
