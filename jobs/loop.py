@@ -43,9 +43,10 @@ from .data import GlobalBatches, collate, count_inputs, count_labels, eval_shard
 from .faults import from_env
 from .memory import MemoryPlan
 from .model import add_lora, check_batchnorm, check_packing, compile_layers, enable_checkpointing, load_base_model
-from .outputs import SUMMARY, MetricsLog, append_event, claim_output_dir, plot_loss, read_metrics, write_json_atomic
+from .outputs import PLOT, SUMMARY, MetricsLog, append_event, claim_output_dir, plot_loss, read_metrics, write_json_atomic
 from .errors import SpecError
 from .spec import JobSpec, compute_precision
+from .tracking import open_trackers
 
 log = logging.getLogger("rayft")
 GIB = 1024**3
@@ -383,6 +384,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     pos = resume_or_seed(spec, ctx, job, resume)
     engine = make_engine(spec, ctx, job)
     metrics_log = MetricsLog(out, pos.step) if ctx.is_main else None
+    trackers = open_trackers(spec, pos.step, job.steps, ctx.is_main)
     if ctx.is_main:
         append_event(out, "resume" if pos.step else "start", step=pos.step, world_size=world, checkpoint=pos.source)
         log.warning("job %s: %d steps, global batch %d = %d workers x %d accumulation x %d micro; lr %.3g (base "
@@ -428,6 +430,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             if step == pos.step:  # the first step of this run
                 append_event(out, "first_step", step=done)
             metrics_log.write(last)
+            trackers.log_step(last)
             ctx.progress(dict(last, total_steps=job.steps))
 
         if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == job.steps:
@@ -437,12 +440,14 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             shared = (job.model, job.optimizer, job.scaler) if ctx.is_main else ()
             ctx.save_checkpoint(out / "checkpoints", done, ckpt.rank_files(rank, state, *shared), last,
                                 spec.run.keep_checkpoints)
+            trackers.checkpointed(done)
 
     summary = {}
     if ctx.is_main:
         metrics_log.close()
         summary = write_outputs(spec, job, pos, last, wall_s=time.perf_counter() - run_start,
                                 mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None)
+        trackers.finish(summary, [out / SUMMARY, out / PLOT, out / "adapter"])
     ctx.report(dict(last, done=True))
     return summary
 

@@ -234,6 +234,12 @@ class RunSpec(_Section):
     """Evaluate the held-out loss every N optimizer steps (0: only at the end, when there is eval data)."""
     max_failures: int = Field(0, ge=0)
     """Ray Train restarts of failed workers from the last checkpoint within one run."""
+    trackers: list[Literal["tensorboard", "mlflow"]] = Field(default_factory=list)
+    """Experiment trackers fed by rank 0 (`jobs.tracking`): `tensorboard` writes event files under
+    `<output_dir>/tensorboard/`; `mlflow` logs to `mlflow_tracking_uri`."""
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow tracking URI (`http://host:5000`, `file:/path`, ...); default: a file store at
+    `<output_dir>/mlruns` (no server needed)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Non-secret environment variables for the workers. Secrets go by reference (e.g.
     `model.hf_token_env` names a variable the cluster provides); a value here that looks like a

@@ -1,0 +1,235 @@
+"""Experiment trackers (`run.trackers`): TensorBoard event files and MLflow runs, fed by rank 0.
+
+Invariants:
+
+* The trackers see exactly the records `metrics.jsonl` gets, one per optimizer step, on the
+  step axis of `metrics.jsonl` (`step`, 1-based). A tracker never fails the training: the first
+  error of a tracker is one warning, after which that tracker is off and training goes on.
+* A resumed run continues the same step axis without duplicated or missing steps:
+  - TensorBoard gets each step at once; on resume the writer opens with `purge_step` = the
+    checkpoint's step + 1, so readers drop what the killed run wrote past the checkpoint.
+  - MLflow has no way to take back a logged value, so it is sent the steps a checkpoint holds:
+    the records are buffered and flushed when a checkpoint is written (and at the end). The
+    steps a kill loses are the ones the resumed run trains again, and only then are they sent.
+  - The MLflow run id is kept in `<output_dir>/mlflow_run.json`; a resume continues that run.
+* Nothing here runs on ranks other than 0 (`open_trackers(..., is_main=False)` is inert).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Iterable, Optional
+from urllib.parse import urlsplit, urlunsplit
+
+from . import secrets
+from .outputs import write_json_atomic
+from .spec import JobSpec
+
+log = logging.getLogger("rayft")
+
+TENSORBOARD_DIR = "tensorboard"
+MLFLOW_DIR = "mlruns"
+MLFLOW_RUN_FILE = "mlflow_run.json"
+# Fields of a metrics record that are not metrics (the step is the axis; the kind is a word).
+NOT_METRICS = ("step", "peak_mem_kind")
+
+
+def tracking_uri(spec: JobSpec) -> str:
+    """`run.mlflow_tracking_uri`, default a file store under the output dir."""
+    return spec.run.mlflow_tracking_uri or f"file:{spec.output_path.resolve() / MLFLOW_DIR}"
+
+
+def shown_uri(uri: str) -> str:
+    """The URI without user info (a password in `http://user:pw@host` is never logged)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "<unparseable uri>"
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        parts = parts._replace(netloc=netloc)
+    return urlunsplit(parts)
+
+
+def metrics_of(record: dict, evaluated: bool) -> dict[str, float]:
+    """The numeric metrics of one `metrics.jsonl` record (booleans as 0/1; `eval_loss` only at
+    steps where the eval ran, since the record carries the last value forward)."""
+    out = {}
+    for key, value in record.items():
+        if key in NOT_METRICS or value is None or (key == "eval_loss" and not evaluated):
+            continue
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+def flat_params(spec: JobSpec) -> dict[str, str]:
+    """The resolved spec as `section.field` -> text (MLflow parameters are strings, <= 6000 chars)."""
+    out: dict[str, str] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            out[prefix] = (json.dumps(node) if not isinstance(node, str) else node)[:6000]
+
+    walk(spec.to_dict(), "")
+    return out
+
+
+class Trackers:
+    """The trackers of one run on rank 0. `log_step(record)` per optimizer step,
+    `checkpointed(step)` after a checkpoint is written, `finish(summary, files)` at the end."""
+
+    def __init__(self, spec: Optional[JobSpec] = None, resume_step: int = 0, total_steps: int = 0):
+        self.spec, self.total_steps = spec, total_steps
+        self.tb = None          # tensorboard SummaryWriter
+        self.ml = None          # mlflow MlflowClient
+        self.run_id: Optional[str] = None
+        self.pending: list[dict] = []  # records not yet sent to MLflow (see module doc)
+        if spec is None:
+            return
+        if "tensorboard" in spec.run.trackers:
+            self._guard("tensorboard", lambda: self._open_tensorboard(resume_step))
+        if "mlflow" in spec.run.trackers:
+            self._guard("mlflow", lambda: self._open_mlflow(resume_step))
+
+    # ---- opening ----------------------------------------------------------------------------
+
+    def _open_tensorboard(self, resume_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        logdir = self.spec.output_path / TENSORBOARD_DIR
+        # purge_step: readers drop events at steps >= it written before (a killed run's tail).
+        self.tb = SummaryWriter(str(logdir), purge_step=resume_step + 1 if resume_step else None)
+
+    def _open_mlflow(self, resume_step: int) -> None:
+        uri = tracking_uri(self.spec)
+        if uri.startswith("file:"):
+            # MLflow 3 refuses file stores unless this is set; a local store needs no server.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        # MLflow retries an unreachable server for minutes by default; one short try here, since a
+        # failure only turns the tracker off (the user's own setting wins).
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        saved = self.spec.output_path / MLFLOW_RUN_FILE
+        if resume_step and saved.exists():
+            info = json.loads(saved.read_text())
+            if info.get("tracking_uri") == uri:
+                client.update_run(info["run_id"], status="RUNNING")
+                self.ml, self.run_id = client, info["run_id"]
+                return
+        exp = client.get_experiment_by_name(self.spec.name)
+        exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.spec.name)
+        run = client.create_run(exp_id, run_name=self.spec.name)
+        params = [Param(k, v) for k, v in flat_params(self.spec).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
+            client.log_batch(run.info.run_id, params=params[i:i + 100])
+        write_json_atomic(saved, {"run_id": run.info.run_id, "experiment_id": exp_id, "tracking_uri": uri})
+        self.ml, self.run_id = client, run.info.run_id
+
+    # ---- per step ---------------------------------------------------------------------------
+
+    def evaluated(self, step: int) -> bool:
+        every = self.spec.run.eval_every
+        return bool(every and step % every == 0) or step == self.total_steps
+
+    def log_step(self, record: dict) -> None:
+        if self.spec is None:
+            return
+        if self.tb is not None:
+            self._guard("tensorboard", lambda: self._tb_step(record))
+        if self.ml is not None:
+            self.pending.append(record)
+
+    def _tb_step(self, record: dict) -> None:
+        step = record["step"]
+        for key, value in metrics_of(record, self.evaluated(step)).items():
+            self.tb.add_scalar(key, value, step)
+        self.tb.flush()
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of `step` is on disk: MLflow may now have every step up to it."""
+        if self.ml is None:
+            return
+        sent = [r for r in self.pending if r["step"] <= step]
+        self.pending = [r for r in self.pending if r["step"] > step]
+        self._guard("mlflow", lambda: self._ml_send(sent))
+
+    def _ml_send(self, records: list[dict]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        metrics = [Metric(k, v, now_ms, r["step"]) for r in records
+                   for k, v in metrics_of(r, self.evaluated(r["step"])).items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+            self.ml.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    # ---- the end ----------------------------------------------------------------------------
+
+    def finish(self, summary: dict, files: Iterable[Path]) -> None:
+        """Send what is left, the summary and `files` (paths; directories go whole), and close."""
+        if self.spec is None:
+            return
+        if self.tb is not None:
+            self._guard("tensorboard", lambda: self._tb_finish(summary))
+        if self.ml is not None:
+            self.checkpointed(float("inf"))
+        if self.ml is not None:
+            self._guard("mlflow", lambda: self._ml_finish(summary, [Path(f) for f in files]))
+
+    def _tb_finish(self, summary: dict) -> None:
+        self.tb.add_text("summary", "```\n" + json.dumps(summary, indent=2, default=str) + "\n```")
+        self.tb.close()
+        self.tb = None
+
+    def _ml_finish(self, summary: dict, files: list[Path]) -> None:
+        for path in files:
+            if path.is_dir():
+                self.ml.log_artifacts(self.run_id, str(path), artifact_path=path.name)
+            elif path.exists():
+                self.ml.log_artifact(self.run_id, str(path))
+        self.ml.set_terminated(self.run_id, status="FINISHED")
+        self.ml = None
+
+    # ---- failures ---------------------------------------------------------------------------
+
+    def _guard(self, which: str, action) -> None:
+        """Run `action`; on any error, warn once and turn `which` off (training goes on)."""
+        try:
+            action()
+        except Exception as e:  # noqa: BLE001 - a tracker never fails the training
+            where = shown_uri(tracking_uri(self.spec)) if which == "mlflow" else str(
+                self.spec.output_path / TENSORBOARD_DIR)
+            reason = " ".join(str(e).split())
+            if which == "mlflow":
+                uri = tracking_uri(self.spec)
+                reason = reason.replace(uri, shown_uri(uri))
+            reason = secrets.redact(reason)[:300]
+            log.warning("tracker %s (%s) failed: %s: %s; training goes on without it (metrics.jsonl stays "
+                        "complete)", which, where, type(e).__name__, reason)
+            if which == "tensorboard":
+                self.tb = None
+            else:
+                self.ml, self.pending = None, []
+
+
+def open_trackers(spec: JobSpec, resume_step: int, total_steps: int, is_main: bool) -> Trackers:
+    """The run's trackers on rank 0; an inert object elsewhere or when `run.trackers` is empty."""
+    if not is_main or not spec.run.trackers:
+        return Trackers()
+    return Trackers(spec, resume_step, total_steps)
