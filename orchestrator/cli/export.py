@@ -1,0 +1,67 @@
+"""`rayft export` and `rayft generate`: what a user does with a finished run (`jobs.export`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .output import say
+
+
+def cmd_export(args) -> int:
+    from jobs.export import export
+
+    target = export(Path(args.output_dir), merge=args.merge, dtype=args.dtype, to=Path(args.to) if args.to else None)
+    say(f"{'merged model' if args.merge else 'adapter'} exported to {target}")
+    print(target)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from jobs.errors import UserError
+    from jobs.export import generate, load_for_generation, prompts_from
+
+    if args.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be > 0")
+    if args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature}: must be >= 0 (0: greedy)")
+    model, tok = load_for_generation(Path(args.output_dir))
+    opts = dict(chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    if args.prompt is not None:
+        generate(model, tok, args.prompt, **opts)  # streams the answer to stdout
+        return 0
+    interactive = sys.stdin.isatty()
+    if interactive:
+        say("one prompt per line; Ctrl-D ends")
+    for prompt in prompts_from(_lines(interactive)):
+        generate(model, tok, prompt, **opts)
+    return 0
+
+
+def _lines(interactive: bool):
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        yield line
+
+
+def register(sub) -> None:
+    ex = sub.add_parser("export", help="export a finished run's adapter, or merge it into its base (--merge)")
+    ex.add_argument("output_dir", help="the run's output directory (run.output_dir)")
+    ex.add_argument("--merge", action="store_true",
+                    help="merge the adapter into the base: a standalone Hugging Face model directory")
+    ex.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32", help="dtype of the merged weights")
+    ex.add_argument("--to", help="target directory (default: <output_dir>/merged or <output_dir>/adapter-export)")
+    ex.set_defaults(fn=cmd_export)
+
+    gen = sub.add_parser("generate", help="generate with a run's adapter (or a merged export); streams the answer")
+    gen.add_argument("output_dir", help="a run's output directory, an adapter directory or a merged export")
+    gen.add_argument("prompt", nargs="?", help="the prompt (none: read prompts from stdin, one per line)")
+    gen.add_argument("--chat", action="store_true", help="render the prompt through the model's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.set_defaults(fn=cmd_generate)
