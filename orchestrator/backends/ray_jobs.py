@@ -21,7 +21,10 @@ plus what `ray job submit` does not do:
   Authorization header -- never in the runtime_env, the metadata or the entrypoint.
 
 The address is the Jobs API (the dashboard's HTTP URL, http://HOST:8265), not the GCS address
-HOST:6379 that `ray.init` and `rayft run --address` take.
+HOST:6379 that `ray.init` and `rayft run --address` take. Its syntax is checked before anything
+else (`resolve_address`); every HTTP request has a timeout (`http_timeout_s`: `--timeout-s`, else
+$RAYFT_HTTP_TIMEOUT_S, else 30 s) and a cluster that does not answer within it is one
+`ClusterUnreachable` line naming the address.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ DEFAULT_EXCLUDES = [".git", ".venv", "outputs", ".rayft", "__pycache__", "*.egg-
 DRIVER_NUM_CPUS = 0.5
 META_PREFIX = "rayft."
 ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")   # `ray job submit` reads them in this order
+HTTP_TIMEOUT_ENV = "RAYFT_HTTP_TIMEOUT_S"
+# Per request, and per socket operation (connect; then each read, so a long upload or log is not
+# cut off while bytes flow). A live Jobs API answers in well under a second; 30 s leaves room for
+# a busy head node without letting a dead one hang a command.
+DEFAULT_HTTP_TIMEOUT_S = 30.0
 
 
 # ---- auth ------------------------------------------------------------------------------------
@@ -331,15 +339,63 @@ def build_submission(spec_path: str, overrides: list[str], *, address: Optional[
 
 # ---- the client ------------------------------------------------------------------------------
 
+def http_timeout_s(timeout_s: Optional[float] = None, flag: str = "--timeout-s") -> float:
+    """The network timeout in seconds: `timeout_s` (the CLI flag), else $RAYFT_HTTP_TIMEOUT_S,
+    else `DEFAULT_HTTP_TIMEOUT_S`. Always finite and > 0 (a bad value is a `UserError` naming
+    where it came from). Both backends use it: the Jobs API and the Kubernetes API."""
+    where, value = flag, timeout_s
+    if value is None and os.environ.get(HTTP_TIMEOUT_ENV, "").strip():
+        where, value = f"${HTTP_TIMEOUT_ENV}", os.environ[HTTP_TIMEOUT_ENV].strip()
+    if value is None:
+        return DEFAULT_HTTP_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{where}={value!r}: expected a number of seconds, e.g. 30") from None
+    if not (0 < seconds < float("inf")):
+        raise UserError(f"{where}={value!r}: the timeout must be a positive, finite number of seconds")
+    return seconds
+
+
+def check_address(url: str, where: str = "--address") -> None:
+    """Refuse a Jobs API URL that cannot be one -- no http(s) scheme, no host, a port outside
+    1..65535, characters requests cannot send -- before anything is contacted (one line)."""
+    import requests
+
+    p = urlparse(url)
+    if p.scheme not in ("http", "https"):
+        raise UserError(f"{where} {url}: the Ray Jobs API address is an http:// or https:// URL "
+                        "(e.g. http://127.0.0.1:8265)")
+    try:
+        port = p.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise UserError(f"{where} {url}: the port must be a number from 1 to 65535")
+    if not p.hostname or any(c.isspace() for c in url):
+        raise UserError(f"{where} {url}: no valid host name in the address (e.g. http://127.0.0.1:8265)")
+    try:
+        requests.models.PreparedRequest().prepare_url(url, None)
+    except requests.exceptions.RequestException as e:
+        raise UserError(f"{where} {url}: not a valid URL ({first_line(e, 160)})") from None
+
+
 def resolve_address(address: Optional[str]) -> Optional[str]:
     """The Jobs API URL: `address`, else $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS (as `ray job
-    submit` does); "HOST:PORT" gets http://. None when none is given anywhere."""
-    addr = address or next((os.environ[k] for k in ADDRESS_ENV if os.environ.get(k)), None)
-    if not addr:
+    submit` does); "HOST:PORT" gets http://. None when none is given anywhere. The syntax is
+    checked here (`check_address`), so a bad address never reaches the HTTP client."""
+    where = "--address"
+    if not address:
+        env = next((k for k in ADDRESS_ENV if os.environ.get(k)), None)
+        address, where = (os.environ[env], f"${env}") if env else (None, where)
+    if not address:
         return None
+    addr = address.strip()
     if "://" not in addr:
         addr = f"http://{addr}"
-    return addr.rstrip("/")
+    addr = addr.rstrip("/")
+    check_address(addr, where)
+    return addr
 
 
 def _seconds(ms: Optional[int]) -> Optional[float]:
@@ -373,8 +429,9 @@ class RayJobsBackend:
 
     name = "ray"
 
-    def __init__(self, address: Optional[str] = None):
+    def __init__(self, address: Optional[str] = None, timeout_s: Optional[float] = None):
         self.address = resolve_address(address)
+        self.timeout_s = http_timeout_s(timeout_s)
         self.token_source: Optional[str] = None
         self._client = None
 
@@ -408,7 +465,14 @@ class RayJobsBackend:
                     f"the Ray cluster at {self.address} requires an auth token and none was sent "
                     f"(RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset)')}); {auth_hint()}") from None
             raise ClusterAuthError(f"auth token: {first_line(text).split('. ')[0]}") from None   # the token loader
-        except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout) as e:
+        except requests.exceptions.Timeout as e:           # ConnectTimeout included: no answer in time
+            raise ClusterUnreachable(
+                f"no answer from the Ray Jobs API at {self.address} within {self.timeout_s:g} s "
+                f"({type(e).__name__}); is the cluster up and is this its dashboard address? "
+                f"(--timeout-s or ${HTTP_TIMEOUT_ENV} sets the limit)") from None
+        except requests.exceptions.InvalidURL as e:       # check_address lets none through; kept as a guard
+            raise UserError(f"--address {self.address}: not a valid URL ({first_line(e, 160)})") from None
+        except (ConnectionError, requests.exceptions.ConnectionError) as e:
             raise ClusterUnreachable(f"cannot reach the Ray Jobs API at {self.address} ({first_line(e, 160)}); "
                                      "is the cluster up and is this its dashboard address?") from None
         except RuntimeError as e:
@@ -418,8 +482,6 @@ class RayJobsBackend:
     def client(self):
         if self._client is None:
             import logging
-
-            from ray.job_submission import JobSubmissionClient
 
             if self.address is None:
                 raise UserError("no cluster: pass --address http://HOST:8265 (the Ray dashboard / Jobs API URL), "
@@ -431,7 +493,7 @@ class RayJobsBackend:
             for name in ("ray", "ray.dashboard.modules.dashboard_sdk"):
                 logging.getLogger(name).setLevel(logging.ERROR)
             with self._errors(f"connect to {self.address}"):
-                self._client = JobSubmissionClient(self.address)
+                self._client = _timed_client_class()(self.address, timeout_s=self.timeout_s)
         return self._client
 
     def _get(self, endpoint: str) -> Any:
@@ -530,6 +592,27 @@ class RayJobsBackend:
         nodes = self._get("/api/v0/nodes?limit=10000&detail=true")
         status = self._get("/api/cluster_status")
         return cluster_view_from_api(nodes, status)
+
+
+def _timed_client_class():
+    """`JobSubmissionClient` with a timeout on every HTTP request it makes (the version check in
+    its constructor, submit, status, logs, stop, list, the package upload): Ray's client passes
+    none, so a server that accepts and never answers would hang it forever. The timeout is
+    per socket operation (requests' semantics), so a large upload is not cut off while it moves.
+    The log stream of `follow` (a websocket) stays unbounded -- a job may print nothing for a
+    long time -- and starts only after a timed request has found the job."""
+    from ray.job_submission import JobSubmissionClient
+
+    class TimedJobSubmissionClient(JobSubmissionClient):
+        def __init__(self, address: str, *, timeout_s: float, **kw: Any):
+            self._rayft_timeout_s = timeout_s      # set before the constructor's version check
+            super().__init__(address, **kw)
+
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any):
+            kwargs.setdefault("timeout", self._rayft_timeout_s)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return TimedJobSubmissionClient
 
 
 def cluster_view_from_api(nodes_json: dict, status_json: dict) -> ClusterView:

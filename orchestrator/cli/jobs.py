@@ -25,14 +25,14 @@ from .output import fmt_time, print_json, say, table
 def _ray_jobs(args) -> Backend:
     from orchestrator.backends.ray_jobs import RayJobsBackend
 
-    return RayJobsBackend(args.address)
+    return RayJobsBackend(args.address, timeout_s=getattr(args, "timeout_s", None))
 
 
 def _kuberay(args) -> Backend:
     from orchestrator.backends.kuberay import KubeRayBackend
 
     target = {k: getattr(args, k) for k in ("queue", "image", "overlay") if getattr(args, k, None)}
-    return KubeRayBackend(namespace=args.namespace, **target)
+    return KubeRayBackend(namespace=args.namespace, timeout_s=getattr(args, "timeout_s", None), **target)
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {"ray": _ray_jobs, "kuberay": _kuberay}
@@ -137,6 +137,9 @@ def _add_backend_args(p) -> None:
                         "(~/.kube/config or in-cluster)")
     p.add_argument("--namespace",
                    help="--backend kuberay: namespace (default $RAYFT_K8S_NAMESPACE or rayft)")
+    p.add_argument("--timeout-s", type=float, metavar="SECONDS",
+                   help="give up on a cluster that does not answer a request within this many seconds "
+                        "(default $RAYFT_HTTP_TIMEOUT_S, else 30); exit 2")
 
 
 def register(sub) -> None:

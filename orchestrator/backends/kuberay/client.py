@@ -4,7 +4,10 @@
 `list` read and delete them. RayJob names are deterministic (`render.job_name`), so submitting
 the same spec twice finds the first RayJob. Every failure is one line: `JobNotFound` for a RayJob
 that is not there, `ClusterAuthError` for 401/403, `ClusterUnreachable` for no configuration or no
-answer, `KubeRayError` (a `ClusterError`) for any other refusal.
+answer, `KubeRayError` (a `ClusterError`) for any other refusal. Every API call carries
+`_request_timeout` (`ray_jobs.http_timeout_s`: `--timeout-s`, else $RAYFT_HTTP_TIMEOUT_S, else
+30 s, per connect and per read); an API server that does not answer is `ClusterUnreachable`
+naming its address.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from jobs.spec import JobSpec
 from ..base import FAILED, FINAL, PENDING, QUEUED, RUNNING, SUCCEEDED, JobStatus, first_line, sorted_by_start, \
     wait_for_end, write_new_text
 from ..base import job_state as ray_job_state
+from ..ray_jobs import http_timeout_s
 from .node_types import DEFAULT_OVERLAY
 from .render import (ANN_CHECKPOINTING, ANN_ESTIMATE, ANN_NODE_TYPE, ANN_SPEC_HASH, DEFAULT_NAMESPACE, RAY_GROUP,
                      RAY_VERSION_API, RAYJOB_PLURAL, Obj, load_spec_for_k8s, render, spec_configmap_name)
@@ -122,7 +126,9 @@ class KubeRayBackend:
 
     def __init__(self, namespace: Optional[str] = None, *, api_client: Any = None,
                  overlay: Union[str, Path] = DEFAULT_OVERLAY, queue: Optional[str] = None,
-                 image: Optional[str] = None, context: Optional[str] = None):
+                 image: Optional[str] = None, context: Optional[str] = None,
+                 timeout_s: Optional[float] = None):
+        self.timeout_s = http_timeout_s(timeout_s)
         self.namespace = namespace or os.environ.get("RAYFT_K8S_NAMESPACE") or DEFAULT_NAMESPACE
         self.overlay, self.queue, self.image, self.context = overlay, queue, image, context
         self._api_client = api_client
@@ -148,8 +154,24 @@ class KubeRayBackend:
                     config.load_kube_config(context=self.context)
             except Exception as e:  # ConfigException, missing file, bad context
                 raise ClusterUnreachable(f"kuberay: no usable Kubernetes configuration ({first_line(e)})") from None
-            self._api_client = client.ApiClient()
+            cfg = client.Configuration.get_default_copy()
+            # One try per request: the timeout is the whole wait, not once per urllib3 retry.
+            cfg.retries = False
+            self._api_client = client.ApiClient(cfg)
         return self._api_client
+
+    @property
+    def _timeout(self) -> tuple[float, float]:
+        """`_request_timeout` for every call: (connect, read) -- per socket operation, so a long
+        log is not cut off while it arrives."""
+        return (self.timeout_s, self.timeout_s)
+
+    @property
+    def api_host(self) -> str:
+        try:
+            return str(self.api_client.configuration.host)
+        except Exception:
+            return "the Kubernetes API"
 
     def _core(self):
         from kubernetes import client
@@ -167,7 +189,8 @@ class KubeRayBackend:
         import logging
 
         from kubernetes.client.exceptions import ApiException
-        from urllib3.exceptions import HTTPError
+        from urllib3.exceptions import HTTPError, NewConnectionError
+        from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
         # urllib3 logs each retry of an unreachable API server; rayft reports the failure once.
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
@@ -184,9 +207,16 @@ class KubeRayBackend:
                     pass
             text = first_line(f"kuberay: {what}: HTTP {e.status}: {msg}")
             raise (ClusterAuthError if e.status in (401, 403) else KubeRayError)(text) from None
-        except HTTPError as e:              # no answer: connection refused, DNS, TLS (after urllib3's retries)
-            why = first_line(getattr(e, "reason", None) or e, 200)
-            raise ClusterUnreachable(f"kuberay: {what}: cannot reach the Kubernetes API ({why})") from None
+        except HTTPError as e:              # no answer: connection refused, DNS, TLS, a timeout
+            reason = getattr(e, "reason", None)
+            # (urllib3's NewConnectionError -- refused, no route -- subclasses its timeout class)
+            if any(isinstance(x, Urllib3Timeout) and not isinstance(x, NewConnectionError) for x in (e, reason)):
+                raise ClusterUnreachable(
+                    f"kuberay: {what}: no answer from the Kubernetes API at {self.api_host} within "
+                    f"{self.timeout_s:g} s (--timeout-s or $RAYFT_HTTP_TIMEOUT_S sets the limit)") from None
+            why = first_line(reason or e, 200)
+            raise ClusterUnreachable(f"kuberay: {what}: cannot reach the Kubernetes API at {self.api_host} "
+                                     f"({why})") from None
 
     def _not_found(self, name: str) -> str:
         return f"kuberay: no RayJob {name} in namespace {self.namespace}"
@@ -194,7 +224,8 @@ class KubeRayBackend:
     def _get_rayjob(self, name: str) -> Obj:
         with self._api(f"get RayJob {name}", missing=self._not_found(name)):
             return self._custom().get_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, name)
+                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, name,
+                _request_timeout=self._timeout)
 
     # -- the interface --
     def render(self, spec: JobSpec, **kw: Any) -> list[Obj]:
@@ -234,11 +265,11 @@ class KubeRayBackend:
         body = client.V1ConfigMap.from_dict(cm) if hasattr(client.V1ConfigMap, "from_dict") else cm
         with self._api(f"create ConfigMap {cm_name}"):
             try:
-                core.create_namespaced_config_map(self.namespace, body)
+                core.create_namespaced_config_map(self.namespace, body, _request_timeout=self._timeout)
             except ApiException as e:
                 if e.status != 409:
                     raise
-                have = core.read_namespaced_config_map(cm_name, self.namespace)
+                have = core.read_namespaced_config_map(cm_name, self.namespace, _request_timeout=self._timeout)
                 have_hash = ((have.metadata.annotations or {}) if have.metadata else {}).get(ANN_SPEC_HASH)
                 if have_hash != h:
                     raise KubeRayError(f"kuberay: ConfigMap {cm_name} exists with spec hash {have_hash}, not {h}") \
@@ -246,7 +277,8 @@ class KubeRayBackend:
         with self._api(f"create RayJob {name}"):
             try:
                 created = custom.create_namespaced_custom_object(
-                    RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, rj)
+                    RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, rj,
+                    _request_timeout=self._timeout)
             except ApiException as e:
                 if e.status != 409:
                     raise
@@ -265,7 +297,8 @@ class KubeRayBackend:
                       "uid": uid, "blockOwnerDeletion": False}]
             try:
                 core.patch_namespaced_config_map(cm_name, self.namespace,
-                                                 [{"op": "add", "path": "/metadata/ownerReferences", "value": owner}])
+                                                 [{"op": "add", "path": "/metadata/ownerReferences", "value": owner}],
+                                                 _request_timeout=self._timeout)
             except ApiException:
                 pass                                      # stop() deletes it explicitly anyway
         return to_status(created if isinstance(created, dict) else rj, self.namespace), True
@@ -293,7 +326,8 @@ class KubeRayBackend:
 
         def newest(selector: str):
             with self._api(f"list pods ({selector})"):
-                pods = core.list_namespaced_pod(self.namespace, label_selector=selector).items or []
+                pods = core.list_namespaced_pod(self.namespace, label_selector=selector,
+                                                _request_timeout=self._timeout).items or []
             pods = [p for p in pods if p.metadata is not None]
             return max(pods, key=lambda p: str(p.metadata.creation_timestamp or "")) if pods else None
 
@@ -311,7 +345,8 @@ class KubeRayBackend:
             kw["container"] = container
         with self._api(f"log of pod {pod.metadata.name}"):
             try:
-                return core.read_namespaced_pod_log(pod.metadata.name, self.namespace, **kw) or ""
+                return core.read_namespaced_pod_log(pod.metadata.name, self.namespace, **kw,
+                                                    _request_timeout=self._timeout) or ""
             except ApiException as e:
                 if e.status not in (400, 404):   # 400: container not started yet; 404: pod gone
                     raise
@@ -339,11 +374,12 @@ class KubeRayBackend:
         opts = client.V1DeleteOptions(propagation_policy="Background")
         with self._api(f"delete RayJob {name}", missing=self._not_found(name)):
             self._custom().delete_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, name, body=opts)
+                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, name, body=opts,
+                _request_timeout=self._timeout)
         cm_name = spec_configmap_name(name)
         with self._api(f"delete ConfigMap {cm_name}"):
             try:
-                self._core().delete_namespaced_config_map(cm_name, self.namespace)
+                self._core().delete_namespaced_config_map(cm_name, self.namespace, _request_timeout=self._timeout)
             except ApiException as e:
                 if e.status != 404:
                     raise
@@ -354,5 +390,5 @@ class KubeRayBackend:
         with self._api("list RayJobs"):
             got = self._custom().list_namespaced_custom_object(
                 RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL,
-                **({} if all_jobs else {"label_selector": MANAGED_BY}))
+                **({} if all_jobs else {"label_selector": MANAGED_BY}), _request_timeout=self._timeout)
         return sorted_by_start(to_status(o, self.namespace) for o in got.get("items") or [])

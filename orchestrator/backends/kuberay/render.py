@@ -412,8 +412,11 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
     }
     objs = [configmap, rayjob]
     bad = policy_violations(objs)
-    if bad:  # a bug here, not a user mistake
-        raise RuntimeError("rendered RayJob breaks rayft's policy: " + "; ".join(bad))
+    if bad:
+        # What the user passes reaches the manifests outside the spec too (--image, --queue, the
+        # overlay's node type, the spec's path): refused as input, one line, nothing rendered.
+        raise SpecError(f"{where}: the rendered manifests would break rayft's policy: "
+                        + "; ".join(bad).replace("\n", " "))
     return objs
 
 
