@@ -208,11 +208,13 @@ def count_base_params(shape: ModelShape) -> dict[str, int]:
             "lm_head": 0 if shape.tied_embeddings else embed}
 
 
-def count_lora_params(shape: ModelShape, r: int, target_modules: Iterable[str]) -> int:
-    """r x (in + out) per adapted linear per layer (A is r x in, B is out x r)."""
+def count_lora_params(shape: ModelShape, r: int, target_modules: Iterable[str], dora: bool = False) -> int:
+    """r x (in + out) per adapted linear per layer (A is r x in, B is out x r); DoRA adds a
+    magnitude vector of `out` per adapted linear."""
     linears = shape.linear_shapes()
     targets = _targets(shape, target_modules)
-    return shape.layers * sum(r * (linears[t][0] + linears[t][1]) for t in targets)
+    return shape.layers * sum(r * (linears[t][0] + linears[t][1]) + (linears[t][1] if dora else 0)
+                              for t in targets)
 
 
 def _targets(shape: ModelShape, target_modules: Iterable[str]) -> set[str]:
@@ -240,8 +242,9 @@ class _Walk:
 
     def __init__(self, shape: ModelShape, *, batch: int, seq: int, act_bytes: int, autocast: bool,
                  targets: set[str], r: int, lora_dropout: float, attn: str, mask: bool, device: str,
-                 packed: bool = False):
+                 packed: bool = False, dora: bool = False):
         self.s, self.B, self.S, self.N = shape, batch, seq, batch * seq
+        self.dora = dora
         self.a, self.autocast = act_bytes, autocast
         self.targets, self.r, self.p = targets, r, lora_dropout
         self.attn, self.mask, self.device = attn, mask, device
@@ -321,7 +324,25 @@ class _Walk:
                 self.save(self.new(r * fan_in * a, False))  # autocast copy of A (for the input gradient)
             self.save(self.new(fan_out * r * a, False))  # autocast copy of B
         self.save(self.new(n * r * a, True))  # lora_B saves lora_A's output (for B's gradient)
+        if self.dora:
+            self.dora_terms(x, fan_out)
         return out
+
+    def dora_terms(self, x: _T, fan_out: int) -> None:
+        """What PEFT's DoRA (`DoraLinearLayer.forward`) keeps beyond LoRA, per adapted linear.
+        `(s - 1) * base_result` keeps the base linear's output (a storage of its own: the layer
+        returns `base_result + dora_result`, a new tensor) and, when that output requires grad
+        (the layer input does), the fp32 `s - 1`; `s * lora_result` keeps B(A(x)) in the compute
+        dtype and the fp32 `s = m / ||W + BA||_c`; the division keeps the detached norm (in the
+        activation dtype). The eye-matrix pass that builds BA for the norm is freed before
+        forward ends (a per-layer transient of in x in, not counted)."""
+        n, a = self.N, self.a
+        self.save(self.new(n * fan_out * a, x.rg),  # base_result
+                  self.new(n * fan_out * a, True),  # lora_result
+                  self.new(fan_out * a, False),  # the detached weight norm
+                  self.new(fan_out * FP32_BYTES, True))  # s
+        if x.rg:
+            self.save(self.new(fan_out * FP32_BYTES, True))  # s - 1
 
     def attention(self, q: _T, k: _T, v: _T) -> _T:
         s, B, S, N, a = self.s, self.B, self.S, self.N, self.a
@@ -424,7 +445,7 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
              gradient_as_bucket_view: bool = True, attn_implementation: str = "sdpa",
              checkpoint_every_n_layers: int = 1, label_fraction: float = 1.0,
              loss_chunk_tokens: Optional[int] = None, packed: bool = False,
-             device: str = "cuda") -> MemoryEstimate:
+             device: str = "cuda", lora_dora: bool = False) -> MemoryEstimate:
     """Per-GPU memory of one micro-step of LoRA training, as named components in bytes.
 
     `config` is a transformers config (or a `ModelShape`). `base_dtype` is the dtype of the
@@ -462,7 +483,7 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
 
     # ---- static ----
     params = count_base_params(shape)
-    lora_params = count_lora_params(shape, lora_r, targets)
+    lora_params = count_lora_params(shape, lora_r, targets, dora=lora_dora)
     lora_bytes = lora_params * FP32_BYTES
     opt_states = 2 if optimizer == "adamw" else (1 if momentum > 0 else 0)
     components = {
@@ -477,7 +498,7 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     def walk() -> _Walk:
         return _Walk(shape, batch=B, seq=S, act_bytes=a, autocast=autocast, targets=targets, r=lora_r,
                      lora_dropout=lora_dropout, attn=attn_implementation, mask=mask, device=device,
-                     packed=packed)
+                     packed=packed, dora=lora_dora)
 
     def one_layer_saved(input_rg: bool) -> int:
         w = walk()
@@ -639,6 +660,7 @@ def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
             lora_r=spec.lora.r,
             lora_target_modules=list(spec.lora.target_modules),
             lora_dropout=spec.lora.dropout,
+            lora_dora=spec.lora.use_dora,
             optimizer=spec.optim.name,
             momentum=spec.optim.momentum,
             world_size=spec.resources.num_workers,

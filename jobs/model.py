@@ -146,6 +146,10 @@ def _gguf_cache(directory: Path, gguf_file: str) -> Path:
     return build_once(cache, dequantize, f"the de-quantized {gguf_file}")
 
 
+# `lora.init` -> PEFT's `init_lora_weights`.
+LORA_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
+
+
 def add_lora(model, spec: JobSpec, precision: str = "fp32"):
     """Wrap with PEFT LoRA; adapter init is seeded so every rank starts identical.
 
@@ -158,6 +162,9 @@ def add_lora(model, spec: JobSpec, precision: str = "fp32"):
         lora_dropout=spec.lora.dropout,
         target_modules=list(spec.lora.target_modules),
         task_type="CAUSAL_LM",
+        use_dora=spec.lora.use_dora,
+        use_rslora=spec.lora.use_rslora,
+        init_lora_weights=LORA_INIT[spec.lora.init],
     )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         # PEFT probes the deprecated `is_gradient_checkpointing` alias; not ours to fix.
@@ -177,6 +184,21 @@ def add_lora(model, spec: JobSpec, precision: str = "fp32"):
             p.data = p.data.float()
     if precision in ("bf16", "fp16"):
         keep_lora_inputs_in_compute_dtype(peft_model)
+    if spec.lora.init in ("pissa", "olora"):
+        # PiSSA/OLoRA move the adapter's start out of the base weights (the base keeps the
+        # residual), so an adapter saved as trained belongs to that residual, not to the base a
+        # user loads. Keep the initial adapter and let every save convert to a plain LoRA of rank
+        # 2r on the unmodified base (PEFT's `path_initial_model_for_weight_conversion`).
+        import atexit
+        import functools
+        import shutil
+        import tempfile
+
+        init_dir = tempfile.mkdtemp(prefix="rayft-lora-init-")
+        atexit.register(shutil.rmtree, init_dir, True)
+        peft_model.save_pretrained(init_dir)
+        peft_model.save_pretrained = functools.partial(peft_model.save_pretrained,
+                                                       path_initial_model_for_weight_conversion=init_dir)
     return peft_model
 
 

@@ -134,6 +134,17 @@ class LoraSpec(_Section):
     """Dropout on the LoRA input."""
     target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
     """Module names (suffixes) that get LoRA adapters."""
+    use_dora: bool = False
+    """DoRA (PEFT `use_dora`): a trainable magnitude vector per adapted layer beside A and B; each
+    adapted layer keeps its base output and B(A(x)) for backward (more activation memory, which
+    `jobs.memory` counts)."""
+    use_rslora: bool = False
+    """rsLoRA (PEFT `use_rslora`): scale the update by alpha / sqrt(r) instead of alpha / r."""
+    init: Literal["default", "gaussian", "pissa", "olora"] = "default"
+    """Adapter initialisation (PEFT `init_lora_weights`): `default` (B = 0, A Kaiming-uniform),
+    `gaussian` (A Gaussian), `pissa` (A, B from the base weight's top singular vectors; the base
+    weight keeps the residual), `olora` (QR of the base weight). `pissa`/`olora` change the base
+    weights in memory and need unquantized bases."""
 
     @field_validator("target_modules")
     @classmethod
