@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import resource
 import time
@@ -302,6 +303,7 @@ class Position:
     skipped_steps: int = 0
     eval_loss: Optional[float] = None
     source: Optional[str] = None  # the checkpoint resumed from
+    early_stopping: Optional[dict] = None  # `EarlyStopping.state()` of the checkpoint
 
 
 def set_up(spec: JobSpec, ctx: Context) -> Job:
@@ -341,7 +343,8 @@ def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, resume: bool) -> Posit
         random.seed(spec.run.seed * 7919 + ctx.rank)
         return Position()
     state = ckpt.restore(newest, spec, ctx.rank, ctx.world_size, job.model, job.optimizer, job.scaler)
-    pos = Position(state["step"], state["tokens_seen"], state["skipped_steps"], state.get("eval_loss"), str(newest))
+    pos = Position(state["step"], state["tokens_seen"], state["skipped_steps"], state.get("eval_loss"), str(newest),
+                   state.get("early_stopping"))
     if ctx.is_main and pos.step >= job.steps:
         log.warning("%s already ran all %d steps (%s): nothing to train; outputs are rewritten from it "
                     "(--fresh trains again)", spec.name, job.steps, newest)
@@ -395,8 +398,9 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
                     job.plan.checkpointing, job.plan.total_gib)
 
     faults, last = from_env(), {}
+    stopper = EarlyStopping.of(spec, pos.early_stopping)
     run_tokens, run_step_s, run_start = 0, 0.0, time.perf_counter()
-    for step in range(pos.step, job.steps):
+    for step in range(pos.step, pos.step if stopper.stopped else job.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, job.steps, spec)
         for group in job.optimizer.param_groups:
@@ -420,6 +424,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         if spec.run.eval_every and done % spec.run.eval_every == 0 or done == job.steps:
             pos.eval_loss = held_out_loss(engine, job.data.eval, rank, world, spec.batch.micro_batch_size,
                                      job.tokenizer.pad_token_id, layout_args(spec, device))
+            stopper.judge(done, pos.eval_loss, job.model if ctx.is_main else None, out)
         peak, peak_kind = peak_memory_bytes(device)
         last = {"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n_inputs,
                 "tokens_seen": pos.tokens_seen, "label_tokens": n_labels, "tokens_per_s": n_inputs / dt,
@@ -433,23 +438,119 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             trackers.log_step(last)
             ctx.progress(dict(last, total_steps=job.steps))
 
-        if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == job.steps:
+        if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == job.steps or stopper.stopped:
             state = {"step": done, "next_global_batch": done, "tokens_seen": pos.tokens_seen,
                      "skipped_steps": pos.skipped_steps, "world_size": world, "eval_loss": pos.eval_loss,
-                     "resume_key": ckpt.resume_key(spec)}
+                     "resume_key": ckpt.resume_key(spec), "early_stopping": stopper.state()}
             shared = (job.model, job.optimizer, job.scaler) if ctx.is_main else ()
             ctx.save_checkpoint(out / "checkpoints", done, ckpt.rank_files(rank, state, *shared), last,
                                 spec.run.keep_checkpoints)
             trackers.checkpointed(done)
+            stopper.checkpointed(out if ctx.is_main else None)
+        if stopper.stopped:
+            break
 
     summary = {}
     if ctx.is_main:
         metrics_log.close()
+        stopper.restore_best(job.model, out)
         summary = write_outputs(spec, job, pos, last, wall_s=time.perf_counter() - run_start,
-                                mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None)
+                                mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None,
+                                extra=stopper.summary())
         trackers.finish(summary, [out / SUMMARY, out / PLOT, out / "adapter"])
     ctx.report(dict(last, done=True))
     return summary
+
+
+class EarlyStopping:
+    """`run.early_stopping`: after each evaluation, the eval loss either improves on the best so
+    far by more than `min_delta` (then the adapter of that step is kept, rank 0, as
+    `<output_dir>/early-stopping/best-step-N.safetensors`) or counts as one bad evaluation;
+    `patience` bad evaluations in a row stop the run, which ends with the best step's adapter as
+    `adapter/` (summary.json `best_step`). The state travels in checkpoints; the kept adapter
+    named by the newest checkpoint is never deleted, so a resumed run finds it. Inert without
+    `run.early_stopping` (`enabled` False)."""
+
+    DIR = "early-stopping"
+
+    def __init__(self, patience: int = 0, min_delta: float = 0.0, state: Optional[dict] = None):
+        self.enabled, self.patience, self.min_delta = patience > 0, patience, min_delta
+        state = state or {}
+        self.best_loss: Optional[float] = state.get("best_loss")
+        self.best_step: int = state.get("best_step", 0)
+        self.bad_evals: int = state.get("bad_evals", 0)
+        self.stopped_at: Optional[int] = state.get("stopped_at")
+        self.kept_step = self.best_step  # the best adapter the newest checkpoint names
+
+    @classmethod
+    def of(cls, spec: JobSpec, state: Optional[dict]) -> "EarlyStopping":
+        es = spec.run.early_stopping
+        return cls(es.patience, es.min_delta, state) if es else cls()
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_at is not None
+
+    def state(self) -> dict:
+        return {"best_loss": self.best_loss, "best_step": self.best_step, "bad_evals": self.bad_evals,
+                "stopped_at": self.stopped_at}
+
+    def best_file(self, out: Path, step: int) -> Path:
+        return out / self.DIR / f"best-step-{step:08d}.safetensors"
+
+    def judge(self, step: int, eval_loss: Optional[float], model, out: Path) -> None:
+        """After the evaluation of optimizer step `step`; `model` is given on rank 0 only."""
+        if not self.enabled or eval_loss is None:
+            return
+        if self.best_loss is None or eval_loss < self.best_loss - self.min_delta:
+            self.best_loss, self.best_step, self.bad_evals = eval_loss, step, 0
+            if model is not None:
+                self._keep(model, out, step)
+            return
+        self.bad_evals += 1
+        if self.bad_evals >= self.patience:
+            self.stopped_at = step
+            log.warning("early stopping at step %d: eval loss has not improved by more than %g for %d "
+                        "evaluations; the adapter of step %d (eval loss %.4f) is the result", step,
+                        self.min_delta, self.bad_evals, self.best_step, self.best_loss)
+
+    def _keep(self, model, out: Path, step: int) -> None:
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        path = self.best_file(out, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}, str(tmp))
+        os.replace(tmp, path)
+        self._prune(out)
+
+    def checkpointed(self, out: Optional[Path]) -> None:
+        """A checkpoint naming `best_step` is on disk (rank 0 passes `out`)."""
+        if self.enabled and out is not None:
+            self.kept_step = self.best_step
+            self._prune(out)
+
+    def _prune(self, out: Path) -> None:
+        keep = {self.best_file(out, self.best_step).name, self.best_file(out, self.kept_step).name}
+        for f in (out / self.DIR).glob("best-step-*.safetensors"):
+            if f.name not in keep:
+                f.unlink(missing_ok=True)
+
+    def restore_best(self, model, out: Path) -> None:
+        """Rank 0, at the end: load the best step's adapter into `model` (before it is saved)."""
+        if not self.enabled or not self.best_step:
+            return
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(model, load_file(str(self.best_file(out, self.best_step))))
+
+    def summary(self) -> dict:
+        if not self.enabled:
+            return {}
+        return {"best_step": self.best_step or None, "best_eval_loss": self.best_loss,
+                "stopped_early_at_step": self.stopped_at}
 
 
 def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, skipped: bool) -> None:
@@ -467,7 +568,7 @@ def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, 
 
 
 def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, *, wall_s: float,
-                  mean_tokens_per_s: Optional[float]) -> dict:
+                  mean_tokens_per_s: Optional[float], extra: Optional[dict] = None) -> dict:
     """Rank 0, at the end: the adapter (PEFT format), the loss curve, summary.json."""
     out = spec.output_path
     records = read_metrics(out)
@@ -502,6 +603,7 @@ def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, *, wall_s:
         "num_workers": spec.resources.num_workers,
         "adapter_dir": str(adapter_dir),
         "dropped_records": job.data.dropped,
+        **(extra or {}),
     }
     write_json_atomic(out / SUMMARY, summary)
     append_event(out, "end", step=job.steps)

@@ -228,6 +228,13 @@ class ResourcesSpec(_Section):
     """Logical CPUs reserved per worker."""
 
 
+class EarlyStoppingSpec(_Section):
+    patience: int = Field(3, gt=0)
+    """Evaluations without improvement before the run stops."""
+    min_delta: float = Field(0.0, ge=0.0)
+    """An eval loss counts as better only when it is below the best so far by more than this."""
+
+
 class RunSpec(_Section):
     max_steps: Optional[int] = Field(None, gt=0)
     """Optimizer steps to run; exclusive with `epochs`."""
@@ -251,6 +258,9 @@ class RunSpec(_Section):
     mlflow_tracking_uri: Optional[str] = None
     """MLflow tracking URI (`http://host:5000`, `file:/path`, ...); default: a file store at
     `<output_dir>/mlruns` (no server needed)."""
+    early_stopping: Optional["EarlyStoppingSpec"] = None
+    """Stop when the eval loss (measured every `eval_every` steps) has not improved by more than
+    `min_delta` for `patience` evaluations; `adapter/` is then the best evaluation's adapter."""
     env: dict[str, str] = Field(default_factory=dict)
     """Non-secret environment variables for the workers. Secrets go by reference (e.g.
     `model.hf_token_env` names a variable the cluster provides); a value here that looks like a
@@ -278,6 +288,8 @@ class RunSpec(_Section):
     def _steps_or_epochs(self) -> "RunSpec":
         if self.max_steps is not None and self.epochs is not None:
             raise ValueError("give run.max_steps or run.epochs, not both")
+        if self.early_stopping is not None and not self.eval_every:
+            raise ValueError("run.early_stopping needs run.eval_every > 0 (it judges the eval loss at those steps)")
         return self
 
 
