@@ -5,6 +5,7 @@ Every refusal is one line on stderr with exit code 2, never a traceback. No clus
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -176,3 +177,133 @@ def test_submit_to_kuberay_refuses_a_policy_violation_in_one_line(capsys, clean_
     code, err = run_cli(capsys, "submit", SPEC, "--backend", "kuberay", "--dry-run", "--image",
                         f"registry.example/{FAKE_GH}/rayft:1")
     assert code == 2 and "policy" in one_line(err), err
+
+
+# ---- 2. the queue database ------------------------------------------------------------------
+
+FAKE_HF = "hf_" + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJK"       # Hugging-Face-token-shaped, not a real one
+
+
+def db_bytes(db: Path) -> bytes:
+    """The database and whatever SQLite keeps beside it (WAL, shared memory)."""
+    return b"".join(p.read_bytes() for p in sorted(db.parent.glob(db.name + "*")) if p.is_file())
+
+
+def test_the_queue_db_is_created_private(capsys, clean_env, tmp_path):
+    db = tmp_path / "fresh" / "deeper" / "queue.db"
+    code, err = run_cli(capsys, "queue", "add", SPEC, "--db", str(db))
+    assert code == 0, err
+    assert (db.stat().st_mode & 0o777) == 0o600
+    assert (db.parent.stat().st_mode & 0o777) == 0o700 and (db.parent.parent.stat().st_mode & 0o777) == 0o700
+
+
+def test_queue_add_refuses_a_credential_and_stores_nothing(capsys, clean_env, tmp_path):
+    db = tmp_path / "queue.db"
+    code, err = run_cli(capsys, "queue", "add", SPEC, "--db", str(db), f"run.env.AUTH=Bearer {FAKE_HF}")
+    assert code == 2 and "secret" in one_line(err) and FAKE_HF not in err, err
+    assert not db.exists()                              # refused before the queue was opened
+    assert run_cli(capsys, "queue", "add", SPEC, "--db", str(db))[0] == 0
+    spec = tmp_path / "leaky.yaml"                      # in a spec file, where a variable name belongs
+    spec.write_text((ROOT / SPEC).read_text().replace("model:\n", f"model:\n  hf_token_env: {FAKE_HF}\n", 1))
+    code, err = run_cli(capsys, "queue", "add", str(spec), "--db", str(db), "--working-dir", str(ROOT))
+    assert code == 2 and FAKE_HF not in err, err
+    code, err = run_cli(capsys, "queue", "add", SPEC, "--db", str(db), f"model.hf_token_env={FAKE_HF}")
+    assert code == 2 and FAKE_HF not in err, err
+    assert FAKE_HF.encode() not in db_bytes(db) and FAKE_HF[3:].encode() not in db_bytes(db)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["add", SPEC, "--max-retries", "-5"], "--max-retries"),
+    (["run", "--poll", "-1", "--address", "http://127.0.0.1:1"], "--poll"),
+    (["run", "--poll", "nan", "--address", "http://127.0.0.1:1"], "--poll"),
+    (["run", "--backoff", "inf", "--address", "http://127.0.0.1:1"], "--backoff"),
+])
+def test_queue_arguments_out_of_range_are_refused(capsys, clean_env, tmp_path, argv, says):
+    db = tmp_path / "queue.db"
+    code, err = run_cli(capsys, "queue", *argv, "--db", str(db))
+    assert code == 2 and says in one_line(err), err
+    assert not db.exists()
+
+
+@pytest.mark.parametrize("content", [
+    pytest.param(lambda good: os.urandom(4096), id="garbage"),
+    pytest.param(lambda good: good[:9000], id="truncated"),
+    pytest.param(lambda good: good[:4096] + bytes(len(good) - 4096), id="zeroed-pages"),
+])
+def test_a_corrupt_queue_db_is_reported_and_never_written(capsys, clean_env, tmp_path, content):
+    import sqlite3
+
+    good = tmp_path / "good.db"
+    assert run_cli(capsys, "queue", "add", SPEC, "--db", str(good))[0] == 0
+    with contextlib.closing(sqlite3.connect(good)) as c:     # everything in the main file, none in the WAL
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    assert good.stat().st_size > 9000
+    db = tmp_path / "queue.db"
+    db.write_bytes(content(good.read_bytes()))
+    before = db.read_bytes()
+    for argv in (["status"], ["status", "--json"], ["add", SPEC], ["retry", "1"], ["cancel", "1"]):
+        code, err = run_cli(capsys, "queue", *argv, "--db", str(db))
+        line = one_line(err)
+        assert code == 2 and str(db) in line and "move it aside" in line, (argv, err)
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.glob("queue.db*")) == ["queue.db"]
+
+
+def test_another_programs_sqlite_db_is_not_touched(capsys, clean_env, tmp_path):
+    import sqlite3
+
+    db = tmp_path / "theirs.db"
+    with sqlite3.connect(db) as c:
+        c.execute("CREATE TABLE notes (x TEXT)")
+    before = db.read_bytes()
+    code, err = run_cli(capsys, "queue", "add", SPEC, "--db", str(db))
+    assert code == 2 and "not a rayft queue" in one_line(err), err
+    assert db.read_bytes() == before
+
+
+def test_queue_status_reads_a_db_this_user_cannot_write(tmp_path):
+    """`rayft queue status` on a read-only file in a read-only directory (as another user when
+    the tests run as root, whom permissions do not stop), with nothing written there."""
+    import subprocess
+    import sys
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="rayft-ro-"))
+    try:
+        d = top / "q"
+        db = d / "queue.db"
+        env = {k: v for k, v in os.environ.items() if k != "RAYFT_QUEUE_DB"}
+        rayft = str(Path(sys.executable).parent / "rayft")
+        r = subprocess.run([rayft, "queue", "add", SPEC, "--db", str(db)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        before = sorted(p.name for p in d.iterdir()), db.read_bytes()
+        db.chmod(0o444)
+        d.chmod(0o555)
+        top.chmod(0o755)
+        as_user: list[str] = []
+        if os.geteuid() == 0:                        # as nobody: the file is not theirs to write
+            import shutil
+
+            if not shutil.which("setpriv"):
+                pytest.skip("running as root without setpriv: permissions cannot make a file read-only")
+            as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        env["HOME"] = str(top)
+        r = subprocess.run([*as_user, rayft, "queue", "status", "--db", str(db), "--json"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        import json
+
+        rows = json.loads(r.stdout)
+        assert [row["name"] for row in rows] == ["tiny-lora"] and rows[0]["state"] == "QUEUED"
+        r = subprocess.run([*as_user, rayft, "queue", "retry", "1", "--db", str(db)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "read-only" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert (sorted(p.name for p in d.iterdir()), db.read_bytes()) == before
+    finally:
+        for p in (top, top / "q"):
+            if p.exists():
+                p.chmod(0o755)
+        import shutil
+
+        shutil.rmtree(top, ignore_errors=True)

@@ -15,10 +15,10 @@ from .jobs import JOBS_API_HELP, add_jobs_api_arg
 from .output import say, table
 
 
-def _queue(args):
+def _queue(args, readonly: bool = False):
     from orchestrator.queue.store import Queue
 
-    return Queue(args.db)
+    return Queue(args.db, readonly=readonly)
 
 
 def cmd_queue_add(args) -> int:
@@ -29,6 +29,8 @@ def cmd_queue_add(args) -> int:
     overrides = list(args.overrides or []) + [s for s in args.specs if "=" in s]
     if not specs:
         raise UserError("queue add: name at least one spec file")
+    if args.max_retries < 0:
+        raise UserError(f"--max-retries {args.max_retries}: must be 0 (no retry) or more")
     q = _queue(args)
     ids = []
     for spec in specs:
@@ -55,6 +57,10 @@ def cmd_queue_run(args) -> int:
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise UserError("--max-concurrency must be at least 1")
+    if not 0 < args.poll < float("inf"):
+        raise UserError(f"--poll {args.poll}: must be a positive, finite number of seconds")
+    if not 0 <= args.backoff < float("inf"):
+        raise UserError(f"--backoff {args.backoff}: must be a finite number of seconds, 0 or more")
     cfg = DriverConfig(max_concurrency=args.max_concurrency, poll_s=args.poll, backoff_s=args.backoff,
                        gpu_memory=parse_gpu_memory(args.gpu_memory))
     driver = Driver(_queue(args), RayJobsBackend(args.address), cfg)
@@ -62,7 +68,9 @@ def cmd_queue_run(args) -> int:
 
 
 def cmd_queue_status(args) -> int:
-    q = _queue(args)
+    q = _queue(args, readonly=True)          # reading needs no write access to the file or its directory
+    if not q.exists:
+        say(f"no queue at {q.path} yet (`rayft queue add` creates it)")
     rows = q.jobs()
     if args.json:
         out = []

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
+from urllib.parse import quote
 
 from jobs.errors import UserError
 
@@ -105,22 +106,116 @@ CREATE TABLE IF NOT EXISTS events (
 
 
 
+OUR_TABLES = {"jobs", "attempts", "events"}
+
+
 class Queue:
     """The SQLite file. Safe to use from several processes (`queue add` while a driver runs).
 
     Every change is one `txn` (BEGIN IMMEDIATE: writers take turns), and every transition names
     the state it leaves in its WHERE clause, so a change made by another process in between is
     never overwritten: the UPDATE matches nothing instead.
+
+    Opening (on first use, so a command refused before it touches the queue creates nothing):
+    a new file is created mode 0600 (it names specs, overrides and paths), in a directory rayft
+    creates mode 0700; `readonly=True` (`rayft queue status`) opens it with SQLite's `mode=ro`
+    and works on a file or directory the user cannot write. A file that is not a rayft queue --
+    garbage, a corrupt database, another program's database -- is refused in one line saying
+    how to recover, and is never written to: its schema is checked before rayft creates tables.
     """
 
-    def __init__(self, path: Optional[os.PathLike] = None):
+    def __init__(self, path: Optional[os.PathLike] = None, *, readonly: bool = False):
         self.path = Path(path) if path is not None else default_db()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(SCHEMA)
+        self.readonly = readonly
+        self._db: Optional[sqlite3.Connection] = None
+        self._has_tables = False
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            self._db = self._open()
+        return self._db
+
+    @property
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def _refuse_unusable(self, why: str) -> UserError:
+        return UserError(f"queue database {self.path}: {why}; rayft did not change it -- move it aside "
+                         f"(mv {self.path} {self.path}.bad) to start a new queue, or pass --db another file")
+
+    def _open(self) -> sqlite3.Connection:
+        path = self.path
+        if path.is_dir():
+            raise UserError(f"--db {path}: is a directory; name the queue database file, e.g. {path / 'queue.db'}")
+        if path.exists() and not path.is_file():
+            raise UserError(f"--db {path}: not a regular file")
+        if self.readonly:
+            return self._check(self._connect_readonly())
+        if not path.parent.is_dir():
+            if path.parent.exists():
+                raise UserError(f"--db {path}: {path.parent} is not a directory")
+            missing = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
+            for d in reversed(missing):              # each directory rayft creates: 0700
+                d.mkdir(mode=0o700, exist_ok=True)
+                d.chmod(0o700)                       # mkdir's mode is masked by the umask
+        for p in ([path] if path.exists() else []) + [path.parent]:     # WAL writes files beside it
+            if not os.access(p, os.W_OK):
+                raise UserError(f"queue database {path}: {p} is read-only for this user; `rayft queue status` "
+                                "can read it, changing the queue needs write access to the file and its directory")
+        if not path.exists():
+            try:                                      # created 0600 before SQLite writes a byte into it
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except FileExistsError:                   # another `queue add` created it just now
+                pass
+        db = self._check(sqlite3.connect(str(path), timeout=30, isolation_level=None))
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(SCHEMA)
+        except sqlite3.DatabaseError as e:
+            db.close()
+            raise self._refuse_unusable(f"cannot be written ({e})") from None
+        return db
+
+    def _connect_readonly(self) -> sqlite3.Connection:
+        if not self.path.is_file():
+            raise UserError(f"no queue database at {self.path} (`rayft queue add` creates it)")
+        if not os.access(self.path, os.R_OK):
+            raise UserError(f"queue database {self.path}: not readable by this user")
+        uri = f"file:{quote(str(self.path.resolve()))}?mode=ro"
+        db = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None)
+        try:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.DatabaseError as e:
+            db.close()
+            if not isinstance(e, sqlite3.OperationalError) or os.access(self.path.parent, os.W_OK):
+                raise self._refuse_unusable(f"corrupt, or not a SQLite database ({e})") from None
+        # WAL mode needs a -shm file beside the database; in a directory this user cannot write
+        # (and with no driver running, which leaves none behind) SQLite can only read the file as
+        # immutable: a snapshot without what a writer still holds in its WAL.
+        return sqlite3.connect(uri + "&immutable=1", uri=True, timeout=30, isolation_level=None)
+
+    def _check(self, db: sqlite3.Connection) -> sqlite3.Connection:
+        """The file is a readable SQLite database, intact, and rayft's queue (or empty)."""
+        db.row_factory = sqlite3.Row
+        try:
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            problems = [r[0] for r in db.execute("PRAGMA quick_check")]
+        except sqlite3.DatabaseError as e:
+            db.close()
+            raise self._refuse_unusable(f"corrupt, or not a SQLite database ({e})") from None
+        if problems != ["ok"]:
+            db.close()
+            raise self._refuse_unusable(f"the database is corrupt (SQLite quick_check: {problems[0][:120]})")
+        tables.discard("sqlite_sequence")
+        self._has_tables = bool(tables)
+        if tables and not OUR_TABLES <= tables:
+            db.close()
+            raise self._refuse_unusable(f"a SQLite database of something else (tables: {', '.join(sorted(tables)[:5])}), "
+                                        "not a rayft queue")
+        return db
 
     @contextlib.contextmanager
     def txn(self) -> Iterator[sqlite3.Connection]:
@@ -138,6 +233,8 @@ class Queue:
 
     # -- reading --
     def jobs(self, states: Optional[tuple[str, ...]] = None) -> list[sqlite3.Row]:
+        if self.readonly and (not self.exists or (self.db is not None and not self._has_tables)):
+            return []                     # no file, or an empty one: an empty queue (nothing created)
         if states:
             q = f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(states))}) ORDER BY id"
             return list(self.db.execute(q, states))
