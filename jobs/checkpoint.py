@@ -52,7 +52,11 @@ def manifest_file(rank: int) -> str:
 # Spec fields that must not change between a checkpoint and the run that resumes from it:
 # they change the model, the adapter's shape, or which samples form optimizer step k.
 RESUME_KEYS = ("model.name", "model.gguf_file", "lora.r", "lora.alpha", "lora.target_modules",
-               "batch.global_batch_size", "run.seed", "data.path", "data.max_seq_len", "optim.name")
+               "batch.global_batch_size", "run.seed", "data.path", "data.max_seq_len", "optim.name",
+               "data.fields", "data.train_on")
+# Not a spec field: the sha256 of what the data sources hold (`jobs.data.content_hash`), so data
+# that changed under the same path refuses a resume (the batches of step k would differ).
+DATA_HASH_KEY = "data.content_sha256"
 
 
 def step_dir_name(step: int) -> str:
@@ -283,6 +287,9 @@ def resume_key(spec: JobSpec) -> dict:
         for part in key.split("."):
             node = node[part]
         out[key] = node
+    from .data import content_hash
+
+    out[DATA_HASH_KEY] = content_hash(spec)
     return out
 
 
@@ -290,7 +297,10 @@ def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
     if not isinstance(saved, dict):
         raise SpecError(f"{one_line(where)}: not a rayft checkpoint (no resume key); use --fresh to start over")
     now = resume_key(spec)
-    diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k]]
+    diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k] and k != DATA_HASH_KEY]
+    if saved.get(DATA_HASH_KEY) != now[DATA_HASH_KEY]:
+        diffs.append("the data changed: its content no longer matches the checkpoint's (sha256 "
+                     f"{str(saved.get(DATA_HASH_KEY))[:12]} -> {now[DATA_HASH_KEY][:12]})")
     if diffs:
         raise SpecError(
             f"{where}: cannot resume, the spec changed in a way that breaks resuming ({'; '.join(diffs)}); "

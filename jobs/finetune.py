@@ -25,9 +25,11 @@ def preflight(spec) -> None:
     # the memory of one line, whatever the files hold.
     n_train = 0
     for i, p in enumerate(spec.data.path):
-        n_train += len(read_jsonl(p, "data.path" if len(spec.data.path) == 1 else f"data.path.{i}", max_chars=0))
+        n_train += len(read_jsonl(p, "data.path" if len(spec.data.path) == 1 else f"data.path.{i}", max_chars=0,
+                                  fields=spec.data.fields, hf_token_env=spec.data.hf_token_env))
     if spec.data.eval_path:
-        read_jsonl(spec.data.eval_path, "data.eval_path", max_chars=0)
+        read_jsonl(spec.data.eval_path, "data.eval_path", max_chars=0, fields=spec.data.fields,
+                   hf_token_env=spec.data.hf_token_env)
     if n_train < spec.batch.global_batch_size:  # tokenizing can only drop records, never add any
         raise SpecError(f"data.path: {n_train} training records, fewer than "
                         f"batch.global_batch_size={spec.batch.global_batch_size}")

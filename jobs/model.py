@@ -37,10 +37,19 @@ TINY_LLAMA = dict(
     initializer_range=0.2,
 )
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+# tiny-llama's chat template: BOS, then per message `<|role|>` + newline + content + EOS; the
+# generation prompt is `<|assistant|>` + newline. Prefix-stable (each rendering extends the
+# previous), and an assistant turn ends in EOS, where generation stops.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 
 
 def byte_tokenizer():
-    """Byte-level tokenizer: ids 0..255 are the bytes, then <pad>, <s>, </s>."""
+    """Byte-level tokenizer: ids 0..255 are the bytes, then <pad>, <s>, </s>; chat template
+    `TINY_CHAT_TEMPLATE`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,7 +61,8 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([PAD, BOS, EOS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   chat_template=TINY_CHAT_TEMPLATE)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

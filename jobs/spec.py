@@ -39,7 +39,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SECRET_NAME = secrets.SECRET_NAME
 SECRET_VALUE = secrets.TOKEN
 # Fields whose own validators judge credentials (with a message that says what belongs there).
-_OWN_SECRET_CHECK = ("model.hf_token_env", "run.env")
+_OWN_SECRET_CHECK = ("model.hf_token_env", "data.hf_token_env", "run.env")
 # Bounds on reading a spec: a real one is a few KB and a few hundred YAML nodes. Aliases may
 # repeat a piece of it, never blow it up (a "billion laughs" document expands exponentially).
 MAX_SPEC_BYTES = 1 << 20
@@ -98,9 +98,19 @@ class ModelSpec(_Section):
 
 class DataSpec(_Section):
     path: list[str]
-    """JSONL file(s); each line `{"text": ...}` or `{"prompt": ..., "completion": ...}` (loss on completion only)."""
+    """Data source(s): JSONL, JSON, Parquet or CSV files, a `Dataset.save_to_disk` directory, or a
+    hub dataset `hf:ORG/NAME[:SPLIT]` (split `train` by default). Records are `{"text": ...}`,
+    `{"prompt": ..., "completion": ...}` (loss on the completion) or `{"messages": [{"role",
+    "content"}, ...]}` (the model's chat template; loss on assistant turns)."""
     eval_path: Optional[str] = None
-    """Held-out JSONL file for eval loss; when absent, `eval_fraction` of `path` is held out."""
+    """Held-out source (same forms as `path`) for eval loss; when absent, `eval_fraction` of `path` is held out."""
+    fields: dict[str, str] = Field(default_factory=dict)
+    """Our field name -> the user's column name, e.g. `{prompt: question, completion: answer}` or
+    `{messages: conversations}`; the data is read as if the columns had our names."""
+    train_on: Literal["assistant", "last_assistant"] = "assistant"
+    """Chat records: loss on every assistant turn, or only on the last one."""
+    hf_token_env: Optional[str] = None
+    """Name of the environment variable holding the hub token for an `hf:` source (never the token)."""
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of the training records held out for evaluation (deterministic by `run.seed`)."""
     max_seq_len: int = Field(256, gt=1, le=1 << 20)
@@ -121,7 +131,28 @@ class DataSpec(_Section):
         if isinstance(v, str):
             return [v]
         if isinstance(v, list) and not v:
-            raise ValueError("must name at least one JSONL file")
+            raise ValueError("must name at least one JSONL file or other data source")
+        return v
+
+    @field_validator("fields")
+    @classmethod
+    def _our_fields(cls, v: dict[str, str]) -> dict[str, str]:
+        ours = ("text", "prompt", "completion", "messages")
+        for k, col in v.items():
+            if k not in ours:
+                raise ValueError(f"{one_line(repr(k))[:60]} is not one of our fields ({', '.join(ours)})")
+            if not col:
+                raise ValueError(f"{k}: names an empty column")
+        return v
+
+    @field_validator("hf_token_env")
+    @classmethod
+    def _env_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and secrets.looks_like_token(v):
+            raise ValueError(f"must be the NAME of an environment variable, not the token itself "
+                             f"({secrets.shown(v)}); secrets go by reference, never by value")
+        if v is not None and not ENV_NAME.fullmatch(v):
+            raise ValueError("must be the NAME of an environment variable (secrets go by reference, never by value)")
         return v
 
 
@@ -629,11 +660,11 @@ def check_files(spec: JobSpec, where: str = "spec") -> None:
     to the current directory), and a local model directory must hold a model."""
     where = one_line(where)
     for i, p in enumerate(spec.data.path):
-        problem = path_problem(p)
+        problem = None if p.startswith("hf:") or os.path.isdir(p) else path_problem(p)  # read by `datasets`
         if problem:
             key = "data.path" if len(spec.data.path) == 1 else f"data.path.{i}"
             raise SpecError(f"{where}: {key}: {problem}")
-    if spec.data.eval_path:
+    if spec.data.eval_path and not (spec.data.eval_path.startswith("hf:") or os.path.isdir(spec.data.eval_path)):
         problem = path_problem(spec.data.eval_path)
         if problem:
             raise SpecError(f"{where}: data.eval_path: {problem}")
@@ -707,8 +738,8 @@ def load_spec(path: Union[str, Path, None] = None, overrides: Optional[list[str]
 def absolutize(spec: JobSpec) -> JobSpec:
     """Resolve relative paths against the current directory, for workers whose cwd differs."""
     d = spec.to_dict()
-    d["data"]["path"] = [str(Path(p).resolve()) for p in spec.data.path]
-    if spec.data.eval_path:
+    d["data"]["path"] = [p if p.startswith("hf:") else str(Path(p).resolve()) for p in spec.data.path]
+    if spec.data.eval_path and not spec.data.eval_path.startswith("hf:"):
         d["data"]["eval_path"] = str(Path(spec.data.eval_path).resolve())
     if spec.model.name != "tiny-llama" and not spec.model.name.startswith("pkg:") and Path(spec.model.name).exists():
         d["model"]["name"] = str(Path(spec.model.name).resolve())

@@ -327,8 +327,10 @@ def test_a_huge_record_is_cut_before_tokenization(tmp_path):
     normal = [{"text": "short record number %d" % i} for i in range(8)]
     path.write_text("\n".join(json.dumps(r) for r in [{"text": huge}, {"prompt": huge, "completion": "x"},
                                                        {"prompt": "q", "completion": huge}, *normal]) + "\n")
+    # A fresh output dir: the tokenized-data cache beside it is empty, so this load tokenizes.
     spec = load_spec(data={"name": "big", "data": {"path": str(path), "max_seq_len": 64},
-                           "batch": {"global_batch_size": 8, "micro_batch_size": 2}})
+                           "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+                           "run": {"output_dir": str(tmp_path / "out")}})
     bound = char_bound(tok, 64)
     assert bound < 10_000
     recording = _Recording(tok)

@@ -1,0 +1,122 @@
+"""Chat records: rendered with the model's chat template, loss exactly on assistant turns.
+
+Expected sequences are written out by hand from the byte tokenizer's definition (a byte is its
+own id; <s> = 257, </s> = 258), for the built-in template and a Llama-3 style one defined here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.data import IGNORE, chat_prompt_ids, read_jsonl, tokenize
+from jobs.errors import SpecError
+from jobs.model import byte_tokenizer
+
+BOS, EOS = 257, 258
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more?"},
+         {"role": "assistant", "content": "ok"}]
+
+
+def B(s: str) -> list[int]:
+    return list(s.encode())
+
+
+def expected(parts: list[tuple[list[int], bool]], max_seq_len: int = 10_000) -> tuple[tuple, tuple]:
+    """(input_ids, targets) of a sequence given as (ids, carries loss) pieces, truncated and shifted."""
+    seq = [t for ids, _ in parts for t in ids]
+    labels = [t if on else IGNORE for ids, on in parts for t in ids]
+    seq, labels = seq[:max_seq_len], labels[:max_seq_len]
+    return tuple(seq[:-1]), tuple(labels[1:])
+
+
+def tok_with(template: str | None = None):
+    t = byte_tokenizer()
+    if template is not None:
+        t.chat_template = template
+    return t
+
+
+def got(tok, records, max_seq_len=10_000, train_on="assistant"):
+    return [(e.input_ids, e.targets) for e in tokenize(records, tok, max_seq_len, train_on, "test-model")]
+
+
+def tiny_parts(train_last_only=False):
+    return [([BOS], False), (B("<|system|>\nBe brief.") + [EOS], False), (B("<|user|>\nhi") + [EOS], False),
+            (B("<|assistant|>\n"), False), (B("yo") + [EOS], not train_last_only),
+            (B("<|user|>\nmore?") + [EOS], False), (B("<|assistant|>\n"), False), (B("ok") + [EOS], True)]
+
+
+def llama3_parts(train_last_only=False):
+    def head(role):
+        return B(f"<|start_header_id|>{role}<|end_header_id|>\n\n")
+
+    return [([BOS], False), (head("system") + B("Be brief.<|eot_id|>"), False), (head("user") + B("hi<|eot_id|>"), False),
+            (head("assistant"), False), (B("yo<|eot_id|>"), not train_last_only),
+            (head("user") + B("more?<|eot_id|>"), False), (head("assistant"), False), (B("ok<|eot_id|>"), True)]
+
+
+@pytest.mark.parametrize("template,parts", [(None, tiny_parts), (LLAMA3, llama3_parts)], ids=["built-in", "llama3"])
+def test_loss_on_every_assistant_turn_and_nothing_else(template, parts):
+    tok = tok_with(template)
+    assert got(tok, [{"messages": CONVO}]) == [expected(parts())]
+    assert got(tok, [{"messages": CONVO}], train_on="last_assistant") == [expected(parts(True))]
+
+
+@pytest.mark.parametrize("template,parts", [(None, tiny_parts), (LLAMA3, llama3_parts)], ids=["built-in", "llama3"])
+def test_truncation_that_cuts_an_assistant_turn(template, parts):
+    tok = tok_with(template)
+    whole = sum(len(ids) for ids, _ in parts())
+    cut = whole - 3  # inside the last assistant turn: its first tokens keep their labels
+    assert got(tok, [{"messages": CONVO}], max_seq_len=cut) == [expected(parts(), cut)]
+    # Cut before the last turn's content, last_assistant leaves no label: the record is dropped.
+    before_last = whole - len(parts()[-1][0])
+    assert got(tok, [{"messages": CONVO}], max_seq_len=before_last, train_on="last_assistant") == []
+
+
+def test_eval_prompts_are_the_training_prefix():
+    """`rayft eval` prompts with the template's generation prompt: exactly the tokens before the
+    first label of that turn in training, so training and evaluation see the same format."""
+    for template in (None, LLAMA3):
+        tok = tok_with(template)
+        ids, targets = got(tok, [{"messages": CONVO[:3]}])[0]
+        first_label = next(i for i, t in enumerate(targets) if t != IGNORE)
+        assert chat_prompt_ids(tok, CONVO[:2]) == list(ids[:first_label + 1])
+
+
+def test_a_template_that_is_not_prefix_stable_is_refused():
+    tok = tok_with("{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['role'] + ':' + m['content'] }}"
+                   "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    with pytest.raises(SpecError) as e:
+        tokenize([{"messages": CONVO}], tok, 256, "assistant", "my/model")
+    assert "my/model" in str(e.value) and "prefix-stable" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("messages,needle", [
+    ([{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}], "unknown role 'bot'"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}], '"content" must be a string'),
+    ([{"role": "user", "content": "q"}], "without an assistant turn"),
+    ("not a list", '"messages" must be a non-empty list'),
+    ([{"role": "user"}], 'must be an object with "role" and "content"'),
+])
+def test_bad_conversations_are_one_line(tmp_path, messages, needle):
+    p = tmp_path / "c.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "k"}]})
+                 + "\n" + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(SpecError) as e:
+        read_jsonl(str(p))
+    assert needle in str(e.value) and "c.jsonl line 2" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fields_map_a_conversations_column(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text(json.dumps({"conversations": CONVO, "id": 7}) + "\n")
+    assert read_jsonl(str(p), fields={"messages": "conversations"}) == [{"messages": CONVO}]
+    with pytest.raises(SpecError, match="no field 'dialog' \\(data.fields.messages names it\\)"):
+        read_jsonl(str(p), fields={"messages": "dialog"})
