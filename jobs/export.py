@@ -86,11 +86,23 @@ def _readme(base: str, adapter_dir: Path, merged: bool, dtype: str) -> str:
             f"\"{base}\")\nmodel = PeftModel.from_pretrained(base, THIS_DIR)\n```\n")
 
 
+def _quiet() -> None:
+    """These commands print their own lines: no per-tensor loading bars, no deprecation notice
+    from PEFT probing a transformers alias (not the user's to fix)."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
 def load_adapted(adapter_dir: Path, dtype: torch.dtype = torch.float32):
     """(PeftModel over its base, tokenizer) for `adapter_dir`, in eval mode."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _quiet()
     base = base_of(adapter_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
@@ -120,7 +132,7 @@ def export(output_dir: Path, *, merge: bool = False, dtype: str = "fp32", to: Op
         plain = model.merge_and_unload()
         plain.to(DTYPES[dtype])
         plain.config.dtype = DTYPES[dtype]
-        plain.save_pretrained(tmp, safe_serialization=True, max_shard_size="2GB")
+        plain.save_pretrained(tmp, max_shard_size="2GB")  # safetensors
         tok.save_pretrained(tmp)
         (tmp / "README.md").write_text(_readme(base, adapter, True, dtype))
 
@@ -138,6 +150,7 @@ def load_for_generation(path: Path):
     if (path / "adapter_config.json").is_file():
         return load_adapted(path)
     if (path / "config.json").is_file():
+        _quiet()
         model = AutoModelForCausalLM.from_pretrained(str(path))
         model.eval()
         return model, AutoTokenizer.from_pretrained(str(path))

