@@ -15,8 +15,10 @@ import random
 
 from datafiles import write_or_check
 
-# SmolLM2-Instruct's chat template (ChatML with its default system prompt), written out so this
-# script needs no tokenizer: training and `rayft eval` feed the prompt text as is.
+# The demo's files are chat records (`capitals-chat-*.jsonl`): rayft renders them with the model's
+# own chat template (SmolLM2's, carried in its GGUF) for training and for `rayft eval` alike.
+# The same task as prompt/completion records, with that template written out by hand (so this
+# script needs no tokenizer), stays in `capitals-*.jsonl` for tests that feed a prompt as text.
 TEMPLATE = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
             "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
 
@@ -62,6 +64,9 @@ def build() -> dict[str, str]:
         recs = [{"prompt": TEMPLATE.format(question=f"Capital of {c}?"), "completion": CAPITALS[c]}
                 for c in subset]
         out[name] = "".join(json.dumps(r) + "\n" for r in recs)
+        chats = [{"messages": [{"role": "user", "content": f"Capital of {c}?"},
+                               {"role": "assistant", "content": CAPITALS[c]}]} for c in subset]
+        out[name.replace("capitals-", "capitals-chat-")] = "".join(json.dumps(r) + "\n" for r in chats)
     return out
 
 

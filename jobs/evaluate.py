@@ -1,5 +1,10 @@
-"""Exact-match evaluation of prompt/completion records: greedy decoding with the base model and
-with the trained adapter, on the spec's held-out file (`data.eval_path`). Runs in one process."""
+"""Exact-match evaluation: greedy decoding with the base model and with the trained adapter, on
+the spec's held-out source (`data.eval_path`). Runs in one process.
+
+A chat record is prompted with its messages before the last assistant turn, rendered through the
+model's chat template with the generation prompt (`jobs.data.chat_prompt_ids`: the tokens the
+training labels of that turn follow); the reference is that turn's content. A prompt/completion
+record is prompted with BOS + prompt (`encode_prompt`), as in training."""
 
 from __future__ import annotations
 
@@ -9,19 +14,20 @@ from typing import Optional
 
 import torch
 
-from .data import encode_prompt, read_jsonl
+from .data import chat_prompt_ids, encode_prompt, read_jsonl
 from .model import load_base_model
 from .outputs import claim_output_dir, write_json_atomic
 from .spec import JobSpec, SpecError
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 8) -> list[str]:
-    """Greedy, left-padded batches; stops at EOS. Prompts are encoded exactly as in training."""
+def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int = 8) -> list[str]:
+    """Greedy, left-padded batches; stops at EOS. A prompt is a text (encoded as in training by
+    `encode_prompt`) or a list of token ids (a chat prompt, see `prompt_of`)."""
     outs: list[str] = []
     pad = tokenizer.pad_token_id
     for start in range(0, len(prompts), batch_size):
-        enc = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
+        enc = [p if isinstance(p, list) else encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
         width = max(len(e) for e in enc)
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
@@ -31,19 +37,30 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
     return outs
 
 
+def prompt_of(rec: dict, tokenizer, model_name: str) -> tuple:
+    """(prompt, reference, prompt text shown in eval.json) of one held-out record."""
+    if "messages" in rec:
+        msgs = rec["messages"]
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        ids = chat_prompt_ids(tokenizer, msgs[:last], model_name)
+        return ids, msgs[last]["content"], tokenizer.decode(ids)
+    return rec["prompt"], rec["completion"], rec["prompt"]
+
+
 def exact_match(preds: list[str], refs: list[str]) -> float:
     return sum(p.strip() == r.strip() for p, r in zip(preds, refs)) / max(1, len(refs))
 
 
 def evaluate(spec: JobSpec, adapter_dir: Optional[Path] = None, max_new_tokens: int = 16) -> dict:
     if not spec.data.eval_path:
-        raise SpecError("data.eval_path: rayft eval needs a held-out prompt/completion file")
-    records = [r for r in read_jsonl(spec.data.eval_path, "data.eval_path") if "prompt" in r]
+        raise SpecError("data.eval_path: rayft eval needs a held-out file of chat or prompt/completion records")
+    records = [r for r in read_jsonl(spec.data.eval_path, "data.eval_path", fields=spec.data.fields,
+                                     hf_token_env=spec.data.hf_token_env) if "prompt" in r or "messages" in r]
     if not records:
-        raise SpecError(f"data.eval_path: {spec.data.eval_path} has no prompt/completion records")
+        raise SpecError(f"data.eval_path: {spec.data.eval_path} has no chat or prompt/completion records")
     adapter_dir = Path(adapter_dir or spec.output_path / "adapter")
-    prompts, refs = [r["prompt"] for r in records], [r["completion"] for r in records]
     model, tok = load_base_model(spec, "fp32")
+    prompts, refs, shown = zip(*(prompt_of(r, tok, spec.model.name) for r in records))
     model.eval()
     result: dict = {"records": len(records)}
     t0 = time.perf_counter()
@@ -61,7 +78,7 @@ def evaluate(spec: JobSpec, adapter_dir: Optional[Path] = None, max_new_tokens: 
         preds = None
     result["eval_time_s"] = time.perf_counter() - t0
     result["examples"] = [{"prompt_tail": p[-60:], "reference": r, "base": b, **({"adapter": a} if preds else {})}
-                          for p, r, b, a in zip(prompts, refs, base_preds, preds or base_preds)][:8]
+                          for p, r, b, a in zip(shown, refs, base_preds, preds or base_preds)][:8]
     out = claim_output_dir(spec.output_path, name=spec.name)  # a later `rayft run` may use it too
     write_json_atomic(out / "eval.json", result)
     return result

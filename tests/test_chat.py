@@ -120,3 +120,28 @@ def test_fields_map_a_conversations_column(tmp_path):
     assert read_jsonl(str(p), fields={"messages": "conversations"}) == [{"messages": CONVO}]
     with pytest.raises(SpecError, match="no field 'dialog' \\(data.fields.messages names it\\)"):
         read_jsonl(str(p), fields={"messages": "dialog"})
+
+
+def test_rayft_eval_prompts_chat_records_through_the_template(tmp_path, monkeypatch):
+    """`evaluate` on chat records: each prompt is the template's rendering up to the last
+    assistant turn (with the generation prompt), the reference is that turn's content."""
+    import jobs.evaluate as ev
+    from jobs.spec import load_spec
+
+    held = tmp_path / "eval.jsonl"
+    held.write_text("".join(json.dumps({"messages": CONVO[:3 + 2 * k]}) + "\n" for k in range(2)))
+    spec = load_spec(data={"name": "chat-eval", "data": {"path": str(held), "eval_path": str(held)},
+                           "run": {"output_dir": str(tmp_path / "out")}})
+    seen = []
+
+    def fake_generate(model, tok, prompts, max_new_tokens, batch_size=8):
+        seen.extend(prompts)
+        return ["yo", "nope"]
+
+    monkeypatch.setattr(ev, "generate", fake_generate)
+    result = ev.evaluate(spec, max_new_tokens=2)
+    tok = byte_tokenizer()
+    assert seen == [chat_prompt_ids(tok, CONVO[:2]), chat_prompt_ids(tok, CONVO[:4])]
+    assert seen[1] == [BOS] + B("<|system|>\nBe brief.") + [EOS] + B("<|user|>\nhi") + [EOS] + B(
+        "<|assistant|>\nyo") + [EOS] + B("<|user|>\nmore?") + [EOS] + B("<|assistant|>\n")
+    assert result["records"] == 2 and result["base_exact_match"] == 0.5  # "yo" right, "nope" != "ok"
