@@ -70,8 +70,23 @@ def build() -> dict[str, str]:
     return out
 
 
+def tiny_chat() -> str:
+    """`tiny-chat.jsonl` for examples/tiny-chat.yaml: two-turn conversations with a system prompt
+    (tiny-llama learns the format, not the facts: it is random-initialized)."""
+    rng = random.Random(7)
+    countries = sorted(CAPITALS)
+    lines = []
+    for _ in range(64):
+        a, b = rng.sample(countries, 2)
+        msgs = [{"role": "system", "content": "Answer with the city only."},
+                {"role": "user", "content": f"Capital of {a}?"}, {"role": "assistant", "content": CAPITALS[a]},
+                {"role": "user", "content": f"And of {b}?"}, {"role": "assistant", "content": CAPITALS[b]}]
+        lines.append(json.dumps({"messages": msgs}) + "\n")
+    return "".join(lines)
+
+
 def main() -> None:
-    write_or_check(build(), "make_capitals.py")
+    write_or_check({**build(), "tiny-chat.jsonl": tiny_chat()}, "make_capitals.py")
 
 
 if __name__ == "__main__":

@@ -145,3 +145,33 @@ def test_rayft_eval_prompts_chat_records_through_the_template(tmp_path, monkeypa
     assert seen[1] == [BOS] + B("<|system|>\nBe brief.") + [EOS] + B("<|user|>\nhi") + [EOS] + B(
         "<|assistant|>\nyo") + [EOS] + B("<|user|>\nmore?") + [EOS] + B("<|assistant|>\n")
     assert result["records"] == 2 and result["base_exact_match"] == 0.5  # "yo" right, "nope" != "ok"
+
+
+def test_the_tiny_chat_example_trains_on_exactly_its_assistant_turns(tmp_path):
+    """examples/tiny-chat.yaml end to end: through the spec and the cache, the labels of every
+    conversation are its two answers, each with the template's end of turn, and nothing else;
+    then two optimizer steps run."""
+    import contextlib
+    import io
+    from pathlib import Path
+
+    from jobs.data import load_dataset, read_jsonl
+    from jobs.finetune import main as finetune_main
+    from jobs.spec import load_spec
+
+    root = Path(__file__).resolve().parents[1]
+    example = str(root / "examples" / "tiny-chat.yaml")
+    spec = load_spec(example, [f"run.output_dir={tmp_path / 'out'}", "data.eval_fraction=0"], files=False)
+    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"path": [str(root / p) for p in spec.data.path]})})
+    data = load_dataset(spec, byte_tokenizer())
+    records = read_jsonl(spec.data.path[0])
+    assert len(data.train) == len(records) == 64
+    for ex, rec in zip(data.train, records):
+        answers = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+        assert [t for t in ex.targets if t != IGNORE] == B(answers[0]) + [EOS] + B(answers[1]) + [EOS]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = finetune_main([example, f"run.output_dir={tmp_path / 'run'}", "run.max_steps=2", "run.eval_every=2", "--local"])
+    assert rc == 0, err.getvalue()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["dropped_records"] == 0
