@@ -108,8 +108,9 @@ class Trackers:
         from torch.utils.tensorboard import SummaryWriter
 
         logdir = self.spec.output_path / TENSORBOARD_DIR
-        # purge_step: readers drop events at steps >= it written before (a killed run's tail).
-        self.tb = SummaryWriter(str(logdir), purge_step=resume_step + 1 if resume_step else None)
+        # purge_step: readers drop events at steps >= it written before: a killed run's tail on
+        # resume, a whole earlier run on a fresh start (`--fresh`) in the same directory.
+        self.tb = SummaryWriter(str(logdir), purge_step=resume_step + 1)
 
     def _open_mlflow(self, resume_step: int) -> None:
         uri = tracking_uri(self.spec)

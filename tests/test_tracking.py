@@ -136,3 +136,14 @@ def test_a_tracking_server_that_is_down_costs_one_warning(tmp_path, monkeypatch,
     assert "mlflow" in warnings[0] and "training goes on" in warnings[0] and uri in warnings[0]
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     assert (out / "adapter" / "adapter_config.json").exists()
+
+
+def test_a_fresh_start_in_the_same_directory_replaces_the_earlier_curves(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    _train(out, "run.max_steps=2", "run.trackers=[tensorboard]", "optim.lr=0.01")
+    spec = absolutize(load_spec(DEMO, SMALL + [f"run.output_dir={out}", "run.max_steps=2",
+                                               "run.trackers=[tensorboard]", "optim.lr=0.02"]))
+    train(spec, LocalContext(on_progress=lambda r: None), resume=False)
+    records = read_metrics(out)
+    assert tb_scalars(out, "lr") == [(r["step"], pytest.approx(r["lr"], rel=1e-6)) for r in records]
