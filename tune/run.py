@@ -227,6 +227,32 @@ def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def tracking_callbacks(spec: SearchSpec) -> list:
+    """`run.trackers: [mlflow]` on a search: every trial is a run of one MLflow experiment named
+    after the search, at `run.mlflow_tracking_uri` (default the file store under the search's
+    output dir), through Ray Tune's `MLflowLoggerCallback`: the trial's config (its split, lr rule,
+    lr) as parameters, every report (eval loss, samples seen) as metrics. A tracking server that
+    cannot be reached is one warning and the search runs without it."""
+    if "mlflow" not in spec.run.trackers:
+        return []
+    from jobs.tracking import MLFLOW_DIR, shown_uri
+
+    uri = spec.run.mlflow_tracking_uri or f"file:{spec.output_path.resolve() / MLFLOW_DIR}"
+    if uri.startswith("file:"):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses file stores otherwise
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    try:
+        from mlflow.tracking import MlflowClient
+        from ray.air.integrations.mlflow import MLflowLoggerCallback
+
+        MlflowClient(uri).search_experiments(max_results=1)  # reachable?
+    except Exception as e:  # noqa: BLE001 - a tracker never fails the search
+        logging.getLogger("rayft").warning("tracker mlflow (%s) failed: %s; the search goes on without it",
+                                           shown_uri(uri), type(e).__name__)
+        return []
+    return [MLflowLoggerCallback(tracking_uri=uri, experiment_name=spec.name, save_artifact=False)]
+
+
 def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: Optional[bool] = None,
                address: Optional[str] = None, num_cpus: Optional[int] = None,
                spec_path: str = "spec") -> Outcome:
@@ -282,7 +308,7 @@ def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: Op
             run_config=tune.RunConfig(
                 name=TUNE_DIR, storage_path=str(out.resolve()), verbose=0,
                 failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),  # never retried
-                callbacks=[Announce()]),
+                callbacks=[Announce(), *tracking_callbacks(spec)]),
         )
     print(f"search {spec.name}: {n_trials} trial(s) of {len(plan.points)} point(s) "
           f"({sum(p.status == 'infeasible' for p in plan.points)} infeasible, "
