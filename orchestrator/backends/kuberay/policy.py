@@ -6,14 +6,17 @@ parts a manifest shows), secrets by reference only (no inline env values under s
 names, no Secret data, nothing shaped like a credential anywhere -- `jobs.secrets` decides, as
 it does for specs), Ray's dashboard and client ports never exposed outside the cluster, and
 every RayJob bounded and admitted by Kueue (backoffLimit, activeDeadlineSeconds, a queue label,
-a restricted submitter, one plain entrypoint command). `render` checks its own output with it;
-the tests check all of k8s/ with it.
+a restricted submitter, one plain entrypoint command), and every Ray pod (head and workers of a
+RayCluster, RayJob or RayService) sized by one rule: `/dev/shm` a memory emptyDir of at least
+`SHM_FRACTION` of the pod's memory limit (`shm_gib` is the size rayft writes). `render` checks its
+own output with it; the tests check all of k8s/ with it.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import yaml
 
@@ -29,6 +32,29 @@ SHELL_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./{}-]+")
 SHELL_OPERATORS = re.compile(r"&&|\|\||[;|&`<>\n]|\$\(")
 RAY_PORTS = {8265, 10001}
 RESTRICTED_CAPS_ADD = {"NET_BIND_SERVICE"}
+# Ray's object store defaults to 30% of the pod's memory and lives in /dev/shm; a smaller /dev/shm
+# makes Ray fall back to /tmp (slow, on the container's disk) with a warning.
+SHM_FRACTION = 0.3
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)")
+_QUANTITY_UNITS = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+def shm_gib(memory_gib: float) -> float:
+    """The /dev/shm size rayft gives a Ray pod with `memory_gib` of memory: `SHM_FRACTION` of it,
+    rounded up to half a GiB, at least 0.5 GiB. Invariant: >= SHM_FRACTION * memory_gib."""
+    return max(0.5, math.ceil(memory_gib * SHM_FRACTION * 2) / 2)
+
+
+def quantity_bytes(q: Any) -> Optional[float]:
+    """A Kubernetes memory/storage quantity ("16Gi", "512Mi", "1e9" as an int) in bytes; None
+    when it is not one."""
+    if isinstance(q, (int, float)) and not isinstance(q, bool):
+        return float(q)
+    m = _QUANTITY.fullmatch(str(q or "").strip())
+    if not m or m.group(2) not in _QUANTITY_UNITS:
+        return None
+    return float(m.group(1)) * _QUANTITY_UNITS[m.group(2)]
 
 
 def _oid(o: Obj) -> str:
@@ -59,6 +85,37 @@ def pod_specs(o: Obj) -> Iterator[tuple[str, Obj]]:
             yield f"{oid} submitter", spec["submitterPodTemplate"].get("spec") or {}
     elif kind == "RayService":
         yield from _ray_cluster_pods(spec.get("rayClusterConfig") or {}, oid)
+
+
+def ray_pod_specs(o: Obj) -> Iterator[tuple[str, Obj]]:
+    """(description, pod spec) for every Ray node pod (head, worker groups) an object carries:
+    `pod_specs` without a RayJob's submitter."""
+    if o.get("kind") in ("RayCluster", "RayJob", "RayService"):
+        for where, pod in pod_specs(o):
+            if not where.endswith(" submitter"):
+                yield where, pod
+
+
+def _shm_violations(where: str, pod: Obj) -> list[str]:
+    """/dev/shm of the Ray container: a memory emptyDir >= SHM_FRACTION of its memory limit."""
+    containers = pod.get("containers") or []
+    if not containers:
+        return []                       # `_restricted` reports the missing container
+    c = containers[0]                   # KubeRay: the Ray container is the first one
+    w = f"{where}: container {c.get('name', '?')}"
+    mem = quantity_bytes(((c.get("resources") or {}).get("limits") or {}).get("memory"))
+    if mem is None:
+        return [f"{w}: resources.limits.memory must be set (Ray sizes its object store from it)"]
+    vol_name = next((m.get("name") for m in c.get("volumeMounts") or [] if m.get("mountPath") == "/dev/shm"), None)
+    vol = next((v for v in pod.get("volumes") or [] if v.get("name") == vol_name), None) if vol_name else None
+    ed = (vol or {}).get("emptyDir")
+    if not isinstance(ed, dict) or ed.get("medium") != "Memory":
+        return [f"{w}: /dev/shm must be a memory emptyDir (Ray's object store lives there; the default is 64 MiB)"]
+    size = quantity_bytes(ed.get("sizeLimit"))
+    if size is None or size < SHM_FRACTION * mem:
+        return [f"{w}: /dev/shm sizeLimit {ed.get('sizeLimit')} is below {SHM_FRACTION:.0%} of the memory limit "
+                f"{c['resources']['limits']['memory']} (Ray's object store would fall back to /tmp)"]
+    return []
 
 
 def _restricted(where: str, pod: Obj, extra_containers: Iterable[tuple[str, Obj]] = ()) -> list[str]:
@@ -151,6 +208,8 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
                               {"securityContext": (spec.get("autoscalerOptions") or {}).get("securityContext")}))
             bad += _restricted(where, pod, extra)
             bad += _env_violations(where, pod)
+        for where, pod in ray_pod_specs(o):
+            bad += _shm_violations(where, pod)
         # Secrets by reference only.
         if kind == "Secret":
             for field in ("data", "stringData"):

