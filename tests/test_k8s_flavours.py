@@ -81,3 +81,37 @@ def test_policy_flags_the_old_head_shm_of_the_standing_cluster(built):
     _shm_volume(rc["spec"]["headGroupSpec"]["template"]["spec"])["emptyDir"]["sizeLimit"] = "4Gi"   # < 4.8Gi
     assert any("head" in b and "4Gi is below 30% of the memory limit 16Gi" in b
                for b in policy.policy_violations([rc]))
+
+
+# ---- RayJobs hand the GPUs back when Kueue hands back the quota -------------------------------------
+
+def _rayjobs(built):
+    return [(sid, o) for sid, objs in _everything(built) for o in objs if o.get("kind") == "RayJob"]
+
+
+def test_every_rayjob_deletes_its_cluster_at_once_and_bounds_its_start(built):
+    rayjobs = _rayjobs(built)
+    assert len(rayjobs) >= len(RENDERED) + 4          # rendered + both templates in each jobs build
+    for sid, rj in rayjobs:
+        s = rj["spec"]
+        assert s["shutdownAfterJobFinishes"] is True and s["ttlSecondsAfterFinished"] == 0, sid
+        assert 0 < s["preRunningDeadlineSeconds"] < s["activeDeadlineSeconds"], sid
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (lambda s: s.update(ttlSecondsAfterFinished=600), "ttlSecondsAfterFinished must be 0"),
+    (lambda s: s.pop("preRunningDeadlineSeconds"), "preRunningDeadlineSeconds must be set"),
+    (lambda s: s.update(preRunningDeadlineSeconds=0), "preRunningDeadlineSeconds must be set"),
+    (lambda s: s.update(preRunningDeadlineSeconds=s["activeDeadlineSeconds"]), "below activeDeadlineSeconds"),
+], ids=["ttl-600", "no-pre-running", "zero", "past-active"])
+def test_policy_flags_a_rayjob_that_holds_gpus(mutate, expect):
+    rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
+    assert policy.policy_violations([rj]) == []
+    mutate(rj["spec"])
+    assert any(expect in b for b in policy.policy_violations([rj])), policy.policy_violations([rj])
+
+
+def test_ttl_absent_is_kuberays_default_zero():
+    rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
+    rj["spec"].pop("ttlSecondsAfterFinished")
+    assert policy.policy_violations([rj]) == []

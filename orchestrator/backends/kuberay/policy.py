@@ -5,8 +5,9 @@ good): a restricted securityContext on every pod (Pod Security Standards "restri
 parts a manifest shows), secrets by reference only (no inline env values under secret-like
 names, no Secret data, nothing shaped like a credential anywhere -- `jobs.secrets` decides, as
 it does for specs), Ray's dashboard and client ports never exposed outside the cluster, and
-every RayJob bounded and admitted by Kueue (backoffLimit, activeDeadlineSeconds, a queue label,
-a restricted submitter, one plain entrypoint command), and every Ray pod (head and workers of a
+every RayJob bounded and admitted by Kueue (backoffLimit, activeDeadlineSeconds,
+preRunningDeadlineSeconds, a queue label, its cluster deleted when it finishes -- ttl 0 --, a
+restricted submitter, one plain entrypoint command), and every Ray pod (head and workers of a
 RayCluster, RayJob or RayService) sized by one rule: `/dev/shm` a memory emptyDir of at least
 `SHM_FRACTION` of the pod's memory limit (`shm_gib` is the size rayft writes). `render` checks its
 own output with it; the tests check all of k8s/ with it.
@@ -255,6 +256,16 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
                 bad.append(f"{oid}: metadata.labels[{QUEUE_LABEL}] must name a Kueue LocalQueue")
             elif spec.get("shutdownAfterJobFinishes") is not True:
                 bad.append(f"{oid}: Kueue-managed RayJobs need spec.shutdownAfterJobFinishes: true")
+            if spec.get("shutdownAfterJobFinishes") is True and spec.get("ttlSecondsAfterFinished", 0) != 0:
+                bad.append(f"{oid}: spec.ttlSecondsAfterFinished must be 0 (Kueue releases the quota when the job "
+                           f"finishes; a cluster kept {spec['ttlSecondsAfterFinished']}s holds GPUs the quota counts "
+                           "as free)")
+            pre = spec.get("preRunningDeadlineSeconds")
+            if not isinstance(pre, int) or isinstance(pre, bool) or pre <= 0:
+                bad.append(f"{oid}: spec.preRunningDeadlineSeconds must be set (a job whose pods cannot start "
+                           "would hold its quota until activeDeadlineSeconds)")
+            elif isinstance(spec.get("activeDeadlineSeconds"), int) and pre >= spec["activeDeadlineSeconds"]:
+                bad.append(f"{oid}: spec.preRunningDeadlineSeconds {pre} must be below activeDeadlineSeconds")
             if spec.get("clusterSelector"):
                 bad.append(f"{oid}: spec.clusterSelector (an existing cluster) is not admitted by Kueue")
             rt = spec.get("runtimeEnvYAML")

@@ -48,6 +48,10 @@ HF_SECRET_KEY = "token"
 MAX_RAYJOB_NAME = 47                     # KubeRay: RayJob names are DNS-1035 labels of <= 47 chars
 RAY_GROUP, RAY_VERSION_API, RAYJOB_PLURAL = "ray.io", "v1", "rayjobs"
 KINDS = ("finetune", "tune")
+# Past this without reaching Running (nodes scaled up, image pulled, pods ready), KubeRay fails
+# the RayJob and deletes its cluster, so a job whose workers cannot be placed does not hold
+# Kueue's quota until activeDeadlineSeconds (a day).
+PRE_RUNNING_DEADLINE_S = 1800
 
 # The driver and every Ray worker start in a copy of the repository inside the image (uploaded by
 # the submitter, which runs the same image), so the examples' relative data paths resolve.
@@ -395,8 +399,12 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
             "jobId": name,                                  # the Ray submission id: deterministic
             "submissionMode": "K8sJobMode",
             "shutdownAfterJobFinishes": True,               # Kueue needs it; frees the GPUs
-            "ttlSecondsAfterFinished": 600,
+            # 0: the cluster goes when the job ends, the moment Kueue hands the quota back (Kueue
+            # counts a Complete/Failed RayJob as finished). Outputs and metrics.jsonl are on the
+            # data volume; the submitter Job (driver log) stays until the RayJob is deleted.
+            "ttlSecondsAfterFinished": 0,
             "activeDeadlineSeconds": 86400 if kind == "finetune" else 172800,
+            "preRunningDeadlineSeconds": PRE_RUNNING_DEADLINE_S,
             "backoffLimit": 1 if kind == "finetune" else 0,  # a retry resumes from the checkpoint
             "submitterConfig": {"backoffLimit": 2},
             "runtimeEnvYAML": RUNTIME_ENV_YAML,

@@ -74,9 +74,15 @@ COMMENTS: dict[KeyPath, str] = {
         "K8sJobMode (default): a Kubernetes Job (the submitter) runs `ray job submit` and tails the\n"
         "logs, so `kubectl logs job/<name>` shows the driver output."),
     ("spec", "shutdownAfterJobFinishes"): (
-        "Delete the Ray cluster when the job finishes (default false). Kueue requires true: the quota is\n"
-        "released when the cluster is gone."),
-    ("spec", "ttlSecondsAfterFinished"): "Seconds to keep the finished cluster for inspection before deleting it (default 0).",
+        "Delete the Ray cluster when the job finishes (default false). Kueue requires true."),
+    ("spec", "ttlSecondsAfterFinished"): (
+        "Seconds to keep the finished cluster before deleting it (default 0). 0: Kueue releases the\n"
+        "quota when the job is Complete/Failed, so the GPUs must go then too. Outputs, metrics.jsonl and\n"
+        "summary.json are on the shared volume; `kubectl logs job/<name>` (the submitter) keeps the\n"
+        "driver's log until the RayJob is deleted."),
+    ("spec", "preRunningDeadlineSeconds"): (
+        "Seconds from start to Running (cluster up, nodes scaled, image pulled) before KubeRay fails\n"
+        "the job and deletes its cluster, releasing the quota (default: no limit)."),
     ("spec", "activeDeadlineSeconds"): (
         "Wall-clock limit for the whole RayJob (cluster start + training), in seconds; past it KubeRay\n"
         "marks the job Failed and tears the cluster down. Default: no limit."),
