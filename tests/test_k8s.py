@@ -470,11 +470,14 @@ def test_render_shape_for_a_gpu_spec():
     assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 4
     pod = g["template"]["spec"]
     c = pod["containers"][0]
-    assert c["resources"]["limits"] == {"cpu": "4", "memory": f"{int(node.worker_memory_gib)}Gi", "nvidia.com/gpu": "1"}
+    assert c["resources"]["limits"] == {"cpu": "4", "memory": f"{int(node.worker_memory_gib)}Gi", "nvidia.com/gpu": "1",
+                                        "ephemeral-storage": f"{int(node.worker_ephemeral_gib)}Gi"}
     assert c["resources"]["requests"] == c["resources"]["limits"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": node.gpu_product}
     assert c["image"] == "reg.example/rayft:1"
-    assert c["env"] == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+    assert c["env"] == [{"name": "HF_HOME", "value": "/mnt/rayft/cache/huggingface"},
+                        {"name": "RAYFT_CACHE", "value": "/mnt/rayft/cache/rayft"},
+                        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
         "name": k8s.HF_SECRET, "key": k8s.HF_SECRET_KEY, "optional": True}}}]
     head = rc["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in head["resources"]["limits"]

@@ -115,3 +115,54 @@ def test_ttl_absent_is_kuberays_default_zero():
     rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
     rj["spec"].pop("ttlSecondsAfterFinished")
     assert policy.policy_violations([rj]) == []
+
+
+# ---- ephemeral storage; downloads and caches on the data volume -------------------------------------
+
+def test_every_ray_container_bounds_its_disk_and_caches_on_the_data_volume(built):
+    seen = 0
+    for sid, objs in _everything(built):
+        for o in objs:
+            if o.get("kind") not in ("RayCluster", "RayJob"):
+                continue
+            ray = dict(policy.ray_pod_specs(o))
+            for where, pod in policy.pod_specs(o):
+                for c in pod["containers"]:
+                    res = c["resources"]
+                    assert policy.quantity_bytes(res["requests"]["ephemeral-storage"]) > 0, (sid, where)
+                    assert res["requests"]["ephemeral-storage"] == res["limits"]["ephemeral-storage"], (sid, where)
+                if where in ray:
+                    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+                    assert env["HF_HOME"] == "/mnt/rayft/cache/huggingface", (sid, where)
+                    assert env["RAYFT_CACHE"] == "/mnt/rayft/cache/rayft", (sid, where)
+                    seen += 1
+    assert seen >= 2 * len(RENDERED) + 8
+
+
+def _mut_env(name):
+    def f(pod):
+        pod["containers"][0]["env"] = [e for e in pod["containers"][0]["env"] if e["name"] != name]
+    return f
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (lambda pod: pod["containers"][0]["resources"]["limits"].pop("ephemeral-storage"), "ephemeral-storage"),
+    (lambda pod: pod["containers"][0]["resources"]["requests"].update({"ephemeral-storage": "900Gi"}),
+     "request is above its limit"),
+    (_mut_env("HF_HOME"), "env HF_HOME"),
+    (_mut_env("RAYFT_CACHE"), "env RAYFT_CACHE"),
+    (lambda pod: pod["containers"][0]["env"].__setitem__(0, {"name": "HF_HOME", "value": "/tmp/hf"}), "env HF_HOME"),
+    (lambda pod: [m.update(mountPath="/data") for m in pod["containers"][0]["volumeMounts"]
+                  if m["mountPath"] == "/mnt/rayft"], "data volume"),
+], ids=["no-limit", "request-above", "no-hf-home", "no-cache", "hf-home-in-tmp", "no-data-volume"])
+def test_policy_flags_a_worker_that_would_fill_the_node_disk(mutate, expect):
+    rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
+    mutate(rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"])
+    bad = policy.policy_violations([rj])
+    assert any("worker group gpu" in b and expect in b for b in bad), bad
+
+
+def test_policy_flags_a_submitter_without_an_ephemeral_storage_limit():
+    rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
+    rj["spec"]["submitterPodTemplate"]["spec"]["containers"][0]["resources"]["requests"].pop("ephemeral-storage")
+    assert any("submitter" in b and "ephemeral-storage" in b for b in policy.policy_violations([rj]))

@@ -50,6 +50,8 @@ class NodeType:
     head_cpu: float
     head_memory_gib: float
     image: str
+    head_ephemeral_gib: float = 20.0      # ephemeral-storage of the head pod (Ray's /tmp/ray)
+    worker_ephemeral_gib: float = 50.0    # ... of one worker pod (logs, spilled objects)
 
     @classmethod
     def from_configmap(cls, obj: Obj, overlay: str) -> "NodeType":
@@ -68,6 +70,8 @@ class NodeType:
                 head_cpu=float(d["headCpu"]),
                 head_memory_gib=float(d["headMemoryGiB"]),
                 image=str(d["image"]),
+                head_ephemeral_gib=float(d.get("headEphemeralGiB", 20)),
+                worker_ephemeral_gib=float(d.get("workerEphemeralGiB", 50)),
             )
         except KeyError as e:
             raise UserError(f"{where}: data.{e.args[0]} is missing") from None

@@ -9,7 +9,8 @@ every RayJob bounded and admitted by Kueue (backoffLimit, activeDeadlineSeconds,
 preRunningDeadlineSeconds, a queue label, its cluster deleted when it finishes -- ttl 0 --, a
 restricted submitter, one plain entrypoint command), and every Ray pod (head and workers of a
 RayCluster, RayJob or RayService) sized by one rule: `/dev/shm` a memory emptyDir of at least
-`SHM_FRACTION` of the pod's memory limit (`shm_gib` is the size rayft writes). `render` checks its
+`SHM_FRACTION` of the pod's memory limit (`shm_gib` is the size rayft writes), ephemeral-storage
+requested and limited, the data volume at `DATA_MOUNT` and the caches on it (`CACHE_ENV`). `render` checks its
 own output with it; the tests check all of k8s/ with it.
 """
 
@@ -36,6 +37,10 @@ RESTRICTED_CAPS_ADD = {"NET_BIND_SERVICE"}
 # Ray's object store defaults to 30% of the pod's memory and lives in /dev/shm; a smaller /dev/shm
 # makes Ray fall back to /tmp (slow, on the container's disk) with a warning.
 SHM_FRACTION = 0.3
+DATA_MOUNT = "/mnt/rayft"                # every Ray pod mounts the data volume (PVC rayft-data) here
+# The hub's downloads and rayft's cache (jobs.model) on the data volume, in every Ray container:
+# in the container layer a large model fills the node's disk and the pod is evicted.
+CACHE_ENV = {"HF_HOME": f"{DATA_MOUNT}/cache/huggingface", "RAYFT_CACHE": f"{DATA_MOUNT}/cache/rayft"}
 _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)")
 _QUANTITY_UNITS = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
                    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
@@ -117,6 +122,34 @@ def _shm_violations(where: str, pod: Obj) -> list[str]:
         return [f"{w}: /dev/shm sizeLimit {ed.get('sizeLimit')} is below {SHM_FRACTION:.0%} of the memory limit "
                 f"{c['resources']['limits']['memory']} (Ray's object store would fall back to /tmp)"]
     return []
+
+
+def _storage_violations(where: str, pod: Obj, ray: bool) -> list[str]:
+    """ephemeral-storage requested and limited on every container; a Ray container (`ray`) also
+    has the data volume at DATA_MOUNT and CACHE_ENV pointing into it."""
+    bad = []
+    for c in pod.get("containers") or []:
+        w = f"{where}: container {c.get('name', '?')}"
+        res = c.get("resources") or {}
+        req = quantity_bytes((res.get("requests") or {}).get("ephemeral-storage"))
+        lim = quantity_bytes((res.get("limits") or {}).get("ephemeral-storage"))
+        if req is None or lim is None:
+            bad.append(f"{w}: resources.requests and limits of ephemeral-storage must be set "
+                       "(unbounded writes to the container layer get pods evicted for disk pressure)")
+        elif req > lim:
+            bad.append(f"{w}: ephemeral-storage request is above its limit")
+    if ray and pod.get("containers"):
+        c = pod["containers"][0]
+        w = f"{where}: container {c.get('name', '?')}"
+        claims = {v.get("name") for v in pod.get("volumes") or [] if "persistentVolumeClaim" in v}
+        if not any(m.get("mountPath") == DATA_MOUNT and m.get("name") in claims for m in c.get("volumeMounts") or []):
+            bad.append(f"{w}: the data volume (a PVC) must be mounted at {DATA_MOUNT}")
+        env = {e.get("name"): e.get("value") for e in c.get("env") or []}
+        for k in CACHE_ENV:
+            if not str(env.get(k) or "").startswith(f"{DATA_MOUNT}/cache/"):
+                bad.append(f"{w}: env {k} must point under {DATA_MOUNT}/cache/ (downloads on the data volume, "
+                           "not the container layer)")
+    return bad
 
 
 def _restricted(where: str, pod: Obj, extra_containers: Iterable[tuple[str, Obj]] = ()) -> list[str]:
@@ -209,8 +242,12 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
                               {"securityContext": (spec.get("autoscalerOptions") or {}).get("securityContext")}))
             bad += _restricted(where, pod, extra)
             bad += _env_violations(where, pod)
+        ray_pods = dict(ray_pod_specs(o))
         for where, pod in ray_pod_specs(o):
             bad += _shm_violations(where, pod)
+        if o.get("kind") in ("RayCluster", "RayJob", "RayService"):
+            for where, pod in pod_specs(o):
+                bad += _storage_violations(where, pod, ray=where in ray_pods)
         # Secrets by reference only.
         if kind == "Secret":
             for field in ("data", "stringData"):

@@ -34,7 +34,7 @@ from jobs.errors import SpecError, UserError
 from jobs.spec import JobSpec
 
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
-from .policy import QUEUE_LABEL, SHELL_SAFE, policy_violations, shm_gib
+from .policy import CACHE_ENV, QUEUE_LABEL, SHELL_SAFE, policy_violations, shm_gib
 
 RAY_VERSION = "2.60.0"
 DEFAULT_QUEUE = "rayft"                  # the LocalQueue in k8s/base/kueue.yaml
@@ -146,12 +146,21 @@ def _cpu(x: float) -> str:
 
 
 def _env(spec: JobSpec) -> list[Obj]:
-    if not spec.model.hf_token_env:
-        return []
-    return [{
-        "name": spec.model.hf_token_env,
-        "valueFrom": {"secretKeyRef": {"name": HF_SECRET, "key": HF_SECRET_KEY, "optional": True}},
-    }]
+    # Model downloads and rayft's cache on the data volume, not the container layer: a large model
+    # would fill the node's disk and get the pod evicted; on the volume it is downloaded once.
+    env = [{"name": k, "value": v} for k, v in CACHE_ENV.items()]
+    if spec.model.hf_token_env:
+        env.append({
+            "name": spec.model.hf_token_env,
+            "valueFrom": {"secretKeyRef": {"name": HF_SECRET, "key": HF_SECRET_KEY, "optional": True}},
+        })
+    return env
+
+
+def _storage(gib: float) -> Obj:
+    """ephemeral-storage request == limit: what the pod may write outside its volumes (Ray's
+    /tmp/ray: logs, spilled objects); past the limit the kubelet evicts it."""
+    return {"ephemeral-storage": _gib(gib)}
 
 
 def _volumes(cm_name: str, shm_gib: float) -> list[Obj]:
@@ -332,10 +341,12 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
                         {"containerPort": 8265, "name": "dashboard"},
                         {"containerPort": 10001, "name": "client"},
                     ],
-                    **({"env": env} if env else {}),
+                    "env": env,
                     "resources": {
-                        "requests": {"cpu": _cpu(node.head_cpu), "memory": _gib(head_mem)},
-                        "limits": {"cpu": _cpu(node.head_cpu), "memory": _gib(head_mem)},
+                        "requests": {"cpu": _cpu(node.head_cpu), "memory": _gib(head_mem),
+                                     **_storage(node.head_ephemeral_gib)},
+                        "limits": {"cpu": _cpu(node.head_cpu), "memory": _gib(head_mem),
+                                   **_storage(node.head_ephemeral_gib)},
                     },
                     "securityContext": _container_security(),
                     "volumeMounts": _mounts(),
@@ -345,7 +356,7 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
         },
     }
     worker_mem = node.worker_memory_gib
-    worker_res: Obj = {"cpu": _cpu(worker_cpu), "memory": _gib(worker_mem)}
+    worker_res: Obj = {"cpu": _cpu(worker_cpu), "memory": _gib(worker_mem), **_storage(node.worker_ephemeral_gib)}
     if gpus:
         worker_res["nvidia.com/gpu"] = str(gpus)
     worker_spec: Obj = {
@@ -360,7 +371,7 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
         "name": "ray-worker",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        **({"env": env} if env else {}),
+        "env": env,
         "resources": {"requests": dict(worker_res), "limits": dict(worker_res)},
         "securityContext": _container_security(),
         "volumeMounts": _mounts(),
@@ -384,8 +395,8 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
                 "name": "ray-job-submitter",
                 "image": image,
                 "imagePullPolicy": "IfNotPresent",
-                "resources": {"requests": {"cpu": "200m", "memory": "512Mi"},
-                              "limits": {"cpu": "1", "memory": "1Gi"}},
+                "resources": {"requests": {"cpu": "200m", "memory": "512Mi", **_storage(1)},
+                              "limits": {"cpu": "1", "memory": "1Gi", **_storage(1)}},
                 "securityContext": _container_security(),
             }],
         },
