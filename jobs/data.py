@@ -400,6 +400,10 @@ def source_hash(path: str, hf_token_env: Optional[str] = None) -> str:
     if is_hub(path):
         return "hf:" + _datasets_rows(path, "data.path", hf_token_env)._fingerprint
     p = Path(path)
+    if not p.is_dir():
+        problem = path_problem(p)  # never open a FIFO or a device to hash it
+        if problem:
+            raise SpecError(f"data.path: {problem}")
     if p.is_dir():
         h = hashlib.sha256()
         for f in sorted(q for q in p.rglob("*") if q.is_file()):
@@ -500,6 +504,38 @@ class Dataset:
     dropped: int  # records with no label token left after truncation
     content_hash: str = ""  # `content_hash(spec)`: what the checkpoint's resume key records
     cache_dir: Optional[Path] = None
+
+
+def count_checked_records(spec: JobSpec) -> int:
+    """Check every record of `data.path` and `data.eval_path` (nothing is kept: the memory of one
+    record) and return the number of training records. The driver calls this before anything
+    is created. A success is remembered in the cache root (`checked-<hash>.json`, keyed by the
+    content hash and `data.fields`), so a later start on the same data skips the pass."""
+    d = spec.data
+    try:
+        key = hashlib.sha256(json.dumps([content_hash(spec), d.fields]).encode()).hexdigest()[:24]
+        memo: Optional[Path] = data_cache_dir(spec, f"checked-{key}.json")
+        return int(json.loads(memo.read_text())["train_records"])
+    except SpecError:  # a source that cannot be hashed: the pass below names the problem
+        memo = None
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    n_train = 0
+    for i, p in enumerate(d.path):
+        n_train += len(read_jsonl(p, "data.path" if len(d.path) == 1 else f"data.path.{i}", max_chars=0,
+                                  fields=d.fields, hf_token_env=d.hf_token_env))
+    if d.eval_path:
+        read_jsonl(d.eval_path, "data.eval_path", max_chars=0, fields=d.fields, hf_token_env=d.hf_token_env)
+    if memo is None:
+        return n_train
+    try:  # only a success is remembered; a failed write costs the next start one more pass
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"train_records": n_train}))
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return n_train
 
 
 def read_records(spec: JobSpec, tokenizer) -> tuple[list[dict], list[dict]]:

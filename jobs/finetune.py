@@ -19,17 +19,11 @@ from .spec import absolutize, load_spec
 
 def preflight(spec) -> None:
     """Checks that need the data files but not the model weights: run before anything is created."""
-    from .data import read_jsonl
+    from .data import count_checked_records
 
-    # Every line is parsed and checked; the texts are not kept (max_chars=0), so this costs
-    # the memory of one line, whatever the files hold.
-    n_train = 0
-    for i, p in enumerate(spec.data.path):
-        n_train += len(read_jsonl(p, "data.path" if len(spec.data.path) == 1 else f"data.path.{i}", max_chars=0,
-                                  fields=spec.data.fields, hf_token_env=spec.data.hf_token_env))
-    if spec.data.eval_path:
-        read_jsonl(spec.data.eval_path, "data.eval_path", max_chars=0, fields=spec.data.fields,
-                   hf_token_env=spec.data.hf_token_env)
+    # Every record is parsed and checked, the texts not kept (the memory of one record); data
+    # checked before (same content hash) is not read again.
+    n_train = count_checked_records(spec)
     if n_train < spec.batch.global_batch_size:  # tokenizing can only drop records, never add any
         raise SpecError(f"data.path: {n_train} training records, fewer than "
                         f"batch.global_batch_size={spec.batch.global_batch_size}")

@@ -135,3 +135,19 @@ def test_a_rerun_on_changed_data_is_refused_before_anything_runs(tmp_path):
     assert (out / "metrics.jsonl").read_text() == metrics  # nothing ran
     rc, err = _cli([*args, "run.max_steps=2", "--fresh"])
     assert rc == 0, err
+
+
+def test_the_driver_checks_the_same_data_once(tmp_path, monkeypatch):
+    """`count_checked_records` (the driver's pass over every record) remembers a success by
+    content: a second start on the same data reads nothing; changed data is read and checked again."""
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(10)))
+    spec = spec_for(p, tmp_path / "out")
+    assert data_mod.count_checked_records(spec) == 10
+    real = data_mod.read_jsonl
+    monkeypatch.setattr(data_mod, "read_jsonl", lambda *a, **k: pytest.fail("read again"))
+    assert data_mod.count_checked_records(spec) == 10
+    monkeypatch.setattr(data_mod, "read_jsonl", real)
+    p.write_text(p.read_text() + '{"oops": 1}\n')
+    with pytest.raises(SpecError, match="line 11"):
+        data_mod.count_checked_records(spec)
