@@ -509,8 +509,8 @@ class Dataset:
 def count_checked_records(spec: JobSpec) -> int:
     """Check every record of `data.path` and `data.eval_path` (nothing is kept: the memory of one
     record) and return the number of training records. The driver calls this before anything
-    is created. A success is remembered in the cache root (`checked-<hash>.json`, keyed by the
-    content hash and `data.fields`), so a later start on the same data skips the pass."""
+    is created. A success is remembered in an existing cache root (`checked-<hash>.json`, keyed
+    by the content hash and `data.fields`), so a later start on the same data skips the pass."""
     d = spec.data
     try:
         key = hashlib.sha256(json.dumps([content_hash(spec), d.fields]).encode()).hexdigest()[:24]
@@ -526,10 +526,11 @@ def count_checked_records(spec: JobSpec) -> int:
                                   fields=d.fields, hf_token_env=d.hf_token_env))
     if d.eval_path:
         read_jsonl(d.eval_path, "data.eval_path", max_chars=0, fields=d.fields, hf_token_env=d.hf_token_env)
-    if memo is None:
+    # Remembered only where a tokenized cache already lives: a client that submits to a cluster
+    # (or a first run) creates nothing here.
+    if memo is None or not memo.parent.is_dir():
         return n_train
     try:  # only a success is remembered; a failed write costs the next start one more pass
-        memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"train_records": n_train}))
         os.replace(tmp, memo)

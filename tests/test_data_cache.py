@@ -144,6 +144,9 @@ def test_the_driver_checks_the_same_data_once(tmp_path, monkeypatch):
     p.write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(10)))
     spec = spec_for(p, tmp_path / "out")
     assert data_mod.count_checked_records(spec) == 10
+    assert not (tmp_path / ".rayft-data").exists()  # no cache root yet (a first run): nothing written
+    load_dataset(spec, byte_tokenizer())  # what a worker does: the cache root now exists
+    assert data_mod.count_checked_records(spec) == 10
     real = data_mod.read_jsonl
     monkeypatch.setattr(data_mod, "read_jsonl", lambda *a, **k: pytest.fail("read again"))
     assert data_mod.count_checked_records(spec) == 10
