@@ -1,0 +1,165 @@
+"""Losing a node, not just a process: a Ray cluster of several nodes on 127.0.0.1 (token auth),
+the two training workers on two different nodes, one node removed mid-run (its raylet and
+everything under it SIGKILLed). With `run.max_failures=1` the run resumes from the last
+checkpoint once a node is added back and ends with the uninterrupted run's adapter.
+
+Placement without any test-only spec field: the head node has no CPU (the driver, Ray Train's
+controller and rayft's progress actor need none) and each worker node has exactly one, which
+is what one worker asks for (`resources.cpus_per_worker=1`), so the two workers can only run on
+two different worker nodes.
+
+Known gaps, not covered here: rayft's progress actor (`jobs.launch.ProgressActor`, num_cpus=0)
+is placed by Ray on any node; when the lost node is the one that holds it, `rayft run` ends
+with Ray's ActorUnavailableError whatever `run.max_failures` says, so the node removed here
+holds a training worker and not that actor. Without `run.max_failures`, losing a node ends the
+run with Ray's WorkerGroupError traceback, not one line naming the node."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import _wait_for_jobs_api, cluster_env, free_port
+from gradtools import ROOT, final_adapter, rel_err
+from jobs.outputs import read_events, read_metrics
+from test_resume import DEMO, RAY_STEPS, ray_reference  # noqa: F401  (the module's reference fixture)
+
+BIN = Path(sys.executable).parent
+# Node death noticed within ~10 s instead of Ray's default ~30 s (with room for a busy machine).
+FAST_HEALTH = json.dumps({"health_check_period_ms": 2000, "health_check_failure_threshold": 5,
+                          "health_check_timeout_ms": 2000})
+
+
+class LocalCluster:
+    """`ray start --head` (0 CPUs) plus worker nodes of 1 CPU each, every node its own process
+    group, so removing a node kills exactly that node's raylet and its workers."""
+
+    def __init__(self, tmp: Path):
+        self.env = cluster_env()
+        subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=self.env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        gcs, dash = free_port(), free_port()
+        self.address, self.dashboard = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}"
+        # Every process of this cluster (Ray Train's placement group cleaner included) talks to
+        # this cluster, not to the newest other `ray start` cluster on the machine.
+        self.env["RAY_ADDRESS"] = self.address
+        self.tmp = tmp
+        self.nodes: list[subprocess.Popen] = []
+        self.node_ids: dict[int, str] = {}          # node process id -> Ray node id
+        self.head = self._start(["--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                                 f"--ray-client-server-port={free_port()}", "--num-cpus=0",
+                                 f"--system-config={FAST_HEALTH}"], "head")
+        self.process = self.head                     # for conftest._wait_for_jobs_api
+        _wait_for_jobs_api(self)
+
+    def _start(self, args: list[str], name: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")
+        return subprocess.Popen([str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1",
+                                 "--disable-usage-stats", *args], env=self.env, start_new_session=True,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+    def alive_cpu_nodes(self) -> list[str]:
+        from orchestrator.backends.ray_jobs import RayJobsBackend
+
+        return [n.node_id for n in RayJobsBackend(self.dashboard, timeout_s=10).cluster_view().nodes if n.cpu_total >= 1]
+
+    def add_node(self) -> subprocess.Popen:
+        """Start one more worker node and wait until it is alive; records its Ray node id."""
+        before = set(self.wait_nodes(sum(q.poll() is None for q in self.nodes)))
+        p = self._start([f"--address={self.address}", "--num-cpus=1"], f"node{len(self.nodes)}")
+        self.nodes.append(p)
+        (new,) = set(self.wait_nodes(len(before) + 1)) - before
+        self.node_ids[p.pid] = new
+        return p
+
+    def actors_by_node(self) -> dict[str, set[str]]:
+        """{node id: class names of the alive actors on it}, from the dashboard's state API."""
+        from orchestrator.backends.ray_jobs import RayJobsBackend
+
+        got = RayJobsBackend(self.dashboard, timeout_s=10)._get("/api/v0/actors?limit=10000&detail=true")
+        out: dict[str, set[str]] = {}
+        for a in ((got.get("data") or {}).get("result") or {}).get("result") or []:
+            if a.get("state") == "ALIVE":
+                out.setdefault(a.get("node_id"), set()).add(a.get("class_name"))
+        return out
+
+    def wait_nodes(self, n: int, timeout_s: float = 120) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ids = self.alive_cpu_nodes()
+            except Exception:
+                ids = []
+            if len(ids) == n:
+                return ids
+            assert time.monotonic() < deadline, f"{len(ids)} worker nodes alive, expected {n}"
+            time.sleep(0.5)
+
+    @staticmethod
+    def kill(p: subprocess.Popen) -> None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=60)
+
+    def stop(self) -> None:
+        for p in self.nodes + [self.head]:
+            self.kill(p)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = LocalCluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _run(cluster: LocalCluster, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "rayft"), "run", DEMO, f"run.output_dir={out}", *RAY_STEPS,
+                             "resources.cpus_per_worker=1", *extra, "--address", cluster.address],
+                            cwd=ROOT, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stall_then_remove_a_node(cluster: LocalCluster, p: subprocess.Popen, out: Path, marker: Path) -> None:
+    deadline = time.monotonic() + 300
+    while not (marker.exists() and len(read_metrics(out)) >= 5):
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run never reached step 5"
+        time.sleep(0.5)
+    # The node of a training worker that does not also host rayft's progress actor: that actor
+    # (num_cpus=0, placed anywhere by Ray) lives with the driver's run, and losing it ends the
+    # run whatever max_failures says -- a separate, known gap (see the module docstring).
+    on = cluster.actors_by_node()
+    victim = next(p for p in cluster.nodes if p.poll() is None
+                  and "RayTrainWorker" in on.get(cluster.node_ids[p.pid], set())
+                  and "ProgressActor" not in on.get(cluster.node_ids[p.pid], set()))
+    cluster.kill(victim)                              # a whole node: its raylet and its worker
+    cluster.wait_nodes(1)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_losing_a_node_resumes_from_the_last_checkpoint_once_capacity_is_back(cluster, tmp_path, ray_reference):
+    cluster.add_node()                               # one at a time: joining nodes on one IP race
+    cluster.add_node()
+    out, marker = tmp_path / "run", tmp_path / "stalled"
+    p = _run(cluster, out, "run.max_failures=1", f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,once={marker}")
+    _stall_then_remove_a_node(cluster, p, out, marker)
+    cluster.add_node()                                # capacity back: a new node
+    _, err = p.communicate(timeout=400)
+    assert p.returncode == 0, err[-3000:]
+    resumes = [e for e in read_events(out) if e["event"] == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] == 4, resumes
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+    assert rel_err(final_adapter(out), ray_reference) <= 1e-6
+
