@@ -41,7 +41,7 @@ _VENV_KUBECTL = Path(sys.executable).parent / "kubectl"
 KUBECTL = str(_VENV_KUBECTL) if _VENV_KUBECTL.is_file() else shutil.which("kubectl")
 NEEDS_KUBECTL = pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH: kustomize builds not checked")
 NEEDS_CRDS = pytest.mark.skipif(not crds_available(), reason=f"KubeRay CRDs not found in {CRD_DIR}")
-OVERLAYS = ["gpu", "dev-cpu"]
+OVERLAYS = k8s.overlays()            # gpu, dev-cpu and the cluster flavours (gke, eks, onprem)
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -157,7 +157,7 @@ def test_overlays_install_the_pieces(built):
         assert all(o["metadata"]["name"] != "rayft-node-type" for o in built[f"overlays/{ov}/jobs"]), \
             "the jobs build uses the node type as a source only (the overlay installs it)"
         for o in built[f"overlays/{ov}"] + built[f"overlays/{ov}/jobs"]:
-            if o["kind"] not in ("Namespace", "ResourceFlavor", "ClusterQueue"):    # cluster-scoped
+            if o["kind"] not in ("Namespace", "ResourceFlavor", "ClusterQueue", "StorageClass"):   # cluster-scoped
                 assert o["metadata"].get("namespace") == "rayft", o["metadata"]
 
 
@@ -316,8 +316,11 @@ def test_kueue_objects_hang_together(built, ov):
             assert fl["name"] in by["ResourceFlavor"], f"ClusterQueue names unknown flavor {fl['name']}"
             assert [r["name"] for r in fl["resources"]] == rg["coveredResources"]
     assert by["LocalQueue"]["rayft"]["spec"]["clusterQueue"] in by["ClusterQueue"]
-    assert by["ResourceFlavor"]["rayft-gpu"]["spec"]["nodeLabels"]["nvidia.com/gpu.product"] == \
-        k8s.load_node_type("gpu").gpu_product
+    node = k8s.load_node_type(ov)
+    # The GPU flavor selects the node type's GPU label (GFD, GKE, Karpenter); a CPU-only overlay keeps
+    # the base's (its GPU quota is 0).
+    assert by["ResourceFlavor"]["rayft-gpu"]["spec"]["nodeLabels"] == \
+        (node.gpu_selector() or k8s.load_node_type("gpu").gpu_selector())
     gpus = sum(r["nominalQuota"] for rg in cq["resourceGroups"] for fl in rg["flavors"]
                for r in fl["resources"] if r["name"] == "nvidia.com/gpu")
     assert (gpus > 0) == (k8s.load_node_type(ov).gpus_per_node > 0)

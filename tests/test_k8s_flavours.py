@@ -166,3 +166,126 @@ def test_policy_flags_a_submitter_without_an_ephemeral_storage_limit():
     rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
     rj["spec"]["submitterPodTemplate"]["spec"]["containers"][0]["resources"]["requests"].pop("ephemeral-storage")
     assert any("submitter" in b and "ephemeral-storage" in b for b in policy.policy_violations([rj]))
+
+
+# ---- node types name the cluster flavour ------------------------------------------------------------
+
+from jobs.errors import UserError  # noqa: E402
+from orchestrator.backends.kuberay import node_types  # noqa: E402
+
+FLAVOURS = {"gke": "cloud.google.com/gke-accelerator", "eks": "karpenter.k8s.aws/instance-gpu-name",
+            "onprem": "nvidia.com/gpu.product", "gpu": "nvidia.com/gpu.product"}
+
+
+def test_the_flavour_overlays_exist():
+    assert set(FLAVOURS) <= set(node_types.overlays())
+
+
+@pytest.mark.parametrize("ov", sorted(FLAVOURS))
+def test_built_and_rendered_gpu_pods_select_the_flavours_label(built, ov):
+    node = node_types.load_node_type(ov)
+    want = node.gpu_selector()
+    assert list(want) == [FLAVOURS[ov]] and all(want.values())
+    objs = built[f"overlays/{ov}"] + built[f"overlays/{ov}/jobs"]
+    rendered = render(spec_of(use_gpu=True), overlay=ov)
+    assert policy.policy_violations(rendered) == []
+    groups = [g for o in objs + rendered for g in
+              ((o.get("spec") or {}).get("workerGroupSpecs") or
+               ((o.get("spec") or {}).get("rayClusterSpec") or {}).get("workerGroupSpecs") or [])]
+    assert len(groups) == 4                          # standing cluster, 2 templates, rendered
+    for g in groups:
+        pod = g["template"]["spec"]
+        assert pod["nodeSelector"] == want, (ov, g["groupName"])
+        assert pod["tolerations"] == [dict(t) for t in node.gpu_tolerations], (ov, g["groupName"])
+    flavor = next(o for o in built[f"overlays/{ov}"] if o["kind"] == "ResourceFlavor"
+                  and o["metadata"]["name"] == "rayft-gpu")
+    assert flavor["spec"]["nodeLabels"] == want
+
+
+@pytest.mark.parametrize("ov", ["gke", "eks", "onprem"])
+def test_the_data_volume_uses_the_flavours_rwx_class(built, ov):
+    node = node_types.load_node_type(ov)
+    assert node.storage_class and node.access_mode == "ReadWriteMany"
+    pvc = next(o for o in built[f"overlays/{ov}"] if o["kind"] == "PersistentVolumeClaim")
+    assert pvc["spec"]["storageClassName"] == node.storage_class
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_eks_efs_class_gives_the_ray_user_its_directory(built):
+    sc = next(o for o in built["overlays/eks"] if o["kind"] == "StorageClass")
+    assert sc["metadata"]["name"] == node_types.load_node_type("eks").storage_class
+    assert sc["provisioner"] == "efs.csi.aws.com"
+    p = sc["parameters"]
+    assert (p["provisioningMode"], p["uid"], p["gid"]) == ("efs-ap", "1000", "100")
+    head = next(o for o in built["overlays/eks"] if o["kind"] == "RayCluster")["spec"]["headGroupSpec"]
+    sctx = head["template"]["spec"]["securityContext"]
+    assert (str(sctx["runAsUser"]), str(sctx["runAsGroup"])) == (p["uid"], p["gid"])
+
+
+def _gpu_quota(objs) -> int:
+    cq = next(o for o in objs if o["kind"] == "ClusterQueue")
+    return sum(r["nominalQuota"] for rg in cq["spec"]["resourceGroups"] for fl in rg["flavors"]
+               for r in fl["resources"] if r["name"] == "nvidia.com/gpu")
+
+
+def _standing_max_gpus(objs) -> int:
+    rc = next(o for o in objs if o["kind"] == "RayCluster")
+    return sum(g["maxReplicas"] * int(g["template"]["spec"]["containers"][0]["resources"]["limits"]
+                                      .get("nvidia.com/gpu", 0))
+               for g in rc["spec"]["workerGroupSpecs"])
+
+
+@pytest.mark.parametrize("ov", sorted(FLAVOURS) + ["dev-cpu"])
+def test_quota_plus_standing_cluster_fits_the_gpus_of_the_overlay(built, ov):
+    node = node_types.load_node_type(ov)
+    gpus = node.cluster_gpus or node.gpus_per_node
+    objs = built[f"overlays/{ov}"]
+    assert _gpu_quota(objs) + _standing_max_gpus(objs) <= gpus, ov
+    assert ov == "dev-cpu" or _gpu_quota(objs) > 0
+
+
+def test_quota_check_catches_the_old_gpu_overlay(built):
+    objs = copy.deepcopy(built["overlays/gpu"])
+    next(o for o in objs if o["kind"] == "RayCluster")["spec"]["workerGroupSpecs"][0]["maxReplicas"] = 8
+    cq = next(o for o in objs if o["kind"] == "ClusterQueue")
+    cq["spec"]["resourceGroups"][0]["flavors"][1]["resources"][2]["nominalQuota"] = 8
+    assert _gpu_quota(objs) + _standing_max_gpus(objs) == 16 > node_types.load_node_type("gpu").cluster_gpus
+
+
+def _node_type_dir(tmp_path, **data):
+    d = tmp_path / "ov" / "node-type"
+    d.mkdir(parents=True)
+    base = {"cpusPerNode": "8", "workerMemoryGiB": "8", "headCpu": "1", "headMemoryGiB": "2", "image": "x:1",
+            "gpusPerNode": "1", "gpuMemoryGiB": "24", "gpuProduct": "NVIDIA-L4", **data}
+    import yaml
+    (d / "node-type.yaml").write_text(yaml.safe_dump(
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "rayft-node-type"}, "data": base}))
+    return tmp_path / "ov"
+
+
+def test_custom_label_and_tolerations_reach_the_rendered_job(tmp_path):
+    ov = _node_type_dir(tmp_path, flavour="custom", gpuLabelKey="example.com/gpu", gpuLabelValue="l4",
+                        gpuTolerations="[{key: dedicated, operator: Equal, value: gpu, effect: NoSchedule}]")
+    pod = render(spec_of(use_gpu=True), overlay=ov)[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0][
+        "template"]["spec"]
+    assert pod["nodeSelector"] == {"example.com/gpu": "l4"}
+    assert pod["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]
+
+
+@pytest.mark.parametrize("data,expect", [
+    ({"flavour": "aks"}, "data.flavour 'aks'"),
+    ({"flavour": "custom"}, "data.gpuLabelKey is missing"),
+    ({"gpuTolerations": "{key: x}"}, "gpuTolerations must be a YAML list"),
+    ({"gpuTolerations": "[unclosed"}, "gpuTolerations is not YAML"),
+    ({"accessMode": "ReadMany"}, "data.accessMode 'ReadMany'"),
+], ids=["flavour", "custom-no-key", "tolerations-map", "tolerations-yaml", "access-mode"])
+def test_a_bad_node_type_is_one_clear_error(tmp_path, data, expect):
+    with pytest.raises(UserError, match=expect.replace("[", r"\[").replace("{", r"\{")):
+        node_types.load_node_type(_node_type_dir(tmp_path, **data))
+
+
+def test_render_cli_follows_the_overlays_node_type(capsys):
+    from orchestrator.cli import main
+    assert main(["k8s", "render", "examples/tiny-lora.yaml", "resources.use_gpu=true", "--overlay", "eks"]) == 0
+    out = capsys.readouterr().out
+    assert "karpenter.k8s.aws/instance-gpu-name: h100" in out and "nvidia.com/gpu.product" not in out

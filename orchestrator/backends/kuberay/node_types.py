@@ -1,7 +1,9 @@
 """Node types: what one node of the cluster an overlay targets looks like.
 
 Each overlay under ``k8s/overlays/<name>/`` carries a ConfigMap ``rayft-node-type``
-(``node-type/node-type.yaml``): GPU product and count, GPU memory, CPUs, pod memory, image.
+(``node-type/node-type.yaml``): GPU product and count, GPU memory, CPUs, pod memory, image, and
+the cluster flavour: the node label that selects the GPU nodes (GFD, GKE, EKS/Karpenter or a
+custom pair), their taints, the storage class and access mode of the data volume.
 Kustomize copies its image and GPU product into the manifests (k8s/components); `render`
 sizes a job's pods from it and refuses specs that cannot fit one node of it.
 """
@@ -19,6 +21,20 @@ import yaml
 from jobs.errors import UserError
 
 DEFAULT_OVERLAY = "gpu"
+
+# The node label a GPU node of each cluster flavour carries, and what its value names:
+#   gfd:  NVIDIA GPU Feature Discovery / GPU Operator (on-prem, any cloud with the operator),
+#         value the product name (NVIDIA-H100-80GB-HBM3);
+#   gke:  GKE sets it on GPU node pools, and its autoscaler knows it before a node exists
+#         (scale-up from zero), value e.g. nvidia-h100-80gb;
+#   eks:  Karpenter's well-known label, known before launch too, value e.g. h100.
+# A label that appears only after boot (GFD's, on an autoscaled pool) blocks scale-up from zero.
+GPU_LABEL_KEYS = {
+    "gfd": "nvidia.com/gpu.product",
+    "gke": "cloud.google.com/gke-accelerator",
+    "eks": "karpenter.k8s.aws/instance-gpu-name",
+}
+DEFAULT_GPU_TOLERATIONS = ({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},)
 
 Obj = dict[str, Any]
 
@@ -52,6 +68,18 @@ class NodeType:
     image: str
     head_ephemeral_gib: float = 20.0      # ephemeral-storage of the head pod (Ray's /tmp/ray)
     worker_ephemeral_gib: float = 50.0    # ... of one worker pod (logs, spilled objects)
+    flavour: str = "gfd"                  # gfd, gke, eks or custom: which GPU label the nodes carry
+    gpu_label_key: str = GPU_LABEL_KEYS["gfd"]
+    gpu_label_value: str = ""             # "" with GPUs: gpu_product (GFD's value)
+    gpu_tolerations: tuple = DEFAULT_GPU_TOLERATIONS   # taints of the GPU nodes, tolerated by GPU pods
+    storage_class: str = ""               # of the rayft-data PVC ("" = the cluster's default)
+    access_mode: str = "ReadWriteMany"    # of the rayft-data PVC
+    cluster_gpus: int = 0                 # GPUs of all nodes of this type (0: one node's)
+
+    def gpu_selector(self) -> dict:
+        """The nodeSelector of a GPU pod on this node type ({} when there is nothing to select)."""
+        value = self.gpu_label_value or self.gpu_product
+        return {self.gpu_label_key: value} if value else {}
 
     @classmethod
     def from_configmap(cls, obj: Obj, overlay: str) -> "NodeType":
@@ -72,11 +100,39 @@ class NodeType:
                 image=str(d["image"]),
                 head_ephemeral_gib=float(d.get("headEphemeralGiB", 20)),
                 worker_ephemeral_gib=float(d.get("workerEphemeralGiB", 50)),
+                **_flavour_fields(d, where),
             )
         except KeyError as e:
             raise UserError(f"{where}: data.{e.args[0]} is missing") from None
         except ValueError as e:
             raise UserError(f"{where}: {e}") from None
+
+
+def _flavour_fields(d: Obj, where: str) -> Obj:
+    """flavour, GPU label, tolerations, storage of a node-type ConfigMap's data."""
+    flavour = str(d.get("flavour") or "gfd")
+    if flavour not in (*GPU_LABEL_KEYS, "custom"):
+        raise UserError(f"{where}: data.flavour {flavour!r}: expected one of {', '.join(GPU_LABEL_KEYS)}, custom")
+    key = str(d.get("gpuLabelKey") or GPU_LABEL_KEYS.get(flavour, ""))
+    if not key:
+        raise UserError(f"{where}: data.gpuLabelKey is missing (flavour custom names its own GPU node label)")
+    tolerations = DEFAULT_GPU_TOLERATIONS
+    if d.get("gpuTolerations"):
+        try:
+            tolerations = yaml.safe_load(str(d["gpuTolerations"]))
+        except yaml.YAMLError as e:
+            raise UserError(f"{where}: data.gpuTolerations is not YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(tolerations, list) or not all(isinstance(t, dict) for t in tolerations):
+            raise UserError(f"{where}: data.gpuTolerations must be a YAML list of tolerations")
+        tolerations = tuple(tolerations)
+    mode = str(d.get("accessMode") or "ReadWriteMany")
+    if mode not in ("ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"):
+        raise UserError(f"{where}: data.accessMode {mode!r}: expected ReadWriteMany or ReadWriteOnce")
+    return {
+        "flavour": flavour, "gpu_label_key": key, "gpu_label_value": str(d.get("gpuLabelValue") or ""),
+        "gpu_tolerations": tolerations, "storage_class": str(d.get("storageClassName") or ""),
+        "access_mode": mode, "cluster_gpus": int(d.get("clusterGpus", 0)),
+    }
 
 
 def load_node_type(overlay: Union[str, Path] = DEFAULT_OVERLAY) -> NodeType:

@@ -364,9 +364,10 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
         "securityContext": _pod_security(),
     }
     if gpus:
-        worker_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-        if node.gpu_product:
-            worker_spec["nodeSelector"] = {"nvidia.com/gpu.product": node.gpu_product}
+        # The node type's flavour: its GPU label (GFD, GKE, Karpenter) and its GPU nodes' taints.
+        worker_spec["tolerations"] = [dict(t) for t in node.gpu_tolerations]
+        if node.gpu_selector():
+            worker_spec["nodeSelector"] = node.gpu_selector()
     worker_spec["containers"] = [{
         "name": "ray-worker",
         "image": image,
