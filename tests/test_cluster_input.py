@@ -175,8 +175,9 @@ def test_submit_to_kuberay_refuses_a_policy_violation_in_one_line(capsys, clean_
     """`rayft submit --backend kuberay` renders the same manifests; a violation there is refused
     before the Kubernetes API is contacted (--dry-run: none is configured here)."""
     code, err = run_cli(capsys, "submit", SPEC, "--backend", "kuberay", "--dry-run", "--image",
-                        f"registry.example/{FAKE_GH}/rayft:1")
-    assert code == 2 and "policy" in one_line(err), err
+                        f"registry.example/rayft:{FAKE_GH}")
+    line = one_line(err)
+    assert code == 2 and "policy" in line and FAKE_GH not in line, err
 
 
 # ---- 2. the queue database ------------------------------------------------------------------
