@@ -289,3 +289,44 @@ def test_render_cli_follows_the_overlays_node_type(capsys):
     assert main(["k8s", "render", "examples/tiny-lora.yaml", "resources.use_gpu=true", "--overlay", "eks"]) == 0
     out = capsys.readouterr().out
     assert "karpenter.k8s.aws/instance-gpu-name: h100" in out and "nvidia.com/gpu.product" not in out
+
+
+# ---- images: by digest, or by tag pulled Always ---------------------------------------------------
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+def _pull_policies(objs):
+    return {c["imagePullPolicy"] for o in objs for _, pod in policy.pod_specs(o) for c in pod["containers"]}
+
+
+def test_image_by_digest_is_pulled_if_not_present_and_by_tag_always():
+    spec = spec_of(use_gpu=True)
+    by_digest = render(spec, overlay="gpu", image=f"registry.example:5000/team/rayft@{DIGEST}")
+    assert _pull_policies(by_digest) == {"IfNotPresent"}
+    by_tag = render(spec, overlay="gpu", image="registry.example/rayft:0.1.0")
+    assert _pull_policies(by_tag) == {"Always"}
+    assert _pull_policies(render(spec, overlay="gpu", image=f"reg.example/rayft:0.1.0@{DIGEST}")) == {"IfNotPresent"}
+
+
+@pytest.mark.parametrize("image", ["bad image!", "reg.example/rayft@sha256:abc", "Rayft:1", "reg/rayft:1;rm"])
+def test_a_bad_image_reference_is_one_clear_error(image):
+    from jobs.errors import UserError
+    with pytest.raises(UserError, match="not an image reference"):
+        render(spec_of(use_gpu=True), overlay="gpu", image=image)
+
+
+def test_every_built_and_rendered_tagged_image_is_pulled_always(built):
+    for sid, objs in _everything(built):
+        for o in objs:
+            for where, pod in policy.pod_specs(o):
+                for c in pod["containers"]:
+                    assert "@sha256:" in c["image"] or c["imagePullPolicy"] == "Always", (sid, where)
+
+
+def test_policy_flags_a_tag_pulled_if_not_present():
+    rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu", image="registry.example/rayft:0.1.0")[1])
+    rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0][
+        "imagePullPolicy"] = "IfNotPresent"
+    assert any("worker group gpu" in b and "by tag with imagePullPolicy IfNotPresent" in b
+               for b in policy.policy_violations([rj]))

@@ -10,7 +10,8 @@ preRunningDeadlineSeconds, a queue label, its cluster deleted when it finishes -
 restricted submitter, one plain entrypoint command), and every Ray pod (head and workers of a
 RayCluster, RayJob or RayService) sized by one rule: `/dev/shm` a memory emptyDir of at least
 `SHM_FRACTION` of the pod's memory limit (`shm_gib` is the size rayft writes), ephemeral-storage
-requested and limited, the data volume at `DATA_MOUNT` and the caches on it (`CACHE_ENV`). `render` checks its
+requested and limited, the data volume at `DATA_MOUNT` and the caches on it (`CACHE_ENV`); and
+images by tag pulled Always (by digest: anything). `render` checks its
 own output with it; the tests check all of k8s/ with it.
 """
 
@@ -37,6 +38,17 @@ RESTRICTED_CAPS_ADD = {"NET_BIND_SERVICE"}
 # Ray's object store defaults to 30% of the pod's memory and lives in /dev/shm; a smaller /dev/shm
 # makes Ray fall back to /tmp (slow, on the container's disk) with a warning.
 SHM_FRACTION = 0.3
+# An image reference: [registry[:port]/]path[:tag][@sha256:digest]. A digest names one image for
+# ever; a tag may be pushed again, so a node that has it cached would keep running the old one.
+IMAGE_REF = re.compile(r"(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+|/)[a-z0-9]+)*"
+                       r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?")
+
+
+def pull_policy(image: str) -> str:
+    """imagePullPolicy for an image: IfNotPresent by digest (immutable), Always by tag."""
+    return "IfNotPresent" if "@sha256:" in image else "Always"
+
+
 DATA_MOUNT = "/mnt/rayft"                # every Ray pod mounts the data volume (PVC rayft-data) here
 # The hub's downloads and rayft's cache (jobs.model) on the data volume, in every Ray container:
 # in the container layer a large model fills the node's disk and the pod is evicted.
@@ -152,6 +164,17 @@ def _storage_violations(where: str, pod: Obj, ray: bool) -> list[str]:
     return bad
 
 
+def _image_violations(where: str, pod: Obj) -> list[str]:
+    """A tagged image is pulled Always (a rebuilt tag must not leave stale copies on nodes)."""
+    bad = []
+    for c in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+        image = str(c.get("image") or "")
+        if "@sha256:" not in image and c.get("imagePullPolicy") in ("IfNotPresent", "Never"):
+            bad.append(f"{where}: container {c.get('name', '?')}: image {image} by tag with imagePullPolicy "
+                       f"{c['imagePullPolicy']} (use Always, or the image by digest: REPO@sha256:...)")
+    return bad
+
+
 def _restricted(where: str, pod: Obj, extra_containers: Iterable[tuple[str, Obj]] = ()) -> list[str]:
     """Pod Security Standards "restricted" (the parts a manifest can show)."""
     bad = []
@@ -241,6 +264,7 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
                 extra.append(("autoscaler sidecar",
                               {"securityContext": (spec.get("autoscalerOptions") or {}).get("securityContext")}))
             bad += _restricted(where, pod, extra)
+            bad += _image_violations(where, pod)
             bad += _env_violations(where, pod)
         ray_pods = dict(ray_pod_specs(o))
         for where, pod in ray_pod_specs(o):

@@ -34,7 +34,8 @@ from jobs.errors import SpecError, UserError
 from jobs.spec import JobSpec
 
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
-from .policy import CACHE_ENV, QUEUE_LABEL, SHELL_SAFE, policy_violations, shm_gib
+from .policy import (CACHE_ENV, IMAGE_REF, QUEUE_LABEL, SHELL_SAFE, policy_violations, pull_policy,
+                     shm_gib)
 
 RAY_VERSION = "2.60.0"
 DEFAULT_QUEUE = "rayft"                  # the LocalQueue in k8s/base/kueue.yaml
@@ -271,6 +272,9 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
     name = job_name(spec)
     cm_name = spec_configmap_name(name)
     image = image or node.image
+    if not IMAGE_REF.fullmatch(image):
+        raise UserError(f"--image {image}: not an image reference (REPO[:TAG] or REPO@sha256:DIGEST)")
+    pull = pull_policy(image)
     queue = queue or DEFAULT_QUEUE
     h = spec.spec_hash(10)
 
@@ -335,7 +339,7 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
                 "containers": [{
                     "name": "ray-head",
                     "image": image,
-                    "imagePullPolicy": "IfNotPresent",
+                    "imagePullPolicy": pull,
                     "ports": [
                         {"containerPort": 6379, "name": "gcs-server"},
                         {"containerPort": 8265, "name": "dashboard"},
@@ -371,7 +375,7 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
     worker_spec["containers"] = [{
         "name": "ray-worker",
         "image": image,
-        "imagePullPolicy": "IfNotPresent",
+        "imagePullPolicy": pull,
         "env": env,
         "resources": {"requests": dict(worker_res), "limits": dict(worker_res)},
         "securityContext": _container_security(),
@@ -395,7 +399,7 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
             "containers": [{
                 "name": "ray-job-submitter",
                 "image": image,
-                "imagePullPolicy": "IfNotPresent",
+                "imagePullPolicy": pull,
                 "resources": {"requests": {"cpu": "200m", "memory": "512Mi", **_storage(1)},
                               "limits": {"cpu": "1", "memory": "1Gi", **_storage(1)}},
                 "securityContext": _container_security(),
