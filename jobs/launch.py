@@ -78,6 +78,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _progress_actor():
+    """The progress relay, pinned to this driver's node: it holds no resources, so Ray could put
+    it on any node, and losing that node would end the run whatever `run.max_failures` allows."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return ProgressActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+
+
 def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks: Optional[list] = None):
     """The TorchTrainer that runs `spec` (the one setup `run_on_ray` and every Tune trial use):
     `resources.num_workers` workers with `cpus_per_worker` CPUs and one GPU each when `use_gpu`,
@@ -114,7 +123,7 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
     # One logical CPU per worker plus one for Ray Train's controller.
     init_ray(address, math.ceil(spec.resources.num_workers * spec.resources.cpus_per_worker) + 1)
     out = spec.output_path.resolve()
-    progress = ProgressActor.remote() if on_progress else None
+    progress = _progress_actor() if on_progress else None
     trainer = make_trainer(spec, resume=resume, progress=progress)
     result: dict = {}
 
