@@ -157,7 +157,7 @@ def test_overlays_install_the_pieces(built):
         assert all(o["metadata"]["name"] != "rayft-node-type" for o in built[f"overlays/{ov}/jobs"]), \
             "the jobs build uses the node type as a source only (the overlay installs it)"
         for o in built[f"overlays/{ov}"] + built[f"overlays/{ov}/jobs"]:
-            if o["kind"] not in ("Namespace", "ResourceFlavor", "ClusterQueue", "StorageClass"):   # cluster-scoped
+            if o["kind"] not in ("Namespace", "ResourceFlavor", "ClusterQueue", "StorageClass", "PriorityClass"):
                 assert o["metadata"].get("namespace") == "rayft", o["metadata"]
 
 

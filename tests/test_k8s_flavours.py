@@ -330,3 +330,38 @@ def test_policy_flags_a_tag_pulled_if_not_present():
         "imagePullPolicy"] = "IfNotPresent"
     assert any("worker group gpu" in b and "by tag with imagePullPolicy IfNotPresent" in b
                for b in policy.policy_violations([rj]))
+
+
+# ---- disruption: annotations each autoscaler honours, a priority class -----------------------------
+
+def test_every_ray_pod_is_kept_from_consolidation_and_has_the_priority_class(built):
+    seen = 0
+    for sid, objs in _everything(built):
+        for o in objs:
+            for where, template in policy._ray_pod_templates(o):
+                ann = template["metadata"]["annotations"]
+                assert ann["karpenter.sh/do-not-disrupt"] == "true", (sid, where)
+                assert ann["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false", (sid, where)
+                assert template["spec"]["priorityClassName"] == policy.PRIORITY_CLASS, (sid, where)
+                seen += 1
+    assert seen >= 2 * len(RENDERED) + 8
+    for ov in node_types.overlays():
+        pcs = [o for o in built[f"overlays/{ov}"] if o["kind"] == "PriorityClass"]
+        assert [p["metadata"]["name"] for p in pcs] == [policy.PRIORITY_CLASS], ov
+        assert 0 < pcs[0]["value"] < 1_000_000_000 and not pcs[0].get("globalDefault"), ov
+
+
+def _worker_template(rj):
+    return rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (lambda t: t["metadata"]["annotations"].pop("karpenter.sh/do-not-disrupt"), "karpenter.sh/do-not-disrupt"),
+    (lambda t: t["metadata"]["annotations"].update({"cluster-autoscaler.kubernetes.io/safe-to-evict": "true"}),
+     "safe-to-evict"),
+    (lambda t: t["spec"].pop("priorityClassName"), "priorityClassName"),
+], ids=["karpenter", "cluster-autoscaler", "priority"])
+def test_policy_flags_an_evictable_training_pod(mutate, expect):
+    rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
+    mutate(_worker_template(rj))
+    assert any("worker group gpu" in b and expect in b for b in policy.policy_violations([rj]))

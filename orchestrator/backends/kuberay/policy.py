@@ -49,6 +49,11 @@ def pull_policy(image: str) -> str:
     return "IfNotPresent" if "@sha256:" in image else "Always"
 
 
+# Training pods must not be moved mid-run by node consolidation: the annotation each autoscaler
+# honours (Karpenter, cluster-autoscaler), and a priority class above batch work (k8s/base).
+NO_DISRUPT = {"karpenter.sh/do-not-disrupt": "true", "cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+PRIORITY_CLASS = "rayft-training"
+
 DATA_MOUNT = "/mnt/rayft"                # every Ray pod mounts the data volume (PVC rayft-data) here
 # The hub's downloads and rayft's cache (jobs.model) on the data volume, in every Ray container:
 # in the container layer a large model fills the node's disk and the pod is evicted.
@@ -175,6 +180,29 @@ def _image_violations(where: str, pod: Obj) -> list[str]:
     return bad
 
 
+def _disruption_violations(where: str, template: Obj) -> list[str]:
+    """A Ray pod template: NO_DISRUPT annotations and a priorityClassName."""
+    bad = []
+    ann = (template.get("metadata") or {}).get("annotations") or {}
+    for k, v in NO_DISRUPT.items():
+        if ann.get(k) != v:
+            bad.append(f"{where}: pod annotation {k}: \"{v}\" is missing (node consolidation would evict "
+                       "a training pod mid-run)")
+    if not (template.get("spec") or {}).get("priorityClassName"):
+        bad.append(f"{where}: spec.priorityClassName must be set (e.g. {PRIORITY_CLASS})")
+    return bad
+
+
+def _ray_pod_templates(o: Obj) -> Iterator[tuple[str, Obj]]:
+    kind, spec, oid = o.get("kind"), o.get("spec") or {}, _oid(o)
+    rc = {"RayCluster": spec, "RayJob": spec.get("rayClusterSpec"), "RayService": spec.get("rayClusterConfig")}.get(kind)
+    if not rc:
+        return
+    yield f"{oid} head", (rc.get("headGroupSpec") or {}).get("template") or {}
+    for g in rc.get("workerGroupSpecs") or []:
+        yield f"{oid} worker group {g.get('groupName', '?')}", g.get("template") or {}
+
+
 def _restricted(where: str, pod: Obj, extra_containers: Iterable[tuple[str, Obj]] = ()) -> list[str]:
     """Pod Security Standards "restricted" (the parts a manifest can show)."""
     bad = []
@@ -267,6 +295,8 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
             bad += _image_violations(where, pod)
             bad += _env_violations(where, pod)
         ray_pods = dict(ray_pod_specs(o))
+        for where, template in _ray_pod_templates(o):
+            bad += _disruption_violations(where, template)
         for where, pod in ray_pod_specs(o):
             bad += _shm_violations(where, pod)
         if o.get("kind") in ("RayCluster", "RayJob", "RayService"):

@@ -34,7 +34,7 @@ from jobs.errors import SpecError, UserError
 from jobs.spec import JobSpec
 
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
-from .policy import (CACHE_ENV, IMAGE_REF, QUEUE_LABEL, SHELL_SAFE, policy_violations, pull_policy,
+from .policy import (CACHE_ENV, IMAGE_REF, NO_DISRUPT, PRIORITY_CLASS, QUEUE_LABEL, SHELL_SAFE, policy_violations, pull_policy,
                      shm_gib)
 
 RAY_VERSION = "2.60.0"
@@ -332,8 +332,9 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
         "serviceType": "ClusterIP",
         "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {
-            "metadata": {"labels": {"rayft.io/ray-node": "true"}},
+            "metadata": {"labels": {"rayft.io/ray-node": "true"}, "annotations": dict(NO_DISRUPT)},
             "spec": {
+                "priorityClassName": PRIORITY_CLASS,
                 "automountServiceAccountToken": False,
                 "securityContext": _pod_security(),
                 "containers": [{
@@ -364,6 +365,7 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
     if gpus:
         worker_res["nvidia.com/gpu"] = str(gpus)
     worker_spec: Obj = {
+        "priorityClassName": PRIORITY_CLASS,
         "automountServiceAccountToken": False,
         "securityContext": _pod_security(),
     }
@@ -388,7 +390,8 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
         "minReplicas": worker_pods,
         "maxReplicas": worker_pods,
         "rayStartParams": {},
-        "template": {"metadata": {"labels": {"rayft.io/ray-node": "true"}}, "spec": worker_spec},
+        "template": {"metadata": {"labels": {"rayft.io/ray-node": "true"}, "annotations": dict(NO_DISRUPT)},
+                     "spec": worker_spec},
     }]
     submitter = {
         "metadata": {"labels": {"rayft.io/submitter": "true"}},
