@@ -292,6 +292,7 @@ class Job:
     steps: int                # optimizer steps of the whole run
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    resume_key: dict          # what a checkpoint of this run must match to be resumed (taken once, at the start)
 
 
 @dataclass
@@ -329,7 +330,7 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
     return Job(model, tokenizer, plan, precision, data,
                GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed),
                total_steps(spec, len(data.train)), make_optimizer(spec, params, ctx.device),
-               torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"))
+               torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"), ckpt.resume_key(spec))
 
 
 def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, resume: bool) -> Position:
@@ -389,13 +390,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     metrics_log = MetricsLog(out, pos.step) if ctx.is_main else None
     trackers = open_trackers(spec, pos.step, job.steps, ctx.is_main)
     if ctx.is_main:
-        append_event(out, "resume" if pos.step else "start", step=pos.step, world_size=world, checkpoint=pos.source)
-        log.warning("job %s: %d steps, global batch %d = %d workers x %d accumulation x %d micro; lr %.3g (base "
-                    "%.3g x %s scaling %.3g at reference batch %d); precision %s; gradient checkpointing %s; "
-                    "estimate %.2f GiB", spec.name, job.steps, spec.batch.global_batch_size, world,
-                    spec.grad_accum_steps, spec.batch.micro_batch_size, spec.effective_lr, spec.optim.lr,
-                    spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, job.precision,
-                    job.plan.checkpointing, job.plan.total_gib)
+        announce(spec, ctx, job, pos)
 
     faults, last = from_env(), {}
     stopper = EarlyStopping.of(spec, pos.early_stopping)
@@ -439,12 +434,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             ctx.progress(dict(last, total_steps=job.steps))
 
         if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == job.steps or stopper.stopped:
-            state = {"step": done, "next_global_batch": done, "tokens_seen": pos.tokens_seen,
-                     "skipped_steps": pos.skipped_steps, "world_size": world, "eval_loss": pos.eval_loss,
-                     "resume_key": ckpt.resume_key(spec), "early_stopping": stopper.state()}
-            shared = (job.model, job.optimizer, job.scaler) if ctx.is_main else ()
-            ctx.save_checkpoint(out / "checkpoints", done, ckpt.rank_files(rank, state, *shared), last,
-                                spec.run.keep_checkpoints)
+            save_checkpoint(spec, ctx, job, pos, done, last, stopper)
             trackers.checkpointed(done)
             stopper.checkpointed(out if ctx.is_main else None)
         if stopper.stopped:
@@ -460,6 +450,30 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         trackers.finish(summary, [out / SUMMARY, out / PLOT, out / "adapter"])
     ctx.report(dict(last, done=True))
     return summary
+
+
+def announce(spec: JobSpec, ctx: Context, job: Job, pos: Position) -> None:
+    """Rank 0, before the first step: the run's start in events.jsonl, and the plan in one line."""
+    append_event(spec.output_path, "resume" if pos.step else "start", step=pos.step, world_size=ctx.world_size,
+                 checkpoint=pos.source)
+    log.warning("job %s: %d steps, global batch %d = %d workers x %d accumulation x %d micro; lr %.3g (base "
+                "%.3g x %s scaling %.3g at reference batch %d); precision %s; gradient checkpointing %s; "
+                "estimate %.2f GiB", spec.name, job.steps, spec.batch.global_batch_size, ctx.world_size,
+                spec.grad_accum_steps, spec.batch.micro_batch_size, spec.effective_lr, spec.optim.lr,
+                spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, job.precision,
+                job.plan.checkpointing, job.plan.total_gib)
+
+
+def save_checkpoint(spec: JobSpec, ctx: Context, job: Job, pos: Position, done: int, last: dict,
+                    stopper: "EarlyStopping") -> None:
+    """Every rank, after optimizer step `done`: its files of checkpoint `step-<done>` (rank 0 adds
+    the adapter, optimizer and scaler), with the position that resuming continues from."""
+    state = {"step": done, "next_global_batch": done, "tokens_seen": pos.tokens_seen,
+             "skipped_steps": pos.skipped_steps, "world_size": ctx.world_size, "eval_loss": pos.eval_loss,
+             "resume_key": job.resume_key, "early_stopping": stopper.state()}
+    shared = (job.model, job.optimizer, job.scaler) if ctx.is_main else ()
+    ctx.save_checkpoint(spec.output_path / "checkpoints", done, ckpt.rank_files(ctx.rank, state, *shared), last,
+                        spec.run.keep_checkpoints)
 
 
 class EarlyStopping:

@@ -295,7 +295,8 @@ class RunSpec(_Section):
     env: dict[str, str] = Field(default_factory=dict)
     """Non-secret environment variables for the workers. Secrets go by reference (e.g.
     `model.hf_token_env` names a variable the cluster provides); a value here that looks like a
-    credential, or a name like *TOKEN/*SECRET/*PASSWORD/*KEY, is refused."""
+    credential (`jobs.secrets`), or a name containing TOKEN, SECRET, PASSWORD, PASSWD, API_KEY,
+    ACCESS_KEY, PRIVATE_KEY or CREDENTIAL, is refused."""
 
     @field_validator("env")
     @classmethod
