@@ -310,7 +310,8 @@ class _Recording:
         self.tok, self.longest = tok, 0
 
     def __call__(self, text, **kw):
-        self.longest = max(self.longest, len(text))
+        texts = [text] if isinstance(text, str) else list(text)  # single or batched calls
+        self.longest = max([self.longest, *(len(t) for t in texts)])
         return self.tok(text, **kw)
 
     def __getattr__(self, name):
