@@ -365,3 +365,24 @@ def test_policy_flags_an_evictable_training_pod(mutate, expect):
     rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
     mutate(_worker_template(rj))
     assert any("worker group gpu" in b and expect in b for b in policy.policy_violations([rj]))
+
+
+# ---- the operator's NetworkPolicy selector comes from the node type ---------------------------------
+
+def _operator_rule(objs):
+    np = next(o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rayft-ray-nodes")
+    rule = np["spec"]["ingress"][2]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8265}]
+    return rule["from"][0]["podSelector"]["matchLabels"]
+
+
+def test_the_operator_selector_follows_the_node_type(built, tmp_path):
+    import shutil
+    from test_k8s import K8S, build
+    for ov in node_types.overlays():
+        assert _operator_rule(built[f"overlays/{ov}"]) == {"app.kubernetes.io/name": "kuberay-operator"}, ov
+    root = tmp_path / "k8s"
+    shutil.copytree(K8S, root)
+    f = root / "overlays/gke/node-type/node-type.yaml"
+    f.write_text(f.read_text().replace("kuberayOperatorName: kuberay-operator", "kuberayOperatorName: my-kuberay"))
+    assert _operator_rule(build(root / "overlays/gke")) == {"app.kubernetes.io/name": "my-kuberay"}
