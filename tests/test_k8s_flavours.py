@@ -12,6 +12,7 @@ import pytest
 
 from orchestrator.backends.kuberay import policy
 from orchestrator.backends.kuberay.render import render
+from k8s_fake_api import CRD_DIR, OBJECT_META, strictify
 from test_k8s import RENDERED, all_built_objects, built, spec_of  # noqa: F401  (built: a fixture)
 
 GIB = 2**30
@@ -386,3 +387,47 @@ def test_the_operator_selector_follows_the_node_type(built, tmp_path):
     f = root / "overlays/gke/node-type/node-type.yaml"
     f.write_text(f.read_text().replace("kuberayOperatorName: kuberay-operator", "kuberayOperatorName: my-kuberay"))
     assert _operator_rule(build(root / "overlays/gke")) == {"app.kubernetes.io/name": "my-kuberay"}
+
+
+# ---- Kueue objects of every overlay, strictly against the Kueue CRDs ------------------------------
+
+KUEUE_CRD_DIR = CRD_DIR.parent / "kueue-crds"
+KUEUE_CRDS = {"ResourceFlavor": "resourceflavors.yaml", "ClusterQueue": "clusterqueues.yaml",
+              "LocalQueue": "localqueues.yaml"}
+
+
+def _kueue_validator(kind: str):
+    import jsonschema
+    import yaml
+
+    crd = yaml.load((KUEUE_CRD_DIR / KUEUE_CRDS[kind]).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    v = next(v for v in crd["spec"]["versions"] if v["name"] == "v1beta2")
+    schema = strictify(v["schema"]["openAPIV3Schema"])
+    schema["properties"]["metadata"] = OBJECT_META
+    schema["properties"]["apiVersion"] = {"const": "kueue.x-k8s.io/v1beta2"}
+    schema["properties"]["kind"] = {"const": kind}
+    val = jsonschema.Draft7Validator(schema)
+    return lambda obj: [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in val.iter_errors(obj)]
+
+
+NEEDS_KUEUE_CRDS = pytest.mark.skipif(not all((KUEUE_CRD_DIR / f).is_file() for f in KUEUE_CRDS.values()),
+                                      reason=f"Kueue CRDs not found in {KUEUE_CRD_DIR}")
+
+
+@NEEDS_KUEUE_CRDS
+def test_kueue_objects_of_every_overlay_validate_strictly_against_the_kueue_crds(built):
+    validators = {k: _kueue_validator(k) for k in KUEUE_CRDS}
+    n = 0
+    for sid, objs in built.items():
+        for o in objs:
+            if o["kind"] in validators:
+                assert validators[o["kind"]](o) == [], (sid, o["kind"], o["metadata"]["name"])
+                n += 1
+    assert n >= 4 * len(node_types.overlays())
+    bad = copy.deepcopy(next(o for o in built["overlays/eks"] if o["kind"] == "ResourceFlavor"
+                             and o["metadata"]["name"] == "rayft-gpu"))
+    bad["spec"]["nodeLabel"] = bad["spec"].pop("nodeLabels")               # a misspelt field
+    assert any("nodeLabel" in e for e in validators["ResourceFlavor"](bad))
+    cq = copy.deepcopy(next(o for o in built["overlays/gke"] if o["kind"] == "ClusterQueue"))
+    cq["spec"]["resourceGroups"][0]["flavors"][1]["resources"][2]["quota"] = 6   # not a ResourceQuota field
+    assert validators["ClusterQueue"](cq)
