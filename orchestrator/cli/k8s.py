@@ -18,9 +18,11 @@ def cmd_render(args) -> int:
 def add_k8s_target_args(p) -> None:
     """Arguments shared by `k8s render` and `rayft submit --backend kuberay`."""
     p.add_argument("--queue", help="kuberay: Kueue LocalQueue name (default: rayft, the overlays' LocalQueue)")
-    p.add_argument("--image", help="kuberay: container image with rayft installed (default: the overlay's node type)")
+    p.add_argument("--image", help="kuberay: container image with rayft installed, REPO:TAG (pulled Always) or "
+                                   "REPO@sha256:DIGEST (pulled IfNotPresent) (default: the overlay's node type)")
     p.add_argument("--overlay", default="gpu",
-                   help="kuberay: k8s/overlays/NAME whose node type the job must fit (default gpu)")
+                   help="kuberay: k8s/overlays/NAME whose node type the job must fit and whose GPU label, "
+                        "tolerations and flavour it uses: gpu, gke, eks, onprem, dev-cpu (default gpu)")
 
 
 def register(sub) -> None:
