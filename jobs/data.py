@@ -442,9 +442,11 @@ def cache_key(spec: JobSpec, tokenizer) -> str:
 
 
 def data_cache_dir(spec: JobSpec, key: str) -> Path:
-    """`<parent of run.output_dir>/.rayft-data/<key>`: storage every worker of a run sees (the
-    output directory's volume, shared on Kubernetes), and every run, resume and Tune trial
-    writing next to it reuses the same tokenized data."""
+    """`data.cache_dir/<key>`, by default `<parent of run.output_dir>/.rayft-data/<key>`: storage
+    every worker of a run sees (the output directory's volume, shared on Kubernetes), and every
+    run, resume and Tune trial writing next to it reuses the same tokenized data."""
+    if spec.data.cache_dir:
+        return Path(spec.data.cache_dir).resolve() / key
     return spec.output_path.resolve().parent / ".rayft-data" / key
 
 

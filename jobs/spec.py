@@ -124,6 +124,10 @@ class DataSpec(_Section):
     no padding is computed and no token attends across sequences. Same samples, same loss.
     Off by default: the mask moves SDPA off its fastest (mask-free causal) kernel; see
     docs/benchmarks.md."""
+    cache_dir: Optional[str] = None
+    """Where the tokenized data is cached (on storage every worker sees); default
+    `<parent of run.output_dir>/.rayft-data`, so runs written next to each other share it. A
+    search puts its trials' cache in its own output dir."""
 
     @field_validator("path", mode="before")
     @classmethod
@@ -745,6 +749,8 @@ def absolutize(spec: JobSpec) -> JobSpec:
     if spec.model.name != "tiny-llama" and not spec.model.name.startswith("pkg:") and Path(spec.model.name).exists():
         d["model"]["name"] = str(Path(spec.model.name).resolve())
     d["run"]["output_dir"] = str(spec.output_path.resolve())
+    if spec.data.cache_dir:
+        d["data"]["cache_dir"] = str(Path(spec.data.cache_dir).resolve())
     return JobSpec.model_validate(d)
 
 

@@ -81,6 +81,9 @@ def one_line(err: str) -> str:
 def clean_env(monkeypatch):
     for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAYFT_HTTP_TIMEOUT_S"):
         monkeypatch.delenv(var, raising=False)
+    # Token auth is on for this test process (conftest); on a fresh HOME there may be no token file
+    # yet. The silent servers check no token: any value lets the client get as far as connecting.
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "test-token-for-a-server-that-checks-none")
     monkeypatch.chdir(ROOT)
 
 

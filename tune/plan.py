@@ -32,6 +32,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from jobs import memory
@@ -260,6 +261,10 @@ def trial_job_dict(base: dict, p: dict, lr: float, out_dir: str, name: str, budg
     # max_failures=0: out of memory is an answer, not a retry (tune.run records it as infeasible).
     d["run"].update(max_steps=p["max_steps"], epochs=None, checkpoint_every=p["every_steps"],
                     eval_every=p["every_steps"], keep_checkpoints=1, max_failures=0, output_dir=out_dir)
+    # Trials write to <search output>/trials/<id>: their shared tokenized data goes beside trials/,
+    # in the search's own output dir, not among the trial directories.
+    if not d["data"].get("cache_dir"):
+        d["data"]["cache_dir"] = str(Path(out_dir).parent.parent / ".rayft-data")
     return d
 
 
