@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ensure_auth_token
 from orchestrator.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,9 +82,9 @@ def one_line(err: str) -> str:
 def clean_env(monkeypatch):
     for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAYFT_HTTP_TIMEOUT_S"):
         monkeypatch.delenv(var, raising=False)
-    # Token auth is on for this test process (conftest); on a fresh HOME there may be no token file
-    # yet. The silent servers check no token: any value lets the client get as far as connecting.
-    monkeypatch.setenv("RAY_AUTH_TOKEN", "test-token-for-a-server-that-checks-none")
+    # Token auth is on for this test process (conftest), and a fresh HOME has no token file yet:
+    # make the one every later cluster of the session uses (the silent servers check none).
+    ensure_auth_token()
     monkeypatch.chdir(ROOT)
 
 

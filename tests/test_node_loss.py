@@ -62,7 +62,7 @@ class LocalCluster:
     def _start(self, args: list[str], name: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")
         return subprocess.Popen([str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1",
-                                 "--disable-usage-stats", *args], env=self.env, start_new_session=True,
+                                 "--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}", *args], env=self.env, start_new_session=True,
                                 stdout=log, stderr=subprocess.STDOUT)
 
     def alive_cpu_nodes(self) -> list[str]:
