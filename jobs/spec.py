@@ -54,6 +54,16 @@ _LINE_BREAKS = {c: repr(chr(c))[1:-1] for c in (0x0A, 0x0B, 0x0C, 0x0D, 0x1C, 0x
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def env_var_name(v: Optional[str]) -> Optional[str]:
+    """A `*_token_env` field: the NAME of an environment variable, never the token itself."""
+    if v is not None and secrets.looks_like_token(v):
+        raise ValueError(f"must be the NAME of an environment variable, not the token itself "
+                         f"({secrets.shown(v)}); secrets go by reference, never by value")
+    if v is not None and not ENV_NAME.fullmatch(v):
+        raise ValueError("must be the NAME of an environment variable (secrets go by reference, never by value)")
+    return v
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: no float field takes NaN or infinity (`.inf` lr trains NaN silently).
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
@@ -88,12 +98,7 @@ class ModelSpec(_Section):
     @field_validator("hf_token_env")
     @classmethod
     def _token_is_a_name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and secrets.looks_like_token(v):
-            raise ValueError(f"must be the NAME of an environment variable, not the token itself "
-                             f"({secrets.shown(v)}); secrets go by reference, never by value")
-        if v is not None and not ENV_NAME.fullmatch(v):
-            raise ValueError("must be the NAME of an environment variable (secrets go by reference, never by value)")
-        return v
+        return env_var_name(v)
 
 
 class DataSpec(_Section):
@@ -152,12 +157,7 @@ class DataSpec(_Section):
     @field_validator("hf_token_env")
     @classmethod
     def _env_name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and secrets.looks_like_token(v):
-            raise ValueError(f"must be the NAME of an environment variable, not the token itself "
-                             f"({secrets.shown(v)}); secrets go by reference, never by value")
-        if v is not None and not ENV_NAME.fullmatch(v):
-            raise ValueError("must be the NAME of an environment variable (secrets go by reference, never by value)")
-        return v
+        return env_var_name(v)
 
 
 class LoraSpec(_Section):
