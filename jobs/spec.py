@@ -82,6 +82,10 @@ class ModelSpec(_Section):
     """Convert BatchNorm layers to SyncBatchNorm (only matters for models that have them)."""
     hf_token_env: Optional[str] = None
     """Name of an environment variable *on the worker* holding a hub token. Never the token itself."""
+    quantization: Literal["none", "nf4", "int8"] = "none"
+    """Load the frozen base quantized through bitsandbytes (QLoRA): `nf4` (4-bit NormalFloat with
+    double-quantized constants) or `int8` (LLM.int8()); LoRA weights stay in the compute dtype of
+    `precision`. `none` loads the base in the compute dtype."""
     compile: bool = False
     """`torch.compile` each decoder layer (regional compilation: every layer reuses one compiled
     graph, so the compile time does not grow with depth). The first micro-steps pay the compile
@@ -261,6 +265,18 @@ class ResourcesSpec(_Section):
     """Ray accelerator type to schedule on (e.g. `H100`, `A100-80G`); its memory bounds the budget."""
     cpus_per_worker: float = Field(1.0, gt=0)
     """Logical CPUs reserved per worker."""
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    """`ddp`: every worker holds the whole frozen base; `fsdp`: FSDP2 (`fully_shard` per decoder
+    layer and the root), the frozen base sharded over the workers; `auto`: DDP when the per-GPU
+    memory estimate fits, else FSDP. Accumulation is exact under both (one gradient reduction per
+    optimizer step)."""
+    fsdp_reshard_after_forward: Optional[bool] = None
+    """FSDP only: free each layer's gathered weights after its forward (and gather them again in
+    backward). Unset: the memory plan decides (off when the unsharded layers fit)."""
+    gpus_per_worker: Literal[1, 2, 4, 8] = 1
+    """GPUs in one worker pod/Ray node slice on Kubernetes. Ray Train still runs one worker per GPU;
+    the `num_workers` workers are packed this many to a pod, so workers inside a pod share
+    NVLink and shared memory. `num_workers` must be a multiple; needs `use_gpu`."""
 
 
 class EarlyStoppingSpec(_Section):
@@ -396,6 +412,24 @@ class JobSpec(BaseModel):
             )
         # Bypass validate_assignment: the value was just checked.
         object.__setattr__(b, "grad_accum_steps", derived)
+        return self
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "JobSpec":
+        """Combinations of fields that cannot run, refused before anything starts, naming both."""
+        r = self.resources
+        if r.strategy == "fsdp" and r.num_workers < 2:
+            raise ValueError(f"resources.strategy=fsdp shards the base over the workers and needs "
+                             f"resources.num_workers >= 2 (got {r.num_workers}); use strategy ddp or auto")
+        if r.fsdp_reshard_after_forward is not None and r.strategy == "ddp":
+            raise ValueError("resources.fsdp_reshard_after_forward is set but resources.strategy=ddp "
+                             "(it only applies to fsdp or auto)")
+        if r.gpus_per_worker > 1 and not r.use_gpu:
+            raise ValueError(f"resources.gpus_per_worker={r.gpus_per_worker} needs resources.use_gpu=true")
+        if r.num_workers % r.gpus_per_worker:
+            raise ValueError(f"resources.num_workers={r.num_workers} is not a multiple of "
+                             f"resources.gpus_per_worker={r.gpus_per_worker} (workers are packed "
+                             f"{r.gpus_per_worker} to a pod)")
         return self
 
     # ---- derived quantities, kept in one place -------------------------------------------

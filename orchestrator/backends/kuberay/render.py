@@ -259,7 +259,7 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
     where = spec_path or spec.name
     node = load_node_type(overlay)
     res = spec.resources
-    gpus = int(getattr(res, "gpus_per_worker", None) or (1 if res.use_gpu else 0))
+    gpus = 1 if res.use_gpu else 0        # per Ray Train worker
     worker_cpu = math.ceil(res.cpus_per_worker) + 1       # + Ray Train's coordinator / trial
     plan, plan_error = memory_plan(spec, node, gpus)
     _check_fits(spec, node, where, gpus, worker_cpu, plan)
