@@ -89,6 +89,37 @@ def test_gpu_admission_by_memory_type_and_free_gpus():
         parse_gpu_memory(["H100=lots"])
 
 
+def test_gpus_per_worker_needs_whole_pods_on_one_node():
+    """resources.gpus_per_worker=2: every two workers are one pod whose two GPUs share a node."""
+    def pods_of_two(workers: int = 4) -> Demand:
+        return Demand(workers, 1.0, True, gib_by_every={0: 10.0, 1: 5.0}, gc_mode="false", gpus_per_worker=2)
+
+    h100 = dict(type="H100", cpu=16)
+    # four GPUs in all, but one per node: no pod of two can be placed, ever
+    ok, ever, why = fit(pods_of_two(), view(*[dict(h100, gpu=1)] * 4))
+    assert (ok, ever) == (False, False)
+    assert "resources.gpus_per_worker=2 needs 2 GPUs on one node, the largest node has 1" in why
+    # the same four workers one GPU to a pod fit there
+    assert fit(Demand(4, 1.0, True, gib_by_every={0: 10.0, 1: 5.0}, gc_mode="false"),
+               view(*[dict(h100, gpu=1)] * 4))[0]
+    # two nodes of two GPUs: one pod on each
+    v = view(dict(h100, gpu=2), dict(h100, gpu=2))
+    assert fit(pods_of_two(), v)[0]
+    assert [(n.gpu_free, n.cpu_free) for n in v.nodes] == [(0.0, 13.5), (0.0, 14.0)]  # + the driver's 0.5 CPU
+    # four free GPUs split 3 + 1: only one pod fits now; it could once the busy GPU is free
+    ok, ever, why = fit(pods_of_two(), view(dict(h100, gpu=4, gpu_used=1), dict(h100, gpu=1)))
+    assert (ok, ever) == (False, True) and "2 GPUs on one node per worker pod" in why
+    # a pod's CPUs are on its node too: 2 x 1.0 CPUs beside its two GPUs
+    assert not fit(pods_of_two(workers=2), view(dict(type="H100", gpu=2, cpu=1.5), dict(cpu=8)))[1]
+    # what `queue add` stores: gpus_per_worker from the spec, 1 for rows queued before it existed
+    spec = load_spec(ROOT / SPEC, ["resources.use_gpu=true", "resources.num_workers=4", "resources.gpus_per_worker=2"])
+    d = Demand.from_json(Demand.from_spec(spec).to_json())
+    assert (d.gpus_per_worker, d.pods, d.gpus) == (2, 2, 4.0)
+    old = json.loads(d.to_json())
+    del old["gpus_per_worker"]
+    assert Demand.from_json(json.dumps(old)).pods == 4
+
+
 def test_a_successful_fit_is_taken_off_the_view():
     v = view(dict(cpu=4))
     assert fit(Demand(1, 1.0), v)[0]          # 1.5 CPUs

@@ -1,7 +1,9 @@
 """Admission: does a queued job fit the cluster now, could it ever, and why not.
 
 A job's `Demand` is what it holds while it runs: the driver's CPU share, `cpus_per_worker` per
-worker and, for GPU jobs, one GPU per worker whose memory holds the job's memory plan. The plan
+worker and, for GPU jobs, one GPU per worker whose memory holds the job's memory plan. Workers
+come in pods of `resources.gpus_per_worker` GPUs (one Ray Train worker per GPU): each pod's
+GPUs must be free on one node, so four free GPUs on four nodes do not hold one pod of two. The plan
 is `jobs.memory`'s, decided by the one rule (`choose_checkpointing_every`) for the GPU it would
 land on: `Demand` keeps the estimate of every checkpointing choice (`checkpointing_table`, made
 once at `queue add`), so admission applies the rule per GPU size without reloading the spec, and
@@ -10,6 +12,14 @@ loop on that GPU -- gets.
 
 GPU memory comes from the node's Ray `accelerator_type` (`GPU_MEMORY_GIB`, overridable with
 `--gpu-memory TYPE=GiB`).
+
+Two ways to admit, by backend:
+
+    fit            Ray Jobs: rayft is the only scheduler, so it admits a job when the cluster's
+                   free CPUs/GPUs (a `ClusterView`) hold it now.
+    fit_node_type  KubeRay: Kueue admits RayJobs by quota, so rayft creates them at once and
+                   checks only what Kueue cannot: that one node of the overlay's node type holds
+                   a worker pod (GPUs per node, GPU model, GPU memory for the memory plan).
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ class Demand:
     gc_mode: str = "auto"                 # memory.gradient_checkpointing: "true", "false" or "auto"
     budget_gib: Optional[float] = None    # memory.budget_gib
     num_layers: int = 1                   # decoder layers of the model (the checkpointing candidates)
+    gpus_per_worker: int = 1              # resources.gpus_per_worker: GPUs of one worker pod, on one node
 
     @property
     def cpus(self) -> float:
@@ -63,6 +74,16 @@ class Demand:
     @property
     def gpus(self) -> float:
         return float(self.num_workers) if self.use_gpu else 0.0
+
+    @property
+    def pod_gpus(self) -> int:
+        """GPUs one worker pod needs on one node (0 for a CPU job)."""
+        return max(1, self.gpus_per_worker) if self.use_gpu else 0
+
+    @property
+    def pods(self) -> int:
+        """Worker pods: the workers, `gpus_per_worker` to a pod (spec validation makes it divide)."""
+        return self.num_workers // max(1, self.pod_gpus)
 
     def gpu_plan(self, gpu_mem_gib: float) -> tuple[int, float]:
         """(checkpoint every k-th layer, GiB per GPU) the job runs with on a GPU of `gpu_mem_gib`:
@@ -95,7 +116,8 @@ class Demand:
         checkpointing choice), which is why the queue stores the result instead of the spec."""
         r = spec.resources
         d = cls(r.num_workers, r.cpus_per_worker, r.use_gpu, r.accelerator_type, driver_cpus,
-                gc_mode=str(spec.memory.gradient_checkpointing).lower(), budget_gib=spec.memory.budget_gib)
+                gc_mode=str(spec.memory.gradient_checkpointing).lower(), budget_gib=spec.memory.budget_gib,
+                gpus_per_worker=r.gpus_per_worker if r.use_gpu else 1)
         if r.use_gpu:
             from jobs.memory import checkpointing_table, config_from_spec, model_shape
 
@@ -136,9 +158,9 @@ def fit(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]
         held: Optional[tuple[float, float]] = None) -> tuple[bool, bool, str]:
     """(fits now, could ever fit this cluster, why not).
 
-    Workers are placed first-fit on nodes' free CPUs/GPUs (a GPU node only when its GPU memory
-    holds the job's estimate and its type matches `resources.accelerator_type`); the driver's CPU
-    share goes anywhere. `held` = (CPUs, GPUs) of this queue's active jobs: a job submitted
+    Worker pods (`gpus_per_worker` workers each, all of a pod's GPUs and CPUs on one node) are
+    placed first-fit on nodes' free CPUs/GPUs (a GPU node only when its GPU memory holds the job's
+    estimate and its type matches `resources.accelerator_type`); the driver's CPU share goes anywhere. `held` = (CPUs, GPUs) of this queue's active jobs: a job submitted
     moments ago holds resources the cluster's usage report may not show yet, so free is at most
     total - held. When the job fits, its placement is taken off `view`'s free resources, so the
     next job of the same admission pass sees what is left.
@@ -164,14 +186,17 @@ def fit(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]
                            f"(gradient checkpointing {checkpointing_str(every)})")
         return True, ""
 
+    pod_gpus = demand.pod_gpus
+    pod_cpus = demand.cpus_per_worker * max(1, pod_gpus)
+
     def place(free: dict[str, tuple[float, float]]) -> Optional[dict[str, tuple[float, float]]]:
         free = dict(free)
-        for _ in range(demand.num_workers):
+        for _ in range(demand.pods):
             for n in view.nodes:
                 ok, _ = node_ok(n)
                 c, g = free[n.node_id]
-                if ok and c >= demand.cpus_per_worker - 1e-9 and (not demand.use_gpu or g >= 1 - 1e-9):
-                    free[n.node_id] = (c - demand.cpus_per_worker, g - (1 if demand.use_gpu else 0))
+                if ok and c >= pod_cpus - 1e-9 and g >= pod_gpus - 1e-9:
+                    free[n.node_id] = (c - pod_cpus, g - pod_gpus)
                     break
             else:
                 return None
@@ -186,8 +211,12 @@ def fit(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]
     ever = place({n.node_id: (n.cpu_total, n.gpu_total) for n in view.nodes}) is not None
     if not ever:
         reasons = sorted({r for n in view.nodes for ok, r in [node_ok(n)] if not ok and r})
+        most_gpus = max((n.gpu_total for n in view.nodes), default=0.0)
         if demand.use_gpu and view.gpu_total < 1:
             why = "the cluster has no GPUs"
+        elif pod_gpus > 1 and most_gpus < pod_gpus and not reasons:
+            why = (f"resources.gpus_per_worker={pod_gpus} needs {pod_gpus} GPUs on one node, the largest node "
+                   f"has {most_gpus:g}")
         elif reasons and demand.use_gpu:
             why = "; ".join(reasons)
         else:
@@ -201,11 +230,57 @@ def fit(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]
         gpu_free = min(gpu_free, view.gpu_total - held[1])
         now = now and demand.cpus <= cpu_free + 1e-9 and demand.gpus <= gpu_free + 1e-9
     if not now:
-        what = f"{demand.cpus:g} CPUs" + (f" and {demand.gpus:g} GPUs" if demand.gpus else "")
+        what = f"{demand.cpus:g} CPUs" + (f" and {demand.gpus:g} GPUs" if demand.gpus else "") \
+            + (f" ({pod_gpus} GPUs on one node per worker pod)" if pod_gpus > 1 else "")
         have = f"{max(cpu_free, 0):g} CPUs" + (f" and {max(gpu_free, 0):g} GPUs" if demand.gpus else "") + " free"
         return False, True, f"waiting for resources: needs {what}, {have}"
     for n in view.nodes:                 # so that the next job of the same pass sees what is left
         n.cpu_free, n.gpu_free = placed[n.node_id]
+    return True, True, ""
+
+
+def fit_node_type(demand: Demand, node, gpu_memory: Optional[dict[str, float]] = None) -> tuple[bool, bool, str]:
+    """(fits, could ever fit, why not) of a job on a KubeRay cluster of one node type
+    (`orchestrator.backends.kuberay.NodeType`).
+
+    Kueue admits by quota: it counts GPUs, not where they are or how much memory they have. So
+    rayft checks what quota cannot see, the same facts `render` refuses on: a worker pod's
+    `gpus_per_worker` GPUs on one node, `resources.accelerator_type` against the node's GPU, the
+    memory plan against the GPU's memory (`--gpu-memory` for the node's Ray accelerator type
+    overrides the node type's `gpuMemoryGiB`), and no more GPUs than the node type's cluster has
+    (`clusterGpus`; Kueue would keep such a job suspended forever). Never "not now": waiting for
+    free GPUs is Kueue's.
+    """
+    if not demand.use_gpu:
+        return True, True, ""
+    desc = f"node type {node.overlay}/{node.name}"
+
+    def never(why: str) -> tuple[bool, bool, str]:
+        return False, False, f"can never fit {desc} ({node.gpus_per_node} x {node.gpu_product or 'no GPU'}): {why}"
+
+    if node.gpus_per_node < 1:
+        return never("it has no GPUs")
+    if demand.pod_gpus > node.gpus_per_node:
+        return never(f"resources.gpus_per_worker={demand.pod_gpus} needs {demand.pod_gpus} GPUs on one node, "
+                     f"it has {node.gpus_per_node}")
+    if node.cluster_gpus and demand.gpus > node.cluster_gpus:
+        return never(f"needs {demand.gpus:g} GPUs, the cluster has {node.cluster_gpus} (clusterGpus)")
+    accel = demand.accelerator_type
+    if accel and accel.lower() not in {node.ray_accelerator_type.lower(), node.gpu_product.lower()}:
+        return never(f"resources.accelerator_type {accel} is not its {node.ray_accelerator_type or node.gpu_product}")
+    given = {k.lower(): v for k, v in (gpu_memory or {}).items()}
+    mem = given.get((node.ray_accelerator_type or "").lower()) or node.gpu_memory_gib or given.get("default")
+    if not mem:
+        return never(f"its GPU memory is unknown: set gpuMemoryGiB in the node type or pass "
+                     f"--gpu-memory {node.ray_accelerator_type or 'default'}=GiB")
+    if demand.budget_gib is not None and demand.budget_gib > mem:
+        return never(f"memory.budget_gib={demand.budget_gib:g} GiB per GPU exceeds its {mem:g} GiB")
+    every, need = demand.gpu_plan(mem)
+    if need > mem:
+        from jobs.memory import checkpointing_str
+
+        return never(f"needs {need:.1f} GiB per GPU (gradient checkpointing {checkpointing_str(every)}), "
+                     f"its GPU has {mem:g} GiB")
     return True, True, ""
 
 
