@@ -424,6 +424,11 @@ class JobSpec(BaseModel):
         if r.fsdp_reshard_after_forward is not None and r.strategy == "ddp":
             raise ValueError("resources.fsdp_reshard_after_forward is set but resources.strategy=ddp "
                              "(it only applies to fsdp or auto)")
+        if r.strategy == "fsdp" and self.model.quantization != "none":
+            # bitsandbytes 0.50's Params4bit under fully_shard: the first forward matches the
+            # unsharded model, every later one computes with wrong weights (seen on 2 gloo ranks).
+            raise ValueError(f"resources.strategy=fsdp cannot shard a quantized base "
+                             f"(model.quantization={self.model.quantization}); use strategy ddp or auto")
         if r.gpus_per_worker > 1 and not r.use_gpu:
             raise ValueError(f"resources.gpus_per_worker={r.gpus_per_worker} needs resources.use_gpu=true")
         if r.num_workers % r.gpus_per_worker:
