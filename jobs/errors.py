@@ -9,6 +9,7 @@ printed as one line, the process exits with the class's `exit_code`, never with 
         +-- ClusterUnreachable  exit 2  no cluster answers at that address (a wrong address or a cluster down)
         +-- ClusterAuthError    exit 2  the cluster rejected the credentials (a wrong or missing token)
         +-- JobNotFound         exit 2  the cluster has no job of that id / name
+        +-- NodeLost            exit 1  a node that held a training worker died mid-run (checkpoints kept)
 
 Every class is defined here, in `jobs`, because the worker raises some of them (a bad data
 line is a `SpecError` raised on a Ray worker) and `jobs` imports nothing above it.
@@ -60,6 +61,21 @@ class JobNotFound(ClusterError):
     exit_code = 2
 
 
+class NodeLost(ClusterError):
+    """A node holding a training worker died while the job ran: the cluster's fault, not the user's
+    (exit 1). Carries the node as Ray reports it, so callers (the CLI, a search's table, the queue
+    driver's logs) can name it."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, node_id: str = "", node_ip: str = ""):
+        super().__init__(message)
+        self.node_id, self.node_ip = node_id, node_ip
+
+    def __reduce__(self):  # Ray pickles errors across processes (a Tune trial's error)
+        return (self.__class__, (str(self), self.node_id, self.node_ip))
+
+
 # ---- failures that come back wrapped (by Ray Train, Ray Tune, the Jobs API) --------------------
 
 def causes(err: Optional[BaseException]) -> Iterator[BaseException]:
@@ -76,6 +92,8 @@ def causes(err: Optional[BaseException]) -> Iterator[BaseException]:
         failures = getattr(e, "worker_failures", None)
         if isinstance(failures, dict):
             todo.extend(failures.values())
+        # Ray Train's WorkerHealthCheckFailedError and ControllerError keep what they wrap here.
+        todo.extend([getattr(e, "health_check_failure", None), getattr(e, "controller_failure", None)])
         todo.extend([e.__cause__, e.__context__])
 
 
@@ -115,4 +133,29 @@ def oom_line(*failures: Union[BaseException, str, None]) -> Optional[str]:
                     return m.group(0).strip()[:300]
                 if found is None and "out of memory" in line.lower():
                     found = line.strip()[:300]
+    return found
+
+
+# Ray Train's WorkerHealthCheckFailedError says which worker stopped answering, with the node it ran
+# on: "A worker health check failed.\nWorker info: Worker(... metadata=ActorMetadata(...,
+# node_id='<hex>', node_ip='<ip>', ...". The health check is the only way a lost node shows up
+# in Train v2 (the wrapped error is ActorUnavailableError or ActorDiedError, by timing).
+_WORKER_NODE = re.compile(r"node_id='([0-9a-f]+)',\s*node_ip='([^']*)'")
+
+
+def unreachable_workers(err: Optional[BaseException]) -> dict[str, tuple[str, list[int]]]:
+    """{node id: (node ip, [world ranks])} of the training workers whose health check failed in a
+    Ray Train failure (`WorkerGroupError.worker_failures`); empty when none did. Whether their node
+    is gone, or only the worker process, is for the caller to ask the cluster."""
+    found: dict[str, tuple[str, list[int]]] = {}
+    for e in causes(err):
+        failures = getattr(e, "worker_failures", None)
+        if not isinstance(failures, dict):
+            continue
+        for rank, f in failures.items():
+            if type(f).__name__ != "WorkerHealthCheckFailedError":
+                continue
+            m = _WORKER_NODE.search(str(f))
+            if m:
+                found.setdefault(m.group(1), (m.group(2), []))[1].append(int(rank))
     return found

@@ -9,11 +9,13 @@ import math
 import os
 import socket
 import threading
+import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import ray
 
-from .errors import user_error
+from .errors import NodeLost, unreachable_workers, user_error
 from .spec import JobSpec
 
 log = logging.getLogger("rayft")
@@ -55,6 +57,7 @@ def init_ray(address: Optional[str], num_cpus: int, log_to_driver: bool = True) 
         return
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+        _condense_worker_tracebacks()
         return
     # Pin the GCS address and hand it to every process as RAY_ADDRESS. Ray Train's detached
     # PlacementGroupCleaner asks the state API whether its controller is alive; without
@@ -70,6 +73,46 @@ def init_ray(address: Optional[str], num_cpus: int, log_to_driver: bool = True) 
                  runtime_env={"env_vars": {"RAY_ADDRESS": f"127.0.0.1:{gcs_port}"}})
     finally:
         os.environ.pop("RAY_GCS_SERVER_PORT", None)
+    _condense_worker_tracebacks()
+
+
+class _TracebackFilter:
+    """Ray prints the tracebacks its workers and Train controller log (a crashed peer, a failed
+    shutdown after a lost node) on this console, next to rayft's own one-line verdict. Each one is
+    cut to the exception line here; the whole traceback stays in Ray's log files on the node."""
+
+    def __init__(self, print_batch: Callable[[dict], None]):
+        self.print_batch = print_batch
+        self.inside: dict = {}                       # (pid, stream) -> inside a traceback's frames
+
+    def __call__(self, data: dict) -> None:
+        key, kept = (data.get("pid"), data.get("is_err")), []
+        for line in data.get("lines") or []:
+            if line.strip() == "Traceback (most recent call last):":
+                self.inside[key] = True
+            elif self.inside.get(key) and line[:1].isspace():
+                pass                                  # a frame or its source line
+            else:
+                self.inside[key] = False
+                kept.append(line)
+        if kept:
+            self.print_batch({**data, "lines": kept})
+
+
+def _condense_worker_tracebacks() -> None:
+    """Put `_TracebackFilter` in front of Ray's printer of worker output (when it prints any). The
+    dispatcher is Ray's internal API: when it is not there, Ray's output is left as it is."""
+    try:
+        from ray._private import worker as ray_worker
+
+        dispatcher = ray_worker.global_worker_stdstream_dispatcher
+        handler = dict(dispatcher.handlers).get("ray_print_logs")
+        if handler is None or isinstance(handler, _TracebackFilter):
+            return
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("ray_print_logs", _TracebackFilter(handler))
+    except Exception:  # noqa: BLE001 - cosmetic: never fail a run over console output
+        return
 
 
 def _free_port() -> int:
@@ -146,5 +189,58 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
         for rec in ray.get(progress.since.remote(seen)):
             on_progress(rec)
     if "error" in result:
+        lost = node_lost(result["error"])
+        if lost is not None:
+            n = spec.run.max_failures
+            raise NodeLost(f"{lost}; the run stopped ({f'after run.max_failures={n} restarts' if n else 'run.max_failures=0'}). "
+                           f"{resume_hint(spec)}" + ("" if n else " (with run.max_failures=1 it resumes on its own "
+                                                     "once the cluster has room again)"),
+                           lost.node_id, lost.node_ip) from None
         raise user_error(result["error"]) or result["error"]
     return json.loads((out / SUMMARY).read_text())
+
+
+# How long to wait for the cluster to mark a node dead once a worker on it stopped answering: Ray
+# notices a dead raylet after missing health checks (about 15 s with its defaults, period 3 s x 5).
+NODE_DEATH_WAIT_S = 45.0
+
+
+def node_lost(err: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> Optional[NodeLost]:
+    """A `NodeLost` naming the node when a Ray Train failure `err` came from losing a node, else None.
+
+    A worker that stopped answering (`unreachable_workers`) is only a node loss when Ray marks its
+    node dead, so the cluster is asked (for up to `wait_s`): a worker process killed on a node that
+    is still up is a different failure and keeps Ray's own error."""
+    workers = unreachable_workers(err)
+    if not workers:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            dead = {n["NodeID"]: n for n in ray.nodes() if not n.get("Alive") and n.get("NodeID") in workers}
+        except Exception:  # noqa: BLE001 - the cluster cannot say: not provably a lost node
+            return None
+        if dead:
+            node_id, node = sorted(dead.items())[0]
+            ip, ranks = workers[node_id]
+            why = (node.get("DeathReasonMessage") or "").strip().splitlines()
+            what = f"training worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+            return NodeLost(f"lost node {node_id} ({ip or node.get('NodeManagerAddress', '?')}), which held {what}"
+                            + (f" ({why[0][:200]})" if why else ""), node_id, ip)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(1.0)  # waiting for the cluster's verdict on the node
+
+
+def resume_hint(spec: JobSpec) -> str:
+    """What a rerun does with the checkpoints already written, for the line that reports a failure."""
+    from .checkpoint import newest_complete
+
+    root = spec.output_path.resolve() / "checkpoints"
+    newest = newest_complete(root, warn=False)
+    if newest is None:
+        return (f"No checkpoint was written before it: `rayft run` with run.output_dir={spec.output_path} "
+                "starts over")
+    step = int(Path(newest).name.rsplit("-", 1)[1])
+    return (f"Checkpoints up to step {step} are kept in {root}: `rayft run` with run.output_dir={spec.output_path} "
+            f"resumes from step {step}")
