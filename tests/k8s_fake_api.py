@@ -12,6 +12,10 @@ validates itself) gets a strict ObjectMeta schema.
 thread), through which the real `kubernetes` client talks to it: it validates request bodies
 (RayJobs against the strict CRD schema, ConfigMaps with kubernetes-validate), answers 409
 AlreadyExists on a duplicate create, and serves RayJob status transitions on successive GETs.
+With `kueue=True` it stands in for Kueue as well: a RayJob labelled for a LocalQueue is created
+suspended (Kueue's webhook does that) and stays `Suspended` until the test `admit`s it; then it
+moves along the transitions. `finish` ends a RayJob the way KubeRay reports an end (deployment
+status, Ray job status, message), e.g. a failure whose log says out of memory.
 """
 
 from __future__ import annotations
@@ -152,15 +156,21 @@ class FakeKubeAPI:
 
     DEFAULT_TRANSITIONS = [("Initializing", ""), ("Running", "RUNNING"), ("Complete", "SUCCEEDED")]
 
-    def __init__(self, transitions=None, validate_rayjob: Optional[Callable[[dict], list[str]]] = None):
+    QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+    def __init__(self, transitions=None, validate_rayjob: Optional[Callable[[dict], list[str]]] = None,
+                 kueue: bool = False):
         self.transitions = list(transitions or self.DEFAULT_TRANSITIONS)
         self.validate_rayjob = validate_rayjob
+        self.kueue = kueue
+        self.ended: dict[tuple[str, str], dict] = {}      # a status `finish` pinned
         self.configmaps: dict[tuple[str, str], dict] = {}
         self.rayjobs: dict[tuple[str, str], dict] = {}
         self.gets: dict[tuple[str, str], int] = {}
         self.pods: dict[tuple[str, str], dict] = {}
         self.logs: dict[tuple[str, str], str] = {}
         self.requests: list[tuple[str, str, int]] = []     # (method, path, response code)
+        self.request_names: list[str] = []                 # the object each request named (POST: the body's)
         self.lock = threading.Lock()
         fake = self
 
@@ -176,24 +186,29 @@ class FakeKubeAPI:
                 self.end_headers()
                 self.wfile.write(data)
                 fake.requests.append((self.command, urlparse(self.path).path, code))
+                fake.request_names.append(getattr(self, "object_name", ""))
 
             def _body(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 return json.loads(self.rfile.read(n) or b"null")
 
             def do_POST(self):
+                self.object_name = ""
                 with fake.lock:
                     fake.handle(self, "POST")
 
             def do_GET(self):
+                self.object_name = ""
                 with fake.lock:
                     fake.handle(self, "GET")
 
             def do_PATCH(self):
+                self.object_name = ""
                 with fake.lock:
                     fake.handle(self, "PATCH")
 
             def do_DELETE(self):
+                self.object_name = ""
                 with fake.lock:
                     fake.handle(self, "DELETE")
 
@@ -225,6 +240,28 @@ class FakeKubeAPI:
             "status": {"phase": "Running"},
         }
         self.logs[(ns, name)] = log
+
+    # -- driving RayJobs from the test (what Kueue and KubeRay would do) --
+    def admit(self, ns: str, name: str) -> None:
+        """Kueue admits the RayJob: unsuspended, it starts along `transitions` from the first step."""
+        with self.lock:
+            self.rayjobs[(ns, name)]["spec"]["suspend"] = False
+            self.gets[(ns, name)] = 0
+
+    def finish(self, ns: str, name: str, deployment: str = "Failed", job_status: str = "FAILED",
+               message: str = "", log: Optional[str] = None) -> None:
+        """End the RayJob: every GET from now on shows this status; `log` becomes its submitter
+        pod's log (where `rayft logs` and the queue driver read a failure's cause)."""
+        with self.lock:
+            self.ended[(ns, name)] = {"jobDeploymentStatus": deployment, "jobStatus": job_status,
+                                      "message": message, "rayClusterName": f"{name}-abcde"}
+        if log is not None:
+            self.add_pod(ns, f"{name}-submit", {"batch.kubernetes.io/job-name": name}, log)
+
+    def created(self, ns: str = "rayft") -> list[str]:
+        """Names of the RayJobs created (201), in order: a duplicate create is a 409, not here."""
+        return [n for (m, p, c), n in zip(self.requests, self.request_names)
+                if m == "POST" and c == 201 and p == f"/apis/ray.io/v1/namespaces/{ns}/rayjobs"]
 
     # -- routing --
     CM = re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps(?:/([^/]+))?$")
@@ -264,12 +301,15 @@ class FakeKubeAPI:
                 return h._send(422, _status(422, "Invalid", f"{kind} is invalid: " + "; ".join(errs),
                                             kind=kind, name=(body.get("metadata") or {}).get("name")))
             name = body["metadata"]["name"]
+            h.object_name = name
             if (ns, name) in store:
                 return h._send(409, _status(409, "AlreadyExists", f'{plural} "{name}" already exists',
                                             name=name, kind=plural))
             obj = copy.deepcopy(body)
             obj["metadata"].update(namespace=ns, uid=str(uuid.uuid4()), resourceVersion="1",
                                    creationTimestamp="2026-01-01T00:00:00Z")
+            if kind == "RayJob" and self.kueue and (obj["metadata"].get("labels") or {}).get(self.QUEUE_LABEL):
+                obj["spec"]["suspend"] = True             # Kueue's webhook: held until admitted
             store[(ns, name)] = obj
             return h._send(201, obj)
         if method == "GET" and name is None:
@@ -305,6 +345,10 @@ class FakeKubeAPI:
         """A RayJob GET moves it one step along `transitions` (a list shows the current step)."""
         if kind != "RayJob":
             return obj
+        if (ns, name) in self.ended:
+            return {**copy.deepcopy(obj), "status": dict(self.ended[(ns, name)])}
+        if (obj.get("spec") or {}).get("suspend"):
+            return {**copy.deepcopy(obj), "status": {"jobDeploymentStatus": "Suspended"}}
         n = self.gets.get((ns, name), 0) + (1 if advance else 0)
         self.gets[(ns, name)] = n
         obj = copy.deepcopy(obj)

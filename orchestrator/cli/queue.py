@@ -1,7 +1,10 @@
 """`rayft queue add | run | status | retry | cancel`: a persistent queue and its driver.
 
-The driver submits through the Ray Jobs API (`--jobs-api`/`--address http://HOST:8265`); the
-queue itself is a SQLite file (`--db`, default $RAYFT_QUEUE_DB or ~/.rayft/queue.db).
+The driver submits through the Ray Jobs API (`--jobs-api`/`--address http://HOST:8265`), or with
+`--backend kuberay` as one KubeRay RayJob per job through the Kubernetes API (`--namespace`,
+`--queue`, `--image`, `--overlay`, as `rayft submit --backend kuberay` takes them; Kueue admits
+them by quota). The queue itself is a SQLite file (`--db`, default $RAYFT_QUEUE_DB or
+~/.rayft/queue.db).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 from jobs.errors import UserError
 
 from . import Parser
-from .jobs import JOBS_API_HELP, add_jobs_api_arg
+from .jobs import BACKENDS, JOBS_API_HELP, add_jobs_api_arg, backend_from_args
 from .output import say, table
 
 
@@ -51,7 +54,6 @@ def cmd_queue_add(args) -> int:
 
 
 def cmd_queue_run(args) -> int:
-    from orchestrator.backends.ray_jobs import RayJobsBackend
     from orchestrator.queue.admission import parse_gpu_memory
     from orchestrator.queue.driver import Driver, DriverConfig
 
@@ -63,7 +65,10 @@ def cmd_queue_run(args) -> int:
         raise UserError(f"--backoff {args.backoff}: must be a finite number of seconds, 0 or more")
     cfg = DriverConfig(max_concurrency=args.max_concurrency, poll_s=args.poll, backoff_s=args.backoff,
                        gpu_memory=parse_gpu_memory(args.gpu_memory))
-    driver = Driver(_queue(args), RayJobsBackend(args.address), cfg)
+    backend = backend_from_args(args)
+    if args.backend == "kuberay":
+        _ = backend.node_type                # a wrong --overlay: one line now, before the driver starts
+    driver = Driver(_queue(args), backend, cfg)
     return driver.run(once=args.once, forever=args.forever)
 
 
@@ -99,10 +104,8 @@ def cmd_queue_cancel(args) -> int:
 
     q = _queue(args)
     stop = None
-    if args.address or q.job(args.id)["state"] in ACTIVE:
-        from orchestrator.backends.ray_jobs import RayJobsBackend
-
-        b = RayJobsBackend(args.address)
+    if args.address or args.backend != "ray" or q.job(args.id)["state"] in ACTIVE:
+        b = backend_from_args(args)
         stop = lambda sid: b.info(sid) is not None and b.stop(sid)  # noqa: E731
     say(f"#{args.id}: {q.cancel(args.id, stop)}")
     return 0
@@ -119,6 +122,18 @@ def _add_db(p) -> None:
     p.add_argument("--db", help="queue database (default $RAYFT_QUEUE_DB or ~/.rayft/queue.db)")
 
 
+def _add_backend(p) -> None:
+    """`--backend` and the KubeRay target, as `rayft submit` takes them."""
+    from .k8s import add_k8s_target_args
+
+    p.add_argument("--backend", choices=tuple(BACKENDS), default="ray",
+                   help="ray: the Ray Jobs API at --jobs-api, admitted when the cluster has free resources; "
+                        "kuberay: one RayJob per job through the Kubernetes API (~/.kube/config or in-cluster), "
+                        "admitted by Kueue's quota")
+    p.add_argument("--namespace", help="--backend kuberay: namespace (default $RAYFT_K8S_NAMESPACE or rayft)")
+    add_k8s_target_args(p)
+
+
 def register(sub) -> None:
     q = sub.add_parser("queue", help="a persistent job queue and the driver that admits its jobs")
     qs = q.add_subparsers(dest="queue_cmd", required=True, parser_class=Parser)
@@ -132,6 +147,7 @@ def register(sub) -> None:
 
     run = qs.add_parser("run", help="the driver: admit queued jobs when the cluster has room, track them")
     add_jobs_api_arg(run)
+    _add_backend(run)
     _add_db(run)
     run.add_argument("--once", action="store_true", help="one pass (reconcile, poll, admit) and exit")
     run.add_argument("--forever", action="store_true", help="keep running when the queue is empty")
@@ -139,8 +155,8 @@ def register(sub) -> None:
     run.add_argument("--poll", type=float, default=2.0, help="seconds between passes (default 2)")
     run.add_argument("--backoff", type=float, default=30.0, help="first retry delay in seconds, doubling (default 30)")
     run.add_argument("--gpu-memory", action="append", default=[], metavar="TYPE=GiB",
-                     help="GPU memory by Ray accelerator_type, overriding the built-in table; "
-                          "`default=GiB` for GPUs without a type (repeatable)")
+                     help="GPU memory by Ray accelerator_type, overriding the built-in table (kuberay: the node "
+                          "type's gpuMemoryGiB); `default=GiB` for GPUs without a type (repeatable)")
     run.set_defaults(fn=cmd_queue_run)
 
     st = qs.add_parser("status", help="the queue as a table")
@@ -156,5 +172,6 @@ def register(sub) -> None:
     cancel = qs.add_parser("cancel", help="cancel a queued job (stopping it if it runs)")
     cancel.add_argument("id", type=int)
     add_jobs_api_arg(cancel, f"needed when the job runs: {JOBS_API_HELP}")
+    _add_backend(cancel)
     _add_db(cancel)
     cancel.set_defaults(fn=cmd_queue_cancel)

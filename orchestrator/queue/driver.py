@@ -11,6 +11,14 @@ CPUs, and GPUs whose memory holds the job's memory plan). The head of the queue 
 resources (lower priorities do not overtake it) unless it can never fit this cluster, which is
 reported and skipped.
 
+On KubeRay (`rayft queue run --backend kuberay`) Kueue admits by quota: the driver creates one
+RayJob per admitted job at once (labelled for the LocalQueue; Kueue keeps it suspended until its
+GPUs are free) and checks only what quota cannot see, that a worker pod fits one node of the
+overlay's node type (admission.fit_node_type: GPUs per node, GPU model, the memory plan on its
+GPU). A suspended RayJob is queued, not failed: its row stays active with the reason as detail.
+Each attempt is its own RayJob with a deterministic name (`<job>-<hash>`, then `-a2`, ...), so
+the SUBMITTING -> RUNNING reconciliation finds a RayJob a killed driver created.
+
 Failures: out of memory (torch OutOfMemoryError / "CUDA out of memory" in the job's status message
 or logs) is retried once with half the micro-batch and twice the accumulation steps (same global
 batch); the change is recorded and shown by `rayft queue status`. Other failures are retried up to
@@ -34,10 +42,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, RayftError, UserError, oom_line
-from orchestrator.backends.base import FAILED, SUCCEEDED, Backend
+from orchestrator.backends.base import FAILED, QUEUED, SUCCEEDED, Backend, first_line
 from orchestrator.backends.ray_jobs import find_project, resolve_spec
 
-from .admission import Demand, fit
+from .admission import Demand, fit, fit_node_type
 from .store import ACTIVE, DONE, NewJob, Queue
 
 def enqueue(queue: Queue, spec_path: str, overrides: list[str], *, priority: int = 0, max_retries: int = 2,
@@ -67,8 +75,9 @@ class DriverConfig:
 class Driver:
     """One pass (`step`) = reconcile SUBMITTING rows, poll RUNNING ones, admit QUEUED ones.
 
-    `backend` is a `Backend` that can also describe its free resources (`cluster_view()`, a
-    `ClusterView`): the Ray Jobs backend.
+    `backend` is a `Backend` that either describes its free resources (`cluster_view()`, a
+    `ClusterView`: the Ray Jobs backend, admitted here by free resources) or admits by quota
+    itself (`admits_by_quota`, with a `node_type`: KubeRay with Kueue, checked here for fit only).
     """
 
     def __init__(self, queue: Queue, backend: Optional[Backend], config: Optional[DriverConfig] = None):
@@ -140,9 +149,12 @@ class Driver:
                     except RayftError:     # the logs only sharpen the verdict (out of memory?)
                         logs = ""
                 self.ended(job, st.state, st.message, logs)
-            elif st.state != job["status_detail"]:
-                with self.q.txn() as c:
-                    c.execute("UPDATE jobs SET status_detail=? WHERE id=? AND state='RUNNING'", (st.state, job["id"]))
+            else:
+                # Not ended. QUEUED (a RayJob Kueue has not admitted, suspended) is waiting, not failed.
+                detail = f"{st.state}: {first_line(st.message)}" if st.state == QUEUED and st.message else st.state
+                if detail != job["status_detail"]:
+                    with self.q.txn() as c:
+                        c.execute("UPDATE jobs SET status_detail=? WHERE id=? AND state='RUNNING'", (detail, job["id"]))
 
     def ended(self, job: sqlite3.Row, status: str, message: str, logs: str, from_state: str = "RUNNING") -> None:
         """Record the end of the current attempt exactly once; decide on a retry."""
@@ -224,7 +236,11 @@ class Driver:
         queued = sorted((j for j in self.q.jobs(("QUEUED",))), key=lambda j: (-j["priority"], j["id"]))
         if not queued:
             return 0
-        view = self.backend.cluster_view()
+        quota = getattr(self.backend, "admits_by_quota", False)
+        if quota:
+            node = self.backend.node_type
+        else:
+            view = self.backend.cluster_view()
         held = [Demand.from_json(j["demand"]) for j in active]
         held_res = (sum(d.cpus for d in held), sum(d.gpus for d in held))
         admitted = 0
@@ -235,7 +251,10 @@ class Driver:
                 self._reason(job, f"retry backoff until {time.strftime('%H:%M:%S', time.localtime(job['not_before']))}")
                 continue
             demand = Demand.from_json(job["demand"])
-            ok, ever, why = fit(demand, view, self.cfg.gpu_memory, held_res)
+            if quota:
+                ok, ever, why = fit_node_type(demand, node, self.cfg.gpu_memory)
+            else:
+                ok, ever, why = fit(demand, view, self.cfg.gpu_memory, held_res)
             if not ever:
                 self._reason(job, why)
                 continue                  # skip it: it would block the queue forever

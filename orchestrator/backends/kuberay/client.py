@@ -1,10 +1,11 @@
 """The KubeRay backend: one RayJob per job, through the Kubernetes API (`kubernetes` client).
 
 `submit` creates the spec ConfigMap and the RayJob `render` made; `status` / `logs` / `stop` /
-`list` read and delete them. RayJob names are deterministic (`render.job_name`), so submitting
-the same spec twice finds the first RayJob. Every failure is one line: `JobNotFound` for a RayJob
-that is not there, `ClusterAuthError` for 401/403, `ClusterUnreachable` for no configuration or no
-answer, `KubeRayError` (a `ClusterError`) for any other refusal. Every API call carries
+`list` read and delete them. RayJob names are deterministic (`render.job_name`, and `-a<N>` for
+attempt N > 1: `attempt_name`), so submitting the same spec (and attempt) twice finds the first
+RayJob -- which is what lets the queue's driver, killed after creating one, find it on restart.
+Every failure is one line: `JobNotFound` for a RayJob that is not there, `ClusterAuthError` for
+401/403, `ClusterUnreachable` for no configuration or no answer, `KubeRayError` (a `ClusterError`) for any other refusal. Every API call carries
 `_request_timeout` (`ray_jobs.http_timeout_s`: `--timeout-s`, else $RAYFT_HTTP_TIMEOUT_S, else
 30 s, per connect and per read); an API server that does not answer is `ClusterUnreachable`
 naming its address.
@@ -30,10 +31,43 @@ from ..base import FAILED, FINAL, PENDING, QUEUED, RUNNING, SUCCEEDED, JobStatus
 from ..base import job_state as ray_job_state
 from ..ray_jobs import http_timeout_s
 from .node_types import DEFAULT_OVERLAY
-from .render import (ANN_CHECKPOINTING, ANN_ESTIMATE, ANN_NODE_TYPE, ANN_SPEC_HASH, DEFAULT_NAMESPACE, RAY_GROUP,
-                     RAY_VERSION_API, RAYJOB_PLURAL, Obj, load_spec_for_k8s, render, spec_configmap_name)
+from .render import (ANN_CHECKPOINTING, ANN_ESTIMATE, ANN_NODE_TYPE, ANN_SPEC_HASH, DEFAULT_NAMESPACE,
+                     MAX_RAYJOB_NAME, RAY_GROUP, RAY_VERSION_API, RAYJOB_PLURAL, Obj, load_spec_for_k8s, render,
+                     spec_configmap_name)
 
 MANAGED_BY = "app.kubernetes.io/managed-by=rayft"
+ANN_ATTEMPT = "rayft.io/attempt"
+ANN_MICRO_BATCH = "rayft.io/micro-batch-size"
+ANN_GRAD_ACCUM = "rayft.io/grad-accum-steps"
+ANN_EXTRA = "rayft.io/"                  # + key, for `prepare(extra_metadata=...)` (the queue's job id)
+
+
+def attempt_name(name: str, attempt: int) -> str:
+    """The RayJob name of attempt N of the job `render.job_name` calls `name` (`<job>-<hash>`):
+    `name` itself for the first, `<job>-<hash>-a<N>` after, the job part shortened so the whole
+    stays a DNS-1035 label of <= 47 characters (KubeRay's limit). Deterministic, like Ray's
+    submission ids (`ray_jobs.submission_id`): a retry is a new RayJob, a repeated create of the
+    same attempt is the same one."""
+    if attempt <= 1:
+        return name
+    base, _, h = name.rpartition("-")
+    suffix = f"-{h}-a{attempt}"
+    return base[: MAX_RAYJOB_NAME - len(suffix)].rstrip("-") + suffix
+
+
+def _renamed(objs: list[Obj], old: str, new: str) -> list[Obj]:
+    """`render`'s objects for RayJob `old` as those of RayJob `new`: every string that is the
+    RayJob's name (its metadata, `spec.jobId` -- the Ray submission id --, labels and selectors
+    that name it) or its ConfigMap's name (the volumes that mount it) is replaced, nothing else."""
+    swap = {old: new, spec_configmap_name(old): spec_configmap_name(new)}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return swap.get(node, node) if isinstance(node, str) else node
+    return [walk(o) for o in objs]
 
 
 class KubeRayError(ClusterError):
@@ -75,14 +109,20 @@ def to_status(obj: Obj, namespace: str) -> JobStatus:
     st = obj.get("status") or {}
     meta = obj.get("metadata") or {}
     ann = meta.get("annotations") or {}
+    state = job_state(obj)
+    message = st.get("message") or st.get("reason") or ""
+    if state == QUEUED and not message:
+        message = "suspended: waiting for Kueue to admit it (quota)"
     return JobStatus(
-        id=meta["name"], state=job_state(obj), message=st.get("message") or st.get("reason") or "",
+        id=meta["name"], state=state, message=message,
         name=meta["name"], spec_hash=ann.get(ANN_SPEC_HASH, ""),
         start_time_s=_epoch_s(st.get("startTime")), end_time_s=_epoch_s(st.get("endTime")), backend="kuberay",
         details={"namespace": namespace, "job": (meta.get("labels") or {}).get("rayft.io/job", ""),
                  "deployment_status": st.get("jobDeploymentStatus") or "", "job_status": st.get("jobStatus") or "",
                  "ray_cluster": st.get("rayClusterName") or "", "dashboard_url": st.get("dashboardURL") or "",
                  "failed": st.get("failed") or 0, "memory_estimate_gib": ann.get(ANN_ESTIMATE, ""),
+                 "attempt": ann.get(ANN_ATTEMPT, "1"), "micro_batch_size": ann.get(ANN_MICRO_BATCH, ""),
+                 "grad_accum_steps": ann.get(ANN_GRAD_ACCUM, ""),
                  "gradient_checkpointing": ann.get(ANN_CHECKPOINTING, "")})
 
 
@@ -123,6 +163,9 @@ class KubeRayBackend:
     """
 
     name = "kuberay"
+    # Kueue admits RayJobs by quota: the queue's driver creates them at once (they wait suspended)
+    # and checks only that a job fits one node of `node_type` (orchestrator.queue.admission).
+    admits_by_quota = True
 
     def __init__(self, namespace: Optional[str] = None, *, api_client: Any = None,
                  overlay: Union[str, Path] = DEFAULT_OVERLAY, queue: Optional[str] = None,
@@ -136,6 +179,13 @@ class KubeRayBackend:
     @property
     def where(self) -> str:
         return f"namespace {self.namespace}"
+
+    @property
+    def node_type(self):
+        """The overlay's node type: what one node of the cluster the RayJobs land on has."""
+        from .node_types import load_node_type
+
+        return load_node_type(self.overlay)
 
     @property
     def cli_flags(self) -> str:
@@ -240,10 +290,20 @@ class KubeRayBackend:
 
     def prepare(self, spec_path: str, overrides: list[str], *, working_dir: Optional[str] = None,
                 attempt: int = 1, extra_metadata: Optional[dict] = None) -> KubeRaySubmission:
-        if attempt != 1:
-            raise UserError(f"--attempt {attempt}: a RayJob is named by its spec hash alone; `rayft stop` it and "
-                            "submit again to rerun the same spec")
-        sub = self.prepare_spec(load_spec_for_k8s(spec_path, overrides).spec, spec_path=spec_path)
+        """Render the spec as attempt `attempt` (a RayJob of its own, `attempt_name`), annotated
+        with the attempt, the batch split it runs (what an out-of-memory retry changes) and
+        `extra_metadata` as `rayft.io/<key>` (the queue's job id)."""
+        if attempt < 1:
+            raise UserError(f"--attempt {attempt}: attempts count from 1")
+        spec = load_spec_for_k8s(spec_path, overrides).spec
+        sub = self.prepare_spec(spec, spec_path=spec_path)
+        if attempt > 1:
+            sub.objects = _renamed(sub.objects, sub.submission_id, attempt_name(sub.submission_id, attempt))
+        extra = {ANN_ATTEMPT: str(attempt), ANN_MICRO_BATCH: str(spec.batch.micro_batch_size),
+                 ANN_GRAD_ACCUM: str(spec.grad_accum_steps),
+                 **{f"{ANN_EXTRA}{k.replace('_', '-')}": str(v) for k, v in (extra_metadata or {}).items()}}
+        for obj in sub.objects:
+            obj["metadata"]["annotations"].update(extra)
         if working_dir:
             sub.warnings.append(f"--working-dir {working_dir} is not uploaded: a RayJob runs the project inside "
                                 "its image (k8s/image/Dockerfile)")
@@ -258,7 +318,7 @@ class KubeRayBackend:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        cm, rj = sub.objects
+        cm, rj = sub.objects[:2]
         name, h, cm_name = sub.submission_id, sub.spec_hash, cm["metadata"]["name"]
         core, custom = self._core(), self._custom()
 
