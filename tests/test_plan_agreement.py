@@ -1,10 +1,15 @@
 """One memory plan: every consumer of `jobs.memory.plan_for_spec` decides exactly what it decides.
 
-One table of cases (tiny-llama; CPU and GPU; gradient checkpointing auto / true / false; a per-GPU
-budget placed below, between and above the estimates of every checkpointing choice, and none),
-one function per consumer returning (estimate GiB, checkpointing) -- or None where that consumer
-does not judge the case -- and one test that every column equals the plan's, with `==`, not
-approximately. To check another consumer, add a column to `COLUMNS`.
+One table of cases, one function per consumer returning (estimate GiB, checkpointing, strategy) --
+or None where that consumer does not judge the case -- and one test that every column equals the
+plan's, with `==`, not approximately. To check another consumer, add a column to `COLUMNS`.
+
+The cases: tiny-llama (CPU and GPU) under DDP with gradient checkpointing auto / true / false and
+a per-GPU budget below, between and above the estimates of every checkpointing choice, and none;
+`resources.strategy` auto and fsdp (FSDP2) with budgets cut at every strategy's smallest and
+largest estimate, so that `auto` picks DDP, FSDP keeping the layers gathered, and FSDP
+resharding after forward; and the 70B example (examples/llama70b-lora.yaml, a config without
+weights) on the gpu overlay's H100s: unquantized over 8 GPUs, and QLoRA nf4 / int8 over 2.
 """
 
 from __future__ import annotations
@@ -15,14 +20,23 @@ from typing import Callable, Optional
 
 import pytest
 
-from jobs.memory import GIB, checkpointing_str, checkpointing_table, plan_for_spec
+from jobs.memory import CHOICES, GIB, checkpointing_str, plan_for_spec, plan_table
 from jobs.spec import JobSpec, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples" / "tiny-lora.yaml"
+BIG = ROOT / "examples" / "llama70b-lora.yaml"
 GPU_OVERLAY, CPU_OVERLAY = "gpu", "dev-cpu"
 
-Column = Optional[tuple[float, str]]      # (estimate GiB per worker, checkpointing as checkpointing_str says it)
+# (estimate GiB per worker, checkpointing as checkpointing_str says it, strategy choice as
+# jobs.memory.CHOICES names it: ddp, fsdp, fsdp-keep); a consumer that does not say its
+# strategy gives None there (its exact estimate still pins it: the strategies' estimates differ).
+Column = Optional[tuple]
+REFUSED = "refused"
+
+
+def _choice(strategy: str, reshard: Optional[bool]) -> str:
+    return next(k for k, v in CHOICES.items() if v == (strategy, reshard))
 
 
 @dataclass(frozen=True)
@@ -31,17 +45,26 @@ class Case:
     gradient_checkpointing: str        # "auto", "true", "false"
     budget_gib: Optional[float]        # memory.budget_gib
     where: str                         # which plan boundary the budget sits at, for the test id
+    overrides: tuple = ()              # beyond device, checkpointing and budget
+    spec_path: Path = SPEC
+    family: str = "ddp"                # the group of cases its budgets were cut for, for the test id
 
     @property
     def id(self) -> str:
-        return f"{self.device}-gc_{self.gradient_checkpointing}-{self.where}"
+        return f"{self.family}-{self.device}-gc_{self.gradient_checkpointing}-{self.where}"
 
     def spec(self) -> JobSpec:
-        overrides = [f"resources.use_gpu={'true' if self.device == 'cuda' else 'false'}",
-                     f"memory.gradient_checkpointing={self.gradient_checkpointing}"]
-        if self.budget_gib is not None:
-            overrides.append(f"memory.budget_gib={self.budget_gib!r}")
-        return load_spec(SPEC, overrides, files=False)
+        return load_spec(self.spec_path, self.base_overrides(self.device, self.overrides, self.spec_path)
+                         + [f"memory.gradient_checkpointing={self.gradient_checkpointing}",
+                            f"memory.budget_gib={self.budget_gib!r}" if self.budget_gib is not None
+                            else "memory.budget_gib=null"], files=False)
+
+    @staticmethod
+    def base_overrides(device: str, overrides: tuple, spec_path: Path) -> list[str]:
+        out = [f"resources.use_gpu={'true' if device == 'cuda' else 'false'}", *overrides]
+        if spec_path == BIG:  # its config directory, wherever the tests run from
+            out.append(f"model.name={ROOT / 'examples' / 'llama3-70b-shape'}")
+        return out
 
 
 def gpu_memory_gib() -> float:
@@ -51,21 +74,42 @@ def gpu_memory_gib() -> float:
     return load_node_type(GPU_OVERLAY).gpu_memory_gib
 
 
-def budgets(device: str) -> list[tuple[str, Optional[float]]]:
-    """A budget in every interval the checkpointing choices' estimates cut the line into, and none."""
-    table = checkpointing_table(load_spec(SPEC, [f"resources.use_gpu={device == 'cuda'}"], files=False),
-                                device=device)
-    gib = sorted(set(table.values()))
-    assert len(gib) == len(table) >= 3, table          # off, every 2nd layer, every layer: distinct
+def budgets(device: str, overrides: tuple = (), spec_path: Path = SPEC, every_k: bool = True,
+            cap: Optional[float] = None) -> list[tuple[str, Optional[float]]]:
+    """Budgets in every interval the estimates cut the line into, and none. `every_k`: every
+    checkpointing choice of every strategy choice; else each strategy choice's least and most
+    memory only (80 decoder layers have 81 choices). `cap`: only budgets up to it (a GPU's memory)."""
+    spec = load_spec(spec_path, Case.base_overrides(device, overrides, spec_path) + ["memory.budget_gib=null"],
+                     files=False)
+    table = plan_table(spec, device=device)["gib"]
+    gib = sorted({v for row in table.values() for v in (row.values() if every_k else (min(row.values()),
+                                                                                       max(row.values())))})
     out = [("below_all", gib[0] * 0.99)]
     out += [(f"between_{i}_{i + 1}", (a + b) / 2) for i, (a, b) in enumerate(zip(gib, gib[1:]))]
-    return out + [("above_all", gib[-1] * 1.01), ("no_budget", None)]
+    out += [("above_all", gib[-1] * 1.01), ("no_budget", None)]
+    return [(w, b) for w, b in out if cap is None or b is None or b <= cap]
 
 
-CASES = [Case(device, gc, budget, where)
+DDP = ("resources.strategy=ddp",)
+FSDP = ("resources.strategy=fsdp",)
+NF4_2 = ("model.quantization=nf4", "resources.num_workers=2", "batch.global_batch_size=32")
+INT8_2 = ("model.quantization=int8", "resources.num_workers=2", "batch.global_batch_size=32")
+CASES = [Case(device, gc, budget, where, DDP)
          for device in ("cuda", "cpu")
          for gc in ("auto", "true", "false")
-         for where, budget in budgets(device)]
+         for where, budget in budgets(device, DDP)]
+CASES += [Case(device, "auto", budget, where, (), family="auto")
+          for device in ("cuda", "cpu")
+          for where, budget in budgets(device, (), every_k=False)]
+CASES += [Case("cuda", gc, budget, where, FSDP, family="fsdp")
+          for gc in ("auto", "true")
+          for where, budget in budgets("cuda", FSDP, every_k=False)]
+CASES += [Case("cuda", "auto", budget, where, (), BIG, family="70b")
+          for where, budget in budgets("cuda", (), BIG, every_k=False, cap=80)]
+CASES += [Case("cuda", "auto", budget, where, NF4_2, BIG, family="70b-nf4")
+          for where, budget in budgets("cuda", NF4_2, BIG, every_k=False, cap=80)]
+CASES += [Case("cuda", "true", budget, where, INT8_2 + ("data.max_seq_len=512",), BIG, family="70b-int8")
+          for where, budget in budgets("cuda", INT8_2 + ("data.max_seq_len=512",), BIG, every_k=False, cap=80)]
 
 
 # ---- the columns: one function per consumer ----------------------------------------------------
@@ -74,7 +118,7 @@ def plan_column(case: Case) -> Column:
     """`jobs.memory.plan_for_spec`, on the GPU every column assumes (none for a CPU job)."""
     gpu = gpu_memory_gib() if case.device == "cuda" else None
     plan = plan_for_spec(case.spec(), device=case.device, gpu_memory_gib=gpu)
-    return plan.total_gib, plan.checkpointing
+    return plan.total_gib, plan.checkpointing, _choice(plan.strategy, plan.reshard_after_forward)
 
 
 def queue_column(case: Case) -> Column:
@@ -84,18 +128,25 @@ def queue_column(case: Case) -> Column:
 
     if case.device != "cuda":
         return None
-    every, gib = Demand.from_json(Demand.from_spec(case.spec()).to_json()).gpu_plan(gpu_memory_gib())
-    return gib, checkpointing_str(every)
+    demand = Demand.from_json(Demand.from_spec(case.spec()).to_json())
+    every, gib = demand.gpu_plan(gpu_memory_gib())
+    return gib, checkpointing_str(every), demand.gpu_strategy(gpu_memory_gib())
 
 
 def k8s_column(case: Case) -> Column:
-    """`rayft k8s render`: the RayJob's annotations (exact bytes, and the checkpointing)."""
+    """`rayft k8s render`: the RayJob's annotations (exact bytes, and the checkpointing). A GPU
+    job whose plan exceeds the overlay's GPU is refused: then the plan must say so."""
+    from jobs.errors import SpecError
     from orchestrator.backends import kuberay
 
     overlay = GPU_OVERLAY if case.device == "cuda" else CPU_OVERLAY
-    ann = kuberay.render(case.spec(), overlay=overlay)[1]["metadata"]["annotations"]
+    try:
+        ann = kuberay.render(case.spec(), overlay=overlay)[1]["metadata"]["annotations"]
+    except SpecError as e:
+        assert case.device == "cuda" and plan_column(case)[0] > gpu_memory_gib(), e
+        return None
     assert ann[kuberay.ANN_ESTIMATE] == f"{int(ann[kuberay.ANN_ESTIMATE_BYTES]) / GIB:.2f}"
-    return int(ann[kuberay.ANN_ESTIMATE_BYTES]) / GIB, ann[kuberay.ANN_CHECKPOINTING]
+    return int(ann[kuberay.ANN_ESTIMATE_BYTES]) / GIB, ann[kuberay.ANN_CHECKPOINTING], None
 
 
 def loop_column(case: Case) -> Column:
@@ -113,7 +164,7 @@ def loop_column(case: Case) -> Column:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
             plan = memory_plan(case.spec(), torch.device("cuda", 0))
-    return plan.total_gib, plan.checkpointing
+    return plan.total_gib, plan.checkpointing, _choice(plan.strategy, plan.reshard_after_forward)
 
 
 COLUMNS: dict[str, Callable[[Case], Column]] = {
@@ -127,25 +178,39 @@ COLUMNS: dict[str, Callable[[Case], Column]] = {
 def test_every_consumer_agrees_with_the_plan(case):
     want = plan_column(case)
     got = {name: column(case) for name, column in COLUMNS.items()}
-    assert {name: v for name, v in got.items() if v is not None and v != want} == {}, f"plan_for_spec says {want}"
+    assert {name: v for name, v in got.items() if v is not None and not _same(v, want)} == {}, \
+        f"plan_for_spec says {want}"
 
 
-def test_the_cases_reach_every_checkpointing_choice():
-    """The budgets are where they must be: `auto` picks each choice somewhere, and more than one
-    consumer judges every GPU case."""
+def _same(got: tuple, want: tuple) -> bool:
+    """Equal, where a consumer that does not report the strategy (None) is judged on the rest."""
+    return got == want or (got[2] is None and got[:2] == want[:2])
+
+
+def test_the_cases_reach_every_checkpointing_and_strategy_choice():
+    """The budgets are where they must be: `auto` picks each checkpointing choice somewhere, and
+    each strategy choice; the 70B needs FSDP over 8 H100s and fits with nf4 over 2 under DDP; every
+    consumer judges every GPU case but the ones render refuses."""
     for device in ("cuda", "cpu"):
-        chosen = {plan_column(c)[1] for c in CASES if c.device == device and c.gradient_checkpointing == "auto"}
+        chosen = {plan_column(c)[1] for c in CASES if c.device == device and c.family == "ddp"
+                  and c.gradient_checkpointing == "auto"}
         assert chosen == {"off", "every 2nd layer", "on"}, (device, chosen)
+    auto = {c.family: set() for c in CASES}
+    for c in CASES:
+        auto[c.family].add(plan_column(c)[2])
+    assert auto["ddp"] == {"ddp"} and auto["fsdp"] == {"fsdp", "fsdp-keep"}
+    assert auto["auto"] | auto["70b"] == {"ddp", "fsdp", "fsdp-keep"}
+    assert auto["70b"] == {"fsdp"} and auto["70b-nf4"] == auto["70b-int8"] == {"ddp"}
+    refused = [c for c in CASES if c.device == "cuda" and k8s_column(c) is None]
+    assert all(plan_column(c)[0] > gpu_memory_gib() for c in refused)
     assert all(sum(col(c) is not None for col in COLUMNS.values()) == len(COLUMNS)
-               for c in CASES if c.device == "cuda")
+               for c in CASES if c.device == "cuda" and c not in refused)
 
 
 # ---- Tune's feasibility and `rayft estimate` -----------------------------------------------------
 # Two more consumers, in their own test: each judges only some cases (a search needs a budget and may
 # refuse to start; `rayft estimate` knows no GPU), so they stay out of `COLUMNS`, whose GPU cases
 # every column judges.
-
-REFUSED = "refused"
 
 
 def tune_column(case: Case):
@@ -170,7 +235,8 @@ def tune_column(case: Case):
         return REFUSED
     (point,) = plan.points
     assert point.micro_batch_size == job.batch.micro_batch_size and point.status == "planned"
-    return point.estimate_gib, checkpointing_str(point.checkpoint_every_n_layers)
+    return (point.estimate_gib, checkpointing_str(point.checkpoint_every_n_layers),
+            _choice(point.strategy, point.reshard_after_forward))
 
 
 def estimate_column(case: Case) -> Column:
@@ -182,7 +248,10 @@ def estimate_column(case: Case) -> Column:
         return None
     rep = estimate_report(case.spec(), case.budget_gib, case.device, str(SPEC))
     assert rep["fits"] is None if case.budget_gib is None else rep["fits"] == (rep["total_gib"] <= case.budget_gib)
-    return rep["total_gib"], checkpointing_str(rep["checkpoint_every_n_layers"])
+    (chosen,) = [r for r in rep["strategies"] if r["chosen"]]  # the side-by-side row the plan chose
+    assert (chosen["total_bytes"], chosen["strategy"]) == (rep["total_bytes"], rep["strategy"])
+    return (rep["total_gib"], checkpointing_str(rep["checkpoint_every_n_layers"]),
+            _choice(rep["strategy"], rep["reshard_after_forward"]))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

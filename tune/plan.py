@@ -5,7 +5,8 @@ before anything starts. Pure: no Ray, no model weights, no files written.
 batch, lr rule) and gives each micro-batch the `jobs.memory.MemoryPlan` its trials will run:
 `plan_for_spec` on the base job with the search budget as `memory.budget_gib`, the same call
 (same spec fields, same budget) a trial's worker makes through `jobs.loop.memory_plan`. So the
-checkpointing a point is judged with (`memory.gradient_checkpointing`: true, false, or auto =
+strategy (`resources.strategy: auto`: DDP when it fits, else FSDP) and the checkpointing a point is
+judged with (`memory.gradient_checkpointing`: true, false, or auto =
 off when that fits, else the sparsest every-k-th-layer checkpointing that fits) is the one
 its trial uses, and the estimate is that plan's. Each point is marked:
 
@@ -81,6 +82,8 @@ class Point:
     gradient_checkpointing: Optional[bool] = None
     checkpoint_every_n_layers: Optional[int] = None  # the plan's: 0 off, 1 every layer, k every k-th layer
     estimate_gib: Optional[float] = None  # the plan's estimate (the least memory there is when infeasible)
+    strategy: Optional[str] = None  # the plan's: "ddp" or "fsdp" (resources.strategy auto decides per point)
+    reshard_after_forward: Optional[bool] = None  # the plan's, under fsdp
     estimate_off_gib: Optional[float] = None  # checkpointing off, for the report
     estimate_on_gib: Optional[float] = None  # checkpointing every layer, for the report
     max_steps: Optional[int] = None
@@ -210,11 +213,12 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
         mp = plans[p.micro_batch_size]
         p.estimate_off_gib, p.estimate_on_gib = mem[p.micro_batch_size]["off"], mem[p.micro_batch_size]["on"]
         p.checkpoint_every_n_layers, p.estimate_gib = mp.checkpoint_every_n_layers, mp.total_gib
+        p.strategy, p.reshard_after_forward = mp.strategy, mp.reshard_after_forward
         p.gradient_checkpointing = mp.checkpoint_every_n_layers > 0
         if p.status == "planned" and not mp.fits:
             p.status = "infeasible"
             p.reason = (f"estimate {gib_str(p.estimate_gib)} > budget {gib_str(budget)} "
-                        f"(checkpointing {mp.checkpointing})")
+                        f"({mp.strategy_str}, checkpointing {mp.checkpointing})")
 
     # -- the eval/report interval: the same sample counts for every trial --
     live = [p for p in points if p.status == "planned"]  # feasible: infeasible points do not constrain it
@@ -277,7 +281,8 @@ def trial_name(base_name: str, trial_id: str) -> str:
 def describe(p: dict, lr: float) -> str:
     """One trial, for a log line."""
     return (f"micro {p['micro_batch_size']} x accum {p['grad_accum_steps']} (global {p['global_batch_size']}), "
-            f"lr {lr:.3g} {p['lr_scaling']}, checkpointing {checkpointing_str(p.get('checkpoint_every_n_layers'))}")
+            f"lr {lr:.3g} {p['lr_scaling']}, {p.get('strategy') or 'ddp'}, "
+            f"checkpointing {checkpointing_str(p.get('checkpoint_every_n_layers'))}")
 
 
 def spec_fingerprint(spec: SearchSpec) -> str:

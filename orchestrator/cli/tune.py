@@ -1,8 +1,9 @@
 """`rayft estimate` and `rayft tune`.
 
     rayft estimate SPEC [k=v ...] [--json] [--device cpu|cuda]
-        the memory plan of the spec (jobs.memory.plan_for_spec: the checkpointing the job will
-        use, its components and total against memory.budget_gib), the components with
+        the memory plan of the spec (jobs.memory.plan_for_spec: the strategy and checkpointing the
+        job will use, its components and total against memory.budget_gib), DDP and FSDP (and, for a
+        quantized base, unquantized beside it) per GPU side by side, the components with
         checkpointing off and on beside it, and every (micro_batch_size, grad_accum_steps) pair
         that splits the global batch over the workers, with checkpointing off and on.
     rayft tune SPEC [k=v ...] [--resume | --fresh] [--plan] [--address ADDR] [--num-cpus N]
@@ -63,8 +64,9 @@ def _load_any(path: str, overrides: list[str]):
 
 
 def estimate_report(spec, budget, device: str, where: str) -> dict:
-    """The plan `spec` runs on `device` (`jobs.memory.plan_for_spec`: its checkpointing, components
-    and total), checkpointing off and on beside it, and every (micro, accumulation) split."""
+    """The plan `spec` runs on `device` (`jobs.memory.plan_for_spec`: its strategy, checkpointing,
+    components and total), checkpointing off and on beside it, DDP and FSDP (and unquantized and
+    quantized) side by side (`strategy_table`), and every (micro, accumulation) split."""
     from jobs import memory
 
     try:
@@ -78,6 +80,7 @@ def estimate_report(spec, budget, device: str, where: str) -> dict:
                 spec, micro_batch_size=row["micro_batch_size"], gradient_checkpointing=row["gradient_checkpointing"],
                 device=device, config=config).total_bytes
         smallest = memory.smallest_budget_gib(spec, device=device)
+        strategies = memory.strategy_table(spec, device=device, config=config)
     except ValueError as e:  # SpecError included: the field it names, prefixed with the spec's path
         raise SpecError(f"{where}: {e}") from None
     chosen = plan.estimate
@@ -89,6 +92,8 @@ def estimate_report(spec, budget, device: str, where: str) -> dict:
         "gradient_checkpointing": spec.memory.gradient_checkpointing,
         "checkpointing_used": plan.checkpoint_every_n_layers > 0,
         "checkpoint_every_n_layers": plan.checkpoint_every_n_layers,
+        "strategy": plan.strategy, "reshard_after_forward": plan.reshard_after_forward,
+        "quantization": plan.quantization,
         "budget_gib": budget,
         "components": dict(chosen.components), "total_bytes": chosen.total_bytes, "total_gib": chosen.total_gib,
         "fits": None if budget is None else plan.fits,
@@ -96,6 +101,7 @@ def estimate_report(spec, budget, device: str, where: str) -> dict:
             "off": {"components": dict(off.components), "total_bytes": off.total_bytes, "total_gib": off.total_gib},
             "on": {"components": dict(on.components), "total_bytes": on.total_bytes, "total_gib": on.total_gib},
         },
+        "strategies": strategies,
         "transient_components": list(memory.TRANSIENT_COMPONENTS),
         "pairs": pairs,
         "smallest_budget_gib": smallest,
@@ -103,7 +109,7 @@ def estimate_report(spec, budget, device: str, where: str) -> dict:
 
 
 def cmd_estimate(args) -> int:
-    from jobs.memory import MemoryEstimate, checkpointing_str
+    from jobs.memory import MemoryEstimate, checkpointing_str, strategy_str
     from tune.plan import gib_str
 
     spec, budget = _load_any(args.spec, args.overrides)
@@ -121,8 +127,9 @@ def cmd_estimate(args) -> int:
     on = MemoryEstimate(rep["by_checkpointing"]["on"]["components"])
     # Headings as lines, not table titles: rich folds a title to the table's width.
     rows = " (packed rows)" if spec.data.packing else ""
+    quant = "" if rep["quantization"] == "none" else f", {rep['quantization']} base"
     con.print(f"[bold]{spec.name}[/]: {spec.model.name}, micro-batch {rep['micro_batch_size']} x seq {rep['seq_len']}{rows}, "
-              f"{rep['num_workers']} worker(s), {rep['precision']} on {device}", soft_wrap=True)
+              f"{rep['num_workers']} worker(s), {rep['precision']}{quant} on {device}", soft_wrap=True)
     t = Table()
     t.add_column("component")
     t.add_column("checkpointing off", justify="right")
@@ -133,7 +140,9 @@ def cmd_estimate(args) -> int:
         t.add_row(label, gib_str(g_off), gib_str(g_on), style=style)
     con.print(t)
     used = checkpointing_str(rep["checkpoint_every_n_layers"])
-    line = f"total {gib_str(rep['total_gib'])} (checkpointing {used}, memory.gradient_checkpointing={rep['gradient_checkpointing']})"
+    _print_strategies(con, rep, budget)
+    line = (f"total {gib_str(rep['total_gib'])} ({strategy_str(rep['strategy'], rep['reshard_after_forward'])}, "
+            f"checkpointing {used}, memory.gradient_checkpointing={rep['gradient_checkpointing']})")
     if budget is None:
         con.print(f"{line}; no memory.budget_gib set", soft_wrap=True)
     else:
@@ -159,6 +168,27 @@ def cmd_estimate(args) -> int:
     con.print(f"smallest budget (micro-batch 1, checkpointing on): {gib_str(rep['smallest_budget_gib'])}",
               soft_wrap=True)
     return 0
+
+
+def _print_strategies(con, rep: dict, budget) -> None:
+    """Per GPU by strategy (and quantization): the estimate each would run with, against the
+    budget, and which one the plan chose."""
+    from rich.table import Table
+
+    from jobs.memory import strategy_str
+    from tune.plan import gib_str
+
+    con.print(f"[bold]per GPU by strategy, {rep['num_workers']} worker(s)[/]"
+              + ("" if budget is None else f", budget {gib_str(budget)}"), soft_wrap=True)
+    t = Table()
+    for col in ("strategy", "base", "checkpointing", "per GPU", "budget", "plan"):
+        t.add_column(col, justify="right" if col == "per GPU" else "left")
+    for r in rep["strategies"]:
+        verdict = "-" if r["fits"] is None else ("[green]fits[/]" if r["fits"] else "[red]exceeds[/]")
+        base = rep["precision"] if r["quantization"] == "none" else r["quantization"]
+        t.add_row(strategy_str(r["strategy"], r["reshard_after_forward"]), base, r["checkpointing"],
+                  gib_str(r["total_gib"]), verdict, "chosen" if r["chosen"] else "")
+    con.print(t)
 
 
 # ---- tune --------------------------------------------------------------------------------
@@ -227,7 +257,8 @@ def _print_plan(plan) -> None:
         est = "-" if p.estimate_gib is None else gib_str(p.estimate_gib)
         ck = checkpointing_str(p.checkpoint_every_n_layers)
         print(f"  {p.status:10} micro {p.micro_batch_size or '-':>3} x accum {p.grad_accum_steps:>3} = global "
-              f"{p.global_batch_size:>4}, lr_scaling {p.lr_scaling:6}, checkpointing {ck}, estimate {est}"
+              f"{p.global_batch_size:>4}, lr_scaling {p.lr_scaling:6}, {p.strategy or '-'}, checkpointing {ck}, "
+              f"estimate {est}"
               + (f"  ({p.reason})" if p.reason else ""), file=out)
     for n in plan.notes:
         print(f"  note: {n}", file=out)

@@ -4,9 +4,10 @@ A job's `Demand` is what it holds while it runs: the driver's CPU share, `cpus_p
 worker and, for GPU jobs, one GPU per worker whose memory holds the job's memory plan. Workers
 come in pods of `resources.gpus_per_worker` GPUs (one Ray Train worker per GPU): each pod's
 GPUs must be free on one node, so four free GPUs on four nodes do not hold one pod of two. The plan
-is `jobs.memory`'s, decided by the one rule (`choose_checkpointing_every`) for the GPU it would
-land on: `Demand` keeps the estimate of every checkpointing choice (`checkpointing_table`, made
-once at `queue add`), so admission applies the rule per GPU size without reloading the spec, and
+is `jobs.memory`'s, decided by the one rule (`choose_plan`: strategy, then checkpointing) for the
+GPU it would land on: `Demand` keeps the estimate of every strategy and checkpointing choice
+(`plan_table`, made once at `queue add`), so admission applies the rule per GPU size without
+reloading the spec, and
 gets exactly what `plan_for_spec(spec, device="cuda", gpu_memory_gib=GPU)` -- and so the training
 loop on that GPU -- gets.
 
@@ -65,6 +66,7 @@ class Demand:
     gc_mode: str = "auto"                 # memory.gradient_checkpointing: "true", "false" or "auto"
     budget_gib: Optional[float] = None    # memory.budget_gib
     num_layers: int = 1                   # decoder layers of the model (the checkpointing candidates)
+    plan_table: Optional[dict] = None     # jobs.memory.plan_table: estimates by strategy and checkpointing
     gpus_per_worker: int = 1              # resources.gpus_per_worker: GPUs of one worker pod, on one node
 
     @property
@@ -88,13 +90,25 @@ class Demand:
     def gpu_plan(self, gpu_mem_gib: float) -> tuple[int, float]:
         """(checkpoint every k-th layer, GiB per GPU) the job runs with on a GPU of `gpu_mem_gib`:
         `choose_checkpointing_every` under the budget `memory.budget_gib`, else the GPU's memory."""
-        from jobs.memory import choose_checkpointing_every
+        from jobs.memory import choose_checkpointing_every, choose_plan_from_table
 
+        budget = self.budget_gib if self.budget_gib is not None else gpu_mem_gib
+        if self.plan_table:
+            _, every, gib = choose_plan_from_table(self.plan_table, self.gc_mode, self.num_layers, budget)
+            return every, gib
         if not self.gib_by_every:
             return 0, 0.0
-        budget = self.budget_gib if self.budget_gib is not None else gpu_mem_gib
         every = choose_checkpointing_every(self.gc_mode, self.gib_by_every.__getitem__, self.num_layers, budget)
         return every, self.gib_by_every[every]
+
+    def gpu_strategy(self, gpu_mem_gib: float) -> str:
+        """The strategy choice (`jobs.memory.CHOICES`: ddp, fsdp, fsdp-keep) on a GPU of `gpu_mem_gib`."""
+        from jobs.memory import choose_plan_from_table
+
+        if not self.plan_table:
+            return "ddp"
+        budget = self.budget_gib if self.budget_gib is not None else gpu_mem_gib
+        return choose_plan_from_table(self.plan_table, self.gc_mode, self.num_layers, budget)[0]
 
     def gpu_need_gib(self, gpu_mem_gib: float) -> float:
         """The estimate the job will run with on a GPU of `gpu_mem_gib` GiB (see `gpu_plan`)."""
@@ -119,10 +133,11 @@ class Demand:
                 gc_mode=str(spec.memory.gradient_checkpointing).lower(), budget_gib=spec.memory.budget_gib,
                 gpus_per_worker=r.gpus_per_worker if r.use_gpu else 1)
         if r.use_gpu:
-            from jobs.memory import checkpointing_table, config_from_spec, model_shape
+            from jobs.memory import config_from_spec, model_shape, plan_table
 
             config = config_from_spec(spec)
-            d.gib_by_every = checkpointing_table(spec, device="cuda", config=config)
+            d.plan_table = plan_table(spec, device="cuda", config=config)
+            d.gib_by_every = d.plan_table["gib"][d.plan_table["choices"][0]]
             d.num_layers = model_shape(config).layers
         return d
 
@@ -183,7 +198,7 @@ def fit(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]
             from jobs.memory import checkpointing_str
 
             return False, (f"needs {need:.1f} GiB per GPU, {n.accelerator_type} has {mem:g} GiB "
-                           f"(gradient checkpointing {checkpointing_str(every)})")
+                           f"({demand.gpu_strategy(mem)}, gradient checkpointing {checkpointing_str(every)})")
         return True, ""
 
     pod_gpus = demand.pod_gpus
