@@ -173,7 +173,11 @@ def _kubeconfig(api: FakeKubeAPI, tmp_path: Path) -> dict:
 def test_a_driver_killed_after_creating_the_rayjob_does_not_create_a_second(api, tmp_path):
     env = _kubeconfig(api, tmp_path)
     db = tmp_path / "q.db"
-    r = rayft("queue", "add", SPEC, *GPU, "name=kr-kill", "--db", str(db), env=env)
+    # data on the cluster's volume: `queue add --backend kuberay` does not look for it here
+    on_volume = "data.path=/mnt/rayft/data/kr-kill.jsonl"
+    r = rayft("queue", "add", SPEC, *GPU, "name=kr-kill", on_volume, "--db", str(db), env=env)
+    assert r.returncode == 2 and "kr-kill.jsonl" in r.stderr and not db.exists()
+    r = rayft("queue", "add", SPEC, *GPU, "name=kr-kill", on_volume, "--backend", "kuberay", "--db", str(db), env=env)
     assert r.returncode == 0, r.stderr
     run = [str(BIN / "rayft"), "queue", "run", "--backend", "kuberay", "--namespace", NS, "--overlay", "gpu",
            "--db", str(db), "--poll", "0.05"]
@@ -195,6 +199,7 @@ def test_a_driver_killed_after_creating_the_rayjob_does_not_create_a_second(api,
     assert api.created() == [name] and rayjob_posts(api) == [201]      # not even a second create call
     kinds = [e["kind"] for e in Queue(db).events(row["id"])]
     assert kinds.count("submitting") == 1 and kinds.count("ended") == 1
+    assert spec_in_configmap(api, name).data.path == ["/mnt/rayft/data/kr-kill.jsonl"]
 
 
 def _small_gpu_overlay(tmp_path: Path, gpu_memory_gib: float, gpus_per_node: int) -> Path:

@@ -38,7 +38,7 @@ def cmd_queue_add(args) -> int:
     ids = []
     for spec in specs:
         job_id, created = enqueue(q, spec, overrides, priority=args.priority, max_retries=args.max_retries,
-                                  working_dir=args.working_dir)
+                                  working_dir=args.working_dir, backend=args.backend)
         row = q.job(job_id)
         ids.append(job_id)
         if created:
@@ -142,6 +142,9 @@ def register(sub) -> None:
     add.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
     add.add_argument("--max-retries", type=int, default=2, help="retries of a failed job, with backoff (default 2)")
     add.add_argument("--working-dir", help="the project directory (default: the current directory)")
+    add.add_argument("--backend", choices=tuple(BACKENDS), default="ray",
+                     help="validate as this backend submits: ray reads the data files here (they are uploaded); "
+                          "kuberay does not (they resolve inside the image or on the data volume)")
     _add_db(add)
     add.set_defaults(fn=cmd_queue_add, overrides=[])
 

@@ -48,12 +48,36 @@ from orchestrator.backends.ray_jobs import find_project, resolve_spec
 from .admission import Demand, fit, fit_node_type
 from .store import ACTIVE, DONE, NewJob, Queue
 
+def load_queued_spec(spec_path: str, overrides: list[str], working_dir: Path, backend: str = "ray"):
+    """(spec, spec path relative to the working dir), validated as `backend` will submit it.
+
+    ray: as the Ray Jobs backend uploads it (`resolve_spec`: the data files are read here, they
+    travel with the working dir). kuberay: as `rayft submit --backend kuberay` renders it: the
+    data paths resolve inside the image or on the data volume, so they are not checked here. Both
+    read the spec from the working dir, where the driver reads it again at submission; `spec_path`
+    is relative to the current directory (or absolute)."""
+    if backend != "kuberay":
+        spec, rel, _, _ = resolve_spec(spec_path, overrides, working_dir)
+        return spec, rel
+    from jobs.errors import SpecError
+    from orchestrator.backends.kuberay import load_spec_for_k8s
+
+    p = Path(spec_path).resolve()
+    if not p.is_file():
+        raise SpecError(f"{spec_path}: spec file not found")
+    if not p.is_relative_to(Path(working_dir).resolve()):
+        raise SpecError(f"{spec_path}: the spec is outside the working dir {working_dir}, where the queue's "
+                        "driver reads it; move it into the project")
+    return load_spec_for_k8s(str(p), list(overrides)).spec, str(p.relative_to(Path(working_dir).resolve()))
+
+
 def enqueue(queue: Queue, spec_path: str, overrides: list[str], *, priority: int = 0, max_retries: int = 2,
-            working_dir: Optional[str] = None) -> tuple[int, bool]:
-    """`rayft queue add` of one spec: validate it (as it will be submitted, relative paths in the
-    working dir), estimate its demand, store it. Returns (id, created); the same spec twice is one job."""
+            working_dir: Optional[str] = None, backend: str = "ray") -> tuple[int, bool]:
+    """`rayft queue add` of one spec: validate it (as `backend` will submit it, relative paths in
+    the working dir), estimate its demand, store it. Returns (id, created); the same spec twice is
+    one job."""
     wd = find_project(working_dir)
-    spec, rel, _, _ = resolve_spec(spec_path, overrides, wd)
+    spec, rel = load_queued_spec(spec_path, overrides, wd, backend)
     return queue.add(NewJob(
         name=spec.name, working_dir=str(wd), spec_path=rel, overrides=tuple(overrides), spec_hash=spec.spec_hash(),
         micro_batch_size=spec.batch.micro_batch_size, grad_accum_steps=spec.grad_accum_steps,
@@ -85,6 +109,10 @@ class Driver:
         self.backend = backend
         self.cfg = config or DriverConfig()
         self._lock_file = None
+
+    @property
+    def backend_name(self) -> str:
+        return getattr(self.backend, "name", "ray")
 
     def log(self, job: sqlite3.Row, msg: str) -> None:
         self.cfg.log(f"{time.strftime('%H:%M:%S')} #{job['id']} {job['name']}: {msg}")
@@ -209,8 +237,9 @@ class Driver:
 
     def _demand_for(self, job: sqlite3.Row, changes: list[str]) -> Optional[Demand]:
         try:
-            spec, _, _, _ = resolve_spec(job["spec_path"], json.loads(job["overrides"]) + changes,
-                                         Path(job["working_dir"]))
+            wd = Path(job["working_dir"])
+            spec, _ = load_queued_spec(str(wd / job["spec_path"]), json.loads(job["overrides"]) + changes, wd,
+                                       self.backend_name)
             return Demand.from_spec(spec)
         except UserError:
             return None
@@ -274,7 +303,7 @@ class Driver:
         try:
             # The spec as queued (the submission adds the driver's changes and, on a local cluster,
             # an absolute run.output_dir): has the file changed since `queue add`?
-            spec, _, _, _ = resolve_spec(job["spec_path"], overrides, Path(wd))
+            spec, _ = load_queued_spec(str(Path(wd) / job["spec_path"]), overrides, Path(wd), self.backend_name)
             if spec.spec_hash() != job["spec_hash"]:
                 self._fail(job, f"{job['spec_path']} changed since it was queued (spec hash {job['spec_hash']} -> "
                                 f"{spec.spec_hash()}); add it again")
