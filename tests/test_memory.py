@@ -18,6 +18,7 @@ padding, eager vs sdpa, LoRA targets and dropout, fp32 vs bf16 autocast, checkpo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -647,3 +648,235 @@ def test_gpu_benchmark_script_runs_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
     assert all(abs(r["rel_err"]) <= TOL for r in rows)
+
+
+# ---- FSDP2: sharded weights, measured on 2 gloo ranks -------------------------------------------
+
+# Odd sizes everywhere FSDP pads: vocab 301 and intermediate 161 rows, r = 5 (LoRA A's dim 0).
+FSDP_CASE = dict(id="fsdp", vocab=301, intermediate=161, r=5, kv_heads=2)
+
+
+def _local_storage_bytes(params) -> dict[str, int]:
+    """Bytes of the storages one rank holds, once each: frozen and trainable (LoRA) apart. A
+    DTensor's local shard lives in FSDP's padded storage, so its padding counts."""
+    seen: set[int] = set()
+    out = {"frozen": 0, "lora": 0}
+    for p in params:
+        t = p.to_local() if hasattr(p, "to_local") else p
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            out["lora" if p.requires_grad else "frozen"] += st.nbytes()
+    return out
+
+
+def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
+    """One of two gloo ranks: the case's model with PEFT LoRA, `fully_shard` per decoder layer and
+    on the loss module (the root, as `jobs.fsdp.shard` does), then this rank's parameter bytes and
+    the bytes autograd keeps after one forward."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        case = Case(**FSDP_CASE)
+        model = build(case)
+        loss_mod = loss_module(model, case)
+        for layer in decoder_of(model).layers:
+            fully_shard(layer)
+        fully_shard(loss_mod)
+        held = _local_storage_bytes(loss_mod.parameters())
+        saved: list[tuple[str, torch.Tensor]] = []
+        where = ["decoder"]
+        hook = decoder_of(model).register_forward_hook(lambda m, a, o: where.__setitem__(0, "loss"))
+
+        def pack(t):
+            saved.append((where[0], t))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_mod(**batch_for(case))
+        hook.remove()
+        # After forward each layer's gathered weights are freed (their storages are empty now); the
+        # root's stay gathered and are parameters: weights, not activations, either way.
+        params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                  for p in loss_mod.parameters()}
+        kept: dict[int, tuple[str, int]] = {}
+        for w, t in saved:
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in params:
+                kept.setdefault(st.data_ptr(), (w, st.nbytes()))
+        out = dict(held, decoder=sum(n for w, n in kept.values() if w == "decoder"),
+                   loss=sum(n for w, n in kept.values() if w == "loss"))
+        loss.backward()  # the sharded model trains: the LoRA shards get gradients
+        # FSDP2 hands each shard's gradient out of one reduce-scatter buffer: count storages once.
+        grads = {p.grad.to_local().untyped_storage().data_ptr(): p.grad.to_local().untyped_storage().nbytes()
+                 for p in loss_mod.parameters() if p.requires_grad}
+        out["lora_grads"] = sum(grads.values())
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_measured(tmp_path_factory) -> list[dict]:
+    import json
+
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    out = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(_fsdp_worker, args=(free_port(), str(out)), nprocs=2)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_weights_match_fully_shard_on_two_ranks(fsdp_measured):
+    """Every rank holds exactly the frozen and LoRA bytes the estimate names for FSDP over 2
+    (dim 0 padded to a multiple of 2); LoRA gradients are sharded alike; DDP holds it all."""
+    case = Case(**FSDP_CASE)
+    fsdp = case.estimate(strategy="fsdp", world_size=2).components
+    ddp = case.estimate(world_size=2).components
+    for rank in fsdp_measured:
+        assert rank["frozen"] == fsdp["frozen_weights"]
+        assert rank["lora"] == fsdp["lora_weights"] == fsdp["lora_grads"] == rank["lora_grads"]
+    # The padding is real: an unpadded half of DDP's bytes would be less.
+    assert fsdp["frozen_weights"] > ddp["frozen_weights"] / 2 and fsdp["lora_weights"] > ddp["lora_weights"] / 2
+    assert fsdp["ddp_buckets"] == 0 and fsdp["fsdp_gathered"] > 0 and ddp["fsdp_gathered"] == 0
+
+
+@pytest.mark.slow
+def test_fsdp_keeps_the_same_activations(fsdp_measured):
+    """Sharding changes where weights live, not what autograd keeps: the saved bytes on each rank
+    equal the unsharded model's, and the estimate's activations are the same for both strategies."""
+    case = Case(**FSDP_CASE)
+    plain = saved_bytes(case)
+    for rank in fsdp_measured:
+        assert (rank["decoder"], rank["loss"]) == (plain["decoder"], plain["loss"])
+    est = {s: case.estimate(strategy=s, world_size=2).components for s in ("ddp", "fsdp")}
+    assert est["ddp"]["activations"] == est["fsdp"]["activations"]
+    assert abs(rel(est["fsdp"]["activations"], plain["decoder"])) <= TOL_SAVED
+
+
+def test_fsdp_gathered_layers_and_resharding():
+    """What is gathered at the peak: the root's weights, plus two layers when resharding after
+    forward, every layer when not; the sharded part shrinks with the world size."""
+    cfg = _llama(num_hidden_layers=6)
+    shape = memory.model_shape(cfg)
+    kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="bf16", lora_r=8,
+              strategy="fsdp", world_size=4, device="cpu")
+    reshard = estimate(cfg, reshard_after_forward=True, **kw).components
+    keep = estimate(cfg, reshard_after_forward=False, **kw).components
+    params = memory.count_base_params(shape)
+    root = 2 * (params["embeddings"] + params["final_norm"] + params["lm_head"])
+    layer = (keep["fsdp_gathered"] - reshard["fsdp_gathered"]) // (6 - 2)
+    assert reshard["fsdp_gathered"] == root + 2 * layer and keep["fsdp_gathered"] == root + 6 * layer
+    lora_layer = memory.count_lora_params(shape, 8, memory.DEFAULT_TARGET_MODULES) // 6
+    assert layer == 2 * (params["layers"] // 6 + lora_layer)  # frozen + LoRA, gathered in bf16
+    eight = estimate(cfg, reshard_after_forward=True, **{**kw, "world_size": 8}).components
+    assert eight["frozen_weights"] < reshard["frozen_weights"] and eight["fsdp_gathered"] == reshard["fsdp_gathered"]
+
+
+def test_parameter_shapes_add_up_to_the_counts():
+    for cfg in (_llama(), _llama(tie_word_embeddings=True), Case("q", arch="qwen2").config(),
+                Case("n", arch="gpt_neox").config()):
+        shape = memory.model_shape(cfg)
+        listed = sum(math.prod(d) * (shape.layers if w == "layer" else 1)
+                     for w, _, d in memory.base_param_shapes(shape))
+        assert listed == sum(memory.count_base_params(shape).values())
+
+
+# ---- quantized bases: the bytes bitsandbytes allocates ------------------------------------------
+
+def _quantize_linears(model, quantization: str):
+    """Every decoder-layer nn.Linear replaced by bitsandbytes' (nf4: `Linear4bit` with double-
+    quantized constants, blocks of 64, as HF's `bnb_4bit_use_double_quant` loads it; int8:
+    `Linear8bitLt`); embeddings, LM head, norms and biases untouched, as HF leaves them."""
+    import bitsandbytes as bnb
+
+    for layer in model.base_model.layers:
+        for name, mod in list(layer.named_modules()):
+            if not isinstance(mod, torch.nn.Linear):
+                continue
+            parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+            w = mod.weight.data
+            if quantization == "nf4":
+                new = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                        compute_dtype=w.dtype, compress_statistics=True, quant_type="nf4")
+                new.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True,
+                                               blocksize=memory.NF4_BLOCK)
+            else:
+                new = bnb.nn.Linear8bitLt(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                          has_fp16_weights=False)
+                new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
+            if mod.bias is not None:
+                new.bias = torch.nn.Parameter(mod.bias.data, requires_grad=False)
+            setattr(parent, name.rpartition(".")[2], new.to("cpu"))  # .to quantizes
+    return model
+
+
+def _allocated_bytes(model) -> int:
+    """Every storage the model's parameters hold, and their quantization constants, once each."""
+    seen: dict[int, int] = {}
+
+    def add(t):
+        if isinstance(t, torch.Tensor):
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+    for p in model.parameters():
+        add(p)
+        qs = getattr(p, "quant_state", None)
+        for st in (qs, getattr(qs, "state2", None)):
+            if st is not None:
+                for t in (st.absmax, st.code, getattr(st, "offset", None)):
+                    add(t)
+        add(getattr(p, "SCB", None))
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+@pytest.mark.parametrize("case", [Case("tiny-llama"), Case("qwen2-odd", arch="qwen2", intermediate=161, vocab=301)],
+                         ids=lambda c: c.id)
+def test_quantized_weights_match_bitsandbytes(case, quantization):
+    """The estimate's frozen weights for a quantized base equal the bytes bitsandbytes allocates:
+    4-bit codes + uint8 block constants + their fp32 constants and code books (nf4), int8 + fp32
+    row scales (int8); unquantized embeddings, LM head, norms and biases in bf16."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    from jobs.model import tiny_llama_config
+
+    cfg = tiny_llama_config() if case.id == "tiny-llama" else case.config()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if quantization == "nf4" else torch.float16  # LLM.int8() computes in fp16
+    model = _quantize_linears(AutoModelForCausalLM.from_config(cfg).to(dtype), quantization)
+    est = estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="bf16",
+                   quantization=quantization, device="cpu").components
+    assert est["frozen_weights"] == _allocated_bytes(model)
+    plain = estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="bf16",
+                     device="cpu").components
+    assert est["frozen_weights"] < plain["frozen_weights"]
+    with torch.no_grad():  # the quantized model runs
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits.float()).all()
+
+
+def test_quantization_shrinks_a_70b_base():
+    """Llama-3-70B shape: bf16 needs ~131 GiB for the base; nf4 about 0.5 byte per decoder weight
+    (+ ~1.6% constants) plus the bf16 embeddings and LM head; int8 about 1 byte."""
+    cfg = _llama(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8, vocab_size=128256)
+    kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=True)
+    params = memory.count_base_params(memory.model_shape(cfg))
+    bf16, nf4, int8 = (estimate(cfg, quantization=q, **kw).components["frozen_weights"] for q in ("none", "nf4", "int8"))
+    head = 2 * (params["embeddings"] + params["lm_head"] + params["final_norm"])
+    assert bf16 == 2 * sum(params.values())
+    linear = params["layers"] - 80 * 2 * 8192  # the norms stay bf16
+    assert 0.5 * linear < nf4 - head - 2 * 80 * 2 * 8192 < 0.52 * linear
+    assert linear < int8 - head - 2 * 80 * 2 * 8192 < 1.001 * linear
