@@ -26,6 +26,7 @@ import yaml
 
 from test_submit import BIN, ROOT, SPEC, TINY, rayft
 
+from jobs.errors import UserError
 from jobs.memory import plan_for_spec
 from jobs.spec import load_spec
 from k8s_fake_api import FakeKubeAPI, crds_available, strict_crd_validator
@@ -175,8 +176,9 @@ def test_a_driver_killed_after_creating_the_rayjob_does_not_create_a_second(api,
     db = tmp_path / "q.db"
     # data on the cluster's volume: `queue add --backend kuberay` does not look for it here
     on_volume = "data.path=/mnt/rayft/data/kr-kill.jsonl"
-    r = rayft("queue", "add", SPEC, *GPU, "name=kr-kill", on_volume, "--db", str(db), env=env)
-    assert r.returncode == 2 and "kr-kill.jsonl" in r.stderr and not db.exists()
+    with pytest.raises(UserError, match="kr-kill.jsonl"):               # the Ray Jobs backend would upload it
+        enqueue(Queue(db), SPEC, [*GPU, "name=kr-kill", on_volume], working_dir=str(ROOT))
+    assert not db.exists()
     r = rayft("queue", "add", SPEC, *GPU, "name=kr-kill", on_volume, "--backend", "kuberay", "--db", str(db), env=env)
     assert r.returncode == 0, r.stderr
     run = [str(BIN / "rayft"), "queue", "run", "--backend", "kuberay", "--namespace", NS, "--overlay", "gpu",
