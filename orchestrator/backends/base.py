@@ -180,6 +180,12 @@ def sorted_by_start(rows: Iterable[JobStatus]) -> list[JobStatus]:
 
 
 # ---- a cluster's resources, as a backend reports them for queue admission -------------------------------------------------------------------------------
+#
+# The queue's driver (orchestrator.queue.driver) admits in one of two ways, by what the backend offers:
+#   cluster_view() -> ClusterView   rayft is the scheduler: a job is submitted when its pods fit the
+#                                   free resources now (Ray Jobs);
+#   admits_by_quota = True, with    the cluster's own queue admits (Kueue): jobs are created at once
+#   node_type -> a NodeType         and wait there; rayft only refuses what can never fit one node (KubeRay).
 
 @dataclass
 class Node:
