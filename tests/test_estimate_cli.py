@@ -165,3 +165,60 @@ def test_packing_is_estimated_as_full_packed_rows(tmp_path, capsys):
     assert packed["components"]["activations"] - plain["components"]["activations"] >= bias
     assert main(["estimate", str(path), "data.packing=true"]) == 0
     assert f"x seq {S} (packed rows)" in capsys.readouterr().out
+
+
+# ---- a base bigger than one GPU: examples/llama70b-lora.yaml ------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+BIG = ROOT / "examples" / "llama70b-lora.yaml"
+
+
+def _big(capsys, *overrides) -> dict:
+    """The 70B example (its model.name is a directory with only config.json), from any cwd."""
+    return _json(capsys, ["estimate", str(BIG), "--json", f"model.name={ROOT / 'examples' / 'llama3-70b-shape'}",
+                          *overrides])
+
+
+def _rows(rep: dict) -> dict:
+    return {(r["strategy"], r["quantization"]): r for r in rep["strategies"]}
+
+
+def test_70b_needs_fsdp_over_eight_h100s_or_nf4_on_fewer(capsys, monkeypatch):
+    rep = _big(capsys)
+    rows = _rows(rep)
+    assert rep["num_workers"] == 8 and rep["budget_gib"] <= 80 and rep["device"] == "cuda"  # 8 x H100 80GB
+    params = sum(memory.count_base_params(memory.model_shape(
+        memory.config_from_spec(load_spec(BIG, [f"model.name={ROOT / 'examples' / 'llama3-70b-shape'}"],
+                                          files=False)))).values())
+    assert 70e9 < params < 71e9
+
+    # DDP: every GPU holds the whole bf16 base; it does not fit even checkpointing every layer
+    ddp = rows["ddp", "none"]
+    assert ddp["fits"] is False and ddp["checkpointing"] == "on" and not ddp["chosen"]
+    assert ddp["components"]["frozen_weights"] == 2 * params and ddp["total_gib"] > rep["budget_gib"]
+    # FSDP over 8: an eighth of the base per GPU (plus padding); it fits, and the plan chose it
+    fsdp = rows["fsdp", "none"]
+    assert fsdp["fits"] is True and fsdp["chosen"] and fsdp["reshard_after_forward"] is True
+    assert 2 * params / 8 <= fsdp["components"]["frozen_weights"] < 1.001 * 2 * params / 8
+    assert (rep["strategy"], rep["fits"], rep["total_bytes"]) == ("fsdp", True, fsdp["total_bytes"])
+
+    # QLoRA nf4 on 2 GPUs (and on 1): DDP with a 4-bit base fits where bf16 fits neither way
+    for workers in (2, 1):
+        q = _big(capsys, "model.quantization=nf4", f"resources.num_workers={workers}")
+        qrows = _rows(q)
+        assert qrows["ddp", "nf4"]["fits"] is True and qrows["ddp", "nf4"]["chosen"]
+        assert (q["strategy"], q["quantization"], q["fits"], q["num_workers"]) == ("ddp", "nf4", True, workers)
+        assert qrows["ddp", "none"]["fits"] is False and ("fsdp", "nf4") not in qrows  # a 4-bit base is not sharded
+        assert workers == 1 or qrows["fsdp", "none"]["fits"] is False
+        assert q["components"]["frozen_weights"] < 0.3 * ddp["components"]["frozen_weights"]
+
+    # the same, for people: DDP and FSDP side by side, which fits and which the plan chose
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["estimate", str(BIG), f"model.name={ROOT / 'examples' / 'llama3-70b-shape'}"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("per GPU by strategy"):out.index("(micro_batch_size")]
+    ddp_line = next(line for line in table.splitlines() if "ddp" in line)
+    fsdp_line = next(line for line in table.splitlines() if "fsdp" in line)
+    assert "exceeds" in ddp_line and "chosen" not in ddp_line
+    assert "fits" in fsdp_line and "chosen" in fsdp_line
+    assert "(fsdp, checkpointing" in out
