@@ -10,6 +10,12 @@ still runs out of memory is recorded as infeasible (its `status.json` says so) a
 goes on. On resume (`Tuner.restore`, errored trials neither resumed nor restarted) a trial whose
 own record says finished or out of memory is reported from that record, never trained again.
 
+A lost node is the cluster's fault, not the configuration's: the search spec's `run.max_failures`
+(the trial's own Train run keeps 0, so out of memory is never retried) is how many times a trial
+whose training worker's node died (`jobs.launch.node_lost`: Ray marked that node dead) trains
+again, resuming from its newest checkpoint. Past that, the trial is an error that names the node,
+and the search goes on.
+
 Workers report every eval; `forward_metrics` turns optimizer steps into samples seen (ASHA's
 time attribute) and holds the final step back for the trial function, which reports it once the
 job's outputs exist. Trials at once: what the cluster holds (`concurrency`).
@@ -27,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from jobs.errors import SpecError, oom_line
-from jobs.launch import make_trainer
+from jobs.errors import NodeLost, SpecError, oom_line
+from jobs.launch import make_trainer, node_lost
 from jobs.outputs import write_json_atomic
 from jobs.spec import JobSpec
 from .plan import (METRIC, PLAN_FILE, STARTS_FILE, STATUS_FILE, TIME_ATTR, TRIALS_DIR, TUNE_DIR, Plan, gib_str,
@@ -118,12 +124,13 @@ def run_trial(config: dict, setup: dict) -> None:
         raise RuntimeError(f"trial {p['key']} is over budget and must not run")
     _log_start(out, "train")
 
-    # The job's own TorchTrainer (max_failures 0 and one checkpoint kept come from the trial's spec),
-    # with rank 0's reports forwarded to this trial's Tune session.
-    trainer = make_trainer(spec, resume=True, callbacks=[_make_forwarder(p["global_batch_size"], p["max_steps"])])
     t0 = time.time()
     try:
-        trainer.fit()
+        _fit(spec, p, out, int((setup["job"].get("run") or {}).get("max_failures") or 0))
+    except NodeLost as e:
+        write_json_atomic(out / STATUS_FILE, {"status": "error", "error": str(e), "node_id": e.node_id,
+                                              "node_ip": e.node_ip, "wall_s": time.time() - t0})
+        raise
     except Exception as e:
         oom = oom_line(e)
         if oom:
@@ -139,6 +146,29 @@ def run_trial(config: dict, setup: dict) -> None:
               "peak_mem_gib": summary.get("peak_mem_gib"), "finished": True}
     write_json_atomic(out / STATUS_FILE, {"status": "finished", "result": result, "wall_s": time.time() - t0})
     tune.report(result)
+
+
+def _fit(spec: JobSpec, p: dict, out: Path, node_retries: int) -> None:
+    """Train the trial's job: its own TorchTrainer (max_failures 0 and one checkpoint kept come from
+    the trial's spec) with rank 0's reports forwarded to this trial's Tune session; trained again,
+    from its newest checkpoint, up to `node_retries` times when a node of its workers is lost."""
+    for attempt in range(node_retries + 1):
+        trainer = make_trainer(spec, resume=True, callbacks=[_make_forwarder(p["global_batch_size"], p["max_steps"])])
+        try:
+            trainer.fit()
+            return
+        except Exception as e:
+            lost = node_lost(e)
+            if lost is None:
+                raise
+            if attempt == node_retries:
+                raise NodeLost(f"{lost}; the trial stopped ("
+                               + (f"after run.max_failures={node_retries} retries" if node_retries else
+                                  "run.max_failures=0: set it to resume such a trial from its checkpoint") + ")",
+                               lost.node_id, lost.node_ip) from None
+            log.warning("trial %s: %s; training again from its newest checkpoint (%d/%d)",
+                        out.name, lost, attempt + 1, node_retries)
+            _log_start(out, f"lost node {lost.node_id}, retry {attempt + 1}/{node_retries}: train")
 
 
 def trial_dirname(trial) -> str:
@@ -316,15 +346,26 @@ def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: Op
     tune_log = logging.getLogger("ray.tune.tune")
     level = tune_log.level
     tune_log.setLevel(logging.CRITICAL)  # "Trials did not complete": rayft reports failed trials itself
+    controller_log = logging.getLogger("ray.tune.execution.tune_controller")
+    controller_log.addFilter(_known_trial_failures)
     try:
         grid = tuner.fit()
     finally:
         tune_log.setLevel(level)
+        controller_log.removeFilter(_known_trial_failures)
     interrupted = grid.num_terminated + grid.num_errors < len(grid)
     rows = collect_rows(plan, grid, out)
     best = report.pick_best(rows, plan.samples_per_trial)
     files = report.write_all(out, raw_spec, plan, rows, best, notes, interrupted=interrupted)
     return Outcome(rows, best, interrupted, resumed, files, notes)
+
+
+def _known_trial_failures(record: logging.LogRecord) -> bool:
+    """Drop Tune's "Trial task failed" traceback when the failure is one rayft recognises and
+    reports itself, in one line and in the table (a lost node, out of memory); others keep it."""
+    exc = record.exc_info[1] if record.exc_info else None
+    known = (NodeLost, TrialOutOfMemory)
+    return not (isinstance(exc, known) or isinstance(getattr(exc, "cause", None), known))
 
 
 def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
@@ -350,7 +391,9 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
         # trial function may still see the controller die and write an "error" status on the way out.
         if res.error is not None:
             err_text = st.get("error") or str(res.error).strip().splitlines()[-1][:300]
-            oom = st.get("status") == "oom" or oom_line(res.error) is not None or oom_line(err_text) is not None
+            # A lost node is an error of the cluster whatever its death reason says (never infeasible).
+            oom = not st.get("node_id") and (st.get("status") == "oom" or oom_line(res.error) is not None
+                                             or oom_line(err_text) is not None)
             status = "infeasible" if oom else "error"
             reason = f"out of memory when run (not retried): {err_text}" if oom else err_text
         elif m.get("finished") or st.get("status") == "finished":
