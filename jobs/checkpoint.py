@@ -53,8 +53,8 @@ def manifest_file(rank: int) -> str:
 
 # Spec fields that must not change between a checkpoint and the run that resumes from it:
 # they change the model, the adapter's shape, or which samples form optimizer step k.
-RESUME_KEYS = ("model.name", "model.gguf_file", "lora.r", "lora.alpha", "lora.target_modules",
-               "lora.use_dora", "lora.use_rslora", "lora.init",
+RESUME_KEYS = ("model.name", "model.gguf_file", "model.quantization", "lora.r", "lora.alpha",
+               "lora.target_modules", "lora.use_dora", "lora.use_rslora", "lora.init",
                "batch.global_batch_size", "run.seed", "data.path", "data.max_seq_len", "optim.name",
                "data.fields", "data.train_on")
 # Not a spec field: the sha256 of what the data sources hold (`jobs.data.content_hash`), so data

@@ -628,7 +628,7 @@ def _save_tiny_base(spec: JobSpec, base_dir: Path, adapter_dir: Path) -> None:
     """tiny-llama has no hub id: save the base beside the adapter and point the adapter at it."""
     import json
 
-    model, tok = load_base_model(spec, "fp32")
+    model, tok = load_base_model(spec, "fp32", quantized=False)  # the plain base, also for a QLoRA run
     model.save_pretrained(base_dir)
     tok.save_pretrained(base_dir)
     cfg_path = adapter_dir / "adapter_config.json"

@@ -4,6 +4,8 @@
 byte-level tokenizer made by the `tokenizers` library: no download, so tests and the demo
 run anywhere. Anything else loads through `AutoModelForCausalLM` / `AutoTokenizer` from a
 local directory or the hub, or from a GGUF file (de-quantized once, then cached as safetensors).
+With `model.quantization` (nf4, int8) the frozen base is quantized by bitsandbytes as it loads
+(QLoRA); the adapters on top of it are the same LoRA as on an unquantized base.
 """
 
 from __future__ import annotations
@@ -95,22 +97,81 @@ def _cache_root() -> Path:
     return Path(os.environ.get("RAYFT_CACHE", Path.home() / ".cache" / "rayft"))
 
 
-def load_base_model(spec: JobSpec, precision: str):
-    """Returns (model, tokenizer) with the base weights frozen, in eval-free train mode."""
+def quantization_config(quantization: str, precision: str):
+    """`model.quantization` as transformers' `BitsAndBytesConfig`, or None for `none`.
+
+    nf4 is QLoRA's recipe: 4-bit NormalFloat codes, double-quantized block constants, and the
+    de-quantized weights computed in the run's compute dtype (bf16, fp16 or fp32; all three run
+    forward and backward on CPU with bitsandbytes 0.50). int8 is LLM.int8() with its default
+    outlier threshold (bitsandbytes casts the matmul inputs to fp16 itself). transformers keeps
+    the LM head (the output embeddings) and the input embeddings unquantized."""
+    if quantization == "none":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise SpecError(f"model.quantization={quantization} needs bitsandbytes on the worker "
+                        "(pip install 'rayft[qlora]')") from None
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=base_dtype(precision))
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    raise SpecError(f"model.quantization: must be none, nf4 or int8, got {quantization!r}")
+
+
+def _load_device(spec: JobSpec):
+    """Where a quantized base is built: bitsandbytes quantizes on the device the weights land on,
+    so they land on this worker's GPU (the current CUDA device, which the context has set)
+    rather than being quantized on the CPU and moved."""
+    if spec.resources.use_gpu and torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return "cpu"
+
+
+def load_base_model(spec: JobSpec, precision: str, *, quantized: bool = True):
+    """Returns (model, tokenizer) with the base weights frozen, in eval-free train mode.
+
+    With `model.quantization` (and `quantized`, which callers turn off to get the plain base a
+    finished adapter is published against) the linear layers of the decoder are quantized by
+    bitsandbytes. transformers 5 quantizes only while `from_pretrained` loads weights (its
+    quantizer hooks into weight loading; `from_config` takes no quantization config), and that
+    path also marks the model as quantized, which PEFT needs to wrap the bitsandbytes layers and
+    transformers needs to refuse casting them. So the built-in tiny-llama is saved to a temporary
+    directory first and loaded back from there like any other base."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     dtype = base_dtype(precision)
     m = spec.model
+    qcfg = quantization_config(m.quantization, precision) if quantized else None
+    quant = dict(quantization_config=qcfg, device_map={"": _load_device(spec)}) if qcfg is not None else {}
     if m.name == "tiny-llama":
         # Deterministic from the seed: every rank (and every later run) builds the same weights.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.run.seed)
             model = LlamaForCausalLM(tiny_llama_config(attn_implementation=m.attn_implementation))
         model.to(dtype)
+        if quant:
+            import tempfile
+
+            from safetensors.torch import save_model
+
+            with tempfile.TemporaryDirectory(prefix="rayft-tiny-llama-") as tmp:
+                # Not `save_pretrained`: under torch.distributed it writes on rank 0 only, and
+                # every rank needs its own copy here.
+                model.config.save_pretrained(tmp)
+                save_model(model, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+                model = LlamaForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=m.attn_implementation,
+                                                         **quant)
+            # As built from the config: no name (PEFT would look the gone temporary directory up
+            # when it saves the adapter).
+            model.name_or_path = model.config._name_or_path = ""
         tokenizer = byte_tokenizer()
     else:
         token = os.environ.get(m.hf_token_env) if m.hf_token_env else None
-        kwargs = dict(dtype=dtype, attn_implementation=m.attn_implementation)
+        kwargs = dict(dtype=dtype, attn_implementation=m.attn_implementation, **quant)
         if m.gguf_file:
             src = _gguf_cache(Path(resolve_model_dir(m.name)), m.gguf_file)
             model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
@@ -126,7 +187,20 @@ def load_base_model(spec: JobSpec, precision: str):
             tokenizer.pad_token = tokenizer.eos_token
     for p in model.parameters():
         p.requires_grad_(False)
+    if quant:
+        _no_cpu_weight_repacking(model)
     return model, tokenizer
+
+
+def _no_cpu_weight_repacking(model) -> None:
+    """bitsandbytes 0.50 repacks a Linear4bit's weight in place for a CPU inference kernel the
+    first time it runs in eval mode without grad on a CPU with AVX512-BF16 (held-out loss,
+    generation). The repacking asserts output features divisible by 32 (tiny-llama's MLP has
+    176) and changes the weight's storage under the model. Off, evaluation de-quantizes and
+    multiplies exactly as training does."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def _gguf_cache(directory: Path, gguf_file: str) -> Path:
