@@ -880,3 +880,17 @@ def test_quantization_shrinks_a_70b_base():
     linear = params["layers"] - 80 * 2 * 8192  # the norms stay bf16
     assert 0.5 * linear < nf4 - head - 2 * 80 * 2 * 8192 < 0.52 * linear
     assert linear < int8 - head - 2 * 80 * 2 * 8192 < 1.001 * linear
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_quantized_weights_match_what_rayft_loads(quantization):
+    """The same equality for the base `jobs.model.load_base_model` builds for a QLoRA job (through
+    transformers' BitsAndBytesConfig), judged by the spec's own estimate."""
+    pytest.importorskip("bitsandbytes")
+    from jobs.model import load_base_model
+
+    spec = _spec(model={"name": "tiny-llama", "quantization": quantization}, precision="bf16")
+    model, _ = load_base_model(spec, "bf16")
+    est = memory.estimate_for_spec(spec, gradient_checkpointing=False, device="cpu")
+    assert est.components["frozen_weights"] == _allocated_bytes(model)
+    assert est.details["quantization"] == quantization
