@@ -824,21 +824,7 @@ def _quantize_linears(model, quantization: str):
 
 def _allocated_bytes(model) -> int:
     """Every storage the model's parameters hold, and their quantization constants, once each."""
-    seen: dict[int, int] = {}
-
-    def add(t):
-        if isinstance(t, torch.Tensor):
-            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-
-    for p in model.parameters():
-        add(p)
-        qs = getattr(p, "quant_state", None)
-        for st in (qs, getattr(qs, "state2", None)):
-            if st is not None:
-                for t in (st.absmax, st.code, getattr(st, "offset", None)):
-                    add(t)
-        add(getattr(p, "SCB", None))
-    return sum(seen.values())
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _weight_tensors(model)}.values())
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
@@ -894,3 +880,55 @@ def test_quantized_weights_match_what_rayft_loads(quantization):
     est = memory.estimate_for_spec(spec, gradient_checkpointing=False, device="cpu")
     assert est.components["frozen_weights"] == _allocated_bytes(model)
     assert est.details["quantization"] == quantization
+
+
+@pytest.mark.parametrize("quantization", ["none", "nf4", "int8"])
+def test_quantized_base_keeps_the_same_activations(quantization):
+    """Over a bitsandbytes base the LoRA model keeps for backward exactly what it keeps over a bf16
+    base (the quantized matmuls save their frozen weight, not their input): the estimate's
+    activations, unchanged by quantization, match the saved bytes of the model rayft builds."""
+    if quantization != "none":
+        pytest.importorskip("bitsandbytes")
+    from jobs.model import add_lora, load_base_model
+
+    spec = _spec(model={"name": "tiny-llama", "quantization": quantization}, precision="bf16", lora={"r": 4})
+    model, _ = load_base_model(spec, "bf16")
+    model = add_lora(model, spec, "bf16")
+    model.train()
+    weights = {t.untyped_storage().data_ptr() for t in _weight_tensors(model)}
+    kept: dict[int, tuple[str, int]] = {}
+    where = ["decoder"]
+    hook = model.get_base_model().model.register_forward_hook(lambda m, a, o: where.__setitem__(0, "loss"))
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in weights and st.nbytes():
+            kept.setdefault(st.data_ptr(), (where[0], st.nbytes()))
+        return t
+
+    B, S = 2, 32
+    ids = torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = CausalLMLoss(model)(input_ids=ids, label_pos=torch.arange(B * S), label_ids=ids.view(-1))
+    hook.remove()
+    decoder = sum(n for w, n in kept.values() if w == "decoder")
+    est = estimate(model.config, micro_batch_size=B, seq_len=S, gradient_checkpointing=False, base_dtype="bf16",
+                   lora_r=4, quantization=quantization, device="cpu").components
+    assert est["activations"] == decoder
+    loss.backward()  # and it trains
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def _weight_tensors(model) -> list[torch.Tensor]:
+    """Parameters and their bitsandbytes quantization constants: weights, not activations."""
+    out = []
+    for p in model.parameters():
+        out.append(p)
+        qs = getattr(p, "quant_state", None)
+        for st in (qs, getattr(qs, "state2", None)):
+            if st is not None:
+                out += [t for t in (st.absmax, st.code, getattr(st, "offset", None)) if t is not None]
+        if getattr(p, "SCB", None) is not None:
+            out.append(p.SCB)
+    return out
