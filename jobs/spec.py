@@ -429,6 +429,12 @@ class JobSpec(BaseModel):
             # unsharded model, every later one computes with wrong weights (seen on 2 gloo ranks).
             raise ValueError(f"resources.strategy=fsdp cannot shard a quantized base "
                              f"(model.quantization={self.model.quantization}); use strategy ddp or auto")
+        if self.lora.init in ("pissa", "olora") and self.model.quantization != "none":
+            # PEFT refuses PiSSA on a quantized base; OLoRA re-quantizes the residual, so its
+            # adapter fits neither the 4-bit nor the plain base (logits 0.55-0.69 off, tiny-llama).
+            raise ValueError(f"lora.init={self.lora.init} moves part of the base weights into the adapter and "
+                             f"needs an unquantized base (model.quantization={self.model.quantization}); "
+                             "use lora.init default or gaussian")
         if r.gpus_per_worker > 1 and not r.use_gpu:
             raise ValueError(f"resources.gpus_per_worker={r.gpus_per_worker} needs resources.use_gpu=true")
         if r.num_workers % r.gpus_per_worker:

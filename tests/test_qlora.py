@@ -175,20 +175,29 @@ def test_a_checkpoint_of_a_quantized_run_does_not_resume_on_another_base():
         check_resumable(saved, tiny_spec(), "ckpt")
 
 
-def test_fsdp_with_a_quantized_base_is_refused_in_one_line(tmp_path):
-    """bitsandbytes 0.50's 4-bit weights under FSDP2 (`fully_shard`, 2 gloo ranks): the first
-    forward matches the unsharded model, every later one computes with wrong weights; so the
-    spec refuses the pair before anything starts: exit 2, one line naming both fields, no output."""
+REFUSED = [
+    # bitsandbytes 0.50's 4-bit weights under FSDP2 (`fully_shard`, 2 gloo ranks): the first
+    # forward matches the unsharded model, every later one computes with wrong weights.
+    (("model.quantization=nf4", "resources.strategy=fsdp"), ("resources.strategy=fsdp", "model.quantization=nf4")),
+    # PEFT refuses PiSSA on a quantized base (TypeError); OLoRA re-quantizes the residual and its
+    # saved adapter then fits neither base.
+    (("model.quantization=nf4", "lora.init=pissa"), ("lora.init=pissa", "model.quantization=nf4")),
+    (("model.quantization=int8", "lora.init=olora"), ("lora.init=olora", "model.quantization=int8")),
+]
+
+
+@pytest.mark.parametrize("overrides,named", REFUSED, ids=["fsdp", "pissa", "olora"])
+def test_what_cannot_run_on_a_quantized_base_is_refused_in_one_line(overrides, named, tmp_path):
+    """Refused by the spec before anything starts: exit 2, one line naming both fields, no output."""
     out = tmp_path / "out"
     rayft = Path(sys.executable).parent / "rayft"
-    p = subprocess.run([str(rayft), "run", "examples/tiny-lora.yaml", "model.quantization=nf4",
-                        "resources.strategy=fsdp", f"run.output_dir={out}"],
+    p = subprocess.run([str(rayft), "run", "examples/tiny-lora.yaml", *overrides, f"run.output_dir={out}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "RAY_ADDRESS": ""})
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert "resources.strategy=fsdp" in lines[0] and "model.quantization=nf4" in lines[0]
+    assert all(field in lines[0] for field in named), lines[0]
     assert not out.exists()
 
 
