@@ -33,6 +33,7 @@ from jobs.spec import load_spec, validate as validate_spec
 from k8s_fake_api import (CRD_DIR, FakeKubeAPI, crds_available, k8s_validate_errors, strict_crd_validator)
 from orchestrator.backends import kuberay as k8s
 from orchestrator.backends.kuberay import client as kuberay_client
+from orchestrator.backends.kuberay.policy import CLUSTER_LABEL
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
@@ -217,9 +218,9 @@ def test_built_ray_objects_validate_strictly_against_the_crds(built):
 @NEEDS_CRDS
 @pytest.mark.parametrize("sid,objs", RENDERED, ids=[r[0] for r in RENDERED])
 def test_rendered_rayjobs_validate_strictly_against_the_crd(sid, objs):
-    cm, rj = objs
+    cm, rj, pdb = objs
     assert strict_crd_validator("RayJob")(rj) == []
-    assert k8s_validate_errors(cm) == []
+    assert k8s_validate_errors(cm) == [] and k8s_validate_errors(pdb) == []
 
 
 def test_every_example_renders_somewhere():
@@ -344,8 +345,9 @@ def test_template_specs_are_valid_job_specs(built):
 
 @NEEDS_KUBECTL
 def test_policy_holds_for_everything_built(built):
+    for d, built_objs in built.items():        # one build is what one `kubectl apply -k` creates
+        assert k8s.policy_violations(built_objs) == [], d
     objs = [o for _, o in all_built_objects(built)]
-    assert k8s.policy_violations(objs) == []
     pods = [w for o in objs for w, _ in k8s.pod_specs(o)]
     assert len(pods) >= 12          # head + workers + submitters, per overlay and per jobs build
 
@@ -441,7 +443,8 @@ def test_policy_checker_catches_bad_ray_objects():
 @NEEDS_KUBECTL
 def test_policy_checker_catches_a_broken_built_cluster(built):
     rc = copy.deepcopy(next(o for o in built["overlays/gpu"] if o["kind"] == "RayCluster"))
-    assert k8s.policy_violations([rc]) == []
+    pdb = next(o for o in built["overlays/gpu"] if o["kind"] == "PodDisruptionBudget")
+    assert k8s.policy_violations([rc, pdb]) == []
     rc["spec"]["autoscalerOptions"].pop("securityContext")
     assert any("autoscaler sidecar" in b for b in k8s.policy_violations([rc]))
     rc = copy.deepcopy(next(o for o in built["overlays/gpu"] if o["kind"] == "RayCluster"))
@@ -456,7 +459,7 @@ def test_render_shape_for_a_gpu_spec():
     spec = load_spec(data={**_inline_spec(use_gpu=True, num_workers=4, cpus_per_worker=3,
                                           accelerator_type="H100"),
                            "model": {"name": "tiny-llama", "hf_token_env": "HF_TOKEN"}}, files=False)
-    cm, rj = k8s.render(spec, overlay="gpu", queue="team-a", image="reg.example/rayft:1",
+    cm, rj, pdb = k8s.render(spec, overlay="gpu", queue="team-a", image="reg.example/rayft:1",
                         spec_path="examples/x.yaml")
     node = k8s.load_node_type("gpu")
     name = rj["metadata"]["name"]
@@ -494,7 +497,7 @@ def test_render_yaml_round_trips_and_names_are_deterministic():
     spec = spec_of()
     text = k8s.render_yaml(spec, overlay="dev-cpu")
     docs = [d for d in yaml.safe_load_all(text) if d]
-    assert [d["kind"] for d in docs] == ["ConfigMap", "RayJob"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "RayJob", "PodDisruptionBudget"]
     assert docs == k8s.render(spec, overlay="dev-cpu")
     assert "spec.yaml: |" in text                       # the spec stays readable
     again = load_spec(data=_inline_spec(), files=False)
@@ -522,7 +525,7 @@ def test_render_entrypoint_survives_two_shells():
 
 def test_render_tune_kind_carries_the_search_text():
     text = "name: s\nsearch:\n  trials: 3\n"
-    cm, rj = k8s.render(spec_of(), overlay="dev-cpu", kind="tune", spec_text=text)
+    cm, rj, _ = k8s.render(spec_of(), overlay="dev-cpu", kind="tune", spec_text=text)
     assert cm["data"]["spec.yaml"] == text
     assert "rayft tune /home/ray/rayft-spec/spec.yaml" in rj["spec"]["entrypoint"]
     assert rj["spec"]["backoffLimit"] == 0
@@ -539,13 +542,15 @@ def test_rayjob_templates_are_generated_from_render():
         text = files[fname]
         assert (K8S / "jobs" / fname).read_text() == text, \
             f"k8s/jobs/{fname} is stale: run python -m orchestrator.backends.kuberay.templates"
-        rj = yaml.safe_load(text)
+        rj, pdb = yaml.safe_load_all(text)          # the RayJob, then its PodDisruptionBudget
         assert rj == templates.template(kind) and rj["metadata"]["name"] == name
+        assert pdb == templates.template_pdb(kind, rj) and pdb["metadata"]["name"] == name
+        assert k8s.policy_violations([rj, pdb]) == []
         assert text.startswith("# ") and "\n  # " in text          # the comments are written into the file
         mounted = {v["configMap"]["name"] for _, pod in k8s.pod_specs(rj) for v in pod.get("volumes", [])
                    if "configMap" in v}
         assert mounted == {configmap}
-    tune = yaml.safe_load(files["rayjob-tune.yaml"])
+    tune = next(yaml.safe_load_all(files["rayjob-tune.yaml"]))
     search = yaml.safe_load(templates.example_spec_text("rayft-search-example", K8S / "jobs"))
     assert tune["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == \
         search["resources"]["num_workers"] * search["search"]["max_concurrent_trials"]
@@ -570,6 +575,9 @@ def test_render_matches_the_kustomize_templates(built):
             pb = b[part] if part == "headGroupSpec" else b[part][0]
             assert pa["rayStartParams"] == pb["rayStartParams"]
             ta, tb = pa["template"], pb["template"]
+            # The same labels and annotations; the cluster label names each its own RayJob.
+            assert ta["metadata"]["labels"].pop(CLUSTER_LABEL) == rj["metadata"]["name"]
+            assert tb["metadata"]["labels"].pop(CLUSTER_LABEL) == tmpl["metadata"]["name"]
             assert ta["metadata"] == tb["metadata"]
             for key in ("securityContext", "automountServiceAccountToken", "nodeSelector", "tolerations"):
                 assert ta["spec"].get(key) == tb["spec"].get(key), (ov, part, key)
@@ -579,6 +587,13 @@ def test_render_matches_the_kustomize_templates(built):
             assert [(m["name"], m["mountPath"]) for m in ca["volumeMounts"]] == \
                 [(m["name"], m["mountPath"]) for m in cb["volumeMounts"]]
             assert set(ca["resources"]["limits"]) == set(cb["resources"]["limits"])
+        pdb = k8s.render(spec_of(use_gpu=use_gpu), overlay=ov)[2]
+        tpdb = next(o for o in built[f"overlays/{ov}/jobs"]
+                    if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "rayft-finetune-example")
+        assert pdb["spec"]["selector"]["matchLabels"][CLUSTER_LABEL] == rj["metadata"]["name"]
+        assert tpdb["spec"]["selector"]["matchLabels"][CLUSTER_LABEL] == tmpl["metadata"]["name"]
+        assert {k: v for k, v in pdb["spec"].items() if k != "selector"} == \
+            {k: v for k, v in tpdb["spec"].items() if k != "selector"}
         sa, sb = rj["spec"]["submitterPodTemplate"], tmpl["spec"]["submitterPodTemplate"]
         assert sa["metadata"] == sb["metadata"]
         assert sa["spec"]["securityContext"] == sb["spec"]["securityContext"]

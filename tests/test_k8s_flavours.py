@@ -78,10 +78,11 @@ def test_policy_flags_a_ray_pod_with_too_little_shm(mutate, expect):
 
 def test_policy_flags_the_old_head_shm_of_the_standing_cluster(built):
     rc = copy.deepcopy(next(o for o in built["overlays/gpu"] if o["kind"] == "RayCluster"))
-    assert policy.policy_violations([rc]) == []
+    pdb = next(o for o in built["overlays/gpu"] if o["kind"] == "PodDisruptionBudget")
+    assert policy.policy_violations([rc, pdb]) == []
     _shm_volume(rc["spec"]["headGroupSpec"]["template"]["spec"])["emptyDir"]["sizeLimit"] = "4Gi"   # < 4.8Gi
     assert any("head" in b and "4Gi is below 30% of the memory limit 16Gi" in b
-               for b in policy.policy_violations([rc]))
+               for b in policy.policy_violations([rc, pdb]))
 
 
 # ---- RayJobs hand the GPUs back when Kueue hands back the quota -------------------------------------
@@ -106,16 +107,16 @@ def test_every_rayjob_deletes_its_cluster_at_once_and_bounds_its_start(built):
     (lambda s: s.update(preRunningDeadlineSeconds=s["activeDeadlineSeconds"]), "below activeDeadlineSeconds"),
 ], ids=["ttl-600", "no-pre-running", "zero", "past-active"])
 def test_policy_flags_a_rayjob_that_holds_gpus(mutate, expect):
-    rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
-    assert policy.policy_violations([rj]) == []
-    mutate(rj["spec"])
-    assert any(expect in b for b in policy.policy_violations([rj])), policy.policy_violations([rj])
+    objs = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu"))
+    assert policy.policy_violations(objs) == []
+    mutate(objs[1]["spec"])
+    assert any(expect in b for b in policy.policy_violations(objs)), policy.policy_violations(objs)
 
 
 def test_ttl_absent_is_kuberays_default_zero():
-    rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
-    rj["spec"].pop("ttlSecondsAfterFinished")
-    assert policy.policy_violations([rj]) == []
+    objs = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu"))
+    objs[1]["spec"].pop("ttlSecondsAfterFinished")
+    assert policy.policy_violations(objs) == []
 
 
 # ---- ephemeral storage; downloads and caches on the data volume -------------------------------------
@@ -431,3 +432,143 @@ def test_kueue_objects_of_every_overlay_validate_strictly_against_the_kueue_crds
     cq = copy.deepcopy(next(o for o in built["overlays/gke"] if o["kind"] == "ClusterQueue"))
     cq["spec"]["resourceGroups"][0]["flavors"][1]["resources"][2]["quota"] = 6   # not a ResourceQuota field
     assert validators["ClusterQueue"](cq)
+
+
+# ---- every Ray pod set under a PodDisruptionBudget ---------------------------------------------------
+
+from k8s_fake_api import k8s_validate_errors  # noqa: E402
+
+
+def _pdbs(objs):
+    return [o for o in objs if o.get("kind") == "PodDisruptionBudget"]
+
+
+def _ray_templates(o):
+    rc = o["spec"] if o["kind"] == "RayCluster" else o["spec"]["rayClusterSpec"]
+    return [rc["headGroupSpec"]["template"]] + [g["template"] for g in rc["workerGroupSpecs"]]
+
+
+def test_every_ray_object_comes_with_a_pdb_selecting_exactly_its_ray_pods(built):
+    """Each RayCluster/RayJob of every build and render has one PDB, maxUnavailable 0, that selects
+    its head and worker pods (by the labels in their templates, which KubeRay keeps on the pods)
+    and not its submitter; kubernetes-validate --strict accepts it."""
+    seen = 0
+    for sid, objs in _everything(built):
+        pdbs = _pdbs(objs)
+        for o in objs:
+            if o.get("kind") not in ("RayCluster", "RayJob"):
+                continue
+            (pdb,) = [p for p in pdbs if p["metadata"]["name"] == o["metadata"]["name"]]
+            assert pdb["spec"]["maxUnavailable"] == 0, sid
+            sel = pdb["spec"]["selector"]
+            assert all(policy.selector_matches(sel, t["metadata"]["labels"]) for t in _ray_templates(o)), sid
+            if o["kind"] == "RayJob":
+                assert not policy.selector_matches(sel, o["spec"]["submitterPodTemplate"]["metadata"]["labels"])
+            assert sel["matchLabels"][policy.CLUSTER_LABEL] == o["metadata"]["name"], sid
+            assert pdb["metadata"].get("namespace") == o["metadata"].get("namespace"), sid
+            assert k8s_validate_errors(pdb) == [], sid
+            seen += 1
+    assert seen >= len(RENDERED) + 3 * len(node_types.overlays())
+
+
+def test_selector_matching():
+    labels = {"a": "1", "b": "2"}
+    assert policy.selector_matches({"matchLabels": {"a": "1"}}, labels)
+    assert not policy.selector_matches({"matchLabels": {"a": "2"}}, labels)
+    assert policy.selector_matches({}, labels)                      # policy/v1: empty selects all
+    assert not policy.selector_matches(None, labels)
+    assert policy.selector_matches({"matchExpressions": [{"key": "a", "operator": "In", "values": ["1", "3"]}]}, labels)
+    assert not policy.selector_matches({"matchExpressions": [{"key": "b", "operator": "NotIn", "values": ["2"]}]},
+                                       labels)
+    assert not policy.selector_matches({"matchExpressions": [{"key": "c", "operator": "Exists"}]}, labels)
+    assert policy.selector_matches({"matchExpressions": [{"key": "c", "operator": "DoesNotExist"}]}, labels)
+
+
+def _pdb_of(objs):
+    return next(o for o in objs if o["kind"] == "PodDisruptionBudget")
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (lambda objs: objs.remove(_pdb_of(objs)), "no PodDisruptionBudget"),
+    (lambda objs: _pdb_of(objs)["spec"].update(maxUnavailable=1), "allows evictions"),
+    (lambda objs: _pdb_of(objs)["spec"]["selector"]["matchLabels"].update({policy.CLUSTER_LABEL: "other"}),
+     "no PodDisruptionBudget"),
+    (lambda objs: _pdb_of(objs)["metadata"].update(namespace="elsewhere"), "no PodDisruptionBudget"),
+    (lambda objs: _pdb_of(objs)["spec"].update(selector={}), "submitter pod too"),
+    (lambda objs: objs[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"].pop(
+        policy.CLUSTER_LABEL), "worker group gpu: no PodDisruptionBudget"),
+], ids=["missing", "max-unavailable-1", "other-cluster", "other-namespace", "selects-all", "unlabelled-workers"])
+def test_policy_flags_ray_pods_a_drain_could_evict(mutate, expect):
+    objs = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu", namespace="rayft"))
+    assert policy.policy_violations(objs) == []
+    mutate(objs)
+    bad = policy.policy_violations(objs)
+    assert any(expect in b for b in bad), bad
+
+
+def test_policy_flags_one_pdb_over_two_clusters(built):
+    a = render(spec_of(use_gpu=True), overlay="gpu")
+    b = render(spec_of(use_gpu=True, num_workers=4), overlay="gpu")
+    assert policy.policy_violations(a + b) == []                 # one budget each: fine together
+    wide = copy.deepcopy(_pdb_of(a))
+    wide["spec"]["selector"] = {"matchLabels": {policy.RAY_NODE_LABEL: "true"}}
+    bad = policy.policy_violations([a[1], b[1], wide])
+    assert any("selects the pods of 2 Ray objects" in x for x in bad), bad
+    rc = next(o for o in built["overlays/gpu"] if o["kind"] == "RayCluster")
+    assert any("RayCluster/rayft head: no PodDisruptionBudget" in x for x in policy.policy_violations([rc]))
+
+
+# ---- resources.gpus_per_worker: Ray Train workers packed into GPU pods ----------------------------
+
+def _cpu(q: str) -> float:
+    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+@pytest.mark.parametrize("gpus_per_worker", [1, 2, 8])
+def test_gpus_per_worker_packs_workers_into_pods(gpus_per_worker):
+    """8 Ray Train workers (one per GPU) on the gpu overlay's 8-GPU node type: 8/n pods of n GPUs,
+    CPU = cpus_per_worker x n + 1, memory, ephemeral storage and /dev/shm n times one worker's, and
+    Ray started with num-gpus n."""
+    node = node_types.load_node_type("gpu")
+    assert node.gpus_per_node == 8
+    n = gpus_per_worker
+    spec = spec_of(use_gpu=True, num_workers=8, gpus_per_worker=n, cpus_per_worker=3)
+    objs = render(spec, overlay="gpu")
+    assert policy.policy_violations(objs) == []
+    (g,) = objs[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 8 // n
+    assert g["rayStartParams"] == {"num-gpus": str(n)}
+    pod = g["template"]["spec"]
+    lim = pod["containers"][0]["resources"]["limits"]
+    assert pod["containers"][0]["resources"]["requests"] == lim
+    assert int(lim["nvidia.com/gpu"]) == n
+    assert g["replicas"] * int(lim["nvidia.com/gpu"]) == spec.resources.num_workers   # one worker per GPU
+    assert _cpu(lim["cpu"]) == 3 * n + 1
+    assert policy.quantity_bytes(lim["memory"]) == n * node.worker_memory_gib * GIB
+    assert policy.quantity_bytes(lim["ephemeral-storage"]) == n * node.worker_ephemeral_gib * GIB
+    assert policy.quantity_bytes(_shm_volume(pod)["emptyDir"]["sizeLimit"]) == \
+        policy.shm_gib(n * node.worker_memory_gib) * GIB
+
+
+def test_gpus_per_worker_multiplies_the_trials_of_a_search():
+    spec = spec_of(use_gpu=True, num_workers=4, gpus_per_worker=2)
+    rj = render(spec, overlay="gpu", kind="tune", spec_text="name: s\n", concurrent_trials=3)[1]
+    assert rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 4 // 2 * 3
+
+
+def test_gpus_per_worker_beyond_the_node_is_refused_naming_both(tmp_path):
+    from jobs.errors import SpecError
+
+    src = node_types.k8s_dir() / "overlays/gpu/node-type/node-type.yaml"
+    ov = tmp_path / "four-gpus"
+    (ov / "node-type").mkdir(parents=True)
+    (ov / "node-type/node-type.yaml").write_text(src.read_text().replace('gpusPerNode: "8"', 'gpusPerNode: "4"'))
+    assert node_types.load_node_type(ov).gpus_per_node == 4
+    render(spec_of(use_gpu=True, num_workers=8, gpus_per_worker=4), overlay=ov)   # 4 fits 4
+    with pytest.raises(SpecError) as e:
+        render(spec_of(use_gpu=True, num_workers=8, gpus_per_worker=8), overlay=ov)
+    msg = str(e.value)
+    assert "\n" not in msg and "resources.gpus_per_worker=8" in msg and "has 4 GPU(s) per node" in msg
+    with pytest.raises(SpecError) as e:                    # 12 x 8 + 1 = 97 CPUs > 96
+        render(spec_of(use_gpu=True, num_workers=8, gpus_per_worker=8, cpus_per_worker=12), overlay="gpu")
+    assert "97" in str(e.value) and "96" in str(e.value) and "gpus_per_worker=8" in str(e.value)

@@ -10,8 +10,10 @@ preRunningDeadlineSeconds, a queue label, its cluster deleted when it finishes -
 restricted submitter, one plain entrypoint command), and every Ray pod (head and workers of a
 RayCluster, RayJob or RayService) sized by one rule: `/dev/shm` a memory emptyDir of at least
 `SHM_FRACTION` of the pod's memory limit (`shm_gib` is the size rayft writes), ephemeral-storage
-requested and limited, the data volume at `DATA_MOUNT` and the caches on it (`CACHE_ENV`); and
-images by tag pulled Always (by digest: anything). `render` checks its
+requested and limited, the data volume at `DATA_MOUNT` and the caches on it (`CACHE_ENV`); every
+Ray pod set (head, each worker group) covered by a PodDisruptionBudget of the same manifests with
+`maxUnavailable: 0` that selects that object's Ray pods and nothing else of them (not the
+submitter, not another cluster's pods); and images by tag pulled Always (by digest: anything). `render` checks its
 own output with it; the tests check all of k8s/ with it.
 """
 
@@ -53,6 +55,29 @@ def pull_policy(image: str) -> str:
 # honours (Karpenter, cluster-autoscaler), and a priority class above batch work (k8s/base).
 NO_DISRUPT = {"karpenter.sh/do-not-disrupt": "true", "cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
 PRIORITY_CLASS = "rayft-training"
+# The labels rayft puts in every Ray pod template (KubeRay keeps a template's labels on the pods it
+# creates): all of rayft's Ray pods (NetworkPolicy), and the pods of one Ray cluster (its
+# PodDisruptionBudget; a RayJob's RayCluster is named <job>-<random>, so KubeRay's own
+# ray.io/cluster label is not known when the manifests are written).
+RAY_NODE_LABEL = "rayft.io/ray-node"
+CLUSTER_LABEL = "rayft.io/ray-cluster"
+
+
+def pod_disruption_budget(name: str, match_labels: dict[str, str]) -> Obj:
+    """The PodDisruptionBudget of one Ray cluster's pods: no voluntary eviction (node drain,
+    consolidation) of a running training pod: losing one rank stops every rank of the job.
+    `unhealthyPodEvictionPolicy: AlwaysAllow`: a pod that is not Ready (crash-looping, never
+    started) may still be evicted, so a broken job does not block node maintenance."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name},
+        "spec": {
+            "maxUnavailable": 0,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {"matchLabels": dict(match_labels)},
+        },
+    }
 
 DATA_MOUNT = "/mnt/rayft"                # every Ray pod mounts the data volume (PVC rayft-data) here
 # The hub's downloads and rayft's cache (jobs.model) on the data volume, in every Ray container:
@@ -278,12 +303,78 @@ def _head_exposure(where: str, rc_spec: Obj) -> list[str]:
     return bad
 
 
+def selector_matches(selector: Any, labels: dict) -> bool:
+    """Whether a LabelSelector (matchLabels + matchExpressions) selects a pod with `labels`;
+    an empty selector selects every pod (policy/v1), a missing one none."""
+    if not isinstance(selector, dict):
+        return False
+    labels = labels or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e.get("key"), e.get("operator"), e.get("values") or []
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+        if op not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            return False
+    return True
+
+
+def _ns(o: Obj) -> Optional[str]:
+    return (o.get("metadata") or {}).get("namespace")
+
+
+def _pod_labels(template: Obj) -> dict:
+    return (template.get("metadata") or {}).get("labels") or {}
+
+
+def _zero_unavailable(pdb: Obj) -> bool:
+    spec = pdb.get("spec") or {}
+    return spec.get("maxUnavailable") in (0, "0", "0%") or spec.get("minAvailable") == "100%"
+
+
+def _pdb_violations(objs: list[Obj]) -> list[str]:
+    """Every Ray pod set (head, each worker group of a RayCluster/RayJob/RayService) is selected
+    by a PodDisruptionBudget of these manifests (same namespace) with maxUnavailable 0, and a PDB
+    that selects a Ray object's pods selects none of another's, nor a RayJob's submitter."""
+    pdbs = [o for o in objs if o.get("kind") == "PodDisruptionBudget"]
+    ray = [o for o in objs if o.get("kind") in ("RayCluster", "RayJob", "RayService")]
+    bad = []
+    for o in ray:
+        for where, template in _ray_pod_templates(o):
+            labels = _pod_labels(template)
+            cover = [p for p in pdbs if _ns(p) == _ns(o) and selector_matches((p.get("spec") or {}).get("selector"),
+                                                                               labels)]
+            if not any(_zero_unavailable(p) for p in cover):
+                names = ", ".join(_oid(p) for p in cover)
+                bad.append(f"{where}: no PodDisruptionBudget with maxUnavailable: 0 selects these pods (labels "
+                           f"{labels or '{}'}){f'; {names} allows evictions' if names else ''} (a node drain would "
+                           "evict a training pod mid-run)")
+    for p in pdbs:
+        sel = (p.get("spec") or {}).get("selector")
+        owners = [o for o in ray if _ns(o) == _ns(p)
+                  and any(selector_matches(sel, _pod_labels(t)) for _, t in _ray_pod_templates(o))]
+        if len(owners) > 1:
+            bad.append(f"{_oid(p)}: selects the pods of {len(owners)} Ray objects "
+                       f"({', '.join(_oid(o) for o in owners)}): one budget per Ray cluster")
+        for o in owners:
+            sub = (o.get("spec") or {}).get("submitterPodTemplate") if o.get("kind") == "RayJob" else None
+            if sub and selector_matches(sel, _pod_labels(sub)):
+                bad.append(f"{_oid(p)}: selects {_oid(o)}'s submitter pod too (only its Ray pods)")
+    return bad
+
+
 def policy_violations(objs: Iterable[Obj]) -> list[str]:
     """Everything in these manifests that breaks rayft's deployment policy (empty: all good)."""
+    objs = [o for o in objs if isinstance(o, dict)]
     bad: list[str] = []
     for o in objs:
-        if not isinstance(o, dict):
-            continue
         kind, spec, oid = o.get("kind"), o.get("spec") or {}, _oid(o)
         for where, pod in pod_specs(o):
             extra = []
@@ -368,5 +459,4 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
                 for k, v in env_vars.items():
                     if SECRET_NAME.search(k) and v:
                         bad.append(f"{oid}: runtimeEnvYAML env_vars.{k} has an inline value")
-    return bad
-
+    return bad + _pdb_violations(objs)

@@ -6,7 +6,13 @@
    ``/home/ray/rayft-spec`` in every Ray pod, and
 2. a RayJob ``<job>`` (KubeRay ``ray.io/v1``) whose entrypoint is
    ``python -m jobs.finetune /home/ray/rayft-spec/spec.yaml run.output_dir=/mnt/rayft/...``
-   (or ``rayft tune ...`` for a search), with one worker pod per Ray Train worker.
+   (or ``rayft tune ...`` for a search), with one worker pod per `resources.gpus_per_worker` Ray
+   Train workers (one GPU each: a pod of N GPUs hosts N workers), and
+3. a PodDisruptionBudget ``<job>`` (``maxUnavailable: 0``) selecting exactly the RayJob's Ray
+   pods (head and workers, by the ``rayft.io/ray-cluster: <job>`` label in their templates, which
+   KubeRay copies onto the pods), so a node drain waits for the job instead of evicting a rank
+   mid-run. KubeRay names the RayJob's RayCluster ``<job>-<random>``, so KubeRay's own
+   ``ray.io/cluster`` label cannot be selected before the job exists.
 
 They are plain dicts, no kustomize needed; `to_yaml` writes them as one multi-document YAML that
 `kubectl apply -f -` takes. The committed templates in ``k8s/jobs`` are generated from `render`
@@ -34,8 +40,8 @@ from jobs.errors import SpecError, UserError
 from jobs.spec import JobSpec
 
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
-from .policy import (CACHE_ENV, IMAGE_REF, NO_DISRUPT, PRIORITY_CLASS, QUEUE_LABEL, SHELL_SAFE, policy_violations, pull_policy,
-                     shm_gib)
+from .policy import (CACHE_ENV, CLUSTER_LABEL, IMAGE_REF, NO_DISRUPT, PRIORITY_CLASS, QUEUE_LABEL, RAY_NODE_LABEL,
+                     SHELL_SAFE, pod_disruption_budget, policy_violations, pull_policy, shm_gib)
 
 RAY_VERSION = "2.60.0"
 DEFAULT_QUEUE = "rayft"                  # the LocalQueue in k8s/base/kueue.yaml
@@ -205,16 +211,18 @@ def memory_plan(spec: JobSpec, node: NodeType, gpus_per_worker: int):
 # ---- render --------------------------------------------------------------------------------------
 
 def _check_fits(spec: JobSpec, node: NodeType, where: str, gpus: int, worker_cpu: float, plan) -> None:
-    """Refuse (SpecError, both numbers named) a job one node of this type cannot hold."""
+    """Refuse (SpecError, both numbers named) a job one node of this type cannot hold. `gpus` and
+    `worker_cpu` are per worker pod (a pod holds `resources.gpus_per_worker` GPUs)."""
     res = spec.resources
     desc = f"overlay {node.overlay}'s node type {node.name}"
     if gpus > node.gpus_per_node:
-        raise SpecError(
-            f"{where}: resources asks for {gpus} GPU(s) per worker but {desc} has "
-            f"{node.gpus_per_node} GPU(s) per node")
+        what = (f"resources.gpus_per_worker={res.gpus_per_worker} asks for {gpus} GPUs per worker pod"
+                if res.gpus_per_worker > 1 else f"resources asks for {gpus} GPU(s) per worker")
+        raise SpecError(f"{where}: {what} but {desc} has {node.gpus_per_node} GPU(s) per node")
     if worker_cpu > node.cpus_per_node:
+        per = f" x gpus_per_worker={res.gpus_per_worker}" if res.gpus_per_worker > 1 else ""
         raise SpecError(
-            f"{where}: resources.cpus_per_worker={res.cpus_per_worker} needs {_cpu(worker_cpu)} CPUs per "
+            f"{where}: resources.cpus_per_worker={res.cpus_per_worker}{per} needs {_cpu(worker_cpu)} CPUs per "
             f"worker pod but {desc} has {_cpu(node.cpus_per_node)} CPUs per node")
     if not gpus:
         return
@@ -241,7 +249,8 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
            kind: str = "finetune", spec_text: Optional[str] = None,
            namespace: Optional[str] = None, entrypoint_overrides: Sequence[str] = (),
            concurrent_trials: int = 1) -> list[Obj]:
-    """[ConfigMap, RayJob] for one job spec; raises SpecError when it cannot fit the node type.
+    """[ConfigMap, RayJob, PodDisruptionBudget] for one job spec; raises SpecError when it cannot
+    fit the node type.
 
     queue:     Kueue LocalQueue for the `kueue.x-k8s.io/queue-name` label (default `rayft`).
     image:     container image (default: the overlay node type's `image`); it must contain rayft
@@ -259,15 +268,19 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
     where = spec_path or spec.name
     node = load_node_type(overlay)
     res = spec.resources
-    gpus = 1 if res.use_gpu else 0        # per Ray Train worker
-    worker_cpu = math.ceil(res.cpus_per_worker) + 1       # + Ray Train's coordinator / trial
-    plan, plan_error = memory_plan(spec, node, gpus)
+    # Ray Train runs one worker per GPU; a worker pod holds `gpus_per_worker` of them (workers that
+    # share a pod share NVLink and /dev/shm). CPU jobs: one worker per pod.
+    per_pod = res.gpus_per_worker if res.use_gpu else 1     # Ray Train workers in one pod
+    gpus = per_pod if res.use_gpu else 0                    # GPUs of one worker pod
+    worker_cpu = math.ceil(res.cpus_per_worker * per_pod) + 1   # + Ray Train's coordinator / trial
+    plan, plan_error = memory_plan(spec, node, 1 if gpus else 0)  # the plan is per GPU
     _check_fits(spec, node, where, gpus, worker_cpu, plan)
     for word in entrypoint_overrides:
         if not SHELL_SAFE.fullmatch(word):
             raise SpecError(f"{where}: override {word!r}: on Kubernetes overrides travel on the RayJob's command "
                             "line and must be plain words (letters, digits, / . _ - = , : {{}})")
-    worker_pods = res.num_workers * (max(1, concurrent_trials) if kind == "tune" else 1)
+    # num_workers is a multiple of gpus_per_worker (jobs.spec checks it).
+    worker_pods = res.num_workers // per_pod * (max(1, concurrent_trials) if kind == "tune" else 1)
 
     name = job_name(spec)
     cm_name = spec_configmap_name(name)
@@ -327,12 +340,15 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
     entrypoint = " ".join([*cmd, f"{SPEC_MOUNT}/spec.yaml", f"run.output_dir={out_dir}", *entrypoint_overrides])
 
     env = _env(spec)
+    # The pods' own labels: KubeRay keeps a template's labels on the pods it creates (adding its
+    # ray.io/* ones), so the PodDisruptionBudget and the NetworkPolicy select them by these.
+    pod_labels = {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name}
     head_mem = node.head_memory_gib
     head = {
         "serviceType": "ClusterIP",
         "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {
-            "metadata": {"labels": {"rayft.io/ray-node": "true"}, "annotations": dict(NO_DISRUPT)},
+            "metadata": {"labels": dict(pod_labels), "annotations": dict(NO_DISRUPT)},
             "spec": {
                 "priorityClassName": PRIORITY_CLASS,
                 "automountServiceAccountToken": False,
@@ -360,8 +376,11 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
             },
         },
     }
-    worker_mem = node.worker_memory_gib
-    worker_res: Obj = {"cpu": _cpu(worker_cpu), "memory": _gib(worker_mem), **_storage(node.worker_ephemeral_gib)}
+    # The node type's worker memory and ephemeral storage are per GPU worker: a pod of N GPUs gets N
+    # times both (and /dev/shm follows its memory).
+    worker_mem = node.worker_memory_gib * per_pod
+    worker_res: Obj = {"cpu": _cpu(worker_cpu), "memory": _gib(worker_mem),
+                       **_storage(node.worker_ephemeral_gib * per_pod)}
     if gpus:
         worker_res["nvidia.com/gpu"] = str(gpus)
     worker_spec: Obj = {
@@ -389,8 +408,10 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
         "replicas": worker_pods,
         "minReplicas": worker_pods,
         "maxReplicas": worker_pods,
-        "rayStartParams": {},
-        "template": {"metadata": {"labels": {"rayft.io/ray-node": "true"}, "annotations": dict(NO_DISRUPT)},
+        # KubeRay would derive num-gpus from the limit too; written out, the Ray node's GPU count
+        # is visible in the manifest and cannot drift from the pod's.
+        "rayStartParams": {"num-gpus": str(gpus)} if gpus else {},
+        "template": {"metadata": {"labels": dict(pod_labels), "annotations": dict(NO_DISRUPT)},
                      "spec": worker_spec},
     }]
     submitter = {
@@ -437,7 +458,9 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
             "submitterPodTemplate": submitter,
         },
     }
-    objs = [configmap, rayjob]
+    pdb = pod_disruption_budget(name, {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name})
+    pdb["metadata"] = {**meta(name), **{k: v for k, v in pdb["metadata"].items() if k != "name"}}
+    objs = [configmap, rayjob, pdb]
     bad = policy_violations(objs)
     if bad:
         # What the user passes reaches the manifests outside the spec too (--image, --queue, the
@@ -466,7 +489,7 @@ _Dumper.add_representer(str, _str_representer)
 
 
 def to_yaml(objs: Iterable[Obj], header: Optional[str] = None) -> str:
-    """Multi-document YAML, in order (the ConfigMap before the RayJob that mounts it)."""
+    """Multi-document YAML, in order (the ConfigMap before the RayJob that mounts it, then its PDB)."""
     docs = [yaml.dump(o, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
             for o in objs]
     text = "---\n".join(docs)

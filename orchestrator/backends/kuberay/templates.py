@@ -6,7 +6,8 @@
 Each template is `render` of an example spec from ``k8s/jobs/spec-configmaps.yaml`` (GPU on, for
 the gpu overlay's node type; the dev-cpu overlay patches it down), with what is per job replaced
 by fixed names: the RayJob is ``rayft-<kind>-example``, it mounts the shared example ConfigMap,
-and the per-job annotations (spec hash, memory estimate) are left out so that the files change
+its pods carry ``rayft.io/ray-cluster: rayft-<kind>-example`` and its PodDisruptionBudget (the
+second document of the file, same name) selects them; the per-job annotations (spec hash, memory estimate) are left out so that the files change
 only when the shape does. Kustomize (k8s/overlays/*/jobs) sets the namespace, image and GPU
 product from the overlay's node type. The comments below are written into the files.
 """
@@ -23,7 +24,7 @@ from typing import Any, Optional
 import yaml
 
 from .node_types import k8s_dir
-from .policy import QUEUE_LABEL
+from .policy import CLUSTER_LABEL, QUEUE_LABEL
 from .render import ANN_SPEC_HASH, Obj, render
 
 KeyPath = tuple[Any, ...]   # a key path into a manifest: ("spec", "rayClusterSpec", "workerGroupSpecs", 0)
@@ -101,8 +102,13 @@ COMMENTS: dict[KeyPath, str] = {
     HEAD_POD + ("volumes", 2): "Ray's object store lives in /dev/shm: 30% of the pod's memory.",
     WORKER_POD + ("nodeSelector", "nvidia.com/gpu.product"): "From the overlay's node type (gpuProduct).",
     WORKER_POD + ("containers", 0, "resources"): (
-        "resources.cpus_per_worker + 1 (Ray Train's coordinator), the node type's workerMemoryGiB,\n"
-        "one GPU."),
+        "resources.gpus_per_worker GPUs (default 1); CPUs resources.cpus_per_worker x gpus_per_worker\n"
+        "+ 1 (Ray Train's coordinator); memory and ephemeral-storage the node type's workerMemoryGiB\n"
+        "and workerEphemeralGiB x gpus_per_worker."),
+    WORKERS + (0, "rayStartParams", "num-gpus"): "The Ray node's GPUs: the pod's (gpus_per_worker).",
+    HEAD_POD[:-1] + ("metadata", "labels", CLUSTER_LABEL): (
+        "This job's Ray pods (KubeRay keeps template labels on its pods): the PodDisruptionBudget\n"
+        "below selects them by it."),
     SUBMITTER: (
         "The submitter: a Kubernetes Job pod that runs `ray job submit` (KubeRay supplies the command,\n"
         "the dashboard address and the Ray token) and follows the logs. Small and restricted."),
@@ -115,16 +121,30 @@ KIND_COMMENTS: dict[str, dict[KeyPath, str]] = {
         ("spec", "backoffLimit"): (
             "Retries of the whole RayJob on a new cluster after a failure (default 0). A retry resumes from\n"
             "the last checkpoint on the shared volume."),
-        WORKERS: "One pod per Ray Train worker (resources.num_workers), one GPU each.",
+        WORKERS: ("resources.num_workers / resources.gpus_per_worker pods; each runs gpus_per_worker Ray\n"
+                  "Train workers, one per GPU."),
     },
     "tune": {
         ("spec", "backoffLimit"): (
             "Retries of the whole RayJob on a new cluster after a failure (default 0). A search is not\n"
             "retried as a whole: failed trials are recorded (out-of-memory ones as infeasible) instead."),
-        WORKERS: ("One pod per Ray Train worker of every trial that runs at once, one GPU each:\n"
-                  "resources.num_workers x search.max_concurrent_trials pods."),
+        WORKERS: ("The worker pods of every trial that runs at once: resources.num_workers /\n"
+                  "resources.gpus_per_worker x search.max_concurrent_trials pods, one Ray Train worker per GPU."),
     },
 }
+
+
+PDB_COMMENTS: dict[KeyPath, str] = {
+    ("spec", "maxUnavailable"): (
+        "No eviction through the Eviction API (kubectl drain, cluster-autoscaler and Karpenter\n"
+        "consolidation) of a running Ray pod of this job: losing one rank stops every rank. The RayJob's\n"
+        "cluster is deleted when the job ends, and a drain proceeds then."),
+    ("spec", "unhealthyPodEvictionPolicy"): (
+        "A pod that is not Ready (crash-looping, never started) may still be evicted: a broken job\n"
+        "does not block node maintenance."),
+    ("spec", "selector"): "Exactly this RayJob's head and worker pods (not its submitter).",
+}
+PDB_HEADER = "The RayJob's PodDisruptionBudget (render writes it beside every RayJob).\n"
 
 
 # ---- the templates -------------------------------------------------------------------------------
@@ -160,10 +180,22 @@ def template(kind: str, jobs_dir: Optional[Path] = None) -> Obj:
     rj["spec"]["jobId"] = name
     rc = rj["spec"]["rayClusterSpec"]
     for group in [rc["headGroupSpec"], *rc["workerGroupSpecs"]]:
+        group["template"]["metadata"]["labels"][CLUSTER_LABEL] = name
         for v in group["template"]["spec"]["volumes"]:
             if "configMap" in v:
                 v["configMap"]["name"] = configmap
     return rj
+
+
+def template_pdb(kind: str, rayjob: Obj) -> Obj:
+    """The PodDisruptionBudget of the template `rayjob` (`template(kind)`): what render writes
+    beside a RayJob (`policy.pod_disruption_budget`), with the template's fixed name."""
+    from .policy import RAY_NODE_LABEL, pod_disruption_budget
+
+    _, name, _ = TEMPLATES[kind]
+    pdb = pod_disruption_budget(name, {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name})
+    pdb["metadata"]["labels"] = {k: v for k, v in rayjob["metadata"]["labels"].items() if k != QUEUE_LABEL}
+    return pdb
 
 
 def to_commented_yaml(obj: Any, comments: dict[KeyPath, str], header: str = "") -> str:
@@ -217,7 +249,9 @@ def generate(jobs_dir: Optional[Path] = None) -> dict[str, str]:
     out = {}
     for kind, (fname, _, _) in TEMPLATES.items():
         comments = {**COMMENTS, **KIND_COMMENTS[kind]}
-        out[fname] = to_commented_yaml(template(kind, jobs_dir), comments, header=HEADERS[kind] + GENERATED)
+        rj = template(kind, jobs_dir)
+        out[fname] = (to_commented_yaml(rj, comments, header=HEADERS[kind] + GENERATED)
+                      + "---\n" + to_commented_yaml(template_pdb(kind, rj), PDB_COMMENTS, header=PDB_HEADER))
     return out
 
 
