@@ -1034,15 +1034,6 @@ def choose_plan_from_table(table: dict, mode: Any, num_layers: int,
     return choice, every, gib[choice][every]
 
 
-def checkpointing_table(spec, *, device: str = "cuda", config=None) -> dict[int, float]:
-    """{k: estimated GiB with checkpointing every k-th layer (0 = off)} for every candidate, under
-    the strategy the plan picks without a GPU's memory (`estimate_for_spec`'s default)."""
-    config = config if config is not None else config_from_spec(spec)
-    return {k: estimate_for_spec(spec, gradient_checkpointing=k > 0, device=device, config=config,
-                                 checkpoint_every_n_layers=max(1, k)).total_gib
-            for k in checkpointing_candidates(model_shape(config).layers)}
-
-
 def strategy_table(spec, *, device: str = "cuda", config=None) -> list[dict]:
     """DDP and FSDP side by side (and, for a quantized spec, unquantized beside quantized): one
     row per (quantization, strategy) with the checkpointing and FSDP resharding the plan's rule

@@ -51,10 +51,12 @@ GPU_MEMORY_GIB: dict[str, float] = {
 class Demand:
     """What one job holds while it runs, and what it needs of a GPU.
 
-    `gib_by_every` is {k: estimated GiB per GPU with gradient checkpointing every k-th layer
-    (0 = off)} for every checkpointing choice (`jobs.memory.checkpointing_table`, device cuda);
-    with `gc_mode`, `budget_gib` and `num_layers` it is all `gpu_need_gib` needs. Stored as JSON
-    in the queue database, so it must stay plain data.
+    `plan_table` (`jobs.memory.plan_table`, device cuda) is {k: estimated GiB per GPU with
+    gradient checkpointing every k-th layer (0 = off)} for every strategy choice the spec leaves
+    (DDP, FSDP keeping layers gathered, FSDP resharding); with `gc_mode`, `budget_gib` and
+    `num_layers` it is all `gpu_plan` needs. `gib_by_every` is the first choice's row (what
+    `est_gib_off`/`est_gib_on` show), and all a row queued before `plan_table` existed has (DDP).
+    Stored as JSON in the queue database, so it must stay plain data.
     """
 
     num_workers: int
