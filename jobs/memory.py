@@ -5,9 +5,12 @@ A pure function: no GPU, no model is built. Tune, the driver and
 cheap and must not need the weights.
 
 What it models is what rayft actually runs (`jobs.model` + `jobs.loop`): frozen base weights
-in the compute dtype, LoRA weights in fp32 (PEFT), autocast for bf16/fp16, HF non-reentrant
-checkpointing of whole decoder layers, and `CausalLMLoss` (LM head + fp32 cross-entropy on
-the label positions only, optionally in checkpointed chunks).
+in the compute dtype (or quantized by bitsandbytes: nf4, int8), LoRA weights in fp32 (PEFT),
+autocast for bf16/fp16, HF non-reentrant checkpointing of whole decoder layers, and
+`CausalLMLoss` (LM head + fp32 cross-entropy on the label positions only, optionally in
+checkpointed chunks), under DDP or FSDP2 (`jobs.fsdp`: every parameter sharded per rank, the
+layers in flight gathered). `plan_for_spec` is the one place that picks the strategy and the
+checkpointing (`choose_plan`).
 
 Activations are not a rule of thumb: `_Walk` replays the forward of one decoder layer op by
 op and records which tensors autograd keeps for backward, by storage (a tensor saved by
