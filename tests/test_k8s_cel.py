@@ -244,6 +244,7 @@ class Schema:
     crd: str
     root: dict
     rules: dict[int, list[Rule]] = field(default_factory=dict)   # id(schema node) -> its rules
+    evaluated: set = field(default_factory=set)                  # (rule path, rule) evaluated so far
 
     @classmethod
     def of(cls, crd: str, schema: dict) -> "Schema":
@@ -285,6 +286,7 @@ class Schema:
                 continue                  # oldSelf: an update rule; there is no old object on create
             if r.unsupported:
                 raise Unsupported(f"{r.crd} {r.path}: {r.rule!r} {r.unsupported}")
+            self.evaluated.add((r.path, r.rule))
             try:
                 result = r.program.evaluate({"self": celpy.json_to_cel(value)})
             except Exception as e:
@@ -402,6 +404,12 @@ def test_every_built_object_passes_the_crd_rules(built):
         assert cel_violations(objs) == [], d
         seen |= {o["kind"] for o in objs if (o.get("apiVersion"), o.get("kind")) in SCHEMAS}
     assert {"RayCluster", "RayJob", "ResourceFlavor", "ClusterQueue", "LocalQueue"} <= seen
+    # The rules on what the overlays set were evaluated, not skipped: the ClusterQueue's cohort and
+    # flavor rules, the ResourceFlavors' toleration rules.
+    cq = SCHEMAS[("kueue.x-k8s.io/v1beta2", "ClusterQueue")].evaluated
+    assert {p for p, _ in cq} >= {"spec", "spec.resourceGroups[*]"}
+    rf = SCHEMAS[("kueue.x-k8s.io/v1beta2", "ResourceFlavor")].evaluated
+    assert sum(p == "spec.tolerations" for p, _ in rf) == 5
 
 
 @pytest.mark.parametrize("sid,objs", VARIANTS, ids=[v[0] for v in VARIANTS])
