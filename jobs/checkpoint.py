@@ -5,6 +5,12 @@ Layout (this module owns every file name): ``<output_dir>/checkpoints/step-00000
 one ``manifest-rank{r}.json`` per rank listing the size and SHA-256 of that rank's files.
 `rank_files` assembles what a rank writes, `restore` loads it back.
 
+The adapter and optimizer state are the *full* ones, keyed by parameter name, whatever the
+strategy: under FSDP they are gathered from the shards to rank 0 and scattered back on resume
+through `torch.distributed.checkpoint.state_dict` (`jobs.fsdp`). So a checkpoint of a DDP run
+resumes under FSDP and back, with any worker count. (DCP's own file format is not used: its
+`.metadata` is a pickle, which the rule below forbids; LoRA state is small enough to gather.)
+
 A checkpoint counts only when every rank's manifest is present and every file matches it,
 so a copy cut off at any point (by a crash, or by a Ray upload that died) is never loaded;
 the previous complete one is used instead, with a warning naming the one skipped. Without Ray
@@ -237,13 +243,15 @@ def load_adapter(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / ADAPTER_FILE))
 
 
-def rank_files(rank: int, state: dict, model=None, optimizer=None, scaler=None) -> dict[str, object]:
-    """What rank `rank` writes into a checkpoint: its RNG state; rank 0 (the caller passes the
-    model, optimizer and scaler there only) also the adapter, optimizer, scaler and `state`."""
+def rank_files(rank: int, state: dict, adapter: Optional[dict] = None, optim_state: Optional[dict] = None,
+               scaler=None) -> dict[str, object]:
+    """What rank `rank` writes into a checkpoint: its RNG state; rank 0 (the caller passes them
+    there only) also the adapter and optimizer state (full, by parameter name: `jobs.fsdp.adapter_state`),
+    the scaler and `state`."""
     files: dict[str, object] = {rng_file(rank): rng_state()}
-    if model is not None:
-        files[ADAPTER_FILE] = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        files[OPTIMIZER_FILE] = optimizer.state_dict()
+    if adapter is not None:
+        files[ADAPTER_FILE] = adapter
+        files[OPTIMIZER_FILE] = optim_state
         files[STATE_FILE] = state
         if scaler is not None and scaler.is_enabled():
             files[SCALER_FILE] = scaler.state_dict()
@@ -253,23 +261,45 @@ def rank_files(rank: int, state: dict, model=None, optimizer=None, scaler=None) 
 def restore(directory: Path, spec: JobSpec, rank: int, world_size: int, model, optimizer, scaler) -> dict:
     """Load a complete checkpoint into the model's trainable parameters, the optimizer, the scaler
     and (same world size only: the RNG streams are per rank) this rank's RNG. Returns its state.
+    Every rank calls it (under FSDP each takes its shards of the full state).
     Refuses, with a SpecError, a checkpoint whose spec differs in what resuming depends on."""
+    from .fsdp import load_adapter_state
+
     state = load_state(directory)
     check_resumable(state["resume_key"], spec, str(directory))
-    named = dict(model.named_parameters())
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     adapter = load_adapter(directory)
-    if set(adapter) != {n for n, p in named.items() if p.requires_grad}:
+    if set(adapter) != set(trainable):
         raise SpecError(f"checkpoint {one_line(str(directory))}: its adapter's parameters are not this model's "
                         "LoRA parameters; use --fresh to start over")
-    with torch.no_grad():
-        for name, tensor in adapter.items():
-            named[name].copy_(tensor)
-    _load_into(optimizer, directory / OPTIMIZER_FILE)
+    path = directory / OPTIMIZER_FILE
+    optim_state = by_name(load_plain(path), trainable)
+    try:
+        load_adapter_state(model, optimizer, adapter, optim_state)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise SpecError(f"checkpoint file {one_line(str(path))}: does not fit this run "
+                        f"({one_line(str(e))[:120]}); use --fresh to start over") from None
     if scaler.is_enabled() and (directory / SCALER_FILE).exists():
         _load_into(scaler, directory / SCALER_FILE)
     if state["world_size"] == world_size and (directory / rng_file(rank)).exists():
         set_rng_state(load_plain(directory / rng_file(rank)), str(directory / rng_file(rank)))
     return state
+
+
+def by_name(optim_state, names: list[str]):
+    """An optimizer state keyed by parameter name. Checkpoints written before states were taken
+    by name hold `optimizer.state_dict()`, keyed by position in the optimizer, whose parameters
+    are the trainable ones in `named_parameters` order (`names`): renamed, they resume too."""
+    if not isinstance(optim_state, dict) or not isinstance(optim_state.get("param_groups"), list):
+        return optim_state  # refused by the loader, with the file named
+    groups = optim_state["param_groups"]
+    if not all(isinstance(i, int) for g in groups for i in g.get("params", [])):
+        return optim_state
+    try:
+        return {"state": {names[i]: s for i, s in optim_state.get("state", {}).items()},
+                "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in groups]}
+    except (IndexError, TypeError, AttributeError):
+        return optim_state
 
 
 def _load_into(target, path: Path) -> None:

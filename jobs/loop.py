@@ -1,4 +1,4 @@
-"""The training loop: DDP LoRA fine-tuning with exact gradient accumulation.
+"""The training loop: DDP or FSDP2 LoRA fine-tuning with exact gradient accumulation.
 
 Reads top to bottom in `train()`. The two pieces tests poke at directly are
 `train_window()` (one optimizer step's forward/backward over all its micro-batches) and
@@ -12,8 +12,9 @@ Reads top to bottom in `train()`. The two pieces tests poke at directly are
   communication, before the first micro-step. Each micro-batch's *summed* token loss is
   multiplied by W / T; DDP averages over W ranks, so the reduced gradient is exactly
   sum(all token losses) / T -- the big-batch gradient, not a mean of per-micro-batch means.
-* Every micro-step but the last runs forward *and* backward inside `no_sync()`, so the
-  gradient buckets are all-reduced once per optimizer step.
+* Every micro-step but the last runs forward *and* backward inside `Engine.sync_gate` (DDP's
+  `no_sync()`; FSDP2's `set_requires_gradient_sync(False)`, `jobs.fsdp`), so gradients are
+  reduced once per optimizer step (an all-reduce under DDP, a reduce-scatter under FSDP).
 * fp16: the GradScaler scales every micro-step's loss, `unscale_` runs once before
   clipping, `step`/`update` once per window; a skipped step is counted.
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ckpt
+from . import fsdp
 from .context import Context
 from .data import GlobalBatches, collate, count_inputs, count_labels, eval_shard, load_dataset, split_window, total_steps
 from .faults import from_env
@@ -150,7 +152,7 @@ def _head_loss(head: nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 class Engine:
     """Everything one optimizer step touches."""
 
-    module: nn.Module  # CausalLMLoss, wrapped in DDP when world_size > 1
+    module: nn.Module  # CausalLMLoss; with world_size > 1 wrapped in DDP or sharded by FSDP2 (`jobs.fsdp`)
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -167,6 +169,16 @@ class Engine:
     @property
     def is_ddp(self) -> bool:
         return isinstance(self.module, nn.parallel.DistributedDataParallel)
+
+    def sync_gate(self, last: bool):
+        """Forward and backward of one micro-step run inside this: gradients are reduced across
+        ranks only when `last` (the window's last micro-step); before it each rank accumulates
+        its own. DDP decides in forward whether to reduce, so forward must be inside too."""
+        if fsdp.is_fsdp(self.module):
+            return fsdp.gradient_sync(self.module, last)
+        if last or not self.is_ddp:
+            return contextlib.nullcontext()
+        return self.module.no_sync()
 
 
 def layout_args(spec: JobSpec, device: torch.device) -> dict:
@@ -191,9 +203,7 @@ def train_window(engine: Engine, micro_batches: Sequence[dict], n_labels_global:
     loss_sum = torch.zeros((), device=engine.device, dtype=torch.float32)
     last = len(micro_batches) - 1
     for j, mb in enumerate(micro_batches):
-        # Forward *and* backward inside no_sync: DDP decides in forward whether to reduce.
-        sync = contextlib.nullcontext() if (j == last or not engine.is_ddp) else engine.module.no_sync()
-        with sync:
+        with engine.sync_gate(j == last):
             with engine.autocast():
                 summed = engine.module(**to_device(mb, engine.device))
             engine.scaler.scale(summed * scale).backward()
@@ -207,7 +217,7 @@ def optimizer_step(engine: Engine, max_grad_norm: Optional[float]) -> tuple[torc
     """Unscale once, clip, step, update. Returns (grad norm tensor, scale before or None)."""
     scale_before = engine.scaler.get_scale() if engine.scaler.is_enabled() else None
     engine.scaler.unscale_(engine.optimizer)  # exactly once per window, before clipping
-    grad_norm = torch.nn.utils.clip_grad_norm_(engine.params, max_grad_norm if max_grad_norm else float("inf"))
+    grad_norm = fsdp.clip_grad_norm(engine.params, max_grad_norm if max_grad_norm else float("inf"))
     engine.scaler.step(engine.optimizer)  # skips the update if any gradient is inf/nan
     engine.scaler.update()
     engine.optimizer.zero_grad(set_to_none=True)
@@ -280,19 +290,20 @@ def memory_plan(spec: JobSpec, device: torch.device):
 
 @dataclass
 class Job:
-    """What `train` sets up before the first step: the model with its adapters, the plan it runs,
-    the data and the optimizer state."""
+    """What `train` sets up before the first step: the model with its adapters, the plan it runs
+    and the data. (The optimizer is the Engine's: under FSDP it steps on the shards, which exist
+    only once the model is wrapped.)"""
 
-    model: nn.Module          # the PEFT model (not wrapped)
+    model: nn.Module          # the PEFT model (not wrapped; under FSDP its layers are sharded in place)
     tokenizer: object
     plan: MemoryPlan
     precision: str
     data: object              # jobs.data.Dataset
     batches: GlobalBatches
     steps: int                # optimizer steps of the whole run
-    optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     resume_key: dict          # what a checkpoint of this run must match to be resumed (taken once, at the start)
+    strategy: str = "ddp"     # "ddp" (also one process) or "fsdp": see `strategy_of`
 
 
 @dataclass
@@ -307,8 +318,17 @@ class Position:
     early_stopping: Optional[dict] = None  # `EarlyStopping.state()` of the checkpoint
 
 
+def strategy_of(spec: JobSpec, plan: MemoryPlan, world_size: int) -> str:
+    """"fsdp" or "ddp" (one process runs unwrapped, whatever is asked). The plan decides
+    `resources.strategy=auto`; an explicit ddp or fsdp in the spec is what runs."""
+    if world_size < 2:
+        return "ddp"
+    asked = spec.resources.strategy
+    return asked if asked != "auto" else plan.strategy
+
+
 def set_up(spec: JobSpec, ctx: Context) -> Job:
-    """Model, adapters, the memory plan (checkpointing), data, optimizer; nothing trained yet."""
+    """Model, adapters, the memory plan (strategy, checkpointing), data; nothing trained yet."""
     if ctx.world_size != spec.resources.num_workers:
         raise SpecError(f"resources.num_workers={spec.resources.num_workers} but the runner started "
                         f"{ctx.world_size} workers")
@@ -323,17 +343,18 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
         enable_checkpointing(model, every_n_layers=plan.checkpoint_every_n_layers)
     if spec.model.compile:
         compile_layers(model)
-    model.to(ctx.device)
+    strategy = strategy_of(spec, plan, ctx.world_size)
+    if strategy != "fsdp":  # FSDP moves each rank's shards to the device itself (`make_engine`)
+        model.to(ctx.device)
     model.train()
     data = load_dataset(spec, tokenizer)
-    params = [p for p in model.parameters() if p.requires_grad]
     return Job(model, tokenizer, plan, precision, data,
                GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed),
-               total_steps(spec, len(data.train)), make_optimizer(spec, params, ctx.device),
-               torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"), ckpt.resume_key(spec))
+               total_steps(spec, len(data.train)),
+               torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"), ckpt.resume_key(spec), strategy)
 
 
-def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, resume: bool) -> Position:
+def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, engine: Engine, resume: bool) -> Position:
     """Continue from the newest complete checkpoint on disk (Ray Train writes its checkpoints
     there too, so a worker restarted by Ray and a rerun of the same command find the same one),
     or seed this rank for a fresh start."""
@@ -343,7 +364,7 @@ def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, resume: bool) -> Posit
         torch.manual_seed(spec.run.seed * 7919 + ctx.rank)
         random.seed(spec.run.seed * 7919 + ctx.rank)
         return Position()
-    state = ckpt.restore(newest, spec, ctx.rank, ctx.world_size, job.model, job.optimizer, job.scaler)
+    state = ckpt.restore(newest, spec, ctx.rank, ctx.world_size, job.model, engine.optimizer, job.scaler)
     pos = Position(state["step"], state["tokens_seen"], state["skipped_steps"], state.get("eval_loss"), str(newest),
                    state.get("early_stopping"))
     if ctx.is_main and pos.step >= job.steps:
@@ -355,13 +376,28 @@ def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, resume: bool) -> Posit
 
 
 def make_engine(spec: JobSpec, ctx: Context, job: Job) -> Engine:
+    """The loss module wrapped for the strategy, and the optimizer over the parameters that
+    strategy trains (FSDP replaces each parameter by its shard, so the optimizer comes after)."""
     module: nn.Module = CausalLMLoss(job.model, chunk_tokens=job.plan.loss_chunk_tokens)
-    if ctx.world_size > 1:
+    if job.strategy == "fsdp":
+        module = fsdp.shard(module, job.model, job.precision, reshard_after_forward(spec, job.plan),
+                            ctx.device, ctx.world_size)
+    elif ctx.world_size > 1:
         module = nn.parallel.DistributedDataParallel(
             module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             gradient_as_bucket_view=True, find_unused_parameters=False)
     params = [p for p in job.model.parameters() if p.requires_grad]
-    return Engine(module, params, job.optimizer, job.scaler, ctx.device, job.precision, ctx.world_size)
+    return Engine(module, params, make_optimizer(spec, params, ctx.device), job.scaler, ctx.device, job.precision,
+                  ctx.world_size)
+
+
+def reshard_after_forward(spec: JobSpec, plan: MemoryPlan) -> bool:
+    """FSDP: free each layer's gathered weights after its forward? `resources.fsdp_reshard_after_forward`
+    when set, else the plan's choice, else yes (FSDP2's default: the least memory)."""
+    if spec.resources.fsdp_reshard_after_forward is not None:
+        return spec.resources.fsdp_reshard_after_forward
+    planned = getattr(plan, "reshard_after_forward", None)
+    return True if planned is None else bool(planned)
 
 
 def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> tuple[list[dict], int, int]:
@@ -385,8 +421,8 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     if ctx.is_main:  # before the model loads: a directory rayft may not write is refused first
         claim_output_dir(out, beside_others=True, name=spec.name)
     job = set_up(spec, ctx)
-    pos = resume_or_seed(spec, ctx, job, resume)
     engine = make_engine(spec, ctx, job)
+    pos = resume_or_seed(spec, ctx, job, engine, resume)
     metrics_log = MetricsLog(out, pos.step) if ctx.is_main else None
     trackers = open_trackers(spec, pos.step, job.steps, ctx.is_main)
     if ctx.is_main:
@@ -398,7 +434,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     for step in range(pos.step, pos.step if stopper.stopped else job.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, job.steps, spec)
-        for group in job.optimizer.param_groups:
+        for group in engine.optimizer.param_groups:
             group["lr"] = lr
         micro_batches, n_labels, n_inputs = micro_batches_of(spec, ctx, job, step)
         faults.at_step(step, rank, spec.batch.micro_batch_size)
@@ -419,7 +455,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         if spec.run.eval_every and done % spec.run.eval_every == 0 or done == job.steps:
             pos.eval_loss = held_out_loss(engine, job.data.eval, rank, world, spec.batch.micro_batch_size,
                                      job.tokenizer.pad_token_id, layout_args(spec, device))
-            stopper.judge(done, pos.eval_loss, job.model if ctx.is_main else None, out)
+            stopper.judge(done, pos.eval_loss, lambda: fsdp.full_adapter(job.model), out, ctx.is_main)
         peak, peak_kind = peak_memory_bytes(device)
         last = {"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n_inputs,
                 "tokens_seen": pos.tokens_seen, "label_tokens": n_labels, "tokens_per_s": n_inputs / dt,
@@ -434,17 +470,18 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             ctx.progress(dict(last, total_steps=job.steps))
 
         if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == job.steps or stopper.stopped:
-            save_checkpoint(spec, ctx, job, pos, done, last, stopper)
+            save_checkpoint(spec, ctx, job, engine, pos, done, last, stopper)
             trackers.checkpointed(done)
             stopper.checkpointed(out if ctx.is_main else None)
         if stopper.stopped:
             break
 
+    adapter = fsdp.full_adapter(job.model)  # every rank: under FSDP the shards are gathered to rank 0
     summary = {}
     if ctx.is_main:
         metrics_log.close()
-        stopper.restore_best(job.model, out)
-        summary = write_outputs(spec, job, pos, last, wall_s=time.perf_counter() - run_start,
+        adapter = stopper.best_adapter(out) or adapter
+        summary = write_outputs(spec, job, pos, last, adapter, wall_s=time.perf_counter() - run_start,
                                 mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None,
                                 extra=stopper.summary())
         trackers.finish(summary, [out / SUMMARY, out / PLOT, out / "adapter"])
@@ -456,22 +493,25 @@ def announce(spec: JobSpec, ctx: Context, job: Job, pos: Position) -> None:
     """Rank 0, before the first step: the run's start in events.jsonl, and the plan in one line."""
     append_event(spec.output_path, "resume" if pos.step else "start", step=pos.step, world_size=ctx.world_size,
                  checkpoint=pos.source)
-    log.warning("job %s: %d steps, global batch %d = %d workers x %d accumulation x %d micro; lr %.3g (base "
+    log.warning("job %s: %d steps, global batch %d = %d %s workers x %d accumulation x %d micro; lr %.3g (base "
                 "%.3g x %s scaling %.3g at reference batch %d); precision %s; gradient checkpointing %s; "
-                "estimate %.2f GiB", spec.name, job.steps, spec.batch.global_batch_size, ctx.world_size,
+                "estimate %.2f GiB", spec.name, job.steps, spec.batch.global_batch_size, ctx.world_size, job.strategy,
                 spec.grad_accum_steps, spec.batch.micro_batch_size, spec.effective_lr, spec.optim.lr,
                 spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, job.precision,
                 job.plan.checkpointing, job.plan.total_gib)
 
 
-def save_checkpoint(spec: JobSpec, ctx: Context, job: Job, pos: Position, done: int, last: dict,
+def save_checkpoint(spec: JobSpec, ctx: Context, job: Job, engine: Engine, pos: Position, done: int, last: dict,
                     stopper: "EarlyStopping") -> None:
     """Every rank, after optimizer step `done`: its files of checkpoint `step-<done>` (rank 0 adds
-    the adapter, optimizer and scaler), with the position that resuming continues from."""
+    the adapter, optimizer and scaler), with the position that resuming continues from. The
+    adapter and optimizer state are the full ones, by parameter name, whatever the strategy
+    (gathered from the FSDP shards), so any strategy and worker count can resume from them."""
     state = {"step": done, "next_global_batch": done, "tokens_seen": pos.tokens_seen,
              "skipped_steps": pos.skipped_steps, "world_size": ctx.world_size, "eval_loss": pos.eval_loss,
              "resume_key": job.resume_key, "early_stopping": stopper.state()}
-    shared = (job.model, job.optimizer, job.scaler) if ctx.is_main else ()
+    adapter, optim_state = fsdp.adapter_state(job.model, engine.optimizer)  # every rank: a collective under FSDP
+    shared = (adapter, optim_state, job.scaler) if ctx.is_main else ()
     ctx.save_checkpoint(spec.output_path / "checkpoints", done, ckpt.rank_files(ctx.rank, state, *shared), last,
                         spec.run.keep_checkpoints)
 
@@ -512,14 +552,18 @@ class EarlyStopping:
     def best_file(self, out: Path, step: int) -> Path:
         return out / self.DIR / f"best-step-{step:08d}.safetensors"
 
-    def judge(self, step: int, eval_loss: Optional[float], model, out: Path) -> None:
-        """After the evaluation of optimizer step `step`; `model` is given on rank 0 only."""
+    def judge(self, step: int, eval_loss: Optional[float], adapter: Callable[[], dict], out: Path,
+              is_main: bool) -> None:
+        """Every rank, after the evaluation of optimizer step `step` (the eval loss is the same on
+        all); `adapter()` gives the full adapter state on rank 0 (every rank calls it: under FSDP
+        it gathers the shards)."""
         if not self.enabled or eval_loss is None:
             return
         if self.best_loss is None or eval_loss < self.best_loss - self.min_delta:
             self.best_loss, self.best_step, self.bad_evals = eval_loss, step, 0
-            if model is not None:
-                self._keep(model, out, step)
+            state = adapter()
+            if is_main:
+                self._keep(state, out, step)
             return
         self.bad_evals += 1
         if self.bad_evals >= self.patience:
@@ -528,14 +572,13 @@ class EarlyStopping:
                         "evaluations; the adapter of step %d (eval loss %.4f) is the result", step,
                         self.min_delta, self.bad_evals, self.best_step, self.best_loss)
 
-    def _keep(self, model, out: Path, step: int) -> None:
-        from peft import get_peft_model_state_dict
+    def _keep(self, adapter: dict, out: Path, step: int) -> None:
         from safetensors.torch import save_file
 
         path = self.best_file(out, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        save_file({k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}, str(tmp))
+        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp))
         os.replace(tmp, path)
         self._prune(out)
 
@@ -551,14 +594,13 @@ class EarlyStopping:
             if f.name not in keep:
                 f.unlink(missing_ok=True)
 
-    def restore_best(self, model, out: Path) -> None:
-        """Rank 0, at the end: load the best step's adapter into `model` (before it is saved)."""
+    def best_adapter(self, out: Path) -> Optional[dict]:
+        """Rank 0, at the end: the best step's adapter state (what is saved as `adapter/`), or None."""
         if not self.enabled or not self.best_step:
-            return
-        from peft import set_peft_model_state_dict
+            return None
         from safetensors.torch import load_file
 
-        set_peft_model_state_dict(model, load_file(str(self.best_file(out, self.best_step))))
+        return load_file(str(self.best_file(out, self.best_step)))
 
     def summary(self) -> dict:
         if not self.enabled:
@@ -581,13 +623,15 @@ def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, 
                     f"stopped, {kept}; lower optim.lr (now {spec.optim.lr:g}) or set optim.max_grad_norm")
 
 
-def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, *, wall_s: float,
+def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, adapter: dict, *, wall_s: float,
                   mean_tokens_per_s: Optional[float], extra: Optional[dict] = None) -> dict:
-    """Rank 0, at the end: the adapter (PEFT format), the loss curve, summary.json."""
+    """Rank 0, at the end: `adapter` (the full trainable state, `fsdp.full_adapter`) in PEFT
+    format, the loss curve, summary.json. PEFT writes the given state rather than reading the
+    model's parameters, which under FSDP are this rank's shards only."""
     out = spec.output_path
     records = read_metrics(out)
     adapter_dir = out / "adapter"
-    job.model.save_pretrained(adapter_dir)
+    job.model.save_pretrained(adapter_dir, state_dict=adapter)
     job.tokenizer.save_pretrained(adapter_dir)
     if spec.model.name == "tiny-llama":
         _save_tiny_base(spec, out / "base", adapter_dir)
@@ -615,6 +659,7 @@ def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, *, wall_s:
         "micro_batch_size": spec.batch.micro_batch_size,
         "grad_accum_steps": spec.grad_accum_steps,
         "num_workers": spec.resources.num_workers,
+        "strategy": job.strategy,
         "adapter_dir": str(adapter_dir),
         "dropped_records": job.data.dropped,
         **(extra or {}),

@@ -1,0 +1,137 @@
+"""FSDP2 for the training loop: sharding, the gradient-sync gate, and strategy-free state dicts.
+
+`resources.strategy=fsdp` shards the frozen base over the workers with
+`torch.distributed.fsdp.fully_shard`: one FSDP group per decoder layer (its weights are
+gathered just before the layer runs and freed after it) plus the root (embeddings, final norm,
+LM head). The LoRA parameters live in the same groups, sharded too; the optimizer steps on the
+shards.
+
+The accumulation rule is DDP's: `set_requires_gradient_sync(False)` on every micro-step but the
+last of a window, so gradients accumulate unsharded on each rank and are reduce-scattered once
+per optimizer step. FSDP2 averages over the ranks like DDP, so the loop's W / T loss scale gives
+the big-batch gradient under both strategies.
+
+Checkpoints do not depend on the strategy: `adapter_state` gathers the full LoRA and optimizer
+state (keyed by parameter name) on rank 0 through `torch.distributed.checkpoint.state_dict`,
+and `load_adapter_state` scatters it back into whichever layout this run has (DDP replicas or
+FSDP shards of any worker count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a (PEFT-wrapped) HF causal LM: the units FSDP shards one by one."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(base.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        from .errors import SpecError
+
+        raise SpecError(f"resources.strategy=fsdp: cannot find the decoder layers of {type(base).__name__} "
+                        "(expected a `layers` list under its base model); use strategy ddp")
+    return layers
+
+
+def mixed_precision(precision: str):
+    """FSDP2's policy for the compute precision. bf16/fp16: the gathered weights (base and LoRA)
+    are in the compute dtype -- what autocast would cast them to anyway -- and gradients are
+    reduced in fp32, so the sharded fp32 LoRA weights get an fp32 gradient as under DDP. fp32:
+    nothing is cast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "fp16":
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(module: nn.Module, model: nn.Module, precision: str, reshard_after_forward: bool,
+          device: torch.device, world_size: int) -> nn.Module:
+    """`fully_shard` every decoder layer of `model`, then `module` (the loss wrapper around it)
+    as the root, over all `world_size` ranks; each rank's shards go to `device` (the whole base
+    never has to fit on one GPU). Activation checkpointing must already be on (as torchtitan does: checkpoint,
+    then shard), so a recomputed layer gathers its weights through FSDP's pre-backward hook.
+    `reshard_after_forward`: free each layer's gathered weights after its forward and gather
+    them again for backward (less memory, one more all-gather per layer)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = mixed_precision(precision)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root's weights stay gathered between forward and backward whatever is asked
+    # (FSDP2 does so for the root: backward needs them at once).
+    fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return module
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, sync: bool) -> Iterator[None]:
+    """The micro-step's gate: gradients are reduce-scattered only when `sync` (the last
+    micro-step of a window); otherwise they accumulate unsharded on this rank."""
+    module.set_requires_gradient_sync(sync)
+    yield
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the gradients of `params` to a total norm of `max_norm`; returns the total norm
+    before clipping as a plain tensor. Sharded (DTensor) gradients: the per-shard norms are
+    combined over the ranks (`full_tensor`) into the norm of the whole gradient, the same
+    number DDP computes from its replicas, and every rank scales its shard by the same factor
+    (torchtitan's recipe)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, ignore_frozen_params=True, **kw)
+
+
+def adapter_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Every rank calls this (it gathers shards); rank 0 gets the full trainable (LoRA) state and
+    the full optimizer state keyed by parameter name, on the CPU. Other ranks get empty dicts.
+    The same call under DDP, FSDP or one process gives the same names and shapes, which is what
+    lets a checkpoint resume under another strategy or worker count."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, optimizer, options=_options(cpu_offload=True))
+
+
+def full_adapter(model: nn.Module) -> dict:
+    """The full trainable (LoRA) state, keyed like `model.state_dict()`, on rank 0 on the CPU
+    ({} on other ranks). Every rank calls it: under FSDP it gathers the shards."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(cpu_offload=True))
+
+
+def load_adapter_state(model: nn.Module, optimizer: torch.optim.Optimizer, adapter: dict,
+                       optim_state: dict) -> None:
+    """Load a full state (as `adapter_state` returns it; every rank passes the same) into this
+    run's parameters and optimizer, whether they are replicas or FSDP shards."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=adapter, optim_state_dict=optim_state,
+                   options=_options())
