@@ -24,6 +24,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
@@ -97,8 +98,29 @@ def spec_of(**resources):
 EXAMPLES = example_specs()
 
 
+def _config_once():
+    """`jobs.memory.config_from_spec`, each model's config read once: reading a GGUF base's metadata
+    takes seconds, and every example renders on every overlay."""
+    import jobs.memory as memory
+
+    read, seen = memory.config_from_spec, {}
+
+    def config_from_spec(spec):
+        m = spec.model
+        key = (m.name, m.gguf_file, m.attn_implementation, m.hf_token_env)
+        if key not in seen:
+            seen[key] = read(spec)
+        return copy.deepcopy(seen[key])
+    return mock.patch.object(memory, "config_from_spec", config_from_spec)
+
+
 def rendered_sets() -> list[tuple[str, list[dict]]]:
     """Rendered objects for each example on each overlay it fits, plus a GPU variant on gpu."""
+    with _config_once():
+        return _rendered_sets()
+
+
+def _rendered_sets() -> list[tuple[str, list[dict]]]:
     out = []
     for sid, spec, kind, text in EXAMPLES:
         variants = [("", spec)]
