@@ -9,7 +9,8 @@ Admission: jobs go by priority (higher first), then queue order. A job is admitt
 concurrency limit allows and the cluster has free resources for it (orchestrator.queue.admission:
 CPUs, and GPUs whose memory holds the job's memory plan). The head of the queue waits for
 resources (lower priorities do not overtake it) unless it can never fit this cluster, which is
-reported and skipped.
+reported and skipped. A job that already ran here and is to run again (a retry after it lost a
+node, say) waits for the cluster to grow back instead.
 
 On KubeRay (`rayft queue run --backend kuberay`) Kueue admits by quota: the driver creates one
 RayJob per admitted job at once (labelled for the LocalQueue; Kueue keeps it suspended until its
@@ -284,6 +285,10 @@ class Driver:
                 ok, ever, why = fit_node_type(demand, node, self.cfg.gpu_memory)
             else:
                 ok, ever, why = fit(demand, view, self.cfg.gpu_memory, held_res)
+            if not ever and not quota and job["attempt"] > 0:
+                # It ran on this cluster before: the cluster shrank (a node was lost) and may grow back.
+                self._reason(job, f"waiting for resources: the cluster is smaller than when it ran ({why})")
+                break
             if not ever:
                 self._reason(job, why)
                 continue                  # skip it: it would block the queue forever
