@@ -62,12 +62,12 @@ class NodeType:
     gpus_per_node: int
     gpu_memory_gib: float
     cpus_per_node: float
-    worker_memory_gib: float
+    worker_memory_gib: float              # host memory per GPU worker: a pod of N GPUs gets N times it
     head_cpu: float
     head_memory_gib: float
     image: str
     head_ephemeral_gib: float = 20.0      # ephemeral-storage of the head pod (Ray's /tmp/ray)
-    worker_ephemeral_gib: float = 50.0    # ... of one worker pod (logs, spilled objects)
+    worker_ephemeral_gib: float = 50.0    # ... per GPU worker (logs, spilled objects), N times in a pod of N
     flavour: str = "gfd"                  # gfd, gke, eks or custom: which GPU label the nodes carry
     gpu_label_key: str = GPU_LABEL_KEYS["gfd"]
     gpu_label_value: str = ""             # "" with GPUs: gpu_product (GFD's value)
