@@ -19,10 +19,9 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
-from pathlib import Path
+from decimal import Decimal
 from typing import Any, Iterator, Optional
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
@@ -140,7 +139,7 @@ K8S_FUNCTIONS: dict[str, Any] = {
     "getPort": lambda u: celtypes.StringType("" if u.port is None else str(u.port)),
     "getEscapedPath": lambda u: celtypes.StringType(u.path),
     "getQuery": lambda u: celtypes.MapType({celtypes.StringType(k): celtypes.ListType(
-        [celtypes.StringType(x) for x in v]) for k, v in __import__("urllib.parse").parse.parse_qs(u.query).items()}),
+        [celtypes.StringType(x) for x in v]) for k, v in parse_qs(u.query).items()}),
     # regex library (regex.go): find / findAll; `matches` is cel-python's (RE2, unanchored)
     "find": lambda s, r: celtypes.StringType((lambda m: m.group(0) if m else "")(re.search(str(r), str(s)))),
     "findAll": lambda s, r, *n: celtypes.ListType([celtypes.StringType(m.group(0)) for m in re.finditer(
