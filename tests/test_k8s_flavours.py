@@ -451,8 +451,9 @@ def _ray_templates(o):
 def test_every_ray_object_comes_with_a_pdb_selecting_exactly_its_ray_pods(built):
     """Each RayCluster/RayJob of every build and render has one PDB, maxUnavailable 0, that selects
     its head and worker pods (by the labels in their templates, which KubeRay keeps on the pods)
-    and not its submitter; kubernetes-validate --strict accepts it."""
-    seen = 0
+    and not its submitter; kubernetes-validate --strict accepts it (here once per distinct budget;
+    test_k8s validates every rendered and built object)."""
+    seen, validated = 0, set()
     for sid, objs in _everything(built):
         pdbs = _pdbs(objs)
         for o in objs:
@@ -466,7 +467,10 @@ def test_every_ray_object_comes_with_a_pdb_selecting_exactly_its_ray_pods(built)
                 assert not policy.selector_matches(sel, o["spec"]["submitterPodTemplate"]["metadata"]["labels"])
             assert sel["matchLabels"][policy.CLUSTER_LABEL] == o["metadata"]["name"], sid
             assert pdb["metadata"].get("namespace") == o["metadata"].get("namespace"), sid
-            assert k8s_validate_errors(pdb) == [], sid
+            shape = repr({k: v for k, v in pdb["spec"].items() if k != "selector"})
+            if shape not in validated:
+                assert k8s_validate_errors(pdb) == [], sid
+                validated.add(shape)
             seen += 1
     assert seen >= len(RENDERED) + 3 * len(node_types.overlays())
 
