@@ -43,6 +43,17 @@ What runs
   layer through torch.compile), the same configuration choice as the plain rayft row. Its
   compile time falls in the warmup steps (`row_wall_s` shows it); `compile_speedup` in the
   comparison is its tok/s over the plain row's: the number that decides `model.compile`'s default.
+* Then, only if the time limit allows (or alone, with `--qlora-only`; like the compile rows it
+  is left out, not recorded as skipped, when the time is up): one QLoRA row
+  (`rayft-qlora`) per `--qlora-shapes` shape (default `llama-8b`; dry run `tiny`) at the first
+  budget: the same loop with `model.quantization: nf4` (bitsandbytes 4-bit NormalFloat, double
+  quantization, bf16 compute), so its base is *loaded* the way a job loads one (random-init
+  bf16 weights written once to a temporary directory, then `jobs.model.load_base_model`
+  quantizes them onto the GPU as they load); its configuration is chosen as for the plain row,
+  with the quantized memory estimate. The row has tok/s, `peak_alloc_gib` and the estimate
+  beside it (`estimate_gib`, `estimate_rel_err`); `qlora_tok_s` in the comparison. It needs
+  bitsandbytes on the GPU machine (carried as a wheel, below); without it the row says so (and
+  the exit status does not count it).
 
 Timing
 ------
@@ -84,14 +95,18 @@ On a GPU machine without internet: first, on a machine with PyPI access, fetch t
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 peft==0.21.2 pydantic==2.14.4 \
       pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
-      regex==2026.11.19
+      regex==2026.11.19 bitsandbytes==0.50.2
+
+(bitsandbytes, 41 MB, only for the QLoRA row: 58 MB in all, under the 64 MiB a call may carry.)
 
 then run both GPU benchmarks (this one and bench/gpu_memory.py, each under its own time limit,
 at most 9 min 10 s together) in one call with carry [".whl"], timeout_s 600:
 
     bash bench/gpu_all.sh $OUT
 
-or this script alone, with carry [".whl"], timeout_s 540:
+or this script alone, with carry [".whl"], timeout_s 540 (for the QLoRA row alone, the same
+command with `--shapes llama-8b --qlora-only`: not yet run on a GPU; estimated 3-4 minutes,
+most of it writing and quantizing the 16 GB of random bf16 weights):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; \
@@ -113,6 +128,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import gc
+import importlib.util
 import json
 import logging
 import os
@@ -330,12 +346,30 @@ class Workload:
         return torch.bfloat16 if self.device.type == "cuda" else torch.float32
 
 
-def rayft_spec(w: Workload, micro: int, chunk: int, out_dir: Path, compile_layers: bool = False):
+def weights_dir(w: Workload) -> Path:
+    """A directory with the shape's random-init weights (bf16 on GPU) and the id tokenizer,
+    written once per shape: a QLoRA row loads its base from it through `jobs.model`, which
+    quantizes while loading (transformers quantizes in `from_pretrained` only)."""
+    out = w.workdir / f"weights-{w.shape}"
+    if not (out / "config.json").is_file():
+        model = build_model(w.config, w.device, w.dtype)
+        model.save_pretrained(out)
+        id_tokenizer(w.config.vocab_size).save_pretrained(out)
+        del model
+        free_memory(w.device)
+    return out
+
+
+def rayft_spec(w: Workload, micro: int, chunk: int, out_dir: Path, compile_layers: bool = False,
+               quantization: str = "none"):
     from jobs.spec import load_spec
 
+    # The estimate reads the config only; a quantized base is really loaded, so it needs weights.
+    model_dir = w.model_dir if quantization == "none" else w.workdir / f"weights-{w.shape}"
     data = {
         "name": f"bench-{w.shape}",
-        "model": {"name": str(w.model_dir), "attn_implementation": "sdpa", "compile": compile_layers},
+        "model": {"name": str(model_dir), "attn_implementation": "sdpa", "compile": compile_layers,
+                  "quantization": quantization},
         "data": {"path": [str(w.data_path)], "max_seq_len": w.seq + 1},
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": TARGETS},
         "batch": {"global_batch_size": w.global_batch, "micro_batch_size": micro},
@@ -348,7 +382,7 @@ def rayft_spec(w: Workload, micro: int, chunk: int, out_dir: Path, compile_layer
     return load_spec(data=data)
 
 
-def rayft_candidates(w: Workload, flops: dict) -> list[dict]:
+def rayft_candidates(w: Workload, flops: dict, quantization: str = "none") -> list[dict]:
     """Every (micro-batch, loss chunk) with the checkpointing `train()` would pick for it and
     its estimate; `fits` and the predicted cost per token (lower is better)."""
     from jobs import loop, memory
@@ -362,7 +396,7 @@ def rayft_candidates(w: Workload, flops: dict) -> list[dict]:
         for chunk in chunks:
             if chunk and chunk >= tokens:
                 continue  # CausalLMLoss does not chunk then: the same as 0
-            spec = rayft_spec(w, mb, chunk, w.workdir / "unused")
+            spec = rayft_spec(w, mb, chunk, w.workdir / "unused", quantization=quantization)
             planned = loop.memory_plan(spec, kind)
             every, est_spec = planned.checkpoint_every_n_layers, planned.total_gib
             n_ckpt = 0 if every == 0 else len(range(0, L, every))
@@ -372,7 +406,7 @@ def rayft_candidates(w: Workload, flops: dict) -> list[dict]:
             est = memory.estimate(w.config, micro_batch_size=mb, seq_len=w.seq, gradient_checkpointing=every > 0,
                                   checkpoint_every_n_layers=max(1, every), base_dtype=w.precision,
                                   lora_r=LORA_R, lora_target_modules=TARGETS, loss_chunk_tokens=chunk or None,
-                                  device=w.device.type)
+                                  device=w.device.type, quantization=quantization)
             rows.append({"micro_batch_size": mb, "loss_chunk_tokens": chunk, "checkpoint_every_n_layers": every,
                          "estimate_spec_gib": round(float(est_spec), 3),
                          "estimate_gib": round(est.peak_allocated_gib, 3),
@@ -383,24 +417,32 @@ def rayft_candidates(w: Workload, flops: dict) -> list[dict]:
     return rows
 
 
-def run_rayft(w: Workload, cand: dict, tokenizer, compile_layers: bool = False) -> dict:
-    """One row: `jobs.loop.train` with a random-init base built on the device."""
+def run_rayft(w: Workload, cand: dict, tokenizer, compile_layers: bool = False, quantization: str = "none") -> dict:
+    """One row: `jobs.loop.train` with a random-init base built on the device (quantized: loaded
+    and quantized by `jobs.model.load_base_model` from `weights_dir`)."""
     from jobs import loop
     from jobs.context import LocalContext
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"rayft-{w.shape}-", dir=w.workdir))
-    spec = rayft_spec(w, cand["micro_batch_size"], cand["loss_chunk_tokens"], out_dir, compile_layers)
+    spec = rayft_spec(w, cand["micro_batch_size"], cand["loss_chunk_tokens"], out_dir, compile_layers, quantization)
     ends: list[float] = []
 
     def on_progress(metrics: dict) -> None:
         ends.append(time.perf_counter())  # after the step's .item(): the device is idle here
 
-    def load_base_model(spec_, precision):
-        model = build_model(w.config, w.device, w.dtype)
+    original = loop.load_base_model
+
+    quantized_layers = []
+
+    def load_base_model(spec_, precision, **kwargs):
+        if quantization != "none":
+            model = original(spec_, precision, **kwargs)[0]
+            quantized_layers.append(sum(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules()))
+        else:
+            model = build_model(w.config, w.device, w.dtype)
         fake_oom(f"rayft:{cand['micro_batch_size']}:{cand['loss_chunk_tokens']}")
         return model, tokenizer
 
-    original = loop.load_base_model
     loop.load_base_model = load_base_model
     t0 = time.perf_counter()
     try:
@@ -420,7 +462,8 @@ def run_rayft(w: Workload, cand: dict, tokenizer, compile_layers: bool = False) 
             "loss_chunk_tokens": cand["loss_chunk_tokens"], "step_s": timed,
             "inner_step_s": inner, "peak_alloc_gib": peak,
             "estimate_gib": cand["estimate_gib"], "estimate_total_gib": cand["estimate_total_gib"],
-            "estimate_spec_gib": summary.get("estimate_gib"),
+            "estimate_spec_gib": summary.get("estimate_gib"), "quantization": quantization,
+            "quantized_linear_layers": quantized_layers[0] if quantized_layers else 0,
             "final_loss": summary.get("final_loss"), "row_wall_s": wall}
 
 
@@ -573,14 +616,18 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
     base["allocated_before_gib"] = round(start_alloc, 3)
     t0 = time.perf_counter()
     try:
-        if loop_name in ("rayft", "rayft-compile"):
-            cands = rayft_candidates(w, flops)
+        if loop_name in ("rayft", "rayft-compile", "rayft-qlora"):
+            quantization = "nf4" if loop_name == "rayft-qlora" else "none"
+            if quantization != "none":
+                weights_dir(w)
+            cands = rayft_candidates(w, flops, quantization)
             base["candidates"] = [c for c in cands if c["fits"]][:6]
             tried = []
             for cand in [c for c in cands if c["fits"]][:3]:
                 failed = None
                 try:
-                    res = run_rayft(w, cand, tokenizer, compile_layers=loop_name == "rayft-compile")
+                    res = run_rayft(w, cand, tokenizer, compile_layers=loop_name == "rayft-compile",
+                                    quantization=quantization)
                 except Exception as e:  # noqa: BLE001
                     failed = e
                 if failed is None:
@@ -662,6 +709,7 @@ def comparisons(rows: list[dict], goal: float) -> list[dict]:
         ratio = a / b if a and b else None
         ray = by.get("rayft", {})
         compiled = by.get("rayft-compile", {}).get("tok_s")
+        qlora = by.get("rayft-qlora", {})
         out.append({"shape": shape, "budget_gib": budget, "rayft_tok_s": a, "hf_tok_s": b,
                     "rayft_compile_tok_s": compiled,
                     "compile_speedup": round(compiled / a, 3) if compiled and a else None,
@@ -669,7 +717,10 @@ def comparisons(rows: list[dict], goal: float) -> list[dict]:
                     "met": ratio >= goal if ratio else None,
                     "rayft_fraction_of_matmul_ceiling": ray.get("fraction_of_matmul_ceiling"),
                     "hf_fraction_of_matmul_ceiling": by.get("hf", {}).get("fraction_of_matmul_ceiling"),
-                    "rayft_estimate_rel_err": ray.get("estimate_rel_err")})
+                    "rayft_estimate_rel_err": ray.get("estimate_rel_err"),
+                    "qlora_tok_s": qlora.get("tok_s"), "qlora_peak_alloc_gib": qlora.get("peak_alloc_gib"),
+                    "qlora_estimate_gib": qlora.get("estimate_gib"),
+                    "qlora_estimate_rel_err": qlora.get("estimate_rel_err")})
     return out
 
 
@@ -729,6 +780,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="shapes that get one more rayft row with model.compile=true at the first budget, "
                          "after all main rows and only within the time limit (default: the first shape; "
                          "'' for none)")
+    ap.add_argument("--qlora-shapes", default=None,
+                    help="shapes that get one more rayft row with model.quantization=nf4 at the first budget, "
+                         "last and only within the time limit (default: llama-8b; dry run: tiny; '' for none)")
+    ap.add_argument("--qlora-only", action="store_true",
+                    help="run only the QLoRA rows (no rayft/HF comparison, no compile rows)")
     ap.add_argument("--time-limit-s", type=float, default=390.0,
                     help="start no new row after this many seconds (rows left are recorded as skipped)")
     args = ap.parse_args(argv)
@@ -818,7 +874,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 at_first_budget.setdefault(shape_name, (w, flops, tokenizer))
                 loops = ["rayft", "hf"] if order_flip % 2 == 0 else ["hf", "rayft"]
                 order_flip += 1
-                for loop_name in loops:
+                for loop_name in ([] if args.qlora_only else loops):
                     if time.perf_counter() - started > args.time_limit_s:
                         row = {"shape": shape_name, "budget_gib": budget, "loop": loop_name, "seq_len": seq,
                                "global_batch_size": gb, "micro_batch_size": None, "grad_accum_steps": None,
@@ -832,7 +888,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     save()
         # Optional extra rows: is torch.compile worth turning on? Last, so they never starve the
         # main comparison; same configuration choice as the plain rayft row.
-        compile_shapes = list(shapes)[:1] if args.compile_shapes is None else [
+        compile_shapes = [] if args.qlora_only else list(shapes)[:1] if args.compile_shapes is None else [
             n for n in args.compile_shapes.split(",") if n]
         for shape_name in compile_shapes:
             if shape_name not in at_first_budget or time.perf_counter() - started > args.time_limit_s:
@@ -842,10 +898,27 @@ def main(argv: Optional[list[str]] = None) -> int:
             result["rows"].append(row)
             print(fmt_row(row), flush=True)
             save()
+        # QLoRA rows: 4-bit base, same loop; last, for the same reason.
+        qlora_shapes = ["tiny" if dry else "llama-8b"] if args.qlora_shapes is None else [
+            n for n in args.qlora_shapes.split(",") if n]
+        for shape_name in qlora_shapes:
+            if shape_name not in at_first_budget or time.perf_counter() - started > args.time_limit_s:
+                continue
+            w, flops, tokenizer = at_first_budget[shape_name]
+            if importlib.util.find_spec("bitsandbytes") is None:
+                row = {"shape": shape_name, "budget_gib": w.budget_gib, "loop": "rayft-qlora",
+                       "status": "skipped: bitsandbytes is not installed (carry its wheel, see the docstring)"}
+            else:
+                row = run_row("rayft-qlora", w, flops, ceiling["tflops"], tokenizer)
+            result["rows"].append(row)
+            print(fmt_row(row), flush=True)
+            save()
     save()
     print_table(result)
     print(f"\n{result['wall_s']} s; wrote {path}")
-    return 0 if all(r.get("status") == "ok" for r in result["rows"]) else 1
+    # A QLoRA row skipped for want of bitsandbytes is said in the row; it fails nothing else.
+    return 0 if all(r.get("status") == "ok" or (r["loop"] == "rayft-qlora" and r["status"].startswith("skipped"))
+                    for r in result["rows"]) else 1
 
 
 if __name__ == "__main__":

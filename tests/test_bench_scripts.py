@@ -50,7 +50,8 @@ def test_gpu_compare_dry_run_writes_both_loops_and_ratios(tmp_path):
     assert result["dry_run"] is True and result["matmul_ceiling"]["tflops"] > 0
 
     compiled = [r for r in result["rows"] if r["loop"] == "rayft-compile"]
-    rows = [r for r in result["rows"] if r["loop"] != "rayft-compile"]
+    qlora = [r for r in result["rows"] if r["loop"] == "rayft-qlora"]
+    rows = [r for r in result["rows"] if r["loop"] not in ("rayft-compile", "rayft-qlora")]
     assert {r["loop"] for r in rows} == {"rayft", "hf"}
     budgets = {r["budget_gib"] for r in rows}
     assert len(budgets) == 2
@@ -83,11 +84,21 @@ def test_gpu_compare_dry_run_writes_both_loops_and_ratios(tmp_path):
 
     # one extra rayft row with model.compile, after the main rows, at the first budget, with
     # the configuration the plain rayft row chose there
-    assert len(compiled) == 1 and result["rows"][-1] is not None and result["rows"][-1]["loop"] == "rayft-compile"
+    assert len(compiled) == 1 and result["rows"][-2]["loop"] == "rayft-compile"
     c_row = compiled[0]
     assert c_row["status"] == "ok" and c_row["tok_s"] > 0 and c_row["budget_gib"] == tight
     for key in ("micro_batch_size", "grad_accum_steps", "gradient_checkpointing", "loss_chunk_tokens"):
         assert c_row[key] == ray[tight][key], key
+
+    # the QLoRA row, last: the same loop on a base jobs.model loaded as nf4 (all 7 linear layers of
+    # both decoder layers 4-bit), its configuration chosen with the quantized estimate
+    assert len(qlora) == 1 and result["rows"][-1]["loop"] == "rayft-qlora"
+    q_row = qlora[0]
+    assert q_row["status"] == "ok" and q_row["tok_s"] > 0 and q_row["budget_gib"] == tight, q_row
+    assert q_row["quantization"] == "nf4" and q_row["quantized_linear_layers"] == 7 * 2
+    assert q_row["micro_batch_size"] * q_row["grad_accum_steps"] == q_row["global_batch_size"]
+    assert 0 < q_row["estimate_spec_gib"] <= q_row["budget_gib"] and q_row["estimate_gib"] > 0
+    assert ROW_KEYS <= q_row.keys()
 
     # one comparison per (shape, budget), with the ratio rayft / HF
     comps = result["comparisons"]
@@ -97,6 +108,7 @@ def test_gpu_compare_dry_run_writes_both_loops_and_ratios(tmp_path):
     by_budget = {c["budget_gib"]: c for c in comps}
     assert math.isclose(by_budget[tight]["compile_speedup"], c_row["tok_s"] / ray[tight]["tok_s"], rel_tol=1e-2)
     assert by_budget[loose]["compile_speedup"] is None
+    assert by_budget[tight]["qlora_tok_s"] == q_row["tok_s"] and by_budget[loose]["qlora_tok_s"] is None
 
     # FLOPs per token: 4N + 6 L S d_q for the tiny shape (hidden 64, 2 layers, 4 heads, 2 kv, ff 176, vocab 512)
     f = result["flops_per_token"]["tiny"]
@@ -161,5 +173,7 @@ def test_gpu_all_runs_both_gpu_benchmarks_in_one_call(tmp_path):
     (compare_file,) = tmp_path.glob("*-cpu-dry-run.json")
     assert all(r["status"] == "ok" for r in json.loads(memory_file.read_text())["rows"])
     compare = json.loads(compare_file.read_text())
-    assert {r["loop"] for r in compare["rows"]} == {"rayft", "hf", "rayft-compile"}
+    # the QLoRA row comes last, only when the time limit leaves room for it
+    assert {"rayft", "hf", "rayft-compile"} <= {r["loop"] for r in compare["rows"]} <= {
+        "rayft", "hf", "rayft-compile", "rayft-qlora"}
     assert "gpu_memory exit 0, gpu_compare exit 0" in proc.stdout
