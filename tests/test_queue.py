@@ -303,7 +303,7 @@ def test_priority_order_and_sigkilled_driver(ray_head, tmp_path):
         out2, _ = d.communicate(timeout=30)
     assert d.returncode == -signal.SIGKILL
     assert "tracking" in out2 and first_id in out2
-    assert db_rows(db)[names[9]]["state"] == "SUCCEEDED"
+    assert db_rows(db)[names[9]]["state"] == "SUCCEEDED", out2
 
     # 3) restarted again, it runs the queue to the end
     d = driver(db, ray_head, "--max-concurrency", "1")
