@@ -480,7 +480,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     summary = {}
     if ctx.is_main:
         metrics_log.close()
-        adapter = stopper.best_adapter(out) or adapter
+        adapter = stopper.best_adapter(out, adapter) or adapter
         summary = write_outputs(spec, job, pos, last, adapter, wall_s=time.perf_counter() - run_start,
                                 mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None,
                                 extra=stopper.summary())
@@ -594,13 +594,20 @@ class EarlyStopping:
             if f.name not in keep:
                 f.unlink(missing_ok=True)
 
-    def best_adapter(self, out: Path) -> Optional[dict]:
-        """Rank 0, at the end: the best step's adapter state (what is saved as `adapter/`), or None."""
+    def best_adapter(self, out: Path, like: dict) -> Optional[dict]:
+        """Rank 0, at the end: the best step's adapter state (what is saved as `adapter/`), keyed
+        like `like` (the run's full adapter state), or None."""
         if not self.enabled or not self.best_step:
             return None
         from safetensors.torch import load_file
 
-        return load_file(str(self.best_file(out, self.best_step)))
+        state = load_file(str(self.best_file(out, self.best_step)))
+        if set(state) != set(like):
+            # Kept by an earlier rayft in PEFT's saved form, without the adapter's name: PEFT
+            # would drop every such key when saving, leaving an empty adapter. Name them again.
+            named = {k.replace(".default.", "."): k for k in like}
+            state = {named.get(k, k): v for k, v in state.items()}
+        return state
 
     def summary(self) -> dict:
         if not self.enabled:
