@@ -66,7 +66,18 @@ def spec_in_configmap(api: FakeKubeAPI, name: str):
     return load_spec(data=yaml.safe_load(api.configmaps[(NS, f"{name}-spec")]["data"]["spec.yaml"]), files=False)
 
 
-def test_a_queued_job_is_one_rayjob_that_kueue_admits(api, tmp_path):
+def status_table(db: Path, capsys) -> str:
+    """`rayft queue status` in this process (a CLI start costs seconds)."""
+    from argparse import Namespace
+
+    from orchestrator.cli.queue import cmd_queue_status
+
+    capsys.readouterr()
+    assert cmd_queue_status(Namespace(db=str(db), json=False)) == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_a_queued_job_is_one_rayjob_that_kueue_admits(api, tmp_path, capsys):
     q = Queue(tmp_path / "q.db")
     jid = add(q, "name=kr-life")
     d = driver(q, api)
@@ -84,6 +95,7 @@ def test_a_queued_job_is_one_rayjob_that_kueue_admits(api, tmp_path):
     row = q.job(jid)
     assert (row["state"], row["attempt"], row["retries"]) == ("RUNNING", 1, 0)
     assert row["status_detail"].startswith("QUEUED: suspended: waiting for Kueue")
+    assert "QUEUED (cluster)" in status_table(tmp_path / "q.db", capsys)
 
     api.admit(NS, name)
     seen = []
@@ -93,12 +105,13 @@ def test_a_queued_job_is_one_rayjob_that_kueue_admits(api, tmp_path):
     assert seen[:3] == ["PENDING", "RUNNING", "SUCCEEDED"]
     row = q.job(jid)
     assert row["state"] == "SUCCEEDED" and row["attempt"] == 1
+    assert "QUEUED (cluster)" not in status_table(tmp_path / "q.db", capsys)
     assert api.created() == [name] and rayjob_posts(api) == [201]
     kinds = [e["kind"] for e in q.events(jid)]
     assert (kinds.count("submitting"), kinds.count("running"), kinds.count("ended")) == (1, 1, 1)
 
 
-def test_out_of_memory_retries_with_half_the_micro_batch_and_failures_retry_to_the_limit(api, tmp_path):
+def test_out_of_memory_retries_with_half_the_micro_batch_and_failures_retry_to_the_limit(api, tmp_path, capsys):
     q = Queue(tmp_path / "q.db")
     d = driver(q, api)
     oom = add(q, "name=kr-oom", max_retries=0)
@@ -130,8 +143,8 @@ def test_out_of_memory_retries_with_half_the_micro_batch_and_failures_retry_to_t
     row = q.job(oom)
     assert row["state"] == "SUCCEEDED" and len(api.created()) == 2
     assert [a["status"] for a in q.attempts(oom)] == ["FAILED", "SUCCEEDED"]
-    table = rayft("queue", "status", "--db", str(tmp_path / "q.db"))
-    assert "micro_batch_size 4 -> 2, grad_accum_steps 2 -> 4" in table.stdout and "2 x 4" in table.stdout
+    table = status_table(tmp_path / "q.db", capsys)
+    assert "micro_batch_size 4 -> 2, grad_accum_steps 2 -> 4" in table and "2 x 4" in table
 
     # another failure: retried under the next attempt's name, same spec, until max_retries is spent
     flaky = add(q, "name=kr-flaky", max_retries=1)
@@ -171,6 +184,7 @@ def _kubeconfig(api: FakeKubeAPI, tmp_path: Path) -> dict:
     return env
 
 
+@pytest.mark.slow                        # three CLI starts: 22-37 s on 2 cores
 def test_a_driver_killed_after_creating_the_rayjob_does_not_create_a_second(api, tmp_path):
     env = _kubeconfig(api, tmp_path)
     db = tmp_path / "q.db"
@@ -214,7 +228,7 @@ def _small_gpu_overlay(tmp_path: Path, gpu_memory_gib: float, gpus_per_node: int
     return d.parent
 
 
-def test_a_job_that_cannot_fit_the_gpu_is_never_created(api, tmp_path):
+def test_a_job_that_cannot_fit_the_gpu_is_never_created(api, tmp_path, capsys):
     # A GPU between the job's estimate with checkpointing and without: checkpointing off cannot fit,
     # `auto` fits by checkpointing (the one memory plan decides both).
     long = "data.max_seq_len=8192"
@@ -239,9 +253,8 @@ def test_a_job_that_cannot_fit_the_gpu_is_never_created(api, tmp_path):
     for row, whys in ((q.job(big), why_big), (q.job(pair), [why_pair])):
         assert row["status_detail"].startswith("can never fit node type small-gpu/small-gpu-x1 (1 x NVIDIA-H100")
         assert all(w in row["status_detail"] for w in whys), row["status_detail"]
-    table = rayft("queue", "status", "--db", str(tmp_path / "q.db"))
-    flat = " ".join(table.stdout.split())
-    assert table.returncode == 0 and all(w in flat for w in [*why_big, why_pair]), table.stdout
+    table = status_table(tmp_path / "q.db", capsys)
+    assert all(w in table for w in [*why_big, why_pair]), table
     # alone with jobs that can never fit, `queue run` stops (exit 1) instead of waiting forever
     d.q.cancel(fits, stop=d.backend.stop)
     assert d.unschedulable_only()

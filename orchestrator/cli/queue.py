@@ -90,9 +90,16 @@ def cmd_queue_status(args) -> int:
         return 0
     from orchestrator.queue.store import RETRYABLE
 
+    def state(r) -> str:
+        # A job on the cluster that the cluster's own queue has not admitted yet (a RayJob Kueue
+        # holds suspended) is waiting, not running: said so here; --json keeps the queue's state.
+        if r["state"] == "RUNNING" and r["status_detail"].startswith("QUEUED"):
+            return "QUEUED (cluster)"
+        return r["state"]
+
     table(f"rayft queue {q.path}",
           ["#", "name", "prio", "state", "attempt", "submission id", "micro x accum", "change", "detail / message"],
-          [[r["id"], r["name"], r["priority"], r["state"], r["attempt"], r["submission_id"] or "-",
+          [[r["id"], r["name"], r["priority"], state(r), r["attempt"], r["submission_id"] or "-",
             f"{r['micro_batch_size']} x {r['grad_accum_steps']}", r["change_note"] or "-",
             (r["message"] if r["state"] in RETRYABLE and r["message"] else r["status_detail"]) or "-"]
            for r in rows])
