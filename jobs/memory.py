@@ -914,6 +914,11 @@ class MemoryPlan:
         return checkpointing_str(self.checkpoint_every_n_layers)
 
     @property
+    def choice(self) -> str:
+        """The strategy as one word: "ddp", "fsdp" or "fsdp-keep" (`CHOICES`)."""
+        return next(k for k, v in CHOICES.items() if v == (self.strategy, self.reshard_after_forward))
+
+    @property
     def strategy_str(self) -> str:
         """"ddp", "fsdp" or "fsdp (layers kept gathered)", as people read it."""
         return strategy_str(self.strategy, self.reshard_after_forward)

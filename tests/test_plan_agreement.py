@@ -118,7 +118,7 @@ def plan_column(case: Case) -> Column:
     """`jobs.memory.plan_for_spec`, on the GPU every column assumes (none for a CPU job)."""
     gpu = gpu_memory_gib() if case.device == "cuda" else None
     plan = plan_for_spec(case.spec(), device=case.device, gpu_memory_gib=gpu)
-    return plan.total_gib, plan.checkpointing, _choice(plan.strategy, plan.reshard_after_forward)
+    return plan.total_gib, plan.checkpointing, plan.choice
 
 
 def queue_column(case: Case) -> Column:
@@ -164,7 +164,7 @@ def loop_column(case: Case) -> Column:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
             plan = memory_plan(case.spec(), torch.device("cuda", 0))
-    return plan.total_gib, plan.checkpointing, _choice(plan.strategy, plan.reshard_after_forward)
+    return plan.total_gib, plan.checkpointing, plan.choice
 
 
 COLUMNS: dict[str, Callable[[Case], Column]] = {
