@@ -493,9 +493,10 @@ def announce(spec: JobSpec, ctx: Context, job: Job, pos: Position) -> None:
     """Rank 0, before the first step: the run's start in events.jsonl, and the plan in one line."""
     append_event(spec.output_path, "resume" if pos.step else "start", step=pos.step, world_size=ctx.world_size,
                  checkpoint=pos.source)
-    log.warning("job %s: %d steps, global batch %d = %d %s workers x %d accumulation x %d micro; lr %.3g (base "
+    log.warning("job %s: %d steps, global batch %d = %d%s workers x %d accumulation x %d micro; lr %.3g (base "
                 "%.3g x %s scaling %.3g at reference batch %d); precision %s; gradient checkpointing %s; "
-                "estimate %.2f GiB", spec.name, job.steps, spec.batch.global_batch_size, ctx.world_size, job.strategy,
+                "estimate %.2f GiB", spec.name, job.steps, spec.batch.global_batch_size, ctx.world_size,
+                f" {job.strategy.upper()}" if ctx.world_size > 1 else "",
                 spec.grad_accum_steps, spec.batch.micro_batch_size, spec.effective_lr, spec.optim.lr,
                 spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, job.precision,
                 job.plan.checkpointing, job.plan.total_gib)
