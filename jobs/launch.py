@@ -200,9 +200,11 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
     return json.loads((out / SUMMARY).read_text())
 
 
-# How long to wait for the cluster to mark a node dead once a worker on it stopped answering: Ray
-# notices a dead raylet after missing health checks (about 15 s with its defaults, period 3 s x 5).
-NODE_DEATH_WAIT_S = 45.0
+# How long to wait for the cluster to mark a node dead once a worker on it stopped answering. Ray's
+# GCS declares a node dead after 5 failed health checks 3 s apart (Ray 2.60's defaults,
+# health_check_failure_threshold / _period_ms): about 15 s for a raylet that is gone (each check
+# refused at once), up to 5 x (3 + 10) s when the host does not answer (each check times out).
+NODE_DEATH_WAIT_S = 70.0
 
 
 def node_lost(err: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> Optional[NodeLost]:
