@@ -90,7 +90,10 @@ def test_lora_gradient_on_a_quantized_base_is_the_gradient_on_its_dequantized_we
     assert rel_err(got, plain) > 5e-2
 
 
-@pytest.mark.parametrize("w,m,gc", [(1, 2, False), (2, 2, True)], ids=["W1xN4", "W2xN2-gc"])
+@pytest.mark.parametrize("w,m,gc", [
+    pytest.param(1, 2, False, id="W1xN4"),
+    pytest.param(2, 2, True, id="W2xN2-gc", marks=pytest.mark.slow),  # ~40 s: two spawned ranks
+])
 def test_accumulation_equals_big_batch_on_an_nf4_base(w, m, gc, tmp_path):
     """tests/test_accumulation.py's oracle on a 4-bit base in bf16: N micro-steps (W DDP ranks
     over gloo, with checkpointing) give the gradient of the global batch in one piece.
