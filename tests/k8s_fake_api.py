@@ -152,7 +152,7 @@ def _match(labels: dict, selector: str) -> bool:
 
 
 class FakeKubeAPI:
-    """A tiny in-memory API server for ConfigMaps, RayJobs and pods (logs)."""
+    """A tiny in-memory API server for ConfigMaps, RayJobs, PodDisruptionBudgets and pods (logs)."""
 
     DEFAULT_TRANSITIONS = [("Initializing", ""), ("Running", "RUNNING"), ("Complete", "SUCCEEDED")]
 
@@ -166,6 +166,7 @@ class FakeKubeAPI:
         self.ended: dict[tuple[str, str], dict] = {}      # a status `finish` pinned
         self.configmaps: dict[tuple[str, str], dict] = {}
         self.rayjobs: dict[tuple[str, str], dict] = {}
+        self.pdbs: dict[tuple[str, str], dict] = {}
         self.gets: dict[tuple[str, str], int] = {}
         self.pods: dict[tuple[str, str], dict] = {}
         self.logs: dict[tuple[str, str], str] = {}
@@ -266,12 +267,14 @@ class FakeKubeAPI:
     # -- routing --
     CM = re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps(?:/([^/]+))?$")
     RJ = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayjobs(?:/([^/]+))?$")
+    PDB = re.compile(r"^/apis/policy/v1/namespaces/([^/]+)/poddisruptionbudgets(?:/([^/]+))?$")
     PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?$")
 
     def handle(self, h, method: str) -> None:
         url = urlparse(h.path)
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
-        for pattern, store, kind in ((self.CM, self.configmaps, "ConfigMap"), (self.RJ, self.rayjobs, "RayJob")):
+        for pattern, store, kind in ((self.CM, self.configmaps, "ConfigMap"), (self.RJ, self.rayjobs, "RayJob"),
+                                     (self.PDB, self.pdbs, "PodDisruptionBudget")):
             m = pattern.match(url.path)
             if m:
                 return self._objects(h, method, m.group(1), m.group(2), store, kind, query)
@@ -293,7 +296,7 @@ class FakeKubeAPI:
         return h._send(404, _status(404, "NotFound", f"no route for {method} {url.path}"))
 
     def _objects(self, h, method, ns, name, store, kind, query) -> None:
-        plural = "configmaps" if kind == "ConfigMap" else "rayjobs"
+        plural = {"ConfigMap": "configmaps", "RayJob": "rayjobs", "PodDisruptionBudget": "poddisruptionbudgets"}[kind]
         if method == "POST" and name is None:
             body = h._body()
             errs = self._validate(kind, body)
@@ -315,7 +318,7 @@ class FakeKubeAPI:
         if method == "GET" and name is None:
             items = [self._with_status(kind, ons, oname, o, advance=False) for (ons, oname), o in store.items()
                      if ons == ns and _match(o["metadata"].get("labels") or {}, query.get("labelSelector", ""))]
-            return h._send(200, {"apiVersion": "v1" if kind == "ConfigMap" else "ray.io/v1",
+            return h._send(200, {"apiVersion": {"ConfigMap": "v1", "RayJob": "ray.io/v1"}.get(kind, "policy/v1"),
                                  "kind": f"{kind}List", "metadata": {}, "items": items})
         if (ns, name) not in store:
             return h._send(404, _status(404, "NotFound", f'{plural} "{name}" not found', name=name, kind=plural))

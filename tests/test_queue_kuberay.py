@@ -89,6 +89,9 @@ def test_a_queued_job_is_one_rayjob_that_kueue_admits(api, tmp_path, capsys):
     assert rj["metadata"]["labels"][k8s.QUEUE_LABEL] == "rayft" and rj["spec"]["suspend"] is True
     ann = rj["metadata"]["annotations"]
     assert (ann["rayft.io/queue-job"], ann["rayft.io/attempt"], ann["rayft.io/micro-batch-size"]) == (str(jid), "1", "4")
+    # its disruption budget and spec go with it (owner reference to the RayJob)
+    for obj in (api.pdbs[(NS, name)], api.configmaps[(NS, f"{name}-spec")]):
+        assert [o["uid"] for o in obj["metadata"]["ownerReferences"]] == [rj["metadata"]["uid"]]
 
     for _ in range(3):                   # Kueue holds it: queued, not failed, not created again
         d.step()
@@ -137,6 +140,7 @@ def test_out_of_memory_retries_with_half_the_micro_batch_and_failures_retry_to_t
     mounts = [v["configMap"]["name"] for v in rj2["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["volumes"]
               if "configMap" in v]
     assert mounts == [f"{second}-spec"]
+    assert first not in json.dumps(rj2) and second in json.dumps(api.pdbs[(NS, second)]["spec"]["selector"])
     api.admit(NS, second)
     for _ in range(3):
         d.step()
@@ -256,7 +260,9 @@ def test_a_job_that_cannot_fit_the_gpu_is_never_created(api, tmp_path, capsys):
     table = status_table(tmp_path / "q.db", capsys)
     assert all(w in table for w in [*why_big, why_pair]), table
     # alone with jobs that can never fit, `queue run` stops (exit 1) instead of waiting forever
-    d.q.cancel(fits, stop=d.backend.stop)
+    name = q.job(fits)["submission_id"]
+    assert d.q.cancel(fits, stop=d.backend.stop) == "CANCELED"
+    assert not api.rayjobs and not api.configmaps and not api.pdbs and (NS, name) not in api.pdbs
     assert d.unschedulable_only()
 
 

@@ -310,17 +310,31 @@ class KubeRayBackend:
         return sub
 
     def submit(self, sub: KubeRaySubmission) -> tuple[JobStatus, bool]:
-        """Create the spec ConfigMap and the RayJob: (its status, created).
+        """Create the spec ConfigMap, the PodDisruptionBudget and the RayJob: (its status, created).
 
         Idempotent: a RayJob of that name with the same spec hash is the same job (already
-        submitted), and is not created again. One with another hash is an error.
+        submitted), and is not created again. One with another hash is an error. The RayJob comes
+        last, so that whatever exists of it was created whole: its pods are never without their
+        spec or their disruption budget, also when a submitter was killed half-way and runs again.
         """
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        cm, rj = sub.objects[:2]
+        cm, rj, *rest = sub.objects
         name, h, cm_name = sub.submission_id, sub.spec_hash, cm["metadata"]["name"]
         core, custom = self._core(), self._custom()
+        unknown = [o.get("kind") for o in rest if o.get("kind") != "PodDisruptionBudget"]
+        if unknown:
+            raise KubeRayError(f"kuberay: render made a {unknown[0]}, which the backend does not know how to create")
+        policy = client.PolicyV1Api(self.api_client) if rest else None
+        for pdb in rest:
+            with self._api(f"create PodDisruptionBudget {pdb['metadata']['name']}"):
+                try:
+                    policy.create_namespaced_pod_disruption_budget(self.namespace, pdb,
+                                                                   _request_timeout=self._timeout)
+                except ApiException as e:
+                    if e.status != 409:               # AlreadyExists: the same job's, from a previous try
+                        raise
 
         body = client.V1ConfigMap.from_dict(cm) if hasattr(client.V1ConfigMap, "from_dict") else cm
         with self._api(f"create ConfigMap {cm_name}"):
@@ -350,17 +364,19 @@ class KubeRayBackend:
                 raise KubeRayError(f"kuberay: RayJob {name} exists with spec hash {have_hash}, not {h}; "
                                    f"`rayft stop {name} {self.cli_flags}` first")
             return to_status(have, self.namespace), False
-        # Let the ConfigMap go with the RayJob (garbage collection by owner reference).
+        # Let the ConfigMap and the budget go with the RayJob (garbage collection by owner reference).
         uid = (created.get("metadata") or {}).get("uid") if isinstance(created, dict) else None
         if uid:
             owner = [{"apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}", "kind": "RayJob", "name": name,
                       "uid": uid, "blockOwnerDeletion": False}]
+            patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": owner}]
             try:
-                core.patch_namespaced_config_map(cm_name, self.namespace,
-                                                 [{"op": "add", "path": "/metadata/ownerReferences", "value": owner}],
-                                                 _request_timeout=self._timeout)
+                core.patch_namespaced_config_map(cm_name, self.namespace, patch, _request_timeout=self._timeout)
+                for pdb in rest:
+                    policy.patch_namespaced_pod_disruption_budget(pdb["metadata"]["name"], self.namespace, patch,
+                                                                  _request_timeout=self._timeout)
             except ApiException:
-                pass                                      # stop() deletes it explicitly anyway
+                pass                                      # stop() deletes them explicitly anyway
         return to_status(created if isinstance(created, dict) else rj, self.namespace), True
 
     def submit_spec(self, spec: JobSpec, **render_kw: Any) -> str:
@@ -426,8 +442,8 @@ class KubeRayBackend:
         return wait_for_end(lambda: self.status(name), timeout_s, poll_s)
 
     def stop(self, name: str) -> bool:
-        """Delete the RayJob (KubeRay deletes its cluster and submitter) and its spec ConfigMap.
-        Always True: deleting is the stop, whether the job still ran or not."""
+        """Delete the RayJob (KubeRay deletes its cluster and submitter), its spec ConfigMap and
+        its PodDisruptionBudget. Always True: deleting is the stop, whether the job still ran or not."""
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
@@ -442,6 +458,13 @@ class KubeRayBackend:
                 self._core().delete_namespaced_config_map(cm_name, self.namespace, _request_timeout=self._timeout)
             except ApiException as e:
                 if e.status != 404:
+                    raise
+        with self._api(f"delete PodDisruptionBudget {name}"):  # render names it after the RayJob
+            try:
+                client.PolicyV1Api(self.api_client).delete_namespaced_pod_disruption_budget(
+                    name, self.namespace, _request_timeout=self._timeout)
+            except ApiException as e:
+                if e.status != 404:                       # none: a job rendered before budgets existed
                     raise
         return True
 
