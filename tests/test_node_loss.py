@@ -13,7 +13,9 @@ controller and rayft's progress actor need none) and each worker node has exactl
 is what one worker asks for (`resources.cpus_per_worker=1`), so the two workers can only run on
 two different worker nodes. rayft pins its progress actor to the driver's node (the head here);
 the node removed is one that holds a training worker. One cluster serves the module: each test
-starts from two live worker nodes (`LocalCluster.ensure_nodes`)."""
+starts from two live worker nodes (`LocalCluster.ensure_nodes`). The pieces (reading the lost
+worker's node from Ray Train's error, asking Ray whether that node is dead, cutting forwarded
+tracebacks) are also checked without a cluster, at the end."""
 
 from __future__ import annotations
 
@@ -208,3 +210,66 @@ def test_without_max_failures_losing_a_node_ends_the_run_with_one_line_naming_it
     newest = ckpt.newest_complete(out / "checkpoints", warn=False)
     assert newest is not None and newest.name == ckpt.step_dir_name(4), newest
     assert not (out / "summary.json").exists()
+
+
+# ---- the pieces, without a cluster -----------------------------------------------------------
+
+def _health_check_failure(node_id: str, ip: str, cause: Exception):
+    """Ray Train's own error for a worker that stopped answering, with its worker info as Ray
+    formats it (ActorMetadata lists node_id then node_ip)."""
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    info = (f"A worker health check failed.\nWorker info: Worker(\n  actor=Actor(RayTrainWorker, ab12),\n"
+            f"  metadata=ActorMetadata(\n    hostname='vm',\n    node_id='{node_id}',\n    node_ip='{ip}',\n"
+            f"    pid=1,\n  ),\n)")
+    return WorkerHealthCheckFailedError(info, failure=cause)
+
+
+def test_unreachable_workers_are_read_from_ray_trains_health_check_failures():
+    from ray.train import WorkerGroupError
+
+    from jobs.errors import unreachable_workers
+
+    a, b = "ab" * 28, "cd" * 28
+    err = WorkerGroupError("2 workers failed", {
+        0: _health_check_failure(a, "10.0.0.7", RuntimeError("actor unavailable")),
+        1: RuntimeError(f"gloo: connection closed; node_id='{b}', node_ip='10.0.0.8'"),  # a peer, not a lost worker
+        2: _health_check_failure(a, "10.0.0.7", RuntimeError("actor died")),
+    })
+    assert unreachable_workers(err) == {a: ("10.0.0.7", [0, 2])}
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = err
+    assert unreachable_workers(wrapped) == {a: ("10.0.0.7", [0, 2])}
+    assert unreachable_workers(WorkerGroupError("x", {0: RuntimeError("boom")})) == {}
+    assert unreachable_workers(None) == {}
+
+
+def test_forwarded_worker_tracebacks_are_cut_to_their_exception_line():
+    from jobs.launch import _TracebackFilter
+
+    printed: list[list[str]] = []
+    f = _TracebackFilter(lambda data: printed.append(data["lines"]))
+    f({"pid": 1, "is_err": True, "lines": ["Error in training function:", "Traceback (most recent call last):",
+                                           '  File "x.py", line 1, in f', "    g()"]})
+    f({"pid": 2, "is_err": True, "lines": ["  indented output of another process stays"]})
+    f({"pid": 1, "is_err": True, "lines": ['  File "y.py", line 2, in g', "    ^^^^", "RuntimeError: peer closed",
+                                           "  indented again after it, kept"]})
+    assert printed == [["Error in training function:"], ["  indented output of another process stays"],
+                       ["RuntimeError: peer closed", "  indented again after it, kept"]]
+
+
+def test_a_worker_that_stopped_answering_is_a_lost_node_only_when_ray_marks_the_node_dead(monkeypatch):
+    from ray.train import WorkerGroupError
+
+    import jobs.launch as launch
+
+    a = "ab" * 28
+    err = WorkerGroupError("1 worker failed", {1: _health_check_failure(a, "10.0.0.7", RuntimeError("unavailable"))})
+    table = [{"NodeID": a, "Alive": True, "NodeManagerAddress": "10.0.0.7"}]
+    monkeypatch.setattr(launch.ray, "nodes", lambda: table)
+    assert launch.node_lost(err, wait_s=0) is None           # node up: a crashed worker process, Ray's error stays
+    table[0].update(Alive=False, DeathReasonMessage="health check failed due to missing too many heartbeats")
+    lost = launch.node_lost(err, wait_s=0)
+    assert (lost.node_id, lost.node_ip, lost.exit_code) == (a, "10.0.0.7", 1)
+    assert str(lost) == (f"lost node {a} (10.0.0.7), which held training worker rank 1 "
+                         "(health check failed due to missing too many heartbeats)")
