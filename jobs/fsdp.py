@@ -20,7 +20,7 @@ FSDP shards of any worker count).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch import nn
