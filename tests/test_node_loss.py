@@ -162,10 +162,15 @@ def _stall_then_remove_a_node(cluster: LocalCluster, p: subprocess.Popen, out: P
         time.sleep(0.5)
     # The node of a training worker; never the one of rayft's progress actor (pinned to the
     # driver's node, the head here: this only guards the test's premise).
-    on = cluster.actors_by_node()
-    victim = next(p for p in cluster.nodes if p.poll() is None
-                  and "RayTrainWorker" in on.get(cluster.node_ids[p.pid], set())
-                  and "ProgressActor" not in on.get(cluster.node_ids[p.pid], set()))
+    for _ in range(60):                               # the state API may answer before it lists every actor
+        on = cluster.actors_by_node()
+        victim = next((p for p in cluster.nodes if p.poll() is None
+                       and "RayTrainWorker" in on.get(cluster.node_ids[p.pid], set())
+                       and "ProgressActor" not in on.get(cluster.node_ids[p.pid], set())), None)
+        if victim is not None:
+            break
+        time.sleep(0.5)
+    assert victim is not None, on
     victim_id = cluster.node_ids[victim.pid]
     alive = len(cluster.alive_cpu_nodes())
     cluster.kill(victim)                              # a whole node: its raylet and its worker

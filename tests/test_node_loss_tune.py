@@ -25,6 +25,7 @@ from test_node_loss import LocalCluster
 
 BIN = Path(sys.executable).parent
 EVAL = ROOT / "examples" / "data" / "tiny-eval.jsonl"
+TRIAL_SIDE = {"ImplicitFunc", "TrainController"}     # the trial function and its Train controller
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +71,15 @@ def _stall_then_remove_the_workers_node(cluster: LocalCluster, p: subprocess.Pop
         assert p.poll() is None, p.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the trial never reached step 5"
         time.sleep(0.5)
-    on = cluster.actors_by_node()
-    victims = [q for q in cluster.nodes if q.poll() is None and on.get(cluster.node_ids[q.pid], set()) == {"RayTrainWorker"}]
-    assert len(victims) == 1, on                      # the premise: the worker alone on its node
+    for _ in range(60):                               # the state API may answer before it lists every actor
+        on = cluster.actors_by_node()
+        victims = [q for q in cluster.nodes if q.poll() is None
+                   and "RayTrainWorker" in on.get(cluster.node_ids[q.pid], set())
+                   and not TRIAL_SIDE & on.get(cluster.node_ids[q.pid], set())]
+        if victims:
+            break
+        time.sleep(0.5)
+    assert len(victims) == 1, on                      # the premise: the worker on a node of its own
     victim_id = cluster.node_ids[victims[0].pid]
     cluster.kill(victims[0])
     cluster.wait_nodes(len(cluster.alive_cpu_nodes()) - 1)
