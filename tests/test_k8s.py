@@ -245,10 +245,21 @@ def test_rendered_rayjobs_validate_strictly_against_the_crd(sid, objs):
     assert k8s_validate_errors(cm) == [] and k8s_validate_errors(pdb) == []
 
 
-def test_every_example_renders_somewhere():
+def test_every_example_renders_somewhere(tmp_path):
     assert RENDERED, "no example spec fits any overlay"
-    for sid, *_ in EXAMPLES:
-        assert any(r[0].startswith(sid) for r in RENDERED), f"{sid} fits no overlay"
+    for sid, spec, kind, text in EXAMPLES:
+        if any(r[0].startswith(sid) for r in RENDERED):
+            continue
+        # Only a job with more GPUs than any overlay's Kueue quota (jobQuotaGpus) may fit none: it
+        # must fit the gpu overlay's node type once its quota holds the job (everything else fits).
+        with pytest.raises(SpecError, match="jobQuotaGpus"):
+            k8s.render(spec, overlay="gpu", kind=kind, spec_text=text if kind == "tune" else None)
+        node_type = yaml.safe_load((K8S / "overlays/gpu/node-type/node-type.yaml").read_text())
+        node_type["data"]["jobQuotaGpus"] = str(spec.resources.num_workers)
+        (tmp_path / sid / "node-type").mkdir(parents=True)
+        (tmp_path / sid / "node-type/node-type.yaml").write_text(yaml.safe_dump(node_type))
+        with _config_once():
+            k8s.render(spec, overlay=tmp_path / sid, kind=kind, spec_text=text if kind == "tune" else None)
 
 
 @NEEDS_CRDS

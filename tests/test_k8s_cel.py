@@ -364,7 +364,8 @@ def cel_violations(objs: list[dict]) -> list[str]:
 
 def _render_variants() -> list[tuple[str, list[dict]]]:
     """RENDERED (every example on every overlay it fits, + GPU variants), and: the tune kind, an image
-    by digest and `resources.gpus_per_worker` 2 and 8 on every overlay they fit."""
+    by digest and `resources.gpus_per_worker` 2 and 4 on every overlay they fit (4 workers: within
+    the GPU overlays' Kueue quota of 6)."""
     out = list(RENDERED)
     digest = "registry.example/rayft@sha256:" + "a" * 64
     search_text = "name: s\nsearch:\n  trials: 3\n"
@@ -374,8 +375,8 @@ def _render_variants() -> list[tuple[str, list[dict]]]:
         out.append((f"tune@{ov}", render(spec, overlay=ov, kind="tune", spec_text=search_text, concurrent_trials=2)))
         out.append((f"digest@{ov}", render(spec, overlay=ov, image=digest)))
         if gpu:
-            for n in (2, 8):
-                s = load_spec(data=_inline_spec(use_gpu=True, num_workers=8, gpus_per_worker=n), files=False)
+            for n in (2, 4):
+                s = load_spec(data=_inline_spec(use_gpu=True, num_workers=4, gpus_per_worker=n), files=False)
                 out.append((f"gpus_per_worker={n}@{ov}", render(s, overlay=ov)))
     return out
 
@@ -422,7 +423,7 @@ def test_render_variants_cover_kinds_overlays_digests_and_gpu_packing():
     ids = [v[0] for v in VARIANTS]
     for ov in overlays():
         assert f"tune@{ov}" in ids and f"digest@{ov}" in ids
-    assert any(i.startswith("gpus_per_worker=8@") for i in ids)
+    assert any(i.startswith("gpus_per_worker=4@") for i in ids)
 
 
 # ---- the checker reports broken objects ------------------------------------------------------------

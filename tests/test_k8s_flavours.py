@@ -172,7 +172,7 @@ def test_policy_flags_a_submitter_without_an_ephemeral_storage_limit():
 
 # ---- node types name the cluster flavour ------------------------------------------------------------
 
-from jobs.errors import UserError  # noqa: E402
+from jobs.errors import SpecError, UserError  # noqa: E402
 from orchestrator.backends.kuberay import node_types  # noqa: E402
 
 FLAVOURS = {"gke": "cloud.google.com/gke-accelerator", "eks": "karpenter.k8s.aws/instance-gpu-name",
@@ -254,6 +254,91 @@ def test_quota_check_catches_the_old_gpu_overlay(built):
     assert _gpu_quota(objs) + _standing_max_gpus(objs) == 16 > node_types.load_node_type("gpu").cluster_gpus
 
 
+GPU_OVERLAYS = sorted(FLAVOURS)
+
+
+@pytest.mark.parametrize("ov", GPU_OVERLAYS + ["dev-cpu"])
+def test_node_type_records_the_gpu_quota_of_its_cluster_queue(built, ov):
+    """jobQuotaGpus is what render and queue admission check against: it must be the quota Kueue
+    really has, so the two cannot drift apart."""
+    node = node_types.load_node_type(ov)
+    assert node.job_quota_gpus == _gpu_quota(built[f"overlays/{ov}"]), ov
+    assert ov == "dev-cpu" or 0 < node.job_quota_gpus < node.cluster_gpus
+
+
+def _spec_with_workers(workers: int):
+    from jobs.spec import load_spec
+    from test_k8s import _inline_spec
+
+    d = _inline_spec(use_gpu=True, num_workers=workers)
+    d["batch"] = {"global_batch_size": 48, "micro_batch_size": 1}      # divides by 6 and by 8 workers
+    return load_spec(data=d, files=False)
+
+
+@pytest.mark.parametrize("ov", GPU_OVERLAYS)
+def test_render_refuses_more_gpus_than_kueue_hands_out(ov):
+    quota = node_types.load_node_type(ov).job_quota_gpus
+    objs = render(_spec_with_workers(quota), overlay=ov)                 # exactly the quota: admitted
+    assert objs[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == quota
+    with pytest.raises(SpecError) as e:
+        render(_spec_with_workers(quota + 2), overlay=ov, spec_path="big.yaml")
+    msg = str(e.value)
+    assert msg.startswith(f"big.yaml: resources.num_workers={quota + 2}: {quota + 2} GPUs exceed the {quota} GPUs"), msg
+    assert f"jobQuotaGpus in k8s/overlays/{ov}/node-type/node-type.yaml" in msg and "\n" not in msg
+
+
+def test_render_counts_every_concurrent_trial_of_a_search_against_the_quota():
+    spec = _spec_with_workers(2)
+    rj = render(spec, overlay="gpu", kind="tune", spec_text="name: s\n", concurrent_trials=3)[1]
+    assert rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 6
+    with pytest.raises(SpecError, match=r"resources.num_workers=2 x search.max_concurrent_trials=4: 8 GPUs exceed "
+                                        r"the 6 GPUs .*jobQuotaGpus"):
+        render(spec, overlay="gpu", kind="tune", spec_text="name: s\n", concurrent_trials=4)
+    render(spec, overlay="gpu", concurrent_trials=4)                     # a fine-tune has no trials
+
+
+def test_no_quota_in_the_node_type_is_not_checked(tmp_path):
+    """jobQuotaGpus 0 or absent: the Kueue quota is not known, only clusterGpus is checked."""
+    spec = _spec_with_workers(8)
+    for data in ({}, {"jobQuotaGpus": "0"}, {"jobQuotaGpus": "", "clusterGpus": "8"}):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        render(spec, overlay=_node_type_dir(d, gpusPerNode="8", **data))
+    ov = _node_type_dir(tmp_path / "q4", gpusPerNode="8", jobQuotaGpus="4", clusterGpus="8")
+    with pytest.raises(SpecError, match=f"8 GPUs exceed the 4 GPUs .*jobQuotaGpus in {ov}/node-type/node-type.yaml"):
+        render(spec, overlay=ov)
+    with pytest.raises(SpecError, match=r"8 GPUs exceed the 4 GPUs of overlay ov's cluster \(clusterGpus"):
+        render(spec, overlay=_node_type_dir(tmp_path / "c4", gpusPerNode="8", clusterGpus="4"))
+
+
+def test_render_and_submit_cli_refuse_a_job_over_the_quota_before_creating_it(monkeypatch, capsys):
+    import orchestrator.backends.kuberay as kuberay
+    from k8s_fake_api import FakeKubeAPI
+    from orchestrator.cli import main
+
+    job = ["examples/tiny-lora.yaml", "resources.use_gpu=true", "batch.micro_batch_size=1"]
+    assert main(["k8s", "render", *job, "resources.num_workers=8", "--overlay", "gke"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "8 GPUs exceed the 6 GPUs" in err and "Traceback" not in err
+    assert "k8s/overlays/gke/node-type/node-type.yaml" in err
+    real = kuberay.KubeRayBackend
+    with FakeKubeAPI() as api:
+        monkeypatch.setattr(kuberay, "KubeRayBackend", lambda **kw: real(api_client=api.api_client(), **kw))
+        assert main(["submit", "--backend", "kuberay", *job, "resources.num_workers=8", "--overlay", "gpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "8 GPUs exceed the 6 GPUs" in err and "jobQuotaGpus" in err
+        assert not api.rayjobs and not api.configmaps and not api.pdbs
+        assert main(["submit", "--backend", "kuberay", *job, "resources.num_workers=4", "--overlay", "gpu"]) == 0
+        assert len(api.rayjobs) == 1                                      # the same path does create
+
+
+def test_shipped_examples_fit_the_quota_of_the_gpu_overlays():
+    """Every example runs on every GPU overlay (as a GPU job) except the 70B sizing example, whose
+    8 GPUs are more than the 6 the overlays' Kueue hands out: refused, never left suspended."""
+    for ov in GPU_OVERLAYS:
+        fits = {sid.split("+")[0].split("@")[0] for sid, _ in RENDERED if sid.endswith(f"@{ov}")}
+        assert {"tiny-lora.yaml", "tiny-chat.yaml", "smollm2-lora.yaml", "tune-accum.yaml"} <= fits, (ov, fits)
+        assert "llama70b-lora.yaml" not in fits
+
 def _node_type_dir(tmp_path, **data):
     d = tmp_path / "ov" / "node-type"
     d.mkdir(parents=True)
@@ -280,7 +365,10 @@ def test_custom_label_and_tolerations_reach_the_rendered_job(tmp_path):
     ({"gpuTolerations": "{key: x}"}, "gpuTolerations must be a YAML list"),
     ({"gpuTolerations": "[unclosed"}, "gpuTolerations is not YAML"),
     ({"accessMode": "ReadMany"}, "data.accessMode 'ReadMany'"),
-], ids=["flavour", "custom-no-key", "tolerations-map", "tolerations-yaml", "access-mode"])
+    ({"jobQuotaGpus": "six"}, "data.jobQuotaGpus 'six': expected a whole number of GPUs"),
+    ({"jobQuotaGpus": "-2"}, "data.jobQuotaGpus '-2'"),
+], ids=["flavour", "custom-no-key", "tolerations-map", "tolerations-yaml", "access-mode", "quota-word",
+        "quota-negative"])
 def test_a_bad_node_type_is_one_clear_error(tmp_path, data, expect):
     with pytest.raises(UserError, match=expect.replace("[", r"\[").replace("{", r"\{")):
         node_types.load_node_type(_node_type_dir(tmp_path, **data))
@@ -529,15 +617,19 @@ def _cpu(q: str) -> float:
 
 
 @pytest.mark.parametrize("gpus_per_worker", [1, 2, 8])
-def test_gpus_per_worker_packs_workers_into_pods(gpus_per_worker):
-    """8 Ray Train workers (one per GPU) on the gpu overlay's 8-GPU node type: 8/n pods of n GPUs,
-    CPU = cpus_per_worker x n + 1, memory, ephemeral storage and /dev/shm n times one worker's, and
-    Ray started with num-gpus n."""
-    node = node_types.load_node_type("gpu")
-    assert node.gpus_per_node == 8
+def test_gpus_per_worker_packs_workers_into_pods(gpus_per_worker, tmp_path):
+    """8 Ray Train workers (one per GPU) on the gpu overlay's 8-GPU node type (with Kueue handing
+    all 8 to RayJobs): 8/n pods of n GPUs, CPU = cpus_per_worker x n + 1, memory, ephemeral storage
+    and /dev/shm n times one worker's, and Ray started with num-gpus n."""
+    ov = tmp_path / "gpu-whole-node"
+    (ov / "node-type").mkdir(parents=True)
+    src = node_types.k8s_dir() / "overlays/gpu/node-type/node-type.yaml"
+    (ov / "node-type/node-type.yaml").write_text(src.read_text().replace('jobQuotaGpus: "6"', 'jobQuotaGpus: "8"'))
+    node = node_types.load_node_type(ov)
+    assert node.gpus_per_node == node.job_quota_gpus == 8
     n = gpus_per_worker
     spec = spec_of(use_gpu=True, num_workers=8, gpus_per_worker=n, cpus_per_worker=3)
-    objs = render(spec, overlay="gpu")
+    objs = render(spec, overlay=ov)
     assert policy.policy_violations(objs) == []
     (g,) = objs[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 8 // n
@@ -555,9 +647,9 @@ def test_gpus_per_worker_packs_workers_into_pods(gpus_per_worker):
 
 
 def test_gpus_per_worker_multiplies_the_trials_of_a_search():
-    spec = spec_of(use_gpu=True, num_workers=4, gpus_per_worker=2)
+    spec = spec_of(use_gpu=True, num_workers=2, gpus_per_worker=2)
     rj = render(spec, overlay="gpu", kind="tune", spec_text="name: s\n", concurrent_trials=3)[1]
-    assert rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 4 // 2 * 3
+    assert rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 2 // 2 * 3
 
 
 def test_gpus_per_worker_beyond_the_node_is_refused_naming_both(tmp_path):
@@ -568,7 +660,7 @@ def test_gpus_per_worker_beyond_the_node_is_refused_naming_both(tmp_path):
     (ov / "node-type").mkdir(parents=True)
     (ov / "node-type/node-type.yaml").write_text(src.read_text().replace('gpusPerNode: "8"', 'gpusPerNode: "4"'))
     assert node_types.load_node_type(ov).gpus_per_node == 4
-    render(spec_of(use_gpu=True, num_workers=8, gpus_per_worker=4), overlay=ov)   # 4 fits 4
+    render(spec_of(use_gpu=True, num_workers=4, gpus_per_worker=4), overlay=ov)   # 4 fits 4
     with pytest.raises(SpecError) as e:
         render(spec_of(use_gpu=True, num_workers=8, gpus_per_worker=8), overlay=ov)
     msg = str(e.value)

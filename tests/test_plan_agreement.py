@@ -139,9 +139,15 @@ def k8s_column(case: Case) -> Column:
     from jobs.errors import SpecError
     from orchestrator.backends import kuberay
 
+    from orchestrator.backends.kuberay.node_types import NodeType
+
     overlay = GPU_OVERLAY if case.device == "cuda" else CPU_OVERLAY
     try:
-        ann = kuberay.render(case.spec(), overlay=overlay)[1]["metadata"]["annotations"]
+        # This column judges memory: render's refusal of more GPUs than Kueue hands out (the 70B's 8
+        # on the gpu overlay's 6, jobQuotaGpus) is tested in tests/test_k8s_flavours.py.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(NodeType, "gpus_refusal", lambda self, gpus: "")
+            ann = kuberay.render(case.spec(), overlay=overlay)[1]["metadata"]["annotations"]
     except SpecError as e:
         assert case.device == "cuda" and plan_column(case)[0] > gpu_memory_gib(), e
         return None

@@ -15,6 +15,8 @@ with its submitter pod's log).
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -266,20 +268,47 @@ def test_a_job_that_cannot_fit_the_gpu_is_never_created(api, tmp_path, capsys):
     assert d.unschedulable_only()
 
 
+def _demand(workers: int, per_pod: int) -> Demand:
+    return Demand(workers, 1.0, True, gib_by_every={0: 10.0, 1: 5.0}, gc_mode="false", gpus_per_worker=per_pod)
+
+
 def test_gpus_per_worker_against_the_node_type():
     """On KubeRay a worker pod's gpus_per_worker GPUs must be on one node of the node type, and the
-    job's GPUs within the node type's cluster (clusterGpus); quota is Kueue's business."""
+    job's GPUs within what Kueue hands out to RayJobs (jobQuotaGpus) and the cluster (clusterGpus);
+    waiting for free quota is Kueue's business."""
     gpu = k8s.load_node_type("gpu")                                # 8 x H100 per node, 8 in the cluster
-    assert (gpu.gpus_per_node, gpu.cluster_gpus) == (8, 8)
-
-    def demand(workers: int, per_pod: int) -> Demand:
-        return Demand(workers, 1.0, True, gib_by_every={0: 10.0, 1: 5.0}, gc_mode="false", gpus_per_worker=per_pod)
-
-    assert fit_node_type(demand(8, 8), gpu) == (True, True, "")
-    assert fit_node_type(demand(4, 2), gpu)[0]
-    ok, ever, why = fit_node_type(demand(16, 8), gpu)
-    assert (ok, ever) == (False, False) and "needs 16 GPUs, the cluster has 8" in why
+    assert (gpu.gpus_per_node, gpu.cluster_gpus, gpu.job_quota_gpus) == (8, 8, 6)
+    demand = _demand
+    assert fit_node_type(demand(6, 2), gpu) == (True, True, "")
+    assert fit_node_type(demand(4, 4), gpu)[0]
+    ok, ever, why = fit_node_type(demand(16, 16), gpu)
+    assert (ok, ever) == (False, False) and "resources.gpus_per_worker=16 needs 16 GPUs on one node, it has 8" in why
     cpu = k8s.load_node_type("dev-cpu")
     ok, ever, why = fit_node_type(demand(2, 2), cpu)
     assert not ever and "it has no GPUs" in why
     assert fit_node_type(Demand(2, 1.0), cpu)[0]                   # CPU jobs: render sizes them
+
+
+def test_a_job_over_the_kueue_quota_is_never_created(api, tmp_path, capsys):
+    """8 GPUs on an overlay whose ClusterQueue hands out 6: Kueue would keep the RayJob suspended
+    forever, so the queue marks it never-fits, naming its GPUs, the quota and where it is set."""
+    gpu = k8s.load_node_type("gpu")
+    ok, ever, why = fit_node_type(_demand(8, 1), gpu)
+    assert (ok, ever) == (False, False)
+    assert why.startswith("can never fit node type gpu/h100-80gb-x8 (8 x NVIDIA-H100-80GB-HBM3): "
+                          "resources.num_workers=8: 8 GPUs exceed the 6 GPUs the Kueue ClusterQueue of overlay gpu")
+    assert "jobQuotaGpus in k8s/overlays/gpu/node-type/node-type.yaml" in why
+    assert fit_node_type(_demand(8, 2), gpu)[1] is False                # however the GPUs are packed
+    no_quota = dataclasses.replace(gpu, job_quota_gpus=0)                # not known: clusterGpus only
+    assert fit_node_type(_demand(8, 1), no_quota) == (True, True, "")
+    ok, ever, why = fit_node_type(_demand(16, 2), no_quota)
+    assert not ever and "16 GPUs exceed the 8 GPUs of overlay gpu's cluster (clusterGpus" in why
+    q = Queue(tmp_path / "q.db")
+    big = add(q, "name=kr-eight", "resources.num_workers=8", "batch.micro_batch_size=1", max_retries=0)
+    fits = add(q, "name=kr-six", "resources.num_workers=6", "batch.global_batch_size=48", "batch.micro_batch_size=1")
+    d = driver(q, api)
+    d.step()
+    assert api.created() == [q.job(fits)["submission_id"]]             # the big one never reached the API
+    row = q.job(big)
+    assert row["state"] == "QUEUED" and "8 GPUs exceed the 6 GPUs" in row["status_detail"]
+    assert "jobQuotaGpus" in status_table(tmp_path / "q.db", capsys)

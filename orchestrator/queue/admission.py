@@ -264,9 +264,10 @@ def fit_node_type(demand: Demand, node, gpu_memory: Optional[dict[str, float]] =
     rayft checks what quota cannot see, the same facts `render` refuses on: a worker pod's
     `gpus_per_worker` GPUs on one node, `resources.accelerator_type` against the node's GPU, the
     memory plan against the GPU's memory (`--gpu-memory` for the node's Ray accelerator type
-    overrides the node type's `gpuMemoryGiB`), and no more GPUs than the node type's cluster has
-    (`clusterGpus`; Kueue would keep such a job suspended forever). Never "not now": waiting for
-    free GPUs is Kueue's.
+    overrides the node type's `gpuMemoryGiB`), and no more GPUs than Kueue's ClusterQueue hands out
+    to RayJobs (`jobQuotaGpus`) or the node type's cluster has (`clusterGpus`): Kueue would keep
+    such a job suspended forever (`NodeType.gpus_refusal`, the check `render` makes). Never "not
+    now": waiting for free GPUs is Kueue's.
     """
     if not demand.use_gpu:
         return True, True, ""
@@ -280,8 +281,9 @@ def fit_node_type(demand: Demand, node, gpu_memory: Optional[dict[str, float]] =
     if demand.pod_gpus > node.gpus_per_node:
         return never(f"resources.gpus_per_worker={demand.pod_gpus} needs {demand.pod_gpus} GPUs on one node, "
                      f"it has {node.gpus_per_node}")
-    if node.cluster_gpus and demand.gpus > node.cluster_gpus:
-        return never(f"needs {demand.gpus:g} GPUs, the cluster has {node.cluster_gpus} (clusterGpus)")
+    refusal = node.gpus_refusal(demand.gpus)
+    if refusal:
+        return never(f"resources.num_workers={demand.num_workers}: {refusal}")
     accel = demand.accelerator_type
     if accel and accel.lower() not in {node.ray_accelerator_type.lower(), node.gpu_product.lower()}:
         return never(f"resources.accelerator_type {accel} is not its {node.ray_accelerator_type or node.gpu_product}")

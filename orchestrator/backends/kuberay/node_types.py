@@ -3,9 +3,11 @@
 Each overlay under ``k8s/overlays/<name>/`` carries a ConfigMap ``rayft-node-type``
 (``node-type/node-type.yaml``): GPU product and count, GPU memory, CPUs, pod memory, image, and
 the cluster flavour: the node label that selects the GPU nodes (GFD, GKE, EKS/Karpenter or a
-custom pair), their taints, the storage class and access mode of the data volume.
+custom pair), their taints, the storage class and access mode of the data volume, and the GPUs
+of the cluster (`clusterGpus`) and of Kueue's quota for RayJobs (`jobQuotaGpus`).
 Kustomize copies its image and GPU product into the manifests (k8s/components); `render`
-sizes a job's pods from it and refuses specs that cannot fit one node of it.
+sizes a job's pods from it and refuses specs that cannot fit one node of it, or whose GPUs in
+total exceed what Kueue hands out (`NodeType.gpus_refusal`, shared with queue admission).
 """
 
 from __future__ import annotations
@@ -75,6 +77,24 @@ class NodeType:
     storage_class: str = ""               # of the rayft-data PVC ("" = the cluster's default)
     access_mode: str = "ReadWriteMany"    # of the rayft-data PVC
     cluster_gpus: int = 0                 # GPUs of all nodes of this type (0: one node's)
+    # GPUs the Kueue ClusterQueue hands out to RayJobs (nominalQuota of nvidia.com/gpu; 0: not
+    # known, not checked). A job asking more is never admitted: its RayJob would wait suspended.
+    job_quota_gpus: int = 0
+    source: str = ""                      # the file this node type was read from (for messages)
+
+    def gpus_refusal(self, gpus: float) -> str:
+        """Why a job holding `gpus` GPUs in total can never be admitted on this node type's
+        cluster ("" when it can): more than Kueue's quota for RayJobs (`jobQuotaGpus`), or than
+        the cluster has (`clusterGpus`). Kueue only ever compares a job to its quota, so such a
+        RayJob is not refused there: it stays suspended forever."""
+        where = f" in {self.source}" if self.source else ""
+        if self.job_quota_gpus and gpus > self.job_quota_gpus:
+            return (f"{gpus:g} GPUs exceed the {self.job_quota_gpus} GPUs the Kueue ClusterQueue of overlay "
+                    f"{self.overlay} hands out to RayJobs (jobQuotaGpus{where}); Kueue would keep it suspended forever")
+        if self.cluster_gpus and gpus > self.cluster_gpus:
+            return (f"{gpus:g} GPUs exceed the {self.cluster_gpus} GPUs of overlay {self.overlay}'s cluster "
+                    f"(clusterGpus{where})")
+        return ""
 
     def gpu_selector(self) -> dict:
         """The nodeSelector of a GPU pod on this node type ({} when there is nothing to select)."""
@@ -82,7 +102,7 @@ class NodeType:
         return {self.gpu_label_key: value} if value else {}
 
     @classmethod
-    def from_configmap(cls, obj: Obj, overlay: str) -> "NodeType":
+    def from_configmap(cls, obj: Obj, overlay: str, source: str = "") -> "NodeType":
         d = obj.get("data") or {}
         where = f"overlay {overlay}: node-type ConfigMap"
         try:
@@ -100,6 +120,7 @@ class NodeType:
                 image=str(d["image"]),
                 head_ephemeral_gib=float(d.get("headEphemeralGiB", 20)),
                 worker_ephemeral_gib=float(d.get("workerEphemeralGiB", 50)),
+                source=source,
                 **_flavour_fields(d, where),
             )
         except KeyError as e:
@@ -131,8 +152,31 @@ def _flavour_fields(d: Obj, where: str) -> Obj:
     return {
         "flavour": flavour, "gpu_label_key": key, "gpu_label_value": str(d.get("gpuLabelValue") or ""),
         "gpu_tolerations": tolerations, "storage_class": str(d.get("storageClassName") or ""),
-        "access_mode": mode, "cluster_gpus": int(d.get("clusterGpus", 0)),
+        "access_mode": mode, "cluster_gpus": _count(d, "clusterGpus", where),
+        "job_quota_gpus": _count(d, "jobQuotaGpus", where),
     }
+
+
+def _count(d: Obj, key: str, where: str) -> int:
+    """A whole number >= 0 of the ConfigMap's data (absent or "": 0)."""
+    raw = d.get(key)
+    if raw is None or str(raw).strip() == "":
+        return 0
+    try:
+        n = int(str(raw).strip())
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise UserError(f"{where}: data.{key} {raw!r}: expected a whole number of GPUs (0: not known)")
+    return n
+
+
+def _shown(f: Path) -> str:
+    """A path as a user finds it: relative to the current directory when it is under it."""
+    try:
+        return str(f.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(f)
 
 
 def load_node_type(overlay: Union[str, Path] = DEFAULT_OVERLAY) -> NodeType:
@@ -149,7 +193,7 @@ def load_node_type(overlay: Union[str, Path] = DEFAULT_OVERLAY) -> NodeType:
             for doc in yaml.safe_load_all(f.read_text()):
                 if isinstance(doc, dict) and doc.get("kind") == "ConfigMap" and \
                         (doc.get("metadata") or {}).get("name") == "rayft-node-type":
-                    return NodeType.from_configmap(doc, base.name)
+                    return NodeType.from_configmap(doc, base.name, source=_shown(f))
             raise UserError(f"{f}: no ConfigMap rayft-node-type in it")
     known = ", ".join(overlays()) or "none found"
     raise UserError(f"--overlay {overlay}: no node type (node-type/node-type.yaml) there; overlays: {known}")

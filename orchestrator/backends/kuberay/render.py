@@ -20,7 +20,9 @@ They are plain dicts, no kustomize needed; `to_yaml` writes them as one multi-do
 and from the overlay's *node type* (`node_types`): a spec that asks for more GPUs per worker or more
 CPUs per worker than one node of that type has, a per-GPU budget above its GPU memory, or whose
 memory plan (`jobs.memory.plan_for_spec` on that GPU) does not fit it, is refused with a
-`SpecError` naming both numbers. The RayJob is annotated with the plan's estimate and its
+`SpecError` naming both numbers; so is a job whose GPUs in total (num_workers, times the concurrent
+trials of a search) exceed the Kueue quota for RayJobs the node type records (`jobQuotaGpus`).
+The RayJob is annotated with the plan's estimate and its
 gradient checkpointing: the numbers queue admission and the training loop use.
 
 Job names are deterministic: ``<spec.name>-<spec hash>``, so submitting the same spec twice finds
@@ -280,7 +282,15 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
             raise SpecError(f"{where}: override {word!r}: on Kubernetes overrides travel on the RayJob's command "
                             "line and must be plain words (letters, digits, / . _ - = , : {{}})")
     # num_workers is a multiple of gpus_per_worker (jobs.spec checks it).
-    worker_pods = res.num_workers // per_pod * (max(1, concurrent_trials) if kind == "tune" else 1)
+    trials = max(1, concurrent_trials) if kind == "tune" else 1
+    worker_pods = res.num_workers // per_pod * trials
+    # Kueue admits the RayJob only when all its GPUs fit the ClusterQueue's quota at once; more
+    # than the quota is never admitted, and Kueue says so nowhere: the RayJob waits suspended.
+    refusal = node.gpus_refusal(res.num_workers * trials) if gpus else ""
+    if refusal:
+        asks = f"resources.num_workers={res.num_workers}" + (
+            f" x search.max_concurrent_trials={trials}" if kind == "tune" else "")
+        raise SpecError(f"{where}: {asks}: {refusal}")
 
     name = job_name(spec)
     cm_name = spec_configmap_name(name)
