@@ -116,7 +116,8 @@ def adapter_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     lets a checkpoint resume under another strategy or worker count."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return get_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    adapter, optim_state = get_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    return _trainable_only(model, adapter), optim_state
 
 
 def full_adapter(model: nn.Module) -> dict:
@@ -124,7 +125,15 @@ def full_adapter(model: nn.Module) -> dict:
     ({} on other ranks). Every rank calls it: under FSDP it gathers the shards."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options(cpu_offload=True))
+    return _trainable_only(model, get_model_state_dict(model, options=_options(cpu_offload=True)))
+
+
+def _trainable_only(model: nn.Module, state: dict) -> dict:
+    """`ignore_frozen_params` drops the frozen parameters but not the extra state modules write
+    beside them: bitsandbytes' 4-bit layers (QLoRA) add their quantization constants
+    (`weight.absmax`, `weight.quant_map`, ...), which belong to the base, not to the adapter."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in names}
 
 
 def load_adapter_state(model: nn.Module, optimizer: torch.optim.Optimizer, adapter: dict,

@@ -198,6 +198,50 @@ def test_a_gguf_base_loads_in_nf4_and_stays_the_pretrained_model():
     assert losses[True] <= 1.3 * losses[False] and losses[True] < 3.0
 
 
+QRUN = ["batch.global_batch_size=8", "batch.micro_batch_size=2", "data.max_seq_len=96", "lora.r=4",
+        "run.max_steps=4", "run.checkpoint_every=2", "run.keep_checkpoints=3", "run.eval_every=0",
+        "model.quantization=nf4"]
+
+
+def _train_nf4(rank: int, world: int, strategy: str, out: str) -> dict:
+    """`jobs.loop.train` without Ray on an nf4 tiny-llama (CPU: fp32 compute)."""
+    from jobs.context import LocalContext
+    from jobs.loop import train
+    from jobs.spec import absolutize, load_spec
+
+    os.chdir(ROOT)
+    spec = absolutize(load_spec("examples/tiny-lora.yaml", QRUN + [f"resources.num_workers={world}",
+                                                                   f"resources.strategy={strategy}",
+                                                                   f"run.output_dir={out}"]))
+    return train(spec, LocalContext(on_progress=lambda r: None), resume=True)
+
+
+@pytest.mark.slow  # ~60 s: two runs of 4 steps
+def test_a_qlora_run_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """A checkpoint holds the adapter only, not the 4-bit layers' quantization constants
+    (bitsandbytes writes them into state dicts beside the frozen weights), so a QLoRA run
+    resumed from its step-2 checkpoint ends with the uninterrupted run's adapter."""
+    import shutil
+
+    from gradtools import final_adapter
+    from jobs import checkpoint as ckpt
+
+    monkeypatch.chdir(ROOT)
+    whole = tmp_path / "whole"
+    _train_nf4(0, 1, "ddp", str(whole))
+    saved = ckpt.load_adapter(ckpt.newest_complete(whole / "checkpoints"))
+    assert saved and all(".lora_" in k for k in saved), [k for k in saved if ".lora_" not in k][:3]
+    cut = tmp_path / "cut"
+    shutil.copytree(whole, cut)
+    shutil.rmtree(cut / "checkpoints" / ckpt.step_dir_name(4))
+    for name in ("adapter", "base"):
+        shutil.rmtree(cut / name)
+    (cut / "summary.json").unlink()
+    summary = _train_nf4(0, 1, "ddp", str(cut))
+    assert summary["resumed_from_step"] == 2
+    assert rel_err(final_adapter(cut), final_adapter(whole)) <= TOL_FP32
+
+
 def test_a_checkpoint_of_a_quantized_run_does_not_resume_on_another_base():
     from jobs.checkpoint import check_resumable, resume_key
 
