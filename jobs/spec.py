@@ -424,12 +424,6 @@ class JobSpec(BaseModel):
         if r.fsdp_reshard_after_forward is not None and r.strategy == "ddp":
             raise ValueError("resources.fsdp_reshard_after_forward is set but resources.strategy=ddp "
                              "(it only applies to fsdp or auto)")
-        if r.strategy == "fsdp" and self.model.quantization != "none":
-            # bitsandbytes 0.50's 4-bit weights themselves survive fully_shard in training
-            # (tests/test_qlora.py), but rayft's FSDP path (sharding, checkpoint gathering, the
-            # memory plan) has not been checked with bitsandbytes layers.
-            raise ValueError(f"resources.strategy=fsdp is not supported with a quantized base "
-                             f"(model.quantization={self.model.quantization}) yet; use strategy ddp or auto")
         if self.lora.init in ("pissa", "olora") and self.model.quantization != "none":
             # PEFT refuses PiSSA on a quantized base; OLoRA re-quantizes the residual, so its
             # adapter fits neither the 4-bit nor the plain base (logits 0.55-0.69 off, tiny-llama).
