@@ -641,7 +641,7 @@ def _fake_memory(monkeypatch, total_gib: float):
 
     def plan_for_spec(spec, device="cuda", gpu_memory_gib=None):
         calls.append(device)
-        return types.SimpleNamespace(total_gib=total_gib, checkpointing="off",
+        return types.SimpleNamespace(total_gib=total_gib, checkpointing="off", choice="ddp",
                                      estimate=types.SimpleNamespace(total_bytes=int(total_gib * 2**30)))
     mod.plan_for_spec = plan_for_spec
     monkeypatch.setitem(sys.modules, "jobs.memory", mod)

@@ -134,7 +134,7 @@ def queue_column(case: Case) -> Column:
 
 
 def k8s_column(case: Case) -> Column:
-    """`rayft k8s render`: the RayJob's annotations (exact bytes, and the checkpointing). A GPU
+    """`rayft k8s render`: the RayJob's annotations (exact bytes, the checkpointing, the strategy). A GPU
     job whose plan exceeds the overlay's GPU is refused: then the plan must say so."""
     from jobs.errors import SpecError
     from orchestrator.backends import kuberay
@@ -152,7 +152,7 @@ def k8s_column(case: Case) -> Column:
         assert case.device == "cuda" and plan_column(case)[0] > gpu_memory_gib(), e
         return None
     assert ann[kuberay.ANN_ESTIMATE] == f"{int(ann[kuberay.ANN_ESTIMATE_BYTES]) / GIB:.2f}"
-    return int(ann[kuberay.ANN_ESTIMATE_BYTES]) / GIB, ann[kuberay.ANN_CHECKPOINTING], None
+    return int(ann[kuberay.ANN_ESTIMATE_BYTES]) / GIB, ann[kuberay.ANN_CHECKPOINTING], ann[kuberay.ANN_STRATEGY]
 
 
 def loop_column(case: Case) -> Column:

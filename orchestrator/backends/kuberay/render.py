@@ -72,6 +72,7 @@ ANN_SPEC_SOURCE = "rayft.io/spec-source"
 ANN_ESTIMATE = "rayft.io/memory-estimate-gib"             # the plan's estimate, 2 decimals, for people
 ANN_ESTIMATE_BYTES = "rayft.io/memory-estimate-bytes"     # ... exactly, for programs
 ANN_CHECKPOINTING = "rayft.io/gradient-checkpointing"     # the plan's: off, on, every 2nd layer, ...
+ANN_STRATEGY = "rayft.io/strategy"                         # the plan's: ddp, fsdp, fsdp-keep (layers kept gathered)
 ANN_ESTIMATE_ERROR = "rayft.io/memory-estimate-error"
 ANN_NODE_TYPE = "rayft.io/node-type"
 ANN_GPU_MEMORY = "rayft.io/gpu-memory-gib"
@@ -316,6 +317,7 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
     if plan is not None:
         annotations[ANN_ESTIMATE_BYTES] = str(int(plan.estimate.total_bytes))
         annotations[ANN_CHECKPOINTING] = plan.checkpointing
+        annotations[ANN_STRATEGY] = plan.choice
     if plan_error:
         annotations[ANN_ESTIMATE_ERROR] = plan_error
     if gpus:
@@ -516,6 +518,7 @@ def render_yaml(spec: JobSpec, **kw: Any) -> str:
     head = (f"rayft k8s render: job {spec.name} as RayJob {rj['metadata']['name']} "
             f"(node type {ann[ANN_NODE_TYPE]}, memory estimate {ann[ANN_ESTIMATE]} GiB"
             + (f" of {ann[ANN_GPU_MEMORY]} GiB per GPU" if ANN_GPU_MEMORY in ann else "")
+            + (f", strategy {ann[ANN_STRATEGY]}" if ANN_STRATEGY in ann else "")
             + (f", gradient checkpointing {ann[ANN_CHECKPOINTING]}" if ANN_CHECKPOINTING in ann else "") + ")\n"
             "apply with: kubectl apply -n rayft -f -")
     return to_yaml(objs, header=head)
