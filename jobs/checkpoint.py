@@ -326,10 +326,23 @@ def resume_key(spec: JobSpec) -> dict:
     return out
 
 
+def _field_default(key: str):
+    """The default of the spec field `section.field`, as `resume_key` stores values (JSON)."""
+    section, name = key.split(".")
+    field = JobSpec.model_fields[section].annotation.model_fields[name]
+    if field.is_required():
+        return None
+    value = field.get_default(call_default_factory=True)
+    return json.loads(json.dumps(value.model_dump(mode="json") if hasattr(value, "model_dump") else value))
+
+
 def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
     if not isinstance(saved, dict):
         raise SpecError(f"{one_line(where)}: not a rayft checkpoint (no resume key); use --fresh to start over")
     now = resume_key(spec)
+    # A key newer than the checkpoint is read as the field's default: that is what the run that
+    # wrote it trained with (e.g. `model.quantization` "none" before quantization existed).
+    saved = {**{k: _field_default(k) for k in now if k not in saved and k != DATA_HASH_KEY}, **saved}
     diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k] and k != DATA_HASH_KEY]
     if saved.get(DATA_HASH_KEY) != now[DATA_HASH_KEY]:
         diffs.append("the data changed: its content no longer matches the checkpoint's (sha256 "

@@ -265,6 +265,18 @@ def test_a_checkpoint_of_a_quantized_run_does_not_resume_on_another_base():
         check_resumable(saved, tiny_spec(), "ckpt")
 
 
+def test_a_checkpoint_from_before_quantization_resumes_on_an_unquantized_base_only():
+    """A checkpoint whose resume key predates `model.quantization` trained an unquantized base:
+    the missing key reads as the default, "none"."""
+    from jobs.checkpoint import check_resumable, resume_key
+
+    saved = resume_key(tiny_spec())
+    del saved["model.quantization"]
+    check_resumable(saved, tiny_spec(), "ckpt")
+    with pytest.raises(SpecError, match=r"model\.quantization: 'none' -> 'nf4'"):
+        check_resumable(saved, tiny_spec("model.quantization=nf4"), "ckpt")
+
+
 REFUSED = [
     # PEFT refuses PiSSA on a quantized base (TypeError); OLoRA re-quantizes the residual and its
     # saved adapter then fits neither base.
