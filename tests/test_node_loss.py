@@ -124,6 +124,33 @@ class LocalCluster:
             time.sleep(0.5)
 
     @staticmethod
+    def wait_until(proc: subprocess.Popen, ready, what: str, timeout_s: float = 300) -> None:
+        """Poll `ready()` until it holds; `proc` (the rayft process under test) must stay alive."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert proc.poll() is None, "".join(x or "" for x in proc.communicate())[-3000:]
+            assert time.monotonic() < deadline, f"never reached: {what}"
+            time.sleep(0.5)
+
+    def remove_worker_node(self, not_with: set[str]) -> str:
+        """SIGKILL a live node that holds a Ray Train worker and none of the actors named in
+        `not_with` (the test's premise: the driver side survives), wait until Ray has marked it
+        dead; returns its Ray node id."""
+        for _ in range(60):                           # the state API may answer before it lists every actor
+            on = self.actors_by_node()
+            victims = [p for p in self.nodes if p.poll() is None
+                       and "RayTrainWorker" in on.get(self.node_ids[p.pid], set())
+                       and not not_with & on.get(self.node_ids[p.pid], set())]
+            if victims:
+                break
+            time.sleep(0.5)
+        assert victims, on
+        alive = len(self.alive_cpu_nodes())
+        self.kill(victims[0])                         # a whole node: its raylet and its workers
+        self.wait_nodes(alive - 1)
+        return self.node_ids[victims[0].pid]
+
+    @staticmethod
     def kill(p: subprocess.Popen) -> None:
         try:
             os.killpg(p.pid, signal.SIGKILL)
@@ -154,28 +181,10 @@ def _run(cluster: LocalCluster, out: Path, *extra: str) -> subprocess.Popen:
 def _stall_then_remove_a_node(cluster: LocalCluster, p: subprocess.Popen, out: Path, marker: Path,
                               steps: int = 5) -> str:
     """Wait until the run stalls at step `steps` (its RAYFT_FAULT marker), remove the node of one of
-    its training workers, wait until Ray has marked it dead; returns the removed node's id."""
-    deadline = time.monotonic() + 300
-    while not (marker.exists() and len(read_metrics(out)) >= steps):
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"the run never reached step {steps}"
-        time.sleep(0.5)
-    # The node of a training worker; never the one of rayft's progress actor (pinned to the
-    # driver's node, the head here: this only guards the test's premise).
-    for _ in range(60):                               # the state API may answer before it lists every actor
-        on = cluster.actors_by_node()
-        victim = next((p for p in cluster.nodes if p.poll() is None
-                       and "RayTrainWorker" in on.get(cluster.node_ids[p.pid], set())
-                       and "ProgressActor" not in on.get(cluster.node_ids[p.pid], set())), None)
-        if victim is not None:
-            break
-        time.sleep(0.5)
-    assert victim is not None, on
-    victim_id = cluster.node_ids[victim.pid]
-    alive = len(cluster.alive_cpu_nodes())
-    cluster.kill(victim)                              # a whole node: its raylet and its worker
-    cluster.wait_nodes(alive - 1)
-    return victim_id
+    its training workers (never the one of rayft's progress actor, pinned to the driver's node, the
+    head here: this only guards the test's premise); returns the removed node's id."""
+    cluster.wait_until(p, lambda: marker.exists() and len(read_metrics(out)) >= steps, f"step {steps}")
+    return cluster.remove_worker_node({"ProgressActor"})
 
 
 @pytest.mark.ray

@@ -14,7 +14,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -75,23 +74,8 @@ def test_a_queued_job_whose_node_is_lost_is_retried_once_and_resumes(cluster, tm
                           "--poll", "0.5", "--backoff", "1"], cwd=project, env=cluster.env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 300
-        while not (marker.exists() and len(read_metrics(out)) >= 4):
-            assert d.poll() is None, d.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "the job never reached step 5"
-            time.sleep(0.5)
-        for _ in range(60):                            # the state API may answer before it lists every actor
-            on = cluster.actors_by_node()
-            victims = [p for p in cluster.nodes if p.poll() is None
-                       and "RayTrainWorker" in on.get(cluster.node_ids[p.pid], set())
-                       and not DRIVER_SIDE & on.get(cluster.node_ids[p.pid], set())]
-            if victims:
-                break
-            time.sleep(0.5)
-        assert victims, on                             # the premise: a worker's node without the job's driver
-        victim = cluster.node_ids[victims[0].pid]
-        cluster.kill(victims[0])
-        cluster.wait_nodes(1)
+        cluster.wait_until(d, lambda: marker.exists() and len(read_metrics(out)) >= 4, "the job's step 5")
+        victim = cluster.remove_worker_node(DRIVER_SIDE)
         cluster.add_node()                             # room again for the retry
         log, _ = d.communicate(timeout=400)
     finally:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -63,27 +62,12 @@ def _tune(cluster: LocalCluster, spec: Path) -> subprocess.Popen:
 def _stall_then_remove_the_workers_node(cluster: LocalCluster, p: subprocess.Popen, out: Path, marker: Path) -> tuple[Path, str]:
     """Wait until the first trial stalls before step 5, remove the node of its training worker
     (not the node of the trial function or Ray Train's controller); returns (trial dir, node id)."""
-    deadline = time.monotonic() + 300
-    while True:
-        trials = sorted((out / "trials").glob("*/metrics.jsonl"))
-        if marker.exists() and trials and len(read_metrics(trials[0].parent)) >= 4:
-            break
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the trial never reached step 5"
-        time.sleep(0.5)
-    for _ in range(60):                               # the state API may answer before it lists every actor
-        on = cluster.actors_by_node()
-        victims = [q for q in cluster.nodes if q.poll() is None
-                   and "RayTrainWorker" in on.get(cluster.node_ids[q.pid], set())
-                   and not TRIAL_SIDE & on.get(cluster.node_ids[q.pid], set())]
-        if victims:
-            break
-        time.sleep(0.5)
-    assert len(victims) == 1, on                      # the premise: the worker on a node of its own
-    victim_id = cluster.node_ids[victims[0].pid]
-    cluster.kill(victims[0])
-    cluster.wait_nodes(len(cluster.alive_cpu_nodes()) - 1)
-    return trials[0].parent, victim_id
+    def first_trial() -> list[Path]:
+        return sorted(t.parent for t in (out / "trials").glob("*/metrics.jsonl"))
+
+    cluster.wait_until(p, lambda: marker.exists() and bool(first_trial()) and len(read_metrics(first_trial()[0])) >= 4,
+                       "the trial's step 5")
+    return first_trial()[0], cluster.remove_worker_node(TRIAL_SIDE)
 
 
 def _uninterrupted(trial_dir: Path, out: Path) -> dict:
