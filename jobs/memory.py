@@ -590,13 +590,17 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     largest_quantized = 0
     for where, kind, dims in base_param_shapes(shape):
         n, elem, consts = math.prod(dims), a, 0
+        # A quantized weight is the packed uint8 parameter (Params4bit: [ceil(n/2), 1]; Int8Params:
+        # [rows, cols]): FSDP2 shards and all-gathers those bytes as they are (its mixed-precision
+        # policy casts floating-point parameters only), while the constants (`quant_state`, `SCB`)
+        # are plain attributes, not parameters, and stay whole on every rank.
         if quantization != "none" and kind != "other":
             dims, elem, consts = quantized_bytes(n, dims[0], quantization)
             largest_quantized = max(largest_quantized, n)
         count = shape.layers if where == "layer" else 1
         frozen[where] += count * (_shard_bytes(dims, elem, shard_world) + consts)
         if where == "layer":
-            gathered_layer += math.prod(dims) * elem
+            gathered_layer += shard_world * _shard_bytes(dims, elem, shard_world)
     lora_shapes = lora_param_shapes(shape, lora_r, targets, dora=lora_dora)
     lora_rank_bytes = shape.layers * sum(_shard_bytes(d, FP32_BYTES, shard_world) for d in lora_shapes)
     assert shard_world > 1 or lora_rank_bytes == lora_bytes
@@ -608,12 +612,17 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
         "ddp_buckets": lora_bytes if world_size > 1 and not gradient_as_bucket_view and not fsdp else 0,
         "fsdp_gathered": 0,
     }
+    fsdp_layer = None
     if fsdp:
-        root_full = sum(math.prod(d) for w, _, d in base_param_shapes(shape) if w == "root") * a
+        # An all-gathered parameter's storage is the whole padded dim 0 (world x the padded shard;
+        # the parameter is a view of it), measured on 2 gloo ranks (tests/test_memory.py).
         # jobs.fsdp gathers in the compute dtype (MixedPrecisionPolicy(param_dtype=...)).
-        layer_full = gathered_layer + sum(math.prod(d) for d in lora_shapes) * a
+        root_full = sum(shard_world * _shard_bytes(d, a, shard_world)
+                        for w, _, d in base_param_shapes(shape) if w == "root")
+        layer_full = gathered_layer + sum(shard_world * _shard_bytes(d, a, shard_world) for d in lora_shapes)
         in_flight = min(2, shape.layers) if reshard_after_forward else shape.layers
         components["fsdp_gathered"] = root_full + in_flight * layer_full
+        fsdp_layer = {"frozen": gathered_layer, "lora": layer_full - gathered_layer}
 
     # ---- activations: replay the forward ----
     def walk() -> _Walk:
@@ -720,6 +729,8 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
         "params": params, "lora_params": lora_params, "label_tokens": T, "logits_chunk_tokens": chunk,
         "strategy": strategy, "world_size": world_size, "quantization": quantization,
         "reshard_after_forward": reshard_after_forward if fsdp else None,
+        # FSDP: one decoder layer's all-gathered parameters (frozen: packed bytes when quantized).
+        "fsdp_gathered_layer_bytes": fsdp_layer,
         "frozen_layer_bytes": frozen["layer"], "frozen_root_bytes": frozen["root"],
         "mask": mask, "checkpointed_layers": checkpointed,
         "layer_saved_bytes": full_layer_bytes, "first_layer_saved_bytes": one_layer_saved(False),
@@ -955,9 +966,12 @@ def strategy_choices(strategy: str, reshard_after_forward: Optional[bool], num_w
     """The choices `resources.strategy` / `resources.fsdp_reshard_after_forward` leave, in the
     order the plan tries them: DDP first (nothing to gather: fastest), then FSDP keeping the
     layers gathered from forward to backward (no second all-gather), then FSDP resharding after
-    forward (least memory). One worker has nothing to shard over, and a quantized base is not
-    sharded (the spec refuses strategy fsdp with model.quantization): DDP only."""
-    if strategy == "ddp" or (strategy == "auto" and (num_workers < 2 or quantization != "none")):
+    forward (least memory). One worker has nothing to shard over: DDP only. An nf4 base (QLoRA)
+    is sharded like any other when DDP does not fit: FSDP2 shards its packed 4-bit weights
+    (tests/test_qlora.py trains it). An int8 base is not chosen for FSDP by `auto`: bitsandbytes'
+    `Int8Params` lose their row scales and int8 codes under `fully_shard` (measured with
+    bitsandbytes 0.50: the first forward fails with "'Parameter' object has no attribute 'CB'")."""
+    if strategy == "ddp" or (strategy == "auto" and (num_workers < 2 or quantization == "int8")):
         return [CHOICE_DDP]
     fsdp = {None: [CHOICE_FSDP_KEEP, CHOICE_FSDP], True: [CHOICE_FSDP], False: [CHOICE_FSDP_KEEP]}[reshard_after_forward]
     return fsdp if strategy == "fsdp" else [CHOICE_DDP, *fsdp]
@@ -1046,7 +1060,8 @@ def strategy_table(spec, *, device: str = "cuda", config=None) -> list[dict]:
     """DDP and FSDP side by side (and, for a quantized spec, unquantized beside quantized): one
     row per (quantization, strategy) with the checkpointing and FSDP resharding the plan's rule
     would give that strategy under the spec's budget, its estimate, whether it fits, and which
-    row the plan chose. FSDP rows need >= 2 workers and an unquantized base."""
+    row the plan chose. FSDP rows need >= 2 workers and a base `auto` may shard (not int8:
+    `strategy_choices`)."""
     config = config if config is not None else config_from_spec(spec)
     r = spec.resources
     plan = plan_for_spec(spec, device=device, config=config)
@@ -1056,7 +1071,7 @@ def strategy_table(spec, *, device: str = "cuda", config=None) -> list[dict]:
     rows = []
     for quant in quants:
         for strategy in STRATEGIES:
-            if strategy == "fsdp" and (r.num_workers < 2 or quant != "none"):
+            if strategy == "fsdp" and (r.num_workers < 2 or quant == "int8"):
                 continue
             reshard = r.fsdp_reshard_after_forward if r.strategy != "ddp" else None
             choices = strategy_choices(strategy, reshard, r.num_workers)

@@ -208,8 +208,15 @@ def test_70b_needs_fsdp_over_eight_h100s_or_nf4_on_fewer(capsys, monkeypatch):
         qrows = _rows(q)
         assert qrows["ddp", "nf4"]["fits"] is True and qrows["ddp", "nf4"]["chosen"]
         assert (q["strategy"], q["quantization"], q["fits"], q["num_workers"]) == ("ddp", "nf4", True, workers)
-        assert qrows["ddp", "none"]["fits"] is False and ("fsdp", "nf4") not in qrows  # a 4-bit base is not sharded
+        assert qrows["ddp", "none"]["fits"] is False
+        # Over 2 workers the 4-bit base could be sharded too (it fits; DDP, tried first, was chosen);
+        # one worker has nothing to shard over.
         assert workers == 1 or qrows["fsdp", "none"]["fits"] is False
+        assert (("fsdp", "nf4") in qrows) == (workers == 2)
+        if workers == 2:
+            fsdp_q = qrows["fsdp", "nf4"]
+            assert fsdp_q["fits"] is True and not fsdp_q["chosen"]
+            assert fsdp_q["components"]["frozen_weights"] < qrows["ddp", "nf4"]["components"]["frozen_weights"]
         assert q["components"]["frozen_weights"] < 0.3 * ddp["components"]["frozen_weights"]
 
     # the same, for people: DDP and FSDP side by side, which fits and which the plan chose

@@ -8,8 +8,9 @@ The cases: tiny-llama (CPU and GPU) under DDP with gradient checkpointing auto /
 a per-GPU budget below, between and above the estimates of every checkpointing choice, and none;
 `resources.strategy` auto and fsdp (FSDP2) with budgets cut at every strategy's smallest and
 largest estimate, so that `auto` picks DDP, FSDP keeping the layers gathered, and FSDP
-resharding after forward; and the 70B example (examples/llama70b-lora.yaml, a config without
-weights) on the gpu overlay's H100s: unquantized over 8 GPUs, and QLoRA nf4 / int8 over 2.
+resharding after forward, over a bf16 and (QLoRA under FSDP2) an nf4 base; and the 70B example
+(examples/llama70b-lora.yaml, a config without weights) on the gpu overlay's H100s: unquantized
+over 8 GPUs, and QLoRA nf4 / int8 over 2.
 """
 
 from __future__ import annotations
@@ -104,6 +105,13 @@ CASES += [Case(device, "auto", budget, where, (), family="auto")
 CASES += [Case("cuda", gc, budget, where, FSDP, family="fsdp")
           for gc in ("auto", "true")
           for where, budget in budgets("cuda", FSDP, every_k=False)]
+# QLoRA under FSDP: nf4 tiny-llama over its 2 workers, fsdp asked for and left to auto.
+NF4 = ("model.quantization=nf4",)
+CASES += [Case("cuda", gc, budget, where, FSDP + NF4, family="fsdp-nf4")
+          for gc in ("auto", "true")
+          for where, budget in budgets("cuda", FSDP + NF4, every_k=False)]
+CASES += [Case("cuda", "auto", budget, where, NF4, family="auto-nf4")
+          for where, budget in budgets("cuda", NF4, every_k=False)]
 CASES += [Case("cuda", "auto", budget, where, (), BIG, family="70b")
           for where, budget in budgets("cuda", (), BIG, every_k=False, cap=80)]
 CASES += [Case("cuda", "auto", budget, where, NF4_2, BIG, family="70b-nf4")
@@ -195,7 +203,8 @@ def _same(got: tuple, want: tuple) -> bool:
 
 def test_the_cases_reach_every_checkpointing_and_strategy_choice():
     """The budgets are where they must be: `auto` picks each checkpointing choice somewhere, and
-    each strategy choice; the 70B needs FSDP over 8 H100s and fits with nf4 over 2 under DDP; every
+    each strategy choice, over a bf16 and an nf4 base; the 70B needs FSDP over 8 H100s and fits
+    with nf4 over 2 under DDP (int8 is never sharded by auto); every
     consumer judges every GPU case but the ones render refuses."""
     for device in ("cuda", "cpu"):
         chosen = {plan_column(c)[1] for c in CASES if c.device == device and c.family == "ddp"
@@ -206,7 +215,10 @@ def test_the_cases_reach_every_checkpointing_and_strategy_choice():
         auto[c.family].add(plan_column(c)[2])
     assert auto["ddp"] == {"ddp"} and auto["fsdp"] == {"fsdp", "fsdp-keep"}
     assert auto["auto"] | auto["70b"] == {"ddp", "fsdp", "fsdp-keep"}
-    assert auto["70b"] == {"fsdp"} and auto["70b-nf4"] == auto["70b-int8"] == {"ddp"}
+    assert auto["70b"] == {"fsdp"} and auto["70b-int8"] == {"ddp"}
+    # An nf4 base is sharded when DDP does not fit: auto reaches every choice over it too.
+    assert auto["fsdp-nf4"] == {"fsdp", "fsdp-keep"} and auto["auto-nf4"] == {"ddp", "fsdp", "fsdp-keep"}
+    assert "ddp" in auto["70b-nf4"]
     refused = [c for c in CASES if c.device == "cuda" and k8s_column(c) is None]
     assert all(plan_column(c)[0] > gpu_memory_gib() for c in refused)
     assert all(sum(col(c) is not None for col in COLUMNS.values()) == len(COLUMNS)
