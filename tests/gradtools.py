@@ -29,16 +29,21 @@ def tiny_spec(*overrides: str, **sections) -> JobSpec:
     return load_spec(data=data, overrides=list(overrides))
 
 
-def build_engine(spec: JobSpec, *, world_size: int = 1, gc: bool = False, precision: str = "fp32",
-                 optimizer: bool = True) -> tuple[Engine, nn.Module, object]:
-    """Model + LoRA with B perturbed away from zero, so every LoRA parameter gets a gradient."""
-    model, tok = load_base_model(spec, precision)
-    model = add_lora(model, spec, precision)
+def perturb_lora_b(model: nn.Module) -> nn.Module:
+    """LoRA's B moved off zero (seeded), so every LoRA parameter gets a gradient."""
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(99)
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
+    return model
+
+
+def build_engine(spec: JobSpec, *, world_size: int = 1, gc: bool = False, precision: str = "fp32",
+                 optimizer: bool = True) -> tuple[Engine, nn.Module, object]:
+    """Model + LoRA with B perturbed away from zero, so every LoRA parameter gets a gradient."""
+    model, tok = load_base_model(spec, precision)
+    model = perturb_lora_b(add_lora(model, spec, precision))
     if gc:
         enable_checkpointing(model)
     model.train()

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradtools import (ROOT, accumulated_grads, grads, reference_grads, rel_err, spawn, tiny_spec,
+from gradtools import (ROOT, accumulated_grads, grads, perturb_lora_b, reference_grads, rel_err, spawn, tiny_spec,
                        window_inputs)
 from jobs.data import collate
 from jobs.errors import SpecError
@@ -32,12 +32,7 @@ TOL_FP32 = 1e-5
 
 def _with_lora(base, spec, precision):
     """add_lora, then B moved off zero (seeded), so every LoRA parameter gets a gradient."""
-    model = add_lora(base, spec, precision)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(99)
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    model = perturb_lora_b(add_lora(base, spec, precision))
     model.train()
     return model
 
