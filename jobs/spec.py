@@ -424,6 +424,11 @@ class JobSpec(BaseModel):
         if r.fsdp_reshard_after_forward is not None and r.strategy == "ddp":
             raise ValueError("resources.fsdp_reshard_after_forward is set but resources.strategy=ddp "
                              "(it only applies to fsdp or auto)")
+        if r.strategy == "fsdp" and self.model.quantization == "int8":
+            # bitsandbytes' Int8Params lose their row scales under fully_shard (the first forward
+            # fails: 'Parameter' object has no attribute 'CB'); nf4 shards and trains exactly.
+            raise ValueError("resources.strategy=fsdp cannot shard an int8 base (model.quantization=int8): "
+                             "use model.quantization nf4 with fsdp, or strategy ddp or auto")
         if self.lora.init in ("pissa", "olora") and self.model.quantization != "none":
             # PEFT refuses PiSSA on a quantized base; OLoRA re-quantizes the residual, so its
             # adapter fits neither the 4-bit nor the plain base (logits 0.55-0.69 off, tiny-llama).

@@ -277,10 +277,13 @@ REFUSED = [
     # saved adapter then fits neither base.
     (("model.quantization=nf4", "lora.init=pissa"), ("lora.init=pissa", "model.quantization=nf4")),
     (("model.quantization=int8", "lora.init=olora"), ("lora.init=olora", "model.quantization=int8")),
+    # bitsandbytes' int8 weights lose their row scales under fully_shard.
+    (("model.quantization=int8", "resources.strategy=fsdp"),
+     ("resources.strategy=fsdp", "model.quantization=int8")),
 ]
 
 
-@pytest.mark.parametrize("overrides,named", REFUSED, ids=["pissa", "olora"])
+@pytest.mark.parametrize("overrides,named", REFUSED, ids=["pissa", "olora", "int8-fsdp"])
 def test_what_cannot_run_on_a_quantized_base_is_refused_in_one_line(overrides, named, tmp_path):
     """Refused by the spec before anything starts: exit 2, one line naming both fields, no output."""
     out = tmp_path / "out"
