@@ -32,12 +32,14 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger("rayft")
 
 TMP_INFIX = ".tmp"
+PID_WAIT_S = 5.0   # how long a waiter looks for the lock holder's pid before naming it "unknown"
 
 
 def build_once(final_dir: Path, build: Callable[[Path], None], what: str) -> Path:
@@ -53,10 +55,10 @@ def build_once(final_dir: Path, build: Callable[[Path], None], what: str) -> Pat
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         _lock(fd, lock_path, final_dir, what)
+        _write_pid(fd)  # first thing under the lock: a process that now waits reads who holds it
         if final_dir.is_dir():  # built by the process we waited for
             log.info("using %s at %s, built by another process", what, final_dir)
             return final_dir
-        _write_pid(fd)
         _remove_stale_tmp(final_dir)
         tmp = Path(tempfile.mkdtemp(prefix=final_dir.name + TMP_INFIX, dir=final_dir.parent))
         try:
@@ -73,16 +75,25 @@ def build_once(final_dir: Path, build: Callable[[Path], None], what: str) -> Pat
             shutil.rmtree(tmp, ignore_errors=True)
         return final_dir
     finally:
+        os.ftruncate(fd, 0)  # still under the lock: no pid lingers for a later waiter to misname
         os.close(fd)  # releases the flock
 
 
 def _lock(fd: int, lock_path: Path, final_dir: Path, what: str) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return
-    except BlockingIOError:
-        pass
-    log.warning("waiting for another process (pid %s) building %s at %s", _read_pid(lock_path), what, final_dir)
+    """Take the lock; if another process holds it, say once which pid we wait for. The holder
+    writes its pid right after locking, so the pid is read again (briefly) until it is there."""
+    deadline = time.monotonic() + PID_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        pid = _read_pid(lock_path)
+        if pid != "unknown" or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)  # the holder is between its flock and its pid write
+    log.warning("waiting for another process (pid %s) building %s at %s", pid, what, final_dir)
     fcntl.flock(fd, fcntl.LOCK_EX)
 
 
@@ -99,7 +110,7 @@ def _read_pid(lock_path: Path) -> str:
         first = lock_path.read_text().split("\n", 1)[0].strip()
     except OSError:
         first = ""
-    # Empty between the builder's open and its write: rare, and only the message suffers.
+    # Empty while no process holds the lock, and between the holder's flock and its pid write.
     return first if first.isdigit() else "unknown"
 
 

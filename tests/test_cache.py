@@ -81,6 +81,8 @@ def test_concurrent_processes_build_once_and_use_the_one_copy(tmp_path):
     # one cached copy, complete; nothing else but the lock file
     assert sorted(p.name for p in cache.iterdir()) == ["model", "model.lock"]
     assert sorted(p.name for p in final.iterdir()) == sorted([f"part-{i}.bin" for i in range(20)] + ["complete"])
+    # no pid is left in the lock for a later waiter to name: it holds one only while held
+    assert (cache / "model.lock").read_text() == ""
 
 
 def test_a_failed_build_leaves_nothing_and_the_next_call_builds(tmp_path):
