@@ -318,13 +318,10 @@ class Position:
     early_stopping: Optional[dict] = None  # `EarlyStopping.state()` of the checkpoint
 
 
-def strategy_of(spec: JobSpec, plan: MemoryPlan, world_size: int) -> str:
-    """"fsdp" or "ddp" (one process runs unwrapped, whatever is asked). The plan decides
-    `resources.strategy=auto`; an explicit ddp or fsdp in the spec is what runs."""
-    if world_size < 2:
-        return "ddp"
-    asked = spec.resources.strategy
-    return asked if asked != "auto" else plan.strategy
+def strategy_of(plan: MemoryPlan, world_size: int) -> str:
+    """"fsdp" or "ddp" (one process runs unwrapped, whatever is asked). The plan already holds an
+    explicit `resources.strategy` and decides `auto` (`jobs.memory.plan_for_spec`)."""
+    return plan.strategy if world_size >= 2 else "ddp"
 
 
 def set_up(spec: JobSpec, ctx: Context) -> Job:
@@ -343,7 +340,7 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
         enable_checkpointing(model, every_n_layers=plan.checkpoint_every_n_layers)
     if spec.model.compile:
         compile_layers(model)
-    strategy = strategy_of(spec, plan, ctx.world_size)
+    strategy = strategy_of(plan, ctx.world_size)
     if strategy != "fsdp":  # FSDP moves each rank's shards to the device itself (`make_engine`)
         model.to(ctx.device)
     model.train()
@@ -380,7 +377,7 @@ def make_engine(spec: JobSpec, ctx: Context, job: Job) -> Engine:
     strategy trains (FSDP replaces each parameter by its shard, so the optimizer comes after)."""
     module: nn.Module = CausalLMLoss(job.model, chunk_tokens=job.plan.loss_chunk_tokens)
     if job.strategy == "fsdp":
-        module = fsdp.shard(module, job.model, job.precision, reshard_after_forward(spec, job.plan),
+        module = fsdp.shard(module, job.model, job.precision, reshard_after_forward(job.plan),
                             ctx.device, ctx.world_size)
     elif ctx.world_size > 1:
         module = nn.parallel.DistributedDataParallel(
@@ -391,13 +388,10 @@ def make_engine(spec: JobSpec, ctx: Context, job: Job) -> Engine:
                   ctx.world_size)
 
 
-def reshard_after_forward(spec: JobSpec, plan: MemoryPlan) -> bool:
-    """FSDP: free each layer's gathered weights after its forward? `resources.fsdp_reshard_after_forward`
-    when set, else the plan's choice, else yes (FSDP2's default: the least memory)."""
-    if spec.resources.fsdp_reshard_after_forward is not None:
-        return spec.resources.fsdp_reshard_after_forward
-    planned = getattr(plan, "reshard_after_forward", None)
-    return True if planned is None else bool(planned)
+def reshard_after_forward(plan: MemoryPlan) -> bool:
+    """FSDP: free each layer's gathered weights after its forward? The plan's choice, which is
+    `resources.fsdp_reshard_after_forward` when set (`jobs.memory.strategy_choices`)."""
+    return plan.reshard_after_forward is not False
 
 
 def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> tuple[list[dict], int, int]:
