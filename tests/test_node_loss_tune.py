@@ -20,20 +20,11 @@ import yaml
 
 from gradtools import DATA, ROOT, final_adapter, rel_err
 from jobs.outputs import read_metrics
-from test_node_loss import LocalCluster
+from test_node_loss import LocalCluster, cluster  # noqa: F401  (the module's cluster fixture)
 
 BIN = Path(sys.executable).parent
 EVAL = ROOT / "examples" / "data" / "tiny-eval.jsonl"
 TRIAL_SIDE = {"ImplicitFunc", "TrainController"}     # the trial function and its Train controller
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("cluster"))
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def _search(tmp_path: Path, marker: Path, accum: list[int], **run) -> Path:
