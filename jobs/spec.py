@@ -307,8 +307,9 @@ class RunSpec(_Section):
     """Experiment trackers fed by rank 0 (`jobs.tracking`): `tensorboard` writes event files under
     `<output_dir>/tensorboard/`; `mlflow` logs to `mlflow_tracking_uri`."""
     mlflow_tracking_uri: Optional[str] = None
-    """MLflow tracking URI (`http://host:5000`, `file:/path`, ...); default: a file store at
-    `<output_dir>/mlruns` (no server needed)."""
+    """MLflow tracking URI (`http://host:5000`, `sqlite:///path/mlflow.db`, ...); default: the SQLite
+    store `sqlite:///<output_dir>/mlflow.db` (MLflow 3's own default backend; no server needed), its
+    artifacts in `<output_dir>/mlartifacts/`."""
     early_stopping: Optional["EarlyStoppingSpec"] = None
     """Stop when the eval loss (measured every `eval_every` steps) has not improved by more than
     `min_delta` for `patience` evaluations; `adapter/` is then the best evaluation's adapter."""

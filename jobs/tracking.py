@@ -12,6 +12,11 @@ Invariants:
     the records are buffered and flushed when a checkpoint is written (and at the end). The
     steps a kill loses are the ones the resumed run trains again, and only then are they sent.
   - The MLflow run id is kept in `<output_dir>/mlflow_run.json`; a resume continues that run.
+* MLflow's store is, by default, what MLflow 3 itself defaults to: a SQLite database,
+  `sqlite:///<output_dir>/mlflow.db`, with the run's artifacts beside it in
+  `<output_dir>/mlartifacts/` (MLflow 3 refuses `mlruns/` file stores unless an opt-out variable is
+  set; rayft sets none, so what it writes opens with stock MLflow:
+  `mlflow ui --backend-store-uri sqlite:///<output_dir>/mlflow.db`).
 * Nothing here runs on ranks other than 0 (`open_trackers(..., is_main=False)` is inert).
 """
 
@@ -32,15 +37,31 @@ from .spec import JobSpec
 log = logging.getLogger("rayft")
 
 TENSORBOARD_DIR = "tensorboard"
-MLFLOW_DIR = "mlruns"
+MLFLOW_DB = "mlflow.db"
+MLFLOW_ARTIFACTS = "mlartifacts"
 MLFLOW_RUN_FILE = "mlflow_run.json"
 # Fields of a metrics record that are not metrics (the step is the axis; the kind is a word).
 NOT_METRICS = ("step", "peak_mem_kind")
 
 
-def tracking_uri(spec: JobSpec) -> str:
-    """`run.mlflow_tracking_uri`, default a file store under the output dir."""
-    return spec.run.mlflow_tracking_uri or f"file:{spec.output_path.resolve() / MLFLOW_DIR}"
+def tracking_uri(spec) -> str:
+    """`run.mlflow_tracking_uri`, default the SQLite store `<output_dir>/mlflow.db` (a job spec or
+    a search spec: both have `run` and `output_path`)."""
+    return spec.run.mlflow_tracking_uri or f"sqlite:///{spec.output_path.resolve() / MLFLOW_DB}"
+
+
+def experiment_id(client, spec) -> str:
+    """The id of the MLflow experiment named `spec.name`, created when missing. In rayft's default
+    store its artifacts go beside the database (`<output_dir>/mlartifacts`): without a location
+    MLflow would put them under `./mlruns` of whatever directory the process runs in. Any other
+    store (a server, a database of the user's) keeps its own artifact root."""
+    exp = client.get_experiment_by_name(spec.name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if not spec.run.mlflow_tracking_uri:
+        location = (spec.output_path.resolve() / MLFLOW_ARTIFACTS).as_uri()
+    return client.create_experiment(spec.name, artifact_location=location)
 
 
 def shown_uri(uri: str) -> str:
@@ -114,9 +135,6 @@ class Trackers:
 
     def _open_mlflow(self, resume_step: int) -> None:
         uri = tracking_uri(self.spec)
-        if uri.startswith("file:"):
-            # MLflow 3 refuses file stores unless this is set; a local store needs no server.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         # MLflow retries an unreachable server for minutes by default; one short try here, since a
         # failure only turns the tracker off (the user's own setting wins).
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -132,8 +150,7 @@ class Trackers:
                 client.update_run(info["run_id"], status="RUNNING")
                 self.ml, self.run_id = client, info["run_id"]
                 return
-        exp = client.get_experiment_by_name(self.spec.name)
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.spec.name)
+        exp_id = experiment_id(client, self.spec)
         run = client.create_run(exp_id, run_name=self.spec.name)
         params = [Param(k, v) for k, v in flat_params(self.spec).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch

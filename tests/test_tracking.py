@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -31,12 +32,6 @@ SMALL = ["resources.num_workers=1", "batch.global_batch_size=8", "batch.micro_ba
          "run.keep_checkpoints=3"]
 
 
-@pytest.fixture(autouse=True)
-def _file_store_allowed(monkeypatch):
-    # MLflow 3 reads its file store only with this set (jobs.tracking sets it for its own client).
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-
-
 def tb_scalars(out: Path, tag: str) -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -45,15 +40,36 @@ def tb_scalars(out: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-def ml_run(out: Path):
-    import mlflow
-    from mlflow.tracking import MlflowClient
+# Read back as a user would, with MLflow as it ships: a fresh interpreter that imports no rayft
+# code and has no MLFLOW_* variable set (MLflow 3 refuses a file store there), only the store URI.
+READ_BACK = r"""
+import json, sys
+from mlflow.tracking import MlflowClient
 
-    uri = f"file:{out.resolve() / 'mlruns'}"
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
-    runs = mlflow.search_runs(search_all_experiments=True)
-    return client, runs
+uri, keys = sys.argv[1], sys.argv[2].split(",")
+client = MlflowClient(tracking_uri=uri)
+experiments = {e.experiment_id: e.name for e in client.search_experiments()}
+runs = []
+for r in client.search_runs(list(experiments)):
+    rid = r.info.run_id
+    runs.append({"run_id": rid, "status": r.info.status, "experiment": experiments[r.info.experiment_id],
+                 "params": r.data.params, "latest": r.data.metrics,
+                 "history": {k: sorted([m.step, m.value] for m in client.get_metric_history(rid, k)) for k in keys},
+                 "artifacts": sorted(a.path for a in client.list_artifacts(rid)),
+                 "adapter_artifacts": sorted(a.path for a in client.list_artifacts(rid, "adapter"))})
+print(json.dumps(runs))
+"""
+
+
+def ml_runs(out: Path, keys: str = "loss") -> list[dict]:
+    """Every run of the default store under `out` (`sqlite:///<out>/mlflow.db`), read by stock MLflow."""
+    db = out.resolve() / "mlflow.db"
+    assert db.is_file(), f"no MLflow database at {db}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    p = subprocess.run([sys.executable, "-c", READ_BACK, f"sqlite:///{db}", keys], cwd=out, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def _train(out: Path, *extra: str) -> dict:
@@ -73,19 +89,17 @@ def test_every_step_metric_spec_and_artifacts_reach_tensorboard_and_mlflow(tmp_p
     # eval loss only where it was measured (every 2 steps)
     assert [s for s, _ in tb_scalars(out, "eval_loss")] == [2, 4]
 
-    client, runs = ml_run(out)
+    runs = ml_runs(out)
     assert len(runs) == 1
-    run_id = runs.iloc[0]["run_id"]
-    assert json.loads((out / MLFLOW_RUN_FILE).read_text())["run_id"] == run_id
-    hist = client.get_metric_history(run_id, "loss")
-    assert sorted((m.step, m.value) for m in hist) == [(r["step"], pytest.approx(r["loss"], rel=1e-9))
-                                                       for r in records]
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.params["lora.r"] == "16" and run.data.params["batch.global_batch_size"] == "8"
-    arts = {a.path for a in client.list_artifacts(run_id)}
-    assert {"summary.json", "loss_curve.png", "adapter"} <= arts
-    assert "adapter_config.json" in {Path(a.path).name for a in client.list_artifacts(run_id, "adapter")}
+    run = runs[0]
+    assert json.loads((out / MLFLOW_RUN_FILE).read_text())["run_id"] == run["run_id"]
+    assert run["history"]["loss"] == [[r["step"], pytest.approx(r["loss"], rel=1e-9)] for r in records]
+    assert run["status"] == "FINISHED"
+    assert run["params"]["lora.r"] == "16" and run["params"]["batch.global_batch_size"] == "8"
+    assert {"summary.json", "loss_curve.png", "adapter"} <= set(run["artifacts"])
+    assert "adapter_config.json" in {Path(a).name for a in run["adapter_artifacts"]}
+    # The artifacts lie beside the database, not under the working directory's ./mlruns.
+    assert (out / "mlartifacts").is_dir() and not (ROOT / "mlruns").exists() and not (out / "mlruns").exists()
     assert summary["steps"] == 4
 
 
@@ -116,13 +130,12 @@ def test_kill_and_resume_continue_the_same_run_with_every_step_once(tmp_path):
     assert [s for s, _ in loss] == steps
     assert [v for _, v in loss] == [pytest.approx(r["loss"], rel=1e-6) for r in records]
 
-    client, runs = ml_run(out)
-    assert list(runs["run_id"]) == [first_id]  # the same MLflow run, continued
-    hist = client.get_metric_history(first_id, "loss")
-    assert sorted(m.step for m in hist) == steps  # no step twice, none missing
-    assert sorted((m.step, m.value) for m in hist) == [(r["step"], pytest.approx(r["loss"], rel=1e-9))
-                                                       for r in records]
-    assert client.get_run(first_id).info.status == "FINISHED"
+    runs = ml_runs(out)
+    assert [r["run_id"] for r in runs] == [first_id]  # the same MLflow run, continued
+    hist = runs[0]["history"]["loss"]
+    assert [s for s, _ in hist] == steps  # no step twice, none missing
+    assert hist == [[r["step"], pytest.approx(r["loss"], rel=1e-9)] for r in records]
+    assert runs[0]["status"] == "FINISHED"
 
 
 def test_a_tracking_server_that_is_down_costs_one_warning(tmp_path, monkeypatch, caplog):
@@ -154,11 +167,6 @@ def test_a_fresh_start_in_the_same_directory_replaces_the_earlier_curves(tmp_pat
 def test_a_search_logs_every_trial_as_a_run_of_one_experiment(tmp_path):
     """`rayft tune` with run.trackers=[mlflow]: one MLflow run per launched trial, in the experiment
     named after the search, with the trial's split and lr rule as parameters and its eval losses."""
-    import os
-
-    import mlflow
-    import yaml
-
     from test_tune import _env, search_spec, write
 
     data = search_spec(tmp_path, grad_accum_steps=[2, 4], lr_scaling=["linear"], samples_per_trial=16,
@@ -171,10 +179,8 @@ def test_a_search_logs_every_trial_as_a_run_of_one_experiment(tmp_path):
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     launched = [r for r in results["trials"] if r["status"] not in ("infeasible", "skipped", "not run")]
     assert launched, results["trials"]
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
-    mlflow.set_tracking_uri(f"file:{tmp_path / 'out' / 'mlruns'}")
-    runs = mlflow.search_runs(experiment_names=["ts"])
+    runs = [r for r in ml_runs(tmp_path / "out", "eval_loss") if r["experiment"] == "ts"]
     assert len(runs) == len(launched)
-    params = " ".join(str(v) for c in runs.columns if c.startswith("params.") for v in runs[c])
+    params = " ".join(str(v) for r in runs for v in r["params"].values())
     assert "linear" in params  # the lr rule
-    assert runs["metrics.eval_loss"].notna().all()
+    assert all(r["history"]["eval_loss"] for r in runs)

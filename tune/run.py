@@ -259,23 +259,23 @@ def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 def tracking_callbacks(spec: SearchSpec) -> list:
     """`run.trackers: [mlflow]` on a search: every trial is a run of one MLflow experiment named
-    after the search, at `run.mlflow_tracking_uri` (default the file store under the search's
-    output dir), through Ray Tune's `MLflowLoggerCallback`: the trial's config (its split, lr rule,
+    after the search, at `run.mlflow_tracking_uri` (default the SQLite store `mlflow.db` in the
+    search's output dir), through Ray Tune's `MLflowLoggerCallback`: the trial's config (its split, lr rule,
     lr) as parameters, every report (eval loss, samples seen) as metrics. A tracking server that
     cannot be reached is one warning and the search runs without it."""
     if "mlflow" not in spec.run.trackers:
         return []
-    from jobs.tracking import MLFLOW_DIR, shown_uri
+    from jobs.tracking import experiment_id, shown_uri, tracking_uri
 
-    uri = spec.run.mlflow_tracking_uri or f"file:{spec.output_path.resolve() / MLFLOW_DIR}"
-    if uri.startswith("file:"):
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses file stores otherwise
+    uri = tracking_uri(spec)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     try:
         from mlflow.tracking import MlflowClient
         from ray.air.integrations.mlflow import MLflowLoggerCallback
 
-        MlflowClient(uri).search_experiments(max_results=1)  # reachable?
+        # Reachable? And the experiment made here, so that in rayft's default store its
+        # artifacts go beside the database; the callback then finds it by name.
+        experiment_id(MlflowClient(uri), spec)
     except Exception as e:  # noqa: BLE001 - a tracker never fails the search
         logging.getLogger("rayft").warning("tracker mlflow (%s) failed: %s; the search goes on without it",
                                            shown_uri(uri), type(e).__name__)
