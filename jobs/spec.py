@@ -86,6 +86,11 @@ class ModelSpec(_Section):
     """Load the frozen base quantized through bitsandbytes (QLoRA): `nf4` (4-bit NormalFloat with
     double-quantized constants) or `int8` (LLM.int8()); LoRA weights stay in the compute dtype of
     `precision`. `none` loads the base in the compute dtype."""
+    adapter: Optional[str] = None
+    """A saved rayft or PEFT LoRA adapter directory (holding `adapter_config.json`) to start from,
+    e.g. the `adapter/` of an SFT run: training continues from its weights, and `lora.*` must
+    describe it. For DPO and IPO the starting adapter, frozen, is also the reference (a second,
+    frozen copy of the adapter weights; the base is held once)."""
     compile: bool = False
     """`torch.compile` each decoder layer (regional compilation: every layer reuses one compiled
     graph, so the compile time does not grow with depth). The first micro-steps pay the compile
@@ -110,7 +115,9 @@ class DataSpec(_Section):
     """Data source(s): JSONL, JSON, Parquet or CSV files, a `Dataset.save_to_disk` directory, or a
     hub dataset `hf:ORG/NAME[:SPLIT]` (split `train` by default). Records are `{"text": ...}`,
     `{"prompt": ..., "completion": ...}` (loss on the completion) or `{"messages": [{"role",
-    "content"}, ...]}` (the model's chat template; loss on assistant turns)."""
+    "content"}, ...]}` (the model's chat template; loss on assistant turns); for a preference
+    objective, pairs `{"prompt", "chosen", "rejected"}` (strings, or TRL's conversational form:
+    a list of messages for the prompt and assistant message(s) for each response)."""
     eval_path: Optional[str] = None
     """Held-out source (same forms as `path`) for eval loss; when absent, `eval_fraction` of `path` is held out."""
     fields: dict[str, str] = Field(default_factory=dict)
@@ -150,7 +157,7 @@ class DataSpec(_Section):
     @field_validator("fields")
     @classmethod
     def _our_fields(cls, v: dict[str, str]) -> dict[str, str]:
-        ours = ("text", "prompt", "completion", "messages")
+        ours = ("text", "prompt", "completion", "messages", "chosen", "rejected")
         for k, col in v.items():
             if k not in ours:
                 raise ValueError(f"{one_line(repr(k))[:60]} is not one of our fields ({', '.join(ours)})")
@@ -346,6 +353,51 @@ class RunSpec(_Section):
         return self
 
 
+# The keys each objective reads; a key set for an objective that does not read it is refused.
+OBJECTIVE_KEYS = {"sft": (), "dpo": ("beta", "label_smoothing", "reference"), "ipo": ("beta", "reference"),
+                  "simpo": ("beta", "simpo_gamma"), "orpo": ("beta",)}
+OBJECTIVE_DEFAULTS = {"beta": 0.1, "simpo_gamma": 0.5, "label_smoothing": 0.0, "reference": "adapter_off"}
+
+
+class ObjectiveSpec(_Section):
+    name: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = "sft"
+    """`sft`: next-token loss on the labelled tokens. Preference objectives on `{prompt, chosen,
+    rejected}` pairs (`batch.*` then counts pairs): `dpo`, `ipo` (against a reference), `simpo`,
+    `orpo` (reference-free). Formulas in docs/training.md."""
+    beta: Optional[float] = Field(None, gt=0, le=1000)
+    """DPO/IPO/SimPO: the inverse temperature of the reward; ORPO: the weight (the paper's lambda) of
+    the odds-ratio term. Default 0.1."""
+    simpo_gamma: Optional[float] = Field(None, ge=0, le=1000)
+    """SimPO only: the target reward margin gamma. Default 0.5."""
+    label_smoothing: Optional[float] = Field(None, ge=0, lt=0.5)
+    """DPO only: the assumed probability that a pair's preference label is flipped (cDPO). Default 0."""
+    reference: Optional[Literal["adapter_off", "precomputed"]] = None
+    """DPO/IPO only: `adapter_off` runs the reference forward in every step (the base with the
+    adapter off, or the frozen starting adapter `model.adapter`), no extra weights held;
+    `precomputed` computes the reference log-probabilities once, stores them beside the data
+    cache, and skips that forward. Default `adapter_off`."""
+
+    @model_validator(mode="after")
+    def _keys_apply(self) -> "ObjectiveSpec":
+        reads = OBJECTIVE_KEYS[self.name]
+        for key in OBJECTIVE_DEFAULTS:
+            if getattr(self, key) is not None and key not in reads:
+                takes = ", ".join(reads) or "no other key"
+                raise ValueError(f"{key} does not apply to objective.name={self.name} (it takes {takes})")
+        return self
+
+    def value(self, key: str):
+        """`key` as the objective uses it: the value set, else its default; None where it does not apply."""
+        if key not in OBJECTIVE_KEYS[self.name]:
+            return None
+        v = getattr(self, key)
+        return OBJECTIVE_DEFAULTS[key] if v is None else v
+
+    @property
+    def is_preference(self) -> bool:
+        return self.name != "sft"
+
+
 class JobSpec(BaseModel):
     """A rayft fine-tuning job."""
 
@@ -364,6 +416,8 @@ class JobSpec(BaseModel):
     memory: MemorySpec = Field(default_factory=MemorySpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     run: RunSpec = Field(default_factory=RunSpec)
+    objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
+    """The training objective: SFT (default) or a preference objective on chosen/rejected pairs."""
 
     @model_validator(mode="before")
     @classmethod
@@ -436,6 +490,9 @@ class JobSpec(BaseModel):
             raise ValueError(f"lora.init={self.lora.init} moves part of the base weights into the adapter and "
                              f"needs an unquantized base (model.quantization={self.model.quantization}); "
                              "use lora.init default or gaussian")
+        if self.objective.is_preference and self.data.packing:
+            raise ValueError(f"data.packing is not available with objective.name={self.objective.name} (a pair's "
+                             "chosen and rejected rows are padded side by side); set data.packing=false")
         if r.gpus_per_worker > 1 and not r.use_gpu:
             raise ValueError(f"resources.gpus_per_worker={r.gpus_per_worker} needs resources.use_gpu=true")
         if r.num_workers % r.gpus_per_worker:
@@ -720,6 +777,10 @@ def check_files(spec: JobSpec, where: str = "spec") -> None:
         if problem:
             raise SpecError(f"{where}: data.eval_path: {problem}")
     check_model_dir(spec, where)
+    if spec.model.adapter:
+        problem = path_problem(Path(spec.model.adapter) / "adapter_config.json")
+        if problem:
+            raise SpecError(f"{where}: model.adapter: not a saved adapter ({problem})")
 
 
 def check_model_dir(spec: JobSpec, where: str = "spec") -> None:
@@ -794,6 +855,8 @@ def absolutize(spec: JobSpec) -> JobSpec:
         d["data"]["eval_path"] = str(Path(spec.data.eval_path).resolve())
     if spec.model.name != "tiny-llama" and not spec.model.name.startswith("pkg:") and Path(spec.model.name).exists():
         d["model"]["name"] = str(Path(spec.model.name).resolve())
+    if spec.model.adapter:
+        d["model"]["adapter"] = str(Path(spec.model.adapter).resolve())
     d["run"]["output_dir"] = str(spec.output_path.resolve())
     if spec.data.cache_dir:
         d["data"]["cache_dir"] = str(Path(spec.data.cache_dir).resolve())
