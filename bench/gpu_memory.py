@@ -39,9 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jobs import memory  # noqa: E402  (pure python, no torch at import)
+from jobs.spec import DEFAULT_TARGET_MODULES  # noqa: E402
 
 GIB = 1024**3
-TARGETS = list(memory.DEFAULT_TARGET_MODULES)
+TARGETS = list(DEFAULT_TARGET_MODULES)
 
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,

@@ -99,11 +99,11 @@ EXAMPLES = example_specs()
 
 
 def _config_once():
-    """`jobs.memory.config_from_spec`, each model's config read once: reading a GGUF base's metadata
-    takes seconds, and every example renders on every overlay."""
-    import jobs.memory as memory
+    """`jobs.memory.config_io.config_from_spec`, each model's config read once: reading a GGUF base's
+    metadata takes seconds, and every example renders on every overlay."""
+    import jobs.memory.config_io as config_io
 
-    read, seen = memory.config_from_spec, {}
+    read, seen = config_io.config_from_spec, {}
 
     def config_from_spec(spec):
         m = spec.model
@@ -111,7 +111,7 @@ def _config_once():
         if key not in seen:
             seen[key] = read(spec)
         return copy.deepcopy(seen[key])
-    return mock.patch.object(memory, "config_from_spec", config_from_spec)
+    return mock.patch.object(config_io, "config_from_spec", config_from_spec)
 
 
 def rendered_sets() -> list[tuple[str, list[dict]]]:

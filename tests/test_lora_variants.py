@@ -14,6 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from gradtools import accumulated_grads, reference_grads, rel_err, spawn, tiny_spec
 from jobs import memory
 from jobs.model import add_lora, keep_lora_inputs_in_compute_dtype, load_base_model
+from jobs.spec import DEFAULT_TARGET_MODULES
 from test_memory import DTYPES, Case, autocast, batch_for, loss_module
 
 TOL_SAVED = 0.01
@@ -87,7 +88,7 @@ def test_dora_activations_match_what_autograd_keeps(case):
     assert abs(estimated_kept(case, True) - dora) / dora <= TOL_SAVED, (estimated_kept(case, True), dora)
 
 
-@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], list(memory.DEFAULT_TARGET_MODULES)])
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], list(DEFAULT_TARGET_MODULES)])
 def test_dora_trainable_parameters_include_the_magnitude_vectors(targets):
     case = Case("count", targets=targets)
     model = build(case, True)

@@ -32,13 +32,14 @@ from jobs import loop as jobs_loop
 from jobs.loop import CausalLMLoss
 from jobs.memory import estimate
 from jobs.model import keep_lora_inputs_in_compute_dtype
+from jobs.spec import DEFAULT_TARGET_MODULES
 
 TOL = 0.10
 # The activation replay follows autograd op by op, so on saved bytes it is held to 1%: that
 # catches small terms (log-sum-exp, LoRA's r-wide inputs, GQA repeats) the 10% would not.
 TOL_SAVED = 0.01
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ALL7 = list(memory.DEFAULT_TARGET_MODULES)
+ALL7 = list(DEFAULT_TARGET_MODULES)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -457,7 +458,7 @@ def test_optimizer_state():
     adamw = estimate(cfg, optimizer="adamw", **kw).components
     sgd = estimate(cfg, optimizer="sgd", **kw).components
     momentum = estimate(cfg, optimizer="sgd", momentum=0.9, **kw).components
-    lora_params = memory.count_lora_params(memory.model_shape(cfg), 8, memory.DEFAULT_TARGET_MODULES)
+    lora_params = memory.count_lora_params(memory.model_shape(cfg), 8, DEFAULT_TARGET_MODULES)
     assert adamw["lora_weights"] == adamw["lora_grads"] == 4 * lora_params
     assert adamw["optimizer_state"] == 2 * 4 * lora_params
     assert sgd["optimizer_state"] == 0
@@ -779,7 +780,7 @@ def test_fsdp_gathered_layers_and_resharding():
     root = 2 * (params["embeddings"] + params["final_norm"] + params["lm_head"])
     layer = (keep["fsdp_gathered"] - reshard["fsdp_gathered"]) // (6 - 2)
     assert reshard["fsdp_gathered"] == root + 2 * layer and keep["fsdp_gathered"] == root + 6 * layer
-    lora_layer = memory.count_lora_params(shape, 8, memory.DEFAULT_TARGET_MODULES) // 6
+    lora_layer = memory.count_lora_params(shape, 8, DEFAULT_TARGET_MODULES) // 6
     assert layer == 2 * (params["layers"] // 6 + lora_layer)  # frozen + LoRA, gathered in bf16
     eight = estimate(cfg, reshard_after_forward=True, **{**kw, "world_size": 8}).components
     # The gathered layers do not shrink with the world size; only dim 0's padding to a multiple of

@@ -1,0 +1,409 @@
+"""`estimate`: the per-GPU memory of one micro-step of LoRA training, as named components.
+
+Peak model. Static memory (weights, LoRA grads, optimizer state, DDP buckets, FSDP's gathered
+layers) plus the activations saved at the end of forward (`replay.Walk`) plus the larger of two
+transients that never coexist: the loss head's peak (first thing in backward) and one decoder
+layer's backward (the recomputed layer when checkpointing, plus its gradient buffers).
+
+The loss head (`CausalLMLoss`): [T, vocab] logits in the compute dtype, their fp32 copy, the
+saved log-softmax, and in backward its gradient and the input gradient: the transient peak is
+12 bytes x T x vocab at the log-softmax backward.
+
+Pure: a function of a model config object (or a `ModelShape`) and numbers; no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from ..spec import DEFAULT_TARGET_MODULES
+from .replay import ReplayTensor, Walk
+from .shapes import (DTYPE_BYTES, FP32_BYTES, GIB, INDEX_BYTES, MIB, QUANTIZATIONS, ModelShape,
+                     base_param_shapes, count_base_params, count_lora_params, lora_param_shapes, lora_targets,
+                     model_shape, quantized_bytes, shard_bytes)
+
+# CUDA context (driver, kernels of torch/cuBLAS/cuDNN loaded lazily) as seen by nvidia-smi on
+# an H100/H200 with torch 2.x; it is outside `torch.cuda.max_memory_allocated`.
+CUDA_CONTEXT_BYTES = 768 * MIB
+# NCCL communicator buffers per process with DDP (world_size > 1), also outside the allocator.
+NCCL_BUFFER_BYTES = 256 * MIB
+# Caching-allocator fragmentation: reserved - allocated at the peak, as a fraction of the
+# allocated peak. 5-10% is typical for a fixed-shape training step; we take the high end
+# for safety because padded batches change shapes every step.
+ALLOCATOR_SLACK_FRACTION = 0.08
+
+# Components whose peaks happen at different moments of backward: the total adds the
+# largest of them, not their sum.
+TRANSIENT_COMPONENTS = ("logits_loss", "layer_backward")
+COMPONENT_ORDER = ("frozen_weights", "lora_weights", "lora_grads", "optimizer_state", "ddp_buckets",
+                   "fsdp_gathered", "activations", "logits_loss", "layer_backward", "framework_overhead")
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass
+class MemoryEstimate:
+    """Named per-GPU memory components in bytes.
+
+    `total_bytes` = every component except the transients + the largest transient
+    (`TRANSIENT_COMPONENTS`). `peak_allocated_bytes` is the same without
+    `framework_overhead`: what `torch.cuda.max_memory_allocated()` should read.
+    `details` holds finer terms (per-layer saved bytes, shapes used) for tests and logs.
+    """
+
+    components: dict[str, int]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        c = self.components
+        steady = sum(v for k, v in c.items() if k not in TRANSIENT_COMPONENTS and k != "framework_overhead")
+        return steady + max((c.get(k, 0) for k in TRANSIENT_COMPONENTS), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_allocated_bytes + self.components.get("framework_overhead", 0)
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GIB
+
+    @property
+    def peak_allocated_gib(self) -> float:
+        return self.peak_allocated_bytes / GIB
+
+    def table(self) -> list[tuple[str, float]]:
+        """(name, GiB) rows: every component, then `total` (transients: only the largest counts)."""
+        rows = [(name, self.components[name] / GIB) for name in COMPONENT_ORDER if name in self.components]
+        rows += [(k, v / GIB) for k, v in self.components.items() if k not in COMPONENT_ORDER]
+        rows.append(("total", self.total_gib))
+        return rows
+
+
+def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool,
+             base_dtype: str = "bf16", lora_r: int = 8,
+             lora_target_modules: Sequence[str] = DEFAULT_TARGET_MODULES, lora_dropout: float = 0.0,
+             optimizer: str = "adamw", momentum: float = 0.0, world_size: int = 1,
+             gradient_as_bucket_view: bool = True, attn_implementation: str = "sdpa",
+             checkpoint_every_n_layers: int = 1, label_fraction: float = 1.0,
+             loss_chunk_tokens: Optional[int] = None, packed: bool = False,
+             device: str = "cuda", lora_dora: bool = False, strategy: str = "ddp",
+             reshard_after_forward: bool = True, quantization: str = "none") -> MemoryEstimate:
+    """Per-GPU memory of one micro-step of LoRA training, as named components in bytes.
+
+    `config` is a transformers config (or a `ModelShape`). `base_dtype` is the dtype of the
+    frozen weights and of the activations; anything but fp32 means autocast with fp32 LoRA
+    weights, as `jobs.loop` runs it. Ragged micro-batches cost what full ones of the same
+    padded length do (`jobs.data.collate` adds no mask). `packed` means `data.packing` rows
+    (`micro_batch_size` rows of `seq_len` tokens, several sequences each): a shared float
+    block mask and per-row RoPE tables. `label_fraction` is label tokens / (micro_batch_size x seq_len).
+    `gradient_as_bucket_view` matches `jobs.loop`'s DDP (True): the LoRA gradients live in
+    DDP's buckets, so buckets cost nothing extra; False adds a second fp32 copy.
+    `device="cuda"` adds `framework_overhead` and follows the CUDA kernels where they differ
+    from the CPU ones (dropout masks, layer_norm under autocast, attention output layout);
+    `device="cpu"` is what the CPU tests measure.
+
+    `strategy="fsdp"` (FSDP2, `fully_shard` per decoder layer and the root over `world_size`
+    ranks): every parameter -- frozen and LoRA -- is sharded on dim 0, padded to a multiple of
+    `world_size`, and so are the LoRA gradients and optimizer state; there is no DDP bucket.
+    `fsdp_gathered` is what is all-gathered at the peak: the root's parameters (embeddings, final
+    norm, LM head: FSDP2 never reshards the root after forward) and the decoder layers in flight
+    -- the one in backward plus the next one prefetched, or, with `reshard_after_forward=False`,
+    every layer (each stays gathered from its forward until its backward).
+    `quantization` ("nf4", "int8": bitsandbytes, QLoRA) stores the decoder's linear weights as
+    `quantized_bytes` says; embeddings, LM head, norms and biases stay in `base_dtype`, and one
+    layer's backward also holds the largest linear de-quantized to `base_dtype`.
+    """
+    _check_arguments(base_dtype=base_dtype, attn_implementation=attn_implementation, device=device,
+                     optimizer=optimizer, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
+                     checkpoint_every_n_layers=checkpoint_every_n_layers, strategy=strategy,
+                     quantization=quantization, label_fraction=label_fraction)
+    shape = config if isinstance(config, ModelShape) else model_shape(config)
+    step = _Step(shape=shape, batch=micro_batch_size, seq=seq_len, act_bytes=DTYPE_BYTES[base_dtype],
+                 autocast=base_dtype != "fp32", targets=lora_targets(shape, lora_target_modules), lora_r=lora_r,
+                 lora_dropout=lora_dropout, dora=lora_dora, attn=attn_implementation, device=device, packed=packed,
+                 mask=(packed or attn_implementation == "eager"
+                       or (shape.sliding_window is not None and seq_len >= shape.sliding_window)))
+    fsdp = strategy == "fsdp"
+    frozen = _frozen_base(step, world_size if fsdp else 1, quantization)
+    components, fsdp_layer = _static(step, frozen, optimizer=optimizer, momentum=momentum, world_size=world_size,
+                                     gradient_as_bucket_view=gradient_as_bucket_view, fsdp=fsdp,
+                                     reshard_after_forward=reshard_after_forward)
+    acts = _activations(step, gradient_checkpointing, checkpoint_every_n_layers)
+    components["activations"] = acts.total_bytes
+    loss = _loss_head(step, label_fraction, loss_chunk_tokens)
+    components["logits_loss"] = loss.peak_bytes
+    components["layer_backward"] = _layer_backward(step, acts, checkpoint_every_n_layers, frozen.largest_quantized)
+    components["framework_overhead"] = _framework_overhead(components, device, world_size)
+    details = {
+        "params": count_base_params(shape),
+        "lora_params": count_lora_params(shape, lora_r, step.targets, dora=lora_dora),
+        "label_tokens": loss.label_tokens, "logits_chunk_tokens": loss.chunk_tokens,
+        "strategy": strategy, "world_size": world_size, "quantization": quantization,
+        "reshard_after_forward": reshard_after_forward if fsdp else None,
+        # FSDP: one decoder layer's all-gathered parameters (frozen: packed bytes when quantized).
+        "fsdp_gathered_layer_bytes": fsdp_layer,
+        "frozen_layer_bytes": frozen.layer_bytes, "frozen_root_bytes": frozen.root_bytes,
+        "mask": step.mask, "checkpointed_layers": acts.checkpointed_layers,
+        "layer_saved_bytes": acts.layer_saved_bytes, "first_layer_saved_bytes": acts.first_layer_saved_bytes,
+        "decoder_saved_bytes": acts.decoder_saved_bytes, "held_mask_bytes": acts.held_mask_bytes,
+        "loss_saved_bytes": loss.saved_bytes,
+    }
+    return MemoryEstimate({k: int(v) for k, v in components.items()}, details)
+
+
+def _check_arguments(*, base_dtype: str, attn_implementation: str, device: str, optimizer: str,
+                     micro_batch_size: int, seq_len: int, world_size: int, checkpoint_every_n_layers: int,
+                     strategy: str, quantization: str, label_fraction: float) -> None:
+    """`estimate`'s arguments it cannot model raise ValueError (the spec adapter turns it into SpecError)."""
+    if base_dtype not in DTYPE_BYTES:
+        raise ValueError(f"memory estimate: base_dtype must be one of {sorted(DTYPE_BYTES)}, got {base_dtype!r}")
+    if attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"memory estimate: attn_implementation must be sdpa or eager, got {attn_implementation!r}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"memory estimate: device must be cuda or cpu, got {device!r}")
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"memory estimate: optimizer must be adamw or sgd, got {optimizer!r}")
+    if micro_batch_size < 1 or seq_len < 1 or world_size < 1 or checkpoint_every_n_layers < 1:
+        raise ValueError("memory estimate: micro_batch_size, seq_len, world_size, checkpoint_every_n_layers "
+                         "must be >= 1")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"memory estimate: strategy must be ddp or fsdp, got {strategy!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"memory estimate: quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
+    if not 0 < label_fraction <= 1:
+        raise ValueError(f"memory estimate: label_fraction must be in (0, 1], got {label_fraction}")
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One micro-step as the pieces of `estimate` read it: `batch` rows of `seq` tokens, the
+    activations (and frozen weights) `act_bytes` per element, under autocast unless fp32."""
+
+    shape: ModelShape
+    batch: int
+    seq: int
+    act_bytes: int
+    autocast: bool
+    mask: bool  # attention gets a mask: packed rows, eager attention, or a sliding window the rows reach
+    targets: set[str]
+    lora_r: int
+    lora_dropout: float
+    dora: bool
+    attn: str
+    device: str
+    packed: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def walk(self) -> Walk:
+        return Walk(self.shape, batch=self.batch, seq=self.seq, act_bytes=self.act_bytes, autocast=self.autocast,
+                    targets=self.targets, r=self.lora_r, lora_dropout=self.lora_dropout, attn=self.attn,
+                    mask=self.mask, device=self.device, packed=self.packed, dora=self.dora)
+
+    def hidden_states(self, w: Walk, requires_grad: bool) -> ReplayTensor:
+        """A new [batch, seq, hidden] tensor in `w`: a decoder layer's input."""
+        return w.new(self.tokens * self.shape.hidden * self.act_bytes, requires_grad)
+
+
+# ---- static: weights, gradients, optimizer state ----------------------------------------------
+
+@dataclass(frozen=True)
+class _Frozen:
+    """The frozen base on one rank (sharded under FSDP), quantization constants included."""
+
+    layer_bytes: int           # every decoder layer's parameters
+    root_bytes: int            # embeddings, final norm, LM head
+    gathered_layer_bytes: int  # one decoder layer's parameters, all-gathered (FSDP)
+    largest_quantized: int     # elements of the largest quantized linear weight (0: not quantized)
+
+
+def _frozen_base(step: _Step, shard_world: int, quantization: str) -> _Frozen:
+    shape, a = step.shape, step.act_bytes
+    frozen = {"layer": 0, "root": 0}
+    gathered_layer = 0
+    largest_quantized = 0
+    for where, kind, dims in base_param_shapes(shape):
+        n, elem, consts = math.prod(dims), a, 0
+        # A quantized weight is the packed uint8 parameter (Params4bit: [ceil(n/2), 1]; Int8Params:
+        # [rows, cols]): FSDP2 shards and all-gathers those bytes as they are (its mixed-precision
+        # policy casts floating-point parameters only), while the constants (`quant_state`, `SCB`)
+        # are plain attributes, not parameters, and stay whole on every rank.
+        if quantization != "none" and kind != "other":
+            dims, elem, consts = quantized_bytes(n, dims[0], quantization)
+            largest_quantized = max(largest_quantized, n)
+        count = shape.layers if where == "layer" else 1
+        frozen[where] += count * (shard_bytes(dims, elem, shard_world) + consts)
+        if where == "layer":
+            gathered_layer += shard_world * shard_bytes(dims, elem, shard_world)
+    return _Frozen(frozen["layer"], frozen["root"], gathered_layer, largest_quantized)
+
+
+def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, world_size: int,
+            gradient_as_bucket_view: bool, fsdp: bool,
+            reshard_after_forward: bool) -> tuple[dict[str, int], Optional[dict[str, int]]]:
+    """The components that live through the whole step, and (FSDP) one layer's gathered bytes."""
+    shape, a = step.shape, step.act_bytes
+    shard_world = world_size if fsdp else 1
+    lora_bytes = count_lora_params(shape, step.lora_r, step.targets, dora=step.dora) * FP32_BYTES
+    opt_states = 2 if optimizer == "adamw" else (1 if momentum > 0 else 0)
+    lora_shapes = lora_param_shapes(shape, step.lora_r, step.targets, dora=step.dora)
+    lora_rank_bytes = shape.layers * sum(shard_bytes(d, FP32_BYTES, shard_world) for d in lora_shapes)
+    assert shard_world > 1 or lora_rank_bytes == lora_bytes
+    components = {
+        "frozen_weights": frozen.layer_bytes + frozen.root_bytes,
+        "lora_weights": lora_rank_bytes,
+        "lora_grads": lora_rank_bytes,
+        "optimizer_state": opt_states * lora_rank_bytes,
+        "ddp_buckets": lora_bytes if world_size > 1 and not gradient_as_bucket_view and not fsdp else 0,
+        "fsdp_gathered": 0,
+    }
+    if not fsdp:
+        return components, None
+    # An all-gathered parameter's storage is the whole padded dim 0 (world x the padded shard;
+    # the parameter is a view of it), measured on 2 gloo ranks (tests/test_memory.py).
+    # jobs.fsdp gathers in the compute dtype (MixedPrecisionPolicy(param_dtype=...)).
+    root_full = sum(shard_world * shard_bytes(d, a, shard_world)
+                    for w, _, d in base_param_shapes(shape) if w == "root")
+    layer_full = frozen.gathered_layer_bytes + sum(shard_world * shard_bytes(d, a, shard_world) for d in lora_shapes)
+    in_flight = min(2, shape.layers) if reshard_after_forward else shape.layers
+    components["fsdp_gathered"] = root_full + in_flight * layer_full
+    return components, {"frozen": frozen.gathered_layer_bytes, "lora": layer_full - frozen.gathered_layer_bytes}
+
+
+# ---- activations: replay the forward ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Activations:
+    total_bytes: int              # saved at the end of forward: decoder, final norm, held mask
+    decoder_saved_bytes: int      # the decoder layers' share of it
+    held_mask_bytes: int          # HF's [B, 1, S, S] mask kept by the checkpoint frames
+    layer_saved_bytes: int        # what one layer keeps when its input requires grad (a recomputed layer)
+    first_layer_saved_bytes: int  # what the first layer keeps on frozen embeddings (no checkpointing)
+    checkpointed_layers: int
+
+
+def _one_layer_saved(step: _Step, input_requires_grad: bool) -> int:
+    w = step.walk()
+    w.layer(step.hidden_states(w, input_requires_grad))
+    return w.saved_bytes
+
+
+def _shared_kept(w: Walk) -> set[str]:
+    """Which of the tensors every layer shares (RoPE tables, position ids, packed bias) are kept."""
+    shared = {"cos": w.cos, "sin": w.sin, "position_ids": w.position_ids, "bias": w.bias}
+    return {k for k, t in shared.items() if t is not None and t.sid in w.saved}
+
+
+def _steady_layer(step: _Step) -> tuple[set[str], int]:
+    """A layer whose input requires grad keeps the same new bytes as any other such layer once
+    the shared tensors it saves are kept: replay that layer once (the second of two) so that
+    `_activations` adds its bytes for each such layer, instead of replaying 80 identical layers
+    for a 70B model. Returns (the shared tensors it needs kept, its new bytes)."""
+    probe = step.walk()
+    probe.layer(step.hidden_states(probe, True))
+    needs, before = _shared_kept(probe), probe.saved_bytes
+    probe.layer(step.hidden_states(probe, True))
+    return needs, probe.saved_bytes - before
+
+
+def _activations(step: _Step, gradient_checkpointing: bool, every: int) -> _Activations:
+    shape = step.shape
+    needs, steady_layer_bytes = _steady_layer(step)
+    repeated = 0  # bytes of the layers counted as steady_layer_bytes, not replayed
+    w = step.walk()
+    # HF's activation_checkpointing_enable() makes the embedding output require grad.
+    x = step.hidden_states(w, gradient_checkpointing)
+    checkpointed = 0
+    for i in range(shape.layers):
+        if gradient_checkpointing and i % every == 0:
+            # torch.utils.checkpoint keeps the layer's arguments: the hidden states, RoPE cos/sin,
+            # position ids (and the mask, below); everything else is recomputed in backward.
+            w.save(x, w.cos, w.sin, w.position_ids)
+            if step.packed:
+                w.save(w.bias)
+            x = w.new(x.nbytes, True)
+            checkpointed += 1
+        elif x.rg and needs <= _shared_kept(w):
+            repeated += steady_layer_bytes
+            x = w.new(x.nbytes, True)
+        else:
+            x = w.layer(x)
+    decoder_bytes = w.saved_bytes + repeated
+    w.final_norm(x)
+    # The float/bool mask HF builds once ([B, 1, S, S]) stays referenced by the checkpoint frames.
+    held_mask = checkpointed > 0 and step.mask and not step.packed
+    mask_bytes = step.batch * step.seq * step.seq * (step.act_bytes if step.attn == "eager" else 1) if held_mask else 0
+    return _Activations(total_bytes=w.saved_bytes + repeated + mask_bytes, decoder_saved_bytes=decoder_bytes,
+                        held_mask_bytes=mask_bytes, layer_saved_bytes=_one_layer_saved(step, True),
+                        first_layer_saved_bytes=_one_layer_saved(step, False), checkpointed_layers=checkpointed)
+
+
+# ---- transients: the loss head, one layer's backward ----------------------------------------------
+
+@dataclass(frozen=True)
+class _LossHead:
+    peak_bytes: int    # the `logits_loss` component
+    saved_bytes: int   # what it keeps from forward to backward
+    label_tokens: int
+    chunk_tokens: int  # label tokens per LM head + loss chunk
+
+
+def _loss_head(step: _Step, label_fraction: float, loss_chunk_tokens: Optional[int]) -> _LossHead:
+    """`CausalLMLoss`, in one piece or in checkpointed chunks of `loss_chunk_tokens`."""
+    T = max(1, math.ceil(label_fraction * step.tokens))
+    V, H, a = step.shape.vocab, step.shape.hidden, step.act_bytes
+    index_bytes = 2 * T * INDEX_BYTES  # label_pos (index_select) and label_ids (cross-entropy)
+    chunk = T if not loss_chunk_tokens or T <= loss_chunk_tokens else loss_chunk_tokens
+    # Forward: logits [c, V] in the compute dtype, .float() copy, log-softmax output (saved).
+    # Backward: d(log-softmax) and d(logits) in fp32 while the saved output is alive: 12 bytes/elem.
+    logits_peak = 3 * FP32_BYTES * chunk * V
+    if chunk < T:
+        # Checkpointed chunks keep only the gathered hidden states [T, H] (views of one tensor).
+        saved = T * H * a + index_bytes
+    else:
+        saved = FP32_BYTES * T * V + index_bytes
+    return _LossHead(peak_bytes=logits_peak + index_bytes + (T * H * a if chunk < T else 0), saved_bytes=saved,
+                     label_tokens=T, chunk_tokens=chunk)
+
+
+def _layer_backward(step: _Step, acts: _Activations, every: int, largest_quantized: int) -> int:
+    """The widest moment of one layer's backward beyond what it saves.
+
+    At the MLP: [N, intermediate] gradients (fp32: two of them; under autocast one in the
+    compute dtype, plus a few [N, hidden] gradients). At the norms: fp32 [N, hidden] temporaries.
+    Checkpointing adds the recomputed layer, all alive when the MLP backward (the first part of
+    the layer's backward) runs; beside it, fewer [N, hidden] gradients coexist under autocast.
+    Measured on CPU with a live-storage tracker over forward + backward
+    (tests/test_memory.py::test_peak_*)."""
+    N, L, a = step.tokens, step.shape.layers, step.act_bytes
+    H, I = step.shape.hidden, step.shape.intermediate
+    mlp_point = N * (I * a + 5 * H * a) if step.autocast else N * I * (FP32_BYTES + a)
+    norm_point = N * 5 * H * FP32_BYTES
+    plain_point = max(mlp_point, norm_point) if acts.checkpointed_layers < L else 0
+    if acts.checkpointed_layers:
+        # The last checkpointed layer is recomputed after the (plain) layers above it were
+        # freed; earlier checkpointed layers find even less alive.
+        last = (L - 1) // every * every
+        freed = (L - 1 - last) * acts.layer_saved_bytes
+        recomputed_point = N * (I * a + 3 * H * a) if step.autocast else mlp_point
+        widest = max(plain_point, acts.layer_saved_bytes + recomputed_point - freed)
+    else:
+        widest = plain_point
+    # bitsandbytes de-quantizes a linear's weight to the compute dtype for its matmuls (forward
+    # and the input gradient); one at a time, the largest bounds it.
+    return widest + largest_quantized * a
+
+
+def _framework_overhead(components: dict[str, int], device: str, world_size: int) -> int:
+    """Outside the allocator (CUDA only): the context, NCCL's buffers with > 1 rank, allocator slack."""
+    if device != "cuda":
+        return 0
+    allocated = MemoryEstimate(dict(components)).peak_allocated_bytes
+    return int(CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if world_size > 1 else 0)
+               + ALLOCATOR_SLACK_FRACTION * allocated)

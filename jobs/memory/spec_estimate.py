@@ -1,0 +1,101 @@
+"""From a JobSpec to `estimate`, and the one cached estimator of a spec.
+
+`estimate_of_spec` reads everything `estimate` needs from the spec except the few choices the
+plan makes (micro-batch, checkpointing, strategy, quantization), which it is given.
+`SpecEstimator` is the one estimator the plan and the report tables ask: the estimates of one
+spec on one device, for one micro-batch and one base quantization, by (strategy choice,
+checkpoint every k-th layer), each computed once.
+
+Pure: the model config comes in as an object (`config_io` reads it, at the entry points).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import SpecError
+from ..spec import compute_precision
+from .choices import CHOICES
+from .components import MemoryEstimate, estimate
+from .shapes import model_shape, round_up
+
+
+def spec_precision(spec, device: str) -> str:
+    """The compute dtype of `spec` on `device`: `jobs.spec.compute_precision`, the one rule."""
+    return compute_precision(spec.precision, device)
+
+
+def spec_seq_len(spec, device: str) -> int:
+    """The row length a spec's estimate assumes: `data.max_seq_len - 1` (the longest input), or
+    with `data.packing` the packed row of `data.max_seq_len` tokens (16-aligned on GPU)."""
+    if spec.data.packing:
+        return round_up(spec.data.max_seq_len, 16 if device == "cuda" else 1)
+    return max(1, spec.data.max_seq_len - 1)
+
+
+def estimate_of_spec(spec, config, *, device: str, micro_batch_size: int, gradient_checkpointing: bool,
+                     checkpoint_every_n_layers: int, strategy: str, reshard_after_forward: bool,
+                     quantization: str) -> MemoryEstimate:
+    """`estimate` of `spec` (with the model `config`) under the given choices.
+
+    The sequence length is `spec_seq_len`, and every position is assumed to carry a label: an
+    upper bound for ragged data and for packed micro-batches. What `estimate` cannot model (an
+    unsupported architecture, a LoRA target that is no linear layer) is the user's spec: SpecError."""
+    try:
+        return estimate(
+            config,
+            micro_batch_size=micro_batch_size,
+            seq_len=spec_seq_len(spec, device),
+            packed=spec.data.packing,
+            gradient_checkpointing=gradient_checkpointing,
+            base_dtype=spec_precision(spec, device),
+            lora_r=spec.lora.r,
+            lora_target_modules=list(spec.lora.target_modules),
+            lora_dropout=spec.lora.dropout,
+            lora_dora=spec.lora.use_dora,
+            optimizer=spec.optim.name,
+            momentum=spec.optim.momentum,
+            world_size=spec.resources.num_workers,
+            attn_implementation=spec.model.attn_implementation,
+            loss_chunk_tokens=spec.memory.loss_chunk_tokens or None,
+            checkpoint_every_n_layers=checkpoint_every_n_layers,
+            device=device,
+            strategy=strategy,
+            reshard_after_forward=reshard_after_forward,
+            quantization=quantization,
+        )
+    except SpecError:
+        raise
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+
+
+class SpecEstimator:
+    """The estimates of `spec` on `device` with the model `config`, for one micro-batch (default:
+    `batch.micro_batch_size`) and one base quantization (default: `model.quantization`), keyed by
+    (strategy choice of `choices.CHOICES`, checkpoint every k-th layer; 0 = off) and computed
+    once each: the plan and the tables weigh the same choices, often more than once."""
+
+    def __init__(self, spec, config, device: str, *, micro_batch_size: Optional[int] = None,
+                 quantization: Optional[str] = None):
+        self.spec, self.config, self.device = spec, config, device
+        self.micro_batch_size = micro_batch_size or spec.batch.micro_batch_size
+        self.quantization = quantization or spec.model.quantization
+        self._cache: dict[tuple[str, int], MemoryEstimate] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return model_shape(self.config).layers
+
+    def estimate(self, choice: str, every: int) -> MemoryEstimate:
+        if (choice, every) not in self._cache:
+            strategy, reshard = CHOICES[choice]
+            self._cache[choice, every] = estimate_of_spec(
+                self.spec, self.config, device=self.device, micro_batch_size=self.micro_batch_size,
+                gradient_checkpointing=every > 0, checkpoint_every_n_layers=max(1, every), strategy=strategy,
+                reshard_after_forward=reshard is not False, quantization=self.quantization)
+        return self._cache[choice, every]
+
+    def gib(self, choice: str, every: int) -> float:
+        """`estimate(choice, every)` in GiB: what the plan's rules (`choices.choose_plan`) weigh."""
+        return self.estimate(choice, every).total_gib
