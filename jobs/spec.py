@@ -33,10 +33,6 @@ from .spec_yaml import apply_overrides, one_line, path_problem, read_yaml
 # Matched with fullmatch: `$` would also accept a trailing newline ("ok\n").
 DNS1123 = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Names and values that are credentials, not configuration: the scanner's own patterns (one
-# definition, `jobs.secrets`), kept under these names for the code that imports them from here.
-SECRET_NAME = secrets.SECRET_NAME
-SECRET_VALUE = secrets.TOKEN
 # Fields whose own validators judge credentials (with a message that says what belongs there).
 _OWN_SECRET_CHECK = ("model.hf_token_env", "data.hf_token_env", "run.env")
 # Seeds go to torch.manual_seed (after `seed * 7919 + rank`) and random.Random: keep them in
@@ -319,7 +315,7 @@ class RunSpec(_Section):
             if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"{one_line(repr(name))} is not an environment variable name")
             what = secrets.describe(str(value))
-            if SECRET_NAME.search(name) or what:
+            if secrets.SECRET_NAME.search(name) or what:
                 raise ValueError(
                     f"{name} looks like a secret{f' (its value is {what})' if what else ''}: secrets are never put "
                     "in a spec (they would travel in runtime_env and logs); name the variable the cluster "
