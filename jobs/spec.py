@@ -454,10 +454,6 @@ class JobSpec(BaseModel):
         """The device kind the workers train on: "cuda" with `resources.use_gpu`, else "cpu"."""
         return "cuda" if self.resources.use_gpu else "cpu"
 
-    def compute_precision(self, device_kind: str) -> str:
-        """The precision that runs on `device_kind` ("cuda" or "cpu"): see `compute_precision`."""
-        return compute_precision(self.precision, device_kind)
-
     @property
     def output_path(self) -> Path:
         return Path(self.run.output_dir.replace("{name}", self.name))
