@@ -48,7 +48,7 @@ CONTEXTUAL: tuple[tuple[str, str], ...] = (
     ("password in a URL", r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:]+:[^\s/?#@]+@"),
 )
 
-# Every prefixed token kind as one pattern (the compatible `jobs.spec.SECRET_VALUE`).
+# Every prefixed token kind as one pattern.
 TOKEN = re.compile("|".join(f"(?:{p})" for _, p in PREFIXED))
 # Environment variable names that say they hold a credential (`run.env` refuses them).
 SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL)", re.I)

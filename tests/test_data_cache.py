@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import jobs.data as data_mod
+import jobs.data.cache as data_mod  # where load_dataset and count_checked_records look up their helpers
 from jobs import checkpoint as ckpt
 from jobs.data import GlobalBatches, collate, load_dataset, read_jsonl, tokenize
 from jobs.errors import SpecError

@@ -1,0 +1,260 @@
+"""The tokenized cache: one build per (data, tokenizer, settings), memory-mapped by every worker.
+
+An entry is a directory `data_cache_dir(spec, cache_key(spec, tokenizer))` holding, per split
+(`train`, `eval`), the flat int32 token arrays `<split>.input_ids.bin` and `<split>.targets.bin`
+and the int64 offsets `<split>.offsets.npy` (example i is `[offsets[i], offsets[i+1])`), and a
+`meta.json` (content hash, record counts, dropped records, each split's `n` and `n_tokens`).
+`CACHE_FORMAT` is part of the key: bump it when these files or the tokenization change meaning,
+and every existing entry is left alone (a new key), never misread.
+
+The key covers what decides the tokens: the data's content (`content_hash`), the tokenizer and
+its chat template (`tokenizer_hash`), `max_seq_len`, the fields, `train_on` and the held-out
+split. One process builds an entry (`jobs.cache.build_once`: a lock, an atomic rename); a
+restart, a resume, a Tune trial or a later run tokenizes nothing and holds only the pages it
+touches (`TokenizedSplit`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..cache import build_once
+from ..errors import SpecError
+from ..spec import JobSpec, one_line, path_problem
+from .sources import datasets_rows, is_hub, read_jsonl, read_records
+from .tokenizing import Example, tokenize_iter
+
+CACHE_FORMAT = 1  # bump when the cache's files or the tokenization change meaning
+
+
+# ---- content hashes and the key ---------------------------------------------------------------
+
+_HASHES: dict[tuple, str] = {}
+
+
+def _file_sha256(path: Path) -> str:
+    st = path.stat()
+    memo = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if memo in _HASHES:  # a checkpoint every few steps hashes the data again: once is enough
+        return _HASHES[memo]
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    # A file modified within the filesystem's timestamp granularity of now could change again
+    # without changing (size, mtime): remember only hashes of files that have been still a while.
+    if time.time() - st.st_mtime > 2:
+        _HASHES[memo] = digest
+    return digest
+
+
+def source_hash(path: str, hf_token_env: Optional[str] = None) -> str:
+    """sha256 of a data source's content: a file's bytes, every file of a `save_to_disk`
+    directory (names and bytes), or a hub dataset's fingerprint (datasets' hash of its files)."""
+    if is_hub(path):
+        return "hf:" + datasets_rows(path, "data.path", hf_token_env)._fingerprint
+    p = Path(path)
+    if not p.is_dir():
+        problem = path_problem(p)  # never open a FIFO or a device to hash it
+        if problem:
+            raise SpecError(f"data.path: {problem}")
+    if p.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(q for q in p.rglob("*") if q.is_file()):
+            h.update(f"{f.relative_to(p)}\0{_file_sha256(f)}\0".encode())
+        return h.hexdigest()
+    return _file_sha256(p)
+
+
+def content_hash(spec: JobSpec) -> str:
+    """One hash of everything `data.path` and `data.eval_path` hold: it changes exactly when the
+    data under the same paths changes (the checkpoint's resume key records it)."""
+    h = hashlib.sha256()
+    for p in list(spec.data.path) + ([spec.data.eval_path] if spec.data.eval_path else []):
+        try:
+            h.update(source_hash(p, spec.data.hf_token_env).encode() + b"\0")
+        except OSError as e:
+            raise SpecError(f"data: {one_line(str(p))}: cannot be read ({e.strerror or e})") from None
+    return h.hexdigest()
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """The tokenizer's full definition (vocabulary, merges, normalizer, special tokens) and chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = [getattr(tokenizer, "chat_template", None), tokenizer.bos_token_id, tokenizer.eos_token_id]
+    return hashlib.sha256((body + json.dumps(extra, default=str)).encode()).hexdigest()
+
+
+def cache_key(spec: JobSpec, tokenizer) -> str:
+    d = spec.data
+    parts = {"format": CACHE_FORMAT, "content": content_hash(spec), "tokenizer": tokenizer_hash(tokenizer),
+             "max_seq_len": d.max_seq_len, "fields": d.fields, "train_on": d.train_on,
+             "n_sources": len(d.path), "eval_path": bool(d.eval_path),
+             "eval_fraction": d.eval_fraction, "split_seed": spec.run.seed if d.eval_fraction > 0 and not d.eval_path else None}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def data_cache_dir(spec: JobSpec, key: str) -> Path:
+    """`data.cache_dir/<key>`, by default `<parent of run.output_dir>/.rayft-data/<key>`: storage
+    every worker of a run sees (the output directory's volume, shared on Kubernetes), and every
+    run, resume and Tune trial writing next to it reuses the same tokenized data."""
+    if spec.data.cache_dir:
+        return Path(spec.data.cache_dir).resolve() / key
+    return spec.output_path.resolve().parent / ".rayft-data" / key
+
+
+# ---- an entry's files -------------------------------------------------------------------------
+
+class TokenizedSplit(SequenceABC):
+    """Examples stored as flat int32 arrays (`input_ids.bin`, `targets.bin`) and int64 offsets,
+    memory-mapped read-only: an index costs only the pages of the examples it touches."""
+
+    def __init__(self, directory: Path, name: str, n: int, n_tokens: int):
+        self.n = n
+        self.offsets = np.load(directory / f"{name}.offsets.npy", mmap_mode="r")
+        if n_tokens:
+            self.ids = np.memmap(directory / f"{name}.input_ids.bin", dtype=np.int32, mode="r", shape=(n_tokens,))
+            self.targets = np.memmap(directory / f"{name}.targets.bin", dtype=np.int32, mode="r", shape=(n_tokens,))
+        else:
+            self.ids = self.targets = np.zeros(0, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return Example(tuple(self.ids[a:b].tolist()), tuple(self.targets[a:b].tolist()))
+
+    def __add__(self, other):
+        return list(self) + list(other)
+
+
+class _SplitWriter:
+    """Writes one split's files (the layout `TokenizedSplit` reads), one example at a time."""
+
+    def __init__(self, directory: Path, name: str):
+        self.directory, self.name = directory, name
+        self.f_ids = open(directory / f"{name}.input_ids.bin", "wb")
+        self.f_targets = open(directory / f"{name}.targets.bin", "wb")
+        self.offsets = [0]
+
+    def add(self, ex: Example) -> None:
+        self.f_ids.write(np.asarray(ex.input_ids, dtype=np.int32).tobytes())
+        self.f_targets.write(np.asarray(ex.targets, dtype=np.int32).tobytes())
+        self.offsets.append(self.offsets[-1] + len(ex.input_ids))
+
+    def close(self) -> dict:
+        self.f_ids.close()
+        self.f_targets.close()
+        np.save(self.directory / f"{self.name}.offsets.npy", np.asarray(self.offsets, dtype=np.int64))
+        return {"n": len(self.offsets) - 1, "n_tokens": self.offsets[-1]}
+
+
+# ---- the spec's data --------------------------------------------------------------------------
+
+@dataclass
+class Dataset:
+    train: Sequence[Example]
+    eval: Sequence[Example]
+    dropped: int  # records with no label token left after truncation
+    content_hash: str = ""  # `content_hash(spec)`: what the checkpoint's resume key records
+    cache_dir: Optional[Path] = None
+
+
+def count_checked_records(spec: JobSpec) -> int:
+    """Check every record of `data.path` and `data.eval_path` (nothing is kept: the memory of one
+    record) and return the number of training records. The driver calls this before anything
+    is created. A success is remembered in an existing cache root (`checked-<hash>.json`, keyed
+    by the content hash and `data.fields`), so a later start on the same data skips the pass."""
+    d = spec.data
+    try:
+        key = hashlib.sha256(json.dumps([content_hash(spec), d.fields]).encode()).hexdigest()[:24]
+        memo: Optional[Path] = data_cache_dir(spec, f"checked-{key}.json")
+        return int(json.loads(memo.read_text())["train_records"])
+    except SpecError:  # a source that cannot be hashed: the pass below names the problem
+        memo = None
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    n_train = 0
+    for i, p in enumerate(d.path):
+        n_train += len(read_jsonl(p, "data.path" if len(d.path) == 1 else f"data.path.{i}", max_chars=0,
+                                  fields=d.fields, hf_token_env=d.hf_token_env))
+    if d.eval_path:
+        read_jsonl(d.eval_path, "data.eval_path", max_chars=0, fields=d.fields, hf_token_env=d.hf_token_env)
+    # Remembered only where a tokenized cache already lives: a client that submits to a cluster
+    # (or a first run) creates nothing here.
+    if memo is None or not memo.parent.is_dir():
+        return n_train
+    try:  # only a success is remembered; a failed write costs the next start one more pass
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"train_records": n_train}))
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return n_train
+
+
+def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
+    """The spec's data, tokenized once into the shared cache (`data_cache_dir`) and memory-mapped.
+
+    The first process to need a cache entry reads and tokenizes the data under a lock and
+    publishes the entry by atomic rename (`jobs.cache.build_once`); every other process, now or
+    in a later run, maps the published files. Bad data raises a SpecError and leaves no entry."""
+    h = content_hash(spec)
+    final = data_cache_dir(spec, cache_key(spec, tokenizer))
+    try:
+        final = build_once(final, lambda tmp: _build(tmp, spec, tokenizer, h), "the tokenized data")
+    except SpecError:
+        _remove_if_unused(final)
+        raise
+    meta = json.loads((final / "meta.json").read_text())
+    train = TokenizedSplit(final, "train", meta["train"]["n"], meta["train"]["n_tokens"])
+    evals = TokenizedSplit(final, "eval", meta["eval"]["n"], meta["eval"]["n_tokens"])
+    if len(train) < spec.batch.global_batch_size:
+        raise SpecError(
+            f"data.path: {len(train)} usable training records, fewer than "
+            f"batch.global_batch_size={spec.batch.global_batch_size}"
+        )
+    return Dataset(train, evals, dropped=meta["dropped"], content_hash=h, cache_dir=final)
+
+
+def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
+    """Read and tokenize the spec's data into a cache entry's files under `tmp`."""
+    records, eval_records = read_records(spec, tokenizer)
+    meta = {"content_hash": content, "records": len(records), "eval_records": len(eval_records)}
+    kept = 0
+    for name, recs in (("train", records), ("eval", eval_records)):
+        w = _SplitWriter(tmp, name)
+        for ex in tokenize_iter(recs, tokenizer, spec.data.max_seq_len, spec.data.train_on, spec.model.name):
+            if ex is not None:
+                w.add(ex)
+        meta[name] = w.close()
+        kept += meta[name]["n"]
+    meta["dropped"] = len(records) + len(eval_records) - kept
+    (tmp / "meta.json").write_text(json.dumps(meta))
+
+
+def _remove_if_unused(final: Path) -> None:
+    """After bad data: leave nothing behind (the lock file, and the cache root if it is empty).
+    Every process reading the same data fails the same way, so no builder needs this lock."""
+    if final.is_dir():
+        return
+    try:
+        final.with_name(final.name + ".lock").unlink()
+        final.parent.rmdir()
+    except OSError:
+        pass

@@ -1,0 +1,63 @@
+"""Chat records through the model's chat template: the rendered text and the spans that carry loss.
+
+Training (`jobs.data.tokenizing`) labels the characters `chat_spans` returns; `rayft eval` feeds
+the model `chat_prompt_ids`, the same rendering with the generation prompt, so evaluation
+prompts are exactly what the training labels followed. A template that cannot render a
+conversation, or renders it in a way whose turns cannot be told apart, is a SpecError naming
+the model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import SpecError
+from ..spec import one_line
+
+
+def _model_name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", "") or "the model"
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, model_name: str) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpecError(f"model.name: {model_name} has no chat template; chat records (\"messages\") need one")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:  # a Jinja error raised by the template itself (e.g. "roles must alternate")
+        raise SpecError(f"model.name: the chat template of {model_name} refused a conversation "
+                        f"({one_line(str(e))[:160]})") from None
+
+
+def chat_spans(tokenizer, messages: list[dict], train_on: str = "assistant",
+               model_name: Optional[str] = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans that carry loss.
+
+    The span of assistant turn i is what the template adds between rendering `messages[:i]` with
+    the generation prompt and rendering `messages[:i+1]`: the turn's content and the template's
+    end-of-turn text, nothing of the prompt. That needs a prefix-stable template (each rendering a
+    prefix of the next); one that is not is refused with a SpecError naming the model."""
+    name = model_name or _model_name(tokenizer)
+    full = _render(tokenizer, messages, False, name)
+    # An assistant message that opens the conversation answers nothing: it is context, not a turn
+    # (templates cannot render the empty conversation before it).
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+    if train_on == "last_assistant":
+        turns = turns[-1:]
+    spans = []
+    for i in turns:
+        before = _render(tokenizer, messages[:i], True, name)
+        after = _render(tokenizer, messages[:i + 1], False, name)
+        if not (after.startswith(before) and full.startswith(after)):
+            raise SpecError(f"model.name: the chat template of {name} is not prefix-stable (rendering the first "
+                            f"{i + 1} messages is not a prefix of the whole conversation), so the tokens of an "
+                            "assistant turn cannot be told apart; use prompt/completion records instead")
+        spans.append((len(before), len(after)))
+    return full, spans
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], model_name: Optional[str] = None) -> list[int]:
+    """Token ids of `messages` rendered with the generation prompt: what `rayft eval` feeds the
+    model, the same text the training labels of the next assistant turn follow."""
+    text = _render(tokenizer, messages, True, model_name or _model_name(tokenizer))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
