@@ -21,7 +21,7 @@ from torch import nn
 
 from .cache import build_once
 from .errors import SpecError
-from .spec import JobSpec, resolve_model_dir
+from .spec import JobSpec, one_line, resolve_model_dir
 
 log = logging.getLogger("rayft")
 
@@ -237,8 +237,9 @@ LORA_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora":
 def add_lora(model, spec: JobSpec, precision: str = "fp32"):
     """Wrap with PEFT LoRA; adapter init is seeded so every rank starts identical.
 
-    `precision` bf16/fp16 (autocast): see `keep_lora_inputs_in_compute_dtype`."""
-    from peft import LoraConfig, get_peft_model
+    `precision` bf16/fp16 (autocast): see `keep_lora_inputs_in_compute_dtype`. With
+    `model.adapter`, training starts from that saved adapter instead (`start_from_adapter`)."""
+    from peft import LoraConfig
 
     cfg = LoraConfig(
         r=spec.lora.r,
@@ -254,14 +255,27 @@ def add_lora(model, spec: JobSpec, precision: str = "fp32"):
         # PEFT probes the deprecated `is_gradient_checkpointing` alias; not ours to fix.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(spec.run.seed + 1)
-        try:
-            peft_model = get_peft_model(model, cfg)
-        except ValueError as e:
-            linear = sorted({n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, nn.Linear)})
-            raise SpecError(
-                f"lora.target_modules: {list(spec.lora.target_modules)} do not match the model "
-                f"(its linear modules are {linear}): {str(e).splitlines()[0]}"
-            ) from None
+        if spec.model.adapter:
+            peft_model = start_from_adapter(model, spec)
+        else:
+            peft_model = _new_adapter(model, spec, cfg)
+    return _finish_adapter(peft_model, spec, precision)
+
+
+def _new_adapter(model, spec: JobSpec, cfg):
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, cfg)
+    except ValueError as e:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, nn.Linear)})
+        raise SpecError(
+            f"lora.target_modules: {list(spec.lora.target_modules)} do not match the model "
+            f"(its linear modules are {linear}): {str(e).splitlines()[0]}"
+        ) from None
+
+
+def _finish_adapter(peft_model, spec: JobSpec, precision: str):
     # LoRA weights train in fp32 whatever the base dtype: the optimizer and GradScaler need it.
     for p in peft_model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
@@ -283,6 +297,58 @@ def add_lora(model, spec: JobSpec, precision: str = "fp32"):
         peft_model.save_pretrained(init_dir)
         peft_model.save_pretrained = functools.partial(peft_model.save_pretrained,
                                                        path_initial_model_for_weight_conversion=init_dir)
+    return peft_model
+
+
+# What `lora.*` must say about a starting adapter (`model.adapter`): spec field -> adapter_config key.
+ADAPTER_CONFIG_KEYS = {"r": "r", "alpha": "lora_alpha", "use_dora": "use_dora", "use_rslora": "use_rslora"}
+
+
+def starting_adapter_config(spec: JobSpec) -> dict:
+    """`model.adapter`'s adapter_config.json, checked against `lora.*`: the adapter trains on as
+    the spec describes it, and the memory plan, resume key and estimate read `lora.*`, so they
+    must agree. A disagreement is refused in one line naming the key and both values."""
+    import json
+
+    path = Path(spec.model.adapter) / "adapter_config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError(f"model.adapter: {path}: not a readable adapter config ({type(e).__name__})") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
+        raise SpecError(f"model.adapter: {path}: not a LoRA adapter config")
+    for field, key in ADAPTER_CONFIG_KEYS.items():
+        want = getattr(spec.lora, field)
+        have = cfg.get(key, False if isinstance(want, bool) else None)
+        if have != want:
+            raise SpecError(f"model.adapter: the adapter has {key}={have!r} but lora.{field}={want!r}; set "
+                            f"lora.{field}={have} (lora.* must describe the starting adapter)")
+    targets = cfg.get("target_modules")
+    targets = sorted([targets] if isinstance(targets, str) else targets or [])
+    if targets != sorted(spec.lora.target_modules):
+        raise SpecError(f"model.adapter: the adapter targets {targets} but lora.target_modules="
+                        f"{sorted(spec.lora.target_modules)}; set lora.target_modules to the adapter's")
+    return cfg
+
+
+def start_from_adapter(model, spec: JobSpec):
+    """The base with `model.adapter` loaded as the trainable adapter (PEFT's `default`); for DPO
+    and IPO also a second, frozen copy of it named `jobs.preference.REFERENCE_ADAPTER`, the
+    reference those objectives compare against (the starting policy): the base is held once,
+    the adapter weights twice."""
+    from peft import PeftModel
+
+    from .preference import REFERENCE_ADAPTER
+
+    starting_adapter_config(spec)
+    try:
+        peft_model = PeftModel.from_pretrained(model, spec.model.adapter, is_trainable=True)
+        if spec.objective.name in ("dpo", "ipo"):
+            peft_model.load_adapter(spec.model.adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+            peft_model.set_adapter("default")  # the trainable one stays active (and trainable)
+    except (RuntimeError, ValueError, OSError) as e:  # shapes that do not fit the base, unreadable weights
+        raise SpecError(f"model.adapter: {spec.model.adapter} does not load on model.name={spec.model.name} "
+                        f"({one_line(str(e))[:200]})") from None
     return peft_model
 
 

@@ -477,6 +477,9 @@ class JobSpec(BaseModel):
             raise ValueError(f"lora.init={self.lora.init} moves part of the base weights into the adapter and "
                              f"needs an unquantized base (model.quantization={self.model.quantization}); "
                              "use lora.init default or gaussian")
+        if self.model.adapter and self.lora.init != "default":
+            raise ValueError(f"lora.init={self.lora.init} initialises a new adapter, but model.adapter starts from a "
+                             "saved one; leave lora.init at default")
         if self.objective.is_preference and self.data.packing:
             raise ValueError(f"data.packing is not available with objective.name={self.objective.name} (a pair's "
                              "chosen and rejected rows are padded side by side); set data.packing=false")
