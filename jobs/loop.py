@@ -47,7 +47,7 @@ from .faults import from_env
 from .memory import MemoryPlan
 from .model import add_lora, check_batchnorm, check_packing, compile_layers, enable_checkpointing, load_base_model
 from .outputs import PLOT, SUMMARY, MetricsLog, append_event, claim_output_dir, plot_loss, read_metrics, write_json_atomic
-from .errors import SpecError
+from .errors import RunError
 from .spec import JobSpec, compute_precision
 from .tracking import open_trackers
 
@@ -327,8 +327,8 @@ def strategy_of(plan: MemoryPlan, world_size: int) -> str:
 def set_up(spec: JobSpec, ctx: Context) -> Job:
     """Model, adapters, the memory plan (strategy, checkpointing), data; nothing trained yet."""
     if ctx.world_size != spec.resources.num_workers:
-        raise SpecError(f"resources.num_workers={spec.resources.num_workers} but the runner started "
-                        f"{ctx.world_size} workers")
+        raise RunError(f"resources.num_workers={spec.resources.num_workers} but the runner started "
+                       f"{ctx.world_size} workers")
     precision = compute_precision(spec.precision, ctx.device.type)
     model, tokenizer = load_base_model(spec, precision)
     if spec.data.packing:
@@ -621,7 +621,7 @@ def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, 
         return
     last = ckpt.newest_complete(spec.output_path / "checkpoints", warn=False)
     kept = f"the last good checkpoint is kept: {last}" if last else "no checkpoint was written before it"
-    raise SpecError(f"optimizer step {step}: training diverged (loss {loss:g}, grad norm {grad_norm:g}); "
+    raise RunError(f"optimizer step {step}: training diverged (loss {loss:g}, grad norm {grad_norm:g}); "
                     f"stopped, {kept}; lower optim.lr (now {spec.optim.lr:g}) or set optim.max_grad_norm")
 
 
