@@ -18,7 +18,8 @@ Reads top to bottom in `train()`. The two pieces tests poke at directly are
 * fp16: the GradScaler scales every micro-step's loss, `unscale_` runs once before
   clipping, `step`/`update` once per window; a skipped step is counted.
 
-No `.item()` inside the window: scalars are read once per optimizer step.
+No `.item()` inside the window: scalars are read once per optimizer step (and transformers'
+own per-forward sync is turned off where the model loads: `jobs.model.skip_packed_sequence_detection`).
 """
 
 from __future__ import annotations
@@ -77,9 +78,8 @@ class CausalLMLoss(nn.Module):
         if seq_ids is not None:  # packed rows (`jobs.data.collate`)
             attention_mask = packed_attention_mask(seq_ids, lm.get_input_embeddings().weight.dtype)
         # `base_model` is the decoder stack under any HF causal LM (`model`, `gpt_neox`, ...).
-        with no_packed_sequence_detection():
-            hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   use_cache=False).last_hidden_state
+        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
         h = hidden.flatten(0, 1).index_select(0, label_pos)
         head = lm.get_output_embeddings()
         if not self.chunk_tokens or h.shape[0] <= self.chunk_tokens:
@@ -90,39 +90,6 @@ class CausalLMLoss(nn.Module):
             total = total + torch.utils.checkpoint.checkpoint(
                 _head_loss, head, h[sl], label_ids[sl], use_reentrant=False)
         return total
-
-
-def _never_packed(position_ids):
-    return None
-
-
-@contextlib.contextmanager
-def no_packed_sequence_detection():
-    """Skip transformers' packed-sequence detection for the forward inside.
-
-    Without a 2D attention mask, transformers 5 looks at the position ids of every forward for
-    several sequences packed into one row (`masking_utils.find_packed_sequence_indices`), which
-    ends in `bool(tensor.all())`: a host sync at the start of every micro-step's forward, so the
-    CPU stops queueing work until the device has drained everything before it. rayft knows the
-    answer without looking: its unpacked rows hold one sequence (HF's default position ids, never
-    packed), and its packed rows come with their own 4D mask, with which transformers returns
-    before detecting anything. So the detection is replaced by its "not packed" answer for the
-    duration of the call (a no-op on versions without it).
-    """
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = _never_packed
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
 
 
 def packed_attention_mask(seq_ids: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
