@@ -6,13 +6,16 @@ printed as one line, the process exits with the class's `exit_code`, never with 
     |   |                          an id that names nothing, a lock that another driver holds
     |   +-- SpecError              ... a spec or override field (the message names the field path)
     +-- ClusterError       exit 1  a cluster refused or failed a well-formed request
-        +-- ClusterUnreachable  exit 2  no cluster answers at that address (a wrong address or a cluster down)
-        +-- ClusterAuthError    exit 2  the cluster rejected the credentials (a wrong or missing token)
-        +-- JobNotFound         exit 2  the cluster has no job of that id / name
-        +-- NodeLost            exit 1  a node that held a training worker died mid-run (checkpoints kept)
+    |   +-- ClusterUnreachable  exit 2  no cluster answers at that address (a wrong address or a cluster down)
+    |   +-- ClusterAuthError    exit 2  the cluster rejected the credentials (a wrong or missing token)
+    |   +-- JobNotFound         exit 2  the cluster has no job of that id / name
+    |   +-- NodeLost            exit 1  a node that held a training worker died mid-run (checkpoints kept)
+    +-- RunError           exit 1  a run failed for a reason no input fixes: training diverged, the runner
+                                   started another world size than asked, a bad fault-injection setting
 
 Every class is defined here, in `jobs`, because the worker raises some of them (a bad data
-line is a `SpecError` raised on a Ray worker) and `jobs` imports nothing above it.
+line is a `SpecError` raised on a Ray worker, a diverged loss a `RunError`) and `jobs` imports
+nothing above it.
 """
 
 from __future__ import annotations
@@ -76,11 +79,21 @@ class NodeLost(ClusterError):
         return (self.__class__, (str(self), self.node_id, self.node_ip))
 
 
+class RunError(RayftError, RuntimeError):
+    """A run failed, and neither the user's input nor the cluster is what to fix (exit 1): training
+    diverged (NaN or infinite loss), the runner started another number of workers than
+    `resources.num_workers`, a `RAYFT_FAULT` setting (fault injection for tests and drills) that
+    does not parse. Not a `ValueError`: the places that turn a `ValueError` into a `SpecError`
+    naming a field never catch it."""
+
+    exit_code = 1
+
+
 # ---- failures that come back wrapped (by Ray Train, Ray Tune, the Jobs API) --------------------
 
 def causes(err: Optional[BaseException]) -> Iterator[BaseException]:
     """`err` and everything it wraps: Ray Train's per-worker failures, `__cause__`, `__context__`.
-    The one walk over Ray's wrapping that `user_error` and `oom_line` use."""
+    The one walk over Ray's wrapping that `worker_error` and `oom_line` use."""
     seen: set[int] = set()
     todo: list[Optional[BaseException]] = [err]
     while todo:
@@ -97,15 +110,24 @@ def causes(err: Optional[BaseException]) -> Iterator[BaseException]:
         todo.extend([e.__cause__, e.__context__])
 
 
-def user_error(err: Optional[BaseException]) -> Optional[SpecError]:
-    """A SpecError raised on a worker (bad data line, LoRA targets that match nothing) comes
-    back wrapped by Ray, sometimes only as text; unwrap it so the CLI prints one line, exit 2."""
+# The errors a worker raises that the CLI reports as they are, by name; Ray's text of a failure
+# names them as "...SpecError: <message>".
+_WORKER_ERRORS: dict[str, type[RayftError]] = {cls.__name__: cls for cls in (SpecError, RunError)}
+_WORKER_ERROR_LINE = re.compile(r"(?<!\w)(" + "|".join(_WORKER_ERRORS) + r"): ")
+
+
+def worker_error(err: Optional[BaseException]) -> Optional[RayftError]:
+    """A SpecError (bad data line, LoRA targets that match nothing) or RunError (training diverged)
+    raised on a worker comes back wrapped by Ray, sometimes only as text; unwrap it so the CLI
+    prints its one line and exits with its code (2 and 1)."""
     for e in causes(err):
-        if isinstance(e, SpecError):
-            return SpecError(str(e))
-        text = str(e)
-        if "SpecError: " in text:
-            return SpecError(text.rsplit("SpecError: ", 1)[1].strip().splitlines()[0])
+        for cls in _WORKER_ERRORS.values():
+            if isinstance(e, cls):
+                return cls(str(e))
+        named = list(_WORKER_ERROR_LINE.finditer(str(e)))
+        if named:
+            lines = str(e)[named[-1].end():].strip().splitlines()
+            return _WORKER_ERRORS[named[-1].group(1)](lines[0] if lines else "")
     return None
 
 

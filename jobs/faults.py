@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .spec import SpecError
+from .errors import RunError
 
 
 @dataclass
@@ -54,7 +54,16 @@ def _first_time(args: dict[str, str], what: str, mark: bool = True) -> bool:
     return True
 
 
+# Each fault's numeric arguments, all required but `rank` (default 0); `once` (a marker file) is optional.
+_NUMBERS: dict[str, dict[str, type]] = {"oom": {"micro_batch_gt": int}, "kill": {"step": int, "rank": int},
+                                        "sleep": {"step": int, "seconds": float}}
+_OPTIONAL = {"rank"}
+
+
 def from_env() -> Faults:
+    """The directives of RAYFT_FAULT. A value that does not parse (a directive, an unknown fault, a
+    missing or non-numeric argument) is a `RunError` (exit 1) before the first step: the variable
+    is a setting of the test or drill that set it, not the user's spec."""
     text = os.environ.get("RAYFT_FAULT", "").strip()
     faults = Faults()
     for part in filter(None, (p.strip() for p in text.split(";"))):
@@ -62,8 +71,15 @@ def from_env() -> Faults:
         try:
             args = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
         except ValueError:
-            raise SpecError(f"RAYFT_FAULT: cannot parse {part!r}") from None
-        if kind not in ("oom", "kill", "sleep"):
-            raise SpecError(f"RAYFT_FAULT: unknown fault {kind!r} (oom, kill, sleep)")
+            raise RunError(f"RAYFT_FAULT: cannot parse {part!r}") from None
+        if kind not in _NUMBERS:
+            raise RunError(f"RAYFT_FAULT: unknown fault {kind!r} (oom, kill, sleep)")
+        for name, number in _NUMBERS[kind].items():
+            if name not in args and name in _OPTIONAL:
+                continue
+            try:
+                number(args[name])
+            except (KeyError, ValueError):
+                raise RunError(f"RAYFT_FAULT: {part!r} needs {name}=<{number.__name__}>") from None
         faults.directives.append((kind, args))
     return faults

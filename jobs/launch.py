@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import ray
 
-from .errors import NodeLost, unreachable_workers, user_error
+from .errors import NodeLost, unreachable_workers, worker_error
 from .spec import JobSpec
 
 log = logging.getLogger("rayft")
@@ -196,7 +196,7 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
                            f"{resume_hint(spec)}" + ("" if n else " (with run.max_failures=1 it resumes on its own "
                                                      "once the cluster has room again)"),
                            lost.node_id, lost.node_ip) from None
-        raise user_error(result["error"]) or result["error"]
+        raise worker_error(result["error"]) or result["error"]
     return json.loads((out / SUMMARY).read_text())
 
 

@@ -18,7 +18,8 @@ Reads top to bottom in `train()`. The two pieces tests poke at directly are
 * fp16: the GradScaler scales every micro-step's loss, `unscale_` runs once before
   clipping, `step`/`update` once per window; a skipped step is counted.
 
-No `.item()` inside the window: scalars are read once per optimizer step.
+No `.item()` inside the window: scalars are read once per optimizer step (and transformers'
+own per-forward sync is turned off where the model loads: `jobs.model.skip_packed_sequence_detection`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import random
 import resource
 import time
@@ -43,17 +43,17 @@ from . import checkpoint as ckpt
 from . import fsdp
 from .context import Context
 from .data import GlobalBatches, collate, count_inputs, count_labels, eval_shard, load_dataset, split_window, total_steps
+from .early_stopping import EarlyStopping
+from .errors import RunError
 from .faults import from_env
 from .memory import MemoryPlan
 from .model import add_lora, check_batchnorm, check_packing, compile_layers, enable_checkpointing, load_base_model
 from .outputs import PLOT, SUMMARY, MetricsLog, append_event, claim_output_dir, plot_loss, read_metrics, write_json_atomic
-from .errors import SpecError
 from .spec import JobSpec, compute_precision
 from .tracking import open_trackers
 
 log = logging.getLogger("rayft")
 GIB = 1024**3
-
 
 
 class CausalLMLoss(nn.Module):
@@ -78,9 +78,8 @@ class CausalLMLoss(nn.Module):
         if seq_ids is not None:  # packed rows (`jobs.data.collate`)
             attention_mask = packed_attention_mask(seq_ids, lm.get_input_embeddings().weight.dtype)
         # `base_model` is the decoder stack under any HF causal LM (`model`, `gpt_neox`, ...).
-        with no_packed_sequence_detection():
-            hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   use_cache=False).last_hidden_state
+        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
         h = hidden.flatten(0, 1).index_select(0, label_pos)
         head = lm.get_output_embeddings()
         if not self.chunk_tokens or h.shape[0] <= self.chunk_tokens:
@@ -91,39 +90,6 @@ class CausalLMLoss(nn.Module):
             total = total + torch.utils.checkpoint.checkpoint(
                 _head_loss, head, h[sl], label_ids[sl], use_reentrant=False)
         return total
-
-
-def _never_packed(position_ids):
-    return None
-
-
-@contextlib.contextmanager
-def no_packed_sequence_detection():
-    """Skip transformers' packed-sequence detection for the forward inside.
-
-    Without a 2D attention mask, transformers 5 looks at the position ids of every forward for
-    several sequences packed into one row (`masking_utils.find_packed_sequence_indices`), which
-    ends in `bool(tensor.all())`: a host sync at the start of every micro-step's forward, so the
-    CPU stops queueing work until the device has drained everything before it. rayft knows the
-    answer without looking: its unpacked rows hold one sequence (HF's default position ids, never
-    packed), and its packed rows come with their own 4D mask, with which transformers returns
-    before detecting anything. So the detection is replaced by its "not packed" answer for the
-    duration of the call (a no-op on versions without it).
-    """
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = _never_packed
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
 
 
 def packed_attention_mask(seq_ids: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
@@ -279,7 +245,7 @@ def held_out_loss(engine: Engine, examples, rank: int, world_size: int, micro_ba
     return (sums[0] / sums[1]).item()
 
 
-def memory_plan(spec: JobSpec, device: torch.device):
+def memory_plan(spec: JobSpec, device: torch.device) -> MemoryPlan:
     """The plan this worker runs: `jobs.memory.plan_for_spec` judged against `memory.budget_gib`,
     else the memory of this worker's GPU (the one input only the worker can see)."""
     from .memory import plan_for_spec
@@ -327,8 +293,8 @@ def strategy_of(plan: MemoryPlan, world_size: int) -> str:
 def set_up(spec: JobSpec, ctx: Context) -> Job:
     """Model, adapters, the memory plan (strategy, checkpointing), data; nothing trained yet."""
     if ctx.world_size != spec.resources.num_workers:
-        raise SpecError(f"resources.num_workers={spec.resources.num_workers} but the runner started "
-                        f"{ctx.world_size} workers")
+        raise RunError(f"resources.num_workers={spec.resources.num_workers} but the runner started "
+                       f"{ctx.world_size} workers")
     precision = compute_precision(spec.precision, ctx.device.type)
     model, tokenizer = load_base_model(spec, precision)
     if spec.data.packing:
@@ -474,7 +440,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     summary = {}
     if ctx.is_main:
         metrics_log.close()
-        adapter = stopper.best_adapter(out, adapter) or adapter
+        adapter = stopper.best_adapter(out) or adapter
         summary = write_outputs(spec, job, pos, last, adapter, wall_s=time.perf_counter() - run_start,
                                 mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None,
                                 extra=stopper.summary())
@@ -497,7 +463,7 @@ def announce(spec: JobSpec, ctx: Context, job: Job, pos: Position) -> None:
 
 
 def save_checkpoint(spec: JobSpec, ctx: Context, job: Job, engine: Engine, pos: Position, done: int, last: dict,
-                    stopper: "EarlyStopping") -> None:
+                    stopper: EarlyStopping) -> None:
     """Every rank, after optimizer step `done`: its files of checkpoint `step-<done>` (rank 0 adds
     the adapter, optimizer and scaler), with the position that resuming continues from. The
     adapter and optimizer state are the full ones, by parameter name, whatever the strategy
@@ -511,106 +477,6 @@ def save_checkpoint(spec: JobSpec, ctx: Context, job: Job, engine: Engine, pos: 
                         spec.run.keep_checkpoints)
 
 
-class EarlyStopping:
-    """`run.early_stopping`: after each evaluation, the eval loss either improves on the best so
-    far by more than `min_delta` (then the adapter of that step is kept, rank 0, as
-    `<output_dir>/early-stopping/best-step-N.safetensors`) or counts as one bad evaluation;
-    `patience` bad evaluations in a row stop the run, which ends with the best step's adapter as
-    `adapter/` (summary.json `best_step`). The state travels in checkpoints; the kept adapter
-    named by the newest checkpoint is never deleted, so a resumed run finds it. Inert without
-    `run.early_stopping` (`enabled` False)."""
-
-    DIR = "early-stopping"
-
-    def __init__(self, patience: int = 0, min_delta: float = 0.0, state: Optional[dict] = None):
-        self.enabled, self.patience, self.min_delta = patience > 0, patience, min_delta
-        state = state or {}
-        self.best_loss: Optional[float] = state.get("best_loss")
-        self.best_step: int = state.get("best_step", 0)
-        self.bad_evals: int = state.get("bad_evals", 0)
-        self.stopped_at: Optional[int] = state.get("stopped_at")
-        self.kept_step = self.best_step  # the best adapter the newest checkpoint names
-
-    @classmethod
-    def of(cls, spec: JobSpec, state: Optional[dict]) -> "EarlyStopping":
-        es = spec.run.early_stopping
-        return cls(es.patience, es.min_delta, state) if es else cls()
-
-    @property
-    def stopped(self) -> bool:
-        return self.stopped_at is not None
-
-    def state(self) -> dict:
-        return {"best_loss": self.best_loss, "best_step": self.best_step, "bad_evals": self.bad_evals,
-                "stopped_at": self.stopped_at}
-
-    def best_file(self, out: Path, step: int) -> Path:
-        return out / self.DIR / f"best-step-{step:08d}.safetensors"
-
-    def judge(self, step: int, eval_loss: Optional[float], adapter: Callable[[], dict], out: Path,
-              is_main: bool) -> None:
-        """Every rank, after the evaluation of optimizer step `step` (the eval loss is the same on
-        all); `adapter()` gives the full adapter state on rank 0 (every rank calls it: under FSDP
-        it gathers the shards)."""
-        if not self.enabled or eval_loss is None:
-            return
-        if self.best_loss is None or eval_loss < self.best_loss - self.min_delta:
-            self.best_loss, self.best_step, self.bad_evals = eval_loss, step, 0
-            state = adapter()
-            if is_main:
-                self._keep(state, out, step)
-            return
-        self.bad_evals += 1
-        if self.bad_evals >= self.patience:
-            self.stopped_at = step
-            log.warning("early stopping at step %d: eval loss has not improved by more than %g for %d "
-                        "evaluations; the adapter of step %d (eval loss %.4f) is the result", step,
-                        self.min_delta, self.bad_evals, self.best_step, self.best_loss)
-
-    def _keep(self, adapter: dict, out: Path, step: int) -> None:
-        from safetensors.torch import save_file
-
-        path = self.best_file(out, step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp))
-        os.replace(tmp, path)
-        self._prune(out)
-
-    def checkpointed(self, out: Optional[Path]) -> None:
-        """A checkpoint naming `best_step` is on disk (rank 0 passes `out`)."""
-        if self.enabled and out is not None:
-            self.kept_step = self.best_step
-            self._prune(out)
-
-    def _prune(self, out: Path) -> None:
-        keep = {self.best_file(out, self.best_step).name, self.best_file(out, self.kept_step).name}
-        for f in (out / self.DIR).glob("best-step-*.safetensors"):
-            if f.name not in keep:
-                f.unlink(missing_ok=True)
-
-    def best_adapter(self, out: Path, like: dict) -> Optional[dict]:
-        """Rank 0, at the end: the best step's adapter state (what is saved as `adapter/`), keyed
-        like `like` (the run's full adapter state), or None."""
-        if not self.enabled or not self.best_step:
-            return None
-        from safetensors.torch import load_file
-
-        state = load_file(str(self.best_file(out, self.best_step)))
-        if set(state) != set(like):
-            # Kept by an earlier rayft in PEFT's saved form, without the adapter's name: PEFT
-            # would drop every such key when saving, leaving an empty adapter. Name them again.
-            named = {k.replace(".default.", "."): k for k in like}
-            state = {named.get(k, k): v for k, v in state.items()}
-        return state
-
-    def summary(self) -> dict:
-        if not self.enabled:
-            return {}
-        return {"best_step": self.best_step or None, "best_eval_loss": self.best_loss,
-                "stopped_early_at_step": self.stopped_at}
-
-
 def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, skipped: bool) -> None:
     """Stop the run at optimizer step `step` (1-based) when its loss or gradient norm is NaN or
     infinite, unless the fp16 GradScaler skipped the step (then overflow is its normal signal and
@@ -621,7 +487,7 @@ def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, 
         return
     last = ckpt.newest_complete(spec.output_path / "checkpoints", warn=False)
     kept = f"the last good checkpoint is kept: {last}" if last else "no checkpoint was written before it"
-    raise SpecError(f"optimizer step {step}: training diverged (loss {loss:g}, grad norm {grad_norm:g}); "
+    raise RunError(f"optimizer step {step}: training diverged (loss {loss:g}, grad norm {grad_norm:g}); "
                     f"stopped, {kept}; lower optim.lr (now {spec.optim.lr:g}) or set optim.max_grad_norm")
 
 

@@ -143,6 +143,7 @@ def load_base_model(spec: JobSpec, precision: str, *, quantized: bool = True):
     directory first and loaded back from there like any other base."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+    skip_packed_sequence_detection()
     dtype = base_dtype(precision)
     m = spec.model
     qcfg = quantization_config(m.quantization, precision) if quantized else None
@@ -190,6 +191,36 @@ def load_base_model(spec: JobSpec, precision: str, *, quantized: bool = True):
     if quant:
         _no_cpu_weight_repacking(model)
     return model, tokenizer
+
+
+def skip_packed_sequence_detection() -> None:
+    """Replace transformers' packed-sequence detection by its "not packed" answer, for this process.
+
+    Without a 2D attention mask and without a cache (a training forward), transformers 5 looks at
+    the position ids of every forward for several sequences packed into one row
+    (`masking_utils.find_packed_sequence_indices`), which ends in `bool(tensor.all())`: a host sync
+    at the start of every micro-step's forward, so the CPU stops queueing work until the device has
+    drained everything before it. rayft knows the answer without looking: its unpacked rows hold one
+    sequence (HF's default position ids, never packed), its packed rows come with their own 4D mask
+    (`jobs.loop.packed_attention_mask`), with which transformers never asks, and its generation
+    passes a 2D mask. So every answer is the same and the sync is gone (`tests/test_host_sync.py`).
+
+    Installed by `load_base_model`, before any forward of a model rayft loads; installing again
+    changes nothing. The original stays reachable as `__wrapped__` (`inspect.unwrap`). A no-op on
+    transformers versions without the detection."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None or original is _not_packed:
+        return
+    _not_packed.__wrapped__ = original  # type: ignore[attr-defined]
+    masking_utils.find_packed_sequence_indices = _not_packed
+
+
+def _not_packed(position_ids):
+    return None
 
 
 def _no_cpu_weight_repacking(model) -> None:

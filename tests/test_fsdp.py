@@ -327,22 +327,3 @@ def test_a_checkpoint_with_the_optimizer_state_by_position_still_resumes(tmp_pat
     assert rel_err({n: p.detach() for n, p in fresh_model.named_parameters() if p.requires_grad},
                    {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}) == 0.0
 
-
-def test_an_early_stopping_adapter_kept_in_peft_form_is_named_again(tmp_path):
-    """Best adapters kept by an earlier rayft are in PEFT's saved form (no `.default.`); saved as
-    they are, PEFT would drop every key. They come back under the run's own names."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    from jobs.loop import EarlyStopping
-
-    _, model, _ = build_engine(tiny_spec())
-    full = fsdp.full_adapter(model)
-    stopper = EarlyStopping(patience=2, state={"best_step": 2, "best_loss": 1.0})
-    path = stopper.best_file(tmp_path, 2)
-    path.parent.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(model).items()}, str(path))
-    got = stopper.best_adapter(tmp_path, full)
-    assert got.keys() == full.keys() and rel_err(got, full) == 0.0
-    save_file(full, str(path))  # the current form is taken as it is
-    assert rel_err(stopper.best_adapter(tmp_path, full), full) == 0.0

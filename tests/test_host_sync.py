@@ -9,13 +9,13 @@ micro-batches, packed rows, checkpointing, chunked loss.
 
 from __future__ import annotations
 
-import contextlib
+import inspect
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import jobs.loop
+import jobs.model
 from gradtools import build_engine, tiny_spec
 from jobs.data import GlobalBatches, collate, count_labels, load_dataset, split_window
 from jobs.loop import CausalLMLoss, train_window
@@ -62,18 +62,24 @@ def test_no_host_sync_inside_the_window(packing, gc, chunk):
 
 def test_the_oracle_sees_transformers_own_sync(monkeypatch):
     """Without rayft's guard, transformers' packed-sequence detection syncs once per forward."""
-    monkeypatch.setattr(jobs.loop, "no_packed_sequence_detection", contextlib.nullcontext)
-    engine, mbs, n_labels = _window(False, False)
+    from transformers import masking_utils
+
+    engine, mbs, n_labels = _window(False, False)  # loads the model: the guard is installed
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices",
+                        inspect.unwrap(masking_utils.find_packed_sequence_indices))
     with HostSyncs() as mode:
         train_window(engine, mbs, n_labels)
     assert len(mode.ops) == len(mbs)
 
 
-def test_the_guard_is_scoped_to_rayfts_forward():
+def test_the_guard_is_installed_once_at_model_load():
     from transformers import masking_utils
 
-    original = masking_utils.find_packed_sequence_indices
-    with jobs.loop.no_packed_sequence_detection():
-        assert masking_utils.find_packed_sequence_indices(torch.tensor([[0, 1, 0, 1]])) is None
-    assert masking_utils.find_packed_sequence_indices is original
-    assert masking_utils.find_packed_sequence_indices(torch.tensor([[0, 1, 0, 1]])) is not None
+    build_engine(tiny_spec())
+    guard = masking_utils.find_packed_sequence_indices
+    original = inspect.unwrap(guard)
+    assert guard is not original
+    assert guard(torch.tensor([[0, 1, 0, 1]])) is None
+    assert original(torch.tensor([[0, 1, 0, 1]])) is not None
+    jobs.model.skip_packed_sequence_detection()
+    assert masking_utils.find_packed_sequence_indices is guard and inspect.unwrap(guard) is original

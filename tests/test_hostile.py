@@ -1,7 +1,8 @@
 """Hostile and careless input to the jobs side: planted checkpoints, output directories that are
 not rayft's, YAML bombs, non-finite numbers, huge and deep records, names with a newline.
 
-Every refusal is one line, exit code 2, no traceback, and creates nothing."""
+Every refusal is one line, exit code 2, no traceback, and creates nothing. A run that fails for a
+reason no input fixes (it diverged, a bad RAYFT_FAULT) is one line too, exit code 1."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from jobs import checkpoint as ckpt
-from jobs.errors import SpecError
+from jobs.errors import RunError, SpecError
 from jobs.finetune import main as finetune_main
 from jobs.finetune import prepare
 from jobs.outputs import RUN_MARKER, MetricsLog, strict_json, write_json_atomic
@@ -42,9 +43,9 @@ def _cli(args: list[str]) -> tuple[int, str]:
     return rc, err.getvalue()
 
 
-def _assert_one_line(rc: int, err: str, *fragments: str) -> str:
+def _assert_one_line(rc: int, err: str, *fragments: str, exit_code: int = 2) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
-    assert rc == 2, err
+    assert rc == exit_code, err
     assert "Traceback" not in err
     assert len(lines) == 1, err
     for f in fragments:
@@ -271,7 +272,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     # lr 1e30 is finite (the spec takes it) and blows the weights up within a few steps.
     rc, err = _cli([DEMO, f"run.output_dir={out}", *SMALL, "optim.lr=1e30", "optim.warmup_steps=0",
                     "optim.max_grad_norm=null", "run.max_steps=6", "run.checkpoint_every=1"])
-    line = _assert_one_line(rc, err, "training diverged", "optimizer step", "optim.lr")
+    line = _assert_one_line(rc, err, "training diverged", "optimizer step", "optim.lr", exit_code=1)
     bad = int(re.search(r"optimizer step (\d+)", line).group(1))
     assert bad > 1, line  # the first step's loss is finite
     steps = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -287,8 +288,49 @@ def test_an_fp16_scaler_skip_is_not_a_divergence():
 
     spec = load_spec(DEMO, files=False)
     stop_if_not_finite(spec, 3, math.inf, math.nan, skipped=True)
-    with pytest.raises(SpecError, match="optimizer step 3: training diverged"):
+    with pytest.raises(RunError, match="optimizer step 3: training diverged"):
         stop_if_not_finite(spec, 3, 2.0, math.inf, skipped=False)
+
+
+def test_a_divergence_on_a_ray_worker_comes_back_as_itself():
+    """Ray wraps a worker's error (as an object it keeps, or only as text): unwrapped, a divergence
+    is a RunError again (exit 1) and a bad data line a SpecError (exit 2), each with its one line."""
+    from jobs.errors import worker_error
+
+    class Wrapped(Exception):  # like Ray Train's WorkerGroupError
+        def __init__(self, failures):
+            super().__init__("Training failed")
+            self.worker_failures = failures
+
+    diverged = "optimizer step 3: training diverged (loss nan, grad norm nan); stopped"
+    got = worker_error(Wrapped({0: RunError(diverged)}))
+    assert type(got) is RunError and str(got) == diverged and got.exit_code == 1
+    got = worker_error(RuntimeError(f"Traceback ...\n  File x\njobs.errors.RunError: {diverged}\n"))
+    assert type(got) is RunError and str(got) == diverged
+    got = worker_error(RuntimeError("ray.exceptions.RayTaskError: SpecError: data.path: line 3: not JSON"))
+    assert type(got) is SpecError and str(got) == "data.path: line 3: not JSON" and got.exit_code == 2
+    assert worker_error(RuntimeError("TrainRunError: not rayft's")) is None
+
+
+def test_a_bad_rayft_fault_is_one_line_exit_1(tmp_path, monkeypatch):
+    """RAYFT_FAULT is a test's or a drill's setting, not the user's input: a runtime failure."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("RAYFT_FAULT", "explode:step=1")
+    rc, err = _cli([DEMO, f"run.output_dir={tmp_path / 'run'}", *SMALL, "run.max_steps=1"])
+    _assert_one_line(rc, err, "RAYFT_FAULT: unknown fault 'explode'", exit_code=1)
+    assert not (tmp_path / "run" / "metrics.jsonl").read_text()  # refused before the first step
+
+
+@pytest.mark.parametrize("fault,says", [("kill:step", "cannot parse"), ("kill:rank=1", "needs step=<int>"),
+                                        ("oom:micro_batch_gt=two", "needs micro_batch_gt=<int>"),
+                                        ("sleep:step=1,seconds=", "needs seconds=<float>")])
+def test_every_bad_rayft_fault_is_refused_before_the_first_step(monkeypatch, fault, says):
+    from jobs.faults import from_env
+
+    monkeypatch.setenv("RAYFT_FAULT", f"oom:micro_batch_gt=2; {fault}")
+    with pytest.raises(RunError, match=f"RAYFT_FAULT: .*{re.escape(says)}") as e:
+        from_env()
+    assert len(str(e.value).splitlines()) == 1
 
 
 def test_json_outputs_are_strict_non_finite_becomes_null(tmp_path):

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jobs", "tune", "orchestrator")
 # The loop core runs without Ray (GPU benchmarks use it on machines that have no Ray).
 RAY_FREE = ("jobs.loop", "jobs.data", "jobs.model", "jobs.memory", "jobs.spec", "jobs.checkpoint",
-            "jobs.context", "jobs.outputs", "jobs.errors", "jobs.finetune", "jobs.cache")
+            "jobs.context", "jobs.outputs", "jobs.errors", "jobs.finetune", "jobs.cache", "jobs.early_stopping")
 
 
 def module_name(path: Path) -> str:

@@ -12,8 +12,8 @@ kubernetes) happen inside the command functions, so `rayft --help` is fast:
 `main` is the one place where errors become exit codes: every `jobs.errors.RayftError` is printed
 as ``rayft: error: <message>`` (one line on stderr, never a traceback) and the process exits with
 its class's `exit_code` (2 for the user's input and for a cluster that cannot be reached or
-authenticated against, 1 for a cluster that refused). Commands validate everything before they
-start anything.
+authenticated against, 1 for a cluster that refused and for a run that failed, `RunError`).
+Commands validate everything before they start anything.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""`run.early_stopping`: stop a run whose eval loss no longer improves, and end it with the best
+step's adapter. `train()` asks `EarlyStopping` after every evaluation (`judge`), after every
+checkpoint (`checkpointed`) and at the end (`best_adapter`, `summary`); its state travels in
+checkpoints (`state`), so a resumed run judges as the uninterrupted one would."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+from .spec import JobSpec
+
+log = logging.getLogger("rayft")
+
+
+class EarlyStopping:
+    """`run.early_stopping`: after each evaluation, the eval loss either improves on the best so
+    far by more than `min_delta` (then the adapter of that step is kept, rank 0, as
+    `<output_dir>/early-stopping/best-step-N.safetensors`) or counts as one bad evaluation;
+    `patience` bad evaluations in a row stop the run, which ends with the best step's adapter as
+    `adapter/` (summary.json `best_step`). The state travels in checkpoints; the kept adapter
+    named by the newest checkpoint is never deleted, so a resumed run finds it. Inert without
+    `run.early_stopping` (`enabled` False)."""
+
+    DIR = "early-stopping"
+
+    def __init__(self, patience: int = 0, min_delta: float = 0.0, state: Optional[dict] = None):
+        self.enabled, self.patience, self.min_delta = patience > 0, patience, min_delta
+        state = state or {}
+        self.best_loss: Optional[float] = state.get("best_loss")
+        self.best_step: int = state.get("best_step", 0)
+        self.bad_evals: int = state.get("bad_evals", 0)
+        self.stopped_at: Optional[int] = state.get("stopped_at")
+        self.kept_step = self.best_step  # the best adapter the newest checkpoint names
+
+    @classmethod
+    def of(cls, spec: JobSpec, state: Optional[dict]) -> "EarlyStopping":
+        es = spec.run.early_stopping
+        return cls(es.patience, es.min_delta, state) if es else cls()
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_at is not None
+
+    def state(self) -> dict:
+        return {"best_loss": self.best_loss, "best_step": self.best_step, "bad_evals": self.bad_evals,
+                "stopped_at": self.stopped_at}
+
+    def best_file(self, out: Path, step: int) -> Path:
+        return out / self.DIR / f"best-step-{step:08d}.safetensors"
+
+    def judge(self, step: int, eval_loss: Optional[float], adapter: Callable[[], dict], out: Path,
+              is_main: bool) -> None:
+        """Every rank, after the evaluation of optimizer step `step` (the eval loss is the same on
+        all); `adapter()` gives the full adapter state on rank 0 (every rank calls it: under FSDP
+        it gathers the shards)."""
+        if not self.enabled or eval_loss is None:
+            return
+        if self.best_loss is None or eval_loss < self.best_loss - self.min_delta:
+            self.best_loss, self.best_step, self.bad_evals = eval_loss, step, 0
+            state = adapter()
+            if is_main:
+                self._keep(state, out, step)
+            return
+        self.bad_evals += 1
+        if self.bad_evals >= self.patience:
+            self.stopped_at = step
+            log.warning("early stopping at step %d: eval loss has not improved by more than %g for %d "
+                        "evaluations; the adapter of step %d (eval loss %.4f) is the result", step,
+                        self.min_delta, self.bad_evals, self.best_step, self.best_loss)
+
+    def _keep(self, adapter: dict, out: Path, step: int) -> None:
+        from safetensors.torch import save_file
+
+        path = self.best_file(out, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp))
+        os.replace(tmp, path)
+        self._prune(out)
+
+    def checkpointed(self, out: Optional[Path]) -> None:
+        """A checkpoint naming `best_step` is on disk (rank 0 passes `out`)."""
+        if self.enabled and out is not None:
+            self.kept_step = self.best_step
+            self._prune(out)
+
+    def _prune(self, out: Path) -> None:
+        keep = {self.best_file(out, self.best_step).name, self.best_file(out, self.kept_step).name}
+        for f in (out / self.DIR).glob("best-step-*.safetensors"):
+            if f.name not in keep:
+                f.unlink(missing_ok=True)
+
+    def best_adapter(self, out: Path) -> Optional[dict]:
+        """Rank 0, at the end: the best step's adapter state (what is saved as `adapter/`), or None.
+        It was kept as `judge` got it, the run's full adapter state (`jobs.fsdp.full_adapter`), so
+        it is keyed as the final adapter is."""
+        if not self.enabled or not self.best_step:
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(str(self.best_file(out, self.best_step)))
+
+    def summary(self) -> dict:
+        if not self.enabled:
+            return {}
+        return {"best_step": self.best_step or None, "best_eval_loss": self.best_loss,
+                "stopped_early_at_step": self.stopped_at}
