@@ -68,11 +68,13 @@ def check_record(rec, where: str, fields: Optional[dict] = None) -> dict:
 def _rename(rec: dict, where: str, fields: Optional[dict]) -> dict:
     if not fields:
         return rec
-    out = dict(rec)
     for ours, theirs in fields.items():
         if theirs not in rec:
             raise SpecError(f"{where}: no field {theirs!r} (data.fields.{ours} names it)")
-        out[ours] = out.pop(theirs) if theirs != ours else rec[theirs]
+    # Every value is read from the record as given, so two of our fields may name one column and
+    # two fields may swap columns; a renamed column is not kept under its own name as well.
+    out = {k: v for k, v in rec.items() if k in fields or k not in fields.values()}
+    out.update({ours: rec[theirs] for ours, theirs in fields.items()})
     return out
 
 
