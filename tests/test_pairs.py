@@ -68,7 +68,9 @@ def write_all(tmp_path: Path, rows: list[dict], csv: bool = True) -> dict[str, P
     import datasets
 
     ds = datasets.Dataset.from_list(rows)
-    paths = {"jsonl": write(tmp_path / "d.jsonl", rows), "parquet": tmp_path / "d.parquet", "disk": tmp_path / "saved"}
+    paths = {"jsonl": write(tmp_path / "d.jsonl", rows), "json": tmp_path / "d.json", "parquet": tmp_path / "d.parquet",
+             "disk": tmp_path / "saved"}
+    paths["json"].write_text(json.dumps(rows))  # one JSON array, not lines
     ds.to_parquet(str(paths["parquet"]))
     ds.save_to_disk(str(paths["disk"]))
     if csv:
@@ -95,6 +97,25 @@ def test_standard_pairs_from_every_source_form_with_renamed_fields(tmp_path):
 def test_conversational_pairs_from_jsonl_parquet_and_save_to_disk(tmp_path):
     for kind, path in write_all(tmp_path, CONVO, csv=False).items():
         assert read_jsonl(str(path), objective="dpo") == CONVO, kind
+
+
+def test_pairs_from_a_hub_dataset(monkeypatch):
+    """The hub cannot be reached here: `datasets.load_dataset` is replaced; the rows are real."""
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split=None, token=None, **kw: datasets.Dataset.from_list(
+        THEIRS if name == "org/prefs" else CONVO))
+    assert read_jsonl("hf:org/prefs", fields=FIELDS, objective="dpo") == STANDARD
+    assert read_jsonl("hf:org/chat-prefs:train_prefs", objective="simpo") == CONVO
+
+
+def test_fields_may_name_one_column_twice_or_swap_two():
+    from jobs.data import check_record
+
+    assert check_record({"q": "a", "id": 1}, "w", {"prompt": "q", "completion": "q"}) == {
+        "id": 1, "prompt": "a", "completion": "a"}
+    assert check_record({"prompt": "x", "completion": "y"}, "w", {"prompt": "completion", "completion": "prompt"}) == {
+        "prompt": "y", "completion": "x"}
 
 
 def test_a_preference_job_reads_a_pair_beside_an_sft_column(tmp_path):
