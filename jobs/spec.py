@@ -108,8 +108,9 @@ class DataSpec(_Section):
     eval_path: Optional[str] = None
     """Held-out source (same forms as `path`) for eval loss; when absent, `eval_fraction` of `path` is held out."""
     fields: dict[str, str] = Field(default_factory=dict)
-    """Our field name -> the user's column name, e.g. `{prompt: question, completion: answer}` or
-    `{messages: conversations}`; the data is read as if the columns had our names."""
+    """Our field name -> the user's column name, e.g. `{prompt: question, completion: answer}`,
+    `{messages: conversations}` or `{chosen: good, rejected: bad}`; the data is read as if the
+    columns had our names."""
     train_on: Literal["assistant", "last_assistant"] = "assistant"
     """Chat records: loss on every assistant turn, or only on the last one."""
     hf_token_env: Optional[str] = None

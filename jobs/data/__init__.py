@@ -1,5 +1,5 @@
-"""Training data: sources -> checked records -> tokenized Examples in a shared on-disk cache ->
-the global-batch sequence and micro-batch tensors.
+"""Training data: sources -> checked records -> tokenized Examples (SFT) or Pairs (preference
+objectives) in a shared on-disk cache -> the global-batch sequence and micro-batch tensors.
 
 One module per role, each importing only those above it:
 
@@ -9,29 +9,35 @@ One module per role, each importing only those above it:
     sources     reading `data.path` / `data.eval_path` (JSONL line by line; JSON, Parquet, CSV,
                 `save_to_disk` and `hf:` through `datasets`) into checked records; the held-out split
     tokenizing  records -> `Example`s (token ids and shifted labels, truncated to `max_seq_len`)
-    cache       the tokenized cache: its format, key and content hashes, `TokenizedSplit`, and
-                `load_dataset`, which builds an entry once and memory-maps it everywhere
+    pairs       pair records -> `Pair`s (prompt, chosen and rejected ids; the truncation rule)
+    cache       the tokenized cache: its format, key and content hashes, `TokenizedSplit`,
+                `TokenizedPairs`, and `load_dataset`, which builds an entry once and memory-maps
+                it everywhere
     batches     `GlobalBatches` (step k -> its samples, independent of the split), `split_window`,
-                `collate` (with packing), label/input counts, `total_steps`, `eval_shard`
+                `collate` (with packing), `collate_pairs`, label/input counts, `total_steps`,
+                `eval_shard`
 
 Callers import from `jobs.data`; the names below are the package's interface.
 """
 
-from .batches import (GlobalBatches, collate, count_inputs, count_labels, eval_shard, pack_rows, split_window,
-                      total_steps)
-from .cache import (CACHE_FORMAT, Dataset, TokenizedSplit, cache_key, content_hash, count_checked_records,
-                    data_cache_dir, load_dataset, source_hash, tokenizer_hash)
-from .chat import chat_prompt_ids, chat_spans
-from .records import (OUR_FIELDS, ROLES, TEXT_FIELDS, char_bound, check_record, longest_token_chars,
-                      record_format)
+from .batches import (GlobalBatches, collate, collate_pairs, count_inputs, count_labels, eval_shard, pack_rows,
+                      split_window, total_steps)
+from .cache import (CACHE_FORMAT, Dataset, TokenizedPairs, TokenizedSplit, cache_key, content_hash,
+                    count_checked_records, data_cache_dir, data_kind, load_dataset, source_hash, tokenizer_hash)
+from .chat import chat_pair_texts, chat_prompt_ids, chat_spans
+from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs, tokenize_pairs_iter, truncate_pair
+from .records import (OUR_FIELDS, PAIR, PAIR_FIELDS, PAIRS, ROLES, SFT, TEXT_FIELDS, char_bound, check_record,
+                      longest_token_chars, record_format, record_kind)
 from .sources import DATASETS_SUFFIXES, is_hub, read_jsonl, read_records
 from .tokenizing import IGNORE, Example, encode_prompt, tokenize, tokenize_iter
 
 __all__ = [
-    "CACHE_FORMAT", "DATASETS_SUFFIXES", "IGNORE", "OUR_FIELDS", "ROLES", "TEXT_FIELDS",
-    "Dataset", "Example", "GlobalBatches", "TokenizedSplit",
-    "cache_key", "char_bound", "chat_prompt_ids", "chat_spans", "check_record", "collate", "content_hash",
-    "count_checked_records", "count_inputs", "count_labels", "data_cache_dir", "encode_prompt", "eval_shard",
-    "is_hub", "load_dataset", "longest_token_chars", "pack_rows", "read_jsonl", "read_records", "record_format",
-    "source_hash", "split_window", "tokenize", "tokenize_iter", "tokenizer_hash", "total_steps",
+    "CACHE_FORMAT", "DATASETS_SUFFIXES", "DROP_EMPTY", "DROP_IDENTICAL", "IGNORE", "OUR_FIELDS", "PAIR",
+    "PAIR_FIELDS", "PAIRS", "ROLES", "SFT", "TEXT_FIELDS",
+    "Dataset", "Example", "GlobalBatches", "Pair", "TokenizedPairs", "TokenizedSplit",
+    "cache_key", "char_bound", "chat_pair_texts", "chat_prompt_ids", "chat_spans", "check_record", "collate",
+    "collate_pairs", "content_hash", "count_checked_records", "count_inputs", "count_labels", "data_cache_dir",
+    "data_kind", "encode_prompt", "eval_shard", "is_hub", "load_dataset", "longest_token_chars", "pack_rows",
+    "read_jsonl", "read_records", "record_format", "record_kind", "source_hash", "split_window", "tokenize",
+    "tokenize_iter", "tokenize_pairs", "tokenize_pairs_iter", "tokenizer_hash", "total_steps", "truncate_pair",
 ]

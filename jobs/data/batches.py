@@ -1,5 +1,9 @@
 """The global-batch sequence, how one global batch is split, and a micro-batch as tensors.
 
+A sample is an SFT `Example` or a preference `Pair` (`batch.*` then counts pairs): the sequence
+and the split only count samples, and `count_labels` / `count_inputs` read the properties both
+kinds have (`n_labels`, `n_inputs`); `collate` lays out Examples, `collate_pairs` Pairs.
+
 The sequence of global batches is a pure function of (dataset size, global batch, seed): an
 endless stream of per-epoch permutations, cut into consecutive global batches. How a global
 batch is then split into workers x accumulation steps x micro-batches only decides *who*
@@ -16,6 +20,7 @@ from typing import Sequence
 import torch
 
 from ..spec import JobSpec
+from .pairs import Pair
 from .tokenizing import IGNORE, Example
 
 
@@ -69,12 +74,14 @@ def eval_shard(n: int, rank: int, world_size: int) -> list[int]:
     return list(range(rank, n, world_size))
 
 
-def count_labels(examples: Sequence[Example], indices: Sequence[int]) -> int:
+def count_labels(examples: Sequence[Example | Pair], indices: Sequence[int]) -> int:
+    """Label tokens of the samples at `indices` (a pair's: both responses)."""
     return sum(examples[i].n_labels for i in indices)
 
 
-def count_inputs(examples: Sequence[Example], indices: Sequence[int]) -> int:
-    return sum(len(examples[i].input_ids) for i in indices)
+def count_inputs(examples: Sequence[Example | Pair], indices: Sequence[int]) -> int:
+    """Input tokens of the samples at `indices` (a pair's: both rows)."""
+    return sum(examples[i].n_inputs for i in indices)
 
 
 def collate(examples: Sequence[Example], pad_id: int, pin_memory: bool = False, *,
@@ -116,6 +123,36 @@ def collate(examples: Sequence[Example], pad_id: int, pin_memory: bool = False, 
     }
     if packed:
         batch["position_ids"], batch["seq_ids"] = _packed_positions(rows, lengths, length)
+    if pin_memory:
+        batch = {k: v.pin_memory() for k, v in batch.items()}
+    return batch
+
+
+def collate_pairs(pairs: Sequence[Pair], pad_id: int, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+    """A micro-batch of m pairs as 2m rows, so chosen and rejected go through one forward.
+
+    Row i < m is P_i + C_i, row m + i is P_i + R_i, each shifted as an SFT sequence is (input =
+    row[:-1], target = row[1:], the prompt positions without a label), right-padded with `pad_id`
+    and with no attention mask, for the reason `collate` gives (causal attention and right
+    padding: no real token sees a pad, and pads carry no label). `label_pos` / `label_ids` are the
+    flat positions and ids of the label tokens, as in `collate`: row r's labels are exactly its
+    response, at `label_pos // T == r`; `resp_len` [2m] (int64) counts each row's labels."""
+    rows = [(p.prompt, p.chosen) for p in pairs] + [(p.prompt, p.rejected) for p in pairs]
+    length = max(len(prompt) + len(resp) - 1 for prompt, resp in rows)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), length), IGNORE, dtype=torch.long)
+    for r, (prompt, resp) in enumerate(rows):
+        n = len(prompt) + len(resp) - 1
+        input_ids[r, :n] = torch.tensor((prompt + resp)[:-1])
+        targets[r, len(prompt) - 1:n] = torch.tensor(resp)
+    flat = targets.view(-1)
+    label_pos = (flat != IGNORE).nonzero().squeeze(1)
+    batch = {
+        "input_ids": input_ids,
+        "label_pos": label_pos,
+        "label_ids": flat.index_select(0, label_pos),
+        "resp_len": torch.tensor([len(resp) for _, resp in rows], dtype=torch.long),
+    }
     if pin_memory:
         batch = {k: v.pin_memory() for k, v in batch.items()}
     return batch

@@ -4,14 +4,19 @@ An entry is a directory `data_cache_dir(spec, cache_key(spec, tokenizer))` holdi
 (`train`, `eval`), the flat int32 token arrays `<split>.input_ids.bin` and `<split>.targets.bin`
 and the int64 offsets `<split>.offsets.npy` (example i is `[offsets[i], offsets[i+1])`), and a
 `meta.json` (content hash, record counts, dropped records, each split's `n` and `n_tokens`).
-`CACHE_FORMAT` is part of the key: bump it when these files or the tokenization change meaning,
-and every existing entry is left alone (a new key), never misread.
+An entry of preference pairs (`meta.json`'s `"kind": "pairs"`) holds instead, per split and per
+field F in (`prompt`, `chosen`, `rejected`), the flat int32 ids `<split>.F.bin` and their int64
+offsets `<split>.F.offsets.npy` (`TokenizedPairs`), and its `meta.json` counts the pairs dropped
+for an empty response and for identical responses apart. `CACHE_FORMAT` is part of the key: bump
+it when these files or the tokenization change meaning, and every existing entry is left alone
+(a new key), never misread.
 
 The key covers what decides the tokens: the data's content (`content_hash`), the tokenizer and
-its chat template (`tokenizer_hash`), `max_seq_len`, the fields, `train_on` and the held-out
-split. One process builds an entry (`jobs.cache.build_once`: a lock, an atomic rename); a
-restart, a resume, a Tune trial or a later run tokenizes nothing and holds only the pages it
-touches (`TokenizedSplit`).
+its chat template (`tokenizer_hash`), `max_seq_len`, the fields, `train_on`, the held-out split
+and, for a preference objective, that the entry holds pairs (an SFT entry's key is what it was
+before pairs existed, so existing SFT entries stay valid). One process builds an entry
+(`jobs.cache.build_once`: a lock, an atomic rename); a restart, a resume, a Tune trial or a later
+run tokenizes nothing and holds only the pages it touches (`TokenizedSplit`, `TokenizedPairs`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import numpy as np
 from ..cache import build_once
 from ..errors import SpecError
 from ..spec import JobSpec, one_line, path_problem
+from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter
+from .records import PAIR_FIELDS, PAIRS, SFT
 from .sources import datasets_rows, is_hub, read_jsonl, read_records
 from .tokenizing import Example, tokenize_iter
 
@@ -93,12 +100,19 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256((body + json.dumps(extra, default=str)).encode()).hexdigest()
 
 
+def data_kind(spec: JobSpec) -> str:
+    """`PAIRS` for a preference objective (its records are pairs, its samples `Pair`s), else `SFT`."""
+    return PAIRS if spec.objective.is_preference else SFT
+
+
 def cache_key(spec: JobSpec, tokenizer) -> str:
     d = spec.data
     parts = {"format": CACHE_FORMAT, "content": content_hash(spec), "tokenizer": tokenizer_hash(tokenizer),
              "max_seq_len": d.max_seq_len, "fields": d.fields, "train_on": d.train_on,
              "n_sources": len(d.path), "eval_path": bool(d.eval_path),
              "eval_fraction": d.eval_fraction, "split_seed": spec.run.seed if d.eval_fraction > 0 and not d.eval_path else None}
+    if data_kind(spec) == PAIRS:  # only then: an SFT entry keeps the key it always had
+        parts["kind"] = PAIRS
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -164,25 +178,84 @@ class _SplitWriter:
         return {"n": len(self.offsets) - 1, "n_tokens": self.offsets[-1]}
 
 
+class TokenizedPairs(SequenceABC):
+    """Pairs stored per field (prompt, chosen, rejected) as a flat int32 array and int64 offsets,
+    memory-mapped read-only: reading pair i re-tokenizes nothing and touches only its pages."""
+
+    def __init__(self, directory: Path, name: str, n: int, n_tokens: dict[str, int]):
+        self.n = n
+        self.offsets, self.ids = {}, {}
+        for f in PAIR_FIELDS:
+            self.offsets[f] = np.load(directory / f"{name}.{f}.offsets.npy", mmap_mode="r")
+            self.ids[f] = (np.memmap(directory / f"{name}.{f}.bin", dtype=np.int32, mode="r", shape=(n_tokens[f],))
+                           if n_tokens[f] else np.zeros(0, dtype=np.int32))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return Pair(*(self._field(f, i) for f in PAIR_FIELDS))
+
+    def _field(self, f: str, i: int) -> tuple[int, ...]:
+        a, b = int(self.offsets[f][i]), int(self.offsets[f][i + 1])
+        return tuple(self.ids[f][a:b].tolist())
+
+    def __add__(self, other):
+        return list(self) + list(other)
+
+
+class _PairWriter:
+    """Writes one split's pair files (the layout `TokenizedPairs` reads), one pair at a time."""
+
+    def __init__(self, directory: Path, name: str):
+        self.directory, self.name = directory, name
+        self.files = {f: open(directory / f"{name}.{f}.bin", "wb") for f in PAIR_FIELDS}
+        self.offsets = {f: [0] for f in PAIR_FIELDS}
+
+    def add(self, pair: Pair) -> None:
+        for f in PAIR_FIELDS:
+            ids = getattr(pair, f)
+            self.files[f].write(np.asarray(ids, dtype=np.int32).tobytes())
+            self.offsets[f].append(self.offsets[f][-1] + len(ids))
+
+    def close(self) -> dict:
+        for f in PAIR_FIELDS:
+            self.files[f].close()
+            np.save(self.directory / f"{self.name}.{f}.offsets.npy", np.asarray(self.offsets[f], dtype=np.int64))
+        return {"n": len(self.offsets["prompt"]) - 1, "n_tokens": {f: self.offsets[f][-1] for f in PAIR_FIELDS}}
+
+
 # ---- the spec's data --------------------------------------------------------------------------
 
 @dataclass
 class Dataset:
-    train: Sequence[Example]
-    eval: Sequence[Example]
-    dropped: int  # records with no label token left after truncation
+    train: Sequence[Example | Pair]
+    eval: Sequence[Example | Pair]
+    dropped: int  # records with no label token left after truncation (pairs: the two counts below)
     content_hash: str = ""  # `content_hash(spec)`: what the checkpoint's resume key records
     cache_dir: Optional[Path] = None
+    kind: str = SFT  # `SFT`: `train`/`eval` hold Examples; `PAIRS`: they hold Pairs
+    dropped_empty: int = 0  # pairs with an empty prompt or response
+    dropped_identical: int = 0  # pairs whose responses are identical after tokenization and truncation
 
 
 def count_checked_records(spec: JobSpec) -> int:
     """Check every record of `data.path` and `data.eval_path` (nothing is kept: the memory of one
     record) and return the number of training records. The driver calls this before anything
     is created. A success is remembered in an existing cache root (`checked-<hash>.json`, keyed
-    by the content hash and `data.fields`), so a later start on the same data skips the pass."""
+    by the content hash, `data.fields` and the kind of data), so a later start on the same data
+    skips the pass. The records are checked against the objective too: pairs for a preference
+    objective, SFT records otherwise (`jobs.data.sources.read_jsonl`)."""
     d = spec.data
     try:
-        key = hashlib.sha256(json.dumps([content_hash(spec), d.fields]).encode()).hexdigest()[:24]
+        checked = [content_hash(spec), d.fields] + ([PAIRS] if data_kind(spec) == PAIRS else [])
+        key = hashlib.sha256(json.dumps(checked).encode()).hexdigest()[:24]
         memo: Optional[Path] = data_cache_dir(spec, f"checked-{key}.json")
         return int(json.loads(memo.read_text())["train_records"])
     except SpecError:  # a source that cannot be hashed: the pass below names the problem
@@ -192,9 +265,10 @@ def count_checked_records(spec: JobSpec) -> int:
     n_train = 0
     for i, p in enumerate(d.path):
         n_train += len(read_jsonl(p, "data.path" if len(d.path) == 1 else f"data.path.{i}", max_chars=0,
-                                  fields=d.fields, hf_token_env=d.hf_token_env))
+                                  fields=d.fields, hf_token_env=d.hf_token_env, objective=spec.objective.name))
     if d.eval_path:
-        read_jsonl(d.eval_path, "data.eval_path", max_chars=0, fields=d.fields, hf_token_env=d.hf_token_env)
+        read_jsonl(d.eval_path, "data.eval_path", max_chars=0, fields=d.fields, hf_token_env=d.hf_token_env,
+                   objective=spec.objective.name)
     # Remembered only where a tokenized cache already lives: a client that submits to a cluster
     # (or a first run) creates nothing here.
     if memo is None or not memo.parent.is_dir():
@@ -222,20 +296,25 @@ def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
         _remove_if_unused(final)
         raise
     meta = json.loads((final / "meta.json").read_text())
-    train = TokenizedSplit(final, "train", meta["train"]["n"], meta["train"]["n_tokens"])
-    evals = TokenizedSplit(final, "eval", meta["eval"]["n"], meta["eval"]["n_tokens"])
+    split = TokenizedPairs if meta.get("kind") == PAIRS else TokenizedSplit
+    train = split(final, "train", meta["train"]["n"], meta["train"]["n_tokens"])
+    evals = split(final, "eval", meta["eval"]["n"], meta["eval"]["n_tokens"])
     if len(train) < spec.batch.global_batch_size:
         raise SpecError(
             f"data.path: {len(train)} usable training records, fewer than "
             f"batch.global_batch_size={spec.batch.global_batch_size}"
         )
-    return Dataset(train, evals, dropped=meta["dropped"], content_hash=h, cache_dir=final)
+    return Dataset(train, evals, dropped=meta["dropped"], content_hash=h, cache_dir=final,
+                   kind=meta.get("kind", SFT), dropped_empty=meta.get("dropped_empty", 0),
+                   dropped_identical=meta.get("dropped_identical", 0))
 
 
 def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
     """Read and tokenize the spec's data into a cache entry's files under `tmp`."""
     records, eval_records = read_records(spec, tokenizer)
     meta = {"content_hash": content, "records": len(records), "eval_records": len(eval_records)}
+    if data_kind(spec) == PAIRS:
+        return _build_pairs(tmp, spec, tokenizer, meta, records, eval_records)
     kept = 0
     for name, recs in (("train", records), ("eval", eval_records)):
         w = _SplitWriter(tmp, name)
@@ -245,6 +324,23 @@ def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
         meta[name] = w.close()
         kept += meta[name]["n"]
     meta["dropped"] = len(records) + len(eval_records) - kept
+    (tmp / "meta.json").write_text(json.dumps(meta))
+
+
+def _build_pairs(tmp: Path, spec: JobSpec, tokenizer, meta: dict, records: list[dict],
+                 eval_records: list[dict]) -> None:
+    meta["kind"] = PAIRS
+    dropped = {DROP_EMPTY: 0, DROP_IDENTICAL: 0}
+    for name, recs in (("train", records), ("eval", eval_records)):
+        w = _PairWriter(tmp, name)
+        for x in tokenize_pairs_iter(recs, tokenizer, spec.data.max_seq_len, spec.model.name):
+            if isinstance(x, Pair):
+                w.add(x)
+            else:
+                dropped[x] += 1
+        meta[name] = w.close()
+    meta["dropped"] = dropped[DROP_EMPTY] + dropped[DROP_IDENTICAL]
+    meta["dropped_empty"], meta["dropped_identical"] = dropped[DROP_EMPTY], dropped[DROP_IDENTICAL]
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 

@@ -2,9 +2,10 @@
 
 Training (`jobs.data.tokenizing`) labels the characters `chat_spans` returns; `rayft eval` feeds
 the model `chat_prompt_ids`, the same rendering with the generation prompt, so evaluation
-prompts are exactly what the training labels followed. A template that cannot render a
-conversation, or renders it in a way whose turns cannot be told apart, is a SpecError naming
-the model.
+prompts are exactly what the training labels followed. A conversational preference pair
+(`jobs.data.pairs`) becomes the texts of `chat_pair_texts`, by the same rule. A template that
+cannot render a conversation, or renders it in a way whose turns cannot be told apart, is a
+SpecError naming the model.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def _model_name(tokenizer) -> str:
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool, model_name: str) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise SpecError(f"model.name: {model_name} has no chat template; chat records (\"messages\") need one")
+        raise SpecError(f"model.name: {model_name} has no chat template; chat records (\"messages\", "
+                        "conversational pairs) need one")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:  # a Jinja error raised by the template itself (e.g. "roles must alternate")
@@ -61,3 +63,23 @@ def chat_prompt_ids(tokenizer, messages: list[dict], model_name: Optional[str] =
     model, the same text the training labels of the next assistant turn follow."""
     text = _render(tokenizer, messages, True, model_name or _model_name(tokenizer))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_pair_texts(tokenizer, prompt: list[dict], chosen: list[dict], rejected: list[dict],
+                    model_name: Optional[str] = None) -> tuple[str, str, str]:
+    """(prompt text, chosen text, rejected text) of a conversational pair, as TRL renders them:
+    the prompt is `prompt` rendered with the generation prompt; a response is what rendering
+    `prompt + response` adds after it (its content and the template's end-of-turn text). That
+    needs the prompt's rendering to be a prefix of both; a template for which it is not is
+    refused with a SpecError naming the model."""
+    name = model_name or _model_name(tokenizer)
+    head = _render(tokenizer, prompt, True, name)
+    responses = []
+    for response in (chosen, rejected):
+        full = _render(tokenizer, prompt + response, False, name)
+        if not full.startswith(head):
+            raise SpecError(f"model.name: the chat template of {name} is not prefix-stable for the prompt (the prompt "
+                            "rendered with the generation prompt is not a prefix of prompt + response), so the "
+                            "response tokens cannot be told apart; use string pairs instead")
+        responses.append(full[len(head):])
+    return head, responses[0], responses[1]

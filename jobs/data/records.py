@@ -1,15 +1,24 @@
 """Records: the formats a data source's rows may take, their checks, and the cut that bounds them.
 
-Three formats, told apart by `record_format` (the one place that decides, in this order):
+Four formats, told apart by `record_format` (the one place that decides, in this order):
 
 - `"messages"`: `{"messages": [{"role", "content"}, ...]}`, rendered with the model's chat
   template (`jobs.data.chat`); loss on the assistant turns;
 - `"text"`: `{"text"}`, loss on all of it;
-- `"prompt_completion"`: `{"prompt", "completion"}`, loss on the completion.
+- `"prompt_completion"`: `{"prompt", "completion"}`, loss on the completion;
+- `"pair"`: `{"prompt", "chosen", "rejected"}` for the preference objectives, either all strings
+  (standard) or TRL's conversational form: `prompt` a list of messages ending with a user turn,
+  `chosen` and `rejected` lists of assistant messages (`jobs.data.pairs` tokenizes them).
+
+The first three are SFT records, the fourth a pair: the two *kinds* (`record_kind`) never mix in
+one job's data (`jobs.data.sources` checks it). A preference job reads a record with `chosen` or
+`rejected` as a pair first, because preference datasets often carry an SFT column beside the pair
+(UltraFeedback's `messages`); an SFT job reads such a record as SFT, as it always has.
 
 `data.fields` renames the user's columns to ours before a record is checked. A checked record
 keeps exactly what its format needs to be tokenized (a chat record only its messages' role and
-content). Every problem is one SpecError naming where the record came from.
+content, a pair only its three fields). Every problem is one SpecError naming where the record
+came from.
 """
 
 from __future__ import annotations
@@ -21,32 +30,50 @@ from ..errors import SpecError
 from ..spec import one_line
 
 ROLES = ("system", "user", "assistant")
-OUR_FIELDS = ("text", "prompt", "completion", "messages")
-MESSAGES, TEXT, PROMPT_COMPLETION = "messages", "text", "prompt_completion"
+OUR_FIELDS = ("text", "prompt", "completion", "messages", "chosen", "rejected")
+MESSAGES, TEXT, PROMPT_COMPLETION, PAIR = "messages", "text", "prompt_completion", "pair"
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
+SFT, PAIRS = "sft", "pairs"  # the two kinds of data (`record_kind`): one job's records are all one kind
 # Each record's text fields are cut to `char_bound` characters before they are kept or tokenized,
 # so memory and tokenizer time are bounded by max_seq_len, never by what one line holds.
 TEXT_FIELDS = ("text", "prompt", "completion")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def record_format(rec: dict) -> Optional[str]:
-    """`MESSAGES`, `TEXT` or `PROMPT_COMPLETION` (the first that `rec`'s keys fit, in that order),
-    or None when it fits none. Checking and tokenizing both decide through here."""
+def record_format(rec: dict, pairs: bool = False) -> Optional[str]:
+    """`MESSAGES`, `TEXT`, `PROMPT_COMPLETION` or `PAIR` (the first that `rec`'s keys fit, in that
+    order; with `pairs`, a preference job's records, `PAIR` first), or None when it fits none. A
+    record with `chosen` or `rejected` is a pair, so a missing third field is named, not guessed
+    at. Checking and tokenizing both decide through here."""
+    is_pair = "chosen" in rec or "rejected" in rec
+    if pairs and is_pair:
+        return PAIR
     if "messages" in rec:
         return MESSAGES
     if "text" in rec:
         return TEXT
     if "prompt" in rec and "completion" in rec:
         return PROMPT_COMPLETION
-    return None
+    return PAIR if is_pair else None
 
 
-def check_record(rec, where: str, fields: Optional[dict] = None) -> dict:
-    """`rec` with `fields` renamed, checked to be one of the three formats; a SpecError otherwise."""
+def record_kind(fmt: Optional[str]) -> str:
+    """`PAIRS` for the pair format, `SFT` for the others."""
+    return PAIRS if fmt == PAIR else SFT
+
+
+def check_record(rec, where: str, fields: Optional[dict] = None, pairs: bool = False) -> dict:
+    """`rec` with `fields` renamed, checked to be one of the four formats (`pairs`: read as a
+    preference job reads it, see `record_format`); a SpecError otherwise."""
     if not isinstance(rec, dict):
         raise SpecError(f"{where}: expected a JSON object")
     rec = _rename(rec, where, fields)
-    fmt = record_format(rec)
+    fmt = record_format(rec, pairs)
+    if fmt == PAIR:
+        return _check_pair(rec, where)
+    if fmt is None and pairs:
+        raise SpecError(f"{where}: expected a pair {{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}} "
+                        "(data.fields maps other column names onto these)")
     if fmt == MESSAGES:
         _check_messages(rec["messages"], where)
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]}
@@ -68,40 +95,99 @@ def check_record(rec, where: str, fields: Optional[dict] = None) -> dict:
 def _rename(rec: dict, where: str, fields: Optional[dict]) -> dict:
     if not fields:
         return rec
-    out = dict(rec)
     for ours, theirs in fields.items():
         if theirs not in rec:
             raise SpecError(f"{where}: no field {theirs!r} (data.fields.{ours} names it)")
-        out[ours] = out.pop(theirs) if theirs != ours else rec[theirs]
+    # Every value is read from the record as given, so two of our fields may name one column and
+    # two fields may swap columns; a renamed column is not kept under its own name as well.
+    out = {k: v for k, v in rec.items() if k in fields or k not in fields.values()}
+    out.update({ours: rec[theirs] for ours, theirs in fields.items()})
     return out
 
 
 def _check_messages(messages, where: str) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise SpecError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise SpecError(f"{where}: messages[{j}] must be an object with \"role\" and \"content\"")
-        if m["role"] not in ROLES:
-            raise SpecError(f"{where}: messages[{j}]: unknown role {one_line(repr(m['role']))[:40]} "
-                            f"(expected one of {', '.join(ROLES)})")
-        if not isinstance(m["content"], str):
-            raise SpecError(f"{where}: messages[{j}]: \"content\" must be a string")
-        if _SURROGATE.search(m["content"]):
-            raise SpecError(f"{where}: messages[{j}]: \"content\" is not valid Unicode (an unpaired surrogate)")
+    _check_message_list(messages, where, "messages")
     if not any(m["role"] == "assistant" for m in messages):
         raise SpecError(f"{where}: a conversation without an assistant turn (nothing to learn)")
 
 
+def _check_message_list(messages, where: str, name: str) -> None:
+    """`messages` (the field `name`) is a non-empty list of {"role", "content"} with known roles
+    and string contents."""
+    if not isinstance(messages, list) or not messages:
+        raise SpecError(f"{where}: \"{name}\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise SpecError(f"{where}: {name}[{j}] must be an object with \"role\" and \"content\"")
+        if m["role"] not in ROLES:
+            raise SpecError(f"{where}: {name}[{j}]: unknown role {one_line(repr(m['role']))[:40]} "
+                            f"(expected one of {', '.join(ROLES)})")
+        if not isinstance(m["content"], str):
+            raise SpecError(f"{where}: {name}[{j}]: \"content\" must be a string")
+        if _SURROGATE.search(m["content"]):
+            raise SpecError(f"{where}: {name}[{j}]: \"content\" is not valid Unicode (an unpaired surrogate)")
+
+
+def _check_pair(rec: dict, where: str) -> dict:
+    """A pair's three fields: all strings, or all message lists (the prompt ending with a user
+    turn, each response assistant messages only); the record reduced to them."""
+    missing = [k for k in PAIR_FIELDS if k not in rec]
+    if missing:
+        raise SpecError(f"{where}: a pair needs \"prompt\", \"chosen\" and \"rejected\" (no \"{missing[0]}\"; "
+                        "data.fields maps other column names onto these)")
+    forms = {k: "string" if isinstance(rec[k], str) else "list" if isinstance(rec[k], list) else None
+             for k in PAIR_FIELDS}
+    for k, form in forms.items():
+        if form is None:
+            raise SpecError(f"{where}: \"{k}\" must be a string or a list of messages, not "
+                            f"{type(rec[k]).__name__}")
+    if len(set(forms.values())) > 1:
+        shown = ", ".join(f"{k} a {form}" for k, form in forms.items())
+        raise SpecError(f"{where}: a pair's prompt, chosen and rejected must be all strings or all lists of "
+                        f"messages (here {shown})")
+    if forms["prompt"] == "string":
+        for k in PAIR_FIELDS:
+            if _SURROGATE.search(rec[k]):
+                raise SpecError(f"{where}: \"{k}\" is not valid Unicode (an unpaired surrogate)")
+        return {k: rec[k] for k in PAIR_FIELDS}
+    _check_message_list(rec["prompt"], where, "prompt")
+    last = rec["prompt"][-1]["role"]
+    if last != "user":
+        raise SpecError(f"{where}: prompt[{len(rec['prompt']) - 1}]: role {last!r}; a conversational prompt ends "
+                        "with a user message")
+    for k in ("chosen", "rejected"):
+        _check_message_list(rec[k], where, k)
+        for j, m in enumerate(rec[k]):
+            if m["role"] != "assistant":
+                raise SpecError(f"{where}: {k}[{j}]: role {m['role']!r}; a response is assistant message(s)")
+    return {k: [{"role": m["role"], "content": m["content"]} for m in rec[k]] for k in PAIR_FIELDS}
+
+
 def cut_record(rec: dict, max_chars: Optional[int]) -> dict:
     """`rec` with every text (and every message's content) cut to `max_chars` characters; `rec`
-    itself when `max_chars` is None."""
+    itself when `max_chars` is None. A pair's prompt keeps its *last* `max_chars` characters (a
+    prompt is truncated from the left, `jobs.data.pairs`), its responses their first."""
     if max_chars is None:
         return rec
+    if record_format(rec) == PAIR:
+        return {k: _cut_field(v, max_chars, k == "prompt") for k, v in rec.items()}
     out = {k: (v[:max_chars] if k in TEXT_FIELDS else v) for k, v in rec.items()}
     if "messages" in out:
         out["messages"] = [{"role": m["role"], "content": m["content"][:max_chars]} for m in out["messages"]]
     return out
+
+
+def cut_text(text: str, max_chars: int, keep_end: bool = False) -> str:
+    """The first `max_chars` characters of `text` (with `keep_end`, the last)."""
+    if not keep_end:
+        return text[:max_chars]
+    return text[max(0, len(text) - max_chars):]
+
+
+def _cut_field(value, max_chars: int, keep_end: bool):
+    if isinstance(value, str):
+        return cut_text(value, max_chars, keep_end)
+    return [{"role": m["role"], "content": cut_text(m["content"], max_chars, keep_end)} for m in value]
 
 
 def longest_token_chars(tokenizer) -> int:

@@ -4,6 +4,11 @@ A `.jsonl` file (or any file `datasets` has no reader for) is read line by line,
 checked as it is read; JSON, Parquet and CSV files, a `Dataset.save_to_disk` directory and a hub
 dataset `hf:ORG/NAME[:SPLIT]` go through the `datasets` library (Arrow, memory-mapped from its
 cache). Every problem is one SpecError naming the spec key, the source and the line or row.
+
+Across a source's records (`_SourceCheck`, as they are read, before any cut): one kind only (pairs
+or SFT records, `records.record_kind`); with the job's objective given, the kind it trains on (so
+a job's sources agree too); and not every pair with chosen == rejected (nothing to prefer: most
+often a `data.fields` mapping that names one column twice).
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import SpecError
-from ..spec import JobSpec, one_line, path_problem
-from .records import char_bound, check_record, cut_record
+from ..spec import OBJECTIVE_KEYS, JobSpec, one_line, path_problem
+from .records import (MESSAGES, PAIR, PAIRS, PROMPT_COMPLETION, SFT, TEXT, char_bound, check_record, cut_record,
+                      record_format, record_kind)
 
 DATASETS_SUFFIXES = {".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -26,22 +32,69 @@ def is_hub(path: str) -> bool:
 
 
 def read_jsonl(path: str, key: str = "data.path", max_chars: Optional[int] = None,
-               fields: Optional[dict] = None, hf_token_env: Optional[str] = None) -> list[dict]:
+               fields: Optional[dict] = None, hf_token_env: Optional[str] = None,
+               objective: Optional[str] = None) -> list[dict]:
     """The records of one data source, each checked for shape (after renaming `fields`, ours ->
     theirs); a problem is one SpecError naming `key`, the source and the line or row. A `.jsonl`
     (or any file `datasets` has no reader for) is read line by line; `.json`, `.parquet`, `.csv`,
     a `save_to_disk` directory and `hf:ORG/NAME[:SPLIT]` go through `datasets`. With `max_chars`,
-    each record's texts are cut to that many characters as soon as it is read (see `char_bound`)."""
+    each record's texts are cut to that many characters as soon as it is read (see `char_bound`).
+    The records are all pairs or all SFT records; with `objective` (`objective.name`), the kind
+    that objective trains on (see `_SourceCheck`)."""
     shown = one_line(str(path))
+    checks = _SourceCheck(key, shown, objective)
     if is_hub(path) or os.path.isdir(path) or Path(path).suffix.lower() in DATASETS_SUFFIXES:
         rows = datasets_rows(str(path), key, hf_token_env)
-        records = [cut_record(check_record(dict(row), f"{key}: {shown} row {i}", fields), max_chars)
+        records = [cut_record(checks.check(dict(row), f"{key}: {shown} row {i}", fields), max_chars)
                    for i, row in enumerate(rows)]
     else:
-        records = _read_lines(path, key, max_chars, fields)
+        records = _read_lines(path, key, max_chars, fields, checks)
     if not records:
         raise SpecError(f"{key}: {shown}: no records")
+    checks.done()
     return records
+
+
+PREFERENCE_NAMES = "|".join(name for name in OBJECTIVE_KEYS if name != "sft")
+_DESCRIBED = {PAIR: "a pair", MESSAGES: "a chat (\"messages\") record", TEXT: "a text record",
+              PROMPT_COMPLETION: "a prompt/completion record"}
+_KINDS = {PAIRS: "pairs", SFT: "SFT records"}
+
+
+class _SourceCheck:
+    """The checks across one source's records, fed each record as it is read (before any cut):
+    one kind (the first record's, or the one `objective` trains on), and some pair with chosen !=
+    rejected. Each refusal names the first record that breaks the rule."""
+
+    def __init__(self, key: str, shown: str, objective: Optional[str]):
+        self.key, self.shown, self.objective = key, shown, objective
+        self.pairs = objective is not None and objective != "sft"
+        self.first: Optional[tuple[str, str]] = None  # (kind, where) of the first record
+        self.some_pair_differs = False
+
+    def check(self, rec, where: str, fields: Optional[dict]) -> dict:
+        rec = check_record(rec, where, fields, self.pairs)
+        fmt = record_format(rec)
+        kind = record_kind(fmt)
+        if self.first is None:
+            if self.objective is not None and kind != (PAIRS if self.pairs else SFT):
+                if self.pairs:
+                    raise SpecError(f"{where}: objective.name={self.objective} trains on pairs {{\"prompt\", "
+                                    f"\"chosen\", \"rejected\"}}; this is {_DESCRIBED[fmt]}")
+                raise SpecError(f"{where}: pair records need a preference objective: objective.name={PREFERENCE_NAMES}")
+            self.first = (kind, where)
+        elif kind != self.first[0]:
+            raise SpecError(f"{where}: {_DESCRIBED[fmt]} among {_KINDS[self.first[0]]} (the first is "
+                            f"{self.first[1].removeprefix(self.key + ': ')}); one job's data is all pairs or "
+                            "all SFT records")
+        if fmt == PAIR and rec["chosen"] != rec["rejected"]:
+            self.some_pair_differs = True
+        return rec
+
+    def done(self) -> None:
+        if self.first is not None and self.first[0] == PAIRS and not self.some_pair_differs:
+            raise SpecError(f"{self.key}: {self.shown}: chosen equals rejected in every pair: nothing to prefer "
+                            "(does data.fields name one column twice?)")
 
 
 def read_records(spec: JobSpec, tokenizer) -> tuple[list[dict], list[dict]]:
@@ -51,11 +104,11 @@ def read_records(spec: JobSpec, tokenizer) -> tuple[list[dict], list[dict]]:
     records: list[dict] = []
     for i, p in enumerate(d.path):
         records += read_jsonl(p, "data.path" if len(d.path) == 1 else f"data.path.{i}", max_chars=cut,
-                              fields=d.fields, hf_token_env=d.hf_token_env)
+                              fields=d.fields, hf_token_env=d.hf_token_env, objective=spec.objective.name)
     eval_records: list[dict] = []
     if d.eval_path:
         eval_records = read_jsonl(d.eval_path, "data.eval_path", max_chars=cut, fields=d.fields,
-                                  hf_token_env=d.hf_token_env)
+                                  hf_token_env=d.hf_token_env, objective=spec.objective.name)
     elif d.eval_fraction > 0:
         order = list(range(len(records)))
         random.Random(spec.run.seed).shuffle(order)
@@ -66,7 +119,8 @@ def read_records(spec: JobSpec, tokenizer) -> tuple[list[dict], list[dict]]:
     return records, eval_records
 
 
-def _read_lines(path: str, key: str, max_chars: Optional[int], fields: Optional[dict]) -> list[dict]:
+def _read_lines(path: str, key: str, max_chars: Optional[int], fields: Optional[dict],
+                checks: _SourceCheck) -> list[dict]:
     records = []
     shown = one_line(str(path))
     problem = path_problem(path)
@@ -77,7 +131,8 @@ def _read_lines(path: str, key: str, max_chars: Optional[int], fields: Optional[
             for i, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                records.append(cut_record(_parse_record(line, f"{key}: {shown} line {i}", fields), max_chars))
+                rec = _parse_record(line, f"{key}: {shown} line {i}", fields, checks)
+                records.append(cut_record(rec, max_chars))
     except UnicodeDecodeError:
         raise SpecError(f"{key}: {shown}: not UTF-8 text") from None
     except OSError as e:
@@ -85,7 +140,7 @@ def _read_lines(path: str, key: str, max_chars: Optional[int], fields: Optional[
     return records
 
 
-def _parse_record(line: str, where: str, fields: Optional[dict] = None) -> dict:
+def _parse_record(line: str, where: str, fields: Optional[dict], checks: _SourceCheck) -> dict:
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
@@ -94,7 +149,7 @@ def _parse_record(line: str, where: str, fields: Optional[dict] = None) -> dict:
         raise SpecError(f"{where}: nested too deeply to be a record") from None
     except ValueError as e:  # e.g. an integer longer than Python converts
         raise SpecError(f"{where}: not a usable JSON value ({one_line(str(e))[:100]})") from None
-    return check_record(rec, where, fields)
+    return checks.check(rec, where, fields)
 
 
 def datasets_rows(path: str, key: str, hf_token_env: Optional[str]):

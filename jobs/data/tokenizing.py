@@ -29,12 +29,27 @@ class Example:
     def n_labels(self) -> int:
         return sum(t != IGNORE for t in self.targets)
 
+    @property
+    def n_inputs(self) -> int:
+        """Input tokens the model runs on (a preference `Pair` counts both of its rows)."""
+        return len(self.input_ids)
+
+    @property
+    def length(self) -> int:
+        """The row length it needs in a padded micro-batch: what length grouping sorts by."""
+        return len(self.input_ids)
+
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """BOS + text, unless the text already starts with it (a chat-templated prompt does).
     Training and `rayft eval` both encode prompts through here, so they agree."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    bos = tokenizer.bos_token_id
+    return with_bos(tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.bos_token_id)
+
+
+def with_bos(ids: Sequence[int], bos: Optional[int]) -> list[int]:
+    """`ids` with `bos` in front, unless they start with it (or the tokenizer has none): the rule
+    `encode_prompt` applies, for ids tokenized in a batch."""
+    ids = list(ids)
     if bos is not None and (not ids or ids[0] != bos):
         ids = [bos] + ids
     return ids
@@ -80,9 +95,7 @@ def _chunk_sequences(part: Sequence[dict], tokenizer, cut: int, train_on: str,
             seq = list(chat_enc["input_ids"][j])
             yield seq, _labels_from_spans(chat_enc["offset_mapping"][j], seq, rendered[i][1])
             continue
-        head = list(enc1[i])
-        if bos is not None and (not head or head[0] != bos):
-            head = [bos] + head
+        head = with_bos(enc1[i], bos)
         if f == TEXT:
             yield head + [eos], head + [eos]
         else:
