@@ -62,7 +62,8 @@ def manifest_file(rank: int) -> str:
 RESUME_KEYS = ("model.name", "model.gguf_file", "model.quantization", "lora.r", "lora.alpha",
                "lora.target_modules", "lora.use_dora", "lora.use_rslora", "lora.init",
                "batch.global_batch_size", "run.seed", "data.path", "data.max_seq_len", "optim.name",
-               "data.fields", "data.train_on")
+               "data.fields", "data.train_on", "model.adapter", "objective.name", "objective.beta",
+               "objective.simpo_gamma", "objective.label_smoothing")
 # Not a spec field: the sha256 of what the data sources hold (`jobs.data.content_hash`), so data
 # that changed under the same path refuses a resume (the batches of step k would differ).
 DATA_HASH_KEY = "data.content_sha256"

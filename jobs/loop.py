@@ -17,6 +17,9 @@ Reads top to bottom in `train()`. The two pieces tests poke at directly are
   reduced once per optimizer step (an all-reduce under DDP, a reduce-scatter under FSDP).
 * fp16: the GradScaler scales every micro-step's loss, `unscale_` runs once before
   clipping, `step`/`update` once per window; a skipped step is counted.
+* Preference objectives (`jobs.objectives`): the same with pairs in place of label tokens. A
+  micro-batch's module output is its *summed* per-pair loss, scaled by W / P for the P pairs of
+  the global batch, so the step's gradient is that of the mean over all P pair losses.
 
 No `.item()` inside the window: scalars are read once per optimizer step (and transformers'
 own per-forward sync is turned off where the model loads: `jobs.model.skip_packed_sequence_detection`).
@@ -30,10 +33,11 @@ import math
 import random
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,12 +46,15 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import fsdp
 from .context import Context
-from .data import GlobalBatches, collate, count_inputs, count_labels, eval_shard, load_dataset, split_window, total_steps
+from .data import (GlobalBatches, collate, collate_pairs, count_inputs, count_labels, equal_micro_batches,
+                   load_dataset, split_window, total_steps)
 from .early_stopping import EarlyStopping
 from .errors import RunError
 from .faults import from_env
 from .memory import MemoryPlan
 from .model import add_lora, check_batchnorm, check_packing, compile_layers, enable_checkpointing, load_base_model
+from .objectives import Objective
+from .preference import REFERENCE_ADAPTER, PreferenceLoss, precomputed_reference
 from .outputs import PLOT, SUMMARY, MetricsLog, append_event, claim_output_dir, plot_loss, read_metrics, write_json_atomic
 from .spec import JobSpec, compute_precision
 from .tracking import open_trackers
@@ -158,25 +165,31 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def train_window(engine: Engine, micro_batches: Sequence[dict], n_labels_global: int,
+def train_window(engine: Engine, micro_batches: Sequence[dict], denominator: int,
                  after_micro_step: Optional[Callable[[int], None]] = None) -> torch.Tensor:
     """Forward/backward over one rank's micro-batches of one global batch.
 
-    Returns this rank's summed token loss (a device tensor: no host sync here).
-    `after_micro_step(j)` is an observer (tests, profilers) called after each backward.
+    `denominator` is what the step's loss is a mean over, counted over the whole global batch:
+    its label tokens (SFT) or its pairs (preference objectives). Returns this rank's sums (a
+    device tensor: no host sync here): the summed token loss (a scalar) or, for a preference
+    objective, the vector [summed pair loss, *summed statistics in `Objective.stat_names`
+    order] (float64). `after_micro_step(j)` is an observer (tests, profilers) called after each
+    backward.
     """
-    scale = engine.world_size / n_labels_global  # DDP divides by world_size; see module doc
-    loss_sum = torch.zeros((), device=engine.device, dtype=torch.float32)
+    scale = engine.world_size / denominator  # DDP divides by world_size; see module doc
+    sums: Optional[torch.Tensor] = None
     last = len(micro_batches) - 1
     for j, mb in enumerate(micro_batches):
         with engine.sync_gate(j == last):
             with engine.autocast():
-                summed = engine.module(**to_device(mb, engine.device))
+                out = engine.module(**to_device(mb, engine.device))
+            summed, stats = out if isinstance(out, tuple) else (out, None)
             engine.scaler.scale(summed * scale).backward()
-        loss_sum += summed.detach().float()
+        part = summed.detach().float() if stats is None else torch.cat([summed.detach().double().view(1), stats])
+        sums = part if sums is None else sums + part
         if after_micro_step is not None:
             after_micro_step(j)
-    return loss_sum
+    return sums if sums is not None else torch.zeros((), device=engine.device)
 
 
 def optimizer_step(engine: Engine, max_grad_norm: Optional[float]) -> tuple[torch.Tensor, Optional[float]]:
@@ -231,18 +244,41 @@ def held_out_loss(engine: Engine, examples, rank: int, world_size: int, micro_ba
         return None
     module = engine.module.module if engine.is_ddp else engine.module
     module.eval()
-    mine = eval_shard(len(examples), rank, world_size)
     layout = layout or {}
     sums = torch.zeros(2, device=engine.device, dtype=torch.float64)
-    for start in range(0, len(mine), micro_batch_size):
-        batch = [examples[i] for i in mine[start:start + micro_batch_size]]
+    # Equal forward counts on every rank: under FSDP each forward is a collective.
+    for idx, counted in equal_micro_batches(len(examples), rank, world_size, micro_batch_size):
+        batch = [examples[i] for i in idx]
         with engine.autocast():
             s = module(**to_device(collate(batch, pad_id, **layout), engine.device))
-        sums[0] += s.double()
-        sums[1] += sum(e.n_labels for e in batch)
+        if counted:
+            sums[0] += s.double()
+            sums[1] += sum(e.n_labels for e in batch)
     module.train()
     all_reduce_sum(sums, world_size)
     return (sums[0] / sums[1]).item()
+
+
+@torch.no_grad()
+def held_out_pairs(engine: Engine, job: "Job", rank: int, world_size: int,
+                   micro_batch_size: int) -> tuple[Optional[float], dict]:
+    """Mean per-pair loss over the held-out pairs and the statistics' means (TRL's names with
+    `eval_` in front), sharded over ranks."""
+    pairs = job.data.eval
+    if not pairs:
+        return None, {}
+    module = engine.module.module if engine.is_ddp else engine.module
+    module.eval()
+    obj = job.objective
+    sums = torch.zeros(1 + len(obj.stat_names), device=engine.device, dtype=torch.float64)
+    for idx, counted in equal_micro_batches(len(pairs), rank, world_size, micro_batch_size):
+        with engine.autocast():
+            summed, stats = module(**to_device(pair_batch(job, "eval", idx), engine.device))
+        if counted:
+            sums += torch.cat([summed.double().view(1), stats])
+    module.train()
+    values = (all_reduce_sum(sums, world_size) / len(pairs)).tolist()
+    return values[0], {f"eval_{k}": v for k, v in zip(obj.stat_names, values[1:])}
 
 
 def memory_plan(spec: JobSpec, device: torch.device) -> MemoryPlan:
@@ -270,6 +306,9 @@ class Job:
     scaler: torch.amp.GradScaler
     resume_key: dict          # what a checkpoint of this run must match to be resumed (taken once, at the start)
     strategy: str = "ddp"     # "ddp" (also one process) or "fsdp": see `strategy_of`
+    objective: Objective = Objective()
+    reference: Optional[dict] = None  # split -> [pairs, 2] precomputed reference log-probs (`objective.reference`)
+    device: Optional[torch.device] = None
 
 
 @dataclass
@@ -282,6 +321,7 @@ class Position:
     eval_loss: Optional[float] = None
     source: Optional[str] = None  # the checkpoint resumed from
     early_stopping: Optional[dict] = None  # `EarlyStopping.state()` of the checkpoint
+    eval_stats: dict = field(default_factory=dict)  # preference objectives: the last evaluation's statistics
 
 
 def strategy_of(plan: MemoryPlan, world_size: int) -> str:
@@ -314,7 +354,8 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
     return Job(model, tokenizer, plan, precision, data,
                GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed),
                total_steps(spec, len(data.train)),
-               torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"), ckpt.resume_key(spec), strategy)
+               torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"), ckpt.resume_key(spec), strategy,
+               Objective.of(spec), device=ctx.device)
 
 
 def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, engine: Engine, resume: bool) -> Position:
@@ -341,7 +382,7 @@ def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, engine: Engine, resume
 def make_engine(spec: JobSpec, ctx: Context, job: Job) -> Engine:
     """The loss module wrapped for the strategy, and the optimizer over the parameters that
     strategy trains (FSDP replaces each parameter by its shard, so the optimizer comes after)."""
-    module: nn.Module = CausalLMLoss(job.model, chunk_tokens=job.plan.loss_chunk_tokens)
+    module = loss_module(job)
     if job.strategy == "fsdp":
         module = fsdp.shard(module, job.model, job.precision, reshard_after_forward(job.plan),
                             ctx.device, ctx.world_size)
@@ -354,25 +395,69 @@ def make_engine(spec: JobSpec, ctx: Context, job: Job) -> Engine:
                   ctx.world_size)
 
 
+def loss_module(job: Job) -> nn.Module:
+    """The module one micro-step calls: the summed token loss (SFT) or the summed pair loss with
+    its statistics (preference objectives; the reference is the frozen starting adapter when
+    `model.adapter` loaded one, else the base with the adapter off)."""
+    if not job.objective.is_preference:
+        return CausalLMLoss(job.model, chunk_tokens=job.plan.loss_chunk_tokens)
+    reference = REFERENCE_ADAPTER if REFERENCE_ADAPTER in getattr(job.model, "peft_config", {}) else None
+    return PreferenceLoss(job.model, job.objective, job.plan.loss_chunk_tokens, reference)
+
+
 def reshard_after_forward(plan: MemoryPlan) -> bool:
     """FSDP: free each layer's gathered weights after its forward? The plan's choice, which is
     `resources.fsdp_reshard_after_forward` when set (`jobs.memory.strategy_choices`)."""
     return plan.reshard_after_forward is not False
 
 
-def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> tuple[list[dict], int, int]:
-    """This rank's micro-batches of global batch `step`, and the window's label and input tokens
-    over all ranks (known locally: every rank holds the tokenized data)."""
+@dataclass
+class Window:
+    """One rank's share of one global batch, and the counts over the whole global batch (known
+    locally: every rank holds the tokenized data)."""
+
+    micro_batches: list[dict]
+    denominator: int  # what the step's loss is a mean over: label tokens (SFT) or pairs
+    n_labels: int     # label tokens (for pairs: the tokens of both responses)
+    n_inputs: int     # input tokens computed
+
+
+def pair_batch(job: Job, split: str, indices: Sequence[int]) -> dict:
+    """`collate_pairs` of the pairs `indices` of `split`, with their precomputed reference
+    log-probabilities (chosen rows, then rejected rows) when the run has them."""
+    pairs = job.data.train if split == "train" else job.data.eval
+    pin = job.device is not None and job.device.type == "cuda"
+    batch = collate_pairs([pairs[i] for i in indices], job.tokenizer.pad_token_id, pin_memory=pin)
+    if job.reference is not None:
+        ref = job.reference[split][list(indices)]
+        batch["ref_logps"] = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]])).float()
+    return batch
+
+
+def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> Window:
+    """This rank's micro-batches of global batch `step`, with the window's counts."""
     indices = job.batches.indices(step)
+    train = job.data.train
     if spec.data.group_by_length:
         # Same samples, grouped so each micro-batch pads little (measured on the demo data:
         # 48% of computed tokens were padding, 11% grouped).
-        indices = sorted(indices, key=lambda i: (len(job.data.train[i].input_ids), i))
+        indices = sorted(indices, key=lambda i: (train[i].length, i))  # a Pair: its longer row
     mine = split_window(indices, ctx.rank, ctx.world_size, spec.batch.micro_batch_size, spec.grad_accum_steps)
+    n_labels, n_inputs = count_labels(train, indices), count_inputs(train, indices)
+    if job.objective.is_preference:
+        return Window([pair_batch(job, "train", mb) for mb in mine], len(indices), n_labels, n_inputs)
     layout = layout_args(spec, ctx.device)
     pad_id, pin = job.tokenizer.pad_token_id, ctx.device.type == "cuda"
-    micro = [collate([job.data.train[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
-    return micro, count_labels(job.data.train, indices), count_inputs(job.data.train, indices)
+    micro = [collate([train[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
+    return Window(micro, n_labels, n_labels, n_inputs)
+
+
+def step_values(job: Job, sums: torch.Tensor, window: Window) -> tuple[float, dict]:
+    """(the step's loss, its preference statistics as means over the pairs) from the window's
+    all-reduced sums: one host read."""
+    values = sums.reshape(-1).tolist()
+    stats = {k: v / window.denominator for k, v in zip(job.objective.stat_names, values[1:])}
+    return values[0] / window.denominator, stats if job.objective.is_preference else {}
 
 
 def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
@@ -382,6 +467,8 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         claim_output_dir(out, beside_others=True, name=spec.name)
     job = set_up(spec, ctx)
     engine = make_engine(spec, ctx, job)
+    if job.objective.reference == "precomputed":  # once per (base, data, template); reused after
+        job.reference = precomputed_reference(spec, ctx, job, engine, pair_batch)
     pos = resume_or_seed(spec, ctx, job, engine, resume)
     metrics_log = MetricsLog(out, pos.step) if ctx.is_main else None
     trackers = open_trackers(spec, pos.step, job.steps, ctx.is_main)
@@ -396,14 +483,15 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         lr = lr_at(step, job.steps, spec)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        micro_batches, n_labels, n_inputs = micro_batches_of(spec, ctx, job, step)
+        window = micro_batches_of(spec, ctx, job, step)
+        n_labels, n_inputs = window.n_labels, window.n_inputs
         faults.at_step(step, rank, spec.batch.micro_batch_size)
 
-        loss_sum = train_window(engine, micro_batches, n_labels)
+        sums = train_window(engine, window.micro_batches, window.denominator)
         grad_norm, scale_before = optimizer_step(engine, spec.optim.max_grad_norm)
 
         # One small all-reduce for logging; then the only host reads of the step.
-        loss = all_reduce_sum(loss_sum, world).item() / n_labels
+        loss, stats = step_values(job, all_reduce_sum(sums, world), window)
         skipped = scale_before is not None and job.scaler.get_scale() < scale_before
         norm = float(grad_norm.item())
         stop_if_not_finite(spec, step + 1, loss, norm, skipped)
@@ -413,15 +501,18 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         run_tokens, run_step_s = run_tokens + n_inputs, run_step_s + dt
         done = step + 1
         if spec.run.eval_every and done % spec.run.eval_every == 0 or done == job.steps:
-            pos.eval_loss = held_out_loss(engine, job.data.eval, rank, world, spec.batch.micro_batch_size,
-                                     job.tokenizer.pad_token_id, layout_args(spec, device))
+            if job.objective.is_preference:
+                pos.eval_loss, pos.eval_stats = held_out_pairs(engine, job, rank, world, spec.batch.micro_batch_size)
+            else:
+                pos.eval_loss = held_out_loss(engine, job.data.eval, rank, world, spec.batch.micro_batch_size,
+                                              job.tokenizer.pad_token_id, layout_args(spec, device))
             stopper.judge(done, pos.eval_loss, lambda: fsdp.full_adapter(job.model), out, ctx.is_main)
         peak, peak_kind = peak_memory_bytes(device)
         last = {"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n_inputs,
                 "tokens_seen": pos.tokens_seen, "label_tokens": n_labels, "tokens_per_s": n_inputs / dt,
                 "step_time_s": dt, "epoch": job.batches.epoch_of(done), "peak_mem_gib": peak / GIB,
                 "peak_mem_kind": peak_kind, "estimate_gib": job.plan.total_gib, "skipped": skipped,
-                "eval_loss": pos.eval_loss}
+                "eval_loss": pos.eval_loss, **stats, **pos.eval_stats}
         if ctx.is_main:
             if step == pos.step:  # the first step of this run
                 append_event(out, "first_step", step=done)
@@ -453,9 +544,10 @@ def announce(spec: JobSpec, ctx: Context, job: Job, pos: Position) -> None:
     """Rank 0, before the first step: the run's start in events.jsonl, and the plan in one line."""
     append_event(spec.output_path, "resume" if pos.step else "start", step=pos.step, world_size=ctx.world_size,
                  checkpoint=pos.source)
-    log.warning("job %s: %d steps, global batch %d = %d%s workers x %d accumulation x %d micro; lr %.3g (base "
+    unit = f" {job.objective.name.upper()} pairs" if job.objective.is_preference else ""
+    log.warning("job %s: %d steps, global batch %d%s = %d%s workers x %d accumulation x %d micro; lr %.3g (base "
                 "%.3g x %s scaling %.3g at reference batch %d); precision %s; gradient checkpointing %s; "
-                "estimate %.2f GiB", spec.name, job.steps, spec.batch.global_batch_size, ctx.world_size,
+                "estimate %.2f GiB", spec.name, job.steps, spec.batch.global_batch_size, unit, ctx.world_size,
                 f" {job.strategy.upper()}" if ctx.world_size > 1 else "",
                 spec.grad_accum_steps, spec.batch.micro_batch_size, spec.effective_lr, spec.optim.lr,
                 spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, job.precision,
@@ -499,7 +591,9 @@ def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, adapter: d
     out = spec.output_path
     records = read_metrics(out)
     adapter_dir = out / "adapter"
-    job.model.save_pretrained(adapter_dir, state_dict=adapter)
+    # The trained adapter only: a frozen reference adapter (`model.adapter` under DPO/IPO) is the
+    # starting one, already on disk.
+    job.model.save_pretrained(adapter_dir, state_dict=adapter, selected_adapters=["default"])
     job.tokenizer.save_pretrained(adapter_dir)
     if spec.model.name == "tiny-llama":
         _save_tiny_base(spec, out / "base", adapter_dir)
@@ -530,6 +624,8 @@ def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, adapter: d
         "strategy": job.strategy,
         "adapter_dir": str(adapter_dir),
         "dropped_records": job.data.dropped,
+        "objective": spec.objective.name,
+        **pos.eval_stats,
         **(extra or {}),
     }
     write_json_atomic(out / SUMMARY, summary)

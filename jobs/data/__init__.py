@@ -20,8 +20,8 @@ One module per role, each importing only those above it:
 Callers import from `jobs.data`; the names below are the package's interface.
 """
 
-from .batches import (GlobalBatches, collate, collate_pairs, count_inputs, count_labels, eval_shard, pack_rows,
-                      split_window, total_steps)
+from .batches import (GlobalBatches, collate, collate_pairs, count_inputs, count_labels, equal_micro_batches, eval_shard,
+                      pack_rows, split_window, total_steps)
 from .cache import (CACHE_FORMAT, Dataset, TokenizedPairs, TokenizedSplit, cache_key, content_hash,
                     count_checked_records, data_cache_dir, data_kind, load_dataset, source_hash, tokenizer_hash)
 from .chat import chat_pair_texts, chat_prompt_ids, chat_spans
@@ -37,7 +37,7 @@ __all__ = [
     "Dataset", "Example", "GlobalBatches", "Pair", "TokenizedPairs", "TokenizedSplit",
     "cache_key", "char_bound", "chat_pair_texts", "chat_prompt_ids", "chat_spans", "check_record", "collate",
     "collate_pairs", "content_hash", "count_checked_records", "count_inputs", "count_labels", "data_cache_dir",
-    "data_kind", "encode_prompt", "eval_shard", "is_hub", "load_dataset", "longest_token_chars", "pack_rows",
+    "data_kind", "encode_prompt", "equal_micro_batches", "eval_shard", "is_hub", "load_dataset", "longest_token_chars", "pack_rows",
     "read_jsonl", "read_records", "record_format", "record_kind", "source_hash", "split_window", "tokenize",
     "tokenize_iter", "tokenize_pairs", "tokenize_pairs_iter", "tokenizer_hash", "total_steps", "truncate_pair",
 ]

@@ -207,3 +207,15 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
             rows.append([i])
             free.append(capacity - lengths[i])
     return [sorted(row) for row in rows]
+
+
+def equal_micro_batches(n: int, rank: int, world_size: int, micro_batch_size: int) -> list[tuple[list[int], bool]]:
+    """This rank's share of `n` items (`eval_shard`) in micro-batches, as (indices, counted).
+    Every rank gets the same number of micro-batches (under FSDP each forward is a collective):
+    a rank whose share runs out repeats its last micro-batch (or item 0), uncounted."""
+    mine = eval_shard(n, rank, world_size)
+    out = [(mine[s:s + micro_batch_size], True) for s in range(0, len(mine), micro_batch_size)]
+    per_rank = -(-n // world_size)
+    while len(out) < -(-per_rank // micro_batch_size):
+        out.append((out[-1][0] if out else [0], False))
+    return out
