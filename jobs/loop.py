@@ -430,7 +430,7 @@ def pair_batch(job: Job, split: str, indices: Sequence[int]) -> dict:
     batch = collate_pairs([pairs[i] for i in indices], job.tokenizer.pad_token_id, pin_memory=pin)
     if job.reference is not None:
         ref = job.reference[split][list(indices)]
-        batch["ref_logps"] = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]])).float()
+        batch["ref_logps"] = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]))
     return batch
 
 

@@ -82,7 +82,9 @@ class PreferenceLoss(nn.Module):
 
     def sequence_logps(self, input_ids: torch.Tensor, label_pos: torch.Tensor,
                        label_ids: torch.Tensor) -> torch.Tensor:
-        """[rows] summed log-probabilities of each row's label tokens (fp32)."""
+        """[rows] summed log-probabilities of each row's label tokens, summed in float64: DPO and
+        IPO take differences of such sums (hundreds of nats), whose fp32 rounding would otherwise
+        show in the per-pair weights of the gradient."""
         lm = self._causal_lm()
         hidden = lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
         h = hidden.flatten(0, 1).index_select(0, label_pos)
@@ -94,7 +96,7 @@ class PreferenceLoss(nn.Module):
                 _token_logps, head, h[s:s + self.chunk_tokens], label_ids[s:s + self.chunk_tokens],
                 use_reentrant=False) for s in range(0, h.shape[0], self.chunk_tokens)])
         rows = torch.div(label_pos, input_ids.shape[1], rounding_mode="floor")
-        return token.new_zeros(input_ids.shape[0]).index_add(0, rows, token)
+        return token.new_zeros(input_ids.shape[0], dtype=torch.float64).index_add(0, rows, token.double())
 
     def reference_context(self):
         if self.reference_adapter:
@@ -170,7 +172,7 @@ def reference_key(spec, data_dir: Path, precision: str) -> str:
 
 
 def precomputed_reference(spec, ctx, job, engine, pair_batch) -> dict:
-    """{"train": [pairs, 2], "eval": [pairs, 2]} float32 reference log-probabilities (chosen,
+    """{"train": [pairs, 2], "eval": [pairs, 2]} float64 reference log-probabilities (chosen,
     rejected) of every pair, from the entry beside the data cache, computed first if it is missing.
 
     Every rank computes its share (`equal_micro_batches`: the same number of forwards everywhere,
@@ -211,7 +213,7 @@ def _reference_table(engine, job, split: str, ctx, pair_batch, equal_micro_batch
     import torch.distributed as dist
 
     pairs = job.data.train if split == "train" else job.data.eval
-    table = torch.zeros(len(pairs), 2, dtype=torch.float32, device=engine.device)
+    table = torch.zeros(len(pairs), 2, dtype=torch.float64, device=engine.device)
     if len(pairs):
         for idx, counted in equal_micro_batches(len(pairs), ctx.rank, ctx.world_size, micro_batch_size):
             batch = {k: v.to(engine.device) for k, v in pair_batch(job, split, idx).items()}
@@ -219,7 +221,7 @@ def _reference_table(engine, job, split: str, ctx, pair_batch, equal_micro_batch
                 logps = engine.module(**batch, reference_only=True)
             if counted:
                 m = len(idx)
-                table[idx, 0], table[idx, 1] = logps[:m].float(), logps[m:].float()
+                table[idx, 0], table[idx, 1] = logps[:m], logps[m:]
         if ctx.world_size > 1:
             dist.all_reduce(table)
     return table.cpu().numpy()
