@@ -20,7 +20,8 @@ They are plain dicts, no kustomize needed; `to_yaml` writes them as one multi-do
 and from the overlay's *node type* (`node_types`): a spec that asks for more GPUs per worker or more
 CPUs per worker than one node of that type has, a per-GPU budget above its GPU memory, or whose
 memory plan (`jobs.memory.plan_for_spec` on that GPU) does not fit it, is refused with a
-`SpecError` naming both numbers; so is a job whose GPUs in total (num_workers, times the concurrent
+`SpecError` naming both numbers (the node-fit rule, `orchestrator.backends.node_fit`, which queue
+admission applies too); so is a job whose GPUs in total (num_workers, times the concurrent
 trials of a search) exceed the Kueue quota for RayJobs the node type records (`jobQuotaGpus`).
 The RayJob is annotated with the plan's estimate and its
 gradient checkpointing: the numbers queue admission and the training loop use.
@@ -41,6 +42,7 @@ import yaml
 from jobs.errors import SpecError, UserError
 from jobs.spec import JobSpec
 
+from ..node_fit import GpuPlan, PodAsk, refusal
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
 from .policy import (CACHE_ENV, CLUSTER_LABEL, IMAGE_REF, NO_DISRUPT, PRIORITY_CLASS, QUEUE_LABEL, RAY_NODE_LABEL,
                      SHELL_SAFE, pod_disruption_budget, policy_violations, pull_policy, shm_gib)
@@ -214,37 +216,40 @@ def memory_plan(spec: JobSpec, node: NodeType, gpus_per_worker: int):
 # ---- render --------------------------------------------------------------------------------------
 
 def _check_fits(spec: JobSpec, node: NodeType, where: str, gpus: int, worker_cpu: float, plan) -> None:
-    """Refuse (SpecError, both numbers named) a job one node of this type cannot hold. `gpus` and
-    `worker_cpu` are per worker pod (a pod holds `resources.gpus_per_worker` GPUs)."""
+    """Refuse (SpecError, both numbers named) a job one node of this type cannot hold: the node-fit
+    rule (`node_fit.refusal`, the one queue admission applies) said as the spec's fields. `gpus`
+    and `worker_cpu` are per worker pod (a pod holds `resources.gpus_per_worker` GPUs)."""
     res = spec.resources
+    on_gpu = None if plan is None else GpuPlan(plan.total_gib, plan.checkpointing, plan.choice)
+    pod = PodAsk(gpus=gpus, cpus=worker_cpu, accelerator_type=res.accelerator_type,
+                 budget_gib=spec.memory.budget_gib, plan=lambda gib: on_gpu)   # made for this node type's GPU
+    r = refusal(pod, node.offer(node.gpu_memory_gib))     # gpuMemoryGiB as written: 0 (unset) holds nothing
+    if r is None:
+        return
     desc = f"overlay {node.overlay}'s node type {node.name}"
-    if gpus > node.gpus_per_node:
+    if r.fact in ("no-gpus", "gpus"):
         what = (f"resources.gpus_per_worker={res.gpus_per_worker} asks for {gpus} GPUs per worker pod"
                 if res.gpus_per_worker > 1 else f"resources asks for {gpus} GPU(s) per worker")
         raise SpecError(f"{where}: {what} but {desc} has {node.gpus_per_node} GPU(s) per node")
-    if worker_cpu > node.cpus_per_node:
+    if r.fact == "cpus":
         per = f" x gpus_per_worker={res.gpus_per_worker}" if res.gpus_per_worker > 1 else ""
         raise SpecError(
             f"{where}: resources.cpus_per_worker={res.cpus_per_worker}{per} needs {_cpu(worker_cpu)} CPUs per "
             f"worker pod but {desc} has {_cpu(node.cpus_per_node)} CPUs per node")
-    if not gpus:
-        return
-    if res.accelerator_type:
-        want = res.accelerator_type.lower()
-        if want not in {node.ray_accelerator_type.lower(), node.gpu_product.lower()}:
-            raise SpecError(
-                f"{where}: resources.accelerator_type={res.accelerator_type} but {desc} has "
-                f"{node.ray_accelerator_type or 'unknown'} GPUs ({node.gpu_product}); pick an overlay for that GPU")
-    cap = node.gpu_memory_gib
-    if spec.memory.budget_gib is not None and spec.memory.budget_gib > cap:
+    if r.fact == "accelerator":
+        raise SpecError(
+            f"{where}: resources.accelerator_type={res.accelerator_type} but {desc} has "
+            f"{node.ray_accelerator_type or 'unknown'} GPUs ({node.gpu_product}); pick an overlay for that GPU")
+    cap = r.have
+    if r.fact == "budget":
         raise SpecError(
             f"{where}: memory.budget_gib={spec.memory.budget_gib:g} GiB per GPU exceeds the "
             f"{cap:g} GiB of one {node.gpu_product} GPU ({desc})")
-    if plan is not None and plan.total_gib > cap:
-        raise SpecError(
-            f"{where}: the memory estimate is {plan.total_gib:.1f} GiB per GPU (gradient checkpointing "
-            f"{plan.checkpointing}), more than the {cap:g} GiB of one {node.gpu_product} GPU ({desc}); lower "
-            f"batch.micro_batch_size or data.max_seq_len, or turn on memory.gradient_checkpointing")
+    assert r.fact == "plan" and r.plan is not None, r      # the offer's memory is always known here
+    raise SpecError(
+        f"{where}: the memory estimate is {r.need:.1f} GiB per GPU (gradient checkpointing "
+        f"{r.plan.checkpointing}), more than the {cap:g} GiB of one {node.gpu_product} GPU ({desc}); lower "
+        f"batch.micro_batch_size or data.max_seq_len, or turn on memory.gradient_checkpointing")
 
 
 def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] = None,
