@@ -779,6 +779,24 @@ def test_backend_refuses_a_different_job_under_the_same_name(fake_api):
         be.submit_spec(spec)
 
 
+def test_backend_creates_in_order_and_refuses_a_budget_of_another_spec(fake_api):
+    """ConfigMap, PodDisruptionBudget, RayJob, in that order; a budget that exists already is
+    compared by its spec, like the RayJob by its hash: the same is matched, another refused."""
+    spec = spec_of()
+    be = _backend(fake_api)
+    name = be.submit_spec(spec)
+    posts = [path.rsplit("/", 1)[1] for method, path, code in fake_api.requests if method == "POST"]
+    assert posts == ["configmaps", "poddisruptionbudgets", "rayjobs"]
+    fake_api.rayjobs.clear()
+    assert be.submit_spec(spec) == name                # the same budget (and ConfigMap): matched, not replaced
+    assert len(fake_api.pdbs) == 1 and fake_api.pdbs[("rayft", name)]["spec"]["maxUnavailable"] == 0
+    fake_api.pdbs[("rayft", name)]["spec"]["maxUnavailable"] = 1
+    fake_api.rayjobs.clear()
+    with pytest.raises(k8s.KubeRayError, match=f"PodDisruptionBudget {name} exists with spec .*Unavailable.: 1") as e:
+        be.submit_spec(spec)
+    assert "\n" not in str(e.value) and not fake_api.rayjobs       # refused before the RayJob
+
+
 @NEEDS_CRDS
 def test_fake_api_rejects_an_invalid_rayjob(fake_api, monkeypatch):
     real = k8s.render

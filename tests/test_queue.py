@@ -20,7 +20,7 @@ from jobs.errors import UserError
 from jobs.spec import load_spec
 from orchestrator.backends.base import ClusterView
 from orchestrator.backends.ray_jobs import cluster_view_from_api
-from orchestrator.queue.admission import GPU_MEMORY_GIB, Demand, fit, parse_gpu_memory
+from orchestrator.queue.admission import GPU_MEMORY_GIB, Demand, parse_gpu_memory, place, reserve
 from orchestrator.queue.driver import Driver, enqueue
 from orchestrator.queue.store import Queue
 
@@ -51,40 +51,40 @@ def test_gpu_admission_by_memory_type_and_free_gpus():
     t4, a100, h100 = dict(gpu=4, type="T4"), dict(gpu=1, type="A100-80G"), dict(gpu=2, type="H100")
     assert GPU_MEMORY_GIB["H200"] == 141 and GPU_MEMORY_GIB["L4"] == 24 and GPU_MEMORY_GIB["A100-40G"] == 40
     # 30 GiB per GPU: not on T4s (16 GiB), yes on the A100-80G
-    ok, ever, why = fit(gpu_job(), view(t4))
+    ok, ever, why = reserve(gpu_job(), view(t4))
     assert (ok, ever) == (False, False) and "needs 30.0 GiB per GPU, T4 has 16 GiB" in why
-    assert fit(gpu_job(), view(t4, a100))[0]
+    assert reserve(gpu_job(), view(t4, a100))[0]
     # two workers of 30 GiB: one fits on the A100, the second has nowhere to go
-    ok, ever, why = fit(gpu_job(workers=2), view(t4, a100))
+    ok, ever, why = reserve(gpu_job(workers=2), view(t4, a100))
     assert (ok, ever) == (False, False)
     # ... but H100s have room, unless they are busy
-    assert fit(gpu_job(workers=2), view(t4, h100))[0]
-    ok, ever, why = fit(gpu_job(workers=2), view(t4, dict(h100, gpu_used=1)))
+    assert reserve(gpu_job(workers=2), view(t4, h100))[0]
+    ok, ever, why = reserve(gpu_job(workers=2), view(t4, dict(h100, gpu_used=1)))
     assert (ok, ever) == (False, True) and why.startswith("waiting for resources: needs")
     # resources already held by this queue's jobs count even when the usage report lags
-    ok, ever, _ = fit(gpu_job(workers=2), view(t4, h100), held=(3.0, 5.0))
+    ok, ever, _ = reserve(gpu_job(workers=2), view(t4, h100), held=(3.0, 5.0))
     assert (ok, ever) == (False, True)
     # gradient_checkpointing auto: 30 GiB without it does not fit a T4, 12 GiB with it does
-    assert fit(gpu_job(gc="auto"), view(t4))[0]
-    assert not fit(gpu_job(gc="auto", on=20.0), view(t4))[1]
+    assert reserve(gpu_job(gc="auto"), view(t4))[0]
+    assert not reserve(gpu_job(gc="auto", on=20.0), view(t4))[1]
     # resources.accelerator_type restricts the nodes
-    ok, ever, why = fit(gpu_job(off=10, accel="H100"), view(t4))
+    ok, ever, why = reserve(gpu_job(off=10, accel="H100"), view(t4))
     assert not ever and "is not H100" in why
-    assert fit(gpu_job(off=10, accel="H100"), view(t4, h100))[0]
+    assert reserve(gpu_job(off=10, accel="H100"), view(t4, h100))[0]
     # an unknown GPU type is not guessed; --gpu-memory overrides the table
-    ok, ever, why = fit(gpu_job(off=10), view(dict(gpu=1, type="Mystery-9000")))
+    ok, ever, why = reserve(gpu_job(off=10), view(dict(gpu=1, type="Mystery-9000")))
     assert not ever and "--gpu-memory Mystery-9000=GiB" in why
-    assert fit(gpu_job(off=10), view(dict(gpu=1, type="Mystery-9000")), parse_gpu_memory(["Mystery-9000=24"]))[0]
-    assert fit(gpu_job(off=10), view(dict(gpu=1)), parse_gpu_memory(["16"]))[0]
-    assert not fit(gpu_job(), view(t4), parse_gpu_memory(["T4=24"]))[1]
-    assert fit(gpu_job(), view(t4), parse_gpu_memory(["t4=32"]))[0]
+    assert reserve(gpu_job(off=10), view(dict(gpu=1, type="Mystery-9000")), parse_gpu_memory(["Mystery-9000=24"]))[0]
+    assert reserve(gpu_job(off=10), view(dict(gpu=1)), parse_gpu_memory(["16"]))[0]
+    assert not reserve(gpu_job(), view(t4), parse_gpu_memory(["T4=24"]))[1]
+    assert reserve(gpu_job(), view(t4), parse_gpu_memory(["t4=32"]))[0]
     # CPUs: the driver's share plus cpus_per_worker per worker
     cpu = Demand(2, 1.5, driver_cpus=0.5)
-    assert fit(cpu, view(dict(cpu=4)))[0]
-    ok, ever, why = fit(cpu, view(dict(cpu=4, cpu_used=1)))
+    assert reserve(cpu, view(dict(cpu=4)))[0]
+    ok, ever, why = reserve(cpu, view(dict(cpu=4, cpu_used=1)))
     assert (ok, ever) == (False, True) and "needs 3.5 CPUs, 3 CPUs free" in why
-    assert not fit(Demand(1, 8.0), view(dict(cpu=4), dict(cpu=4)))[1]     # 8 CPUs on no single node
-    assert not fit(gpu_job(off=1), view(dict(cpu=64)))[1]
+    assert not reserve(Demand(1, 8.0), view(dict(cpu=4), dict(cpu=4)))[1]     # 8 CPUs on no single node
+    assert not reserve(gpu_job(off=1), view(dict(cpu=64)))[1]
     with pytest.raises(UserError):
         parse_gpu_memory(["H100=lots"])
 
@@ -96,21 +96,21 @@ def test_gpus_per_worker_needs_whole_pods_on_one_node():
 
     h100 = dict(type="H100", cpu=16)
     # four GPUs in all, but one per node: no pod of two can be placed, ever
-    ok, ever, why = fit(pods_of_two(), view(*[dict(h100, gpu=1)] * 4))
+    ok, ever, why = reserve(pods_of_two(), view(*[dict(h100, gpu=1)] * 4))
     assert (ok, ever) == (False, False)
     assert "resources.gpus_per_worker=2 needs 2 GPUs on one node, the largest node has 1" in why
     # the same four workers one GPU to a pod fit there
-    assert fit(Demand(4, 1.0, True, gib_by_every={0: 10.0, 1: 5.0}, gc_mode="false"),
+    assert reserve(Demand(4, 1.0, True, gib_by_every={0: 10.0, 1: 5.0}, gc_mode="false"),
                view(*[dict(h100, gpu=1)] * 4))[0]
     # two nodes of two GPUs: one pod on each
     v = view(dict(h100, gpu=2), dict(h100, gpu=2))
-    assert fit(pods_of_two(), v)[0]
+    assert reserve(pods_of_two(), v)[0]
     assert [(n.gpu_free, n.cpu_free) for n in v.nodes] == [(0.0, 13.5), (0.0, 14.0)]  # + the driver's 0.5 CPU
     # four free GPUs split 3 + 1: only one pod fits now; it could once the busy GPU is free
-    ok, ever, why = fit(pods_of_two(), view(dict(h100, gpu=4, gpu_used=1), dict(h100, gpu=1)))
+    ok, ever, why = reserve(pods_of_two(), view(dict(h100, gpu=4, gpu_used=1), dict(h100, gpu=1)))
     assert (ok, ever) == (False, True) and "2 GPUs on one node per worker pod" in why
     # a pod's CPUs are on its node too: 2 x 1.0 CPUs beside its two GPUs
-    assert not fit(pods_of_two(workers=2), view(dict(type="H100", gpu=2, cpu=1.5), dict(cpu=8)))[1]
+    assert not reserve(pods_of_two(workers=2), view(dict(type="H100", gpu=2, cpu=1.5), dict(cpu=8)))[1]
     # what `queue add` stores: gpus_per_worker from the spec, 1 for rows queued before it existed
     spec = load_spec(ROOT / SPEC, ["resources.use_gpu=true", "resources.num_workers=4", "resources.gpus_per_worker=2"])
     d = Demand.from_json(Demand.from_spec(spec).to_json())
@@ -122,10 +122,20 @@ def test_gpus_per_worker_needs_whole_pods_on_one_node():
 
 def test_a_successful_fit_is_taken_off_the_view():
     v = view(dict(cpu=4))
-    assert fit(Demand(1, 1.0), v)[0]          # 1.5 CPUs
-    assert fit(Demand(1, 1.0), v)[0]          # 3.0
-    ok, ever, _ = fit(Demand(1, 1.0), v)      # a third would need 4.5
+    assert reserve(Demand(1, 1.0), v)[0]          # 1.5 CPUs
+    assert reserve(Demand(1, 1.0), v)[0]          # 3.0
+    ok, ever, _ = reserve(Demand(1, 1.0), v)      # a third would need 4.5
     assert (ok, ever) == (False, True)
+
+
+def test_place_is_pure_and_reserve_takes_the_placement_off():
+    v = view(dict(cpu=4), dict(cpu=2))
+    p = place(Demand(2, 1.5), v)             # first fit: two pods of 1.5 CPUs and the driver's 0.5 on n0
+    assert (p.now, p.ever, p.why) == (True, True, "") and p.free_after == {"n0": (0.5, 0.0), "n1": (2.0, 0.0)}
+    assert [n.cpu_free for n in v.nodes] == [4.0, 2.0]               # place: nothing taken
+    assert place(Demand(2, 1.5), v) == p
+    assert reserve(Demand(2, 1.5), v) == (True, True, "")
+    assert [n.cpu_free for n in v.nodes] == [0.5, 2.0]               # reserve: taken off the view
 
 
 def test_gpu_demand_uses_the_memory_model():

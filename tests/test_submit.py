@@ -98,9 +98,11 @@ def test_submission_id_is_deterministic_and_carries_no_token():
 
 def test_upload_size_matches_what_ray_packages(tmp_path):
     """The size rayft checks is the size of the package Ray builds: same files, same excludes."""
-    from ray._private.runtime_env.packaging import create_package
+    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE, create_package
 
-    from orchestrator.backends.ray_jobs import DEFAULT_EXCLUDES, plan_upload
+    from orchestrator.backends.ray_jobs import DEFAULT_EXCLUDES, plan_upload, ray_upload_limit
+
+    assert ray_upload_limit() == GCS_STORAGE_MAX_SIZE          # rayft's copy of Ray's limit
 
     proj = tmp_path / "proj"
     (proj / "jobs").mkdir(parents=True)

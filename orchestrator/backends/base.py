@@ -201,7 +201,7 @@ class Node:
 
 @dataclass
 class ClusterView:
-    """The cluster as admission sees it in one pass; `fit` takes placed jobs off it."""
+    """The cluster as admission sees it in one pass; `admission.reserve` takes placed jobs off it."""
 
     nodes: list[Node]
     usage_known: bool = True

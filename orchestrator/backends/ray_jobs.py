@@ -36,7 +36,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, TextIO
+from typing import Any, Iterable, Iterator, Optional, TextIO
 from urllib.parse import urlparse
 
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, JobNotFound, RayftError, SpecError, UserError
@@ -126,40 +126,57 @@ class UploadPlan:
     excludes: list[str]
 
 
+# Ray's limit on one runtime_env package, the gRPC message size its GCS accepts: 512 MiB unless the
+# cluster sets RAY_max_grpc_message_size (tests/test_submit.py holds it to Ray's own constant).
+RAY_GRPC_MAX_MESSAGE_BYTES = 512 * 2**20
+
+
 def ray_upload_limit() -> int:
-    """Ray's limit on one runtime_env package (bytes): the gRPC message size the GCS accepts."""
-    from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE
-
-    return int(GCS_STORAGE_MAX_SIZE)
+    """Ray's limit on one runtime_env package (bytes)."""
+    return int(os.environ.get("RAY_max_grpc_message_size", RAY_GRPC_MAX_MESSAGE_BYTES))
 
 
-def _ignore_matchers(directory: Path, include_gitignore: bool) -> list:
-    from ray._private.thirdparty.pathspec import PathSpec  # the copy Ray matches with
+def _ignore_spec(lines: Iterable[str]):
+    """gitignore-style patterns (a `pathspec.PathSpec`) as Ray reads its `excludes`, `.gitignore`
+    and `.rayignore`: each line stripped of surrounding blanks; blank lines and comments match
+    nothing, and so does a line git cannot read as a pattern (one ending in a lone backslash)."""
+    import pathspec
 
+    factory = pathspec.util.lookup_pattern("gitignore")
+    patterns = []
+    for line in lines:
+        try:
+            patterns.append(factory(line.strip()))
+        except ValueError:
+            continue
+    return pathspec.PathSpec(patterns)
+
+
+def _ignore_files(directory: Path, include_gitignore: bool) -> list:
+    """(directory, its patterns) of the directory's own `.gitignore` and `.rayignore`."""
     out = []
     for name in ((".gitignore",) if include_gitignore else ()) + (".rayignore",):
         f = directory / name
         if f.is_file():
-            spec = PathSpec.from_lines("gitwildmatch", f.read_text().splitlines())
-            out.append((directory, spec))
+            out.append((directory, _ignore_spec(f.read_text().splitlines())))
     return out
 
 
 def plan_upload(root: Path, excludes: list[str], limit_bytes: Optional[int] = None) -> UploadPlan:
     """Walk `root` the way Ray packages a working_dir and add up what it would upload.
 
-    Ray's walk (`ray._private.runtime_env.packaging._dir_travel`): `excludes` are gitwildmatch
-    patterns relative to the root; every directory's `.gitignore` (unless
-    RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1) and `.rayignore` apply below it; files are zipped
-    without compression (so their sizes add up to the package size) and symlinks are followed --
-    which is why one that points outside the project is refused here.
+    Ray's documented rules (runtime_env `working_dir` / `excludes`): `excludes` are gitignore-style
+    patterns relative to the working dir; every directory's `.gitignore` (unless
+    RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1) and `.rayignore` apply below it, relative to it; files are
+    zipped without compression (so their sizes add up to the package size) and symlinks are
+    followed -- which is why one that points outside the project is refused here. The patterns are
+    matched by `pathspec` as git matches them; the copy of pathspec Ray bundles (0.8) departs from
+    git only for `**/` and `**/**`, which it takes to match nothing.
     """
-    from ray._private.thirdparty.pathspec import PathSpec  # the copy Ray matches with
-
     root = root.resolve()
     limit = ray_upload_limit() if limit_bytes is None else limit_bytes
     include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
-    top = PathSpec.from_lines("gitwildmatch", excludes)
+    top = _ignore_spec(excludes)
     total, count = 0, 0
 
     def excluded(p: Path, matchers: list) -> bool:
@@ -172,7 +189,7 @@ def plan_upload(root: Path, excludes: list[str], limit_bytes: Optional[int] = No
 
     def walk(d: Path, matchers: list) -> None:
         nonlocal total, count
-        matchers = matchers + _ignore_matchers(d, include_gitignore)
+        matchers = matchers + _ignore_files(d, include_gitignore)
         for p in sorted(d.iterdir()):
             if excluded(p, matchers):
                 continue

@@ -11,27 +11,31 @@ reloading the spec, and
 gets exactly what `plan_for_spec(spec, device="cuda", gpu_memory_gib=GPU)` -- and so the training
 loop on that GPU -- gets.
 
-GPU memory comes from the node's Ray `accelerator_type` (`GPU_MEMORY_GIB`, overridable with
-`--gpu-memory TYPE=GiB`).
+GPU memory comes from the node's Ray `accelerator_type` (`GPU_MEMORY_GIB`; on KubeRay the node
+type's `gpuMemoryGiB`), overridable with `--gpu-memory TYPE=GiB`. Whether one worker pod can ever
+run on one node is the node-fit rule (`orchestrator.backends.node_fit.refusal`), the one `render`
+refuses specs on; this module only says its refusals in the queue's words.
 
 Two ways to admit, by backend:
 
-    fit            Ray Jobs: rayft is the only scheduler, so it admits a job when the cluster's
-                   free CPUs/GPUs (a `ClusterView`) hold it now.
-    fit_node_type  KubeRay: Kueue admits RayJobs by quota, so rayft creates them at once and
-                   checks only what Kueue cannot: that one node of the overlay's node type holds
-                   a worker pod (GPUs per node, GPU model, GPU memory for the memory plan).
+    place / reserve  Ray Jobs: rayft is the only scheduler, so it admits a job when the cluster's
+                     free CPUs/GPUs (a `ClusterView`) hold it now. `place` says where it would
+                     go (pure); `reserve` also takes that off the view for the rest of the pass.
+    fit_node_type    KubeRay: Kueue admits RayJobs by quota, so rayft creates them at once and
+                     checks only what Kueue cannot: that one node of the overlay's node type holds
+                     a worker pod (GPUs per node, GPU model, GPU memory for the memory plan).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 from jobs.errors import UserError
 from orchestrator.backends.base import ClusterView, Node
+from orchestrator.backends.node_fit import GpuPlan, NodeOffer, PodAsk, Refusal, gpu_memory_of, refusal
 from orchestrator.backends.ray_jobs import DRIVER_NUM_CPUS
 
 # GiB of memory per GPU by Ray `accelerator_type` (ray.util.accelerators). Where one name covers
@@ -89,28 +93,41 @@ class Demand:
         """Worker pods: the workers, `gpus_per_worker` to a pod (spec validation makes it divide)."""
         return self.num_workers // max(1, self.pod_gpus)
 
-    def gpu_plan(self, gpu_mem_gib: float) -> tuple[int, float]:
-        """(checkpoint every k-th layer, GiB per GPU) the job runs with on a GPU of `gpu_mem_gib`:
-        `choose_checkpointing_every` under the budget `memory.budget_gib`, else the GPU's memory."""
+    def _choose(self, gpu_mem_gib: float) -> tuple[str, int, float]:
+        """(strategy choice, checkpoint every k-th layer, GiB per GPU) the job runs with on a GPU of
+        `gpu_mem_gib`: `choose_plan_from_table` (for a row queued before the table,
+        `choose_checkpointing_every` on its DDP row) under the budget `memory.budget_gib`, else the
+        GPU's memory."""
         from jobs.memory import choose_checkpointing_every, choose_plan_from_table
 
         budget = self.budget_gib if self.budget_gib is not None else gpu_mem_gib
         if self.plan_table:
-            _, every, gib = choose_plan_from_table(self.plan_table, self.gc_mode, self.num_layers, budget)
-            return every, gib
+            return choose_plan_from_table(self.plan_table, self.gc_mode, self.num_layers, budget)
         if not self.gib_by_every:
-            return 0, 0.0
+            return "ddp", 0, 0.0
         every = choose_checkpointing_every(self.gc_mode, self.gib_by_every.__getitem__, self.num_layers, budget)
-        return every, self.gib_by_every[every]
+        return "ddp", every, self.gib_by_every[every]
+
+    def gpu_plan(self, gpu_mem_gib: float) -> tuple[int, float]:
+        """(checkpoint every k-th layer, GiB per GPU) the job runs with on a GPU of `gpu_mem_gib`."""
+        _, every, gib = self._choose(gpu_mem_gib)
+        return every, gib
 
     def gpu_strategy(self, gpu_mem_gib: float) -> str:
         """The strategy choice (`jobs.memory.CHOICES`: ddp, fsdp, fsdp-keep) on a GPU of `gpu_mem_gib`."""
-        from jobs.memory import choose_plan_from_table
+        return self._choose(gpu_mem_gib)[0]
 
-        if not self.plan_table:
-            return "ddp"
-        budget = self.budget_gib if self.budget_gib is not None else gpu_mem_gib
-        return choose_plan_from_table(self.plan_table, self.gc_mode, self.num_layers, budget)[0]
+    def plan_on_gpu(self, gpu_mem_gib: float) -> GpuPlan:
+        """The plan on a GPU of `gpu_mem_gib`, as the node-fit rule holds it against the GPU."""
+        from jobs.memory import checkpointing_str
+
+        choice, every, gib = self._choose(gpu_mem_gib)
+        return GpuPlan(gib, checkpointing_str(every), choice)
+
+    def pod(self) -> PodAsk:
+        """One worker pod as the node-fit rule sees it: its GPUs, their type and the memory plan.
+        Its CPUs and `memory.budget_gib` are judged by the kind of admission that judges them."""
+        return PodAsk(gpus=self.pod_gpus, accelerator_type=self.accelerator_type, plan=self.plan_on_gpu)
 
     def gpu_need_gib(self, gpu_mem_gib: float) -> float:
         """The estimate the job will run with on a GPU of `gpu_mem_gib` GiB (see `gpu_plan`)."""
@@ -158,88 +175,106 @@ class Demand:
         return cls(**d)
 
 
-def gpu_memory_of(accel: Optional[str], overrides: dict[str, float]) -> Optional[float]:
-    """GiB per GPU of a Ray accelerator type: `--gpu-memory` first, then `GPU_MEMORY_GIB`, then
-    `--gpu-memory default=GiB`; None when unknown (never guessed)."""
-    lower = {k.lower(): v for k, v in overrides.items()}
-    if accel:
-        if accel.lower() in lower:
-            return lower[accel.lower()]
-        table = {k.lower(): v for k, v in GPU_MEMORY_GIB.items()}
-        if accel.lower() in table:
-            return table[accel.lower()]
-    return lower.get("default")
+def _ray_gpu_memory_gib(accel: Optional[str], overrides: dict[str, float]) -> Optional[float]:
+    """GiB per GPU of a Ray node whose GPUs are of Ray accelerator type `accel` (`GPU_MEMORY_GIB`
+    under `--gpu-memory`, `node_fit.gpu_memory_of`); None when unknown (never guessed)."""
+    table = {k.lower(): v for k, v in GPU_MEMORY_GIB.items()}
+    return gpu_memory_of(accel, overrides, table.get(accel.lower()) if accel else None)
 
 
-def fit(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]] = None,
-        held: Optional[tuple[float, float]] = None) -> tuple[bool, bool, str]:
-    """(fits now, could ever fit this cluster, why not).
+def _ray_node_offer(n: Node, gpu_memory: dict[str, float]) -> NodeOffer:
+    """A Ray node as the node-fit rule sees it: its size is the placement's, against its free resources."""
+    return NodeOffer(gpus=n.gpu_total, cpus=n.cpu_total, gpu_names=(n.accelerator_type or "",),
+                     gpu_memory_gib=_ray_gpu_memory_gib(n.accelerator_type, gpu_memory), sized_by_placement=True)
 
-    Worker pods (`gpus_per_worker` workers each, all of a pod's GPUs and CPUs on one node) are
-    placed first-fit on nodes' free CPUs/GPUs (a GPU node only when its GPU memory holds the job's
-    estimate and its type matches `resources.accelerator_type`); the driver's CPU share goes anywhere. `held` = (CPUs, GPUs) of this queue's active jobs: a job submitted
-    moments ago holds resources the cluster's usage report may not show yet, so free is at most
-    total - held. When the job fits, its placement is taken off `view`'s free resources, so the
-    next job of the same admission pass sees what is left.
-    """
-    gpu_memory = gpu_memory or {}
 
-    def node_ok(n: Node) -> tuple[bool, str]:
-        if not demand.use_gpu:
-            return True, ""
-        if n.gpu_total < 1:
-            return False, ""
-        if demand.accelerator_type and (n.accelerator_type or "").lower() != demand.accelerator_type.lower():
-            return False, f"accelerator_type {n.accelerator_type or 'unknown'} is not {demand.accelerator_type}"
-        mem = gpu_memory_of(n.accelerator_type, gpu_memory)
-        if mem is None:
-            return False, (f"GPU memory of accelerator_type {n.accelerator_type or '(none)'} is unknown: pass "
-                           f"--gpu-memory {n.accelerator_type or 'default'}=GiB")
-        every, need = demand.gpu_plan(mem)
-        if need > mem:
-            from jobs.memory import checkpointing_str
-
-            return False, (f"needs {need:.1f} GiB per GPU, {n.accelerator_type} has {mem:g} GiB "
-                           f"({demand.gpu_strategy(mem)}, gradient checkpointing {checkpointing_str(every)})")
+def _ray_node_ok(demand: Demand, n: Node, gpu_memory: dict[str, float]) -> tuple[bool, str]:
+    """(may a worker pod of `demand` go on Ray node `n`, why not). The reason is "" for a node
+    without GPUs: the cluster-wide reason (`place`) says that. `memory.budget_gib` steers the plan
+    only: a Ray cluster's nodes are of many kinds, and a budget above one GPU's memory is refused
+    there only when the plan it picks does not fit (render refuses it for the one node type)."""
+    r = refusal(demand.pod(), _ray_node_offer(n, gpu_memory))
+    if r is None:
         return True, ""
+    if r.fact == "accelerator":
+        return False, f"accelerator_type {n.accelerator_type or 'unknown'} is not {demand.accelerator_type}"
+    if r.fact == "memory-unknown":
+        return False, (f"GPU memory of accelerator_type {n.accelerator_type or '(none)'} is unknown: pass "
+                       f"--gpu-memory {n.accelerator_type or 'default'}=GiB")
+    if r.fact == "plan" and r.plan is not None:
+        return False, (f"needs {r.need:.1f} GiB per GPU, {n.accelerator_type} has {r.have:g} GiB "
+                       f"({r.plan.choice}, gradient checkpointing {r.plan.checkpointing})")
+    return False, ""
 
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a job would go on a Ray cluster now (`place`): whether it fits now, could ever fit
+    this cluster, why not, and every node's free (CPUs, GPUs) once it is placed (when it fits now)."""
+
+    now: bool
+    ever: bool
+    why: str = ""
+    free_after: Optional[dict[str, tuple[float, float]]] = None
+
+
+def _first_fit(demand: Demand, nodes: list[Node], allowed: dict[str, bool],
+               free: dict[str, tuple[float, float]]) -> Optional[dict[str, tuple[float, float]]]:
+    """`free` after placing the job's worker pods first-fit (all of a pod's GPUs and CPUs on one
+    allowed node) and then the driver's CPU share anywhere; None when they do not all fit."""
     pod_gpus = demand.pod_gpus
     pod_cpus = demand.cpus_per_worker * max(1, pod_gpus)
-
-    def place(free: dict[str, tuple[float, float]]) -> Optional[dict[str, tuple[float, float]]]:
-        free = dict(free)
-        for _ in range(demand.pods):
-            for n in view.nodes:
-                ok, _ = node_ok(n)
-                c, g = free[n.node_id]
-                if ok and c >= pod_cpus - 1e-9 and g >= pod_gpus - 1e-9:
-                    free[n.node_id] = (c - pod_cpus, g - pod_gpus)
-                    break
-            else:
-                return None
-        rest = demand.driver_cpus
-        for n in view.nodes:             # the driver's share, wherever CPUs are left
+    free = dict(free)
+    for _ in range(demand.pods):
+        for n in nodes:
             c, g = free[n.node_id]
-            take = min(max(c, 0.0), rest)
-            free[n.node_id] = (c - take, g)
-            rest -= take
-        return free if rest <= 1e-9 else None
-
-    ever = place({n.node_id: (n.cpu_total, n.gpu_total) for n in view.nodes}) is not None
-    if not ever:
-        reasons = sorted({r for n in view.nodes for ok, r in [node_ok(n)] if not ok and r})
-        most_gpus = max((n.gpu_total for n in view.nodes), default=0.0)
-        if demand.use_gpu and view.gpu_total < 1:
-            why = "the cluster has no GPUs"
-        elif pod_gpus > 1 and most_gpus < pod_gpus and not reasons:
-            why = (f"resources.gpus_per_worker={pod_gpus} needs {pod_gpus} GPUs on one node, the largest node "
-                   f"has {most_gpus:g}")
-        elif reasons and demand.use_gpu:
-            why = "; ".join(reasons)
+            if allowed[n.node_id] and c >= pod_cpus - 1e-9 and g >= pod_gpus - 1e-9:
+                free[n.node_id] = (c - pod_cpus, g - pod_gpus)
+                break
         else:
-            why = f"needs {demand.cpus:g} CPUs{f' and {demand.gpus:g} GPUs' if demand.gpus else ''} in total"
-        return False, False, f"can never fit this cluster ({view.cpu_total:g} CPUs, {view.gpu_total:g} GPUs): {why}"
-    placed = place({n.node_id: (n.cpu_free, n.gpu_free) for n in view.nodes})
+            return None
+    rest = demand.driver_cpus
+    for n in nodes:                      # the driver's share, wherever CPUs are left
+        c, g = free[n.node_id]
+        take = min(max(c, 0.0), rest)
+        free[n.node_id] = (c - take, g)
+        rest -= take
+    return free if rest <= 1e-9 else None
+
+
+def _never_why(demand: Demand, view: ClusterView, reasons: list[str]) -> str:
+    """Why a job can never fit this cluster, even empty; `reasons`: why nodes refuse its pods."""
+    pod_gpus = demand.pod_gpus
+    most_gpus = max((n.gpu_total for n in view.nodes), default=0.0)
+    if demand.use_gpu and view.gpu_total < 1:
+        why = "the cluster has no GPUs"
+    elif pod_gpus > 1 and most_gpus < pod_gpus and not reasons:
+        why = (f"resources.gpus_per_worker={pod_gpus} needs {pod_gpus} GPUs on one node, the largest node "
+               f"has {most_gpus:g}")
+    elif reasons and demand.use_gpu:
+        why = "; ".join(reasons)
+    else:
+        why = f"needs {demand.cpus:g} CPUs{f' and {demand.gpus:g} GPUs' if demand.gpus else ''} in total"
+    return f"can never fit this cluster ({view.cpu_total:g} CPUs, {view.gpu_total:g} GPUs): {why}"
+
+
+def place(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]] = None,
+          held: Optional[tuple[float, float]] = None) -> Placement:
+    """Where `demand` would go on a Ray cluster now; `view` is not changed (`reserve` takes it off).
+
+    Worker pods (`gpus_per_worker` workers each, all of a pod's GPUs and CPUs on one node) are
+    placed first-fit on nodes' free CPUs/GPUs, on the nodes the node-fit rule allows (a GPU node
+    only when its GPU memory holds the job's plan and its type matches `resources.accelerator_type`);
+    the driver's CPU share goes anywhere. `held` = (CPUs, GPUs) of this queue's active jobs: a job
+    submitted moments ago holds resources the cluster's usage report may not show yet, so free is
+    at most total - held.
+    """
+    checked = {n.node_id: _ray_node_ok(demand, n, gpu_memory or {}) for n in view.nodes}
+    allowed = {k: ok for k, (ok, _) in checked.items()}
+    if _first_fit(demand, view.nodes, allowed, {n.node_id: (n.cpu_total, n.gpu_total) for n in view.nodes}) is None:
+        reasons = sorted({r for ok, r in checked.values() if not ok and r})
+        return Placement(False, False, _never_why(demand, view, reasons))
+    placed = _first_fit(demand, view.nodes, allowed, {n.node_id: (n.cpu_free, n.gpu_free) for n in view.nodes})
     now = placed is not None
     cpu_free, gpu_free = view.cpu_free, view.gpu_free
     if held is not None:
@@ -247,60 +282,73 @@ def fit(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]
         gpu_free = min(gpu_free, view.gpu_total - held[1])
         now = now and demand.cpus <= cpu_free + 1e-9 and demand.gpus <= gpu_free + 1e-9
     if not now:
+        pod_gpus = demand.pod_gpus
         what = f"{demand.cpus:g} CPUs" + (f" and {demand.gpus:g} GPUs" if demand.gpus else "") \
             + (f" ({pod_gpus} GPUs on one node per worker pod)" if pod_gpus > 1 else "")
         have = f"{max(cpu_free, 0):g} CPUs" + (f" and {max(gpu_free, 0):g} GPUs" if demand.gpus else "") + " free"
-        return False, True, f"waiting for resources: needs {what}, {have}"
-    for n in view.nodes:                 # so that the next job of the same pass sees what is left
-        n.cpu_free, n.gpu_free = placed[n.node_id]
-    return True, True, ""
+        return Placement(False, True, f"waiting for resources: needs {what}, {have}")
+    return Placement(True, True, "", placed)
+
+
+def reserve(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]] = None,
+            held: Optional[tuple[float, float]] = None) -> tuple[bool, bool, str]:
+    """(fits now, could ever fit this cluster, why not) of `place`; when the job fits now, its
+    placement is taken off `view`'s free resources, so the next job of the same admission pass
+    sees what is left."""
+    p = place(demand, view, gpu_memory, held)
+    if p.free_after is not None:
+        for n in view.nodes:
+            n.cpu_free, n.gpu_free = p.free_after[n.node_id]
+    return p.now, p.ever, p.why
+
+
+def _node_type_why(demand: Demand, node, r: Refusal) -> str:
+    """A node-fit refusal as KubeRay admission says it (the node type in the third person)."""
+    if r.fact == "no-gpus":
+        return "it has no GPUs"
+    if r.fact == "gpus":
+        return (f"resources.gpus_per_worker={demand.pod_gpus} needs {demand.pod_gpus} GPUs on one node, "
+                f"it has {node.gpus_per_node}")
+    if r.fact == "accelerator":
+        return f"resources.accelerator_type {demand.accelerator_type} is not its " \
+               f"{node.ray_accelerator_type or node.gpu_product}"
+    if r.fact == "memory-unknown":
+        return (f"its GPU memory is unknown: set gpuMemoryGiB in the node type or pass "
+                f"--gpu-memory {node.ray_accelerator_type or 'default'}=GiB")
+    if r.fact == "budget":
+        return f"memory.budget_gib={r.need:g} GiB per GPU exceeds its {r.have:g} GiB"
+    checkpointing = r.plan.checkpointing if r.plan is not None else "-"
+    return f"needs {r.need:.1f} GiB per GPU (gradient checkpointing {checkpointing}), its GPU has {r.have:g} GiB"
 
 
 def fit_node_type(demand: Demand, node, gpu_memory: Optional[dict[str, float]] = None) -> tuple[bool, bool, str]:
     """(fits, could ever fit, why not) of a job on a KubeRay cluster of one node type
-    (`orchestrator.backends.kuberay.NodeType`).
+    (`orchestrator.backends.kuberay.NodeType`). Pure: nothing is reserved.
 
     Kueue admits by quota: it counts GPUs, not where they are or how much memory they have. So
-    rayft checks what quota cannot see, the same facts `render` refuses on: a worker pod's
-    `gpus_per_worker` GPUs on one node, `resources.accelerator_type` against the node's GPU, the
-    memory plan against the GPU's memory (`--gpu-memory` for the node's Ray accelerator type
-    overrides the node type's `gpuMemoryGiB`), and no more GPUs than Kueue's ClusterQueue hands out
-    to RayJobs (`jobQuotaGpus`) or the node type's cluster has (`clusterGpus`): Kueue would keep
-    such a job suspended forever (`NodeType.gpus_refusal`, the check `render` makes). Never "not
-    now": waiting for free GPUs is Kueue's.
+    rayft checks what quota cannot see, with the node-fit rule `render` refuses on
+    (`node_fit.refusal`): a worker pod's `gpus_per_worker` GPUs on one node, `resources.accelerator_type`
+    against the node's GPU, `memory.budget_gib` and the memory plan against the GPU's memory
+    (`--gpu-memory` for the node's Ray accelerator type overrides the node type's `gpuMemoryGiB`);
+    then no more GPUs than Kueue's ClusterQueue hands out to RayJobs (`jobQuotaGpus`) or the node
+    type's cluster has (`clusterGpus`): Kueue would keep such a job suspended forever
+    (`NodeType.gpus_refusal`, the check `render` makes). A pod's CPUs are left to `render`, which
+    refuses them at submission. Never "not now": waiting for free GPUs is Kueue's.
     """
     if not demand.use_gpu:
         return True, True, ""
-    desc = f"node type {node.overlay}/{node.name}"
-
-    def never(why: str) -> tuple[bool, bool, str]:
-        return False, False, f"can never fit {desc} ({node.gpus_per_node} x {node.gpu_product or 'no GPU'}): {why}"
-
-    if node.gpus_per_node < 1:
-        return never("it has no GPUs")
-    if demand.pod_gpus > node.gpus_per_node:
-        return never(f"resources.gpus_per_worker={demand.pod_gpus} needs {demand.pod_gpus} GPUs on one node, "
-                     f"it has {node.gpus_per_node}")
-    refusal = node.gpus_refusal(demand.gpus)
-    if refusal:
-        return never(f"resources.num_workers={demand.num_workers}: {refusal}")
-    accel = demand.accelerator_type
-    if accel and accel.lower() not in {node.ray_accelerator_type.lower(), node.gpu_product.lower()}:
-        return never(f"resources.accelerator_type {accel} is not its {node.ray_accelerator_type or node.gpu_product}")
-    given = {k.lower(): v for k, v in (gpu_memory or {}).items()}
-    mem = given.get((node.ray_accelerator_type or "").lower()) or node.gpu_memory_gib or given.get("default")
-    if not mem:
-        return never(f"its GPU memory is unknown: set gpuMemoryGiB in the node type or pass "
-                     f"--gpu-memory {node.ray_accelerator_type or 'default'}=GiB")
-    if demand.budget_gib is not None and demand.budget_gib > mem:
-        return never(f"memory.budget_gib={demand.budget_gib:g} GiB per GPU exceeds its {mem:g} GiB")
-    every, need = demand.gpu_plan(mem)
-    if need > mem:
-        from jobs.memory import checkpointing_str
-
-        return never(f"needs {need:.1f} GiB per GPU (gradient checkpointing {checkpointing_str(every)}), "
-                     f"its GPU has {mem:g} GiB")
-    return True, True, ""
+    mem = gpu_memory_of(node.ray_accelerator_type, gpu_memory or {}, node.gpu_memory_gib or None)
+    r = refusal(replace(demand.pod(), budget_gib=demand.budget_gib), node.offer(mem))
+    quota = node.gpus_refusal(demand.gpus)
+    # Said in this order: the node's size, then Kueue's quota, then its GPU's model and memory.
+    if r is not None and (r.fact in ("no-gpus", "gpus") or not quota):
+        why = _node_type_why(demand, node, r)
+    elif quota:
+        why = f"resources.num_workers={demand.num_workers}: {quota}"
+    else:
+        return True, True, ""
+    return False, False, (f"can never fit node type {node.overlay}/{node.name} "
+                          f"({node.gpus_per_node} x {node.gpu_product or 'no GPU'}): {why}")
 
 
 def parse_gpu_memory(items: list[str]) -> dict[str, float]:

@@ -46,7 +46,7 @@ from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, Rayf
 from orchestrator.backends.base import FAILED, QUEUED, SUCCEEDED, Backend, first_line
 from orchestrator.backends.ray_jobs import find_project, resolve_spec
 
-from .admission import Demand, fit, fit_node_type
+from .admission import Demand, fit_node_type, reserve
 from .store import ACTIVE, DONE, NewJob, Queue
 
 def load_queued_spec(spec_path: str, overrides: list[str], working_dir: Path, backend: str = "ray"):
@@ -284,7 +284,7 @@ class Driver:
             if quota:
                 ok, ever, why = fit_node_type(demand, node, self.cfg.gpu_memory)
             else:
-                ok, ever, why = fit(demand, view, self.cfg.gpu_memory, held_res)
+                ok, ever, why = reserve(demand, view, self.cfg.gpu_memory, held_res)
             if not ever and not quota and job["attempt"] > 0:
                 # It ran on this cluster before: the cluster shrank (a node was lost) and may grow back.
                 self._reason(job, f"waiting for resources: the cluster is smaller than when it ran ({why})")

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator, Optional, TextIO, Union
+from typing import Any, Callable, Iterator, Optional, TextIO, Union
 
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, JobNotFound, UserError
 from jobs.spec import JobSpec
@@ -309,16 +309,42 @@ class KubeRayBackend:
                                 "its image (k8s/image/Dockerfile)")
         return sub
 
-    def submit(self, sub: KubeRaySubmission) -> tuple[JobStatus, bool]:
-        """Create the spec ConfigMap, the PodDisruptionBudget and the RayJob: (its status, created).
+    def _create_or_match(self, kind: str, name: str, create: Callable[[], Any], read: Callable[[], Any],
+                         differs: Callable[[Any], Optional[str]]) -> tuple[Any, Any]:
+        """Create one object: (what the create returned, None). When one of that name exists
+        already (409 AlreadyExists: the same job's, from a submission killed half-way or repeated),
+        `read` it and return (None, it) if it is the same -- `differs(it)` says nothing -- and refuse
+        (KubeRayError, `differs`' one line) if it is another's. Nothing is ever overwritten."""
+        from kubernetes.client.exceptions import ApiException
 
-        Idempotent: a RayJob of that name with the same spec hash is the same job (already
-        submitted), and is not created again. One with another hash is an error. The RayJob comes
-        last, so that whatever exists of it was created whole: its pods are never without their
-        spec or their disruption budget, also when a submitter was killed half-way and runs again.
+        with self._api(f"create {kind} {name}"):
+            try:
+                return create(), None
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+            have = read()
+        why = differs(have)
+        if why:
+            raise KubeRayError(why)
+        return None, have
+
+    def _as_dict(self, obj: Any) -> Obj:
+        """A `kubernetes` model (or a plain dict) as the API's JSON, camelCase keys, no nulls."""
+        return obj if isinstance(obj, dict) else self.api_client.sanitize_for_serialization(obj)
+
+    def submit(self, sub: KubeRaySubmission) -> tuple[JobStatus, bool]:
+        """Create the spec ConfigMap, the PodDisruptionBudget and the RayJob, in that order: (its
+        status, created).
+
+        Idempotent: each object that exists already is compared with the one rendered
+        (`_create_or_match`): the ConfigMap and the RayJob by spec hash, the budget by its spec.
+        The same is the same job (already submitted), and is not created again; another is an
+        error. The RayJob comes last, so that whatever exists of it was created whole: its pods are
+        never without their spec or their disruption budget, also when a submitter was killed
+        half-way and runs again.
         """
         from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
 
         cm, rj, *rest = sub.objects
         name, h, cm_name = sub.submission_id, sub.spec_hash, cm["metadata"]["name"]
@@ -327,57 +353,69 @@ class KubeRayBackend:
         if unknown:
             raise KubeRayError(f"kuberay: render made a {unknown[0]}, which the backend does not know how to create")
         policy = client.PolicyV1Api(self.api_client) if rest else None
-        for pdb in rest:
-            with self._api(f"create PodDisruptionBudget {pdb['metadata']['name']}"):
-                try:
-                    policy.create_namespaced_pod_disruption_budget(self.namespace, pdb,
-                                                                   _request_timeout=self._timeout)
-                except ApiException as e:
-                    if e.status != 409:               # AlreadyExists: the same job's, from a previous try
-                        raise
+        t = self._timeout
+
+        def hash_of(obj: Any) -> Optional[str]:
+            return ((self._as_dict(obj).get("metadata") or {}).get("annotations") or {}).get(ANN_SPEC_HASH)
 
         body = client.V1ConfigMap.from_dict(cm) if hasattr(client.V1ConfigMap, "from_dict") else cm
-        with self._api(f"create ConfigMap {cm_name}"):
-            try:
-                core.create_namespaced_config_map(self.namespace, body, _request_timeout=self._timeout)
-            except ApiException as e:
-                if e.status != 409:
-                    raise
-                have = core.read_namespaced_config_map(cm_name, self.namespace, _request_timeout=self._timeout)
-                have_hash = ((have.metadata.annotations or {}) if have.metadata else {}).get(ANN_SPEC_HASH)
-                if have_hash != h:
-                    raise KubeRayError(f"kuberay: ConfigMap {cm_name} exists with spec hash {have_hash}, not {h}") \
-                        from None
-        with self._api(f"create RayJob {name}"):
-            try:
-                created = custom.create_namespaced_custom_object(
-                    RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, rj,
-                    _request_timeout=self._timeout)
-            except ApiException as e:
-                if e.status != 409:
-                    raise
-                created = None
-        if created is None:                               # AlreadyExists: the same job, or a clash
-            have = self._get_rayjob(name)
-            have_hash = ((have.get("metadata") or {}).get("annotations") or {}).get(ANN_SPEC_HASH)
-            if have_hash != h:
-                raise KubeRayError(f"kuberay: RayJob {name} exists with spec hash {have_hash}, not {h}; "
-                                   f"`rayft stop {name} {self.cli_flags}` first")
+        self._create_or_match(
+            "ConfigMap", cm_name, lambda: core.create_namespaced_config_map(self.namespace, body, _request_timeout=t),
+            lambda: core.read_namespaced_config_map(cm_name, self.namespace, _request_timeout=t),
+            lambda have: None if hash_of(have) == h else
+            f"kuberay: ConfigMap {cm_name} exists with spec hash {hash_of(have)}, not {h}")
+        for pdb in rest:
+            self._create_budget(policy, pdb)
+        created, have = self._create_or_match(
+            "RayJob", name, lambda: custom.create_namespaced_custom_object(
+                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, rj, _request_timeout=t),
+            lambda: self._get_rayjob(name),
+            lambda have: None if hash_of(have) == h else
+            f"kuberay: RayJob {name} exists with spec hash {hash_of(have)}, not {h}; "
+            f"`rayft stop {name} {self.cli_flags}` first")
+        if created is None:                               # AlreadyExists: the same job
             return to_status(have, self.namespace), False
-        # Let the ConfigMap and the budget go with the RayJob (garbage collection by owner reference).
-        uid = (created.get("metadata") or {}).get("uid") if isinstance(created, dict) else None
-        if uid:
-            owner = [{"apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}", "kind": "RayJob", "name": name,
-                      "uid": uid, "blockOwnerDeletion": False}]
-            patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": owner}]
-            try:
-                core.patch_namespaced_config_map(cm_name, self.namespace, patch, _request_timeout=self._timeout)
-                for pdb in rest:
-                    policy.patch_namespaced_pod_disruption_budget(pdb["metadata"]["name"], self.namespace, patch,
-                                                                  _request_timeout=self._timeout)
-            except ApiException:
-                pass                                      # stop() deletes them explicitly anyway
+        self._owned_by(created, name, cm_name, [p["metadata"]["name"] for p in rest])
         return to_status(created if isinstance(created, dict) else rj, self.namespace), True
+
+    def _create_budget(self, policy: Any, pdb: Obj) -> None:
+        name, t = pdb["metadata"]["name"], self._timeout
+        self._create_or_match(
+            "PodDisruptionBudget", name,
+            lambda: policy.create_namespaced_pod_disruption_budget(self.namespace, pdb, _request_timeout=t),
+            lambda: policy.read_namespaced_pod_disruption_budget(name, self.namespace, _request_timeout=t),
+            lambda have: self._budget_differs(pdb, have))
+
+    def _budget_differs(self, want: Obj, have: Any) -> Optional[str]:
+        """Why an existing PodDisruptionBudget is not the one rendered: every field of the rendered
+        spec must be there with the same value (fields the API server adds are not compared)."""
+        want_spec = want.get("spec") or {}
+        have_spec = self._as_dict(have).get("spec") or {}
+        got = {k: have_spec.get(k) for k in want_spec}
+        if got == want_spec:
+            return None
+        return (f"kuberay: PodDisruptionBudget {want['metadata']['name']} exists with spec "
+                f"{json.dumps(got, sort_keys=True)}, not {json.dumps(want_spec, sort_keys=True)}")
+
+    def _owned_by(self, created: Any, name: str, cm_name: str, pdb_names: list[str]) -> None:
+        """Let the ConfigMap and the budgets go with the RayJob (garbage collection by owner
+        reference). Best effort: `stop` deletes them explicitly anyway."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        uid = (created.get("metadata") or {}).get("uid") if isinstance(created, dict) else None
+        if not uid:
+            return
+        owner = [{"apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}", "kind": "RayJob", "name": name,
+                  "uid": uid, "blockOwnerDeletion": False}]
+        patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": owner}]
+        try:
+            self._core().patch_namespaced_config_map(cm_name, self.namespace, patch, _request_timeout=self._timeout)
+            for pdb_name in pdb_names:
+                client.PolicyV1Api(self.api_client).patch_namespaced_pod_disruption_budget(
+                    pdb_name, self.namespace, patch, _request_timeout=self._timeout)
+        except ApiException:
+            pass
 
     def submit_spec(self, spec: JobSpec, **render_kw: Any) -> str:
         """Render and create a typed spec; returns the RayJob name."""

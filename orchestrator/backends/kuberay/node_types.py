@@ -6,8 +6,9 @@ the cluster flavour: the node label that selects the GPU nodes (GFD, GKE, EKS/Ka
 custom pair), their taints, the storage class and access mode of the data volume, and the GPUs
 of the cluster (`clusterGpus`) and of Kueue's quota for RayJobs (`jobQuotaGpus`).
 Kustomize copies its image and GPU product into the manifests (k8s/components); `render`
-sizes a job's pods from it and refuses specs that cannot fit one node of it, or whose GPUs in
-total exceed what Kueue hands out (`NodeType.gpus_refusal`, shared with queue admission).
+sizes a job's pods from it and refuses specs that cannot fit one node of it (the node-fit rule,
+`orchestrator.backends.node_fit`, on `NodeType.offer`), or whose GPUs in total exceed what Kueue
+hands out (`NodeType.gpus_refusal`); queue admission asks both the same questions.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import yaml
 
 from jobs.errors import UserError
+
+from ..node_fit import NodeOffer
 
 DEFAULT_OVERLAY = "gpu"
 
@@ -95,6 +98,12 @@ class NodeType:
             return (f"{gpus:g} GPUs exceed the {self.cluster_gpus} GPUs of overlay {self.overlay}'s cluster "
                     f"(clusterGpus{where})")
         return ""
+
+    def offer(self, gpu_memory_gib: Optional[float]) -> NodeOffer:
+        """One node of this type as the node-fit rule sees it, its GPU holding `gpu_memory_gib`
+        (render: gpuMemoryGiB as written; admission: after `--gpu-memory`, None when unknown)."""
+        return NodeOffer(gpus=self.gpus_per_node, cpus=self.cpus_per_node,
+                         gpu_names=(self.ray_accelerator_type, self.gpu_product), gpu_memory_gib=gpu_memory_gib)
 
     def gpu_selector(self) -> dict:
         """The nodeSelector of a GPU pod on this node type ({} when there is nothing to select)."""

@@ -20,10 +20,16 @@ They are plain dicts, no kustomize needed; `to_yaml` writes them as one multi-do
 and from the overlay's *node type* (`node_types`): a spec that asks for more GPUs per worker or more
 CPUs per worker than one node of that type has, a per-GPU budget above its GPU memory, or whose
 memory plan (`jobs.memory.plan_for_spec` on that GPU) does not fit it, is refused with a
-`SpecError` naming both numbers; so is a job whose GPUs in total (num_workers, times the concurrent
+`SpecError` naming both numbers (the node-fit rule, `orchestrator.backends.node_fit`, which queue
+admission applies too); so is a job whose GPUs in total (num_workers, times the concurrent
 trials of a search) exceed the Kueue quota for RayJobs the node type records (`jobQuotaGpus`).
 The RayJob is annotated with the plan's estimate and its
 gradient checkpointing: the numbers queue admission and the training loop use.
+
+`render` is built from named pieces, in the order it checks and writes: the job's kind (`_Kind`),
+its worker pods (`_Pods`), the refusals, the metadata (`_labels`, `_annotations`, `_Meta`), the
+entrypoint, the head and worker groups (`_head_group`, `_worker_groups`, with the ray start params
+and volumes), the submitter pod, the RayJob and its PodDisruptionBudget.
 
 Job names are deterministic: ``<spec.name>-<spec hash>``, so submitting the same spec twice finds
 the first RayJob instead of starting a second one (`KubeRayBackend.submit` is idempotent).
@@ -34,13 +40,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import yaml
 
 from jobs.errors import SpecError, UserError
 from jobs.spec import JobSpec
 
+from ..node_fit import GpuPlan, PodAsk, refusal
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
 from .policy import (CACHE_ENV, CLUSTER_LABEL, IMAGE_REF, NO_DISRUPT, PRIORITY_CLASS, QUEUE_LABEL, RAY_NODE_LABEL,
                      SHELL_SAFE, pod_disruption_budget, policy_violations, pull_policy, shm_gib)
@@ -56,7 +63,6 @@ HF_SECRET = "rayft-hf-token"             # Secret holding the hub token (created
 HF_SECRET_KEY = "token"
 MAX_RAYJOB_NAME = 47                     # KubeRay: RayJob names are DNS-1035 labels of <= 47 chars
 RAY_GROUP, RAY_VERSION_API, RAYJOB_PLURAL = "ray.io", "v1", "rayjobs"
-KINDS = ("finetune", "tune")
 # Past this without reaching Running (nodes scaled up, image pulled, pods ready), KubeRay fails
 # the RayJob and deletes its cluster, so a job whose workers cannot be placed does not hold
 # Kueue's quota until activeDeadlineSeconds (a day).
@@ -79,6 +85,35 @@ ANN_GPU_MEMORY = "rayft.io/gpu-memory-gib"
 
 Obj = dict[str, Any]
 
+if TYPE_CHECKING:
+    from jobs.memory import MemoryPlan
+
+
+# ---- the job's kind ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Kind:
+    """What the job's kind decides: its command, how long it may run, how often KubeRay retries it,
+    and whether it runs trials side by side (a search)."""
+
+    command: tuple[str, ...]
+    active_deadline_s: int
+    backoff_limit: int            # a fine-tune's retry resumes from its checkpoint; a search's does not
+    searches: bool
+
+
+_KIND = {
+    "finetune": _Kind(("python", "-m", "jobs.finetune"), active_deadline_s=86400, backoff_limit=1, searches=False),
+    "tune": _Kind(("rayft", "tune"), active_deadline_s=172800, backoff_limit=0, searches=True),
+}
+KINDS = tuple(_KIND)
+
+
+def _kind(kind: str) -> _Kind:
+    if kind not in _KIND:
+        raise UserError(f"--kind {kind}: expected one of {', '.join(KINDS)}")
+    return _KIND[kind]
+
 
 # ---- the spec, as Kubernetes jobs read it ----------------------------------------------------
 
@@ -98,9 +133,7 @@ def load_spec_for_k8s(spec_path: str, overrides: Sequence[str], kind: str = "fin
     """Load and validate a job spec (or, `kind="tune"`, a search spec) once, for `render`."""
     from jobs.spec import load_spec
 
-    if kind not in KINDS:
-        raise UserError(f"--kind {kind}: expected one of {', '.join(KINDS)}")
-    if kind == "tune":
+    if _kind(kind).searches:
         from tune.spec import load_search_spec
 
         search = load_search_spec(spec_path, list(overrides), files=False)
@@ -196,13 +229,13 @@ def _shm(memory_gib: float) -> float:
 
 # ---- the memory plan -----------------------------------------------------------------------------
 
-def memory_plan(spec: JobSpec, node: NodeType, gpus_per_worker: int):
-    """(plan, None) from `jobs.memory.plan_for_spec` for one worker on this node type's GPU (its
-    CPU when the job has no GPU), or (None, why not) when the model's shape cannot be read here
-    (e.g. a hub model without network access). A spec mistake is raised."""
+def memory_plan_or_why(spec: JobSpec, node: NodeType, use_gpu: bool) -> tuple[Optional[MemoryPlan], Optional[str]]:
+    """(plan, None): `jobs.memory.plan_for_spec` for one worker on this node type's GPU (its CPU
+    when the job has no GPU); or (None, why not) when the model's shape cannot be read here (e.g. a
+    hub model without network access). A spec mistake is raised."""
     from jobs.memory import plan_for_spec    # here, not at the top: `rayft --help` stays light
 
-    device = "cuda" if gpus_per_worker else "cpu"
+    device = "cuda" if use_gpu else "cpu"
     try:
         return plan_for_spec(spec, device=device, gpu_memory_gib=node.gpu_memory_gib or None), None
     except SpecError:
@@ -211,40 +244,293 @@ def memory_plan(spec: JobSpec, node: NodeType, gpus_per_worker: int):
         return None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
 
 
-# ---- render --------------------------------------------------------------------------------------
+# ---- what one job asks of the cluster --------------------------------------------------------------
 
-def _check_fits(spec: JobSpec, node: NodeType, where: str, gpus: int, worker_cpu: float, plan) -> None:
-    """Refuse (SpecError, both numbers named) a job one node of this type cannot hold. `gpus` and
-    `worker_cpu` are per worker pod (a pod holds `resources.gpus_per_worker` GPUs)."""
+@dataclass(frozen=True)
+class _Pods:
+    """The job's worker pods. Ray Train runs one worker per GPU; a worker pod holds
+    `gpus_per_worker` of them (workers that share a pod share NVLink and /dev/shm). CPU jobs: one
+    worker per pod. num_workers is a multiple of gpus_per_worker (jobs.spec checks it)."""
+
+    per_pod: int          # Ray Train workers in one pod
+    gpus: int             # GPUs of one worker pod (0: a CPU job)
+    cpus: float           # CPUs of one worker pod: its workers' and Ray Train's coordinator / trial
+    trials: int           # trials at once (a search), else 1
+    count: int            # worker pods of the whole job
+
+    @classmethod
+    def of(cls, spec: JobSpec, kind: _Kind, concurrent_trials: int) -> "_Pods":
+        res = spec.resources
+        per_pod = res.gpus_per_worker if res.use_gpu else 1
+        trials = max(1, concurrent_trials) if kind.searches else 1
+        return cls(per_pod=per_pod, gpus=per_pod if res.use_gpu else 0,
+                   cpus=math.ceil(res.cpus_per_worker * per_pod) + 1, trials=trials,
+                   count=res.num_workers // per_pod * trials)
+
+
+def _refuse_unfit(spec: JobSpec, node: NodeType, where: str, pods: _Pods, plan: Optional[MemoryPlan]) -> None:
+    """Refuse (SpecError, both numbers named) a job one node of this type cannot hold: the node-fit
+    rule (`node_fit.refusal`, the one queue admission applies) said as the spec's fields."""
     res = spec.resources
+    on_gpu = None if plan is None else GpuPlan(plan.total_gib, plan.checkpointing, plan.choice)
+    pod = PodAsk(gpus=pods.gpus, cpus=pods.cpus, accelerator_type=res.accelerator_type,
+                 budget_gib=spec.memory.budget_gib, plan=lambda gib: on_gpu)   # made for this node type's GPU
+    r = refusal(pod, node.offer(node.gpu_memory_gib))     # gpuMemoryGiB as written: 0 (unset) holds nothing
+    if r is None:
+        return
     desc = f"overlay {node.overlay}'s node type {node.name}"
-    if gpus > node.gpus_per_node:
-        what = (f"resources.gpus_per_worker={res.gpus_per_worker} asks for {gpus} GPUs per worker pod"
-                if res.gpus_per_worker > 1 else f"resources asks for {gpus} GPU(s) per worker")
+    if r.fact in ("no-gpus", "gpus"):
+        what = (f"resources.gpus_per_worker={res.gpus_per_worker} asks for {pods.gpus} GPUs per worker pod"
+                if res.gpus_per_worker > 1 else f"resources asks for {pods.gpus} GPU(s) per worker")
         raise SpecError(f"{where}: {what} but {desc} has {node.gpus_per_node} GPU(s) per node")
-    if worker_cpu > node.cpus_per_node:
+    if r.fact == "cpus":
         per = f" x gpus_per_worker={res.gpus_per_worker}" if res.gpus_per_worker > 1 else ""
         raise SpecError(
-            f"{where}: resources.cpus_per_worker={res.cpus_per_worker}{per} needs {_cpu(worker_cpu)} CPUs per "
+            f"{where}: resources.cpus_per_worker={res.cpus_per_worker}{per} needs {_cpu(pods.cpus)} CPUs per "
             f"worker pod but {desc} has {_cpu(node.cpus_per_node)} CPUs per node")
-    if not gpus:
-        return
-    if res.accelerator_type:
-        want = res.accelerator_type.lower()
-        if want not in {node.ray_accelerator_type.lower(), node.gpu_product.lower()}:
-            raise SpecError(
-                f"{where}: resources.accelerator_type={res.accelerator_type} but {desc} has "
-                f"{node.ray_accelerator_type or 'unknown'} GPUs ({node.gpu_product}); pick an overlay for that GPU")
-    cap = node.gpu_memory_gib
-    if spec.memory.budget_gib is not None and spec.memory.budget_gib > cap:
+    if r.fact == "accelerator":
+        raise SpecError(
+            f"{where}: resources.accelerator_type={res.accelerator_type} but {desc} has "
+            f"{node.ray_accelerator_type or 'unknown'} GPUs ({node.gpu_product}); pick an overlay for that GPU")
+    cap = r.have
+    if r.fact == "budget":
         raise SpecError(
             f"{where}: memory.budget_gib={spec.memory.budget_gib:g} GiB per GPU exceeds the "
             f"{cap:g} GiB of one {node.gpu_product} GPU ({desc})")
-    if plan is not None and plan.total_gib > cap:
-        raise SpecError(
-            f"{where}: the memory estimate is {plan.total_gib:.1f} GiB per GPU (gradient checkpointing "
-            f"{plan.checkpointing}), more than the {cap:g} GiB of one {node.gpu_product} GPU ({desc}); lower "
-            f"batch.micro_batch_size or data.max_seq_len, or turn on memory.gradient_checkpointing")
+    assert r.fact == "plan" and r.plan is not None, r      # the offer's memory is always known here
+    raise SpecError(
+        f"{where}: the memory estimate is {r.need:.1f} GiB per GPU (gradient checkpointing "
+        f"{r.plan.checkpointing}), more than the {cap:g} GiB of one {node.gpu_product} GPU ({desc}); lower "
+        f"batch.micro_batch_size or data.max_seq_len, or turn on memory.gradient_checkpointing")
+
+
+def _refuse_over_quota(spec: JobSpec, node: NodeType, where: str, pods: _Pods, kind: _Kind) -> None:
+    """Kueue admits the RayJob only when all its GPUs fit the ClusterQueue's quota at once; more
+    than the quota is never admitted, and Kueue says so nowhere: the RayJob waits suspended."""
+    res = spec.resources
+    refusal_text = node.gpus_refusal(res.num_workers * pods.trials) if pods.gpus else ""
+    if refusal_text:
+        asks = f"resources.num_workers={res.num_workers}" + (
+            f" x search.max_concurrent_trials={pods.trials}" if kind.searches else "")
+        raise SpecError(f"{where}: {asks}: {refusal_text}")
+
+
+def _refuse_words(where: str, entrypoint_overrides: Sequence[str]) -> None:
+    for word in entrypoint_overrides:
+        if not SHELL_SAFE.fullmatch(word):
+            raise SpecError(f"{where}: override {word!r}: on Kubernetes overrides travel on the RayJob's command "
+                            "line and must be plain words (letters, digits, / . _ - = , : {{}})")
+
+
+def _entrypoint(spec: JobSpec, kind: _Kind, where: str, entrypoint_overrides: Sequence[str]) -> str:
+    """The RayJob's command. KubeRay pastes the entrypoint into the submitter's bash command line
+    and Ray runs it through a shell again: plain words only (no quotes, &&, ;). The working
+    directory comes from the runtime env instead of a `cd`."""
+    out_dir = spec.run.output_dir
+    if not out_dir.startswith("/"):
+        out_dir = f"{DATA_MOUNT}/{out_dir}"            # outputs/{name} -> /mnt/rayft/outputs/{name}
+    if not SHELL_SAFE.fullmatch(out_dir):
+        raise SpecError(f"{where}: run.output_dir={spec.run.output_dir!r}: on Kubernetes it must be a plain "
+                        "path (letters, digits, / . _ - {name})")
+    return " ".join([*kind.command, f"{SPEC_MOUNT}/spec.yaml", f"run.output_dir={out_dir}", *entrypoint_overrides])
+
+
+# ---- metadata --------------------------------------------------------------------------------------
+
+def _labels(spec: JobSpec, kind: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/part-of": "rayft",
+        "app.kubernetes.io/managed-by": "rayft",
+        "rayft.io/job": spec.name,
+        "rayft.io/kind": kind,
+        ANN_SPEC_HASH: spec.spec_hash(10),
+    }
+
+
+def _annotations(spec: JobSpec, node: NodeType, pods: _Pods, plan: Optional[MemoryPlan],
+                 plan_error: Optional[str], spec_path: Optional[str]) -> dict[str, str]:
+    """The spec hash, the node type, and the plan's numbers that queue admission and the training
+    loop use (estimate, checkpointing, strategy), or why there is no plan."""
+    ann = {
+        ANN_SPEC_HASH: spec.spec_hash(10),
+        ANN_NODE_TYPE: f"{node.overlay}/{node.name}",
+        ANN_ESTIMATE: "unknown" if plan is None else f"{plan.total_gib:.2f}",
+    }
+    if plan is not None:
+        ann[ANN_ESTIMATE_BYTES] = str(int(plan.estimate.total_bytes))
+        ann[ANN_CHECKPOINTING] = plan.checkpointing
+        ann[ANN_STRATEGY] = plan.choice
+    if plan_error:
+        ann[ANN_ESTIMATE_ERROR] = plan_error
+    if pods.gpus:
+        ann[ANN_GPU_MEMORY] = f"{node.gpu_memory_gib:g}"
+    if spec_path:
+        ann[ANN_SPEC_SOURCE] = str(spec_path)
+    return ann
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """The labels and annotations every object of the job carries, and its namespace."""
+
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    namespace: Optional[str]
+
+    def of(self, obj_name: str, extra_labels: Optional[dict] = None) -> Obj:
+        m: Obj = {"name": obj_name, "labels": {**self.labels, **(extra_labels or {})},
+                  "annotations": dict(self.annotations)}
+        if self.namespace:
+            m["namespace"] = self.namespace
+        return m
+
+
+# ---- the Ray pods ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Container:
+    """What every Ray pod of the job shares: image, pull policy, env, the spec ConfigMap it mounts,
+    and its own labels (KubeRay keeps a template's labels on the pods it creates, adding its ray.io/*
+    ones, so the PodDisruptionBudget and the NetworkPolicy select them by these)."""
+
+    image: str
+    pull: str
+    env: list[Obj]
+    cm_name: str
+    pod_labels: dict[str, str]
+
+    def pod_metadata(self) -> Obj:
+        return {"labels": dict(self.pod_labels), "annotations": dict(NO_DISRUPT)}
+
+
+def _head_group(node: NodeType, c: _Container) -> Obj:
+    """The head pod: no CPUs for Ray tasks (`num-cpus: 0`), so workers land on worker pods only."""
+    head_mem = node.head_memory_gib
+    sized = {"cpu": _cpu(node.head_cpu), "memory": _gib(head_mem), **_storage(node.head_ephemeral_gib)}
+    return {
+        "serviceType": "ClusterIP",
+        "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+        "template": {
+            "metadata": c.pod_metadata(),
+            "spec": {
+                "priorityClassName": PRIORITY_CLASS,
+                "automountServiceAccountToken": False,
+                "securityContext": _pod_security(),
+                "containers": [{
+                    "name": "ray-head",
+                    "image": c.image,
+                    "imagePullPolicy": c.pull,
+                    "ports": [
+                        {"containerPort": 6379, "name": "gcs-server"},
+                        {"containerPort": 8265, "name": "dashboard"},
+                        {"containerPort": 10001, "name": "client"},
+                    ],
+                    "env": c.env,
+                    "resources": {"requests": dict(sized), "limits": dict(sized)},
+                    "securityContext": _container_security(),
+                    "volumeMounts": _mounts(),
+                }],
+                "volumes": _volumes(c.cm_name, _shm(head_mem)),
+            },
+        },
+    }
+
+
+def _worker_pod_spec(node: NodeType, c: _Container, pods: _Pods) -> Obj:
+    """A worker pod: the node type's worker memory and ephemeral storage are per GPU worker, so a
+    pod of N GPUs gets N times both (and /dev/shm follows its memory)."""
+    worker_mem = node.worker_memory_gib * pods.per_pod
+    worker_res: Obj = {"cpu": _cpu(pods.cpus), "memory": _gib(worker_mem),
+                       **_storage(node.worker_ephemeral_gib * pods.per_pod)}
+    spec: Obj = {
+        "priorityClassName": PRIORITY_CLASS,
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(),
+    }
+    if pods.gpus:
+        worker_res["nvidia.com/gpu"] = str(pods.gpus)
+        # The node type's flavour: its GPU label (GFD, GKE, Karpenter) and its GPU nodes' taints.
+        spec["tolerations"] = [dict(t) for t in node.gpu_tolerations]
+        if node.gpu_selector():
+            spec["nodeSelector"] = node.gpu_selector()
+    spec["containers"] = [{
+        "name": "ray-worker",
+        "image": c.image,
+        "imagePullPolicy": c.pull,
+        "env": c.env,
+        "resources": {"requests": dict(worker_res), "limits": dict(worker_res)},
+        "securityContext": _container_security(),
+        "volumeMounts": _mounts(),
+    }]
+    spec["volumes"] = _volumes(c.cm_name, _shm(worker_mem))
+    return spec
+
+
+def _worker_groups(node: NodeType, c: _Container, pods: _Pods) -> list[Obj]:
+    return [{
+        "groupName": "gpu" if pods.gpus else "cpu",
+        "replicas": pods.count,
+        "minReplicas": pods.count,
+        "maxReplicas": pods.count,
+        # KubeRay would derive num-gpus from the limit too; written out, the Ray node's GPU count
+        # is visible in the manifest and cannot drift from the pod's.
+        "rayStartParams": {"num-gpus": str(pods.gpus)} if pods.gpus else {},
+        "template": {"metadata": c.pod_metadata(), "spec": _worker_pod_spec(node, c, pods)},
+    }]
+
+
+def _submitter(c: _Container) -> Obj:
+    """KubeRay's submitter Job pod: it only submits the job and follows its log."""
+    return {
+        "metadata": {"labels": {"rayft.io/submitter": "true"}},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "securityContext": {k: v for k, v in _pod_security().items() if k != "fsGroup"},
+            "containers": [{
+                "name": "ray-job-submitter",
+                "image": c.image,
+                "imagePullPolicy": c.pull,
+                "resources": {"requests": {"cpu": "200m", "memory": "512Mi", **_storage(1)},
+                              "limits": {"cpu": "1", "memory": "1Gi", **_storage(1)}},
+                "securityContext": _container_security(),
+            }],
+        },
+    }
+
+
+# ---- the objects -----------------------------------------------------------------------------------
+
+def _rayjob(name: str, kind: _Kind, entrypoint: str, node: NodeType, c: _Container, pods: _Pods,
+            metadata: Obj) -> Obj:
+    return {
+        "apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}",
+        "kind": "RayJob",
+        "metadata": metadata,
+        "spec": {
+            "entrypoint": entrypoint,
+            "jobId": name,                                  # the Ray submission id: deterministic
+            "submissionMode": "K8sJobMode",
+            "shutdownAfterJobFinishes": True,               # Kueue needs it; frees the GPUs
+            # 0: the cluster goes when the job ends, the moment Kueue hands the quota back (Kueue
+            # counts a Complete/Failed RayJob as finished). Outputs and metrics.jsonl are on the
+            # data volume; the submitter Job (driver log) stays until the RayJob is deleted.
+            "ttlSecondsAfterFinished": 0,
+            "activeDeadlineSeconds": kind.active_deadline_s,
+            "preRunningDeadlineSeconds": PRE_RUNNING_DEADLINE_S,
+            "backoffLimit": kind.backoff_limit,
+            "submitterConfig": {"backoffLimit": 2},
+            "runtimeEnvYAML": RUNTIME_ENV_YAML,
+            "rayClusterSpec": {
+                "rayVersion": RAY_VERSION,
+                "authOptions": {"mode": "token"},
+                "enableInTreeAutoscaling": False,
+                "headGroupSpec": _head_group(node, c),
+                "workerGroupSpecs": _worker_groups(node, c, pods),
+            },
+            "submitterPodTemplate": _submitter(c),
+        },
+    }
 
 
 def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] = None,
@@ -266,212 +552,32 @@ def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] =
     entrypoint_overrides: `section.field=value` words appended to the entrypoint (plain words only).
     concurrent_trials: for a search, trials at once: the cluster gets that many times the job's workers.
     """
-    if kind not in KINDS:
-        raise UserError(f"--kind {kind}: expected one of {', '.join(KINDS)}")
+    job_kind = _kind(kind)
     where = spec_path or spec.name
     node = load_node_type(overlay)
-    res = spec.resources
-    # Ray Train runs one worker per GPU; a worker pod holds `gpus_per_worker` of them (workers that
-    # share a pod share NVLink and /dev/shm). CPU jobs: one worker per pod.
-    per_pod = res.gpus_per_worker if res.use_gpu else 1     # Ray Train workers in one pod
-    gpus = per_pod if res.use_gpu else 0                    # GPUs of one worker pod
-    worker_cpu = math.ceil(res.cpus_per_worker * per_pod) + 1   # + Ray Train's coordinator / trial
-    plan, plan_error = memory_plan(spec, node, 1 if gpus else 0)  # the plan is per GPU
-    _check_fits(spec, node, where, gpus, worker_cpu, plan)
-    for word in entrypoint_overrides:
-        if not SHELL_SAFE.fullmatch(word):
-            raise SpecError(f"{where}: override {word!r}: on Kubernetes overrides travel on the RayJob's command "
-                            "line and must be plain words (letters, digits, / . _ - = , : {{}})")
-    # num_workers is a multiple of gpus_per_worker (jobs.spec checks it).
-    trials = max(1, concurrent_trials) if kind == "tune" else 1
-    worker_pods = res.num_workers // per_pod * trials
-    # Kueue admits the RayJob only when all its GPUs fit the ClusterQueue's quota at once; more
-    # than the quota is never admitted, and Kueue says so nowhere: the RayJob waits suspended.
-    refusal = node.gpus_refusal(res.num_workers * trials) if gpus else ""
-    if refusal:
-        asks = f"resources.num_workers={res.num_workers}" + (
-            f" x search.max_concurrent_trials={trials}" if kind == "tune" else "")
-        raise SpecError(f"{where}: {asks}: {refusal}")
+    pods = _Pods.of(spec, job_kind, concurrent_trials)
+    plan, plan_error = memory_plan_or_why(spec, node, bool(pods.gpus))  # the plan is per GPU
+    _refuse_unfit(spec, node, where, pods, plan)
+    _refuse_words(where, entrypoint_overrides)
+    _refuse_over_quota(spec, node, where, pods, job_kind)
 
     name = job_name(spec)
-    cm_name = spec_configmap_name(name)
     image = image or node.image
     if not IMAGE_REF.fullmatch(image):
         raise UserError(f"--image {image}: not an image reference (REPO[:TAG] or REPO@sha256:DIGEST)")
-    pull = pull_policy(image)
-    queue = queue or DEFAULT_QUEUE
-    h = spec.spec_hash(10)
-
-    labels = {
-        "app.kubernetes.io/part-of": "rayft",
-        "app.kubernetes.io/managed-by": "rayft",
-        "rayft.io/job": spec.name,
-        "rayft.io/kind": kind,
-        ANN_SPEC_HASH: h,
-    }
-    annotations = {
-        ANN_SPEC_HASH: h,
-        ANN_NODE_TYPE: f"{node.overlay}/{node.name}",
-        ANN_ESTIMATE: "unknown" if plan is None else f"{plan.total_gib:.2f}",
-    }
-    if plan is not None:
-        annotations[ANN_ESTIMATE_BYTES] = str(int(plan.estimate.total_bytes))
-        annotations[ANN_CHECKPOINTING] = plan.checkpointing
-        annotations[ANN_STRATEGY] = plan.choice
-    if plan_error:
-        annotations[ANN_ESTIMATE_ERROR] = plan_error
-    if gpus:
-        annotations[ANN_GPU_MEMORY] = f"{node.gpu_memory_gib:g}"
-    if spec_path:
-        annotations[ANN_SPEC_SOURCE] = str(spec_path)
-
-    def meta(obj_name: str, extra_labels: Optional[dict] = None) -> Obj:
-        m: Obj = {"name": obj_name, "labels": {**labels, **(extra_labels or {})},
-                  "annotations": dict(annotations)}
-        if namespace:
-            m["namespace"] = namespace
-        return m
-
+    meta = _Meta(_labels(spec, kind), _annotations(spec, node, pods, plan, plan_error, spec_path), namespace)
     configmap: Obj = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": meta(cm_name),
+        "metadata": meta.of(spec_configmap_name(name)),
         "data": {"spec.yaml": spec_text if spec_text is not None else spec.to_yaml()},
     }
-
-    out_dir = spec.run.output_dir
-    if not out_dir.startswith("/"):
-        out_dir = f"{DATA_MOUNT}/{out_dir}"            # outputs/{name} -> /mnt/rayft/outputs/{name}
-    if not SHELL_SAFE.fullmatch(out_dir):
-        raise SpecError(f"{where}: run.output_dir={spec.run.output_dir!r}: on Kubernetes it must be a plain "
-                        "path (letters, digits, / . _ - {name})")
-    # KubeRay pastes the entrypoint into the submitter's bash command line and Ray runs it through
-    # a shell again: plain words only (no quotes, &&, ;). The working directory comes from the
-    # runtime env instead of a `cd`.
-    cmd = ["python", "-m", "jobs.finetune"] if kind == "finetune" else ["rayft", "tune"]
-    entrypoint = " ".join([*cmd, f"{SPEC_MOUNT}/spec.yaml", f"run.output_dir={out_dir}", *entrypoint_overrides])
-
-    env = _env(spec)
-    # The pods' own labels: KubeRay keeps a template's labels on the pods it creates (adding its
-    # ray.io/* ones), so the PodDisruptionBudget and the NetworkPolicy select them by these.
-    pod_labels = {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name}
-    head_mem = node.head_memory_gib
-    head = {
-        "serviceType": "ClusterIP",
-        "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
-        "template": {
-            "metadata": {"labels": dict(pod_labels), "annotations": dict(NO_DISRUPT)},
-            "spec": {
-                "priorityClassName": PRIORITY_CLASS,
-                "automountServiceAccountToken": False,
-                "securityContext": _pod_security(),
-                "containers": [{
-                    "name": "ray-head",
-                    "image": image,
-                    "imagePullPolicy": pull,
-                    "ports": [
-                        {"containerPort": 6379, "name": "gcs-server"},
-                        {"containerPort": 8265, "name": "dashboard"},
-                        {"containerPort": 10001, "name": "client"},
-                    ],
-                    "env": env,
-                    "resources": {
-                        "requests": {"cpu": _cpu(node.head_cpu), "memory": _gib(head_mem),
-                                     **_storage(node.head_ephemeral_gib)},
-                        "limits": {"cpu": _cpu(node.head_cpu), "memory": _gib(head_mem),
-                                   **_storage(node.head_ephemeral_gib)},
-                    },
-                    "securityContext": _container_security(),
-                    "volumeMounts": _mounts(),
-                }],
-                "volumes": _volumes(cm_name, _shm(head_mem)),
-            },
-        },
-    }
-    # The node type's worker memory and ephemeral storage are per GPU worker: a pod of N GPUs gets N
-    # times both (and /dev/shm follows its memory).
-    worker_mem = node.worker_memory_gib * per_pod
-    worker_res: Obj = {"cpu": _cpu(worker_cpu), "memory": _gib(worker_mem),
-                       **_storage(node.worker_ephemeral_gib * per_pod)}
-    if gpus:
-        worker_res["nvidia.com/gpu"] = str(gpus)
-    worker_spec: Obj = {
-        "priorityClassName": PRIORITY_CLASS,
-        "automountServiceAccountToken": False,
-        "securityContext": _pod_security(),
-    }
-    if gpus:
-        # The node type's flavour: its GPU label (GFD, GKE, Karpenter) and its GPU nodes' taints.
-        worker_spec["tolerations"] = [dict(t) for t in node.gpu_tolerations]
-        if node.gpu_selector():
-            worker_spec["nodeSelector"] = node.gpu_selector()
-    worker_spec["containers"] = [{
-        "name": "ray-worker",
-        "image": image,
-        "imagePullPolicy": pull,
-        "env": env,
-        "resources": {"requests": dict(worker_res), "limits": dict(worker_res)},
-        "securityContext": _container_security(),
-        "volumeMounts": _mounts(),
-    }]
-    worker_spec["volumes"] = _volumes(cm_name, _shm(worker_mem))
-    workers = [{
-        "groupName": "gpu" if gpus else "cpu",
-        "replicas": worker_pods,
-        "minReplicas": worker_pods,
-        "maxReplicas": worker_pods,
-        # KubeRay would derive num-gpus from the limit too; written out, the Ray node's GPU count
-        # is visible in the manifest and cannot drift from the pod's.
-        "rayStartParams": {"num-gpus": str(gpus)} if gpus else {},
-        "template": {"metadata": {"labels": dict(pod_labels), "annotations": dict(NO_DISRUPT)},
-                     "spec": worker_spec},
-    }]
-    submitter = {
-        "metadata": {"labels": {"rayft.io/submitter": "true"}},
-        "spec": {
-            "restartPolicy": "Never",
-            "automountServiceAccountToken": False,
-            "securityContext": {k: v for k, v in _pod_security().items() if k != "fsGroup"},
-            "containers": [{
-                "name": "ray-job-submitter",
-                "image": image,
-                "imagePullPolicy": pull,
-                "resources": {"requests": {"cpu": "200m", "memory": "512Mi", **_storage(1)},
-                              "limits": {"cpu": "1", "memory": "1Gi", **_storage(1)}},
-                "securityContext": _container_security(),
-            }],
-        },
-    }
-    rayjob: Obj = {
-        "apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}",
-        "kind": "RayJob",
-        "metadata": meta(name, {QUEUE_LABEL: queue}),
-        "spec": {
-            "entrypoint": entrypoint,
-            "jobId": name,                                  # the Ray submission id: deterministic
-            "submissionMode": "K8sJobMode",
-            "shutdownAfterJobFinishes": True,               # Kueue needs it; frees the GPUs
-            # 0: the cluster goes when the job ends, the moment Kueue hands the quota back (Kueue
-            # counts a Complete/Failed RayJob as finished). Outputs and metrics.jsonl are on the
-            # data volume; the submitter Job (driver log) stays until the RayJob is deleted.
-            "ttlSecondsAfterFinished": 0,
-            "activeDeadlineSeconds": 86400 if kind == "finetune" else 172800,
-            "preRunningDeadlineSeconds": PRE_RUNNING_DEADLINE_S,
-            "backoffLimit": 1 if kind == "finetune" else 0,  # a retry resumes from the checkpoint
-            "submitterConfig": {"backoffLimit": 2},
-            "runtimeEnvYAML": RUNTIME_ENV_YAML,
-            "rayClusterSpec": {
-                "rayVersion": RAY_VERSION,
-                "authOptions": {"mode": "token"},
-                "enableInTreeAutoscaling": False,
-                "headGroupSpec": head,
-                "workerGroupSpecs": workers,
-            },
-            "submitterPodTemplate": submitter,
-        },
-    }
+    entrypoint = _entrypoint(spec, job_kind, where, entrypoint_overrides)
+    c = _Container(image, pull_policy(image), _env(spec), spec_configmap_name(name),
+                   {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name})
+    rayjob = _rayjob(name, job_kind, entrypoint, node, c, pods, meta.of(name, {QUEUE_LABEL: queue or DEFAULT_QUEUE}))
     pdb = pod_disruption_budget(name, {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name})
-    pdb["metadata"] = {**meta(name), **{k: v for k, v in pdb["metadata"].items() if k != "name"}}
+    pdb["metadata"] = {**meta.of(name), **{k: v for k, v in pdb["metadata"].items() if k != "name"}}
     objs = [configmap, rayjob, pdb]
     bad = policy_violations(objs)
     if bad:
