@@ -92,7 +92,9 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def format_step(rec: dict) -> str:
     """One optimizer step as the plain progress line `rayft run` and `python -m jobs.finetune` print."""
-    return (f"step {rec['step']}/{rec.get('total_steps')} loss {rec['loss']:.4f} lr {rec['lr']:.3g} "
+    pref = (f" rewards/accuracies {rec['rewards/accuracies']:.2f} rewards/margins {rec['rewards/margins']:.3g}"
+            if "rewards/accuracies" in rec else "")
+    return (f"step {rec['step']}/{rec.get('total_steps')} loss {rec['loss']:.4f}{pref} lr {rec['lr']:.3g} "
             f"grad_norm {rec['grad_norm']:.3g} tokens/s {rec['tokens_per_s']:.0f}")
 
 

@@ -78,11 +78,11 @@ def shown_uri(uri: str) -> str:
 
 
 def metrics_of(record: dict, evaluated: bool) -> dict[str, float]:
-    """The numeric metrics of one `metrics.jsonl` record (booleans as 0/1; `eval_loss` only at
-    steps where the eval ran, since the record carries the last value forward)."""
+    """The numeric metrics of one `metrics.jsonl` record (booleans as 0/1; the `eval_*` values only
+    at steps where the eval ran, since the record carries the last ones forward)."""
     out = {}
     for key, value in record.items():
-        if key in NOT_METRICS or value is None or (key == "eval_loss" and not evaluated):
+        if key in NOT_METRICS or value is None or (key.startswith("eval_") and not evaluated):
             continue
         if isinstance(value, bool):
             value = int(value)

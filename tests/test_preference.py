@@ -116,7 +116,8 @@ def independent_grads(spec: JobSpec, precision: str = "fp32") -> tuple[dict, flo
     """The big-batch gradient and loss, one pair and one sequence at a time (see module doc)."""
     one = spec.model_copy(deep=True)
     engine, model, tok = build(one, precision=precision)
-    _, idx, data = window(spec, tok, 0, 1)
+    data = load_dataset(spec, tok)
+    idx = GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed).indices(0)
     obj = Objective.of(spec)
     losses = []
     for i in idx:
@@ -351,3 +352,26 @@ def test_a_dpo_run_resumes_bitwise(tmp_path):
     a, b = final_adapter(tmp_path / "straight"), final_adapter(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r["loss"] for r in _metrics(tmp_path / "straight")] == [r["loss"] for r in _metrics(tmp_path / "resumed")]
+
+
+def test_trl_metric_names_reach_metrics_jsonl_and_tensorboard(tmp_path):
+    """Per step: the loss and TRL's rewards/* and logps/*; on eval (every 2 steps): eval_loss and
+    eval_rewards/*; TensorBoard gets each eval value only at the steps it was measured."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    _train(out, *objective_overrides("dpo"), "run.max_steps=4", "run.eval_every=2", f"data.eval_path={PAIRS_EVAL}",
+           "run.trackers=[tensorboard]")
+    records = _metrics(out)
+    names = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+             "logps/rejected")
+    for r in records:
+        assert all(isinstance(r[k], float) for k in names)
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-9)
+        assert 0.0 <= r["rewards/accuracies"] <= 1.0
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("rewards/accuracies")] == [1, 2, 3, 4]
+    assert [e.step for e in acc.Scalars("eval_rewards/accuracies")] == [2, 4]
+    assert [e.value for e in acc.Scalars("eval_rewards/margins")] == pytest.approx(
+        [records[1]["eval_rewards/margins"], records[3]["eval_rewards/margins"]])

@@ -43,7 +43,10 @@ class _Progress:
         return self
 
     def update(self, rec: dict) -> None:
-        fields = dict(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        loss = f"{rec['loss']:.4f}"
+        if "rewards/accuracies" in rec:  # a preference objective: TRL's reward accuracy and margin beside it
+            loss += f" acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:.3g}"
+        fields = dict(loss=loss, tok_s=f"{rec['tokens_per_s']:.0f}")
         if self.task is None:
             self.task = self.progress.add_task(self.spec.name, total=rec.get("total_steps"),
                                                completed=rec["step"] - 1, **fields)
@@ -70,7 +73,11 @@ def _summary_table(summary: dict, spec) -> None:
          else str(summary["steps"])),
         ("loss first -> final", f"{_num(summary['first_loss'], '.4f')} -> {_num(summary['final_loss'], '.4f')}"),
         ("eval loss", "-" if summary["eval_loss"] is None else f"{summary['eval_loss']:.4f}"),
-        ("global batch", f"{summary['global_batch_size']} = {summary['num_workers']} workers x "
+        *([("eval preference (held out)", f"accuracy {summary['eval_rewards/accuracies']:.1%}, margin "
+                                           f"{summary['eval_rewards/margins']:.4f} ({summary['objective']})")]
+          if "eval_rewards/accuracies" in summary else []),
+        ("global batch", f"{summary['global_batch_size']}{' pairs' if summary.get('objective', 'sft') != 'sft' else ''} "
+                         f"= {summary['num_workers']} workers x "
                          f"{summary['grad_accum_steps']} accum x {summary['micro_batch_size']} micro"),
         ("effective lr", f"{summary['effective_lr']:.3g}"),
         ("precision / checkpointing", f"{summary['precision']} / {checkpointing_str(summary['checkpoint_every_n_layers'])}"),
