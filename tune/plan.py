@@ -2,14 +2,15 @@
 before anything starts. Pure: no Ray, no model weights, no files written.
 
 `plan_search` expands the `search` section into points (micro-batch, accumulation, global
-batch, lr rule, and `objective.beta` where `search.beta` lists values) and gives each micro-batch the `jobs.memory.MemoryPlan` its trials will run:
-`plan_for_spec` on the base job with the search budget as `memory.budget_gib`, the same call
-(same spec fields, same budget) a trial's worker makes through `jobs.loop.memory_plan`. So the
-strategy (`resources.strategy: auto`: DDP when it fits, else FSDP) and the checkpointing a point is
-judged with (`memory.gradient_checkpointing`: true, false, or auto =
-off when that fits, else the sparsest every-k-th-layer checkpointing that fits) is the one
-its trial uses, and the estimate is that plan's (beta changes no memory: points that differ only in
-beta share their micro-batch's plan). Each point is marked:
+batch, lr rule, and `objective.beta` where `search.beta` lists values) and gives each
+micro-batch the `jobs.memory.MemoryPlan` its trials will run: `plan_for_spec` on the base job
+with the search budget as `memory.budget_gib`, the same call (same spec fields, same budget) a
+trial's worker makes through `jobs.loop.memory_plan`. So the strategy (`resources.strategy:
+auto`: DDP when it fits, else FSDP) and the checkpointing a point is judged with
+(`memory.gradient_checkpointing`: true, false, or auto = off when that fits, else the sparsest
+every-k-th-layer checkpointing that fits) is the one its trial uses, and the estimate is that
+plan's (beta changes no memory: points that differ only in beta share their micro-batch's
+plan). Each point is marked:
 
 * `planned`: launched, `search.num_samples` times with log-uniform base learning rates;
 * `infeasible`: the plan's estimate exceeds the budget -- never launched, listed with its estimate;
@@ -18,10 +19,11 @@ beta share their micro-batch's plan). Each point is marked:
 A budget below the smallest possible job (micro-batch 1 with checkpointing) is refused
 before anything starts, naming the smallest budget that fits.
 
-Fair comparison (ASHA on `search.metric` at equal tokens: the eval loss, lowest wins, or the held-out
-preference accuracy `eval_rewards/accuracies`, highest wins; `Plan.metric`, `Plan.mode`). Every trial runs the same number of
-training samples (`search.samples_per_trial`; max_steps = samples / global batch) and
-evaluates at the same sample counts (`eval_every_samples`). ASHA's time attribute is
+Fair comparison (ASHA on `search.metric` at equal tokens: the eval loss, lowest wins, or the
+held-out preference accuracy `eval_rewards/accuracies`, highest wins; `Plan.metric`,
+`Plan.mode`). Every trial runs the same number of training samples
+(`search.samples_per_trial`; max_steps = samples / global batch) and evaluates at the same
+sample counts (`eval_every_samples`). ASHA's time attribute is
 `samples_seen`. rayft's sample order does not depend on the global batch (step k takes
 samples [k*G, (k+1)*G) of one seeded permutation per epoch), so equal samples seen means the
 very same sequences, hence the same tokens, whatever the batch size.

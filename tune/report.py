@@ -118,7 +118,8 @@ def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: Op
         header = (f"# Best configuration of search {raw.name!r} (trial {best['trial_id']}): {value_str(plan, best)} "
                   f"after {best['samples_seen']} samples; micro {best['micro_batch_size']} x "
                   f"accum {best['grad_accum_steps']} x {raw.resources.num_workers} workers, lr {best['base_lr']:.4g} "
-                  f"({best['lr_scaling']} -> {best['effective_lr']:.4g}){beta}.\n# A complete job spec: rayft run {BEST}\n")
+                  f"({best['lr_scaling']} -> {best['effective_lr']:.4g}){beta}.\n"
+                  f"# A complete job spec: rayft run {BEST}\n")
         write_text_atomic(best_path, header + yaml.safe_dump(best_job_dict(raw, best), sort_keys=False))
         files["best"] = str(best_path)
     elif best_path.exists():
@@ -160,7 +161,8 @@ def results_table(rows: list[dict], name: str, plan: Plan):
             r["trial_id"] or "-", f"[{styles.get(r['status'], '')}]{r['status']}[/]",
             _fmt(r["micro_batch_size"], "d"), str(r["grad_accum_steps"]), str(r["global_batch_size"]),
             checkpointing_str(r.get("checkpoint_every_n_layers")),
-            r["lr_scaling"], *beta, _fmt(r["base_lr"], ".3g"), _fmt(r["effective_lr"], ".3g"), gib_str(r["estimate_gib"]),
+            r["lr_scaling"], *beta, _fmt(r["base_lr"], ".3g"), _fmt(r["effective_lr"], ".3g"),
+            gib_str(r["estimate_gib"]),
             str(r["samples_seen"] or "-"), _fmt(r["eval_loss"], ".4f"), *metric, _fmt(r["tokens_per_s"], ".0f"),
             r["reason"][:90],
         )
@@ -189,7 +191,8 @@ def plot(path: Path, rows: list[dict], plan: Plan, name: str) -> Optional[Path]:
                 best_by_accum[a] = better(best_by_accum.get(a, r[metric]), r[metric])
             xs = sorted(best_by_accum)
             ax1.plot(xs, [best_by_accum[x] for x in xs], "o-", color=colors[rule], label=f"{rule} (finished, {over})")
-        stopped = [r for r in rows if r["lr_scaling"] == rule and r["status"] == "stopped" and r.get(metric) is not None]
+        stopped = [r for r in rows
+                   if r["lr_scaling"] == rule and r["status"] == "stopped" and r.get(metric) is not None]
         if stopped:
             ax1.scatter([r["grad_accum_steps"] for r in stopped], [r[metric] for r in stopped], marker="x",
                         color=colors[rule], label=f"{rule} (stopped early by ASHA)")

@@ -18,8 +18,9 @@ and the search goes on.
 
 Workers report every eval; `forward_metrics` turns optimizer steps into samples seen (ASHA's
 time attribute), passes on the search's metric (`search.metric`: the job's `eval_loss`, or its
-`eval_rewards/accuracies` for a preference objective) and holds the final step back for the trial function, which reports it once the
-job's outputs exist. Trials at once: what the cluster holds (`concurrency`).
+`eval_rewards/accuracies` for a preference objective) and holds the final step back for the
+trial function, which reports it once the job's outputs exist. Trials at once: what the
+cluster holds (`concurrency`).
 """
 
 from __future__ import annotations
@@ -459,7 +460,8 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
         } | _searched(plan, asdict(p), None))
     order = {"finished": 0, "stopped": 1, "infeasible": 2, "error": 3, "not run": 4, "skipped": 5}
     sign = 1 if plan.mode == "min" else -1  # best first
-    rows.sort(key=lambda x: (order.get(x["status"], 9), sign * x[plan.metric] if x[plan.metric] is not None else math.inf,
+    rows.sort(key=lambda x: (order.get(x["status"], 9),
+                             sign * x[plan.metric] if x[plan.metric] is not None else math.inf,
                              x["micro_batch_size"] or 0, x["grad_accum_steps"]))
     return rows
 
