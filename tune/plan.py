@@ -2,13 +2,15 @@
 before anything starts. Pure: no Ray, no model weights, no files written.
 
 `plan_search` expands the `search` section into points (micro-batch, accumulation, global
-batch, lr rule) and gives each micro-batch the `jobs.memory.MemoryPlan` its trials will run:
-`plan_for_spec` on the base job with the search budget as `memory.budget_gib`, the same call
-(same spec fields, same budget) a trial's worker makes through `jobs.loop.memory_plan`. So the
-strategy (`resources.strategy: auto`: DDP when it fits, else FSDP) and the checkpointing a point is
-judged with (`memory.gradient_checkpointing`: true, false, or auto =
-off when that fits, else the sparsest every-k-th-layer checkpointing that fits) is the one
-its trial uses, and the estimate is that plan's. Each point is marked:
+batch, lr rule, and `objective.beta` where `search.beta` lists values) and gives each
+micro-batch the `jobs.memory.MemoryPlan` its trials will run: `plan_for_spec` on the base job
+with the search budget as `memory.budget_gib`, the same call (same spec fields, same budget) a
+trial's worker makes through `jobs.loop.memory_plan`. So the strategy (`resources.strategy:
+auto`: DDP when it fits, else FSDP) and the checkpointing a point is judged with
+(`memory.gradient_checkpointing`: true, false, or auto = off when that fits, else the sparsest
+every-k-th-layer checkpointing that fits) is the one its trial uses, and the estimate is that
+plan's (beta changes no memory: points that differ only in beta share their micro-batch's
+plan). Each point is marked:
 
 * `planned`: launched, `search.num_samples` times with log-uniform base learning rates;
 * `infeasible`: the plan's estimate exceeds the budget -- never launched, listed with its estimate;
@@ -17,9 +19,11 @@ its trial uses, and the estimate is that plan's. Each point is marked:
 A budget below the smallest possible job (micro-batch 1 with checkpointing) is refused
 before anything starts, naming the smallest budget that fits.
 
-Fair comparison (ASHA on eval loss at equal tokens). Every trial runs the same number of
-training samples (`search.samples_per_trial`; max_steps = samples / global batch) and
-evaluates at the same sample counts (`eval_every_samples`). ASHA's time attribute is
+Fair comparison (ASHA on `search.metric` at equal tokens: the eval loss, lowest wins, or the
+held-out preference accuracy `eval_rewards/accuracies`, highest wins; `Plan.metric`,
+`Plan.mode`). Every trial runs the same number of training samples
+(`search.samples_per_trial`; max_steps = samples / global batch) and evaluates at the same
+sample counts (`eval_every_samples`). ASHA's time attribute is
 `samples_seen`. rayft's sample order does not depend on the global batch (step k takes
 samples [k*G, (k+1)*G) of one seeded permutation per epoch), so equal samples seen means the
 very same sequences, hence the same tokens, whatever the batch size.
@@ -49,7 +53,6 @@ PLAN_FILE = "search_plan.json"  # this plan and the spec fingerprint (what a res
 STATUS_FILE = "status.json"  # a trial's own verdict: finished / oom / error
 STARTS_FILE = "starts.log"  # one line per time a trial function started
 TIME_ATTR = "samples_seen"  # ASHA's time attribute: training samples, not steps
-METRIC = "eval_loss"
 
 
 def gib_str(x: Optional[float]) -> str:
@@ -88,10 +91,12 @@ class Point:
     estimate_on_gib: Optional[float] = None  # checkpointing every layer, for the report
     max_steps: Optional[int] = None
     every_steps: Optional[int] = None
+    beta: Optional[float] = None  # the trial's objective.beta (search.beta); None: the base job's
 
     @property
     def key(self) -> str:
-        return f"m{self.micro_batch_size}-a{self.grad_accum_steps}-{self.lr_scaling}"
+        beta = "" if self.beta is None else f"-b{self.beta:g}"
+        return f"m{self.micro_batch_size}-a{self.grad_accum_steps}-{self.lr_scaling}{beta}"
 
     def trial_config(self) -> dict:
         """What Tune gets per grid point (the lr is sampled beside it)."""
@@ -110,6 +115,18 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     memory: dict[int, dict] = field(default_factory=dict)  # micro -> {off, on} GiB, for the plot
     job: dict = field(default_factory=dict, repr=False)  # the base job every trial starts from
+    metric: str = "eval_loss"  # what trials are compared on (search.metric)
+    mode: str = "min"  # "min" or "max": the best trial's value of `metric`
+    base_beta: Optional[float] = None  # the base job's objective.beta as it trains; None: no beta (SFT)
+
+    @property
+    def has_beta(self) -> bool:
+        """The objective takes a beta: the report shows each trial's."""
+        return self.base_beta is not None
+
+    def beta_of(self, point: dict) -> Optional[float]:
+        """The beta a trial of `point` trains with: its own (search.beta), else the base job's; None for SFT."""
+        return point["beta"] if point.get("beta") is not None else self.base_beta
 
     @property
     def planned(self) -> list[Point]:
@@ -123,7 +140,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {"device": self.device, "budget_gib": self.budget_gib, "smallest_budget_gib": self.smallest_budget_gib,
                 "samples_per_trial": self.samples_per_trial, "eval_every_samples": self.eval_every_samples,
-                "grace_samples": self.grace_samples, "notes": self.notes,
+                "grace_samples": self.grace_samples, "notes": self.notes, "metric": self.metric, "mode": self.mode,
                 "memory": {str(k): v for k, v in self.memory.items()},
                 "points": [asdict(p) | {"key": p.key} for p in self.points]}
 
@@ -164,21 +181,24 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
     budget_key = "search.budget_gib" if s.budget_gib is not None else "memory.budget_gib"
     notes: list[str] = []
 
-    # -- points: the batch split x the lr rules --
+    # -- points: the batch split x the lr rules x the betas --
     splits, rules, reference = _splits(spec, notes)
+    betas: list[Optional[float]] = list(s.beta) if s.beta else [None]
     points: list[Point] = []
     for m, a, g, why in splits:
         for i, rule in enumerate(rules[:1] if why else rules):  # a split that cannot run is listed once
-            p = Point(m, a, g, rule, reference)
-            if why:
-                p.status, p.reason = "skipped", why
-            elif i and g == reference:
-                p.status, p.reason = "skipped", (f"same run as lr_scaling={rules[0]}: the global batch {g} is the "
-                                                 "reference batch, where every rule gives the base lr")
-            elif s.samples_per_trial % g:
-                p.status, p.reason = "skipped", (f"search.samples_per_trial={s.samples_per_trial} is not a multiple "
-                                                 f"of the global batch {g} (every trial sees the same samples)")
-            points.append(p)
+            for beta in betas[:1] if why else betas:
+                p = Point(m, a, g, rule, reference, beta=beta)
+                if why:
+                    p.status, p.reason = "skipped", why
+                elif i and g == reference:
+                    p.status, p.reason = "skipped", (f"same run as lr_scaling={rules[0]}: the global batch {g} is "
+                                                     "the reference batch, where every rule gives the base lr")
+                elif s.samples_per_trial % g:
+                    p.status, p.reason = "skipped", (f"search.samples_per_trial={s.samples_per_trial} is not a "
+                                                     f"multiple of the global batch {g} (every trial sees the same "
+                                                     "samples)")
+                points.append(p)
 
     # -- memory: one MemoryPlan per micro-batch, as the trials' workers will make it --
     job_dict = spec.job_dict()
@@ -246,7 +266,8 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
         raise SpecError(f"{where}: search: no configuration can run under {budget_key}={budget:g} ({'; '.join(reasons)})")
     return Plan(device=device, budget_gib=budget, smallest_budget_gib=smallest,
                 samples_per_trial=s.samples_per_trial, eval_every_samples=every, grace_samples=grace,
-                points=points, notes=notes, memory=mem, job=job_dict)
+                points=points, notes=notes, memory=mem, job=job_dict, metric=s.metric, mode=s.mode_of_metric,
+                base_beta=spec.objective.value("beta"))
 
 
 # ---- one trial's job ---------------------------------------------------------------------
@@ -258,6 +279,8 @@ def trial_job_dict(base: dict, p: dict, lr: float, out_dir: str, name: str, budg
     d["batch"] = {"global_batch_size": p["global_batch_size"], "micro_batch_size": p["micro_batch_size"],
                   "grad_accum_steps": p["grad_accum_steps"]}
     d["optim"].update(lr=float(lr), lr_scaling=p["lr_scaling"], reference_batch_size=p["reference_batch_size"])
+    if p.get("beta") is not None:
+        d["objective"]["beta"] = float(p["beta"])
     # `auto` stays `auto`: under the same budget the trial's worker makes the very MemoryPlan
     # (`jobs.memory.plan_for_spec`) this point was judged with, selective every-k included.
     gc = "auto" if d["memory"].get("gradient_checkpointing") == "auto" else bool(p["gradient_checkpointing"])
@@ -280,8 +303,9 @@ def trial_name(base_name: str, trial_id: str) -> str:
 
 def describe(p: dict, lr: float) -> str:
     """One trial, for a log line."""
+    beta = "" if p.get("beta") is None else f"beta {p['beta']:g}, "
     return (f"micro {p['micro_batch_size']} x accum {p['grad_accum_steps']} (global {p['global_batch_size']}), "
-            f"lr {lr:.3g} {p['lr_scaling']}, {p.get('strategy') or 'ddp'}, "
+            f"lr {lr:.3g} {p['lr_scaling']}, {beta}{p.get('strategy') or 'ddp'}, "
             f"checkpointing {checkpointing_str(p.get('checkpoint_every_n_layers'))}")
 
 

@@ -2,8 +2,9 @@
 
     results.csv / results.json   one row per trial and per configuration never launched
     results.txt                  the rich results table, as printed
-    search.png                   eval loss by accumulation steps per LR rule; estimated memory by
-                                 micro-batch with the budget line
+    search.png                   the search's metric (eval loss, or eval_rewards/accuracies) by
+                                 accumulation steps per LR rule; estimated memory by micro-batch
+                                 with the budget line
     best.yaml                    the best trial as a complete job spec (no `search` section):
                                  `rayft run best.yaml` and `rayft submit best.yaml` take it unchanged
     search_plan.json             the plan (every point, its estimate and status) and the spec fingerprint
@@ -24,7 +25,7 @@ import yaml
 from jobs.memory import checkpointing_str
 from jobs.outputs import write_json_atomic, write_text_atomic
 from jobs.spec import JobSpec
-from .plan import METRIC, TIME_ATTR, Plan, gib_str
+from .plan import TIME_ATTR, Plan, gib_str
 from .spec import SearchSpec
 
 COLUMNS = ["trial_id", "status", "micro_batch_size", "grad_accum_steps", "global_batch_size", "gradient_checkpointing",
@@ -32,15 +33,29 @@ COLUMNS = ["trial_id", "status", "micro_batch_size", "grad_accum_steps", "global
            "samples_seen", "tokens_seen", "steps", "eval_loss", "tokens_per_s", "trainings_started", "reason",
            "output_dir"]
 RESULTS_CSV, RESULTS_JSON, RESULTS_TXT, PLOT, BEST = "results.csv", "results.json", "results.txt", "search.png", "best.yaml"
+# How the results table heads each metric's column.
+LABELS = {"eval_loss": "eval loss", "eval_rewards/accuracies": "eval acc"}
 
 
-def pick_best(rows: list[dict], samples_per_trial: int) -> Optional[dict]:
-    """Lowest eval loss among trials that saw the full sample budget; ties go to the faster one."""
-    done = [r for r in rows if r["status"] == "finished" and r["eval_loss"] is not None
+def columns(plan: Plan) -> list[str]:
+    """results.csv's columns: `beta` where the objective has one, the search's metric beside eval_loss."""
+    cols = list(COLUMNS)
+    if plan.has_beta:
+        cols.insert(cols.index("lr_scaling") + 1, "beta")
+    if plan.metric != "eval_loss":
+        cols.insert(cols.index("eval_loss") + 1, plan.metric)
+    return cols
+
+
+def pick_best(rows: list[dict], samples_per_trial: int, metric: str = "eval_loss", mode: str = "min") -> Optional[dict]:
+    """The best value of `metric` (lowest for mode "min", highest for "max") among trials that saw
+    the full sample budget; ties (to 6 decimals) go to the faster one."""
+    done = [r for r in rows if r["status"] == "finished" and r.get(metric) is not None
             and r["samples_seen"] >= samples_per_trial]
     if not done:
         return None
-    return min(done, key=lambda r: (round(r["eval_loss"], 6), -(r["tokens_per_s"] or 0)))
+    sign = 1 if mode == "min" else -1
+    return min(done, key=lambda r: (sign * round(r[metric], 6), -(r["tokens_per_s"] or 0)))
 
 
 def best_job_dict(raw: SearchSpec, best: dict) -> dict:
@@ -51,6 +66,8 @@ def best_job_dict(raw: SearchSpec, best: dict) -> dict:
                   "grad_accum_steps": best["grad_accum_steps"]}
     d["optim"].update(lr=best["base_lr"], lr_scaling=best["lr_scaling"],
                       reference_batch_size=best["reference_batch_size"])
+    if best.get("beta") is not None:  # the beta the trial trained with, searched or the base job's
+        d["objective"]["beta"] = best["beta"]
     # `auto` stays `auto` (with the budget): `rayft run` then picks the checkpointing the trial ran.
     gc = "auto" if d["memory"].get("gradient_checkpointing") == "auto" else bool(best["gradient_checkpointing"])
     d["memory"].update(gradient_checkpointing=gc, budget_gib=raw.budget)
@@ -68,15 +85,17 @@ def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: Op
     out.mkdir(parents=True, exist_ok=True)
     files = {}
     with open(out / RESULTS_CSV, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        cols = columns(plan)
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in COLUMNS})
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
     files["csv"] = str(out / RESULTS_CSV)
     summary = {
         "name": raw.name, "mode": raw.search.mode, "device": plan.device, "budget_gib": plan.budget_gib,
         "smallest_budget_gib": plan.smallest_budget_gib, "samples_per_trial": plan.samples_per_trial,
-        "eval_every_samples": plan.eval_every_samples, "time_attr": TIME_ATTR, "metric": METRIC,
+        "eval_every_samples": plan.eval_every_samples, "time_attr": TIME_ATTR, "metric": plan.metric,
+        "metric_mode": plan.mode,
         "scheduler": raw.search.scheduler, "interrupted": interrupted, "notes": notes,
         "counts": {s: sum(r["status"] == s for r in rows) for s in
                    ("finished", "stopped", "infeasible", "error", "skipped", "not run")},
@@ -95,15 +114,27 @@ def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: Op
         files["png"] = str(png)
     best_path = out / BEST
     if best is not None:
-        header = (f"# Best configuration of search {raw.name!r} (trial {best['trial_id']}): eval_loss "
-                  f"{best['eval_loss']:.4f} after {best['samples_seen']} samples; micro {best['micro_batch_size']} x "
+        beta = "" if best.get("beta") is None else f", beta {best['beta']:g}"
+        header = (f"# Best configuration of search {raw.name!r} (trial {best['trial_id']}): {value_str(plan, best)} "
+                  f"after {best['samples_seen']} samples; micro {best['micro_batch_size']} x "
                   f"accum {best['grad_accum_steps']} x {raw.resources.num_workers} workers, lr {best['base_lr']:.4g} "
-                  f"({best['lr_scaling']} -> {best['effective_lr']:.4g}).\n# A complete job spec: rayft run {BEST}\n")
+                  f"({best['lr_scaling']} -> {best['effective_lr']:.4g}){beta}.\n"
+                  f"# A complete job spec: rayft run {BEST}\n")
         write_text_atomic(best_path, header + yaml.safe_dump(best_job_dict(raw, best), sort_keys=False))
         files["best"] = str(best_path)
     elif best_path.exists():
         best_path.unlink()  # from an older state of this search; nothing finished now
     return files
+
+
+def value_str(plan: Plan, row: dict) -> str:
+    """The best trial's value, as the header of best.yaml and the CLI's last line give it:
+    `eval_loss 1.2345`, or `eval_rewards/accuracies 0.7500 (highest; eval_loss 0.6931)`."""
+    text = f"{plan.metric} {row[plan.metric]:.4f}"
+    if plan.metric == "eval_loss":
+        return text
+    best = "highest" if plan.mode == "max" else "lowest"
+    return f"{text} ({best}; eval_loss {_fmt(row.get('eval_loss'), '.4f')})"
 
 
 def _fmt(x, spec: str) -> str:
@@ -113,20 +144,26 @@ def _fmt(x, spec: str) -> str:
 def results_table(rows: list[dict], name: str, plan: Plan):
     from rich.table import Table
 
-    t = Table(title=f"rayft tune {name}: eval loss at {plan.samples_per_trial} samples per trial, "
+    what = "eval loss" if plan.metric == "eval_loss" else f"{plan.metric} ({plan.mode})"
+    t = Table(title=f"rayft tune {name}: {what} at {plan.samples_per_trial} samples per trial, "
                     f"budget {gib_str(plan.budget_gib)} on {plan.device}")
-    for col in ("trial", "status", "micro", "accum", "global", "ckpt", "lr rule", "base lr", "lr", "estimate",
-                "samples", "eval loss", "tok/s", "note"):
+    beta = ["beta"] if plan.has_beta else []
+    metric = [] if plan.metric == "eval_loss" else [LABELS[plan.metric]]
+    for col in ("trial", "status", "micro", "accum", "global", "ckpt", "lr rule", *beta, "base lr", "lr", "estimate",
+                "samples", "eval loss", *metric, "tok/s", "note"):
         t.add_column(col, overflow="fold")
     styles = {"finished": "green", "stopped": "yellow", "infeasible": "red", "error": "red", "skipped": "dim",
               "not run": "dim"}
     for r in rows:
+        beta = [_fmt(r.get("beta"), "g")] if plan.has_beta else []
+        metric = [] if plan.metric == "eval_loss" else [_fmt(r.get(plan.metric), ".4f")]
         t.add_row(
             r["trial_id"] or "-", f"[{styles.get(r['status'], '')}]{r['status']}[/]",
             _fmt(r["micro_batch_size"], "d"), str(r["grad_accum_steps"]), str(r["global_batch_size"]),
             checkpointing_str(r.get("checkpoint_every_n_layers")),
-            r["lr_scaling"], _fmt(r["base_lr"], ".3g"), _fmt(r["effective_lr"], ".3g"), gib_str(r["estimate_gib"]),
-            str(r["samples_seen"] or "-"), _fmt(r["eval_loss"], ".4f"), _fmt(r["tokens_per_s"], ".0f"),
+            r["lr_scaling"], *beta, _fmt(r["base_lr"], ".3g"), _fmt(r["effective_lr"], ".3g"),
+            gib_str(r["estimate_gib"]),
+            str(r["samples_seen"] or "-"), _fmt(r["eval_loss"], ".4f"), *metric, _fmt(r["tokens_per_s"], ".0f"),
             r["reason"][:90],
         )
     return t
@@ -139,21 +176,25 @@ def plot(path: Path, rows: list[dict], plan: Plan, name: str) -> Optional[Path]:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    # Left: eval loss at the full sample budget by accumulation steps, one line per LR rule;
-    # trials ASHA stopped are crosses at their last eval loss (fewer samples).
+    # Left: the search's metric at the full sample budget by accumulation steps, one line per LR
+    # rule (the best trial of each accumulation: over lrs and betas); trials ASHA stopped are
+    # crosses at their last value (fewer samples).
     colors = {"none": "tab:blue", "linear": "tab:orange", "sqrt": "tab:green"}
+    metric, better = plan.metric, (min if plan.mode == "min" else max)
+    over = "best lr and beta" if len({r.get("beta") for r in rows if r.get("beta") is not None}) > 1 else "best lr"
     for rule in ("none", "linear", "sqrt"):
-        fin = [r for r in rows if r["lr_scaling"] == rule and r["status"] == "finished" and r["eval_loss"] is not None]
+        fin = [r for r in rows if r["lr_scaling"] == rule and r["status"] == "finished" and r.get(metric) is not None]
         if fin:
             best_by_accum: dict[int, float] = {}
             for r in fin:
                 a = r["grad_accum_steps"]
-                best_by_accum[a] = min(best_by_accum.get(a, math.inf), r["eval_loss"])
+                best_by_accum[a] = better(best_by_accum.get(a, r[metric]), r[metric])
             xs = sorted(best_by_accum)
-            ax1.plot(xs, [best_by_accum[x] for x in xs], "o-", color=colors[rule], label=f"{rule} (finished, best lr)")
-        stopped = [r for r in rows if r["lr_scaling"] == rule and r["status"] == "stopped" and r["eval_loss"] is not None]
+            ax1.plot(xs, [best_by_accum[x] for x in xs], "o-", color=colors[rule], label=f"{rule} (finished, {over})")
+        stopped = [r for r in rows
+                   if r["lr_scaling"] == rule and r["status"] == "stopped" and r.get(metric) is not None]
         if stopped:
-            ax1.scatter([r["grad_accum_steps"] for r in stopped], [r["eval_loss"] for r in stopped], marker="x",
+            ax1.scatter([r["grad_accum_steps"] for r in stopped], [r[metric] for r in stopped], marker="x",
                         color=colors[rule], label=f"{rule} (stopped early by ASHA)")
     ax1.set_xscale("log", base=2)
     accums = sorted({r["grad_accum_steps"] for r in rows if r["status"] in ("finished", "stopped")})
@@ -161,8 +202,9 @@ def plot(path: Path, rows: list[dict], plan: Plan, name: str) -> Optional[Path]:
         ax1.set_xticks(accums, [str(a) for a in accums])
         ax1.minorticks_off()
     ax1.set_xlabel("gradient accumulation steps")
-    ax1.set_ylabel(f"eval loss (dots: at {plan.samples_per_trial} samples)")
-    ax1.set_title("eval loss by accumulation, per LR scaling rule")
+    label = "eval loss" if metric == "eval_loss" else metric
+    ax1.set_ylabel(f"{label} (dots: at {plan.samples_per_trial} samples)")
+    ax1.set_title(f"{label} by accumulation, per LR scaling rule")
     ax1.grid(alpha=0.3)
     if ax1.has_data():
         ax1.legend(fontsize=8)

@@ -17,8 +17,10 @@ again, resuming from its newest checkpoint. Past that, the trial is an error tha
 and the search goes on.
 
 Workers report every eval; `forward_metrics` turns optimizer steps into samples seen (ASHA's
-time attribute) and holds the final step back for the trial function, which reports it once the
-job's outputs exist. Trials at once: what the cluster holds (`concurrency`).
+time attribute), passes on the search's metric (`search.metric`: the job's `eval_loss`, or its
+`eval_rewards/accuracies` for a preference objective) and holds the final step back for the
+trial function, which reports it once the job's outputs exist. Trials at once: what the
+cluster holds (`concurrency`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -37,7 +39,7 @@ from jobs.errors import NodeLost, SpecError, oom_line
 from jobs.launch import make_trainer, node_lost
 from jobs.outputs import write_json_atomic
 from jobs.spec import JobSpec
-from .plan import (METRIC, PLAN_FILE, STARTS_FILE, STATUS_FILE, TIME_ATTR, TRIALS_DIR, TUNE_DIR, Plan, gib_str,
+from .plan import (PLAN_FILE, STARTS_FILE, STATUS_FILE, TIME_ATTR, TRIALS_DIR, TUNE_DIR, Plan, gib_str,
                    spec_fingerprint, trial_job_dict, trial_name)
 from .spec import SearchSpec
 
@@ -59,29 +61,33 @@ def read_json(path: Path) -> Optional[dict]:
         return None
 
 
-def forward_metrics(m: dict, global_batch: int, max_steps: int) -> Optional[dict]:
+def forward_metrics(m: dict, global_batch: int, max_steps: int, metric: str = "eval_loss") -> Optional[dict]:
     """What one worker report becomes for Tune, or None to hold it back.
 
     `samples_seen` = optimizer steps x global batch: the ASHA time attribute. The final step is
     held back: the trial function reports it once the job has written its outputs, so an ASHA
     decision at the last rung can never cut the job off before summary.json and the adapter exist.
-    Reports without an eval loss (there are none with the cadence the plan sets) are held back too.
+    Reports without `metric` (there are none with the cadence the plan sets) are held back too.
+    Beside another metric the eval loss travels too, for the report.
     """
     step = m.get("step")
-    if not step or step >= max_steps or m.get(METRIC) is None:
+    if not step or step >= max_steps or m.get(metric) is None:
         return None
-    return {TIME_ATTR: int(step) * global_batch, METRIC: float(m[METRIC]), "step": int(step),
-            "loss": m.get("loss"), "tokens_per_s": m.get("tokens_per_s")}
+    out = {TIME_ATTR: int(step) * global_batch, metric: float(m[metric]), "step": int(step),
+           "loss": m.get("loss"), "tokens_per_s": m.get("tokens_per_s")}
+    if metric != "eval_loss":
+        out["eval_loss"] = m.get("eval_loss")
+    return out
 
 
-def _make_forwarder(global_batch: int, max_steps: int):
+def _make_forwarder(global_batch: int, max_steps: int, metric: str):
     """A Ray Train UserCallback (it runs in the Train controller) that forwards rank 0's reports to
     the Tune session of the trial, as Ray's own `TuneReportCallback` does, through `forward_metrics`."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     class ForwardToTune(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
-            out = forward_metrics(metrics[0], global_batch, max_steps)
+            out = forward_metrics(metrics[0], global_batch, max_steps, metric)
             if out is None:
                 return
             if checkpoint is not None:
@@ -125,8 +131,9 @@ def run_trial(config: dict, setup: dict) -> None:
     _log_start(out, "train")
 
     t0 = time.time()
+    metric = setup.get("metric", "eval_loss")
     try:
-        _fit(spec, p, out, int((setup["job"].get("run") or {}).get("max_failures") or 0))
+        _fit(spec, p, out, int((setup["job"].get("run") or {}).get("max_failures") or 0), metric)
     except NodeLost as e:
         write_json_atomic(out / STATUS_FILE, {"status": "error", "error": str(e), "node_id": e.node_id,
                                               "node_ip": e.node_ip, "wall_s": time.time() - t0})
@@ -140,20 +147,34 @@ def run_trial(config: dict, setup: dict) -> None:
         write_json_atomic(out / STATUS_FILE, {"status": "error", "error": f"{type(e).__name__}: {str(e)[:500]}"})
         raise
     summary = read_json(out / "summary.json") or {}
-    result = {TIME_ATTR: p["max_steps"] * p["global_batch_size"], METRIC: summary.get("eval_loss"),
+    result = {TIME_ATTR: p["max_steps"] * p["global_batch_size"], "eval_loss": summary.get("eval_loss"),
               "step": summary.get("steps"), "loss": summary.get("final_loss"),
               "tokens_per_s": summary.get("mean_tokens_per_s"), "tokens_seen": summary.get("tokens_seen"),
               "peak_mem_gib": summary.get("peak_mem_gib"), "finished": True}
+    if metric != "eval_loss":
+        result[metric] = final_value(summary, out, metric, p["max_steps"])
     write_json_atomic(out / STATUS_FILE, {"status": "finished", "result": result, "wall_s": time.time() - t0})
     tune.report(result)
 
 
-def _fit(spec: JobSpec, p: dict, out: Path, node_retries: int) -> None:
+def final_value(summary: dict, out: Path, metric: str, max_steps: int) -> Optional[float]:
+    """`metric` at the trial's last step: summary.json's, else the final step's metrics.jsonl record
+    (a job resumed at its last checkpoint trains no step and its summary carries only the eval loss)."""
+    if summary.get(metric) is not None:
+        return summary[metric]
+    from jobs.outputs import read_metrics
+
+    last = [r for r in read_metrics(out) if r.get("step") == max_steps and r.get(metric) is not None]
+    return last[-1][metric] if last else None
+
+
+def _fit(spec: JobSpec, p: dict, out: Path, node_retries: int, metric: str = "eval_loss") -> None:
     """Train the trial's job: its own TorchTrainer (max_failures 0 and one checkpoint kept come from
     the trial's spec) with rank 0's reports forwarded to this trial's Tune session; trained again,
     from its newest checkpoint, up to `node_retries` times when a node of its workers is lost."""
     for attempt in range(node_retries + 1):
-        trainer = make_trainer(spec, resume=True, callbacks=[_make_forwarder(p["global_batch_size"], p["max_steps"])])
+        forward = _make_forwarder(p["global_batch_size"], p["max_steps"], metric)
+        trainer = make_trainer(spec, resume=True, callbacks=[forward])
         try:
             trainer.fit()
             return
@@ -312,7 +333,7 @@ def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: Op
     max_conc = concurrency(spec, n_trials, notes)
 
     setup = {"job": spec.job_dict(), "trials_dir": str((out / TRIALS_DIR).resolve()), "budget_gib": plan.budget_gib,
-             "name": spec.name}
+             "name": spec.name, "metric": plan.metric}
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": 1})
     s = spec.search
     if resumed:
@@ -330,7 +351,7 @@ def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: Op
             trainable,
             param_space={"point": tune.grid_search([p.trial_config() for p in plan.planned]), "lr": lr_space},
             tune_config=tune.TuneConfig(
-                metric=METRIC, mode="min", scheduler=scheduler, num_samples=s.num_samples,
+                metric=plan.metric, mode=plan.mode, scheduler=scheduler, num_samples=s.num_samples,
                 # The concurrency limit goes to the generator: Tune ignores max_concurrent_trials when
                 # a search_alg is passed, and a seeded generator is what makes the lr draws reproducible.
                 search_alg=BasicVariantGenerator(max_concurrent=max_conc, random_state=seed),
@@ -338,7 +359,7 @@ def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: Op
             run_config=tune.RunConfig(
                 name=TUNE_DIR, storage_path=str(out.resolve()), verbose=0,
                 failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),  # never retried
-                callbacks=[Announce(), *tracking_callbacks(spec)]),
+                callbacks=[Announce(plan.metric), *tracking_callbacks(spec)]),
         )
     print(f"search {spec.name}: {n_trials} trial(s) of {len(plan.points)} point(s) "
           f"({sum(p.status == 'infeasible' for p in plan.points)} infeasible, "
@@ -355,7 +376,7 @@ def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: Op
         controller_log.removeFilter(_known_trial_failures)
     interrupted = grid.num_terminated + grid.num_errors < len(grid)
     rows = collect_rows(plan, grid, out)
-    best = report.pick_best(rows, plan.samples_per_trial)
+    best = report.pick_best(rows, plan.samples_per_trial, plan.metric, plan.mode)
     files = report.write_all(out, raw_spec, plan, rows, best, notes, interrupted=interrupted)
     return Outcome(rows, best, interrupted, resumed, files, notes)
 
@@ -407,6 +428,7 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
         recs = [x for x in read_metrics(tdir) if x.get("step", 0) * p["global_batch_size"] <= samples] if samples else []
         tps = [x["tokens_per_s"] for x in recs if x.get("tokens_per_s")]
         starts = (tdir / STARTS_FILE).read_text().splitlines() if (tdir / STARTS_FILE).exists() else []
+        reported = status in ("finished", "stopped")
         rows.append({
             "trial_id": trial_id, "status": status, "key": p["key"],
             "micro_batch_size": p["micro_batch_size"], "grad_accum_steps": p["grad_accum_steps"],
@@ -417,12 +439,12 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
             "estimate_gib": p["estimate_gib"], "budget_gib": plan.budget_gib,
             "samples_seen": samples, "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
             "steps": samples // p["global_batch_size"] if samples else 0,
-            "eval_loss": m.get(METRIC) if status in ("finished", "stopped") else None,
+            "eval_loss": m.get("eval_loss") if reported else None,
             "tokens_per_s": m.get("tokens_per_s") if status == "finished" and m.get("tokens_per_s")
             else (sum(tps) / len(tps) if tps else None),
             "trainings_started": sum(1 for line in starts if line.endswith(" train")),
             "reason": reason, "output_dir": str(tdir),
-        })
+        } | _searched(plan, p, m.get(plan.metric) if reported else None))
     for p in plan.points:
         if p.status == "planned":
             continue
@@ -435,8 +457,17 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
             "estimate_gib": p.estimate_gib, "budget_gib": plan.budget_gib, "samples_seen": 0, "tokens_seen": None,
             "steps": 0, "eval_loss": None, "tokens_per_s": None, "trainings_started": 0,
             "reason": p.reason, "output_dir": None,
-        })
+        } | _searched(plan, asdict(p), None))
     order = {"finished": 0, "stopped": 1, "infeasible": 2, "error": 3, "not run": 4, "skipped": 5}
-    rows.sort(key=lambda x: (order.get(x["status"], 9), x["eval_loss"] if x["eval_loss"] is not None else math.inf,
+    sign = 1 if plan.mode == "min" else -1  # best first
+    rows.sort(key=lambda x: (order.get(x["status"], 9),
+                             sign * x[plan.metric] if x[plan.metric] is not None else math.inf,
                              x["micro_batch_size"] or 0, x["grad_accum_steps"]))
     return rows
+
+
+def _searched(plan: Plan, point: dict, value: Optional[float]) -> dict:
+    """A row's beta (preference objectives: the one the trial trains with) and its value of the search's
+    metric (beside eval_loss, which every row has)."""
+    extra = {"beta": plan.beta_of(point)} if plan.has_beta else {}
+    return extra | ({} if plan.metric == "eval_loss" else {plan.metric: value})

@@ -5,6 +5,12 @@ docstring per field, one-line errors that name the field path, exit code 2). Eve
 outside `search` is the base job every trial starts from; a trial overrides only the batch
 split, the learning rate and its scaling rule, checkpointing and the step/eval cadence.
 
+A trial of a preference objective may also carry its own `objective.beta` (`search.beta`: a
+grid dimension beside the batch split and the lr rule), and trials are compared on
+`search.metric`: the eval loss (lowest wins) or TRL's held-out preference accuracy
+`eval_rewards/accuracies` (highest wins). Eval losses at different beta are not comparable (every
+preference loss changes with beta), so a search over several betas must compare on accuracy.
+
 Two modes:
 
 * `fixed_global_batch`: `batch.global_batch_size` stays; each `grad_accum_steps` choice
@@ -19,14 +25,19 @@ Two modes:
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jobs.errors import SpecError
-from jobs.spec import JobSpec, apply_overrides, check_files, read_yaml, validate
+from jobs.spec import JobSpec, ObjectiveSpec, apply_overrides, check_files, read_yaml, validate
 
 Rule = Literal["none", "linear", "sqrt"]
+Metric = Literal["eval_loss", "eval_rewards/accuracies"]
+# How trials compare on each metric: the lowest eval loss wins, the highest preference accuracy.
+METRIC_MODES = {"eval_loss": "min", "eval_rewards/accuracies": "max"}
+# A searched beta obeys objective.beta's own bounds (they live on ObjectiveSpec).
+Beta = Annotated[float, *ObjectiveSpec.model_fields["beta"].metadata]
 
 
 class _Section(BaseModel):
@@ -78,7 +89,7 @@ class SearchSection(_Section):
     """Evaluate and report every N training samples; default: the least common multiple of the searched
     global batches, so every trial reports at the same sample counts."""
     scheduler: Literal["asha", "fifo"] = "asha"
-    """`asha`: stop trials early on eval loss at equal samples seen; `fifo`: run every trial to the end."""
+    """`asha`: stop trials early on `search.metric` at equal samples seen; `fifo`: run every trial to the end."""
     asha: AshaSpec = Field(default_factory=AshaSpec)
     """ASHA settings (time attribute: training samples seen)."""
     max_concurrent_trials: Optional[int] = Field(None, gt=0)
@@ -86,6 +97,14 @@ class SearchSection(_Section):
     the trial function plus its workers' CPUs (and GPUs)."""
     seed: Optional[int] = None
     """Seed of the learning-rate sampler; default `run.seed`."""
+    beta: Optional[list[Beta]] = None
+    """Preference objectives with a beta (dpo, ipo, simpo, orpo) only: `objective.beta` values to try, a grid
+    dimension beside accumulation and the lr rule (default: the base job's `objective.beta`). More than
+    one needs `search.metric: eval_rewards/accuracies` (eval losses at different beta are not comparable)."""
+    metric: Metric = "eval_loss"
+    """What trials are compared on (ASHA's rungs and the best trial): `eval_loss` (lowest wins) or, for a
+    preference objective, TRL's `eval_rewards/accuracies`, the held-out fraction of pairs whose chosen
+    response gets the higher reward (highest wins; it does not depend on beta)."""
 
     @field_validator("grad_accum_steps", "micro_batch_size")
     @classmethod
@@ -100,6 +119,22 @@ class SearchSection(_Section):
         if len(set(v)) != len(v):
             raise ValueError(f"values must be unique (got {v})")
         return v
+
+    @field_validator("beta")
+    @classmethod
+    def _betas(cls, v: Optional[list[float]]) -> Optional[list[float]]:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("must list at least one value")
+        if len(set(v)) != len(v):
+            raise ValueError(f"values must be unique (got {v})")
+        return v
+
+    @property
+    def mode_of_metric(self) -> str:
+        """"min" or "max": how trials compare on `metric`."""
+        return METRIC_MODES[self.metric]
 
     @field_validator("lr_scaling")
     @classmethod
@@ -132,6 +167,7 @@ class SearchSpec(JobSpec):
         if self.run.epochs is not None or self.run.max_steps is not None:
             raise ValueError("run.max_steps: not used by a search (every trial runs search.samples_per_trial "
                              "samples); remove run.max_steps / run.epochs")
+        self._objective_consistent()
         g = s.asha.grace_samples
         if g is not None and s.eval_every_samples is not None and g % s.eval_every_samples:
             raise ValueError(f"search.asha.grace_samples={g} is not a multiple of "
@@ -140,6 +176,19 @@ class SearchSpec(JobSpec):
             raise ValueError(f"search.samples_per_trial={s.samples_per_trial} is not a multiple of "
                              f"search.eval_every_samples={s.eval_every_samples}")
         return self
+
+    def _objective_consistent(self) -> None:
+        """`search.beta` and `search.metric` against the base job's objective."""
+        s, obj = self.search, self.objective
+        if s.beta is not None and obj.value("beta") is None:
+            raise ValueError(f"search.beta: objective.name={obj.name} has no beta (search it with dpo, ipo, "
+                             "simpo or orpo)")
+        if s.metric != "eval_loss" and not obj.is_preference:
+            raise ValueError(f"search.metric={s.metric}: only for preference objectives (objective.name={obj.name} "
+                             "reports eval_loss)")
+        if s.beta is not None and len(s.beta) > 1 and s.metric == "eval_loss":
+            raise ValueError("search.beta: eval losses at different beta are not comparable (the preference loss "
+                             "changes with beta); compare the trials on search.metric=eval_rewards/accuracies")
 
     @property
     def budget(self) -> float:
@@ -170,4 +219,4 @@ def load_search_spec(path=None, overrides: Optional[list[str]] = None, *, data: 
     return spec
 
 
-__all__ = ["SearchSpec", "SearchSection", "LrRange", "AshaSpec", "load_search_spec", "Rule"]
+__all__ = ["SearchSpec", "SearchSection", "LrRange", "AshaSpec", "load_search_spec", "Rule", "Metric", "METRIC_MODES"]

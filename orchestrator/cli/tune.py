@@ -8,7 +8,8 @@
         that splits the global batch over the workers, with checkpointing off and on.
     rayft tune SPEC [k=v ...] [--resume | --fresh] [--plan] [--address ADDR] [--num-cpus N]
         the search of a search spec (a job spec plus `search`; see tune/spec.py): the plan
-        (tune.plan), then the trials on Ray (tune.run).
+        (tune.plan), then the trials on Ray (tune.run), compared on `search.metric` (eval loss,
+        or a preference objective's held-out accuracy when it searches `objective.beta`).
 
 Every user mistake raises `jobs.errors.SpecError` before anything starts; `orchestrator.cli.main`
 prints it as one line, exit code 2.
@@ -31,7 +32,8 @@ def register(sub) -> None:
                      help="estimate for this device (default: cuda with resources.use_gpu, else cpu)")
     est.set_defaults(fn=cmd_estimate)
 
-    tn = sub.add_parser("tune", help="search accumulation steps and LR scaling under a memory budget (Ray Tune)")
+    tn = sub.add_parser("tune", help="search accumulation steps, LR scaling and a preference objective's beta under a "
+                                     "memory budget (Ray Tune)")
     tn.add_argument("spec", help="search spec YAML: a job spec plus a `search` section")
     tn.add_argument("overrides", nargs="*", metavar="section.field=value")
     g = tn.add_mutually_exclusive_group()
@@ -242,8 +244,17 @@ def cmd_tune(args) -> int:
         return 1
     b = outcome.best
     con.print(f"best: trial {b['trial_id']}: micro {b['micro_batch_size']} x accum {b['grad_accum_steps']}, "
-              f"lr {b['base_lr']:.3g} ({b['lr_scaling']}), eval loss {b['eval_loss']:.4f} -> {outcome.files['best']}")
+              f"lr {b['base_lr']:.3g} ({b['lr_scaling']}), {_best_value(plan, b)} -> {outcome.files['best']}")
     return 0
+
+
+def _best_value(plan, b: dict) -> str:
+    """SFT (and any eval-loss search): `eval loss 1.2345`; with beta and another metric:
+    `beta 0.1, eval_rewards/accuracies 0.7500 (highest; eval_loss 0.6931)`."""
+    from tune.report import value_str
+
+    beta = "" if b.get("beta") is None else f"beta {b['beta']:g}, "
+    return beta + (f"eval loss {b['eval_loss']:.4f}" if plan.metric == "eval_loss" else value_str(plan, b))
 
 
 def _print_plan(plan) -> None:
@@ -251,13 +262,15 @@ def _print_plan(plan) -> None:
     from tune.plan import gib_str
 
     out = sys.stderr
+    best = "" if plan.metric == "eval_loss" else f"; trials compared on {plan.metric} ({plan.mode})"
     print(f"plan: budget {gib_str(plan.budget_gib)} on {plan.device}; {plan.samples_per_trial} samples per trial, "
-          f"eval every {plan.eval_every_samples} samples", file=out)
+          f"eval every {plan.eval_every_samples} samples{best}", file=out)
     for p in plan.points:
         est = "-" if p.estimate_gib is None else gib_str(p.estimate_gib)
         ck = checkpointing_str(p.checkpoint_every_n_layers)
+        beta = "" if p.beta is None else f"beta {p.beta:<6g}, "
         print(f"  {p.status:10} micro {p.micro_batch_size or '-':>3} x accum {p.grad_accum_steps:>3} = global "
-              f"{p.global_batch_size:>4}, lr_scaling {p.lr_scaling:6}, {p.strategy or '-'}, checkpointing {ck}, "
+              f"{p.global_batch_size:>4}, lr_scaling {p.lr_scaling:6}, {beta}{p.strategy or '-'}, checkpointing {ck}, "
               f"estimate {est}"
               + (f"  ({p.reason})" if p.reason else ""), file=out)
     for n in plan.notes:
