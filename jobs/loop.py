@@ -370,7 +370,7 @@ def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, engine: Engine, resume
         return Position()
     state = ckpt.restore(newest, spec, ctx.rank, ctx.world_size, job.model, engine.optimizer, job.scaler)
     pos = Position(state["step"], state["tokens_seen"], state["skipped_steps"], state.get("eval_loss"), str(newest),
-                   state.get("early_stopping"))
+                   state.get("early_stopping"), state.get("eval_stats") or {})
     if ctx.is_main and pos.step >= job.steps:
         log.warning("%s already ran all %d steps (%s): nothing to train; outputs are rewritten from it "
                     "(--fresh trains again)", spec.name, job.steps, newest)
@@ -562,7 +562,7 @@ def save_checkpoint(spec: JobSpec, ctx: Context, job: Job, engine: Engine, pos: 
     (gathered from the FSDP shards), so any strategy and worker count can resume from them."""
     state = {"step": done, "next_global_batch": done, "tokens_seen": pos.tokens_seen,
              "skipped_steps": pos.skipped_steps, "world_size": ctx.world_size, "eval_loss": pos.eval_loss,
-             "resume_key": job.resume_key, "early_stopping": stopper.state()}
+             "resume_key": job.resume_key, "early_stopping": stopper.state(), "eval_stats": pos.eval_stats}
     adapter, optim_state = fsdp.adapter_state(job.model, engine.optimizer)  # every rank: a collective under FSDP
     shared = (adapter, optim_state, job.scaler) if ctx.is_main else ()
     ctx.save_checkpoint(spec.output_path / "checkpoints", done, ckpt.rank_files(ctx.rank, state, *shared), last,
