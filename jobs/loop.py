@@ -471,7 +471,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         job.reference = precomputed_reference(spec, ctx, job, engine, pair_batch)
     pos = resume_or_seed(spec, ctx, job, engine, resume)
     metrics_log = MetricsLog(out, pos.step) if ctx.is_main else None
-    trackers = open_trackers(spec, pos.step, job.steps, ctx.is_main)
+    trackers = open_trackers(spec, pos.step, ctx.is_main)
     if ctx.is_main:
         announce(spec, ctx, job, pos)
 
@@ -500,7 +500,8 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         dt = time.perf_counter() - t0
         run_tokens, run_step_s = run_tokens + n_inputs, run_step_s + dt
         done = step + 1
-        if spec.run.eval_every and done % spec.run.eval_every == 0 or done == job.steps:
+        evaluated = bool(spec.run.eval_every and done % spec.run.eval_every == 0) or done == job.steps
+        if evaluated:
             if job.objective.is_preference:
                 pos.eval_loss, pos.eval_stats = held_out_pairs(engine, job, rank, world, spec.batch.micro_batch_size)
             else:
@@ -512,7 +513,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
                 "tokens_seen": pos.tokens_seen, "label_tokens": n_labels, "tokens_per_s": n_inputs / dt,
                 "step_time_s": dt, "epoch": job.batches.epoch_of(done), "peak_mem_gib": peak / GIB,
                 "peak_mem_kind": peak_kind, "estimate_gib": job.plan.total_gib, "skipped": skipped,
-                "eval_loss": pos.eval_loss, **stats, **pos.eval_stats}
+                "eval_loss": pos.eval_loss, "evaluated": evaluated, **stats, **pos.eval_stats}
         if ctx.is_main:
             if step == pos.step:  # the first step of this run
                 append_event(out, "first_step", step=done)
@@ -597,7 +598,11 @@ def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, adapter: d
     job.tokenizer.save_pretrained(adapter_dir)
     if spec.model.name == "tiny-llama":
         _save_tiny_base(spec, out / "base", adapter_dir)
-    plot_loss(out, records, f"{spec.name}: {spec.batch.global_batch_size} seq/step, accum {spec.grad_accum_steps}")
+    if job.objective.is_preference:
+        plot_loss(out, records, f"{spec.name}: {spec.batch.global_batch_size} pairs/step, accum {spec.grad_accum_steps}",
+                  ylabel=f"{spec.objective.name} loss (mean per pair)", train_label="train loss (mean over pairs)")
+    else:
+        plot_loss(out, records, f"{spec.name}: {spec.batch.global_batch_size} seq/step, accum {spec.grad_accum_steps}")
     final = last or (records[-1] if records else {})  # a rerun of a finished job trains no step
     summary = {
         "name": spec.name,

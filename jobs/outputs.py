@@ -202,7 +202,17 @@ def set_aside(path: Path) -> Optional[Path]:
     return dest
 
 
-def plot_loss(output_dir: Path, records: list[dict], title: str) -> Optional[Path]:
+def loss_points(records: list[dict]) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(train, eval) (step, loss) points of a run's metrics: the train loss of every step, the eval
+    loss only at the steps where it was measured (a record carries the last eval loss forward;
+    `evaluated` says where it is new)."""
+    train = [(r["step"], r["loss"]) for r in records]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("evaluated") and r.get("eval_loss") is not None]
+    return train, evals
+
+
+def plot_loss(output_dir: Path, records: list[dict], title: str, ylabel: str = "loss (nats / label token)",
+              train_label: str = "train loss (token-weighted)") -> Optional[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,13 +220,13 @@ def plot_loss(output_dir: Path, records: list[dict], title: str) -> Optional[Pat
 
     if not records:
         return None
+    train, evals = loss_points(records)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss (token-weighted)")
-    ev = [r for r in records if r.get("eval_loss") is not None]
-    if ev:
-        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss")
+    ax.plot(*zip(*train), label=train_label)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats / label token)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -41,7 +41,7 @@ MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS = "mlartifacts"
 MLFLOW_RUN_FILE = "mlflow_run.json"
 # Fields of a metrics record that are not metrics (the step is the axis; the kind is a word).
-NOT_METRICS = ("step", "peak_mem_kind")
+NOT_METRICS = ("step", "peak_mem_kind", "evaluated")
 
 
 def tracking_uri(spec) -> str:
@@ -110,8 +110,8 @@ class Trackers:
     """The trackers of one run on rank 0. `log_step(record)` per optimizer step,
     `checkpointed(step)` after a checkpoint is written, `finish(summary, files)` at the end."""
 
-    def __init__(self, spec: Optional[JobSpec] = None, resume_step: int = 0, total_steps: int = 0):
-        self.spec, self.total_steps = spec, total_steps
+    def __init__(self, spec: Optional[JobSpec] = None, resume_step: int = 0):
+        self.spec = spec
         self.tb = None          # tensorboard SummaryWriter
         self.ml = None          # mlflow MlflowClient
         self.run_id: Optional[str] = None
@@ -160,10 +160,6 @@ class Trackers:
 
     # ---- per step ---------------------------------------------------------------------------
 
-    def evaluated(self, step: int) -> bool:
-        every = self.spec.run.eval_every
-        return bool(every and step % every == 0) or step == self.total_steps
-
     def log_step(self, record: dict) -> None:
         if self.spec is None:
             return
@@ -174,7 +170,7 @@ class Trackers:
 
     def _tb_step(self, record: dict) -> None:
         step = record["step"]
-        for key, value in metrics_of(record, self.evaluated(step)).items():
+        for key, value in metrics_of(record, bool(record.get("evaluated"))).items():
             self.tb.add_scalar(key, value, step)
         self.tb.flush()
 
@@ -193,7 +189,7 @@ class Trackers:
 
         now_ms = int(time.time() * 1000)
         metrics = [Metric(k, v, now_ms, r["step"]) for r in records
-                   for k, v in metrics_of(r, self.evaluated(r["step"])).items()]
+                   for k, v in metrics_of(r, bool(r.get("evaluated"))).items()]
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit
             self.ml.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
@@ -246,8 +242,8 @@ class Trackers:
                 self.ml, self.pending = None, []
 
 
-def open_trackers(spec: JobSpec, resume_step: int, total_steps: int, is_main: bool) -> Trackers:
+def open_trackers(spec: JobSpec, resume_step: int, is_main: bool) -> Trackers:
     """The run's trackers on rank 0; an inert object elsewhere or when `run.trackers` is empty."""
     if not is_main or not spec.run.trackers:
         return Trackers()
-    return Trackers(spec, resume_step, total_steps)
+    return Trackers(spec, resume_step)

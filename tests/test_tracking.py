@@ -184,3 +184,20 @@ def test_a_search_logs_every_trial_as_a_run_of_one_experiment(tmp_path):
     params = " ".join(str(v) for r in runs for v in r["params"].values())
     assert "linear" in params  # the lr rule
     assert all(r["history"]["eval_loss"] for r in runs)
+
+
+def test_the_loss_curve_has_eval_points_only_where_the_eval_ran(tmp_path, monkeypatch):
+    """metrics.jsonl carries the last eval loss forward on every step; the plot (and the trackers)
+    take it only at the steps marked `evaluated` (every run.eval_every=2 steps, and the last)."""
+    from jobs.outputs import loss_points
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    _train(out, "run.max_steps=5")
+    records = read_metrics(out)
+    assert [r["evaluated"] for r in records] == [False, True, False, True, True]
+    assert records[2]["eval_loss"] == records[1]["eval_loss"]  # carried forward, not measured
+    train, evals = loss_points(records)
+    assert [s for s, _ in train] == [1, 2, 3, 4, 5]
+    assert [s for s, _ in evals] == [2, 4, 5]
+    assert (out / "loss_curve.png").stat().st_size > 0
