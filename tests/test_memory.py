@@ -671,15 +671,92 @@ def _local_storage_bytes(params) -> dict[str, int]:
     return out
 
 
+class GatheredPeak(TorchDispatchMode):
+    """The most FSDP2 holds all-gathered at once, checked after every op run under it: the
+    unsharded parameters of every unit and the flat all-gather buffers (a unit's own, awaiting
+    its copy-out, and the one forward keeps until the next copy-out), every storage once. Reads
+    FSDP2's internals (torch 2.13 `FSDPParamGroup`): a test instrument, not rayft's code.
+    `units_in_backward`: which units were ever gathered after `backward` was set."""
+
+    def __init__(self, root: torch.nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        super().__init__()
+        self.groups = []
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                self.groups += [g for g in m._get_fsdp_state()._fsdp_param_groups if g not in self.groups]
+        self.peak = 0
+        self.backward = False
+        self.units_in_backward: set[str] = set()
+
+    def gathered(self) -> int:
+        live: dict[int, int] = {}
+
+        def add(t: torch.Tensor) -> bool:
+            st = t.untyped_storage()
+            if st.nbytes():
+                live[st.data_ptr()] = st.nbytes()
+            return st.nbytes() > 0
+
+        for g in self.groups:
+            own = [add(t) for fp in g.fsdp_params for t in (*fp.all_gather_outputs, *fp._unsharded_inner_tensors)]
+            if g._all_gather_result is not None:
+                own.append(add(g._all_gather_result.all_gather_output))
+            if self.backward and any(own):
+                self.units_in_backward.add(g._module_fqn)
+            held = getattr(g.comm_ctx, "all_gather_state", None)  # set at the lazy init
+            if held is not None:
+                add(held.all_gather_result.all_gather_output)
+        return sum(live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.gathered())
+        return out
+
+
+# (case, reshard_after_forward) pairs whose all-gathered peak the two ranks measure: the layers,
+# the embeddings or the head the largest unit; tied embeddings; the chunked loss head.
+GATHERED_CASES = [
+    (FSDP_CASE, True), (FSDP_CASE, False), ({**FSDP_CASE, "gc": True}, True),
+    ({**FSDP_CASE, "id": "big-vocab", "vocab": 1001, "gc": True}, True),
+    ({**FSDP_CASE, "id": "big-vocab-chunks", "vocab": 1001, "chunk": 16}, False),
+    ({**FSDP_CASE, "id": "tied", "vocab": 1001, "tied": True}, True),
+    ({**FSDP_CASE, "id": "tied", "vocab": 1001, "tied": True, "gc": True}, False),
+]
+
+
+def _gathered_peak(kw: dict, reshard: bool) -> dict:
+    """One forward + backward of `Case(**kw)` sharded by `jobs.fsdp.shard`: the all-gathered peak,
+    and which units were gathered in backward."""
+    from jobs import fsdp
+
+    case = Case(**kw)
+    model = build(case)
+    module = fsdp.shard(loss_module(model, case), model, case.dtype, reshard, torch.device("cpu"), 2)
+    units = fsdp.units(model)
+    batch = batch_for(case)
+    with GatheredPeak(module) as mode:
+        loss = module(**batch)
+        mode.backward = True
+        loss.backward()
+    names = {n: m for n, m in model.get_base_model().named_modules()}
+    embeddings = None if units.tied else next(n for n, m in names.items() if m is units.embeddings)
+    return {"peak": mode.peak, "embeddings_in_backward": any(embeddings and n.endswith(embeddings)
+                                                             for n in mode.units_in_backward)}
+
+
 def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
-    """One of two gloo ranks: the case's model with PEFT LoRA, `fully_shard` per decoder layer and
-    on the loss module (the root, as `jobs.fsdp.shard` does), then this rank's parameter bytes and
-    the bytes autograd keeps after one forward."""
+    """One of two gloo ranks: the case's model with PEFT LoRA, sharded by `jobs.fsdp.shard` as the
+    loop does, then this rank's parameter bytes and the bytes autograd keeps after one forward;
+    and the all-gathered peak of each of `GATHERED_CASES`."""
     import json
     import os
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+
+    from jobs import fsdp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -687,10 +764,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
     try:
         case = Case(**FSDP_CASE)
         model = build(case)
-        loss_mod = loss_module(model, case)
-        for layer in decoder_of(model).layers:
-            fully_shard(layer)
-        fully_shard(loss_mod)
+        loss_mod = fsdp.shard(loss_module(model, case), model, case.dtype, True, torch.device("cpu"), 2)
         held = _local_storage_bytes(loss_mod.parameters())
         saved: list[tuple[str, torch.Tensor]] = []
         where = ["decoder"]
@@ -704,7 +778,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
             loss = loss_mod(**batch_for(case))
         hook.remove()
         # After forward each layer's gathered weights are freed (their storages are empty now); the
-        # root's stay gathered and are parameters: weights, not activations, either way.
+        # head's stay gathered and are parameters: weights, not activations, either way.
         params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
                   for p in loss_mod.parameters()}
         kept: dict[int, tuple[str, int]] = {}
@@ -719,6 +793,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
         grads = {p.grad.to_local().untyped_storage().data_ptr(): p.grad.to_local().untyped_storage().nbytes()
                  for p in loss_mod.parameters() if p.requires_grad}
         out["lora_grads"] = sum(grads.values())
+        out["gathered"] = [_gathered_peak(kw, reshard) for kw, reshard in GATHERED_CASES]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
     finally:
@@ -766,10 +841,27 @@ def test_fsdp_keeps_the_same_activations(fsdp_measured):
     assert abs(rel(est["fsdp"]["activations"], plain["decoder"])) <= TOL_SAVED
 
 
+@pytest.mark.slow
+def test_fsdp_gathered_units_match_fully_shard_on_two_ranks(fsdp_measured):
+    """The most FSDP2 holds all-gathered at once over forward + backward, every storage counted
+    (unsharded parameters and all-gather buffers), equals the estimate's `fsdp_gathered` for
+    `jobs.fsdp`'s units: layers, embeddings or head the largest unit, resharding after forward
+    or not, tied embeddings, the chunked loss head. Resharding after forward, the untied
+    embeddings are not gathered in backward (frozen, fed token ids: nothing of them is needed)."""
+    for (kw, reshard), *ranks in zip(GATHERED_CASES, *(r["gathered"] for r in fsdp_measured)):
+        est = Case(**kw).estimate(strategy="fsdp", world_size=2, reshard_after_forward=reshard)
+        for rank in ranks:
+            assert rank["peak"] == est.components["fsdp_gathered"], (kw, reshard, est.details["fsdp_unit_bytes"])
+            # resharding, the embeddings are not gathered again in backward; kept, they are still held
+            assert rank["embeddings_in_backward"] == (not reshard and not kw.get("tied")), (kw, reshard)
+
+
 def test_fsdp_gathered_layers_and_resharding():
-    """What is gathered at the peak: the root's weights, plus two layers when resharding after
-    forward, every layer when not; the sharded part shrinks with the world size, the gathered
-    part does not."""
+    """What is gathered at the peak, unit by unit (`jobs.fsdp.units`: embeddings E, each layer l,
+    [final norm, LM head] H): resharding after forward, two units' worth of the largest; keeping
+    them gathered, the embeddings and every layer beside the head and one more unit's buffer; tied
+    embeddings, their one unit beside the layers. The sharded part shrinks with the world size, the
+    gathered part does not."""
     cfg = _llama(num_hidden_layers=6)
     shape = memory.model_shape(cfg)
     kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="bf16", lora_r=8,
@@ -777,13 +869,25 @@ def test_fsdp_gathered_layers_and_resharding():
     reshard = estimate(cfg, reshard_after_forward=True, **kw).components
     keep = estimate(cfg, reshard_after_forward=False, **kw).components
     params = memory.count_base_params(shape)
-    root = 2 * (params["embeddings"] + params["final_norm"] + params["lm_head"])
-    layer = (keep["fsdp_gathered"] - reshard["fsdp_gathered"]) // (6 - 2)
-    assert reshard["fsdp_gathered"] == root + 2 * layer and keep["fsdp_gathered"] == root + 6 * layer
+    E, H = 2 * params["embeddings"], 2 * (params["final_norm"] + params["lm_head"])
     lora_layer = memory.count_lora_params(shape, 8, DEFAULT_TARGET_MODULES) // 6
-    assert layer == 2 * (params["layers"] // 6 + lora_layer)  # frozen + LoRA, gathered in bf16
+    layer = 2 * (params["layers"] // 6 + lora_layer)  # frozen + LoRA, gathered in bf16
+    assert layer > H > E  # (300 x 64 embeddings: no padding over 4 ranks)
+    assert reshard["fsdp_gathered"] == 2 * layer
+    assert keep["fsdp_gathered"] == E + 6 * layer + H + layer
+    # Resharding, the old root unit (embeddings, norm and head gathered all along) is gone.
+    assert reshard["fsdp_gathered"] < E + H + 2 * layer
+    wide = _llama(num_hidden_layers=6, vocab_size=3000)  # the embeddings and the head outgrow a layer
+    E_wide, H_wide = 2 * 3000 * 64, 2 * (3000 * 64 + 64)
+    assert estimate(wide, reshard_after_forward=True, **kw).components["fsdp_gathered"] == 2 * H_wide
+    assert estimate(wide, reshard_after_forward=False, **kw).components["fsdp_gathered"] == \
+        E_wide + 6 * layer + 2 * H_wide
+    tied = _llama(num_hidden_layers=6, tie_word_embeddings=True)
+    T = 2 * (params["embeddings"] + params["final_norm"])  # one unit: embeddings (= LM head) and norm
+    assert estimate(tied, reshard_after_forward=True, **kw).components["fsdp_gathered"] == T + 2 * layer
+    assert estimate(tied, reshard_after_forward=False, **kw).components["fsdp_gathered"] == T + 7 * layer
     eight = estimate(cfg, reshard_after_forward=True, **{**kw, "world_size": 8}).components
-    # The gathered layers do not shrink with the world size; only dim 0's padding to a multiple of
+    # The gathered units do not shrink with the world size; only dim 0's padding to a multiple of
     # the world size (part of the all-gathered storage) can grow them.
     assert eight["frozen_weights"] < reshard["frozen_weights"]
     assert reshard["fsdp_gathered"] <= eight["fsdp_gathered"] < 1.01 * reshard["fsdp_gathered"]

@@ -8,7 +8,7 @@ The cases: tiny-llama (CPU and GPU) under DDP with gradient checkpointing auto /
 a per-GPU budget below, between and above the estimates of every checkpointing choice, and none;
 `resources.strategy` auto and fsdp (FSDP2) with budgets cut at every strategy's smallest and
 largest estimate, so that `auto` picks DDP, FSDP keeping the layers gathered, and FSDP
-resharding after forward, over a bf16 and (QLoRA under FSDP2) an nf4 base; and the 70B example
+resharding after forward, over a bf16 (LoRA r 32) and (QLoRA under FSDP2) an nf4 base; and the 70B example
 (examples/llama70b-lora.yaml, a config without weights) on the gpu overlay's H100s: unquantized
 over 8 GPUs, and QLoRA nf4 / int8 over 2.
 """
@@ -112,6 +112,11 @@ CASES += [Case("cuda", gc, budget, where, FSDP + NF4, family="fsdp-nf4")
           for where, budget in budgets("cuda", FSDP + NF4, every_k=False)]
 CASES += [Case("cuda", "auto", budget, where, NF4, family="auto-nf4")
           for where, budget in budgets("cuda", NF4, every_k=False)]
+# A bf16 base where keeping the layers gathered beats DDP: LoRA r 32 (its sharded states outweigh
+# the embeddings and head FSDP keeps gathered beside tiny-llama's two layers).
+R32 = ("lora.r=32",)
+CASES += [Case("cuda", "auto", budget, where, R32, family="auto-r32")
+          for where, budget in budgets("cuda", R32, every_k=False)]
 CASES += [Case("cuda", "auto", budget, where, (), BIG, family="70b")
           for where, budget in budgets("cuda", (), BIG, every_k=False, cap=80)]
 CASES += [Case("cuda", "auto", budget, where, NF4_2, BIG, family="70b-nf4")
@@ -214,7 +219,11 @@ def test_the_cases_reach_every_checkpointing_and_strategy_choice():
     for c in CASES:
         auto[c.family].add(plan_column(c)[2])
     assert auto["ddp"] == {"ddp"} and auto["fsdp"] == {"fsdp", "fsdp-keep"}
-    assert auto["auto"] | auto["70b"] == {"ddp", "fsdp", "fsdp-keep"}
+    # Over tiny-llama's bf16 base at r 4, FSDP keeping its two layers gathered also keeps its
+    # embeddings and head and one unit's all-gather buffer: more than DDP holds, so auto skips it;
+    # at r 32 the sharded LoRA states outweigh that, and auto reaches every choice.
+    assert auto["auto"] | auto["70b"] == {"ddp", "fsdp"}
+    assert auto["auto-r32"] == {"ddp", "fsdp", "fsdp-keep"}
     assert auto["70b"] == {"fsdp"} and auto["70b-int8"] == {"ddp"}
     # An nf4 base is sharded when DDP does not fit: auto reaches every choice over it too.
     assert auto["fsdp-nf4"] == {"fsdp", "fsdp-keep"} and auto["auto-nf4"] == {"ddp", "fsdp", "fsdp-keep"}

@@ -1,7 +1,7 @@
 """`estimate`: the per-GPU memory of one micro-step of LoRA training, as named components.
 
 Peak model. Static memory (weights, LoRA grads, optimizer state, DDP buckets, FSDP's gathered
-layers) plus the activations saved at the end of forward (`replay.Walk`) plus the larger of two
+units) plus the activations saved at the end of forward (`replay.Walk`) plus the larger of two
 transients that never coexist: the loss head's peak (first thing in backward) and one decoder
 layer's backward (the recomputed layer when checkpointing, plus its gradient buffers).
 
@@ -21,8 +21,8 @@ from typing import Any, Optional, Sequence
 from ..spec import DEFAULT_TARGET_MODULES
 from .replay import ReplayTensor, Walk
 from .shapes import (DTYPE_BYTES, FP32_BYTES, GIB, INDEX_BYTES, MIB, QUANTIZATIONS, ModelShape,
-                     base_param_shapes, count_base_params, count_lora_params, lora_param_shapes, lora_targets,
-                     model_shape, quantized_bytes, shard_bytes)
+                     base_param_shapes, count_base_params, count_lora_params, fsdp_unit_shapes, lora_param_shapes,
+                     lora_targets, model_shape, quantized_bytes, shard_bytes)
 
 # CUDA context (driver, kernels of torch/cuBLAS/cuDNN loaded lazily) as seen by nvidia-smi on
 # an H100/H200 with torch 2.x; it is outside `torch.cuda.max_memory_allocated`.
@@ -105,13 +105,14 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     from the CPU ones (dropout masks, layer_norm under autocast, attention output layout);
     `device="cpu"` is what the CPU tests measure.
 
-    `strategy="fsdp"` (FSDP2, `fully_shard` per decoder layer and the root over `world_size`
-    ranks): every parameter -- frozen and LoRA -- is sharded on dim 0, padded to a multiple of
-    `world_size`, and so are the LoRA gradients and optimizer state; there is no DDP bucket.
-    `fsdp_gathered` is what is all-gathered at the peak: the root's parameters (embeddings, final
-    norm, LM head: FSDP2 never reshards the root after forward) and the decoder layers in flight
-    -- the one in backward plus the next one prefetched, or, with `reshard_after_forward=False`,
-    every layer (each stays gathered from its forward until its backward).
+    `strategy="fsdp"` (FSDP2 over `world_size` ranks in `jobs.fsdp`'s units: the embeddings, each
+    decoder layer, [final norm, LM head]): every parameter -- frozen and LoRA -- is sharded on dim
+    0, padded to a multiple of `world_size`, and so are the LoRA gradients and optimizer state;
+    there is no DDP bucket. `fsdp_gathered` is the most that is all-gathered at once at any
+    moment of the step (`_fsdp_gathered`): with `reshard_after_forward` two units' worth -- a unit
+    and its all-gather buffer, or a unit and the next one prefetched -- of the largest unit; with
+    `reshard_after_forward=False` every layer (each stays gathered from its forward until its
+    backward) beside the embeddings and the head.
     `quantization` ("nf4", "int8": bitsandbytes, QLoRA) stores the decoder's linear weights as
     `quantized_bytes` says; embeddings, LM head, norms and biases stay in `base_dtype`, and one
     layer's backward also holds the largest linear de-quantized to `base_dtype`.
@@ -143,8 +144,10 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
         "label_tokens": loss.label_tokens, "logits_chunk_tokens": loss.chunk_tokens,
         "strategy": strategy, "world_size": world_size, "quantization": quantization,
         "reshard_after_forward": reshard_after_forward if fsdp else None,
-        # FSDP: one decoder layer's all-gathered parameters (frozen: packed bytes when quantized).
-        "fsdp_gathered_layer_bytes": fsdp_layer,
+        # FSDP: one decoder layer's all-gathered parameters (frozen: packed bytes when quantized),
+        # and every unit's (`_fsdp_gathered`).
+        "fsdp_gathered_layer_bytes": fsdp_layer and {"frozen": fsdp_layer["frozen"], "lora": fsdp_layer["lora"]},
+        "fsdp_unit_bytes": fsdp_layer and fsdp_layer["units"],
         "frozen_layer_bytes": frozen.layer_bytes, "frozen_root_bytes": frozen.root_bytes,
         "mask": step.mask, "checkpointed_layers": acts.checkpointed_layers,
         "layer_saved_bytes": acts.layer_saved_bytes, "first_layer_saved_bytes": acts.first_layer_saved_bytes,
@@ -268,12 +271,45 @@ def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, wo
     # An all-gathered parameter's storage is the whole padded dim 0 (world x the padded shard;
     # the parameter is a view of it), measured on 2 gloo ranks (tests/test_memory.py).
     # jobs.fsdp gathers in the compute dtype (MixedPrecisionPolicy(param_dtype=...)).
-    root_full = sum(shard_world * shard_bytes(d, a, shard_world)
-                    for w, _, d in base_param_shapes(shape) if w == "root")
-    layer_full = frozen.gathered_layer_bytes + sum(shard_world * shard_bytes(d, a, shard_world) for d in lora_shapes)
-    in_flight = min(2, shape.layers) if reshard_after_forward else shape.layers
-    components["fsdp_gathered"] = root_full + in_flight * layer_full
-    return components, {"frozen": frozen.gathered_layer_bytes, "lora": layer_full - frozen.gathered_layer_bytes}
+    def gathered(dims: list[tuple[int, ...]]) -> int:
+        return sum(shard_world * shard_bytes(d, a, shard_world) for d in dims)
+
+    others = fsdp_unit_shapes(shape)
+    units = {"embeddings": gathered(others["embeddings"]),
+             "layer": frozen.gathered_layer_bytes + gathered(lora_shapes), "head": gathered(others["head"])}
+    components["fsdp_gathered"] = _fsdp_gathered(units, shape.layers, reshard_after_forward, shape.tied_embeddings)
+    return components, {"frozen": frozen.gathered_layer_bytes, "lora": units["layer"] - frozen.gathered_layer_bytes,
+                        "units": units}
+
+
+def _fsdp_gathered(units: dict[str, int], layers: int, reshard_after_forward: bool, tied: bool) -> int:
+    """The most FSDP2 holds all-gathered at once over a step, for `jobs.fsdp.units` (bytes of one
+    unit all-gathered: E embeddings, l a decoder layer, H [final norm, LM head]; L layers).
+
+    What FSDP2 does (torch 2.13, `FSDPParamGroup`), and so what is counted: a unit's all-gather
+    lands in one flat buffer, copied out into the unit's parameters; in forward that buffer is
+    freed only when the next unit's copy-out starts (so the next all-gather overlaps this copy-
+    out), so the next unit's buffer arrives while it is still held. In backward, a unit's pre-
+    backward prefetches the unit before it, and a unit is freed right after its backward. So:
+
+    * resharding after forward: two units' worth, at most -- a unit with its own buffer (2E at the
+      embedding, 2l at a layer, 2H at the head), a unit and the next one's buffer (E + l, l + H),
+      or in backward a unit and the one it prefetches (H + l, 2l): 2 max(E, l, H);
+    * keeping layers gathered (`reshard_after_forward=False`): every layer stays from its forward
+      to its backward and the embeddings to the end of backward, so at the head's all-gather E, L
+      layers, the last one's buffer and the head's (E + Ll + l + H), at its copy-out E + Ll + 2H
+      (and 2E + l at the first layer's all-gather);
+    * tied embeddings: the one unit T = H holding embeddings, final norm and LM head is gathered
+      from the embedding lookup to the end of backward, beside the above: T + max(T + l, 2l), or
+      T + max(T + l, (L + 1) l) keeping the layers.
+
+    Measured equal on 2 gloo ranks, every storage counted (tests/test_memory.py::test_fsdp_*)."""
+    emb, layer, head = units["embeddings"], units["layer"], units["head"]
+    if tied:
+        return head + max(head + layer, 2 * layer if reshard_after_forward else (layers + 1) * layer)
+    if reshard_after_forward:
+        return 2 * max(emb, layer, head)
+    return max(2 * emb + layer, emb + layers * layer + head + max(layer, head))
 
 
 # ---- activations: replay the forward ------------------------------------------------------------
