@@ -18,6 +18,7 @@ padding, eager vs sdpa, LoRA targets and dropout, fp32 vs bf16 autocast, checkpo
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -501,6 +502,33 @@ def test_framework_overhead_and_ddp_buckets():
     assert view["ddp_buckets"] == 0 and copy["ddp_buckets"] == copy["lora_grads"]
 
 
+def test_no_sync_grads_follow_the_accumulation():
+    """What a window of grad_accum_steps > 1 holds beyond `lora_grads`: nothing for one micro-step or
+    one process; DDP with bucket views, a second fp32 copy (fresh gradients beside the buckets);
+    without bucket views the buckets are that copy already; FSDP, the whole gradient less its shard
+    (unsharded until the last micro-step). Gradients accumulate in place: 2 or 16 micro-steps hold
+    the same."""
+    cfg = _llama()
+    lora = 4 * memory.count_lora_params(memory.model_shape(cfg), 8, DEFAULT_TARGET_MODULES)
+
+    def parts(**kw):
+        return estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, device="cpu", **kw).components
+
+    assert parts(world_size=2)["no_sync_grads"] == 0 and parts(grad_accum_steps=4)["no_sync_grads"] == 0
+    ddp = parts(world_size=2, grad_accum_steps=4)
+    assert ddp["no_sync_grads"] == ddp["lora_grads"] == lora and ddp["ddp_buckets"] == 0
+    copy = parts(world_size=2, grad_accum_steps=4, gradient_as_bucket_view=False)
+    assert copy["no_sync_grads"] == 0 and copy["ddp_buckets"] == lora
+    fsdp = parts(world_size=2, grad_accum_steps=2, strategy="fsdp")
+    assert fsdp["lora_grads"] + fsdp["no_sync_grads"] == lora and 0 < fsdp["no_sync_grads"] < lora
+    assert parts(world_size=2, strategy="fsdp")["no_sync_grads"] == 0
+    assert parts(world_size=2, grad_accum_steps=16) == parts(world_size=2, grad_accum_steps=2)
+    one = estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, world_size=2)
+    window = estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, world_size=2,
+                      grad_accum_steps=2)
+    assert window.total_bytes > one.total_bytes + lora  # and the allocator slack on it
+
+
 def test_chunked_loss_keeps_one_chunk_of_logits():
     cfg = _llama(**LLAMA_1B)
     kw = dict(micro_batch_size=4, seq_len=2048, gradient_checkpointing=True)
@@ -542,11 +570,15 @@ def test_estimate_for_spec_reads_the_spec():
     cpu = memory.estimate_for_spec(spec, device="cpu")
     direct = estimate(tiny_llama_config(), micro_batch_size=2, seq_len=128, gradient_checkpointing=False,
                       base_dtype="fp32", lora_r=4, lora_target_modules=["q_proj", "v_proj"], optimizer="sgd",
-                      world_size=2, device="cpu")
-    assert cpu.components == direct.components  # precision auto -> fp32 on CPU; seq = max_seq_len - 1
+                      world_size=2, device="cpu", grad_accum_steps=3)
+    # precision auto -> fp32 on CPU; seq = max_seq_len - 1; 12 sequences / (2 workers x 2) = 3 micro-steps
+    assert cpu.components == direct.components and cpu.details["grad_accum_steps"] == 3
     gpu = memory.estimate_for_spec(spec, device="cuda")  # auto -> bf16 on GPU
     assert gpu.components["frozen_weights"] * 2 == cpu.components["frozen_weights"]
     assert memory.estimate_for_spec(spec, micro_batch_size=6, device="cpu").total_bytes > cpu.total_bytes
+    # a micro-batch of all 6 sequences per worker is one micro-step: no window to hold gradients through
+    assert memory.estimate_for_spec(spec, micro_batch_size=6, device="cpu").components["no_sync_grads"] == 0
+    assert memory.plan_for_spec(spec, device="cpu").grad_accum_steps == spec.grad_accum_steps == 3
 
 
 def test_auto_checkpointing_follows_the_budget():
@@ -747,10 +779,81 @@ def _gathered_peak(kw: dict, reshard: bool) -> dict:
                                                              for n in mode.units_in_backward)}
 
 
+WINDOW = 3  # micro-steps of the measured accumulation window; the gate is off on the first two
+WINDOW_RUNS = {"fsdp-fp32": ("fsdp", "fp32"), "fsdp-bf16": ("fsdp", "bf16"), "ddp-fp32": ("ddp", "fp32")}
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the storages of `tensors`, once each (a freed storage has none)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _unsharded_grads(module) -> list[torch.Tensor]:
+    """FSDP2's gradients accumulated unsharded while the gate is off (torch 2.13 `FSDPParam`: upcast
+    to the reduce dtype in `unsharded_accumulated_grad`, else on the unsharded parameter)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for fp in (fp for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params):
+                grad = getattr(getattr(fp, "_unsharded_param", None), "grad", None)
+                out += [t for t in (fp.unsharded_accumulated_grad, grad) if t is not None]
+    return out
+
+
+def _wrapped(strategy: str, case: Case):
+    """The case's model and loss as `jobs.loop` runs them: sharded by `jobs.fsdp.shard`, or in DDP
+    with bucket views; with its gate (`Engine.sync_gate`) and every gradient storage it holds."""
+    from jobs import fsdp
+
+    model = build(case)
+    if strategy == "fsdp":
+        module = fsdp.shard(loss_module(model, case), model, case.dtype, True, torch.device("cpu"), 2)
+        params = [p for p in model.parameters() if p.requires_grad]  # the shards replace the parameters
+        return (module, params, lambda last: fsdp.gradient_sync(module, last),
+                lambda: _unsharded_grads(module) + [p.grad.to_local() for p in params if p.grad is not None])
+    module = torch.nn.parallel.DistributedDataParallel(loss_module(model, case), gradient_as_bucket_view=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return (module, params, lambda last: contextlib.nullcontext() if last else module.no_sync(),
+            lambda: [p.grad for p in params if p.grad is not None])
+
+
+def _no_sync_window(strategy: str, dtype: str) -> dict:
+    """Three windows of `WINDOW` micro-steps, the gradients set to None before each (`optimizer_step`'s
+    `zero_grad`): in the third (DDP rebuilds its buckets once, in the forward after its first synced
+    backward, so the second window starts with new ones), the bytes of
+    every gradient storage alive after the gate-off micro-steps (DDP: and of the buckets its synced
+    gradients were views of) and after the last, and what autograd keeps in a gate-off forward."""
+    case = Case(**{**FSDP_CASE, "dtype": dtype})
+    module, params, gate, held = _wrapped(strategy, case)
+    batch, out, buckets = batch_for(case), {}, {}
+    for window in range(3):
+        for p in params:
+            p.grad = None
+        for j in range(WINDOW):
+            saved: list[torch.Tensor] = []
+            with gate(j == WINDOW - 1):
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                    with autocast(case):
+                        loss = module(**batch)
+                loss.backward()
+            if window == 2 and j == WINDOW - 2:
+                weights = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                           for p in module.parameters()}
+                out["saved"] = _storage_bytes(t for t in saved if t.untyped_storage().data_ptr() not in weights)
+                out["no_sync"] = _storage_bytes(held()) + sum(n for ref, n in buckets.values() if not ref.expired())
+        out["synced"] = _storage_bytes(held())
+        if strategy == "ddp":
+            buckets = {st.data_ptr(): (StorageWeakRef(st), st.nbytes()) for st in (g.untyped_storage() for g in held())}
+    return out
+
+
 def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
     """One of two gloo ranks: the case's model with PEFT LoRA, sharded by `jobs.fsdp.shard` as the
     loop does, then this rank's parameter bytes and the bytes autograd keeps after one forward;
-    and the all-gathered peak of each of `GATHERED_CASES`."""
+    the all-gathered peak of each of `GATHERED_CASES`; and what an accumulation window holds
+    (`_no_sync_window`)."""
     import json
     import os
 
@@ -794,6 +897,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
                  for p in loss_mod.parameters() if p.requires_grad}
         out["lora_grads"] = sum(grads.values())
         out["gathered"] = [_gathered_peak(kw, reshard) for kw, reshard in GATHERED_CASES]
+        out["window"] = {key: _no_sync_window(*run) for key, run in WINDOW_RUNS.items()}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
     finally:
@@ -854,6 +958,27 @@ def test_fsdp_gathered_units_match_fully_shard_on_two_ranks(fsdp_measured):
             assert rank["peak"] == est.components["fsdp_gathered"], (kw, reshard, est.details["fsdp_unit_bytes"])
             # resharding, the embeddings are not gathered again in backward; kept, they are still held
             assert rank["embeddings_in_backward"] == (not reshard and not kw.get("tied")), (kw, reshard)
+
+
+@pytest.mark.slow
+def test_a_no_sync_window_holds_what_the_estimate_counts(fsdp_measured):
+    """An accumulation window of 3 micro-steps, the gate off on the first two, on 2 gloo ranks: after
+    them each rank holds the whole LoRA gradient -- FSDP2 unsharded (in fp32 under bf16 too), DDP in
+    fresh tensors beside its buckets -- which is `lora_grads` + `no_sync_grads` (+ `ddp_buckets`) at
+    grad_accum_steps=3; after the last micro-step the shards (FSDP) or the buckets (DDP) alone,
+    `lora_grads`. A gate-off forward keeps what a synced one keeps."""
+    plain = saved_bytes(Case(**FSDP_CASE))
+    for key, (strategy, dtype) in WINDOW_RUNS.items():
+        est = Case(**{**FSDP_CASE, "dtype": dtype}).estimate(strategy=strategy, world_size=2,
+                                                             grad_accum_steps=WINDOW).components
+        assert est["no_sync_grads"] > 0
+        for rank in fsdp_measured:
+            window = rank["window"][key]
+            assert window["no_sync"] == est["lora_grads"] + est["no_sync_grads"] + est["ddp_buckets"], key
+            assert window["synced"] == est["lora_grads"], key
+    for rank in fsdp_measured:
+        assert rank["window"]["fsdp-fp32"]["saved"] == rank["decoder"] + rank["loss"]
+        assert rank["window"]["ddp-fp32"]["saved"] == plain["decoder"] + plain["loss"]
 
 
 def test_fsdp_gathered_layers_and_resharding():

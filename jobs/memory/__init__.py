@@ -46,7 +46,7 @@ from .shapes import (DTYPE_BYTES, FP32_BYTES, GIB, INDEX_BYTES, LLAMA_FAMILY, MI
                      NF4_CONST_BLOCK, NF4_CONST_CODE_BYTES, QUANTIZATIONS, ModelShape, base_param_shapes,
                      count_base_params, count_lora_params, fsdp_unit_shapes, lora_param_shapes, model_shape,
                      quantized_bytes)
-from .spec_estimate import SpecEstimator, spec_precision, spec_seq_len
+from .spec_estimate import SpecEstimator, spec_grad_accum_steps, spec_precision, spec_seq_len
 from .tables import choose_plan_from_table, feasible_pairs, plan_table, smallest_budget_gib, strategy_table
 
 __all__ = [
@@ -58,6 +58,6 @@ __all__ = [
     "base_param_shapes", "checkpointing_candidates", "checkpointing_str", "choose_checkpointing_every",
     "choose_plan", "choose_plan_from_table", "config_from_spec", "count_base_params", "count_lora_params",
     "estimate", "estimate_for_spec", "feasible_pairs", "fsdp_unit_shapes", "lora_param_shapes", "model_shape",
-    "plan_budget_gib", "plan_for_spec", "plan_table", "quantized_bytes", "smallest_budget_gib", "spec_precision",
-    "spec_seq_len", "strategy_choices", "strategy_str", "strategy_table",
+    "plan_budget_gib", "plan_for_spec", "plan_table", "quantized_bytes", "smallest_budget_gib", "spec_grad_accum_steps",
+    "spec_precision", "spec_seq_len", "strategy_choices", "strategy_str", "strategy_table",
 ]

@@ -37,8 +37,9 @@ ALLOCATOR_SLACK_FRACTION = 0.08
 # Components whose peaks happen at different moments of backward: the total adds the
 # largest of them, not their sum.
 TRANSIENT_COMPONENTS = ("logits_loss", "layer_backward")
-COMPONENT_ORDER = ("frozen_weights", "lora_weights", "lora_grads", "optimizer_state", "ddp_buckets",
-                   "fsdp_gathered", "activations", "logits_loss", "layer_backward", "framework_overhead")
+COMPONENT_ORDER = ("frozen_weights", "lora_weights", "lora_grads", "no_sync_grads", "optimizer_state",
+                   "ddp_buckets", "fsdp_gathered", "activations", "logits_loss", "layer_backward",
+                   "framework_overhead")
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -90,7 +91,8 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
              checkpoint_every_n_layers: int = 1, label_fraction: float = 1.0,
              loss_chunk_tokens: Optional[int] = None, packed: bool = False,
              device: str = "cuda", lora_dora: bool = False, strategy: str = "ddp",
-             reshard_after_forward: bool = True, quantization: str = "none") -> MemoryEstimate:
+             reshard_after_forward: bool = True, quantization: str = "none",
+             grad_accum_steps: int = 1) -> MemoryEstimate:
     """Per-GPU memory of one micro-step of LoRA training, as named components in bytes.
 
     `config` is a transformers config (or a `ModelShape`). `base_dtype` is the dtype of the
@@ -101,6 +103,8 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     block mask and per-row RoPE tables. `label_fraction` is label tokens / (micro_batch_size x seq_len).
     `gradient_as_bucket_view` matches `jobs.loop`'s DDP (True): the LoRA gradients live in
     DDP's buckets, so buckets cost nothing extra; False adds a second fp32 copy.
+    `grad_accum_steps` > 1 (micro-steps per optimizer step, the gate off on all but the last)
+    adds `no_sync_grads`: what the window's gradients hold beyond `lora_grads` (`_no_sync_grads`).
     `device="cuda"` adds `framework_overhead` and follows the CUDA kernels where they differ
     from the CPU ones (dropout masks, layer_norm under autocast, attention output layout);
     `device="cpu"` is what the CPU tests measure.
@@ -120,7 +124,7 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     _check_arguments(base_dtype=base_dtype, attn_implementation=attn_implementation, device=device,
                      optimizer=optimizer, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
                      checkpoint_every_n_layers=checkpoint_every_n_layers, strategy=strategy,
-                     quantization=quantization, label_fraction=label_fraction)
+                     quantization=quantization, label_fraction=label_fraction, grad_accum_steps=grad_accum_steps)
     shape = config if isinstance(config, ModelShape) else model_shape(config)
     step = _Step(shape=shape, batch=micro_batch_size, seq=seq_len, act_bytes=DTYPE_BYTES[base_dtype],
                  autocast=base_dtype != "fp32", targets=lora_targets(shape, lora_target_modules), lora_r=lora_r,
@@ -131,7 +135,7 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     frozen = _frozen_base(step, world_size if fsdp else 1, quantization)
     components, fsdp_layer = _static(step, frozen, optimizer=optimizer, momentum=momentum, world_size=world_size,
                                      gradient_as_bucket_view=gradient_as_bucket_view, fsdp=fsdp,
-                                     reshard_after_forward=reshard_after_forward)
+                                     reshard_after_forward=reshard_after_forward, grad_accum_steps=grad_accum_steps)
     acts = _activations(step, gradient_checkpointing, checkpoint_every_n_layers)
     components["activations"] = acts.total_bytes
     loss = _loss_head(step, label_fraction, loss_chunk_tokens)
@@ -143,6 +147,7 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
         "lora_params": count_lora_params(shape, lora_r, step.targets, dora=lora_dora),
         "label_tokens": loss.label_tokens, "logits_chunk_tokens": loss.chunk_tokens,
         "strategy": strategy, "world_size": world_size, "quantization": quantization,
+        "grad_accum_steps": grad_accum_steps,
         "reshard_after_forward": reshard_after_forward if fsdp else None,
         # FSDP: one decoder layer's all-gathered parameters (frozen: packed bytes when quantized),
         # and every unit's (`_fsdp_gathered`).
@@ -159,7 +164,7 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
 
 def _check_arguments(*, base_dtype: str, attn_implementation: str, device: str, optimizer: str,
                      micro_batch_size: int, seq_len: int, world_size: int, checkpoint_every_n_layers: int,
-                     strategy: str, quantization: str, label_fraction: float) -> None:
+                     strategy: str, quantization: str, label_fraction: float, grad_accum_steps: int) -> None:
     """`estimate`'s arguments it cannot model raise ValueError (the spec adapter turns it into SpecError)."""
     if base_dtype not in DTYPE_BYTES:
         raise ValueError(f"memory estimate: base_dtype must be one of {sorted(DTYPE_BYTES)}, got {base_dtype!r}")
@@ -169,9 +174,9 @@ def _check_arguments(*, base_dtype: str, attn_implementation: str, device: str, 
         raise ValueError(f"memory estimate: device must be cuda or cpu, got {device!r}")
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"memory estimate: optimizer must be adamw or sgd, got {optimizer!r}")
-    if micro_batch_size < 1 or seq_len < 1 or world_size < 1 or checkpoint_every_n_layers < 1:
-        raise ValueError("memory estimate: micro_batch_size, seq_len, world_size, checkpoint_every_n_layers "
-                         "must be >= 1")
+    if min(micro_batch_size, seq_len, world_size, checkpoint_every_n_layers, grad_accum_steps) < 1:
+        raise ValueError("memory estimate: micro_batch_size, seq_len, world_size, checkpoint_every_n_layers, "
+                         "grad_accum_steps must be >= 1")
     if strategy not in STRATEGIES:
         raise ValueError(f"memory estimate: strategy must be ddp or fsdp, got {strategy!r}")
     if quantization not in QUANTIZATIONS:
@@ -248,8 +253,8 @@ def _frozen_base(step: _Step, shard_world: int, quantization: str) -> _Frozen:
 
 
 def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, world_size: int,
-            gradient_as_bucket_view: bool, fsdp: bool,
-            reshard_after_forward: bool) -> tuple[dict[str, int], Optional[dict[str, int]]]:
+            gradient_as_bucket_view: bool, fsdp: bool, reshard_after_forward: bool,
+            grad_accum_steps: int) -> tuple[dict[str, int], Optional[dict[str, int]]]:
     """The components that live through the whole step, and (FSDP) one layer's gathered bytes."""
     shape, a = step.shape, step.act_bytes
     shard_world = world_size if fsdp else 1
@@ -262,6 +267,9 @@ def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, wo
         "frozen_weights": frozen.layer_bytes + frozen.root_bytes,
         "lora_weights": lora_rank_bytes,
         "lora_grads": lora_rank_bytes,
+        "no_sync_grads": _no_sync_grads(lora_bytes, lora_rank_bytes, world_size=world_size, fsdp=fsdp,
+                                        gradient_as_bucket_view=gradient_as_bucket_view,
+                                        grad_accum_steps=grad_accum_steps),
         "optimizer_state": opt_states * lora_rank_bytes,
         "ddp_buckets": lora_bytes if world_size > 1 and not gradient_as_bucket_view and not fsdp else 0,
         "fsdp_gathered": 0,
@@ -280,6 +288,29 @@ def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, wo
     components["fsdp_gathered"] = _fsdp_gathered(units, shape.layers, reshard_after_forward, shape.tied_embeddings)
     return components, {"frozen": frozen.gathered_layer_bytes, "lora": units["layer"] - frozen.gathered_layer_bytes,
                         "units": units}
+
+
+def _no_sync_grads(lora_bytes: int, lora_rank_bytes: int, *, world_size: int, fsdp: bool,
+                   gradient_as_bucket_view: bool, grad_accum_steps: int) -> int:
+    """What a window of `grad_accum_steps` > 1 micro-steps holds beyond `lora_grads` (and
+    `ddp_buckets`), from its first no-sync backward into the last micro-step's backward: the
+    gradients are set to None after each optimizer step (`zero_grad(set_to_none=True)`), so
+
+    * FSDP2 accumulates them unsharded, the whole fp32 gradient on every rank (in the reduce
+      dtype: bf16 gradients are upcast as they accumulate), until the last micro-step's backward
+      reduce-scatters them layer by layer into the shards `lora_grads` counts: the whole gradient
+      less its shard, beyond it;
+    * DDP with `gradient_as_bucket_view` accumulates them in fresh tensors beside its buckets, which
+      stay allocated, until the last micro-step's backward copies each into its bucket: a second
+      copy. Without bucket views the buckets are that copy already (`ddp_buckets`); one process
+      has no buckets.
+
+    Measured on 2 gloo ranks (tests/test_memory.py::test_a_no_sync_window_holds_what_the_estimate_counts)."""
+    if grad_accum_steps < 2:
+        return 0
+    if fsdp:
+        return lora_bytes - lora_rank_bytes
+    return lora_bytes if world_size > 1 and gradient_as_bucket_view else 0
 
 
 def _fsdp_gathered(units: dict[str, int], layers: int, reshard_after_forward: bool, tied: bool) -> int:
