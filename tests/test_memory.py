@@ -188,10 +188,11 @@ def autocast(case: Case):
 
 # ---- oracle 1: bytes saved for backward ------------------------------------------------------
 
-def saved_bytes(case: Case) -> dict:
-    """Unique non-parameter storages kept for backward after forward, split decoder / loss head."""
+def saved_bytes(case: Case, loss_of=None) -> dict:
+    """Unique non-parameter storages kept for backward after forward, split decoder / loss head.
+    `loss_of(model)` gives the loss to run on the case's batch (default: `loss_module`)."""
     model = build(case)
-    loss_mod = loss_module(model, case)
+    loss_mod = (loss_of or (lambda m: loss_module(m, case)))(model)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, tuple[str, int]] = {}
     where = ["decoder"]
@@ -276,14 +277,14 @@ class LivePeak(TorchDispatchMode):
         return out
 
 
-def live_peak_bytes(case: Case) -> int:
-    """Peak of dynamic memory over one forward + backward.
+def live_peak_bytes(case: Case, loss_of=None) -> int:
+    """Peak of dynamic memory over one forward + backward (`loss_of` as for `saved_bytes`).
 
     The LoRA gradients are allocated beforehand (a later micro-step of an accumulation
     window), so they count as static memory, like the weights.
     """
     model = build(case)
-    loss_mod = loss_module(model, case)
+    loss_mod = (loss_of or (lambda m: loss_module(m, case)))(model)
     b = batch_for(case)
     for p in model.parameters():  # steady state: gradients of earlier micro-steps exist
         if p.requires_grad:
@@ -413,6 +414,155 @@ def test_micro_batch_scales_activations_and_logits_linearly():
         assert 3.8 < r <= 4.0, key  # rope tables and position ids do not grow with the batch
     assert saved_bytes(four)["decoder"] / saved_bytes(one)["decoder"] == pytest.approx(
         four.estimate().components["activations"] / one.estimate().components["activations"], rel=TOL)
+
+
+# ---- preference objectives: pairs, the reference forward ---------------------------------------
+
+def preference_loss(model, case: Case, name: str, reference_adapter=None):
+    """`jobs.preference.PreferenceLoss` for `name` with the spec's defaults."""
+    from jobs.objectives import Objective
+    from jobs.preference import PreferenceLoss
+    from jobs.spec import OBJECTIVE_DEFAULTS, OBJECTIVE_KEYS
+
+    keys = {k: OBJECTIVE_DEFAULTS[k] for k in OBJECTIVE_KEYS[name] if k != "reference"}
+    return PreferenceLoss(model, Objective(name, **keys), chunk_tokens=case.chunk, reference_adapter=reference_adapter)
+
+
+def pair_loss(case: Case, name: str):
+    """`loss_of` for `saved_bytes` / `live_peak_bytes`: the case's rows are its pairs' chosen then
+    rejected rows, through `PreferenceLoss` (DPO given its precomputed reference log-probabilities);
+    the summed loss."""
+    def make(model):
+        loss = preference_loss(model, case, name)
+        resp_len = torch.full((case.batch,), 5)
+        ref = torch.zeros(case.batch) if name in ("dpo", "ipo") else None
+        return lambda **b: loss(**b, resp_len=resp_len, ref_logps=ref)[0]
+    return make
+
+
+def with_reference_adapter(model, case: Case):
+    """A second, frozen fp32 LoRA adapter named as `jobs.preference` names the starting adapter."""
+    from peft import LoraConfig
+
+    from jobs.preference import REFERENCE_ADAPTER
+
+    model.add_adapter(REFERENCE_ADAPTER, LoraConfig(r=case.r, lora_alpha=2 * case.r, target_modules=case.targets,
+                                                    task_type="CAUSAL_LM"))
+    for n, prm in model.named_parameters():
+        if f".{REFERENCE_ADAPTER}." in n:
+            prm.requires_grad_(False)
+            prm.data = prm.data.float()
+    return REFERENCE_ADAPTER
+
+
+def pair_estimate(case: Case, **kw) -> memory.MemoryEstimate:
+    """The case's rows as `case.batch // 2` pairs."""
+    return case.estimate(micro_batch_size=case.batch // 2, pairs=True, **kw)
+
+
+PAIR_CASES = [Case("pairs-fp32", batch=4), Case("pairs-bf16", batch=4, dtype="bf16"),
+              Case("pairs-gc-bf16", batch=4, dtype="bf16", gc=True),
+              Case("pairs-chunks", batch=4, dtype="bf16", vocab=3000, chunk=16),
+              Case("pairs-label-half", batch=4, dtype="bf16", label_fraction=0.5)]
+
+
+@pytest.mark.parametrize("name", ["dpo", "simpo", "orpo"])
+@pytest.mark.parametrize("case", PAIR_CASES, ids=_ids(PAIR_CASES))
+def test_pairs_are_two_rows_each_in_saved_bytes_and_peak(case, name):
+    """A micro-batch of m pairs is 2m rows through one forward: the policy forward of
+    `PreferenceLoss` keeps exactly the decoder bytes of 2m rows (the estimate with `pairs`), its head
+    the SFT head's plus the row index and per-token log-probabilities (to 1%), and forward +
+    backward peak within 10%."""
+    est = pair_estimate(case)
+    assert est.details["rows"] == case.batch and est.details["pairs"]
+    got = saved_bytes(case, loss_of=pair_loss(case, name))
+    assert got["decoder"] == est.components["activations"]
+    assert abs(rel(est.details["loss_saved_bytes"], got["loss"])) <= TOL_SAVED, (est.details, got)
+    dynamic = est.peak_allocated_bytes - static_bytes(est)
+    assert abs(rel(dynamic, live_peak_bytes(case, loss_of=pair_loss(case, name)))) <= TOL, est.components
+
+
+REFERENCE_CASES = [Case("ref-fp32", batch=4), Case("ref-bf16", batch=4, dtype="bf16"),
+                   Case("ref-big-vocab-bf16", batch=4, dtype="bf16", vocab=3000),
+                   Case("ref-chunks", batch=4, dtype="bf16", vocab=3000, chunk=16),
+                   Case("ref-wide-mlp", batch=4, intermediate=512, dtype="bf16"),
+                   Case("ref-gqa-h128", batch=2, hidden=128, heads=8, kv_heads=2, intermediate=256, dtype="bf16")]
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["adapter-off", "reference-adapter"])
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=_ids(REFERENCE_CASES))
+def test_reference_forward_matches_estimate(case, adapter):
+    """DPO's reference forward (`PreferenceLoss.reference_logps`: no grad, eval mode, the adapter off
+    or the frozen reference adapter active) keeps nothing for backward, and its live-storage peak
+    -- the widest of a layer's working set and the head's logits -- is the estimate's
+    `reference_forward` to 1% (measured: to a dozen bytes)."""
+    model = build(case)
+    name = with_reference_adapter(model, case) if adapter else None
+    loss_mod = preference_loss(model, case, "dpo", reference_adapter=name)
+    b = batch_for(case)
+    kept: list[torch.Tensor] = []
+    existing = [*model.parameters(), *model.buffers(), *b.values()]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        with LivePeak(existing) as mode:
+            with autocast(case):
+                ref = loss_mod.reference_logps(b["input_ids"], b["label_pos"], b["label_ids"])
+    assert not kept and not ref.requires_grad and ref.shape == (case.batch,)
+    est = pair_estimate(case, reference="adapter_off", reference_adapter=adapter)
+    assert abs(rel(est.components["reference_forward"], mode.peak)) <= TOL_SAVED, (est.components, mode.peak)
+
+
+def test_reference_components_and_where_they_count():
+    """`reference_adapter`: the frozen copy of the LoRA weights (DPO/IPO from `model.adapter`), sharded
+    and gathered with its layer under FSDP; `reference_forward`: a transient before the policy
+    forward, so it is weighed against activations + the other transients, not added to them;
+    precomputed reference log-probabilities, and SimPO and ORPO, hold neither."""
+    cfg = _llama(num_hidden_layers=4, intermediate_size=1024, vocab_size=64)  # the reference's widest: the MLP
+    kw = dict(micro_batch_size=2, seq_len=16, gradient_checkpointing=True, device="cpu")
+    pairs = estimate(cfg, pairs=True, **kw)
+    assert pairs.components["activations"] == estimate(cfg, **{**kw, "micro_batch_size": 4}).components["activations"]
+    assert not set(memory.REFERENCE_COMPONENTS) & set(pairs.components)
+    assert estimate(cfg, pairs=True, reference="precomputed", **kw).components == pairs.components
+    off = estimate(cfg, pairs=True, reference="adapter_off", **kw).components
+    assert "reference_adapter" not in off and off["reference_forward"] > 0
+    held = estimate(cfg, pairs=True, reference="adapter_off", reference_adapter=True, **kw)
+    c = held.components
+    # the active reference adapter's up-projection output beside the MLP's three [N, intermediate]
+    assert c["reference_adapter"] == c["lora_weights"]
+    assert c["reference_forward"] - off["reference_forward"] == 2 * 2 * 16 * 1024 * 2  # rows x seq x inter x bf16
+    static = sum(v for k, v in c.items() if k not in memory.TRANSIENT_COMPONENTS + ("activations",))
+    assert held.peak_allocated_bytes == static + max(c["activations"] + max(c["logits_loss"], c["layer_backward"]),
+                                                     c["reference_forward"])
+    rows = [name for name, _ in held.table()]
+    assert rows.index("optimizer_state") < rows.index("reference_adapter") < rows.index("activations")
+    assert rows.index("reference_forward") < rows.index("logits_loss")
+    sharded = estimate(cfg, pairs=True, reference="adapter_off", reference_adapter=True, strategy="fsdp",
+                       world_size=2, **kw)
+    plain = estimate(cfg, pairs=True, reference="adapter_off", strategy="fsdp", world_size=2, **kw)
+    assert sharded.components["reference_adapter"] == sharded.components["lora_weights"]
+    units, one = sharded.details["fsdp_unit_bytes"], plain.details["fsdp_unit_bytes"]
+    assert units["layer"] - one["layer"] == plain.details["fsdp_gathered_layer_bytes"]["lora"]
+    for bad in (dict(reference="adapter_off"), dict(pairs=True, reference="ref"),
+                dict(pairs=True, reference="precomputed", reference_adapter=True)):
+        with pytest.raises(ValueError, match="reference"):
+            estimate(cfg, **kw, **bad)
+
+
+def test_the_objective_reaches_the_estimate_from_the_spec():
+    """`objective.name` and `objective.reference`, `model.adapter`: rows, the reference forward and
+    the reference adapter, as `jobs.memory.spec_objective` reads them."""
+    base = memory.estimate_for_spec(_spec(), gradient_checkpointing=True, device="cpu")
+    by = {}
+    for name, extra in [("dpo", {}), ("dpo", {"reference": "precomputed"}), ("ipo", {}), ("simpo", {}), ("orpo", {})]:
+        for adapter in (None, "/saved/sft/adapter"):
+            spec = _spec(objective={"name": name, **extra}, model={"adapter": adapter} if adapter else {})
+            by[name, extra.get("reference"), adapter] = memory.estimate_for_spec(spec, gradient_checkpointing=True,
+                                                                                 device="cpu")
+    for (name, reference, adapter), est in by.items():
+        assert est.details["rows"] == 2 * base.details["rows"] and est.details["pairs"]
+        forward = name in ("dpo", "ipo") and reference != "precomputed"
+        assert ("reference_forward" in est.components) == forward, (name, reference)
+        assert ("reference_adapter" in est.components) == (forward and adapter is not None), (name, reference, adapter)
+    assert not base.details["pairs"] and "reference_forward" not in base.components
 
 
 # ---- pure properties -------------------------------------------------------------------------
