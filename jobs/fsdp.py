@@ -1,10 +1,11 @@
 """FSDP2 for the training loop: sharding, the gradient-sync gate, and strategy-free state dicts.
 
 `resources.strategy=fsdp` shards the frozen base over the workers with
-`torch.distributed.fsdp.fully_shard`: one FSDP group per decoder layer (its weights are
-gathered just before the layer runs and freed after it) plus the root (embeddings, final norm,
-LM head). The LoRA parameters live in the same groups, sharded too; the optimizer steps on the
-shards.
+`torch.distributed.fsdp.fully_shard`, in torchtitan's units (`units`): the input embeddings, one
+unit per decoder layer (its weights are gathered just before the layer runs and freed after it),
+and [final norm, LM head]; the root (the loss module) is left with no parameters of its own, so
+nothing of the base stays gathered beyond the layers in flight. The LoRA parameters live in the
+layers' units, sharded too; the optimizer steps on the shards.
 
 The accumulation rule is DDP's: `set_requires_gradient_sync(False)` on every micro-step but the
 last of a window, so gradients accumulate unsharded on each rank and are reduce-scattered once
@@ -20,7 +21,8 @@ FSDP shards of any worker count).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -52,23 +54,69 @@ def mixed_precision(precision: str):
     return MixedPrecisionPolicy()
 
 
+@dataclass(frozen=True)
+class Units:
+    """The FSDP units of a causal LM, in forward order, as `shard` makes them.
+
+    `embeddings`: the input embeddings alone, resharded after forward as the layers are, and never
+    gathered in backward (frozen, and their input is token ids: backward needs nothing of them;
+    kept, they are freed at the end of backward). `layers`: one unit per decoder layer, resharded
+    after forward as the plan says. `head`: the final norm(s) and the LM head, kept gathered from
+    their forward into their backward, which follows at once (resharding them would only
+    all-gather them again: torchtitan's default). Tied embeddings (one weight for both ends)
+    cannot be in two units: then `embeddings` is None and `head` holds the input embeddings too,
+    gathered from the embedding lookup to the end of backward (FSDP2 frees a unit after the
+    backward of its first module, and the embedding lookup has none)."""
+
+    embeddings: Optional[nn.Module]  # None: tied, in `head`
+    layers: tuple[nn.Module, ...]
+    head: tuple[nn.Module, ...]
+
+    @property
+    def tied(self) -> bool:
+        return self.embeddings is None
+
+    def all(self) -> list:
+        """Every unit, in forward order: a module, or a list of modules sharded as one."""
+        return [m for m in (self.embeddings, *self.layers, list(self.head)) if m is not None]
+
+
+def units(model: nn.Module) -> Units:
+    """The units of a (PEFT-wrapped) HF causal LM: its input embeddings, decoder layers, and
+    the rest of its decoder stack with parameters (the final norm) beside the LM head."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = decoder_layers(model)
+    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
+    norms = tuple(m for m in base.base_model.children()
+                  if m is not layers and m is not embed and any(True for _ in m.parameters()))
+    if head.weight is embed.weight:
+        return Units(None, tuple(layers), (embed, *norms, head))
+    return Units(embed, tuple(layers), (*norms, head))
+
+
 def shard(module: nn.Module, model: nn.Module, precision: str, reshard_after_forward: bool,
           device: torch.device, world_size: int) -> nn.Module:
-    """`fully_shard` every decoder layer of `model`, then `module` (the loss wrapper around it)
-    as the root, over all `world_size` ranks; each rank's shards go to `device` (the whole base
-    never has to fit on one GPU). Activation checkpointing must already be on (as torchtitan does: checkpoint,
-    then shard), so a recomputed layer gathers its weights through FSDP's pre-backward hook.
-    `reshard_after_forward`: free each layer's gathered weights after its forward and gather
-    them again for backward (less memory, one more all-gather per layer)."""
+    """`fully_shard` the `units` of `model`, then `module` (the loss wrapper around it) as the
+    root, over all `world_size` ranks; each rank's shards go to `device` (the whole base never has
+    to fit on one GPU). Activation checkpointing must already be on (as torchtitan does:
+    checkpoint, then shard), so a recomputed layer gathers its weights through FSDP's pre-backward
+    hook. `reshard_after_forward` (the plan's): free each decoder layer's (and the embeddings')
+    gathered weights after its forward and gather them again for backward (less memory, one more
+    all-gather per layer); the head keeps its own (`Units`). Kept gathered, a forward without
+    backward (evaluation) all-gathers nothing after the first. `jobs.memory` counts what is
+    gathered at the peak from these same rules (`fsdp_gathered`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
     mp = mixed_precision(precision)
-    for layer in decoder_layers(model):
+    u = units(model)
+    if u.embeddings is not None:
+        embeddings = fully_shard(u.embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        embeddings.set_unshard_in_backward(False)
+    for layer in u.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    # The root's weights stay gathered between forward and backward whatever is asked
-    # (FSDP2 does so for the root: backward needs them at once).
+    fully_shard(list(u.head), mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return module
 

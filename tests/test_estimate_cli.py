@@ -167,6 +167,31 @@ def test_packing_is_estimated_as_full_packed_rows(tmp_path, capsys):
     assert f"x seq {S} (packed rows)" in capsys.readouterr().out
 
 
+def test_a_preference_spec_shows_its_pairs_and_its_reference(tmp_path, capsys, monkeypatch):
+    """objective.name=dpo starting from model.adapter: the JSON components are the plan's, with the
+    reference adapter and the reference forward (a transient); a micro-batch of 4 pairs has the
+    activations of 8 rows; precomputed reference log-probabilities drop the forward, SimPO both."""
+    path = _write(tmp_path, BASE)
+    dpo = ["objective.name=dpo", "model.adapter=outputs/sft/adapter"]
+    rep = _json(capsys, ["estimate", str(path), "--json", *dpo])
+    plan = memory.plan_for_spec(load_spec(path, dpo, files=False), device="cpu")
+    assert rep["components"] == plan.estimate.components and rep["total_bytes"] == plan.estimate.total_bytes
+    assert set(memory.REFERENCE_COMPONENTS) <= set(rep["components"])
+    assert "reference_forward" in rep["transient_components"]
+    rows8 = memory.estimate_for_spec(load_spec(path, ["batch.micro_batch_size=8"], files=False),
+                                     gradient_checkpointing=False, device="cpu")
+    assert rep["by_checkpointing"]["off"]["components"]["activations"] == rows8.components["activations"]
+    pre = _json(capsys, ["estimate", str(path), "--json", "objective.name=dpo", "objective.reference=precomputed"])
+    simpo = _json(capsys, ["estimate", str(path), "--json", "objective.name=simpo",
+                           "model.adapter=outputs/sft/adapter"])
+    assert "reference_forward" not in pre["components"] and "reference_adapter" not in pre["components"]
+    assert not set(memory.REFERENCE_COMPONENTS) & set(simpo["components"])
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["estimate", str(path), *dpo]) == 0
+    out = capsys.readouterr().out
+    assert "reference_forward (transient)" in out and "reference_adapter" in out
+
+
 # ---- a base bigger than one GPU: examples/llama70b-lora.yaml ------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]

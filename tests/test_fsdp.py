@@ -3,7 +3,8 @@
 * The accumulated, reduce-scattered gradient equals the big-batch gradient (fp32, ragged
   sequences, checkpointing on and off, resharding after forward or not), and so does the
   gradient norm taken over the shards; clipping scales every shard by the same factor.
-* Exactly one gradient reduction per FSDP group per optimizer step, counted at the collective;
+* Exactly one gradient reduction per FSDP unit with LoRA weights per optimizer step, counted at
+  the collective (`jobs.fsdp.units`: the decoder layers; the embeddings and the head are frozen);
   the same counter sees one per micro-step when the gate is left open, so the count is not vacuous.
 * fp16: the GradScaler works over sharded gradients; an overflow on one rank's shard makes
   every rank skip the step.
@@ -153,19 +154,21 @@ def _count_reductions(rank: int, world: int, gate: str):
     finally:
         for name in counted:
             setattr(dist, name, originals[name])
-    # The FSDP groups that hold LoRA weights: the decoder layers (the root's own are all frozen).
-    layers = fsdp.decoder_layers(model)
-    in_layers = {id(p) for layer in layers for p in layer.parameters() if p.requires_grad}
-    assert in_layers == {id(p) for p in engine.params}
-    return per_step, spec.grad_accum_steps, len(layers), counted
+    # The FSDP units with LoRA weights reduce their gradients; the others (embeddings, [final
+    # norm, LM head]: all frozen) have none to reduce.
+    units = fsdp.units(model).all()
+    trainable = [{id(p) for m in (u if isinstance(u, list) else [u]) for p in m.parameters() if p.requires_grad}
+                 for u in units]
+    assert set().union(*trainable) == {id(p) for p in engine.params}
+    return per_step, spec.grad_accum_steps, sum(1 for t in trainable if t), len(units), counted
 
 
 @pytest.mark.slow
 def test_one_gradient_reduction_per_optimizer_step(tmp_path):
-    gated, n, groups, counted = spawn(_count_reductions, 2, tmp_path / "gated", "last-micro-step")[0]
+    gated, n, groups, units, counted = spawn(_count_reductions, 2, tmp_path / "gated", "last-micro-step")[0]
     every, *_ = spawn(_count_reductions, 2, tmp_path / "open", "every-micro-step")[0]
     assert counted, "no reduce-scatter or all-reduce function to count"
-    assert n == 4 and groups >= 2
+    assert n == 4 and groups >= 2 and units > groups  # the frozen units (embeddings, head) reduce nothing
     assert every == [n * groups, n * groups], "the counter must see one reduction per group per micro-step"
     assert gated == [groups, groups], "gradients must be reduced once per optimizer step, not per micro-step"
 

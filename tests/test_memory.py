@@ -18,6 +18,7 @@ padding, eager vs sdpa, LoRA targets and dropout, fp32 vs bf16 autocast, checkpo
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -187,10 +188,11 @@ def autocast(case: Case):
 
 # ---- oracle 1: bytes saved for backward ------------------------------------------------------
 
-def saved_bytes(case: Case) -> dict:
-    """Unique non-parameter storages kept for backward after forward, split decoder / loss head."""
+def saved_bytes(case: Case, loss_of=None) -> dict:
+    """Unique non-parameter storages kept for backward after forward, split decoder / loss head.
+    `loss_of(model)` gives the loss to run on the case's batch (default: `loss_module`)."""
     model = build(case)
-    loss_mod = loss_module(model, case)
+    loss_mod = (loss_of or (lambda m: loss_module(m, case)))(model)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, tuple[str, int]] = {}
     where = ["decoder"]
@@ -275,14 +277,14 @@ class LivePeak(TorchDispatchMode):
         return out
 
 
-def live_peak_bytes(case: Case) -> int:
-    """Peak of dynamic memory over one forward + backward.
+def live_peak_bytes(case: Case, loss_of=None) -> int:
+    """Peak of dynamic memory over one forward + backward (`loss_of` as for `saved_bytes`).
 
     The LoRA gradients are allocated beforehand (a later micro-step of an accumulation
     window), so they count as static memory, like the weights.
     """
     model = build(case)
-    loss_mod = loss_module(model, case)
+    loss_mod = (loss_of or (lambda m: loss_module(m, case)))(model)
     b = batch_for(case)
     for p in model.parameters():  # steady state: gradients of earlier micro-steps exist
         if p.requires_grad:
@@ -414,6 +416,155 @@ def test_micro_batch_scales_activations_and_logits_linearly():
         four.estimate().components["activations"] / one.estimate().components["activations"], rel=TOL)
 
 
+# ---- preference objectives: pairs, the reference forward ---------------------------------------
+
+def preference_loss(model, case: Case, name: str, reference_adapter=None):
+    """`jobs.preference.PreferenceLoss` for `name` with the spec's defaults."""
+    from jobs.objectives import Objective
+    from jobs.preference import PreferenceLoss
+    from jobs.spec import OBJECTIVE_DEFAULTS, OBJECTIVE_KEYS
+
+    keys = {k: OBJECTIVE_DEFAULTS[k] for k in OBJECTIVE_KEYS[name] if k != "reference"}
+    return PreferenceLoss(model, Objective(name, **keys), chunk_tokens=case.chunk, reference_adapter=reference_adapter)
+
+
+def pair_loss(case: Case, name: str):
+    """`loss_of` for `saved_bytes` / `live_peak_bytes`: the case's rows are its pairs' chosen then
+    rejected rows, through `PreferenceLoss` (DPO given its precomputed reference log-probabilities);
+    the summed loss."""
+    def make(model):
+        loss = preference_loss(model, case, name)
+        resp_len = torch.full((case.batch,), 5)
+        ref = torch.zeros(case.batch) if name in ("dpo", "ipo") else None
+        return lambda **b: loss(**b, resp_len=resp_len, ref_logps=ref)[0]
+    return make
+
+
+def with_reference_adapter(model, case: Case):
+    """A second, frozen fp32 LoRA adapter named as `jobs.preference` names the starting adapter."""
+    from peft import LoraConfig
+
+    from jobs.preference import REFERENCE_ADAPTER
+
+    model.add_adapter(REFERENCE_ADAPTER, LoraConfig(r=case.r, lora_alpha=2 * case.r, target_modules=case.targets,
+                                                    task_type="CAUSAL_LM"))
+    for n, prm in model.named_parameters():
+        if f".{REFERENCE_ADAPTER}." in n:
+            prm.requires_grad_(False)
+            prm.data = prm.data.float()
+    return REFERENCE_ADAPTER
+
+
+def pair_estimate(case: Case, **kw) -> memory.MemoryEstimate:
+    """The case's rows as `case.batch // 2` pairs."""
+    return case.estimate(micro_batch_size=case.batch // 2, pairs=True, **kw)
+
+
+PAIR_CASES = [Case("pairs-fp32", batch=4), Case("pairs-bf16", batch=4, dtype="bf16"),
+              Case("pairs-gc-bf16", batch=4, dtype="bf16", gc=True),
+              Case("pairs-chunks", batch=4, dtype="bf16", vocab=3000, chunk=16),
+              Case("pairs-label-half", batch=4, dtype="bf16", label_fraction=0.5)]
+
+
+@pytest.mark.parametrize("name", ["dpo", "simpo", "orpo"])
+@pytest.mark.parametrize("case", PAIR_CASES, ids=_ids(PAIR_CASES))
+def test_pairs_are_two_rows_each_in_saved_bytes_and_peak(case, name):
+    """A micro-batch of m pairs is 2m rows through one forward: the policy forward of
+    `PreferenceLoss` keeps exactly the decoder bytes of 2m rows (the estimate with `pairs`), its head
+    the SFT head's plus the row index and per-token log-probabilities (to 1%), and forward +
+    backward peak within 10%."""
+    est = pair_estimate(case)
+    assert est.details["rows"] == case.batch and est.details["pairs"]
+    got = saved_bytes(case, loss_of=pair_loss(case, name))
+    assert got["decoder"] == est.components["activations"]
+    assert abs(rel(est.details["loss_saved_bytes"], got["loss"])) <= TOL_SAVED, (est.details, got)
+    dynamic = est.peak_allocated_bytes - static_bytes(est)
+    assert abs(rel(dynamic, live_peak_bytes(case, loss_of=pair_loss(case, name)))) <= TOL, est.components
+
+
+REFERENCE_CASES = [Case("ref-fp32", batch=4), Case("ref-bf16", batch=4, dtype="bf16"),
+                   Case("ref-big-vocab-bf16", batch=4, dtype="bf16", vocab=3000),
+                   Case("ref-chunks", batch=4, dtype="bf16", vocab=3000, chunk=16),
+                   Case("ref-wide-mlp", batch=4, intermediate=512, dtype="bf16"),
+                   Case("ref-gqa-h128", batch=2, hidden=128, heads=8, kv_heads=2, intermediate=256, dtype="bf16")]
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["adapter-off", "reference-adapter"])
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=_ids(REFERENCE_CASES))
+def test_reference_forward_matches_estimate(case, adapter):
+    """DPO's reference forward (`PreferenceLoss.reference_logps`: no grad, eval mode, the adapter off
+    or the frozen reference adapter active) keeps nothing for backward, and its live-storage peak
+    -- the widest of a layer's working set and the head's logits -- is the estimate's
+    `reference_forward` to 1% (measured: to a dozen bytes)."""
+    model = build(case)
+    name = with_reference_adapter(model, case) if adapter else None
+    loss_mod = preference_loss(model, case, "dpo", reference_adapter=name)
+    b = batch_for(case)
+    kept: list[torch.Tensor] = []
+    existing = [*model.parameters(), *model.buffers(), *b.values()]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        with LivePeak(existing) as mode:
+            with autocast(case):
+                ref = loss_mod.reference_logps(b["input_ids"], b["label_pos"], b["label_ids"])
+    assert not kept and not ref.requires_grad and ref.shape == (case.batch,)
+    est = pair_estimate(case, reference="adapter_off", reference_adapter=adapter)
+    assert abs(rel(est.components["reference_forward"], mode.peak)) <= TOL_SAVED, (est.components, mode.peak)
+
+
+def test_reference_components_and_where_they_count():
+    """`reference_adapter`: the frozen copy of the LoRA weights (DPO/IPO from `model.adapter`), sharded
+    and gathered with its layer under FSDP; `reference_forward`: a transient before the policy
+    forward, so it is weighed against activations + the other transients, not added to them;
+    precomputed reference log-probabilities, and SimPO and ORPO, hold neither."""
+    cfg = _llama(num_hidden_layers=4, intermediate_size=1024, vocab_size=64)  # the reference's widest: the MLP
+    kw = dict(micro_batch_size=2, seq_len=16, gradient_checkpointing=True, device="cpu")
+    pairs = estimate(cfg, pairs=True, **kw)
+    assert pairs.components["activations"] == estimate(cfg, **{**kw, "micro_batch_size": 4}).components["activations"]
+    assert not set(memory.REFERENCE_COMPONENTS) & set(pairs.components)
+    assert estimate(cfg, pairs=True, reference="precomputed", **kw).components == pairs.components
+    off = estimate(cfg, pairs=True, reference="adapter_off", **kw).components
+    assert "reference_adapter" not in off and off["reference_forward"] > 0
+    held = estimate(cfg, pairs=True, reference="adapter_off", reference_adapter=True, **kw)
+    c = held.components
+    # the active reference adapter's up-projection output beside the MLP's three [N, intermediate]
+    assert c["reference_adapter"] == c["lora_weights"]
+    assert c["reference_forward"] - off["reference_forward"] == 2 * 2 * 16 * 1024 * 2  # rows x seq x inter x bf16
+    static = sum(v for k, v in c.items() if k not in memory.TRANSIENT_COMPONENTS + ("activations",))
+    assert held.peak_allocated_bytes == static + max(c["activations"] + max(c["logits_loss"], c["layer_backward"]),
+                                                     c["reference_forward"])
+    rows = [name for name, _ in held.table()]
+    assert rows.index("optimizer_state") < rows.index("reference_adapter") < rows.index("activations")
+    assert rows.index("reference_forward") < rows.index("logits_loss")
+    sharded = estimate(cfg, pairs=True, reference="adapter_off", reference_adapter=True, strategy="fsdp",
+                       world_size=2, **kw)
+    plain = estimate(cfg, pairs=True, reference="adapter_off", strategy="fsdp", world_size=2, **kw)
+    assert sharded.components["reference_adapter"] == sharded.components["lora_weights"]
+    units, one = sharded.details["fsdp_unit_bytes"], plain.details["fsdp_unit_bytes"]
+    assert units["layer"] - one["layer"] == plain.details["fsdp_gathered_layer_bytes"]["lora"]
+    for bad in (dict(reference="adapter_off"), dict(pairs=True, reference="ref"),
+                dict(pairs=True, reference="precomputed", reference_adapter=True)):
+        with pytest.raises(ValueError, match="reference"):
+            estimate(cfg, **kw, **bad)
+
+
+def test_the_objective_reaches_the_estimate_from_the_spec():
+    """`objective.name` and `objective.reference`, `model.adapter`: rows, the reference forward and
+    the reference adapter, as `jobs.memory.spec_objective` reads them."""
+    base = memory.estimate_for_spec(_spec(), gradient_checkpointing=True, device="cpu")
+    by = {}
+    for name, extra in [("dpo", {}), ("dpo", {"reference": "precomputed"}), ("ipo", {}), ("simpo", {}), ("orpo", {})]:
+        for adapter in (None, "/saved/sft/adapter"):
+            spec = _spec(objective={"name": name, **extra}, model={"adapter": adapter} if adapter else {})
+            by[name, extra.get("reference"), adapter] = memory.estimate_for_spec(spec, gradient_checkpointing=True,
+                                                                                 device="cpu")
+    for (name, reference, adapter), est in by.items():
+        assert est.details["rows"] == 2 * base.details["rows"] and est.details["pairs"]
+        forward = name in ("dpo", "ipo") and reference != "precomputed"
+        assert ("reference_forward" in est.components) == forward, (name, reference)
+        assert ("reference_adapter" in est.components) == (forward and adapter is not None), (name, reference, adapter)
+    assert not base.details["pairs"] and "reference_forward" not in base.components
+
+
 # ---- pure properties -------------------------------------------------------------------------
 
 def _llama(**kw):
@@ -501,6 +652,33 @@ def test_framework_overhead_and_ddp_buckets():
     assert view["ddp_buckets"] == 0 and copy["ddp_buckets"] == copy["lora_grads"]
 
 
+def test_no_sync_grads_follow_the_accumulation():
+    """What a window of grad_accum_steps > 1 holds beyond `lora_grads`: nothing for one micro-step or
+    one process; DDP with bucket views, a second fp32 copy (fresh gradients beside the buckets);
+    without bucket views the buckets are that copy already; FSDP, the whole gradient less its shard
+    (unsharded until the last micro-step). Gradients accumulate in place: 2 or 16 micro-steps hold
+    the same."""
+    cfg = _llama()
+    lora = 4 * memory.count_lora_params(memory.model_shape(cfg), 8, DEFAULT_TARGET_MODULES)
+
+    def parts(**kw):
+        return estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, device="cpu", **kw).components
+
+    assert parts(world_size=2)["no_sync_grads"] == 0 and parts(grad_accum_steps=4)["no_sync_grads"] == 0
+    ddp = parts(world_size=2, grad_accum_steps=4)
+    assert ddp["no_sync_grads"] == ddp["lora_grads"] == lora and ddp["ddp_buckets"] == 0
+    copy = parts(world_size=2, grad_accum_steps=4, gradient_as_bucket_view=False)
+    assert copy["no_sync_grads"] == 0 and copy["ddp_buckets"] == lora
+    fsdp = parts(world_size=2, grad_accum_steps=2, strategy="fsdp")
+    assert fsdp["lora_grads"] + fsdp["no_sync_grads"] == lora and 0 < fsdp["no_sync_grads"] < lora
+    assert parts(world_size=2, strategy="fsdp")["no_sync_grads"] == 0
+    assert parts(world_size=2, grad_accum_steps=16) == parts(world_size=2, grad_accum_steps=2)
+    one = estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, world_size=2)
+    window = estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, world_size=2,
+                      grad_accum_steps=2)
+    assert window.total_bytes > one.total_bytes + lora  # and the allocator slack on it
+
+
 def test_chunked_loss_keeps_one_chunk_of_logits():
     cfg = _llama(**LLAMA_1B)
     kw = dict(micro_batch_size=4, seq_len=2048, gradient_checkpointing=True)
@@ -542,11 +720,15 @@ def test_estimate_for_spec_reads_the_spec():
     cpu = memory.estimate_for_spec(spec, device="cpu")
     direct = estimate(tiny_llama_config(), micro_batch_size=2, seq_len=128, gradient_checkpointing=False,
                       base_dtype="fp32", lora_r=4, lora_target_modules=["q_proj", "v_proj"], optimizer="sgd",
-                      world_size=2, device="cpu")
-    assert cpu.components == direct.components  # precision auto -> fp32 on CPU; seq = max_seq_len - 1
+                      world_size=2, device="cpu", grad_accum_steps=3)
+    # precision auto -> fp32 on CPU; seq = max_seq_len - 1; 12 sequences / (2 workers x 2) = 3 micro-steps
+    assert cpu.components == direct.components and cpu.details["grad_accum_steps"] == 3
     gpu = memory.estimate_for_spec(spec, device="cuda")  # auto -> bf16 on GPU
     assert gpu.components["frozen_weights"] * 2 == cpu.components["frozen_weights"]
     assert memory.estimate_for_spec(spec, micro_batch_size=6, device="cpu").total_bytes > cpu.total_bytes
+    # a micro-batch of all 6 sequences per worker is one micro-step: no window to hold gradients through
+    assert memory.estimate_for_spec(spec, micro_batch_size=6, device="cpu").components["no_sync_grads"] == 0
+    assert memory.plan_for_spec(spec, device="cpu").grad_accum_steps == spec.grad_accum_steps == 3
 
 
 def test_auto_checkpointing_follows_the_budget():
@@ -671,15 +853,163 @@ def _local_storage_bytes(params) -> dict[str, int]:
     return out
 
 
+class GatheredPeak(TorchDispatchMode):
+    """The most FSDP2 holds all-gathered at once, checked after every op run under it: the
+    unsharded parameters of every unit and the flat all-gather buffers (a unit's own, awaiting
+    its copy-out, and the one forward keeps until the next copy-out), every storage once. Reads
+    FSDP2's internals (torch 2.13 `FSDPParamGroup`): a test instrument, not rayft's code.
+    `units_in_backward`: which units were ever gathered after `backward` was set."""
+
+    def __init__(self, root: torch.nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        super().__init__()
+        self.groups = []
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                self.groups += [g for g in m._get_fsdp_state()._fsdp_param_groups if g not in self.groups]
+        self.peak = 0
+        self.backward = False
+        self.units_in_backward: set[str] = set()
+
+    def gathered(self) -> int:
+        live: dict[int, int] = {}
+
+        def add(t: torch.Tensor) -> bool:
+            st = t.untyped_storage()
+            if st.nbytes():
+                live[st.data_ptr()] = st.nbytes()
+            return st.nbytes() > 0
+
+        for g in self.groups:
+            own = [add(t) for fp in g.fsdp_params for t in (*fp.all_gather_outputs, *fp._unsharded_inner_tensors)]
+            if g._all_gather_result is not None:
+                own.append(add(g._all_gather_result.all_gather_output))
+            if self.backward and any(own):
+                self.units_in_backward.add(g._module_fqn)
+            held = getattr(g.comm_ctx, "all_gather_state", None)  # set at the lazy init
+            if held is not None:
+                add(held.all_gather_result.all_gather_output)
+        return sum(live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.gathered())
+        return out
+
+
+# (case, reshard_after_forward) pairs whose all-gathered peak the two ranks measure: the layers,
+# the embeddings or the head the largest unit; tied embeddings; the chunked loss head.
+GATHERED_CASES = [
+    (FSDP_CASE, True), (FSDP_CASE, False), ({**FSDP_CASE, "gc": True}, True),
+    ({**FSDP_CASE, "id": "big-vocab", "vocab": 1001, "gc": True}, True),
+    ({**FSDP_CASE, "id": "big-vocab-chunks", "vocab": 1001, "chunk": 16}, False),
+    ({**FSDP_CASE, "id": "tied", "vocab": 1001, "tied": True}, True),
+    ({**FSDP_CASE, "id": "tied", "vocab": 1001, "tied": True, "gc": True}, False),
+]
+
+
+def _gathered_peak(kw: dict, reshard: bool) -> dict:
+    """One forward + backward of `Case(**kw)` sharded by `jobs.fsdp.shard`: the all-gathered peak,
+    and which units were gathered in backward."""
+    from jobs import fsdp
+
+    case = Case(**kw)
+    model = build(case)
+    module = fsdp.shard(loss_module(model, case), model, case.dtype, reshard, torch.device("cpu"), 2)
+    units = fsdp.units(model)
+    batch = batch_for(case)
+    with GatheredPeak(module) as mode:
+        loss = module(**batch)
+        mode.backward = True
+        loss.backward()
+    names = {n: m for n, m in model.get_base_model().named_modules()}
+    embeddings = None if units.tied else next(n for n, m in names.items() if m is units.embeddings)
+    return {"peak": mode.peak, "embeddings_in_backward": any(embeddings and n.endswith(embeddings)
+                                                             for n in mode.units_in_backward)}
+
+
+WINDOW = 3  # micro-steps of the measured accumulation window; the gate is off on the first two
+WINDOW_RUNS = {"fsdp-fp32": ("fsdp", "fp32"), "fsdp-bf16": ("fsdp", "bf16"), "ddp-fp32": ("ddp", "fp32")}
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the storages of `tensors`, once each (a freed storage has none)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _unsharded_grads(module) -> list[torch.Tensor]:
+    """FSDP2's gradients accumulated unsharded while the gate is off (torch 2.13 `FSDPParam`: upcast
+    to the reduce dtype in `unsharded_accumulated_grad`, else on the unsharded parameter)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for fp in (fp for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params):
+                grad = getattr(getattr(fp, "_unsharded_param", None), "grad", None)
+                out += [t for t in (fp.unsharded_accumulated_grad, grad) if t is not None]
+    return out
+
+
+def _wrapped(strategy: str, case: Case):
+    """The case's model and loss as `jobs.loop` runs them: sharded by `jobs.fsdp.shard`, or in DDP
+    with bucket views; with its gate (`Engine.sync_gate`) and every gradient storage it holds."""
+    from jobs import fsdp
+
+    model = build(case)
+    if strategy == "fsdp":
+        module = fsdp.shard(loss_module(model, case), model, case.dtype, True, torch.device("cpu"), 2)
+        params = [p for p in model.parameters() if p.requires_grad]  # the shards replace the parameters
+        return (module, params, lambda last: fsdp.gradient_sync(module, last),
+                lambda: _unsharded_grads(module) + [p.grad.to_local() for p in params if p.grad is not None])
+    module = torch.nn.parallel.DistributedDataParallel(loss_module(model, case), gradient_as_bucket_view=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return (module, params, lambda last: contextlib.nullcontext() if last else module.no_sync(),
+            lambda: [p.grad for p in params if p.grad is not None])
+
+
+def _no_sync_window(strategy: str, dtype: str) -> dict:
+    """Three windows of `WINDOW` micro-steps, the gradients set to None before each (`optimizer_step`'s
+    `zero_grad`): in the third (DDP rebuilds its buckets once, in the forward after its first synced
+    backward, so the second window starts with new ones), the bytes of
+    every gradient storage alive after the gate-off micro-steps (DDP: and of the buckets its synced
+    gradients were views of) and after the last, and what autograd keeps in a gate-off forward."""
+    case = Case(**{**FSDP_CASE, "dtype": dtype})
+    module, params, gate, held = _wrapped(strategy, case)
+    batch, out, buckets = batch_for(case), {}, {}
+    for window in range(3):
+        for p in params:
+            p.grad = None
+        for j in range(WINDOW):
+            saved: list[torch.Tensor] = []
+            with gate(j == WINDOW - 1):
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                    with autocast(case):
+                        loss = module(**batch)
+                loss.backward()
+            if window == 2 and j == WINDOW - 2:
+                weights = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                           for p in module.parameters()}
+                out["saved"] = _storage_bytes(t for t in saved if t.untyped_storage().data_ptr() not in weights)
+                out["no_sync"] = _storage_bytes(held()) + sum(n for ref, n in buckets.values() if not ref.expired())
+        out["synced"] = _storage_bytes(held())
+        if strategy == "ddp":
+            buckets = {st.data_ptr(): (StorageWeakRef(st), st.nbytes()) for st in (g.untyped_storage() for g in held())}
+    return out
+
+
 def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
-    """One of two gloo ranks: the case's model with PEFT LoRA, `fully_shard` per decoder layer and
-    on the loss module (the root, as `jobs.fsdp.shard` does), then this rank's parameter bytes and
-    the bytes autograd keeps after one forward."""
+    """One of two gloo ranks: the case's model with PEFT LoRA, sharded by `jobs.fsdp.shard` as the
+    loop does, then this rank's parameter bytes and the bytes autograd keeps after one forward;
+    the all-gathered peak of each of `GATHERED_CASES`; and what an accumulation window holds
+    (`_no_sync_window`)."""
     import json
     import os
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+
+    from jobs import fsdp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -687,10 +1017,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
     try:
         case = Case(**FSDP_CASE)
         model = build(case)
-        loss_mod = loss_module(model, case)
-        for layer in decoder_of(model).layers:
-            fully_shard(layer)
-        fully_shard(loss_mod)
+        loss_mod = fsdp.shard(loss_module(model, case), model, case.dtype, True, torch.device("cpu"), 2)
         held = _local_storage_bytes(loss_mod.parameters())
         saved: list[tuple[str, torch.Tensor]] = []
         where = ["decoder"]
@@ -704,7 +1031,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
             loss = loss_mod(**batch_for(case))
         hook.remove()
         # After forward each layer's gathered weights are freed (their storages are empty now); the
-        # root's stay gathered and are parameters: weights, not activations, either way.
+        # head's stay gathered and are parameters: weights, not activations, either way.
         params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
                   for p in loss_mod.parameters()}
         kept: dict[int, tuple[str, int]] = {}
@@ -719,6 +1046,8 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
         grads = {p.grad.to_local().untyped_storage().data_ptr(): p.grad.to_local().untyped_storage().nbytes()
                  for p in loss_mod.parameters() if p.requires_grad}
         out["lora_grads"] = sum(grads.values())
+        out["gathered"] = [_gathered_peak(kw, reshard) for kw, reshard in GATHERED_CASES]
+        out["window"] = {key: _no_sync_window(*run) for key, run in WINDOW_RUNS.items()}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
     finally:
@@ -766,10 +1095,48 @@ def test_fsdp_keeps_the_same_activations(fsdp_measured):
     assert abs(rel(est["fsdp"]["activations"], plain["decoder"])) <= TOL_SAVED
 
 
+@pytest.mark.slow
+def test_fsdp_gathered_units_match_fully_shard_on_two_ranks(fsdp_measured):
+    """The most FSDP2 holds all-gathered at once over forward + backward, every storage counted
+    (unsharded parameters and all-gather buffers), equals the estimate's `fsdp_gathered` for
+    `jobs.fsdp`'s units: layers, embeddings or head the largest unit, resharding after forward
+    or not, tied embeddings, the chunked loss head. Resharding after forward, the untied
+    embeddings are not gathered in backward (frozen, fed token ids: nothing of them is needed)."""
+    for (kw, reshard), *ranks in zip(GATHERED_CASES, *(r["gathered"] for r in fsdp_measured)):
+        est = Case(**kw).estimate(strategy="fsdp", world_size=2, reshard_after_forward=reshard)
+        for rank in ranks:
+            assert rank["peak"] == est.components["fsdp_gathered"], (kw, reshard, est.details["fsdp_unit_bytes"])
+            # resharding, the embeddings are not gathered again in backward; kept, they are still held
+            assert rank["embeddings_in_backward"] == (not reshard and not kw.get("tied")), (kw, reshard)
+
+
+@pytest.mark.slow
+def test_a_no_sync_window_holds_what_the_estimate_counts(fsdp_measured):
+    """An accumulation window of 3 micro-steps, the gate off on the first two, on 2 gloo ranks: after
+    them each rank holds the whole LoRA gradient -- FSDP2 unsharded (in fp32 under bf16 too), DDP in
+    fresh tensors beside its buckets -- which is `lora_grads` + `no_sync_grads` (+ `ddp_buckets`) at
+    grad_accum_steps=3; after the last micro-step the shards (FSDP) or the buckets (DDP) alone,
+    `lora_grads`. A gate-off forward keeps what a synced one keeps."""
+    plain = saved_bytes(Case(**FSDP_CASE))
+    for key, (strategy, dtype) in WINDOW_RUNS.items():
+        est = Case(**{**FSDP_CASE, "dtype": dtype}).estimate(strategy=strategy, world_size=2,
+                                                             grad_accum_steps=WINDOW).components
+        assert est["no_sync_grads"] > 0
+        for rank in fsdp_measured:
+            window = rank["window"][key]
+            assert window["no_sync"] == est["lora_grads"] + est["no_sync_grads"] + est["ddp_buckets"], key
+            assert window["synced"] == est["lora_grads"], key
+    for rank in fsdp_measured:
+        assert rank["window"]["fsdp-fp32"]["saved"] == rank["decoder"] + rank["loss"]
+        assert rank["window"]["ddp-fp32"]["saved"] == plain["decoder"] + plain["loss"]
+
+
 def test_fsdp_gathered_layers_and_resharding():
-    """What is gathered at the peak: the root's weights, plus two layers when resharding after
-    forward, every layer when not; the sharded part shrinks with the world size, the gathered
-    part does not."""
+    """What is gathered at the peak, unit by unit (`jobs.fsdp.units`: embeddings E, each layer l,
+    [final norm, LM head] H): resharding after forward, two units' worth of the largest; keeping
+    them gathered, the embeddings and every layer beside the head and one more unit's buffer; tied
+    embeddings, their one unit beside the layers. The sharded part shrinks with the world size, the
+    gathered part does not."""
     cfg = _llama(num_hidden_layers=6)
     shape = memory.model_shape(cfg)
     kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="bf16", lora_r=8,
@@ -777,13 +1144,25 @@ def test_fsdp_gathered_layers_and_resharding():
     reshard = estimate(cfg, reshard_after_forward=True, **kw).components
     keep = estimate(cfg, reshard_after_forward=False, **kw).components
     params = memory.count_base_params(shape)
-    root = 2 * (params["embeddings"] + params["final_norm"] + params["lm_head"])
-    layer = (keep["fsdp_gathered"] - reshard["fsdp_gathered"]) // (6 - 2)
-    assert reshard["fsdp_gathered"] == root + 2 * layer and keep["fsdp_gathered"] == root + 6 * layer
+    E, H = 2 * params["embeddings"], 2 * (params["final_norm"] + params["lm_head"])
     lora_layer = memory.count_lora_params(shape, 8, DEFAULT_TARGET_MODULES) // 6
-    assert layer == 2 * (params["layers"] // 6 + lora_layer)  # frozen + LoRA, gathered in bf16
+    layer = 2 * (params["layers"] // 6 + lora_layer)  # frozen + LoRA, gathered in bf16
+    assert layer > H > E  # (300 x 64 embeddings: no padding over 4 ranks)
+    assert reshard["fsdp_gathered"] == 2 * layer
+    assert keep["fsdp_gathered"] == E + 6 * layer + H + layer
+    # Resharding, the old root unit (embeddings, norm and head gathered all along) is gone.
+    assert reshard["fsdp_gathered"] < E + H + 2 * layer
+    wide = _llama(num_hidden_layers=6, vocab_size=3000)  # the embeddings and the head outgrow a layer
+    E_wide, H_wide = 2 * 3000 * 64, 2 * (3000 * 64 + 64)
+    assert estimate(wide, reshard_after_forward=True, **kw).components["fsdp_gathered"] == 2 * H_wide
+    assert estimate(wide, reshard_after_forward=False, **kw).components["fsdp_gathered"] == \
+        E_wide + 6 * layer + 2 * H_wide
+    tied = _llama(num_hidden_layers=6, tie_word_embeddings=True)
+    T = 2 * (params["embeddings"] + params["final_norm"])  # one unit: embeddings (= LM head) and norm
+    assert estimate(tied, reshard_after_forward=True, **kw).components["fsdp_gathered"] == T + 2 * layer
+    assert estimate(tied, reshard_after_forward=False, **kw).components["fsdp_gathered"] == T + 7 * layer
     eight = estimate(cfg, reshard_after_forward=True, **{**kw, "world_size": 8}).components
-    # The gathered layers do not shrink with the world size; only dim 0's padding to a multiple of
+    # The gathered units do not shrink with the world size; only dim 0's padding to a multiple of
     # the world size (part of the all-gathered storage) can grow them.
     assert eight["frozen_weights"] < reshard["frozen_weights"]
     assert reshard["fsdp_gathered"] <= eight["fsdp_gathered"] < 1.01 * reshard["fsdp_gathered"]

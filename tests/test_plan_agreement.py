@@ -8,7 +8,9 @@ The cases: tiny-llama (CPU and GPU) under DDP with gradient checkpointing auto /
 a per-GPU budget below, between and above the estimates of every checkpointing choice, and none;
 `resources.strategy` auto and fsdp (FSDP2) with budgets cut at every strategy's smallest and
 largest estimate, so that `auto` picks DDP, FSDP keeping the layers gathered, and FSDP
-resharding after forward, over a bf16 and (QLoRA under FSDP2) an nf4 base; and the 70B example
+resharding after forward, over a bf16 (LoRA r 32) and (QLoRA under FSDP2) an nf4 base; the
+preference objectives (DPO with the reference forward, with the starting adapter as reference,
+and with precomputed reference log-probabilities; SimPO; ORPO); and the 70B example
 (examples/llama70b-lora.yaml, a config without weights) on the gpu overlay's H100s: unquantized
 over 8 GPUs, and QLoRA nf4 / int8 over 2.
 """
@@ -112,6 +114,24 @@ CASES += [Case("cuda", gc, budget, where, FSDP + NF4, family="fsdp-nf4")
           for where, budget in budgets("cuda", FSDP + NF4, every_k=False)]
 CASES += [Case("cuda", "auto", budget, where, NF4, family="auto-nf4")
           for where, budget in budgets("cuda", NF4, every_k=False)]
+# A bf16 base where keeping the layers gathered beats DDP: LoRA r 32 (its sharded states outweigh
+# the embeddings and head FSDP keeps gathered beside tiny-llama's two layers).
+R32 = ("lora.r=32",)
+CASES += [Case("cuda", "auto", budget, where, R32, family="auto-r32")
+          for where, budget in budgets("cuda", R32, every_k=False)]
+# Preference objectives: a micro-batch of pairs is two rows each; DPO with the reference forward
+# (the base with the adapter off, or the starting adapter held frozen), with precomputed
+# reference log-probabilities, and the reference-free SimPO and ORPO; budgets at every
+# strategy's bounds, so that the reference terms move the plan's boundaries.
+PREFERENCE = {"dpo": ("objective.name=dpo",),
+              "dpo-adapter": ("objective.name=dpo", "model.adapter=outputs/sft/adapter"),
+              "dpo-precomputed": ("objective.name=dpo", "objective.reference=precomputed"),
+              "simpo": ("objective.name=simpo",), "orpo": ("objective.name=orpo",)}
+CASES += [Case("cuda", "auto", budget, where, overrides, family=f"pref-{name}")
+          for name, overrides in PREFERENCE.items()
+          for where, budget in budgets("cuda", overrides, every_k=False)]
+CASES += [Case("cpu", "auto", budget, where, PREFERENCE["dpo-adapter"], family="pref-dpo-adapter")
+          for where, budget in budgets("cpu", PREFERENCE["dpo-adapter"], every_k=False)]
 CASES += [Case("cuda", "auto", budget, where, (), BIG, family="70b")
           for where, budget in budgets("cuda", (), BIG, every_k=False, cap=80)]
 CASES += [Case("cuda", "auto", budget, where, NF4_2, BIG, family="70b-nf4")
@@ -214,11 +234,22 @@ def test_the_cases_reach_every_checkpointing_and_strategy_choice():
     for c in CASES:
         auto[c.family].add(plan_column(c)[2])
     assert auto["ddp"] == {"ddp"} and auto["fsdp"] == {"fsdp", "fsdp-keep"}
+    # Over tiny-llama's bf16 base at r 4, FSDP keeping its two layers gathered also keeps its
+    # embeddings, head and one unit's all-gather buffer, but DDP holds a second copy of the LoRA
+    # gradients through the accumulation window (`no_sync_grads`): auto reaches every choice; at
+    # r 32 too.
     assert auto["auto"] | auto["70b"] == {"ddp", "fsdp", "fsdp-keep"}
+    assert auto["auto-r32"] == {"ddp", "fsdp", "fsdp-keep"}
     assert auto["70b"] == {"fsdp"} and auto["70b-int8"] == {"ddp"}
     # An nf4 base is sharded when DDP does not fit: auto reaches every choice over it too.
     assert auto["fsdp-nf4"] == {"fsdp", "fsdp-keep"} and auto["auto-nf4"] == {"ddp", "fsdp", "fsdp-keep"}
     assert "ddp" in auto["70b-nf4"]
+    # Each preference objective's plan is its own: two rows a pair, the reference forward's transient
+    # and the reference adapter's weights move its estimates off SFT's.
+    sft = {plan_column(c)[0] for c in CASES if c.family == "auto"}
+    for name in PREFERENCE:
+        assert {"ddp", "fsdp"} <= auto[f"pref-{name}"], name
+        assert not {plan_column(c)[0] for c in CASES if c.family == f"pref-{name}"} & sft, name
     refused = [c for c in CASES if c.device == "cuda" and k8s_column(c) is None]
     assert all(plan_column(c)[0] > gpu_memory_gib() for c in refused)
     assert all(sum(col(c) is not None for col in COLUMNS.values()) == len(COLUMNS)

@@ -10,7 +10,7 @@ in the compute dtype (or quantized by bitsandbytes: nf4, int8), LoRA weights in 
 autocast for bf16/fp16, HF non-reentrant checkpointing of whole decoder layers, and
 `CausalLMLoss` (LM head + fp32 cross-entropy on the label positions only, optionally in
 checkpointed chunks), under DDP or FSDP2 (`jobs.fsdp`: every parameter sharded per rank, the
-layers in flight gathered). `plan_for_spec` is the one place that picks the strategy and the
+units in flight gathered). `plan_for_spec` is the one place that picks the strategy and the
 checkpointing (`choose_plan`).
 
 The modules, one role each, each importing only those above it:
@@ -38,25 +38,28 @@ allocator slack) is a documented constant, not measured by either.
 
 from .choices import (CHOICE_DDP, CHOICE_FSDP, CHOICE_FSDP_KEEP, CHOICES, checkpointing_candidates,
                       checkpointing_str, choose_checkpointing_every, choose_plan, strategy_choices, strategy_str)
-from .components import (ALLOCATOR_SLACK_FRACTION, COMPONENT_ORDER, CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES,
-                         STRATEGIES, TRANSIENT_COMPONENTS, MemoryEstimate, estimate)
+from .components import (ALLOCATOR_SLACK_FRACTION, BEFORE_FORWARD_COMPONENTS, COMPONENT_ORDER, CUDA_CONTEXT_BYTES,
+                         NCCL_BUFFER_BYTES, REFERENCE_COMPONENTS, REFERENCES, STRATEGIES, TRANSIENT_COMPONENTS,
+                         MemoryEstimate, estimate)
 from .config_io import config_from_spec
 from .plan import MemoryPlan, estimate_for_spec, plan_budget_gib, plan_for_spec
 from .shapes import (DTYPE_BYTES, FP32_BYTES, GIB, INDEX_BYTES, LLAMA_FAMILY, MIB, NF4_BLOCK, NF4_CODE_BYTES,
                      NF4_CONST_BLOCK, NF4_CONST_CODE_BYTES, QUANTIZATIONS, ModelShape, base_param_shapes,
-                     count_base_params, count_lora_params, lora_param_shapes, model_shape, quantized_bytes)
-from .spec_estimate import SpecEstimator, spec_precision, spec_seq_len
+                     count_base_params, count_lora_params, fsdp_unit_shapes, lora_param_shapes, model_shape,
+                     quantized_bytes)
+from .spec_estimate import SpecEstimator, spec_grad_accum_steps, spec_objective, spec_precision, spec_seq_len
 from .tables import choose_plan_from_table, feasible_pairs, plan_table, smallest_budget_gib, strategy_table
 
 __all__ = [
-    "ALLOCATOR_SLACK_FRACTION", "CHOICE_DDP", "CHOICE_FSDP", "CHOICE_FSDP_KEEP", "CHOICES", "COMPONENT_ORDER",
-    "CUDA_CONTEXT_BYTES", "DTYPE_BYTES", "FP32_BYTES", "GIB", "INDEX_BYTES", "LLAMA_FAMILY", "MIB",
+    "ALLOCATOR_SLACK_FRACTION", "BEFORE_FORWARD_COMPONENTS", "CHOICE_DDP", "CHOICE_FSDP", "CHOICE_FSDP_KEEP",
+    "CHOICES", "COMPONENT_ORDER", "CUDA_CONTEXT_BYTES", "DTYPE_BYTES", "FP32_BYTES", "GIB", "INDEX_BYTES",
+    "LLAMA_FAMILY", "MIB",
     "NCCL_BUFFER_BYTES", "NF4_BLOCK", "NF4_CODE_BYTES", "NF4_CONST_BLOCK", "NF4_CONST_CODE_BYTES", "QUANTIZATIONS",
-    "STRATEGIES", "TRANSIENT_COMPONENTS",
+    "REFERENCES", "REFERENCE_COMPONENTS", "STRATEGIES", "TRANSIENT_COMPONENTS",
     "MemoryEstimate", "MemoryPlan", "ModelShape", "SpecEstimator",
     "base_param_shapes", "checkpointing_candidates", "checkpointing_str", "choose_checkpointing_every",
     "choose_plan", "choose_plan_from_table", "config_from_spec", "count_base_params", "count_lora_params",
-    "estimate", "estimate_for_spec", "feasible_pairs", "lora_param_shapes", "model_shape", "plan_budget_gib",
-    "plan_for_spec", "plan_table", "quantized_bytes", "smallest_budget_gib", "spec_precision", "spec_seq_len",
-    "strategy_choices", "strategy_str", "strategy_table",
+    "estimate", "estimate_for_spec", "feasible_pairs", "fsdp_unit_shapes", "lora_param_shapes", "model_shape",
+    "plan_budget_gib", "plan_for_spec", "plan_table", "quantized_bytes", "smallest_budget_gib", "spec_grad_accum_steps",
+    "spec_objective", "spec_precision", "spec_seq_len", "strategy_choices", "strategy_str", "strategy_table",
 ]

@@ -1,13 +1,19 @@
 """`estimate`: the per-GPU memory of one micro-step of LoRA training, as named components.
 
 Peak model. Static memory (weights, LoRA grads, optimizer state, DDP buckets, FSDP's gathered
-layers) plus the activations saved at the end of forward (`replay.Walk`) plus the larger of two
+units) plus the activations saved at the end of forward (`replay.Walk`) plus the larger of two
 transients that never coexist: the loss head's peak (first thing in backward) and one decoder
 layer's backward (the recomputed layer when checkpointing, plus its gradient buffers).
 
 The loss head (`CausalLMLoss`): [T, vocab] logits in the compute dtype, their fp32 copy, the
 saved log-softmax, and in backward its gradient and the input gradient: the transient peak is
 12 bytes x T x vocab at the log-softmax backward.
+
+Preference objectives (`jobs.preference.PreferenceLoss`): a micro-batch of m pairs is 2m rows
+(chosen and rejected, one forward), and the head keeps per-token log-probabilities over the label
+tokens, as the SFT head does. DPO and IPO with `reference: adapter_off` first run the reference
+forward (no grad, eval mode: nothing saved) before the policy's: a third transient, and the only
+one that never meets the step's activations (`BEFORE_FORWARD_COMPONENTS`).
 
 Pure: a function of a model config object (or a `ModelShape`) and numbers; no I/O, no torch.
 """
@@ -21,8 +27,8 @@ from typing import Any, Optional, Sequence
 from ..spec import DEFAULT_TARGET_MODULES
 from .replay import ReplayTensor, Walk
 from .shapes import (DTYPE_BYTES, FP32_BYTES, GIB, INDEX_BYTES, MIB, QUANTIZATIONS, ModelShape,
-                     base_param_shapes, count_base_params, count_lora_params, lora_param_shapes, lora_targets,
-                     model_shape, quantized_bytes, shard_bytes)
+                     base_param_shapes, count_base_params, count_lora_params, fsdp_unit_shapes, lora_param_shapes,
+                     lora_targets, model_shape, quantized_bytes, shard_bytes)
 
 # CUDA context (driver, kernels of torch/cuBLAS/cuDNN loaded lazily) as seen by nvidia-smi on
 # an H100/H200 with torch 2.x; it is outside `torch.cuda.max_memory_allocated`.
@@ -34,11 +40,21 @@ NCCL_BUFFER_BYTES = 256 * MIB
 # for safety because padded batches change shapes every step.
 ALLOCATOR_SLACK_FRACTION = 0.08
 
-# Components whose peaks happen at different moments of backward: the total adds the
-# largest of them, not their sum.
-TRANSIENT_COMPONENTS = ("logits_loss", "layer_backward")
-COMPONENT_ORDER = ("frozen_weights", "lora_weights", "lora_grads", "optimizer_state", "ddp_buckets",
-                   "fsdp_gathered", "activations", "logits_loss", "layer_backward", "framework_overhead")
+# Components whose peaks happen at different moments of the micro-step: the total adds the
+# largest of them, not their sum. Those of `BEFORE_FORWARD_COMPONENTS` come before the forward,
+# when no activation of the micro-step exists yet.
+TRANSIENT_COMPONENTS = ("logits_loss", "layer_backward", "reference_forward")
+BEFORE_FORWARD_COMPONENTS = ("reference_forward",)
+COMPONENT_ORDER = ("frozen_weights", "lora_weights", "lora_grads", "no_sync_grads", "optimizer_state",
+                   "ddp_buckets", "fsdp_gathered", "activations", "logits_loss", "layer_backward",
+                   "framework_overhead")
+
+# Components a spec has only with a preference objective's reference (not in every estimate).
+REFERENCE_COMPONENTS = ("reference_adapter", "reference_forward")
+_TABLE_ORDER = ("frozen_weights", "lora_weights", "lora_grads", "no_sync_grads", "optimizer_state", "reference_adapter",
+                "ddp_buckets", "fsdp_gathered", "activations", "reference_forward", "logits_loss", "layer_backward",
+                "framework_overhead")
+REFERENCES = ("adapter_off", "precomputed")
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -47,8 +63,9 @@ STRATEGIES = ("ddp", "fsdp")
 class MemoryEstimate:
     """Named per-GPU memory components in bytes.
 
-    `total_bytes` = every component except the transients + the largest transient
-    (`TRANSIENT_COMPONENTS`). `peak_allocated_bytes` is the same without
+    `total_bytes` = every component except the transients and the activations + the larger of
+    (activations + the largest transient of the forward and backward) and the largest transient
+    before the forward (`BEFORE_FORWARD_COMPONENTS`). `peak_allocated_bytes` is the same without
     `framework_overhead`: what `torch.cuda.max_memory_allocated()` should read.
     `details` holds finer terms (per-layer saved bytes, shapes used) for tests and logs.
     """
@@ -59,8 +76,10 @@ class MemoryEstimate:
     @property
     def peak_allocated_bytes(self) -> int:
         c = self.components
-        steady = sum(v for k, v in c.items() if k not in TRANSIENT_COMPONENTS and k != "framework_overhead")
-        return steady + max((c.get(k, 0) for k in TRANSIENT_COMPONENTS), default=0)
+        static = sum(v for k, v in c.items() if k not in TRANSIENT_COMPONENTS + ("activations", "framework_overhead"))
+        during = c.get("activations", 0) + max((c.get(k, 0) for k in TRANSIENT_COMPONENTS
+                                                if k not in BEFORE_FORWARD_COMPONENTS), default=0)
+        return static + max(during, *(c.get(k, 0) for k in BEFORE_FORWARD_COMPONENTS))
 
     @property
     def total_bytes(self) -> int:
@@ -76,8 +95,8 @@ class MemoryEstimate:
 
     def table(self) -> list[tuple[str, float]]:
         """(name, GiB) rows: every component, then `total` (transients: only the largest counts)."""
-        rows = [(name, self.components[name] / GIB) for name in COMPONENT_ORDER if name in self.components]
-        rows += [(k, v / GIB) for k, v in self.components.items() if k not in COMPONENT_ORDER]
+        rows = [(name, self.components[name] / GIB) for name in _TABLE_ORDER if name in self.components]
+        rows += [(k, v / GIB) for k, v in self.components.items() if k not in _TABLE_ORDER]
         rows.append(("total", self.total_gib))
         return rows
 
@@ -90,7 +109,9 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
              checkpoint_every_n_layers: int = 1, label_fraction: float = 1.0,
              loss_chunk_tokens: Optional[int] = None, packed: bool = False,
              device: str = "cuda", lora_dora: bool = False, strategy: str = "ddp",
-             reshard_after_forward: bool = True, quantization: str = "none") -> MemoryEstimate:
+             reshard_after_forward: bool = True, quantization: str = "none",
+             grad_accum_steps: int = 1, pairs: bool = False, reference: Optional[str] = None,
+             reference_adapter: bool = False) -> MemoryEstimate:
     """Per-GPU memory of one micro-step of LoRA training, as named components in bytes.
 
     `config` is a transformers config (or a `ModelShape`). `base_dtype` is the dtype of the
@@ -101,50 +122,69 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     block mask and per-row RoPE tables. `label_fraction` is label tokens / (micro_batch_size x seq_len).
     `gradient_as_bucket_view` matches `jobs.loop`'s DDP (True): the LoRA gradients live in
     DDP's buckets, so buckets cost nothing extra; False adds a second fp32 copy.
+    `grad_accum_steps` > 1 (micro-steps per optimizer step, the gate off on all but the last)
+    adds `no_sync_grads`: what the window's gradients hold beyond `lora_grads` (`_no_sync_grads`).
     `device="cuda"` adds `framework_overhead` and follows the CUDA kernels where they differ
     from the CPU ones (dropout masks, layer_norm under autocast, attention output layout);
     `device="cpu"` is what the CPU tests measure.
 
-    `strategy="fsdp"` (FSDP2, `fully_shard` per decoder layer and the root over `world_size`
-    ranks): every parameter -- frozen and LoRA -- is sharded on dim 0, padded to a multiple of
-    `world_size`, and so are the LoRA gradients and optimizer state; there is no DDP bucket.
-    `fsdp_gathered` is what is all-gathered at the peak: the root's parameters (embeddings, final
-    norm, LM head: FSDP2 never reshards the root after forward) and the decoder layers in flight
-    -- the one in backward plus the next one prefetched, or, with `reshard_after_forward=False`,
-    every layer (each stays gathered from its forward until its backward).
+    `strategy="fsdp"` (FSDP2 over `world_size` ranks in `jobs.fsdp`'s units: the embeddings, each
+    decoder layer, [final norm, LM head]): every parameter -- frozen and LoRA -- is sharded on dim
+    0, padded to a multiple of `world_size`, and so are the LoRA gradients and optimizer state;
+    there is no DDP bucket. `fsdp_gathered` is the most that is all-gathered at once at any
+    moment of the step (`_fsdp_gathered`): with `reshard_after_forward` two units' worth -- a unit
+    and its all-gather buffer, or a unit and the next one prefetched -- of the largest unit; with
+    `reshard_after_forward=False` every layer (each stays gathered from its forward until its
+    backward) beside the embeddings and the head.
     `quantization` ("nf4", "int8": bitsandbytes, QLoRA) stores the decoder's linear weights as
     `quantized_bytes` says; embeddings, LM head, norms and biases stay in `base_dtype`, and one
     layer's backward also holds the largest linear de-quantized to `base_dtype`.
+
+    `pairs` (a preference objective): `micro_batch_size` counts pairs, and each is two rows
+    (chosen, rejected) of `seq_len` through one forward. `reference="adapter_off"` (DPO, IPO): a
+    reference forward precedes the policy's (`reference_forward`); "precomputed": none. With
+    `reference_adapter` (the starting adapter `model.adapter` as the reference) the reference is a
+    second, frozen copy of the LoRA weights (`reference_adapter`: fp32 as PEFT loads an adapter,
+    sharded and gathered with its layer under FSDP) that is active in that forward; without it
+    the reference is the base with the adapter off, and holds nothing.
     """
     _check_arguments(base_dtype=base_dtype, attn_implementation=attn_implementation, device=device,
                      optimizer=optimizer, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
                      checkpoint_every_n_layers=checkpoint_every_n_layers, strategy=strategy,
-                     quantization=quantization, label_fraction=label_fraction)
+                     quantization=quantization, label_fraction=label_fraction, grad_accum_steps=grad_accum_steps,
+                     pairs=pairs, reference=reference, reference_adapter=reference_adapter)
     shape = config if isinstance(config, ModelShape) else model_shape(config)
-    step = _Step(shape=shape, batch=micro_batch_size, seq=seq_len, act_bytes=DTYPE_BYTES[base_dtype],
+    rows = micro_batch_size * (2 if pairs else 1)
+    step = _Step(shape=shape, batch=rows, seq=seq_len, act_bytes=DTYPE_BYTES[base_dtype],
                  autocast=base_dtype != "fp32", targets=lora_targets(shape, lora_target_modules), lora_r=lora_r,
                  lora_dropout=lora_dropout, dora=lora_dora, attn=attn_implementation, device=device, packed=packed,
+                 pairs=pairs, reference_adapter=reference_adapter,
                  mask=(packed or attn_implementation == "eager"
                        or (shape.sliding_window is not None and seq_len >= shape.sliding_window)))
     fsdp = strategy == "fsdp"
     frozen = _frozen_base(step, world_size if fsdp else 1, quantization)
     components, fsdp_layer = _static(step, frozen, optimizer=optimizer, momentum=momentum, world_size=world_size,
                                      gradient_as_bucket_view=gradient_as_bucket_view, fsdp=fsdp,
-                                     reshard_after_forward=reshard_after_forward)
+                                     reshard_after_forward=reshard_after_forward, grad_accum_steps=grad_accum_steps)
     acts = _activations(step, gradient_checkpointing, checkpoint_every_n_layers)
     components["activations"] = acts.total_bytes
     loss = _loss_head(step, label_fraction, loss_chunk_tokens)
     components["logits_loss"] = loss.peak_bytes
     components["layer_backward"] = _layer_backward(step, acts, checkpoint_every_n_layers, frozen.largest_quantized)
+    if reference == "adapter_off":
+        components["reference_forward"] = _reference_forward(step, loss, frozen.largest_quantized)
     components["framework_overhead"] = _framework_overhead(components, device, world_size)
     details = {
         "params": count_base_params(shape),
         "lora_params": count_lora_params(shape, lora_r, step.targets, dora=lora_dora),
         "label_tokens": loss.label_tokens, "logits_chunk_tokens": loss.chunk_tokens,
         "strategy": strategy, "world_size": world_size, "quantization": quantization,
+        "grad_accum_steps": grad_accum_steps, "rows": step.batch, "pairs": pairs, "reference": reference,
         "reshard_after_forward": reshard_after_forward if fsdp else None,
-        # FSDP: one decoder layer's all-gathered parameters (frozen: packed bytes when quantized).
-        "fsdp_gathered_layer_bytes": fsdp_layer,
+        # FSDP: one decoder layer's all-gathered parameters (frozen: packed bytes when quantized),
+        # and every unit's (`_fsdp_gathered`).
+        "fsdp_gathered_layer_bytes": fsdp_layer and {"frozen": fsdp_layer["frozen"], "lora": fsdp_layer["lora"]},
+        "fsdp_unit_bytes": fsdp_layer and fsdp_layer["units"],
         "frozen_layer_bytes": frozen.layer_bytes, "frozen_root_bytes": frozen.root_bytes,
         "mask": step.mask, "checkpointed_layers": acts.checkpointed_layers,
         "layer_saved_bytes": acts.layer_saved_bytes, "first_layer_saved_bytes": acts.first_layer_saved_bytes,
@@ -156,7 +196,8 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
 
 def _check_arguments(*, base_dtype: str, attn_implementation: str, device: str, optimizer: str,
                      micro_batch_size: int, seq_len: int, world_size: int, checkpoint_every_n_layers: int,
-                     strategy: str, quantization: str, label_fraction: float) -> None:
+                     strategy: str, quantization: str, label_fraction: float, grad_accum_steps: int,
+                     pairs: bool, reference: Optional[str], reference_adapter: bool) -> None:
     """`estimate`'s arguments it cannot model raise ValueError (the spec adapter turns it into SpecError)."""
     if base_dtype not in DTYPE_BYTES:
         raise ValueError(f"memory estimate: base_dtype must be one of {sorted(DTYPE_BYTES)}, got {base_dtype!r}")
@@ -166,9 +207,9 @@ def _check_arguments(*, base_dtype: str, attn_implementation: str, device: str, 
         raise ValueError(f"memory estimate: device must be cuda or cpu, got {device!r}")
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"memory estimate: optimizer must be adamw or sgd, got {optimizer!r}")
-    if micro_batch_size < 1 or seq_len < 1 or world_size < 1 or checkpoint_every_n_layers < 1:
-        raise ValueError("memory estimate: micro_batch_size, seq_len, world_size, checkpoint_every_n_layers "
-                         "must be >= 1")
+    if min(micro_batch_size, seq_len, world_size, checkpoint_every_n_layers, grad_accum_steps) < 1:
+        raise ValueError("memory estimate: micro_batch_size, seq_len, world_size, checkpoint_every_n_layers, "
+                         "grad_accum_steps must be >= 1")
     if strategy not in STRATEGIES:
         raise ValueError(f"memory estimate: strategy must be ddp or fsdp, got {strategy!r}")
     if quantization not in QUANTIZATIONS:
@@ -176,6 +217,11 @@ def _check_arguments(*, base_dtype: str, attn_implementation: str, device: str, 
                          f"got {quantization!r}")
     if not 0 < label_fraction <= 1:
         raise ValueError(f"memory estimate: label_fraction must be in (0, 1], got {label_fraction}")
+    if reference is not None and (reference not in REFERENCES or not pairs):
+        raise ValueError(f"memory estimate: reference must be None or, with pairs, one of {', '.join(REFERENCES)}; "
+                         f"got {reference!r}")
+    if reference_adapter and reference != "adapter_off":
+        raise ValueError("memory estimate: reference_adapter needs reference='adapter_off'")
 
 
 @dataclass(frozen=True)
@@ -196,6 +242,8 @@ class _Step:
     attn: str
     device: str
     packed: bool
+    pairs: bool              # rows are a preference objective's chosen and rejected
+    reference_adapter: bool  # a frozen copy of the LoRA weights is the reference
 
     @property
     def tokens(self) -> int:
@@ -245,8 +293,8 @@ def _frozen_base(step: _Step, shard_world: int, quantization: str) -> _Frozen:
 
 
 def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, world_size: int,
-            gradient_as_bucket_view: bool, fsdp: bool,
-            reshard_after_forward: bool) -> tuple[dict[str, int], Optional[dict[str, int]]]:
+            gradient_as_bucket_view: bool, fsdp: bool, reshard_after_forward: bool,
+            grad_accum_steps: int) -> tuple[dict[str, int], Optional[dict[str, int]]]:
     """The components that live through the whole step, and (FSDP) one layer's gathered bytes."""
     shape, a = step.shape, step.act_bytes
     shard_world = world_size if fsdp else 1
@@ -259,6 +307,10 @@ def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, wo
         "frozen_weights": frozen.layer_bytes + frozen.root_bytes,
         "lora_weights": lora_rank_bytes,
         "lora_grads": lora_rank_bytes,
+        **({"reference_adapter": lora_rank_bytes} if step.reference_adapter else {}),
+        "no_sync_grads": _no_sync_grads(lora_bytes, lora_rank_bytes, world_size=world_size, fsdp=fsdp,
+                                        gradient_as_bucket_view=gradient_as_bucket_view,
+                                        grad_accum_steps=grad_accum_steps),
         "optimizer_state": opt_states * lora_rank_bytes,
         "ddp_buckets": lora_bytes if world_size > 1 and not gradient_as_bucket_view and not fsdp else 0,
         "fsdp_gathered": 0,
@@ -268,12 +320,69 @@ def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, wo
     # An all-gathered parameter's storage is the whole padded dim 0 (world x the padded shard;
     # the parameter is a view of it), measured on 2 gloo ranks (tests/test_memory.py).
     # jobs.fsdp gathers in the compute dtype (MixedPrecisionPolicy(param_dtype=...)).
-    root_full = sum(shard_world * shard_bytes(d, a, shard_world)
-                    for w, _, d in base_param_shapes(shape) if w == "root")
-    layer_full = frozen.gathered_layer_bytes + sum(shard_world * shard_bytes(d, a, shard_world) for d in lora_shapes)
-    in_flight = min(2, shape.layers) if reshard_after_forward else shape.layers
-    components["fsdp_gathered"] = root_full + in_flight * layer_full
-    return components, {"frozen": frozen.gathered_layer_bytes, "lora": layer_full - frozen.gathered_layer_bytes}
+    def gathered(dims: list[tuple[int, ...]]) -> int:
+        return sum(shard_world * shard_bytes(d, a, shard_world) for d in dims)
+
+    others = fsdp_unit_shapes(shape)
+    adapters = 2 if step.reference_adapter else 1  # the reference adapter lives in the layers too
+    units = {"embeddings": gathered(others["embeddings"]),
+             "layer": frozen.gathered_layer_bytes + adapters * gathered(lora_shapes), "head": gathered(others["head"])}
+    components["fsdp_gathered"] = _fsdp_gathered(units, shape.layers, reshard_after_forward, shape.tied_embeddings)
+    return components, {"frozen": frozen.gathered_layer_bytes, "lora": units["layer"] - frozen.gathered_layer_bytes,
+                        "units": units}
+
+
+def _no_sync_grads(lora_bytes: int, lora_rank_bytes: int, *, world_size: int, fsdp: bool,
+                   gradient_as_bucket_view: bool, grad_accum_steps: int) -> int:
+    """What a window of `grad_accum_steps` > 1 micro-steps holds beyond `lora_grads` (and
+    `ddp_buckets`), from its first no-sync backward into the last micro-step's backward: the
+    gradients are set to None after each optimizer step (`zero_grad(set_to_none=True)`), so
+
+    * FSDP2 accumulates them unsharded, the whole fp32 gradient on every rank (in the reduce
+      dtype: bf16 gradients are upcast as they accumulate), until the last micro-step's backward
+      reduce-scatters them layer by layer into the shards `lora_grads` counts: the whole gradient
+      less its shard, beyond it;
+    * DDP with `gradient_as_bucket_view` accumulates them in fresh tensors beside its buckets, which
+      stay allocated, until the last micro-step's backward copies each into its bucket: a second
+      copy. Without bucket views the buckets are that copy already (`ddp_buckets`); one process
+      has no buckets.
+
+    Measured on 2 gloo ranks (tests/test_memory.py::test_a_no_sync_window_holds_what_the_estimate_counts)."""
+    if grad_accum_steps < 2:
+        return 0
+    if fsdp:
+        return lora_bytes - lora_rank_bytes
+    return lora_bytes if world_size > 1 and gradient_as_bucket_view else 0
+
+
+def _fsdp_gathered(units: dict[str, int], layers: int, reshard_after_forward: bool, tied: bool) -> int:
+    """The most FSDP2 holds all-gathered at once over a step, for `jobs.fsdp.units` (bytes of one
+    unit all-gathered: E embeddings, l a decoder layer, H [final norm, LM head]; L layers).
+
+    What FSDP2 does (torch 2.13, `FSDPParamGroup`), and so what is counted: a unit's all-gather
+    lands in one flat buffer, copied out into the unit's parameters; in forward that buffer is
+    freed only when the next unit's copy-out starts (so the next all-gather overlaps this copy-
+    out), so the next unit's buffer arrives while it is still held. In backward, a unit's pre-
+    backward prefetches the unit before it, and a unit is freed right after its backward. So:
+
+    * resharding after forward: two units' worth, at most -- a unit with its own buffer (2E at the
+      embedding, 2l at a layer, 2H at the head), a unit and the next one's buffer (E + l, l + H),
+      or in backward a unit and the one it prefetches (H + l, 2l): 2 max(E, l, H);
+    * keeping layers gathered (`reshard_after_forward=False`): every layer stays from its forward
+      to its backward and the embeddings to the end of backward, so at the head's all-gather E, L
+      layers, the last one's buffer and the head's (E + Ll + l + H), at its copy-out E + Ll + 2H
+      (and 2E + l at the first layer's all-gather);
+    * tied embeddings: the one unit T = H holding embeddings, final norm and LM head is gathered
+      from the embedding lookup to the end of backward, beside the above: T + max(T + l, 2l), or
+      T + max(T + l, (L + 1) l) keeping the layers.
+
+    Measured equal on 2 gloo ranks, every storage counted (tests/test_memory.py::test_fsdp_*)."""
+    emb, layer, head = units["embeddings"], units["layer"], units["head"]
+    if tied:
+        return head + max(head + layer, 2 * layer if reshard_after_forward else (layers + 1) * layer)
+    if reshard_after_forward:
+        return 2 * max(emb, layer, head)
+    return max(2 * emb + layer, emb + layers * layer + head + max(layer, head))
 
 
 # ---- activations: replay the forward ------------------------------------------------------------
@@ -355,10 +464,14 @@ class _LossHead:
 
 
 def _loss_head(step: _Step, label_fraction: float, loss_chunk_tokens: Optional[int]) -> _LossHead:
-    """`CausalLMLoss`, in one piece or in checkpointed chunks of `loss_chunk_tokens`."""
+    """`CausalLMLoss`, in one piece or in checkpointed chunks of `loss_chunk_tokens`. Pairs
+    (`PreferenceLoss`): the same head with per-token log-probabilities, summed per row by an
+    `index_add` that keeps its [T] row index, beside the [T] fp32 log-probabilities (measured:
+    12 bytes a label token, plus a few bytes a pair)."""
     T = max(1, math.ceil(label_fraction * step.tokens))
     V, H, a = step.shape.vocab, step.shape.hidden, step.act_bytes
-    index_bytes = 2 * T * INDEX_BYTES  # label_pos (index_select) and label_ids (cross-entropy)
+    # label_pos (index_select) and label_ids (cross-entropy); pairs: the row index and log-probs
+    index_bytes = 2 * T * INDEX_BYTES + (T * (INDEX_BYTES + FP32_BYTES) if step.pairs else 0)
     chunk = T if not loss_chunk_tokens or T <= loss_chunk_tokens else loss_chunk_tokens
     # Forward: logits [c, V] in the compute dtype, .float() copy, log-softmax output (saved).
     # Backward: d(log-softmax) and d(logits) in fp32 while the saved output is alive: 12 bytes/elem.
@@ -370,6 +483,36 @@ def _loss_head(step: _Step, label_fraction: float, loss_chunk_tokens: Optional[i
         saved = FP32_BYTES * T * V + index_bytes
     return _LossHead(peak_bytes=logits_peak + index_bytes + (T * H * a if chunk < T else 0), saved_bytes=saved,
                      label_tokens=T, chunk_tokens=chunk)
+
+
+def _reference_forward(step: _Step, loss: _LossHead, largest_quantized: int) -> int:
+    """The widest moment of the reference forward (`PreferenceLoss.reference_logps`: no grad, eval
+    mode, over the same rows, before the policy forward): nothing is kept, so it is one layer's
+    working set or the head's, whichever is wider.
+
+    In a layer (L >= 2): the residual stream's [N, hidden] tensors alive at the MLP (the
+    embeddings, the layer's input, its residual and normed input), RoPE tables, and the gated
+    MLP's gate, up and their product ([N, intermediate] each; with the reference adapter active,
+    its up-projection's LoRA output beside them); eager attention instead its fp32 softmax beside
+    the scores ([B, heads, S, S]: an upper bound, 10-20% over on CPU) and the mask. At the head:
+    the decoder output, the label positions' hidden states, and 8 bytes a logit (the fp32 copy
+    and the log-softmax) for the label tokens of one chunk. Measured on CPU with the live-storage
+    tracker (tests/test_memory.py::test_reference_forward_*)."""
+    s, N, a = step.shape, step.tokens, step.act_bytes
+    rows = step.batch if step.packed else 1
+    stream = (4 if s.layers > 1 else 3) * N * s.hidden * a
+    stream += 2 * rows * step.seq * (s.rotary_dims or s.head_dim) * a + rows * step.seq * INDEX_BYTES
+    stream += step.batch * step.seq * step.seq * a if step.packed else 0  # the shared block mask
+    up = "up_proj" if s.family == "llama" else "dense_h_to_4h"
+    mlp = (3 if s.family == "llama" else 2) + (step.reference_adapter and up in step.targets)
+    widest = mlp * N * s.intermediate * a
+    if step.attn == "eager":
+        scores = step.batch * s.heads * step.seq * step.seq
+        widest = max(widest, 12 * scores + step.batch * step.seq * step.seq * a)
+    layer_point = stream + widest + largest_quantized * a
+    T, c = loss.label_tokens, loss.chunk_tokens
+    head_point = N * s.hidden * a + T * s.hidden * a + 2 * FP32_BYTES * c * s.vocab + FP32_BYTES * (T + step.batch)
+    return max(layer_point, head_point)
 
 
 def _layer_backward(step: _Step, acts: _Activations, every: int, largest_quantized: int) -> int:

@@ -14,7 +14,7 @@ from typing import Optional
 from . import config_io
 from .choices import CHOICES, checkpointing_str, choose_plan, fixed_choice, strategy_choices, strategy_str
 from .components import MemoryEstimate
-from .spec_estimate import SpecEstimator, estimate_of_spec, spec_precision, spec_seq_len
+from .spec_estimate import SpecEstimator, estimate_of_spec, spec_grad_accum_steps, spec_precision, spec_seq_len
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,9 @@ def plan_from(est: SpecEstimator, gpu_memory_gib: Optional[float]) -> MemoryPlan
     choice, every = choose_plan(choices, spec.memory.gradient_checkpointing, est.gib, est.num_layers, budget)
     strategy, reshard = CHOICES[choice]
     micro = est.micro_batch_size
-    per_worker = spec.batch.global_batch_size // r.num_workers
     return MemoryPlan(strategy=strategy, reshard_after_forward=reshard, quantization=est.quantization,
                       device=est.device, precision=spec_precision(spec, est.device),
-                      micro_batch_size=micro, grad_accum_steps=max(1, per_worker // micro),
+                      micro_batch_size=micro, grad_accum_steps=spec_grad_accum_steps(spec, micro),
                       checkpoint_every_n_layers=every, loss_chunk_tokens=int(spec.memory.loss_chunk_tokens or 0),
                       seq_len=spec_seq_len(spec, est.device), budget_gib=budget, estimate=est.estimate(choice, every))
 

@@ -168,6 +168,17 @@ def base_param_shapes(shape: ModelShape) -> list[tuple[str, str, tuple[int, ...]
     return layer + root
 
 
+def fsdp_unit_shapes(shape: ModelShape) -> dict[str, list[tuple[int, ...]]]:
+    """The frozen parameters of the FSDP units beside the decoder layers, as `jobs.fsdp.units`
+    makes them: "embeddings" (the input embeddings) and "head" (the final norm's parameters and
+    the LM head). Tied embeddings are one weight for both ends, so one unit: "embeddings" is
+    empty and "head" holds the shared embedding and the final norm."""
+    root = [dims for where, _, dims in base_param_shapes(shape) if where == "root"]
+    if shape.tied_embeddings:
+        return {"embeddings": [], "head": root}
+    return {"embeddings": root[:1], "head": root[1:]}
+
+
 def lora_param_shapes(shape: ModelShape, r: int, target_modules: Iterable[str],
                       dora: bool = False) -> list[tuple[int, ...]]:
     """One decoder layer's LoRA parameters: A [r, in] and B [out, r] per adapted linear (+ DoRA's

@@ -33,12 +33,30 @@ def spec_seq_len(spec, device: str) -> int:
     return max(1, spec.data.max_seq_len - 1)
 
 
+def spec_grad_accum_steps(spec, micro_batch_size: int) -> int:
+    """Micro-steps per optimizer step on one worker at `micro_batch_size`: `batch.grad_accum_steps`
+    at the spec's own micro-batch, and what a search point's micro-batch gives at the same global
+    batch."""
+    return max(1, spec.batch.global_batch_size // spec.resources.num_workers // micro_batch_size)
+
+
+def spec_objective(spec) -> dict:
+    """What the objective changes in the estimate: a preference objective's micro-batch counts pairs
+    (two rows each); DPO and IPO with `reference: adapter_off` run a reference forward, which with
+    `model.adapter` is the starting adapter held frozen a second time (`jobs.preference`)."""
+    reference = spec.objective.value("reference")
+    return {"pairs": spec.objective.is_preference, "reference": reference,
+            "reference_adapter": bool(spec.model.adapter) and reference == "adapter_off"}
+
+
 def estimate_of_spec(spec, config, *, device: str, micro_batch_size: int, gradient_checkpointing: bool,
                      checkpoint_every_n_layers: int, strategy: str, reshard_after_forward: bool,
                      quantization: str) -> MemoryEstimate:
     """`estimate` of `spec` (with the model `config`) under the given choices.
 
-    The sequence length is `spec_seq_len`, and every position is assumed to carry a label: an
+    The accumulation is `spec_grad_accum_steps` at that micro-batch, the objective's terms
+    `spec_objective`'s (a pair's rows as long as SFT's). The sequence length is
+    `spec_seq_len`, and every position is assumed to carry a label: an
     upper bound for ragged data and for packed micro-batches. What `estimate` cannot model (an
     unsupported architecture, a LoRA target that is no linear layer) is the user's spec: SpecError."""
     try:
@@ -63,6 +81,8 @@ def estimate_of_spec(spec, config, *, device: str, micro_batch_size: int, gradie
             strategy=strategy,
             reshard_after_forward=reshard_after_forward,
             quantization=quantization,
+            grad_accum_steps=spec_grad_accum_steps(spec, micro_batch_size),
+            **spec_objective(spec),
         )
     except SpecError:
         raise
