@@ -696,10 +696,8 @@ def test_unknown_overlay_is_a_user_error():
 
 
 def test_real_memory_model_annotates_when_present():
-    try:
-        import jobs.memory
-    except ImportError:
-        pytest.skip("jobs.memory not written yet: render annotates 'unknown'")
+    import jobs.memory
+
     for sid, spec, kind, _ in EXAMPLES:
         if spec.model.name == "tiny-llama":
             rj = k8s.render(spec, overlay="dev-cpu" if not spec.resources.use_gpu else "gpu")[1]
