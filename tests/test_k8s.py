@@ -62,13 +62,6 @@ def build(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
-@pytest.fixture(scope="module")
-def built() -> dict[str, list[dict]]:
-    if KUBECTL is None:
-        pytest.skip("kubectl not on PATH: kustomize builds not checked")
-    return {d: build(K8S / d) for d in kustomizations()}
-
-
 def example_specs() -> list[tuple[str, object, str, str]]:
     """(id, JobSpec, kind, spec text) for examples/*.yaml; a search spec renders as `tune`."""
     out = []
