@@ -286,11 +286,11 @@ REFUSED = [
 @pytest.mark.parametrize("overrides,named", REFUSED, ids=["pissa", "olora", "int8-fsdp"])
 def test_what_cannot_run_on_a_quantized_base_is_refused_in_one_line(overrides, named, tmp_path):
     """Refused by the spec before anything starts: exit 2, one line naming both fields, no output."""
+    from inproc import rayft_in_process
+
     out = tmp_path / "out"
-    rayft = Path(sys.executable).parent / "rayft"
-    p = subprocess.run([str(rayft), "run", "examples/tiny-lora.yaml", *overrides, f"run.output_dir={out}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "RAY_ADDRESS": ""})
+    p = rayft_in_process("run", "examples/tiny-lora.yaml", *overrides, f"run.output_dir={out}",
+                         env={**os.environ, "RAY_ADDRESS": ""})
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
