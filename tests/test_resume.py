@@ -148,9 +148,12 @@ def _rayft_run(out: Path, *extra: str, **popen) -> subprocess.Popen:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_worker_sigkill_restarts_from_last_checkpoint(tmp_path, ray_reference):
+def test_worker_sigkill_restarts_from_last_checkpoint(tmp_path, ray_reference, ray_head):
+    """On the session's Ray head: restarting the workers is Ray Train's, on any cluster. (The test
+    below needs its own embedded Ray, which dies with the driver.)"""
     out, marker = tmp_path / "run", tmp_path / "killed"
-    p = _rayft_run(out, "run.max_failures=1", f"run.env.RAYFT_FAULT=kill:step=5,rank=1,once={marker}")
+    p = _rayft_run(out, "run.max_failures=1", f"run.env.RAYFT_FAULT=kill:step=5,rank=1,once={marker}",
+                   "--address", ray_head.address, env=ray_head.env)
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     assert marker.read_text().strip() == "killed rank 1 at step 5"
