@@ -7,19 +7,31 @@ Each costly thing is made once per test session, by the first test that needs it
 - `built`: `kubectl kustomize` of every kustomization under k8s/ (the k8s test modules);
 - the gloo ranks of the distributed oracles (tests/gloo_pool.py, through `gradtools.spawn`).
 The two clusters stop right after the last test that uses them (an idle Ray cluster still
-takes CPU from the tests after it), the rest when the session ends."""
+takes CPU from the tests after it), the rest when the session ends.
+
+Hypothesis runs the "ci" profile unless RAYFT_HYPOTHESIS_PROFILE names another: 150 examples per
+fuzz test, derandomized (the same cases every run). `make test-all` picks "long"."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 # `import ray` reads RAY_AUTH_MODE once per process: set it before any test imports ray, so this
 # process is a token-auth client of the clusters the tests start (Ray 2.60's default mode).
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from clusters import BIN, LocalCluster, RayHead, cluster_env, ensure_auth_token, free_port  # noqa: E402,F401
+
+_FUZZ_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=150, derandomize=True, database=None, deadline=None,
+                          suppress_health_check=_FUZZ_HEALTH)
+# Long fuzzing (`make test-all`): new random cases every run, 20x CI's count.
+settings.register_profile("long", max_examples=3000, derandomize=False, database=None, deadline=None,
+                          suppress_health_check=_FUZZ_HEALTH)
+settings.load_profile(os.environ.get("RAYFT_HYPOTHESIS_PROFILE", "ci"))
 
 # Session-wide clusters, stopped early: fixture name -> id of the last selected test that uses it.
 _STOPPED_AFTER = ("ray_head", "cluster")
