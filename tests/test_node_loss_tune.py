@@ -38,8 +38,11 @@ def _search(tmp_path: Path, marker: Path, accum: list[int], **run) -> Path:
         "resources": {"num_workers": 1, "cpus_per_worker": 1},
         "run": {"output_dir": str(tmp_path / "out"), **run,
                 "env": {"RAYFT_FAULT": f"sleep:step=5,seconds=120,once={marker}"}},
+        # One ASHA rung, at the end: no early stops. The two trials compute the same global batches
+        # (same math, other splits): at an earlier rung the next trial's eval loss ties the lost
+        # one's up to rounding, and rounding decides whether ASHA stops it.
         "search": {"grad_accum_steps": accum, "lr_scaling": ["none"], "budget_gib": 8.0,
-                   "samples_per_trial": 64, "eval_every_samples": 16},
+                   "samples_per_trial": 64, "eval_every_samples": 16, "asha": {"grace_samples": 64}},
     }
     path = tmp_path / "search.yaml"
     path.write_text(yaml.safe_dump(spec))
