@@ -1,5 +1,5 @@
-"""A pool of gloo ranks that outlives one test: W processes, started once (spawn), each with its
-own `init_process_group("gloo")`, that run test functions by reference, `fn(rank, world, *args)`.
+"""A pool of gloo ranks that outlives one test: W processes, started once (spawn), that join one
+gloo process group and run test functions by reference, `fn(rank, world, *args)`.
 
 Why: every distributed oracle used to start its ranks anew (`mp.spawn`), and each new rank paid
 again for importing torch, transformers, peft and bitsandbytes and for loading tiny-llama. The
@@ -8,9 +8,9 @@ unchanged; only the start-up is shared.
 
 Each call runs as a fresh rank would see it: the caller's working directory and environment
 (as `mp.spawn` hands them to its children), torch's initial RNG state, and a default process
-group (re-created when a function destroyed it). A call that fails, raises or dies on any rank
-tears the whole pool down (the other ranks may be stuck in a collective); the next call starts
-a new one. Results travel as `torch.save` files, as with `mp.spawn` before."""
+group (re-created when a function destroyed it). A call that raises or dies on any rank, or is
+interrupted, tears the whole pool down (the other ranks may be stuck in a collective); the next
+call starts a new one. Results travel as `torch.save` files, as with `mp.spawn` before."""
 
 from __future__ import annotations
 
@@ -105,9 +105,16 @@ class GlooPool:
         tmp.mkdir(parents=True, exist_ok=True)
         paths = [tmp / f"result-{r}.pt" for r in range(self.world)]
         rendezvous = str(self.dir / f"rendezvous-{self.calls}")
-        for rank, conn in enumerate(self.conns):
-            conn.send_bytes(pickle.dumps((fn, args, str(paths[rank]), os.getcwd(), dict(os.environ), rendezvous)))
-        self._collect("done", CALL_TIMEOUT_S, f"{getattr(fn, '__qualname__', fn)}")
+        try:
+            for rank, conn in enumerate(self.conns):
+                conn.send_bytes(pickle.dumps((fn, args, str(paths[rank]), os.getcwd(), dict(os.environ),
+                                              rendezvous)))
+            self._collect("done", CALL_TIMEOUT_S, f"{getattr(fn, '__qualname__', fn)}")
+        except BaseException:
+            # Interrupted (a test timeout, Ctrl-C) or failed: ranks may still be inside the call, and
+            # their late answers must not be taken for the next call's. A new pool starts next time.
+            self.close(force=True)
+            raise
         import torch
 
         return [torch.load(p, weights_only=False) for p in paths]
@@ -180,13 +187,9 @@ def run_on_ranks(fn: Callable, world: int, tmp: Path, *args) -> list:
             return once.run(fn, args, tmp)
         finally:
             once.close()
-    if _pool is None or not _pool.alive:
+    if _pool is None or not _pool.alive:              # never started, or torn down after a failure
         _pool = GlooPool(world)
-    try:
-        return _pool.run(fn, args, tmp)
-    except RankFailed:
-        _pool = None                                  # torn down by _fail; the next call starts anew
-        raise
+    return _pool.run(fn, args, tmp)
 
 
 def shutdown() -> None:
