@@ -71,6 +71,7 @@ def _finetune_local(out: Path, *extra: str, check: bool = True) -> subprocess.Co
     return p
 
 
+@pytest.mark.slow  # a reference run and two fresh `python -m jobs.finetune` processes: over 30 s on 2 cores
 def test_local_crash_then_rerun_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     ref = tmp_path / "ref"

@@ -72,7 +72,8 @@ def test_submission_id_is_deterministic_and_carries_no_token():
     secret = "tok-" + uuid.uuid4().hex
     env = dict(os.environ, RAY_AUTH_TOKEN=secret)
     base = ["submit", SPEC, "--dry-run", "--address", "http://127.0.0.1:1", *TINY, "name=det-job"]
-    a, b = rayft(*base, env=env), rayft(*base)           # two processes: the id does not depend on either
+    # two processes (a fresh one, and this one): the id does not depend on either
+    a, b = rayft(*base, env=env), rayft_in_process(*base)
     assert a.returncode == 0, a.stderr
     assert secret not in a.stdout and "RAY_AUTH_TOKEN" not in a.stdout
     da, db = json.loads(a.stdout), json.loads(b.stdout)

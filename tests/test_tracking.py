@@ -95,6 +95,7 @@ def _finetune_local(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # two fresh `python -m jobs.finetune` processes with both trackers: over 30 s on 2 cores
 def test_kill_and_resume_continue_the_same_run_with_every_step_once(tmp_path):
     out = tmp_path / "run"
     fault = f"run.env.RAYFT_FAULT=kill:step=3,rank=0,once={tmp_path / 'killed'}"
