@@ -1,13 +1,17 @@
-# rayft developer targets. `make demo` runs the main example job; `make test` runs the tests.
-# Both create .venv and install into it first (torch pinned to 2.13.0: a CPU wheel on this
+# rayft developer targets. `make demo` runs the main example job; `make test` runs the tests
+# (what CI runs), `make test-fast` the ones without Ray and not slow, `make test-all` the tests
+# with long fuzzing (3000 random cases per fuzz test instead of CI's 150 fixed ones).
+# All create .venv and install into it first (torch pinned to 2.13.0: a CPU wheel on this
 # machine's disk, so the dev install stays small and fast).
 PY    ?= python3
 VENV  := .venv
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# The hypothesis profile tests/conftest.py loads: "ci" (150 derandomized cases per fuzz test) or "long".
+PYTEST := RAYFT_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
 
-.PHONY: install demo demo-real test test-fast clean
+.PHONY: install demo demo-real test test-fast test-all clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,10 +32,13 @@ demo-real: install
 	$(BIN)/rayft eval examples/smollm2-lora.yaml
 
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not ray and not slow" $(PYTEST_ARGS)
+	$(PYTEST) -m "not ray and not slow" $(PYTEST_ARGS)
+
+test-all: install
+	RAYFT_HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -1,98 +1,120 @@
-"""Shared fixtures. `ray_head` starts a real Ray cluster on 127.0.0.1 (token auth, as Ray 2.60
-does by default) once per test session and stops it at the end."""
+"""Shared fixtures and settings.
+
+Each costly thing is made once per test session, by the first test that needs it:
+- `ray_head`: a real single-node Ray cluster on 127.0.0.1 (token auth, as Ray 2.60 does by default);
+- `cluster`: the multi-node `LocalCluster` of the node-loss tests (tests/clusters.py);
+- `ray_reference`: the uninterrupted 2-worker run that resumed Ray runs must end with;
+- `built`: `kubectl kustomize` of every kustomization under k8s/ (the k8s test modules);
+- the gloo ranks of the distributed oracles (tests/gloo_pool.py, through `gradtools.spawn`).
+The two clusters stop right after the last test that uses them (an idle Ray cluster still
+takes CPU from the tests after it), the rest when the session ends.
+
+Hypothesis runs the "ci" profile unless RAYFT_HYPOTHESIS_PROFILE names another: 150 examples per
+fuzz test, derandomized (the same cases every run). `make test-all` picks "long"."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, settings
 
-BIN = Path(sys.executable).parent
 # `import ray` reads RAY_AUTH_MODE once per process: set it before any test imports ray, so this
 # process is a token-auth client of the clusters the tests start (Ray 2.60's default mode).
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
+from clusters import BIN, LocalCluster, RayHead, cluster_env, ensure_auth_token, free_port  # noqa: E402,F401
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_FUZZ_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=150, derandomize=True, database=None, deadline=None,
+                          suppress_health_check=_FUZZ_HEALTH)
+# Long fuzzing (`make test-all`): new random cases every run, 20x CI's count.
+settings.register_profile("long", max_examples=3000, derandomize=False, database=None, deadline=None,
+                          suppress_health_check=_FUZZ_HEALTH)
+settings.load_profile(os.environ.get("RAYFT_HYPOTHESIS_PROFILE", "ci"))
+
+# Session-wide clusters, stopped early: fixture name -> id of the last selected test that uses it.
+_STOPPED_AFTER = ("ray_head", "cluster")
+_last_user: dict[str, str] = {}
+_running: dict[str, object] = {}
 
 
-def cluster_env() -> dict:
-    """Environment for clients and for the cluster's own processes: the venv's `python` first
-    on PATH (the job entrypoint `python -m jobs.finetune` must find torch), token auth on."""
-    env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["RAY_AUTH_MODE"] = "token"
-    env.pop("RAY_ADDRESS", None)
-    return env
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """After selection (-m, -k) and any reordering: which test is the last to use each cluster."""
+    _last_user.clear()
+    for item in items:
+        for name in _STOPPED_AFTER:
+            if name in getattr(item, "fixturenames", ()):
+                _last_user[name] = item.nodeid
 
 
-def ensure_auth_token() -> None:
-    """~/.ray/auth_token, created when missing (kept when present): `ray start` with token auth and
-    every token-auth client of this process need it, and a fresh machine (CI's empty HOME) has none.
-    Ray caches the token a process first loads, so tests never swap in another one."""
-    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=cluster_env(), check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    for name, nodeid in _last_user.items():
+        if nodeid == item.nodeid and name in _running:
+            _running.pop(name).stop()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from gloo_pool import shutdown
+
+    shutdown()
+
+
+def _shared(name: str, start):
+    """Start a cluster, note it for the early stop, stop it at the end of the session at the latest."""
+    c = start()
+    _running[name] = c
+    try:
+        yield c
+    finally:
+        if _running.pop(name, None) is not None:
+            c.stop()
 
 
 @pytest.fixture(scope="session")
 def ray_head():
-    env = cluster_env()
-    ensure_auth_token()
-    gcs, dash, client = free_port(), free_port(), free_port()
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-           "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
-           "--num-cpus=4", "--disable-usage-stats",
-           # Its own job-agent port: Ray's default (52365) is taken by any other cluster on this
-           # machine, and a head without its agent accepts no job ("No available agent").
-           f"--dashboard-agent-listen-port={free_port()}"]
-    # --block in its own process group: stopping it stops exactly this cluster (`ray stop`
-    # would kill every Ray process of the user, including unrelated local clusters).
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    info = SimpleNamespace(address=f"127.0.0.1:{gcs}", dashboard=f"http://127.0.0.1:{dash}", env=env,
-                           token_path=Path.home() / ".ray" / "auth_token", process=proc)
+    """A 4-CPU single-node cluster: .address, .dashboard, .env, .token_path, .process."""
+    yield from _shared("ray_head", RayHead)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """The node-loss cluster: a head without CPUs, worker nodes of one CPU each (ensure_nodes)."""
+    yield from _shared("cluster", lambda: LocalCluster(tmp_path_factory.mktemp("cluster")))
+
+
+@pytest.fixture(scope="session")
+def ray_reference(tmp_path_factory):
+    """The LoRA weights of an uninterrupted 2-worker run of the demo split with RAY_STEPS (gloo, one
+    process per rank, no Ray): what a Ray run that lost a worker, a node or its driver ends with."""
+    from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, reference_run, spawn
+
+    out = tmp_path_factory.mktemp("ref") / "out"
+    cwd = os.getcwd()
+    os.chdir(ROOT)
     try:
-        _wait_for_jobs_api(info)
-        yield info
+        spawn(reference_run, 2, out.parent / "spawn", DEMO, RAY_STEPS, str(out))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        os.chdir(cwd)
+    return final_adapter(out)
 
 
-def _wait_for_jobs_api(info, timeout_s: float = 120.0) -> None:
-    """Return once the cluster accepts jobs. The Jobs API answers `list_jobs` before the head's
-    job agent has registered, and a submission then fails with "No available agent to submit
-    job": so a no-op probe job is submitted (retried until accepted) and waited for."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
+@pytest.fixture(scope="session")
+def _kustomize_builds() -> dict[str, list[dict]]:
+    from test_k8s import K8S, KUBECTL, build, kustomizations
 
-    deadline = time.monotonic() + timeout_s
-    probe = f"cluster-ready-probe-{info.dashboard.rsplit(':', 1)[1]}"
-    submitted = False
-    while True:
-        if info.process.poll() is not None:
-            raise RuntimeError(f"ray start exited with {info.process.returncode}")
-        try:
-            client = JobSubmissionClient(info.dashboard)
-            if not submitted:
-                client.submit_job(entrypoint="true", submission_id=probe)
-                submitted = True
-            if client.get_job_status(probe) in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
-                return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the cluster at {info.dashboard} did not run a no-op job within {timeout_s:g} s")
-        time.sleep(0.5)  # polling the conditions above
+    if KUBECTL is None:
+        pytest.skip("kubectl not on PATH: kustomize builds not checked")
+    return {d: build(K8S / d) for d in kustomizations()}
+
+
+@pytest.fixture(scope="module")
+def built(_kustomize_builds) -> dict[str, list[dict]]:
+    """{kustomization dir under k8s/: the objects `kubectl kustomize` builds from it}: built once,
+    each module gets its own copy (as when each built them)."""
+    import copy
+
+    return copy.deepcopy(_kustomize_builds)

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from jobs.data import GlobalBatches, collate, count_labels, load_dataset, split_window
 from jobs.loop import CausalLMLoss, Engine, make_optimizer, optimizer_step, train_window
 from jobs.model import add_lora, enable_checkpointing, load_base_model
-from jobs.spec import JobSpec, load_spec
+from jobs.spec import JobSpec, absolutize, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "tiny.jsonl"
+DEMO = "examples/tiny-lora.yaml"
+# The Ray runs that lose a worker, a node or their driver: 8 steps, a checkpoint every 2.
+RAY_STEPS = ["run.max_steps=8", "run.checkpoint_every=2", "run.keep_checkpoints=4", "run.eval_every=0"]
 
 
 def tiny_spec(*overrides: str, **sections) -> JobSpec:
@@ -95,30 +95,23 @@ def reference_grads(spec: JobSpec, *, gc: bool = False, precision: str = "fp32")
     return grads(model)
 
 
-# ---- multi-process helpers (gloo on CPU, file:// rendezvous) --------------------------------
+# ---- multi-process helpers (gloo on CPU) --------------------------------------------------
 
 def spawn(fn: Callable, world_size: int, tmp: Path, *args) -> list:
-    """Run fn(rank, world_size, *args) in `world_size` processes; returns each rank's result."""
-    import torch.multiprocessing as mp
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks (separate processes, the
+    session's persistent pool: tests/gloo_pool.py); returns each rank's result."""
+    from gloo_pool import run_on_ranks
 
-    tmp.mkdir(parents=True, exist_ok=True)
-    init = tmp / "rendezvous"
-    mp.spawn(_entry, args=(world_size, str(init), str(tmp), fn, args), nprocs=world_size, join=True)
-    return [torch.load(tmp / f"result-{r}.pt", weights_only=False) for r in range(world_size)]
+    return run_on_ranks(fn, world_size, tmp, *args)
 
 
-def _entry(rank: int, world_size: int, init: str, tmp: str, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(1)
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world_size)
-    out = fn(rank, world_size, *args)
-    torch.save(out, Path(tmp) / f"result-{rank}.pt")
-    dist.barrier()  # every rank is done with its collectives and has written its result
-    # Leave without tearing down gloo: its background threads can abort() during interpreter
-    # shutdown ("terminate called without an active exception"), a crash after the work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def reference_run(rank: int, world: int, spec_path: str, overrides: list, out: str) -> None:
+    """An uninterrupted run of the same split, without Ray (one process per rank)."""
+    from jobs.context import LocalContext
+    from jobs.loop import train
+
+    spec = absolutize(load_spec(spec_path, overrides + [f"run.output_dir={out}"]))
+    train(spec, LocalContext(on_progress=lambda r: None), resume=False)
 
 
 def accumulated_grads(rank: int, world: int, overrides: tuple, gc: bool, precision: str):

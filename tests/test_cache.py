@@ -11,12 +11,12 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from jobs.cache import build_once
+from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -46,11 +46,9 @@ def _slow_build(tmp: Path, marks: Path, counter: Path) -> None:
     with open(counter, "a") as f:
         f.write(f"{os.getpid()}\n")
     (marks / f"build-{os.getpid()}").write_text("")
-    deadline = time.monotonic() + CONDITION_TIMEOUT_S
-    while len(list(marks.iterdir())) < N_PROCS:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {sorted(p.name for p in marks.iterdir())} after {CONDITION_TIMEOUT_S} s")
-        time.sleep(0.01)  # polling the condition above
+    wait_until(lambda: len(list(marks.iterdir())) >= N_PROCS, CONDITION_TIMEOUT_S,
+               lambda: f"all {N_PROCS} processes build or wait (marks: {sorted(p.name for p in marks.iterdir())})",
+               every_s=0.01)
     for i in range(20):  # a cache of several files: a half-published one would be visible
         (tmp / f"part-{i}.bin").write_bytes(os.urandom(4096))
     (tmp / "complete").write_text("yes")

@@ -287,9 +287,9 @@ def test_resume_across_strategies_and_worker_counts_is_exact(runs, source, world
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_rayft_run_with_two_fsdp_workers_on_ray(runs, tmp_path):
-    """The real entry point: `rayft run` on the embedded local Ray, 2 FSDP workers (gloo), ends
-    with the 1-worker run's adapter and a PEFT adapter directory."""
+def test_rayft_run_with_two_fsdp_workers_on_ray(runs, tmp_path, ray_head):
+    """The real entry point: `rayft run` on a Ray cluster (the session's head), 2 FSDP workers
+    (gloo), ends with the 1-worker run's adapter and a PEFT adapter directory."""
     import json
     import subprocess
     import sys
@@ -298,7 +298,8 @@ def test_rayft_run_with_two_fsdp_workers_on_ray(runs, tmp_path):
     out = tmp_path / "ray"
     rayft = Path(sys.executable).parent / "rayft"
     p = subprocess.run([str(rayft), "run", DEMO, *RUN, "resources.num_workers=2", "resources.strategy=fsdp",
-                        f"run.output_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        f"run.output_dir={out}", "--address", ray_head.address], cwd=ROOT, env=ray_head.env,
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == "fsdp" and summary["num_workers"] == 2

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from jobs.errors import RayftError
@@ -234,23 +234,19 @@ def _tokenizer():
     return _TOKENIZER[0]
 
 
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# How many cases, and which: the hypothesis profile conftest loads. CI ("ci"): 150 per test,
+# derandomized (the same cases every run); `make test-all` ("long"): 3000 new random ones.
 
-
-@FUZZ
 @given(overrides_cases)
 def test_fuzz_overrides(overrides):
     check_overrides(overrides)
 
 
-@FUZZ
 @given(yaml_documents())
 def test_fuzz_yaml_documents(text):
     check_yaml(text)
 
 
-@FUZZ
 @given(jsonl_files)
 def test_fuzz_jsonl_records(case):
     check_jsonl(case)

@@ -31,7 +31,7 @@ from k8s_fake_api import CRD_DIR
 from orchestrator.backends.kuberay import policy
 from orchestrator.backends.kuberay.node_types import overlays
 from orchestrator.backends.kuberay.render import render
-from test_k8s import RENDERED, _inline_spec, built  # noqa: F401  (built: a fixture)
+from test_k8s import RENDERED, _inline_spec
 
 celpy = pytest.importorskip("celpy", reason="cel-python not installed: CRD CEL rules not evaluated")
 from celpy import celtypes  # noqa: E402

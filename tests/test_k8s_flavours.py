@@ -13,7 +13,7 @@ import pytest
 from orchestrator.backends.kuberay import policy
 from orchestrator.backends.kuberay.render import render
 from k8s_fake_api import CRD_DIR, OBJECT_META, strictify
-from test_k8s import RENDERED, all_built_objects, built, spec_of  # noqa: F401  (built: a fixture)
+from test_k8s import RENDERED, all_built_objects, spec_of
 
 GIB = 2**30
 

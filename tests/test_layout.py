@@ -12,18 +12,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jobs", "tune", "orchestrator")
-# The loop core runs without Ray (GPU benchmarks use it on machines that have no Ray).
+# The loop core runs without Ray (GPU benchmarks use it on machines that have no Ray). A name
+# here is a module, or a package standing for all its submodules; each must exist.
 RAY_FREE = ("jobs.loop", "jobs.data", "jobs.model", "jobs.memory", "jobs.spec", "jobs.checkpoint",
-            "jobs.context", "jobs.outputs", "jobs.errors", "jobs.finetune", "jobs.cache", "jobs.early_stopping")
+            "jobs.context", "jobs.outputs", "jobs.errors", "jobs.finetune", "jobs.cache", "jobs.early_stopping",
+            "jobs.fsdp", "jobs.tracking", "jobs.faults")
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    return {module_name(p, root): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))}
+
+
+def ray_importers(listed: tuple[str, ...], mods: dict[str, Path]) -> dict[str, list[str]]:
+    """For each listed name: its modules (the module itself, or the package and every module
+    under it) that import Ray; a name that matches no module at all maps to ["(no such module)"]."""
+    out: dict[str, list[str]] = {}
+    for name in listed:
+        covered = [m for m in mods if m == name or m.startswith(name + ".")]
+        bad = [m for m in covered if any(i.split(".")[0] == "ray" for i in imports_of(m, mods[m]))]
+        if not covered or bad:
+            out[name] = bad or ["(no such module)"]
+    return out
 
 
 def imports_of(name: str, path: Path) -> set[str]:
@@ -68,9 +82,21 @@ def test_jobs_never_imports_kubernetes_and_the_loop_core_never_imports_ray():
     for name, path in mods.items():
         if name.startswith("jobs"):
             assert not any(m.split(".")[0] == "kubernetes" for m in imports_of(name, path)), name
-    for name in RAY_FREE:
-        if name in mods:
-            assert not any(m.split(".")[0] == "ray" for m in imports_of(name, mods[name])), name
+    assert ray_importers(RAY_FREE, mods) == {}, "these must not import ray (or were renamed: update RAY_FREE)"
+
+
+def test_the_ray_free_check_covers_packages_and_fails_on_a_missing_module(tmp_path):
+    # The oracle itself: a Ray import deep in a listed package is found; a renamed module is no pass.
+    (tmp_path / "jobs" / "memory").mkdir(parents=True)
+    (tmp_path / "jobs" / "__init__.py").write_text("")
+    (tmp_path / "jobs" / "memory" / "__init__.py").write_text("from .plan import x\n")
+    (tmp_path / "jobs" / "memory" / "plan.py").write_text("def f():\n    import ray.train\n")
+    (tmp_path / "jobs" / "loop.py").write_text("import torch\n")
+    mods = modules(tmp_path)
+    assert ray_importers(("jobs.loop",), mods) == {}
+    assert ray_importers(("jobs.memory", "jobs.loop"), mods) == {"jobs.memory": ["jobs.memory.plan"]}
+    assert ray_importers(("jobs.renamed",), mods) == {"jobs.renamed": ["(no such module)"]}
+    assert ray_importers(("jobs.mem",), mods) == {"jobs.mem": ["(no such module)"]}   # a prefix is no package
 
 
 def find_cycle(graph: dict[str, set[str]]):

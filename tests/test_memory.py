@@ -999,7 +999,7 @@ def _no_sync_window(strategy: str, dtype: str) -> dict:
     return out
 
 
-def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
+def _fsdp_worker(rank: int, world: int, out_dir: str) -> None:
     """One of two gloo ranks: the case's model with PEFT LoRA, sharded by `jobs.fsdp.shard` as the
     loop does, then this rank's parameter bytes and the bytes autograd keeps after one forward;
     the all-gathered peak of each of `GATHERED_CASES`; and what an accumulation window holds
@@ -1011,8 +1011,6 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
 
     from jobs import fsdp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
     try:
         case = Case(**FSDP_CASE)
@@ -1058,12 +1056,10 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
 def fsdp_measured(tmp_path_factory) -> list[dict]:
     import json
 
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
+    from gloo_pool import run_on_ranks
 
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_fsdp_worker, args=(free_port(), str(out)), nprocs=2)
+    run_on_ranks(_fsdp_worker, 2, out / "ranks", str(out))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -1304,7 +1300,7 @@ def test_quantized_base_keeps_the_same_activations(quantization):
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
-def _qlora_fsdp_worker(rank: int, port: int, out_dir: str) -> None:
+def _qlora_fsdp_worker(rank: int, world: int, out_dir: str) -> None:
     """One of two gloo ranks: the nf4 tiny-llama `jobs.model.load_base_model` builds, with LoRA
     (r = 5: odd, so the LoRA A shards are padded), sharded by `jobs.fsdp.shard` as the loop does;
     then what this rank holds (every parameter's local shard storage, and the quantization
@@ -1318,8 +1314,6 @@ def _qlora_fsdp_worker(rank: int, port: int, out_dir: str) -> None:
     from jobs import fsdp
     from jobs.model import add_lora, load_base_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
     try:
         spec = _spec(**QLORA_FSDP_SPEC)
@@ -1375,11 +1369,9 @@ def test_fsdp_over_an_nf4_base_matches_fully_shard_on_two_ranks(tmp_path):
     pytest.importorskip("bitsandbytes")
     import json
 
-    import torch.multiprocessing as mp
+    from gloo_pool import run_on_ranks
 
-    from conftest import free_port
-
-    mp.spawn(_qlora_fsdp_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    run_on_ranks(_qlora_fsdp_worker, 2, tmp_path / "ranks", str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     spec = _spec(**QLORA_FSDP_SPEC)
     est = memory.estimate_for_spec(spec, gradient_checkpointing=False, device="cpu")

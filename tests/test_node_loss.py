@@ -12,164 +12,26 @@ Placement without any test-only spec field: the head node has no CPU (the driver
 controller and rayft's progress actor need none) and each worker node has exactly one, which
 is what one worker asks for (`resources.cpus_per_worker=1`), so the two workers can only run on
 two different worker nodes. rayft pins its progress actor to the driver's node (the head here);
-the node removed is one that holds a training worker. One cluster serves the module: each test
-starts from two live worker nodes (`LocalCluster.ensure_nodes`). The pieces (reading the lost
-worker's node from Ray Train's error, asking Ray whether that node is dead, cutting forwarded
-tracebacks) are also checked without a cluster, at the end."""
+the node removed is one that holds a training worker. One cluster (conftest's `cluster`, started
+once per session) serves every node-loss test: each one starts from the worker nodes it needs,
+here two (`LocalCluster.ensure_nodes`). The pieces (reading the lost worker's node from Ray
+Train's error, asking Ray whether that node is dead, cutting forwarded tracebacks) are also
+checked without a cluster, at the end."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import _wait_for_jobs_api, cluster_env, free_port
-from gradtools import ROOT, final_adapter, rel_err
+from clusters import LocalCluster
+from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, rel_err
 from jobs.outputs import read_events, read_metrics
-from test_resume import DEMO, RAY_STEPS, ray_reference  # noqa: F401  (the module's reference fixture)
+from polling import wait_until
 
 BIN = Path(sys.executable).parent
-# Node death noticed within ~10 s instead of Ray's default ~30 s (with room for a busy machine).
-FAST_HEALTH = json.dumps({"health_check_period_ms": 2000, "health_check_failure_threshold": 5,
-                          "health_check_timeout_ms": 2000})
-
-
-class LocalCluster:
-    """`ray start --head` (0 CPUs) plus worker nodes of 1 CPU each, every node its own process
-    group, so removing a node kills exactly that node's raylet and its workers."""
-
-    def __init__(self, tmp: Path, head_cpus: int = 0):
-        self.env = cluster_env()
-        subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=self.env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
-        gcs, dash = free_port(), free_port()
-        self.address, self.dashboard = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}"
-        # Every process of this cluster (Ray Train's placement group cleaner included) talks to
-        # this cluster, not to the newest other `ray start` cluster on the machine.
-        self.env["RAY_ADDRESS"] = self.address
-        self.tmp = tmp
-        self.nodes: list[subprocess.Popen] = []
-        self.node_ids: dict[int, str] = {}          # node process id -> Ray node id
-        self.head = self._start(["--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                                 f"--ray-client-server-port={free_port()}", f"--num-cpus={head_cpus}",
-                                 f"--system-config={FAST_HEALTH}"], "head")
-        self.process = self.head                     # for conftest._wait_for_jobs_api
-        _wait_for_jobs_api(self)
-        self.head_id = self._nodes()[0]["node_id"]   # the only node so far
-
-    def _nodes(self) -> list[dict]:
-        """Ray's state API view of the nodes: node_id, node_ip, state, resources_total."""
-        from orchestrator.backends.ray_jobs import RayJobsBackend
-
-        got = RayJobsBackend(self.dashboard, timeout_s=10)._get("/api/v0/nodes?limit=1000&detail=true")
-        return ((got.get("data") or {}).get("result") or {}).get("result") or []
-
-    def node_ip(self, node_id: str) -> str:
-        """The IP Ray reports for the node (its raylet's address, not always the --node-ip-address)."""
-        return next(n["node_ip"] for n in self._nodes() if n["node_id"] == node_id)
-
-    def ensure_nodes(self, n: int) -> None:
-        """Add worker nodes until `n` are alive (one at a time: nodes joining on one IP race)."""
-        while len(self.wait_nodes(sum(q.poll() is None for q in self.nodes))) < n:
-            self.add_node()
-
-    def _start(self, args: list[str], name: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "w")
-        return subprocess.Popen([str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1",
-                                 "--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}", *args], env=self.env, start_new_session=True,
-                                stdout=log, stderr=subprocess.STDOUT)
-
-    def alive_cpu_nodes(self) -> list[str]:
-        from orchestrator.backends.ray_jobs import RayJobsBackend
-
-        return [n.node_id for n in RayJobsBackend(self.dashboard, timeout_s=10).cluster_view().nodes
-                if n.cpu_total >= 1 and n.node_id != getattr(self, "head_id", None)]
-
-    def add_node(self) -> subprocess.Popen:
-        """Start one more worker node and wait until it is alive; records its Ray node id."""
-        before = set(self.wait_nodes(sum(q.poll() is None for q in self.nodes)))
-        p = self._start([f"--address={self.address}", "--num-cpus=1"], f"node{len(self.nodes)}")
-        self.nodes.append(p)
-        (new,) = set(self.wait_nodes(len(before) + 1)) - before
-        self.node_ids[p.pid] = new
-        return p
-
-    def actors_by_node(self) -> dict[str, set[str]]:
-        """{node id: class names of the alive actors on it}, from the dashboard's state API."""
-        from orchestrator.backends.ray_jobs import RayJobsBackend
-
-        got = RayJobsBackend(self.dashboard, timeout_s=10)._get("/api/v0/actors?limit=10000&detail=true")
-        out: dict[str, set[str]] = {}
-        for a in ((got.get("data") or {}).get("result") or {}).get("result") or []:
-            if a.get("state") == "ALIVE":
-                out.setdefault(a.get("node_id"), set()).add(a.get("class_name"))
-        return out
-
-    def wait_nodes(self, n: int, timeout_s: float = 120) -> list[str]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                ids = self.alive_cpu_nodes()
-            except Exception:
-                ids = []
-            if len(ids) == n:
-                return ids
-            assert time.monotonic() < deadline, f"{len(ids)} worker nodes alive, expected {n}"
-            time.sleep(0.5)
-
-    @staticmethod
-    def wait_until(proc: subprocess.Popen, ready, what: str, timeout_s: float = 300) -> None:
-        """Poll `ready()` until it holds; `proc` (the rayft process under test) must stay alive."""
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            assert proc.poll() is None, "".join(x or "" for x in proc.communicate())[-3000:]
-            assert time.monotonic() < deadline, f"never reached: {what}"
-            time.sleep(0.5)
-
-    def remove_worker_node(self, not_with: set[str]) -> str:
-        """SIGKILL a live node that holds a Ray Train worker and none of the actors named in
-        `not_with` (the test's premise: the driver side survives), wait until Ray has marked it
-        dead; returns its Ray node id."""
-        for _ in range(60):                           # the state API may answer before it lists every actor
-            on = self.actors_by_node()
-            victims = [p for p in self.nodes if p.poll() is None
-                       and "RayTrainWorker" in on.get(self.node_ids[p.pid], set())
-                       and not not_with & on.get(self.node_ids[p.pid], set())]
-            if victims:
-                break
-            time.sleep(0.5)
-        assert victims, on
-        alive = len(self.alive_cpu_nodes())
-        self.kill(victims[0])                         # a whole node: its raylet and its workers
-        self.wait_nodes(alive - 1)
-        return self.node_ids[victims[0].pid]
-
-    @staticmethod
-    def kill(p: subprocess.Popen) -> None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait(timeout=60)
-
-    def stop(self) -> None:
-        for p in self.nodes + [self.head]:
-            self.kill(p)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("cluster"))
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def _run(cluster: LocalCluster, out: Path, *extra: str) -> subprocess.Popen:
@@ -183,7 +45,7 @@ def _stall_then_remove_a_node(cluster: LocalCluster, p: subprocess.Popen, out: P
     """Wait until the run stalls at step `steps` (its RAYFT_FAULT marker), remove the node of one of
     its training workers (never the one of rayft's progress actor, pinned to the driver's node, the
     head here: this only guards the test's premise); returns the removed node's id."""
-    cluster.wait_until(p, lambda: marker.exists() and len(read_metrics(out)) >= steps, f"step {steps}")
+    wait_until(lambda: marker.exists() and len(read_metrics(out)) >= steps, 300, f"step {steps}", proc=p)
     return cluster.remove_worker_node({"ProgressActor"})
 
 

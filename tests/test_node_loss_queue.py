@@ -4,9 +4,11 @@ mid-run (its raylet SIGKILLed). The job (run.max_failures=0) fails with the lost
 driver retries it once the cluster has room again, and that second submission resumes from the
 first one's checkpoint and ends with the uninterrupted run's adapter: exactly two submissions.
 
-Placement: the head has one CPU, for the job's entrypoint (`python -m jobs.finetune`, half a CPU);
-each worker node has one, which is what one training worker asks for, so the two workers hold the
-two worker nodes and the node removed holds a worker and nothing of the job's driver."""
+Placement: the session's node-loss cluster (conftest's `cluster`: a head without CPUs, worker
+nodes of one CPU each), here with three worker nodes. The job's entrypoint (`python -m
+jobs.finetune`) takes half a CPU of one; each training worker asks for one whole CPU, which leaves
+only the other two for the two workers, so the node removed holds a worker and nothing of the
+job's driver."""
 
 from __future__ import annotations
 
@@ -18,24 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from gradtools import ROOT, final_adapter, rel_err
+from clusters import LocalCluster
+from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, rel_err
 from jobs.outputs import read_events, read_metrics
-from test_node_loss import LocalCluster
+from polling import wait_until
 from test_queue import db_events, db_rows, view
-from test_resume import DEMO, RAY_STEPS, ray_reference  # noqa: F401  (the module's reference fixture)
 from test_submit import SPEC, TINY, uniq
 
 BIN = Path(sys.executable).parent
 DRIVER_SIDE = {"JobSupervisor", "TrainController", "ProgressActor"}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("cluster"), head_cpus=1)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def _project_copy(dst: Path) -> Path:
@@ -62,7 +55,7 @@ def _cluster_jobs(cluster: LocalCluster, name: str) -> list:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_queued_job_whose_node_is_lost_is_retried_once_and_resumes(cluster, tmp_path, ray_reference):
-    cluster.ensure_nodes(2)
+    cluster.ensure_nodes(3)
     db, out, marker, name = tmp_path / "q.db", tmp_path / "run", tmp_path / "stalled", uniq("nodeloss")
     project = _project_copy(tmp_path / "project")
     add = subprocess.run([str(BIN / "rayft"), "queue", "add", DEMO, *RAY_STEPS, "resources.cpus_per_worker=1",
@@ -74,7 +67,7 @@ def test_a_queued_job_whose_node_is_lost_is_retried_once_and_resumes(cluster, tm
                           "--poll", "0.5", "--backoff", "1"], cwd=project, env=cluster.env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        cluster.wait_until(d, lambda: marker.exists() and len(read_metrics(out)) >= 4, "the job's step 5")
+        wait_until(lambda: marker.exists() and len(read_metrics(out)) >= 4, 300, "the job's step 5", proc=d)
         victim = cluster.remove_worker_node(DRIVER_SIDE)
         cluster.add_node()                             # room again for the retry
         log, _ = d.communicate(timeout=400)

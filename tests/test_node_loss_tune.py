@@ -1,7 +1,7 @@
 """Losing a node under a search: `rayft tune` on a cluster of `ray start` nodes on 127.0.0.1
-(test_node_loss.LocalCluster: a head without CPUs, worker nodes of one CPU each), so a trial's
-function and its one training worker hold two different nodes; the worker's node is removed
-mid-trial (its raylet SIGKILLed).
+(conftest's session-wide `cluster`: a head without CPUs, two worker nodes of one CPU each), so a
+trial's function and its one training worker hold two different nodes; the worker's node is
+removed mid-trial (its raylet SIGKILLed).
 
 - With `run.max_failures=1` in the search spec, the trial trains again from its checkpoint once
   a node is back and finishes with the result of an uninterrupted run of the same trial job.
@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from clusters import LocalCluster
 from gradtools import DATA, ROOT, final_adapter, rel_err
 from jobs.outputs import read_metrics
-from test_node_loss import LocalCluster, cluster  # noqa: F401  (the module's cluster fixture)
+from polling import wait_until
 
 BIN = Path(sys.executable).parent
 EVAL = ROOT / "examples" / "data" / "tiny-eval.jsonl"
@@ -37,8 +38,11 @@ def _search(tmp_path: Path, marker: Path, accum: list[int], **run) -> Path:
         "resources": {"num_workers": 1, "cpus_per_worker": 1},
         "run": {"output_dir": str(tmp_path / "out"), **run,
                 "env": {"RAYFT_FAULT": f"sleep:step=5,seconds=120,once={marker}"}},
+        # One ASHA rung, at the end: no early stops. The two trials compute the same global batches
+        # (same math, other splits): at an earlier rung the next trial's eval loss ties the lost
+        # one's up to rounding, and rounding decides whether ASHA stops it.
         "search": {"grad_accum_steps": accum, "lr_scaling": ["none"], "budget_gib": 8.0,
-                   "samples_per_trial": 64, "eval_every_samples": 16},
+                   "samples_per_trial": 64, "eval_every_samples": 16, "asha": {"grace_samples": 64}},
     }
     path = tmp_path / "search.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -56,8 +60,8 @@ def _stall_then_remove_the_workers_node(cluster: LocalCluster, p: subprocess.Pop
     def first_trial() -> list[Path]:
         return sorted(t.parent for t in (out / "trials").glob("*/metrics.jsonl"))
 
-    cluster.wait_until(p, lambda: marker.exists() and bool(first_trial()) and len(read_metrics(first_trial()[0])) >= 4,
-                       "the trial's step 5")
+    wait_until(lambda: marker.exists() and bool(first_trial()) and len(read_metrics(first_trial()[0])) >= 4, 300,
+               "the trial's step 5", proc=p)
     return first_trial()[0], cluster.remove_worker_node(TRIAL_SIDE)
 
 

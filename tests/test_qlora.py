@@ -119,12 +119,13 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # ~105 s on 2 cores: the embedded Ray starts
-def test_rayft_run_nf4_ends_with_an_adapter_that_loads_on_the_plain_base(tmp_path):
-    """`rayft run` with model.quantization=nf4 (2 DDP workers, bf16, checkpointing) exits 0 with
-    an adapter. tiny-llama's base saved beside it is the plain one (no quantization config),
-    the adapter loads on it with `PeftModel.from_pretrained`, and there it computes what it
-    computes on the 4-bit base up to the quantization error.
+@pytest.mark.slow  # two Ray Train workers loading bitsandbytes
+def test_rayft_run_nf4_ends_with_an_adapter_that_loads_on_the_plain_base(tmp_path, ray_head):
+    """`rayft run` on a Ray cluster (the session's head) with model.quantization=nf4 (2 DDP
+    workers, bf16, checkpointing) exits 0 with an adapter. tiny-llama's base saved beside it is
+    the plain one (no quantization config), the adapter loads on it with
+    `PeftModel.from_pretrained`, and there it computes what it computes on the 4-bit base up to
+    the quantization error.
 
     Bound: relative L2 distance of the logits with the adapter, plain base vs 4-bit base, at most
     1.5 x that distance without the adapter (the quantization error of the base alone, large for
@@ -138,8 +139,8 @@ def test_rayft_run_nf4_ends_with_an_adapter_that_loads_on_the_plain_base(tmp_pat
     rayft = Path(sys.executable).parent / "rayft"
     p = subprocess.run([str(rayft), "run", "examples/tiny-lora.yaml", "model.quantization=nf4", "precision=bf16",
                         "run.max_steps=2", "run.eval_every=0", "run.checkpoint_every=0", "batch.global_batch_size=8",
-                        "batch.micro_batch_size=2", f"run.output_dir={out}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        "batch.micro_batch_size=2", f"run.output_dir={out}", "--address", ray_head.address],
+                       cwd=ROOT, env=ray_head.env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     adapter = out / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file()
@@ -286,11 +287,11 @@ REFUSED = [
 @pytest.mark.parametrize("overrides,named", REFUSED, ids=["pissa", "olora", "int8-fsdp"])
 def test_what_cannot_run_on_a_quantized_base_is_refused_in_one_line(overrides, named, tmp_path):
     """Refused by the spec before anything starts: exit 2, one line naming both fields, no output."""
+    from inproc import rayft_in_process
+
     out = tmp_path / "out"
-    rayft = Path(sys.executable).parent / "rayft"
-    p = subprocess.run([str(rayft), "run", "examples/tiny-lora.yaml", *overrides, f"run.output_dir={out}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "RAY_ADDRESS": ""})
+    p = rayft_in_process("run", "examples/tiny-lora.yaml", *overrides, f"run.output_dir={out}",
+                         env={**os.environ, "RAY_ADDRESS": ""})
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr

@@ -16,6 +16,7 @@ import pytest
 
 from test_submit import BIN, ROOT, SPEC, TINY, _token_mode, jobs_on, metrics_steps, rayft, uniq  # noqa: F401
 
+from inproc import rayft_in_process
 from jobs.errors import UserError
 from jobs.spec import load_spec
 from orchestrator.backends.base import ClusterView
@@ -23,6 +24,7 @@ from orchestrator.backends.ray_jobs import cluster_view_from_api
 from orchestrator.queue.admission import GPU_MEMORY_GIB, Demand, parse_gpu_memory, place, reserve
 from orchestrator.queue.driver import Driver, enqueue
 from orchestrator.queue.store import Queue
+from polling import wait_until
 
 
 # ---- admission (pure) ------------------------------------------------------------------------
@@ -160,16 +162,16 @@ def test_one_driver_per_queue_file(tmp_path):
 
 def test_queue_add_is_idempotent_and_survives_reopening(tmp_path):
     db = tmp_path / "q.db"
-    a = rayft("queue", "add", SPEC, *TINY, "name=same-job", "--priority", "3", "--db", str(db))
-    b = rayft("queue", "add", SPEC, *TINY, "name=same-job", "--db", str(db))
+    a = rayft_in_process("queue", "add", SPEC, *TINY, "name=same-job", "--priority", "3", "--db", str(db))
+    b = rayft_in_process("queue", "add", SPEC, *TINY, "name=same-job", "--db", str(db))
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert a.stdout.strip() == b.stdout.strip() == "1" and "already queued" in b.stderr
-    c = rayft("queue", "add", SPEC, *TINY, "name=same-job", "optim.lr=0.02", "--db", str(db))
+    c = rayft_in_process("queue", "add", SPEC, *TINY, "name=same-job", "optim.lr=0.02", "--db", str(db))
     assert c.stdout.strip() == "2"
-    rows = json.loads(rayft("queue", "status", "--db", str(db), "--json").stdout)
+    rows = json.loads(rayft_in_process("queue", "status", "--db", str(db), "--json").stdout)
     assert [(r["id"], r["state"], r["priority"]) for r in rows] == [(1, "QUEUED", 3), (2, "QUEUED", 0)]
     assert rows[0]["overrides"][-1] == "name=same-job" and rows[0]["micro_batch_size"] == 4
-    table = rayft("queue", "status", "--db", str(db))
+    table = rayft_in_process("queue", "status", "--db", str(db))
     assert table.returncode == 0 and "same-job" in table.stdout and "QUEUED" in table.stdout
 
 
@@ -250,16 +252,6 @@ def db_events(db: Path) -> list[dict]:
         c.close()
 
 
-def wait_for(cond, timeout: float, what: str, every: float = 0.3):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(every)
-
-
 def driver(db: Path, ray_head, *extra: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "rayft"), "queue", "run", "--db", str(db), "--address", ray_head.dashboard,
                              "--poll", "0.5", *extra], cwd=ROOT, env=env or ray_head.env,
@@ -283,8 +275,9 @@ def test_priority_order_and_sigkilled_driver(ray_head, tmp_path):
     db = tmp_path / "q.db"
     names = {p: uniq(f"prio{p}") for p in (1, 5, 9)}
     for p in (1, 9, 5):                       # queue order is not priority order
-        r = rayft("queue", "add", SPEC, *TINY, f"name={names[p]}", f"run.output_dir={tmp_path / names[p]}",
-                  "--priority", str(p), "--db", str(db), env=ray_head.env)
+        r = rayft_in_process("queue", "add", SPEC, *TINY, f"name={names[p]}",
+                             f"run.output_dir={tmp_path / names[p]}", "--priority", str(p), "--db", str(db),
+                             env=ray_head.env)
         assert r.returncode == 0, r.stderr
 
     # 1) the driver dies between "the cluster accepted the job" and "the file says so"
@@ -307,7 +300,7 @@ def test_priority_order_and_sigkilled_driver(ray_head, tmp_path):
                 return None
             info = jobs_on(ray_head)
             return any(j.submission_id == r["submission_id"] and str(j.status) == "RUNNING" for j in info)
-        wait_for(second_running, 240, "the second job to run")
+        wait_until(second_running, 240, "the second job runs", every_s=0.3)
     finally:
         d.send_signal(signal.SIGKILL)
         out2, _ = d.communicate(timeout=30)
@@ -347,8 +340,9 @@ def test_out_of_memory_is_retried_once_with_half_the_micro_batch(ray_head, tmp_p
     db = tmp_path / "q.db"
     name = uniq("oom")
     # RAYFT_FAULT makes the first step raise torch.OutOfMemoryError while micro_batch_size > 2
-    r = rayft("queue", "add", SPEC, *TINY, f"name={name}", f"run.output_dir={tmp_path / name}",
-              "run.env.RAYFT_FAULT=oom:micro_batch_gt=2", "--max-retries", "0", "--db", str(db), env=ray_head.env)
+    r = rayft_in_process("queue", "add", SPEC, *TINY, f"name={name}", f"run.output_dir={tmp_path / name}",
+                         "run.env.RAYFT_FAULT=oom:micro_batch_gt=2", "--max-retries", "0", "--db", str(db),
+                         env=ray_head.env)
     assert r.returncode == 0, r.stderr
     d = driver(db, ray_head, "--max-concurrency", "1")
     out, _ = d.communicate(timeout=400)
@@ -370,7 +364,7 @@ def test_out_of_memory_is_retried_once_with_half_the_micro_batch(ray_head, tmp_p
     kinds = [e["kind"] for e in db_events(db) if e["job_id"] == f["id"]]
     assert kinds.count("oom_retry") == 1 and kinds.count("ended") == 1
     # the change is visible in `rayft queue status`
-    table = rayft("queue", "status", "--db", str(db), env=ray_head.env)
+    table = rayft_in_process("queue", "status", "--db", str(db), env=ray_head.env)
     assert "micro_batch_size 4 -> 2, grad_accum_steps 2 -> 4" in table.stdout and "2 x 4" in table.stdout
 
 
@@ -386,14 +380,14 @@ def test_admission_waits_for_free_cpus(ray_head, tmp_path):
     db = tmp_path / "q.db"
     fits, never = uniq("fits"), uniq("never")
     for name, extra, prio in ((fits, [], 0), (never, ["resources.cpus_per_worker=8"], 9)):
-        r = rayft("queue", "add", SPEC, *TINY, f"name={name}", f"run.output_dir={tmp_path / name}", *extra,
-                  "--priority", str(prio), "--db", str(db), env=ray_head.env)
+        r = rayft_in_process("queue", "add", SPEC, *TINY, f"name={name}", f"run.output_dir={tmp_path / name}",
+                             *extra, "--priority", str(prio), "--db", str(db), env=ray_head.env)
         assert r.returncode == 0, r.stderr
     # Something else holds 3 of the cluster's 4 CPUs.
     hog = client.submit_job(entrypoint="sleep 600", entrypoint_num_cpus=3, submission_id=uniq("hog"))
     try:
-        wait_for(lambda: str(client.get_job_status(hog)) == "RUNNING" and backend.cluster_view().cpu_free <= 1.0,
-                 90, "the hog to hold its CPUs", every=1)
+        wait_until(lambda: str(client.get_job_status(hog)) == "RUNNING" and backend.cluster_view().cpu_free <= 1.0,
+                   90, "the hog holds its CPUs", every_s=1)
         r = rayft("queue", "run", "--once", "--db", str(db), "--address", ray_head.dashboard, env=ray_head.env)
         assert r.returncode == 0, r.stderr
         rows = db_rows(db)
@@ -403,7 +397,7 @@ def test_admission_waits_for_free_cpus(ray_head, tmp_path):
         assert not any(cluster_jobs_of(ray_head, {fits, never}).values())
     finally:
         client.stop_job(hog)
-    wait_for(lambda: backend.cluster_view().cpu_free >= 4.0, 90, "the CPUs to be free", every=1)
+    wait_until(lambda: backend.cluster_view().cpu_free >= 4.0, 90, "the CPUs are free", every_s=1)
     r = rayft("queue", "run", "--once", "--db", str(db), "--address", ray_head.dashboard, env=ray_head.env)
     assert r.returncode == 0, r.stderr
     rows = db_rows(db)
@@ -413,7 +407,8 @@ def test_admission_waits_for_free_cpus(ray_head, tmp_path):
     c = rayft("queue", "cancel", str(rows[fits]["id"]), "--db", str(db), "--address", ray_head.dashboard,
               env=ray_head.env)
     assert c.returncode == 0 and "CANCELED" in c.stderr, c.stderr
-    wait_for(lambda: str(client.get_job_status(rows[fits]["submission_id"])) == "STOPPED", 60, "the stop")
+    wait_until(lambda: str(client.get_job_status(rows[fits]["submission_id"])) == "STOPPED", 60, "the job stopped",
+               every_s=0.3)
     r = rayft("queue", "run", "--once", "--db", str(db), "--address", ray_head.dashboard, env=ray_head.env)
     assert db_rows(db)[fits]["state"] == "CANCELED"
     assert len(cluster_jobs_of(ray_head, {fits})[fits]) == 1

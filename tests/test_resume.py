@@ -8,27 +8,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from gradtools import ROOT, final_adapter, rel_err, spawn
+from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, reference_run, rel_err
 from jobs import checkpoint as ckpt
-from jobs.context import LocalContext
-from jobs.loop import train
 from jobs.outputs import read_events, read_metrics
-from jobs.spec import absolutize, load_spec
+from polling import wait_group_gone, wait_until
 
 BIN = Path(sys.executable).parent
-DEMO = "examples/tiny-lora.yaml"
-
-
-def _reference(rank: int, world: int, overrides: list, out: str) -> None:
-    """An uninterrupted run of the same split, without Ray (one process per rank)."""
-    spec = absolutize(load_spec(DEMO, overrides + [f"run.output_dir={out}"]))
-    train(spec, LocalContext(on_progress=lambda r: None), resume=False)
 
 
 # ---- unit: what counts as a checkpoint ----------------------------------------------------
@@ -81,10 +71,11 @@ def _finetune_local(out: Path, *extra: str, check: bool = True) -> subprocess.Co
     return p
 
 
+@pytest.mark.slow  # a reference run and two fresh `python -m jobs.finetune` processes: over 30 s on 2 cores
 def test_local_crash_then_rerun_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     ref = tmp_path / "ref"
-    _reference(0, 1, ["resources.num_workers=1", "run.max_steps=6", "run.checkpoint_every=2",
+    reference_run(0, 1, DEMO, ["resources.num_workers=1", "run.max_steps=6", "run.checkpoint_every=2",
                       "run.keep_checkpoints=3"], str(ref))
     out = tmp_path / "run"
     fault = f"run.env.RAYFT_FAULT=kill:step=5,rank=0,once={tmp_path / 'killed'}"
@@ -151,41 +142,6 @@ def test_rerunning_a_finished_job_trains_nothing_and_reports_its_result(tmp_path
 
 # ---- Ray: a worker SIGKILLed mid-run, and the driver killed mid-run ------------------------
 
-RAY_STEPS = ["run.max_steps=8", "run.checkpoint_every=2", "run.keep_checkpoints=4", "run.eval_every=0"]
-
-
-@pytest.fixture(scope="module")
-def ray_reference(tmp_path_factory):
-    """Uninterrupted 2-worker run of the demo split (gloo, one process per rank, no Ray)."""
-    out = tmp_path_factory.mktemp("ref") / "out"
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        spawn(_reference, 2, out.parent / "spawn", RAY_STEPS, str(out))
-    finally:
-        os.chdir(cwd)
-    return final_adapter(out)
-
-
-def _wait_until_group_gone(pgid: int, timeout_s: float = 60.0) -> None:
-    """Return once no live (non-zombie) process of process group `pgid` is left."""
-    def alive() -> list[str]:
-        out = []
-        for d in Path("/proc").iterdir():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # not a process, or it just exited
-            if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-                out.append(d.name)
-        return out
-
-    deadline = time.monotonic() + timeout_s
-    while alive():
-        assert time.monotonic() < deadline, f"processes {alive()} of group {pgid} still alive after SIGKILL"
-        time.sleep(0.05)  # polling the condition above
-
-
 def _rayft_run(out: Path, *extra: str, **popen) -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "rayft"), "run", DEMO, f"run.output_dir={out}", *RAY_STEPS, *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
@@ -193,9 +149,12 @@ def _rayft_run(out: Path, *extra: str, **popen) -> subprocess.Popen:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_worker_sigkill_restarts_from_last_checkpoint(tmp_path, ray_reference):
+def test_worker_sigkill_restarts_from_last_checkpoint(tmp_path, ray_reference, ray_head):
+    """On the session's Ray head: restarting the workers is Ray Train's, on any cluster. (The test
+    below needs its own embedded Ray, which dies with the driver.)"""
     out, marker = tmp_path / "run", tmp_path / "killed"
-    p = _rayft_run(out, "run.max_failures=1", f"run.env.RAYFT_FAULT=kill:step=5,rank=1,once={marker}")
+    p = _rayft_run(out, "run.max_failures=1", f"run.env.RAYFT_FAULT=kill:step=5,rank=1,once={marker}",
+                   "--address", ray_head.address, env=ray_head.env)
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     assert marker.read_text().strip() == "killed rank 1 at step 5"
@@ -213,14 +172,10 @@ def test_driver_killed_mid_run_then_same_command_resumes(tmp_path, ray_reference
     out, marker = tmp_path / "run", tmp_path / "stalled"
     fault = f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,once={marker}"
     p = _rayft_run(out, fault, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not (marker.exists() and len(read_metrics(out)) >= 5):
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "run never reached step 5"
-        time.sleep(0.5)
+    wait_until(lambda: marker.exists() and len(read_metrics(out)) >= 5, 300, "the run reached step 5", proc=p)
     os.killpg(p.pid, signal.SIGKILL)  # the driver and the embedded Ray with it
     p.wait(timeout=60)
-    _wait_until_group_gone(p.pid)  # the killed run's Ray workers must not write alongside the rerun
+    wait_group_gone(p.pid)  # the killed run's Ray workers must not write alongside the rerun
     p = _rayft_run(out, fault)
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]

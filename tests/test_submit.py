@@ -8,12 +8,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from inproc import rayft_in_process
+from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -70,7 +72,8 @@ def test_submission_id_is_deterministic_and_carries_no_token():
     secret = "tok-" + uuid.uuid4().hex
     env = dict(os.environ, RAY_AUTH_TOKEN=secret)
     base = ["submit", SPEC, "--dry-run", "--address", "http://127.0.0.1:1", *TINY, "name=det-job"]
-    a, b = rayft(*base, env=env), rayft(*base)           # two processes: the id does not depend on either
+    # two processes (a fresh one, and this one): the id does not depend on either
+    a, b = rayft(*base, env=env), rayft_in_process(*base)
     assert a.returncode == 0, a.stderr
     assert secret not in a.stdout and "RAY_AUTH_TOKEN" not in a.stdout
     da, db = json.loads(a.stdout), json.loads(b.stdout)
@@ -158,7 +161,7 @@ def test_working_dir_must_not_escape_the_project(tmp_path):
     # a working dir that is not the project.
     spec = tmp_path / "spec.yaml"
     spec.write_text((ROOT / SPEC).read_text().replace("examples/data/", f"{ROOT}/examples/data/"))
-    msg = one_line_error(rayft("submit", str(spec), "--dry-run", "--address", "http://127.0.0.1:1"))
+    msg = one_line_error(rayft_in_process("submit", str(spec), "--dry-run", "--address", "http://127.0.0.1:1"))
     assert "outside the working dir" in msg
     data = tmp_path / "d.jsonl"
     data.write_text((ROOT / "examples/data/tiny.jsonl").read_text())
@@ -237,10 +240,8 @@ def test_rayft_submit_status_logs_stop_list(ray_head, tmp_path):
     logs = rayft("logs", sid, *a, env=env)
     assert logs.returncode == 0 and "step 1/2" in logs.stdout
 
-    deadline = time.monotonic() + 60
-    while json.loads(rayft("status", sid2, *a, "--json", env=env).stdout)["status"] != "STOPPED":
-        assert time.monotonic() < deadline, "the stopped job never reached STOPPED"
-        time.sleep(1)
+    wait_until(lambda: json.loads(rayft("status", sid2, *a, "--json", env=env).stdout)["status"] == "STOPPED", 60,
+               "the stopped job reached STOPPED", every_s=1)
     again = rayft("stop", sid, *a, env=env)
     assert again.returncode == 0 and "already ended (SUCCEEDED)" in again.stderr
 
@@ -289,33 +290,35 @@ def test_nothing_invalid_reaches_the_cluster(ray_head, tmp_path):
         (["run.env.MY_SETTING=hf_" + "a" * 34], "MY_SETTING looks like a secret"),
     ]
     for overrides, fragment in cases:
-        msg = one_line_error(rayft("submit", SPEC, *TINY, f"name={name}", *overrides, *a, env=env))
+        msg = one_line_error(rayft_in_process("submit", SPEC, *TINY, f"name={name}", *overrides, *a, env=env))
         assert fragment in msg, msg
         # the queue refuses the same at `queue add`
-        msg = one_line_error(rayft("queue", "add", SPEC, *TINY, f"name={name}", *overrides,
-                                   "--db", str(tmp_path / "q.db"), env=env))
+        msg = one_line_error(rayft_in_process("queue", "add", SPEC, *TINY, f"name={name}", *overrides,
+                                              "--db", str(tmp_path / "q.db"), env=env))
         assert fragment in msg, msg
     # a data file that is not JSONL (preflight, not just existence)
     bad = ROOT / "examples" / "data" / f"{name}.jsonl"
     try:
         bad.write_text('{"text": "ok"}\nnot json\n')
-        msg = one_line_error(rayft("submit", SPEC, *TINY, f"name={name}", f"data.path={bad.relative_to(ROOT)}",
-                                   *a, env=env))
+        msg = one_line_error(rayft_in_process("submit", SPEC, *TINY, f"name={name}",
+                                              f"data.path={bad.relative_to(ROOT)}", *a, env=env))
         assert "line 2" in msg
     finally:
         bad.unlink()
-    # over Ray's upload limit (lowered here via Ray's own setting, read by the client)
+    # over Ray's upload limit (lowered here via Ray's own setting, which the client reads once, when
+    # Ray is imported: so in a fresh process)
     small = dict(env, RAY_max_grpc_message_size="200000")
     msg = one_line_error(rayft("submit", SPEC, *TINY, f"name={name}", *a, env=small))
     assert "over Ray's limit of 0.2 MiB" in msg
-    st = rayft("queue", "status", "--db", str(tmp_path / "q.db"), "--json")
+    st = rayft_in_process("queue", "status", "--db", str(tmp_path / "q.db"), "--json")
     assert json.loads(st.stdout) == []
     assert len(jobs_on(ray_head)) == before
 
 
 def test_backend_kuberay_dispatches_to_the_kubernetes_api(tmp_path):
     """`--backend kuberay` goes to orchestrator.backends.kuberay.KubeRayBackend: here through the real
-    `kubernetes` client (a kubeconfig in KUBECONFIG) to the fake API server of tests/k8s_fake_api.py."""
+    `kubernetes` client (a kubeconfig in KUBECONFIG) to the fake API server of tests/k8s_fake_api.py.
+    In fresh processes: the client reads KUBECONFIG once, when it is imported."""
     from k8s_fake_api import FakeKubeAPI
 
     with FakeKubeAPI() as api:

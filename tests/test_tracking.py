@@ -109,6 +109,7 @@ def _finetune_local(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # two fresh `python -m jobs.finetune` processes with both trackers: over 30 s on 2 cores
 def test_kill_and_resume_continue_the_same_run_with_every_step_once(tmp_path):
     out = tmp_path / "run"
     fault = f"run.env.RAYFT_FAULT=kill:step=3,rank=0,once={tmp_path / 'killed'}"
@@ -164,17 +165,18 @@ def test_a_fresh_start_in_the_same_directory_replaces_the_earlier_curves(tmp_pat
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_search_logs_every_trial_as_a_run_of_one_experiment(tmp_path):
-    """`rayft tune` with run.trackers=[mlflow]: one MLflow run per launched trial, in the experiment
-    named after the search, with the trial's split and lr rule as parameters and its eval losses."""
-    from test_tune import _env, search_spec, write
+def test_a_search_logs_every_trial_as_a_run_of_one_experiment(tmp_path, ray_head):
+    """`rayft tune` with run.trackers=[mlflow] on a Ray cluster (the session's head): one MLflow run
+    per launched trial, in the experiment named after the search, with the trial's split and lr
+    rule as parameters and its eval losses."""
+    from test_tune import search_spec, write
 
     data = search_spec(tmp_path, grad_accum_steps=[2, 4], lr_scaling=["linear"], samples_per_trial=16,
                        eval_every_samples=8)
     data["run"]["trackers"] = ["mlflow"]
     path = write(tmp_path, data)
-    p = subprocess.run([str(BIN / "rayft"), "tune", str(path)], cwd=tmp_path, env=_env(), capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run([str(BIN / "rayft"), "tune", str(path), "--address", ray_head.address], cwd=tmp_path,
+                       env=ray_head.env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     launched = [r for r in results["trials"] if r["status"] not in ("infeasible", "skipped", "not run")]

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from gradtools import DATA, ROOT
 from jobs import memory
 from jobs.spec import JobSpec, load_spec
 from orchestrator.cli import main
+from polling import wait_group_gone, wait_until
 
 EVAL = ROOT / "examples" / "data" / "tiny-eval.jsonl"
 BIN = Path(sys.executable).parent
@@ -384,25 +384,6 @@ def _saved_states(experiment: Path) -> dict[str, str]:
         return {}  # none yet, or one being replaced
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs (zombies waiting for a reaper do not count)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def _wait(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting until {what}"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def search(tmp_path_factory):
     """fixed_global_batch, global batch 8: micro 8 infeasible by estimate; micro 4, 2, 1 launched, and
@@ -416,22 +397,24 @@ def search(tmp_path_factory):
     cmd = [str(BIN / "rayft"), "tune", str(path)]
     log1 = open(tmp / "first.log", "w")
     p = subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 400
     try:
-        while "finished" not in _statuses(trials).values():
+        def a_trial_finished() -> bool:
+            if "finished" in _statuses(trials).values():
+                return True
             assert p.poll() is None, (tmp / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no trial finished in time"
-            time.sleep(0.5)
+            return False
+
+        wait_until(a_trial_finished, 400, "a trial finished")
         before = _statuses(trials)
         # Kill only once the saved experiment state (every 2 s) has every trial that ended as ended:
         # finished as TERMINATED, out of memory as ERROR. The resume then must not start them again.
         ended = {t: {"finished": "TERMINATED", "oom": "ERROR"}[s] for t, s in before.items() if s in ("finished", "oom")}
-        _wait(lambda: all(_saved_states(tmp / "out" / "tune").get(t) == s for t, s in ended.items()), 60,
-              f"the saved experiment state records {ended}")
+        wait_until(lambda: all(_saved_states(tmp / "out" / "tune").get(t) == s for t, s in ended.items()), 60,
+                   f"the saved experiment state records {ended}", every_s=0.2)
     finally:
         os.killpg(p.pid, signal.SIGKILL)  # the driver and everything in its session: no goodbye
         p.wait()
-    _wait(lambda: not _group_alive(p.pid), 60, "the killed search's processes are gone")
+    wait_group_gone(p.pid)  # the killed search's processes
     second = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=500)
     out = tmp / "out"
     return {"tmp": tmp, "out": out, "data": data, "before": before, "second": second,
