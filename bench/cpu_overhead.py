@@ -53,7 +53,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -237,7 +236,7 @@ def profile_rayft(args, data_path: Path, workdir: Path, top: int = 30) -> dict:
             "steps": args.warmup + args.steps, "train_wall_s": res["train_wall_s"]}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 repeats x (1 warmup + 4 timed steps): checks the script")
     ap.add_argument("--repeats", type=int, default=5)

@@ -23,9 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-
 import test_fuzz  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
 TARGETS = {
     "overrides": (test_fuzz.overrides_cases, test_fuzz.check_overrides),

@@ -143,7 +143,6 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -767,7 +766,7 @@ def print_table(result: dict) -> None:
 
 # ---- main -----------------------------------------------------------------------------------
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the pipeline, < 1 minute")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="directory of the result file")

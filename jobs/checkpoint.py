@@ -33,7 +33,6 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -123,7 +122,7 @@ def write_rank_files(directory: Path, rank: int, files: dict[str, object]) -> No
     tmp.rename(directory / manifest_file(rank))
 
 
-def why_incomplete(directory: Path) -> Optional[str]:
+def why_incomplete(directory: Path) -> str | None:
     """Why `directory` is not a complete checkpoint (a missing state or manifest, a file that
     does not match its manifest), or None when it is one."""
     try:
@@ -156,7 +155,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)), key=lambda p: p.name)
 
 
-def newest_complete(root: Path, *, warn: bool = True) -> Optional[Path]:
+def newest_complete(root: Path, *, warn: bool = True) -> Path | None:
     """The newest checkpoint that verifies; incomplete ones are skipped (never deleted here),
     each with a warning that names it and says why."""
     for p in reversed(list_checkpoints(root)):
@@ -168,7 +167,7 @@ def newest_complete(root: Path, *, warn: bool = True) -> Optional[Path]:
     return None
 
 
-def resumable(root: Path) -> Optional[Path]:
+def resumable(root: Path) -> Path | None:
     """The checkpoint a rerun resumes from, checked before anything starts: the newest complete
     one, its state readable and its `.pt` files plain data (`check_loadable`); None when there
     is no checkpoint at all. When there are checkpoints but none is complete, a silent fresh
@@ -244,7 +243,7 @@ def load_adapter(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / ADAPTER_FILE))
 
 
-def rank_files(rank: int, state: dict, adapter: Optional[dict] = None, optim_state: Optional[dict] = None,
+def rank_files(rank: int, state: dict, adapter: dict | None = None, optim_state: dict | None = None,
                scaler=None) -> dict[str, object]:
     """What rank `rank` writes into a checkpoint: its RNG state; rank 0 (the caller passes them
     there only) also the adapter and optimizer state (full, by parameter name: `jobs.fsdp.adapter_state`),

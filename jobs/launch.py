@@ -10,8 +10,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import ray
 
@@ -50,7 +50,7 @@ def train_worker(config: dict) -> None:
     train(spec, RayContext(config.get("progress")), resume=config["resume"])
 
 
-def init_ray(address: Optional[str], num_cpus: int, log_to_driver: bool = True) -> None:
+def init_ray(address: str | None, num_cpus: int, log_to_driver: bool = True) -> None:
     """Connect to `address`, or the cluster of the enclosing Ray job, or start a local one with
     at least `num_cpus` logical CPUs (Ray's own tests oversubscribe a small machine the same way)."""
     if ray.is_initialized():
@@ -130,7 +130,7 @@ def _progress_actor():
     return ProgressActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
 
 
-def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks: Optional[list] = None):
+def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks: list | None = None):
     """The TorchTrainer that runs `spec` (the one setup `run_on_ray` and every Tune trial use):
     `resources.num_workers` workers with `cpus_per_worker` CPUs and one GPU each when `use_gpu`,
     checkpoints in `<output_dir>/checkpoints/step-NNNNNNNN` (Ray Train's storage is the output
@@ -158,8 +158,8 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks
     )
 
 
-def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = True,
-               on_progress: Optional[Callable[[dict], None]] = None) -> dict:
+def run_on_ray(spec: JobSpec, *, address: str | None = None, resume: bool = True,
+               on_progress: Callable[[dict], None] | None = None) -> dict:
     """Train `spec` on Ray; returns summary.json's content. Blocks until the run ends."""
     from .outputs import SUMMARY
 
@@ -207,7 +207,7 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
 NODE_DEATH_WAIT_S = 70.0
 
 
-def node_lost(err: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> Optional[NodeLost]:
+def node_lost(err: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> NodeLost | None:
     """A `NodeLost` naming the node when a Ray Train failure `err` came from losing a node, else None.
 
     A worker that stopped answering (`unreachable_workers`) is only a node loss when Ray marks its

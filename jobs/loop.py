@@ -33,9 +33,9 @@ import math
 import random
 import resource
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -46,16 +46,34 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import fsdp
 from .context import Context
-from .data import (GlobalBatches, collate, collate_pairs, count_inputs, count_labels, equal_micro_batches,
-                   load_dataset, split_window, total_steps)
+from .data import (
+    GlobalBatches,
+    collate,
+    collate_pairs,
+    count_inputs,
+    count_labels,
+    equal_micro_batches,
+    load_dataset,
+    split_window,
+    total_steps,
+)
 from .early_stopping import EarlyStopping
 from .errors import RunError
 from .faults import from_env
 from .memory import MemoryPlan
 from .model import add_lora, check_batchnorm, check_packing, compile_layers, enable_checkpointing, load_base_model
 from .objectives import Objective
+from .outputs import (
+    PLOT,
+    SUMMARY,
+    MetricsLog,
+    append_event,
+    claim_output_dir,
+    plot_loss,
+    read_metrics,
+    write_json_atomic,
+)
 from .preference import REFERENCE_ADAPTER, PreferenceLoss, precomputed_reference
-from .outputs import PLOT, SUMMARY, MetricsLog, append_event, claim_output_dir, plot_loss, read_metrics, write_json_atomic
 from .spec import JobSpec, compute_precision
 from .tracking import open_trackers
 
@@ -166,7 +184,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 
 def train_window(engine: Engine, micro_batches: Sequence[dict], denominator: int,
-                 after_micro_step: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+                 after_micro_step: Callable[[int], None] | None = None) -> torch.Tensor:
     """Forward/backward over one rank's micro-batches of one global batch.
 
     `denominator` is what the step's loss is a mean over, counted over the whole global batch:
@@ -177,7 +195,7 @@ def train_window(engine: Engine, micro_batches: Sequence[dict], denominator: int
     backward.
     """
     scale = engine.world_size / denominator  # DDP divides by world_size; see module doc
-    sums: Optional[torch.Tensor] = None
+    sums: torch.Tensor | None = None
     last = len(micro_batches) - 1
     for j, mb in enumerate(micro_batches):
         with engine.sync_gate(j == last):
@@ -192,7 +210,7 @@ def train_window(engine: Engine, micro_batches: Sequence[dict], denominator: int
     return sums if sums is not None else torch.zeros((), device=engine.device)
 
 
-def optimizer_step(engine: Engine, max_grad_norm: Optional[float]) -> tuple[torch.Tensor, Optional[float]]:
+def optimizer_step(engine: Engine, max_grad_norm: float | None) -> tuple[torch.Tensor, float | None]:
     """Unscale once, clip, step, update. Returns (grad norm tensor, scale before or None)."""
     scale_before = engine.scaler.get_scale() if engine.scaler.is_enabled() else None
     engine.scaler.unscale_(engine.optimizer)  # exactly once per window, before clipping
@@ -238,7 +256,7 @@ def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def held_out_loss(engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int,
-             layout: Optional[dict] = None) -> Optional[float]:
+             layout: dict | None = None) -> float | None:
     """Token-weighted mean loss over the held-out set, sharded over ranks."""
     if not examples:
         return None
@@ -260,8 +278,8 @@ def held_out_loss(engine: Engine, examples, rank: int, world_size: int, micro_ba
 
 
 @torch.no_grad()
-def held_out_pairs(engine: Engine, job: "Job", rank: int, world_size: int,
-                   micro_batch_size: int) -> tuple[Optional[float], dict]:
+def held_out_pairs(engine: Engine, job: Job, rank: int, world_size: int,
+                   micro_batch_size: int) -> tuple[float | None, dict]:
     """Mean per-pair loss over the held-out pairs and the statistics' means (TRL's names with
     `eval_` in front), sharded over ranks."""
     pairs = job.data.eval
@@ -307,8 +325,8 @@ class Job:
     resume_key: dict          # what a checkpoint of this run must match to be resumed (taken once, at the start)
     strategy: str = "ddp"     # "ddp" (also one process) or "fsdp": see `strategy_of`
     objective: Objective = Objective()
-    reference: Optional[dict] = None  # split -> [pairs, 2] precomputed reference log-probs (`objective.reference`)
-    device: Optional[torch.device] = None
+    reference: dict | None = None  # split -> [pairs, 2] precomputed reference log-probs (`objective.reference`)
+    device: torch.device | None = None
 
 
 @dataclass
@@ -318,9 +336,9 @@ class Position:
     step: int = 0             # optimizer steps done (= the next global batch)
     tokens_seen: int = 0
     skipped_steps: int = 0
-    eval_loss: Optional[float] = None
-    source: Optional[str] = None  # the checkpoint resumed from
-    early_stopping: Optional[dict] = None  # `EarlyStopping.state()` of the checkpoint
+    eval_loss: float | None = None
+    source: str | None = None  # the checkpoint resumed from
+    early_stopping: dict | None = None  # `EarlyStopping.state()` of the checkpoint
     eval_stats: dict = field(default_factory=dict)  # preference objectives: the last evaluation's statistics
 
 
@@ -584,7 +602,7 @@ def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, 
 
 
 def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, adapter: dict, *, wall_s: float,
-                  mean_tokens_per_s: Optional[float], extra: Optional[dict] = None) -> dict:
+                  mean_tokens_per_s: float | None, extra: dict | None = None) -> dict:
     """Rank 0, at the end: `adapter` (the full trainable state, `fsdp.full_adapter`) in PEFT
     format, the loss curve, summary.json. PEFT writes the given state rather than reading the
     model's parameters, which under FSDP are this rank's shards only."""

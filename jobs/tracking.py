@@ -26,8 +26,8 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 from . import secrets
@@ -110,11 +110,11 @@ class Trackers:
     """The trackers of one run on rank 0. `log_step(record)` per optimizer step,
     `checkpointed(step)` after a checkpoint is written, `finish(summary, files)` at the end."""
 
-    def __init__(self, spec: Optional[JobSpec] = None, resume_step: int = 0, total_steps: int = 0):
+    def __init__(self, spec: JobSpec | None = None, resume_step: int = 0, total_steps: int = 0):
         self.spec, self.total_steps = spec, total_steps
         self.tb = None          # tensorboard SummaryWriter
         self.ml = None          # mlflow MlflowClient
-        self.run_id: Optional[str] = None
+        self.run_id: str | None = None
         self.pending: list[dict] = []  # records not yet sent to MLflow (see module doc)
         if spec is None:
             return

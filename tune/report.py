@@ -18,13 +18,13 @@ import csv
 import math
 import os
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
 from jobs.memory import checkpointing_str
 from jobs.outputs import write_json_atomic, write_text_atomic
 from jobs.spec import JobSpec
+
 from .plan import TIME_ATTR, Plan, gib_str
 from .spec import SearchSpec
 
@@ -47,7 +47,7 @@ def columns(plan: Plan) -> list[str]:
     return cols
 
 
-def pick_best(rows: list[dict], samples_per_trial: int, metric: str = "eval_loss", mode: str = "min") -> Optional[dict]:
+def pick_best(rows: list[dict], samples_per_trial: int, metric: str = "eval_loss", mode: str = "min") -> dict | None:
     """The best value of `metric` (lowest for mode "min", highest for "max") among trials that saw
     the full sample budget; ties (to 6 decimals) go to the faster one."""
     done = [r for r in rows if r["status"] == "finished" and r.get(metric) is not None
@@ -80,7 +80,7 @@ def best_job_dict(raw: SearchSpec, best: dict) -> dict:
     return d
 
 
-def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: Optional[dict], notes: list[str],
+def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: dict | None, notes: list[str],
               *, interrupted: bool) -> dict[str, str]:
     out.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -169,7 +169,7 @@ def results_table(rows: list[dict], name: str, plan: Plan):
     return t
 
 
-def plot(path: Path, rows: list[dict], plan: Plan, name: str) -> Optional[Path]:
+def plot(path: Path, rows: list[dict], plan: Plan, name: str) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -25,10 +25,10 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ def _file_sha256(path: Path) -> str:
     return digest
 
 
-def source_hash(path: str, hf_token_env: Optional[str] = None) -> str:
+def source_hash(path: str, hf_token_env: str | None = None) -> str:
     """sha256 of a data source's content: a file's bytes, every file of a `save_to_disk`
     directory (names and bytes), or a hub dataset's fingerprint (datasets' hash of its files)."""
     if is_hub(path):
@@ -239,7 +239,7 @@ class Dataset:
     eval: Sequence[Example | Pair]
     dropped: int  # records with no label token left after truncation (pairs: the two counts below)
     content_hash: str = ""  # `content_hash(spec)`: what the checkpoint's resume key records
-    cache_dir: Optional[Path] = None
+    cache_dir: Path | None = None
     kind: str = SFT  # `SFT`: `train`/`eval` hold Examples; `PAIRS`: they hold Pairs
     dropped_empty: int = 0  # pairs with an empty prompt or response
     dropped_identical: int = 0  # pairs whose responses are identical after tokenization and truncation
@@ -256,7 +256,7 @@ def count_checked_records(spec: JobSpec) -> int:
     try:
         checked = [content_hash(spec), d.fields] + ([PAIRS] if data_kind(spec) == PAIRS else [])
         key = hashlib.sha256(json.dumps(checked).encode()).hexdigest()[:24]
-        memo: Optional[Path] = data_cache_dir(spec, f"checked-{key}.json")
+        memo: Path | None = data_cache_dir(spec, f"checked-{key}.json")
         return int(json.loads(memo.read_text())["train_records"])
     except SpecError:  # a source that cannot be hashed: the pass below names the problem
         memo = None

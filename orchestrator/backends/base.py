@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Protocol, TextIO, runtime_checkable
+from typing import Any, Protocol, TextIO, runtime_checkable
 
 QUEUED, PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "QUEUED", "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
 STATES = (QUEUED, PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)
@@ -74,8 +75,8 @@ class JobStatus:
     message: str = ""
     name: str = ""
     spec_hash: str = ""
-    start_time_s: Optional[float] = None
-    end_time_s: Optional[float] = None
+    start_time_s: float | None = None
+    end_time_s: float | None = None
     backend: str = ""
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -127,14 +128,14 @@ class Backend(Protocol):
     def cli_flags(self) -> str:
         """The flags that name this backend again on the command line (for hints)."""
 
-    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: Optional[str] = None,
-                attempt: int = 1, extra_metadata: Optional[dict] = None) -> Submission:
+    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: str | None = None,
+                attempt: int = 1, extra_metadata: dict | None = None) -> Submission:
         """Load and validate the spec once; compute what `submit` sends. Sends nothing."""
 
     def submit(self, sub: Submission) -> tuple[JobStatus, bool]:
         """Submit unless a job with that id exists: (its status, whether this call created it)."""
 
-    def info(self, job_id: str) -> Optional[JobStatus]:
+    def info(self, job_id: str) -> JobStatus | None:
         """The job's status, or None when the backend has no job of that id."""
 
     def status(self, job_id: str) -> JobStatus:
@@ -143,10 +144,10 @@ class Backend(Protocol):
     def logs(self, job_id: str) -> str:
         """The driver's output so far."""
 
-    def follow(self, job_id: str, out: Optional[TextIO] = None) -> JobStatus:
+    def follow(self, job_id: str, out: TextIO | None = None) -> JobStatus:
         """Write the logs to `out` (stdout) as they come until the job ends; its final status."""
 
-    def wait(self, job_id: str, timeout_s: Optional[float] = None) -> JobStatus:
+    def wait(self, job_id: str, timeout_s: float | None = None) -> JobStatus:
         """Wait, silently, until the job ends (or `timeout_s`); its last status."""
 
     def stop(self, job_id: str) -> bool:
@@ -156,7 +157,7 @@ class Backend(Protocol):
         """The jobs rayft submitted (`all_jobs`: every job the backend has), oldest first."""
 
 
-def write_new_text(out: Optional[TextIO], seen: str, text: str) -> str:
+def write_new_text(out: TextIO | None, seen: str, text: str) -> str:
     """Write what `text` adds to `seen` (all of it when the log was rotated); returns `text`."""
     out = out or sys.stdout
     out.write(text[len(seen):] if text.startswith(seen) else text)
@@ -164,7 +165,7 @@ def write_new_text(out: Optional[TextIO], seen: str, text: str) -> str:
     return text
 
 
-def wait_for_end(status: Callable[[], JobStatus], timeout_s: Optional[float], poll_s: float) -> JobStatus:
+def wait_for_end(status: Callable[[], JobStatus], timeout_s: float | None, poll_s: float) -> JobStatus:
     """Poll `status()` every `poll_s` seconds until the job has ended, or `timeout_s` has passed
     (None: no limit); returns the last status seen. Every backend's `wait` is this."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -196,7 +197,7 @@ class Node:
     cpu_free: float
     gpu_total: float = 0.0
     gpu_free: float = 0.0
-    accelerator_type: Optional[str] = None
+    accelerator_type: str | None = None
 
 
 @dataclass

@@ -13,12 +13,11 @@ unreachable cluster or rejected credentials (`orchestrator.cli.main` maps the er
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from orchestrator.backends.base import SUCCEEDED, Backend, JobStatus, first_line
 
 from .output import fmt_time, print_json, say, table
-
 
 # ---- backends --------------------------------------------------------------------------------
 

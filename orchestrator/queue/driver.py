@@ -38,9 +38,9 @@ import signal
 import sqlite3
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, RayftError, UserError, oom_line
 from orchestrator.backends.base import FAILED, QUEUED, SUCCEEDED, Backend, first_line
@@ -48,6 +48,7 @@ from orchestrator.backends.ray_jobs import find_project, resolve_spec
 
 from .admission import Demand, fit_node_type, reserve
 from .store import ACTIVE, DONE, NewJob, Queue
+
 
 def load_queued_spec(spec_path: str, overrides: list[str], working_dir: Path, backend: str = "ray"):
     """(spec, spec path relative to the working dir), validated as `backend` will submit it.
@@ -73,7 +74,7 @@ def load_queued_spec(spec_path: str, overrides: list[str], working_dir: Path, ba
 
 
 def enqueue(queue: Queue, spec_path: str, overrides: list[str], *, priority: int = 0, max_retries: int = 2,
-            working_dir: Optional[str] = None, backend: str = "ray") -> tuple[int, bool]:
+            working_dir: str | None = None, backend: str = "ray") -> tuple[int, bool]:
     """`rayft queue add` of one spec: validate it (as `backend` will submit it, relative paths in
     the working dir), estimate its demand, store it. Returns (id, created); the same spec twice is
     one job."""
@@ -90,7 +91,7 @@ class DriverConfig:
     """How the driver admits: concurrency limit, seconds between passes, first retry delay
     (doubling), GPU memory overrides by Ray accelerator type, and where it logs."""
 
-    max_concurrency: Optional[int] = None
+    max_concurrency: int | None = None
     poll_s: float = 2.0
     backoff_s: float = 30.0
     gpu_memory: dict[str, float] = field(default_factory=dict)
@@ -105,7 +106,7 @@ class Driver:
     itself (`admits_by_quota`, with a `node_type`: KubeRay with Kueue, checked here for fit only).
     """
 
-    def __init__(self, queue: Queue, backend: Optional[Backend], config: Optional[DriverConfig] = None):
+    def __init__(self, queue: Queue, backend: Backend | None, config: DriverConfig | None = None):
         self.q = queue
         self.backend = backend
         self.cfg = config or DriverConfig()
@@ -236,7 +237,7 @@ class Driver:
         self.log(job, f"{job['submission_id']} {detail}" + (f": {first}" if first and new_state in DONE
                                                            and status != SUCCEEDED else ""))
 
-    def _demand_for(self, job: sqlite3.Row, changes: list[str]) -> Optional[Demand]:
+    def _demand_for(self, job: sqlite3.Row, changes: list[str]) -> Demand | None:
         try:
             wd = Path(job["working_dir"])
             spec, _ = load_queued_spec(str(wd / job["spec_path"]), json.loads(job["overrides"]) + changes, wd,

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import yaml
 
@@ -94,7 +95,7 @@ def shm_gib(memory_gib: float) -> float:
     return max(0.5, math.ceil(memory_gib * SHM_FRACTION * 2) / 2)
 
 
-def quantity_bytes(q: Any) -> Optional[float]:
+def quantity_bytes(q: Any) -> float | None:
     """A Kubernetes memory/storage quantity ("16Gi", "512Mi", "1e9" as an int) in bytes; None
     when it is not one."""
     if isinstance(q, (int, float)) and not isinstance(q, bool):
@@ -326,7 +327,7 @@ def selector_matches(selector: Any, labels: dict) -> bool:
     return True
 
 
-def _ns(o: Obj) -> Optional[str]:
+def _ns(o: Obj) -> str | None:
     return (o.get("metadata") or {}).get("namespace")
 
 

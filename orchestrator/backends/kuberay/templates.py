@@ -19,7 +19,7 @@ import copy
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -157,7 +157,7 @@ def example_spec_text(configmap: str, jobs_dir: Path) -> str:
     raise FileNotFoundError(f"{jobs_dir / SPEC_CONFIGMAPS}: no ConfigMap {configmap}")
 
 
-def template(kind: str, jobs_dir: Optional[Path] = None) -> Obj:
+def template(kind: str, jobs_dir: Path | None = None) -> Obj:
     """The RayJob of k8s/jobs for `kind`: `render` of its example spec on the gpu overlay, with the
     per-job identity replaced by the template's fixed names (see the module docstring)."""
     from jobs.spec import load_spec
@@ -244,7 +244,7 @@ def _emit(node: Any, path: KeyPath, indent: int, comments: dict[KeyPath, str], o
         _value(v, p, indent, comments, out, f"{_scalar(key)}:" if isinstance(node, dict) else "-")
 
 
-def generate(jobs_dir: Optional[Path] = None) -> dict[str, str]:
+def generate(jobs_dir: Path | None = None) -> dict[str, str]:
     """{file name under k8s/jobs: its text} for every template."""
     out = {}
     for kind, (fname, _, _) in TEMPLATES.items():
@@ -255,7 +255,7 @@ def generate(jobs_dir: Optional[Path] = None) -> dict[str, str]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m orchestrator.backends.kuberay.templates",
                                  description="Write k8s/jobs/rayjob-*.yaml from `render`.")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file differs")
