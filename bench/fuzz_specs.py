@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: fuzz(name, args.examples, args.seconds) for name in TARGETS}
     failures = [f for r in results.values() for f in r.pop("failures")]
     report = {"date": time.strftime("%Y-%m-%d"), "examples_per_target": args.examples,
-              "tried": {k: v["tried"] for k, v in results.items()}, "seconds": {k: v["seconds"] for k, v in results.items()},
+              "tried": {k: v["tried"] for k, v in results.items()},
+              "seconds": {k: v["seconds"] for k, v in results.items()},
               "tried_total": sum(r["tried"] for r in results.values()), "failures": failures}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"fuzz-specs-{report['date']}.json"

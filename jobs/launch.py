@@ -192,7 +192,8 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, resume: bool = True
         lost = node_lost(result["error"])
         if lost is not None:
             n = spec.run.max_failures
-            raise NodeLost(f"{lost}; the run stopped ({f'after run.max_failures={n} restarts' if n else 'run.max_failures=0'}). "
+            why = f"after run.max_failures={n} restarts" if n else "run.max_failures=0"
+            raise NodeLost(f"{lost}; the run stopped ({why}). "
                            f"{resume_hint(spec)}" + ("" if n else " (with run.max_failures=1 it resumes on its own "
                                                      "once the cluster has room again)"),
                            lost.node_id, lost.node_ip) from None

@@ -296,7 +296,7 @@ def held_out_pairs(engine: Engine, job: Job, rank: int, world_size: int,
             sums += torch.cat([summed.double().view(1), stats])
     module.train()
     values = (all_reduce_sum(sums, world_size) / len(pairs)).tolist()
-    return values[0], {f"eval_{k}": v for k, v in zip(obj.stat_names, values[1:])}
+    return values[0], {f"eval_{k}": v for k, v in zip(obj.stat_names, values[1:], strict=True)}
 
 
 def memory_plan(spec: JobSpec, device: torch.device) -> MemoryPlan:
@@ -474,7 +474,8 @@ def step_values(job: Job, sums: torch.Tensor, window: Window) -> tuple[float, di
     """(the step's loss, its preference statistics as means over the pairs) from the window's
     all-reduced sums: one host read."""
     values = sums.reshape(-1).tolist()
-    stats = {k: v / window.denominator for k, v in zip(job.objective.stat_names, values[1:])}
+    # An SFT window's sums are its loss alone: nothing follows it, and the statistics are dropped below.
+    stats = {k: v / window.denominator for k, v in zip(job.objective.stat_names, values[1:], strict=False)}
     return values[0] / window.denominator, stats if job.objective.is_preference else {}
 
 
@@ -538,7 +539,8 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             trackers.log_step(last)
             ctx.progress(dict(last, total_steps=job.steps))
 
-        if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == job.steps or stopper.stopped:
+        every = spec.run.checkpoint_every
+        if (every and done % every == 0) or done == job.steps or stopper.stopped:
             save_checkpoint(spec, ctx, job, engine, pos, done, last, stopper)
             trackers.checkpointed(done)
             stopper.checkpointed(out if ctx.is_main else None)

@@ -57,7 +57,7 @@ def active_adapter(model: nn.Module, name: str):
             m._active_adapter = [name]
         yield
     finally:
-        for m, prev in zip(layers, before):
+        for m, prev in zip(layers, before, strict=True):
             m._active_adapter = prev
 
 

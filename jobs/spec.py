@@ -320,7 +320,8 @@ class RunSpec(_Section):
         for name, value in env.items():
             if secrets.looks_like_token(name):
                 raise ValueError(f"a variable name is a credential ({secrets.shown(name)}): secrets are never "
-                                 "put in a spec; name the variable the cluster provides instead, e.g. model.hf_token_env")
+                                 "put in a spec; name the variable the cluster provides instead, "
+                                 "e.g. model.hf_token_env")
             if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"{one_line(repr(name))} is not an environment variable name")
             what = secrets.describe(str(value))

@@ -148,7 +148,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     key = key.strip()
     if not key or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
-        raise SpecError(f"override {shown}: {one_line(secrets.redact(repr(key)))} is not a field path like section.field")
+        raise SpecError(f"override {shown}: {one_line(secrets.redact(repr(key)))} "
+                        "is not a field path like section.field")
     try:
         value = load_yaml_text(raw, f"override {key}") if raw.strip() else ""
     except yaml.YAMLError:

@@ -263,7 +263,8 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
 
     if not any(p.status == "planned" for p in points):
         reasons = sorted({f"{p.key}: {p.reason}" for p in points})
-        raise SpecError(f"{where}: search: no configuration can run under {budget_key}={budget:g} ({'; '.join(reasons)})")
+        raise SpecError(f"{where}: search: no configuration can run under {budget_key}={budget:g} "
+                        f"({'; '.join(reasons)})")
     return Plan(device=device, budget_gib=budget, smallest_budget_gib=smallest,
                 samples_per_trial=s.samples_per_trial, eval_every_samples=every, grace_samples=grace,
                 points=points, notes=notes, memory=mem, job=job_dict, metric=s.metric, mode=s.mode_of_metric,

@@ -29,10 +29,12 @@ from .plan import TIME_ATTR, Plan, gib_str
 from .spec import SearchSpec
 
 COLUMNS = ["trial_id", "status", "micro_batch_size", "grad_accum_steps", "global_batch_size", "gradient_checkpointing",
-           "checkpoint_every_n_layers", "lr_scaling", "reference_batch_size", "base_lr", "effective_lr", "estimate_gib", "budget_gib",
+           "checkpoint_every_n_layers", "lr_scaling", "reference_batch_size", "base_lr", "effective_lr", "estimate_gib",
+           "budget_gib",
            "samples_seen", "tokens_seen", "steps", "eval_loss", "tokens_per_s", "trainings_started", "reason",
            "output_dir"]
-RESULTS_CSV, RESULTS_JSON, RESULTS_TXT, PLOT, BEST = "results.csv", "results.json", "results.txt", "search.png", "best.yaml"
+RESULTS_CSV, RESULTS_JSON, RESULTS_TXT = "results.csv", "results.json", "results.txt"
+PLOT, BEST = "search.png", "best.yaml"
 # How the results table heads each metric's column.
 LABELS = {"eval_loss": "eval loss", "eval_rewards/accuracies": "eval acc"}
 

@@ -436,7 +436,8 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
             status, reason = "stopped", f"ASHA stopped it at {samples} samples"
         else:
             status, reason = "not run", "interrupted before it reported"
-        recs = [x for x in read_metrics(tdir) if x.get("step", 0) * p["global_batch_size"] <= samples] if samples else []
+        gbs = p["global_batch_size"]
+        recs = [x for x in read_metrics(tdir) if x.get("step", 0) * gbs <= samples] if samples else []
         tps = [x["tokens_per_s"] for x in recs if x.get("tokens_per_s")]
         starts = (tdir / STARTS_FILE).read_text().splitlines() if (tdir / STARTS_FILE).exists() else []
         reported = status in ("finished", "stopped")
@@ -448,7 +449,8 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
             "lr_scaling": p["lr_scaling"], "reference_batch_size": p["reference_batch_size"],
             "base_lr": lr, "effective_lr": plan.trial_spec(p, lr).effective_lr,  # the lr the trial trains with
             "estimate_gib": p["estimate_gib"], "budget_gib": plan.budget_gib,
-            "samples_seen": samples, "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
+            "samples_seen": samples,
+            "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
             "steps": samples // p["global_batch_size"] if samples else 0,
             "eval_loss": m.get("eval_loss") if reported else None,
             "tokens_per_s": m.get("tokens_per_s") if status == "finished" and m.get("tokens_per_s")

@@ -71,7 +71,8 @@ __all__ = [
     "Dataset", "Example", "GlobalBatches", "Pair", "TokenizedPairs", "TokenizedSplit",
     "cache_key", "char_bound", "chat_pair_texts", "chat_prompt_ids", "chat_spans", "check_record", "collate",
     "collate_pairs", "content_hash", "count_checked_records", "count_inputs", "count_labels", "data_cache_dir",
-    "data_kind", "encode_prompt", "equal_micro_batches", "eval_shard", "is_hub", "load_dataset", "longest_token_chars", "pack_rows",
+    "data_kind", "encode_prompt", "equal_micro_batches", "eval_shard", "is_hub", "load_dataset", "longest_token_chars",
+    "pack_rows",
     "read_jsonl", "read_records", "record_format", "record_kind", "source_hash", "split_window", "tokenize",
     "tokenize_iter", "tokenize_pairs", "tokenize_pairs_iter", "tokenizer_hash", "total_steps", "truncate_pair",
 ]

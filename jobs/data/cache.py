@@ -110,7 +110,8 @@ def cache_key(spec: JobSpec, tokenizer) -> str:
     parts = {"format": CACHE_FORMAT, "content": content_hash(spec), "tokenizer": tokenizer_hash(tokenizer),
              "max_seq_len": d.max_seq_len, "fields": d.fields, "train_on": d.train_on,
              "n_sources": len(d.path), "eval_path": bool(d.eval_path),
-             "eval_fraction": d.eval_fraction, "split_seed": spec.run.seed if d.eval_fraction > 0 and not d.eval_path else None}
+             "eval_fraction": d.eval_fraction,
+             "split_seed": spec.run.seed if d.eval_fraction > 0 and not d.eval_path else None}
     if data_kind(spec) == PAIRS:  # only then: an SFT entry keeps the key it always had
         parts["kind"] = PAIRS
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]

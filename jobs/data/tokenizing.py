@@ -83,9 +83,9 @@ def _chunk_sequences(part: Sequence[dict], tokenizer, cut: int, train_on: str,
     chats = [i for i, f in enumerate(formats) if f == MESSAGES]
     rendered = {i: chat_spans(tokenizer, part[i]["messages"], train_on, model_name) for i in chats}
     firsts = [(r["text"] if f == TEXT else r["prompt"])[:cut] if f != MESSAGES else ""
-              for r, f in zip(part, formats)]
+              for r, f in zip(part, formats, strict=True)]
     enc1 = _encode_many(tokenizer, firsts)["input_ids"]
-    comps = [r["completion"][:cut] if f == PROMPT_COMPLETION else "" for r, f in zip(part, formats)]
+    comps = [r["completion"][:cut] if f == PROMPT_COMPLETION else "" for r, f in zip(part, formats, strict=True)]
     enc2 = _encode_many(tokenizer, comps)["input_ids"]
     chat_enc = _encode_many(tokenizer, [rendered[i][0][:cut] for i in chats], offsets=True)
     chat_at = {i: j for j, i in enumerate(chats)}

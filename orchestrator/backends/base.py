@@ -180,7 +180,7 @@ def sorted_by_start(rows: Iterable[JobStatus]) -> list[JobStatus]:
     return sorted(rows, key=lambda r: (r.start_time_s is None, r.start_time_s or 0.0, r.id))
 
 
-# ---- a cluster's resources, as a backend reports them for queue admission -------------------------------------------------------------------------------
+# ---- a cluster's resources, as a backend reports them for queue admission --------------------------------------
 #
 # The queue's driver (orchestrator.queue.driver) admits in one of two ways, by what the backend offers:
 #   cluster_view() -> ClusterView   rayft is the scheduler: a job is submitted when its pods fit the

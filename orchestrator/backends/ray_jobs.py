@@ -352,7 +352,8 @@ def build_submission(spec_path: str, overrides: list[str], *, address: str | Non
     h = spec.spec_hash()
     sid = submission_id(spec.name, h, attempt)
     metadata = {f"{META_PREFIX}name": spec.name, f"{META_PREFIX}spec_hash": h, f"{META_PREFIX}spec": rel,
-                f"{META_PREFIX}attempt": str(attempt), f"{META_PREFIX}micro_batch_size": str(spec.batch.micro_batch_size),
+                f"{META_PREFIX}attempt": str(attempt),
+                f"{META_PREFIX}micro_batch_size": str(spec.batch.micro_batch_size),
                 f"{META_PREFIX}grad_accum_steps": str(spec.grad_accum_steps)}
     metadata.update({f"{META_PREFIX}{k}": str(v) for k, v in (extra_metadata or {}).items()})
     return RaySubmission(

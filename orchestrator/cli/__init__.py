@@ -22,7 +22,6 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Optional
 
 from jobs.errors import RayftError, UserError
 

@@ -42,7 +42,8 @@ def cmd_queue_add(args) -> int:
         row = q.job(job_id)
         ids.append(job_id)
         if created:
-            say(f"queued #{job_id} {row['name']} (spec hash {row['spec_hash']}, priority {row['priority']}) in {q.path}")
+            say(f"queued #{job_id} {row['name']} (spec hash {row['spec_hash']}, priority {row['priority']}) "
+                f"in {q.path}")
         else:
             from orchestrator.queue.store import RETRYABLE
 

@@ -163,7 +163,8 @@ class Driver:
                         c.execute("DELETE FROM attempts WHERE job_id=? AND attempt=?", (job["id"], job["attempt"]))
                         self.q.event(c, job["id"], "requeued", f"{job['submission_id']} never reached the cluster")
             if n:
-                self.log(job, f"{job['submission_id']}: {'tracking' if info is not None else 'not on the cluster; requeued'}")
+                found = "tracking" if info is not None else "not on the cluster; requeued"
+                self.log(job, f"{job['submission_id']}: {found}")
 
     def poll(self) -> None:
         for job in self.q.jobs(("RUNNING",)):
@@ -322,7 +323,8 @@ class Driver:
             return False
         with self.q.txn() as c:
             n = c.execute("UPDATE jobs SET state='SUBMITTING', attempt=?, submission_id=?, status_detail='', "
-                          "not_before=0 WHERE id=? AND state='QUEUED'", (attempt, sub.submission_id, job["id"])).rowcount
+                          "not_before=0 WHERE id=? AND state='QUEUED'",
+                          (attempt, sub.submission_id, job["id"])).rowcount
             if not n:
                 return False
             c.execute("INSERT OR REPLACE INTO attempts (job_id, attempt, submission_id, micro_batch_size, "

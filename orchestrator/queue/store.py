@@ -214,7 +214,8 @@ class Queue:
         self._has_tables = bool(tables)
         if tables and not OUR_TABLES <= tables:
             db.close()
-            raise self._refuse_unusable(f"a SQLite database of something else (tables: {', '.join(sorted(tables)[:5])}), "
+            shown = ", ".join(sorted(tables)[:5])
+            raise self._refuse_unusable(f"a SQLite database of something else (tables: {shown}), "
                                         "not a rayft queue")
         return db
 

@@ -5,7 +5,8 @@
 attempt N > 1: `attempt_name`), so submitting the same spec (and attempt) twice finds the first
 RayJob -- which is what lets the queue's driver, killed after creating one, find it on restart.
 Every failure is one line: `JobNotFound` for a RayJob that is not there, `ClusterAuthError` for
-401/403, `ClusterUnreachable` for no configuration or no answer, `KubeRayError` (a `ClusterError`) for any other refusal. Every API call carries
+401/403, `ClusterUnreachable` for no configuration or no answer, `KubeRayError` (a `ClusterError`)
+for any other refusal. Every API call carries
 `_request_timeout` (`ray_jobs.http_timeout_s`: `--timeout-s`, else $RAYFT_HTTP_TIMEOUT_S, else
 30 s, per connect and per read); an API server that does not answer is `ClusterUnreachable`
 naming its address.

@@ -7,7 +7,8 @@ Each template is `render` of an example spec from ``k8s/jobs/spec-configmaps.yam
 the gpu overlay's node type; the dev-cpu overlay patches it down), with what is per job replaced
 by fixed names: the RayJob is ``rayft-<kind>-example``, it mounts the shared example ConfigMap,
 its pods carry ``rayft.io/ray-cluster: rayft-<kind>-example`` and its PodDisruptionBudget (the
-second document of the file, same name) selects them; the per-job annotations (spec hash, memory estimate) are left out so that the files change
+second document of the file, same name) selects them; the per-job annotations (spec hash, memory
+estimate) are left out so that the files change
 only when the shape does. Kustomize (k8s/overlays/*/jobs) sets the namespace, image and GPU
 product from the overlay's node type. The comments below are written into the files.
 """
