@@ -24,7 +24,10 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TextIO, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TextIO, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    from .kuberay.node_types import NodeType
 
 QUEUED, PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "QUEUED", "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
 STATES = (QUEUED, PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)
@@ -112,11 +115,16 @@ class Submission(Protocol):
         """Everything that would be sent, for `rayft submit --dry-run`."""
 
 
+# What one backend's `prepare` makes and its `submit` takes (a RaySubmission, a KubeRaySubmission).
+SubmissionT = TypeVar("SubmissionT", bound=Submission)
+
+
 @runtime_checkable
-class Backend(Protocol):
+class Backend(Protocol[SubmissionT]):
     """Runs job specs and answers for them by id. Errors are `jobs.errors` classes: `UserError`
     for the input, `ClusterUnreachable` / `ClusterAuthError` / `JobNotFound` / `ClusterError`
-    for the cluster, each with a one-line message."""
+    for the cluster, each with a one-line message. Generic in its submission type: `submit`
+    takes only what the same backend's `prepare` made (`Backend[Any]`: any backend)."""
 
     name: str
 
@@ -129,10 +137,10 @@ class Backend(Protocol):
         """The flags that name this backend again on the command line (for hints)."""
 
     def prepare(self, spec_path: str, overrides: list[str], *, working_dir: str | None = None,
-                attempt: int = 1, extra_metadata: dict | None = None) -> Submission:
+                attempt: int = 1, extra_metadata: dict | None = None) -> SubmissionT:
         """Load and validate the spec once; compute what `submit` sends. Sends nothing."""
 
-    def submit(self, sub: Submission) -> tuple[JobStatus, bool]:
+    def submit(self, sub: SubmissionT) -> tuple[JobStatus, bool]:
         """Submit unless a job with that id exists: (its status, whether this call created it)."""
 
     def info(self, job_id: str) -> JobStatus | None:
@@ -187,6 +195,7 @@ def sorted_by_start(rows: Iterable[JobStatus]) -> list[JobStatus]:
 #                                   free resources now (Ray Jobs);
 #   admits_by_quota = True, with    the cluster's own queue admits (Kueue): jobs are created at once
 #   node_type -> a NodeType         and wait there; rayft only refuses what can never fit one node (KubeRay).
+# `ResourceBackend` and `QuotaBackend` name the two.
 
 @dataclass
 class Node:
@@ -222,3 +231,20 @@ class ClusterView:
     @property
     def gpu_free(self) -> float:
         return sum(n.gpu_free for n in self.nodes)
+
+
+class ResourceBackend(Backend[Any], Protocol):
+    """A backend the queue admits to by its free resources (Ray Jobs)."""
+
+    def cluster_view(self) -> ClusterView:
+        """The alive nodes with their total and free resources, now."""
+
+
+class QuotaBackend(Backend[Any], Protocol):
+    """A backend whose cluster admits by quota (KubeRay with Kueue); `admits_by_quota` is True."""
+
+    admits_by_quota: bool
+
+    @property
+    def node_type(self) -> NodeType:
+        """What one node of the cluster has."""

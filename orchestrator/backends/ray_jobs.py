@@ -102,7 +102,8 @@ def configure_auth() -> str | None:
     if mode is None and src is not None:
         os.environ["RAY_AUTH_MODE"] = "token"
         try:  # Ray caches its config; refresh it if Ray already read it in this process.
-            from ray._raylet import Config
+            # Config is a Cython class of ray._raylet that Ray's own stub (_raylet.pyi) leaves out.
+            from ray._raylet import Config  # type: ignore[attr-defined]
 
             Config.initialize("")
         except Exception:
@@ -370,7 +371,8 @@ def http_timeout_s(timeout_s: float | None = None, flag: str = "--timeout-s") ->
     """The network timeout in seconds: `timeout_s` (the CLI flag), else $RAYFT_HTTP_TIMEOUT_S,
     else `DEFAULT_HTTP_TIMEOUT_S`. Always finite and > 0 (a bad value is a `UserError` naming
     where it came from). Both backends use it: the Jobs API and the Kubernetes API."""
-    where, value = flag, timeout_s
+    where = flag
+    value: float | str | None = timeout_s  # the flag's number, or the environment's text
     if value is None and os.environ.get(HTTP_TIMEOUT_ENV, "").strip():
         where, value = f"${HTTP_TIMEOUT_ENV}", os.environ[HTTP_TIMEOUT_ENV].strip()
     if value is None:

@@ -41,9 +41,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TextIO, cast
 
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, RayftError, UserError, oom_line
-from orchestrator.backends.base import FAILED, QUEUED, SUCCEEDED, Backend, first_line
+from orchestrator.backends.base import FAILED, QUEUED, SUCCEEDED, Backend, QuotaBackend, ResourceBackend, first_line
 from orchestrator.backends.ray_jobs import find_project, resolve_spec
 
 from .admission import Demand, fit_node_type, reserve
@@ -106,15 +107,23 @@ class Driver:
     itself (`admits_by_quota`, with a `node_type`: KubeRay with Kueue, checked here for fit only).
     """
 
-    def __init__(self, queue: Queue, backend: Backend | None, config: DriverConfig | None = None):
+    def __init__(self, queue: Queue, backend: Backend[Any] | None, config: DriverConfig | None = None):
         self.q = queue
-        self.backend = backend
+        self._backend = backend
         self.cfg = config or DriverConfig()
-        self._lock_file = None
+        self._lock_file: TextIO | None = None
+
+    @property
+    def backend(self) -> Backend[Any]:
+        """The backend jobs go to. A driver made without one (None) only locks its file and
+        records the ends of attempts; nothing it does then reaches here."""
+        if self._backend is None:
+            raise AttributeError("this queue driver has no backend")
+        return self._backend
 
     @property
     def backend_name(self) -> str:
-        return getattr(self.backend, "name", "ray")
+        return getattr(self._backend, "name", "ray")
 
     def log(self, job: sqlite3.Row, msg: str) -> None:
         self.cfg.log(f"{time.strftime('%H:%M:%S')} #{job['id']} {job['name']}: {msg}")
@@ -270,9 +279,9 @@ class Driver:
             return 0
         quota = getattr(self.backend, "admits_by_quota", False)
         if quota:
-            node = self.backend.node_type
+            node = cast(QuotaBackend, self.backend).node_type
         else:
-            view = self.backend.cluster_view()
+            view = cast(ResourceBackend, self.backend).cluster_view()
         held = [Demand.from_json(j["demand"]) for j in active]
         held_res = (sum(d.cpus for d in held), sum(d.gpus for d in held))
         admitted = 0

@@ -272,8 +272,10 @@ class Queue:
                 (job.name, job.working_dir, job.spec_path, json.dumps(list(job.overrides)), job.spec_hash,
                  job.priority, job.micro_batch_size, job.grad_accum_steps, job.demand_json, job.max_retries,
                  time.time()))
-            self.event(c, cur.lastrowid, "queued", f"priority {job.priority}, spec {job.spec_path}, hash {job.spec_hash}")
-            return int(cur.lastrowid), True
+            job_id = cur.lastrowid
+            assert job_id is not None  # set by the INSERT above
+            self.event(c, job_id, "queued", f"priority {job.priority}, spec {job.spec_path}, hash {job.spec_hash}")
+            return job_id, True
 
     def retry(self, job_id: int) -> str:
         """Queue a job that ended without success again; its next attempt gets the next id."""

@@ -43,7 +43,7 @@ from ..base import (
 )
 from ..base import job_state as ray_job_state
 from ..ray_jobs import http_timeout_s
-from .node_types import DEFAULT_OVERLAY
+from .node_types import DEFAULT_OVERLAY, NodeType
 from .render import (
     ANN_CHECKPOINTING,
     ANN_ESTIMATE,
@@ -206,7 +206,7 @@ class KubeRayBackend:
         return f"namespace {self.namespace}"
 
     @property
-    def node_type(self):
+    def node_type(self) -> NodeType:
         """The overlay's node type: what one node of the cluster the RayJobs land on has."""
         from .node_types import load_node_type
 

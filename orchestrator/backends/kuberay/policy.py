@@ -220,8 +220,9 @@ def _disruption_violations(where: str, template: Obj) -> list[str]:
 
 
 def _ray_pod_templates(o: Obj) -> Iterator[tuple[str, Obj]]:
-    kind, spec, oid = o.get("kind"), o.get("spec") or {}, _oid(o)
-    rc = {"RayCluster": spec, "RayJob": spec.get("rayClusterSpec"), "RayService": spec.get("rayClusterConfig")}.get(kind)
+    kind, spec, oid = o.get("kind", ""), o.get("spec") or {}, _oid(o)
+    rc = {"RayCluster": spec, "RayJob": spec.get("rayClusterSpec"),
+          "RayService": spec.get("rayClusterConfig")}.get(kind)
     if not rc:
         return
     yield f"{oid} head", (rc.get("headGroupSpec") or {}).get("template") or {}
@@ -283,7 +284,7 @@ def _env_violations(where: str, pod: Obj) -> list[str]:
     return bad
 
 
-def _exposes_ray_ports(ports: list[Obj]) -> bool:
+def _exposes_ray_ports(ports: list[Obj] | None) -> bool:
     for p in ports or []:
         if p.get("port") in RAY_PORTS or p.get("targetPort") in RAY_PORTS or \
                 p.get("targetPort") in ("dashboard", "client"):

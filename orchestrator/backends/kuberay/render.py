@@ -204,7 +204,7 @@ def _cpu(x: float) -> str:
 def _env(spec: JobSpec) -> list[Obj]:
     # Model downloads and rayft's cache on the data volume, not the container layer: a large model
     # would fill the node's disk and get the pod evicted; on the volume it is downloaded once.
-    env = [{"name": k, "value": v} for k, v in CACHE_ENV.items()]
+    env: list[Obj] = [{"name": k, "value": v} for k, v in CACHE_ENV.items()]
     if spec.model.hf_token_env:
         env.append({
             "name": spec.model.hf_token_env,
