@@ -496,7 +496,9 @@ class JobSpec(BaseModel):
     # ---- derived quantities, kept in one place -------------------------------------------
     @property
     def grad_accum_steps(self) -> int:
-        return int(self.batch.grad_accum_steps)  # set by the validator
+        steps = self.batch.grad_accum_steps
+        assert steps is not None  # set by the validator
+        return steps
 
     @property
     def reference_batch_size(self) -> int:
@@ -661,8 +663,11 @@ def load_spec(path: str | Path | None = None, overrides: list[str] | None = None
               data: dict | None = None, files: bool = True) -> JobSpec:
     """Read, override, validate, and (by default) check that the files it names exist."""
     where = str(path) if path is not None else "spec"
-    raw = read_yaml(path) if data is None else data
-    raw = apply_overrides(raw, overrides or [])
+    if data is None:
+        if path is None:
+            raise TypeError("load_spec: give the spec's path or its data")
+        data = read_yaml(path)
+    raw = apply_overrides(data, overrides or [])
     spec = validate(raw, where)
     if files:
         check_files(spec, where)

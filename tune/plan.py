@@ -44,7 +44,7 @@ from jobs.errors import SpecError
 from jobs.memory import checkpointing_str
 from jobs.spec import JobSpec
 
-from .spec import SearchSpec
+from .spec import Rule, SearchSpec
 
 # What a search leaves in run.output_dir (see tune.report for the results files).
 TUNE_DIR = "tune"  # the Tune experiment (Tuner.restore path)
@@ -145,7 +145,7 @@ class Plan:
                 "points": [asdict(p) | {"key": p.key} for p in self.points]}
 
 
-def _splits(spec: SearchSpec, notes: list[str]) -> tuple[list[tuple[int, int, int, str]], list[str], int]:
+def _splits(spec: SearchSpec, notes: list[str]) -> tuple[list[tuple[int, int, int, str]], list[Rule], int]:
     """(micro, accum, global, why not) per batch split, the lr rules to search, the reference batch."""
     s = spec.search
     W = spec.resources.num_workers

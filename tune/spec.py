@@ -80,7 +80,7 @@ class SearchSection(_Section):
     """Accumulation steps to try."""
     micro_batch_size: list[int] | None = None
     """`fixed_micro_batch` only: micro-batch sizes to try (default: `batch.micro_batch_size`)."""
-    lr_scaling: list[Rule] = Field(default_factory=lambda: ["none"])
+    lr_scaling: list[Rule] = Field(default_factory=lambda: list[Rule](["none"]))
     """LR scaling rules to try: lr = base x f(global / reference) with f = 1 (`none`), x (`linear`), sqrt(x)."""
     lr: LrRange | None = None
     """Base learning-rate range, sampled log-uniformly; default: `optim.lr`, fixed."""
@@ -198,7 +198,9 @@ class SearchSpec(JobSpec):
 
     @property
     def budget(self) -> float:
-        return float(self.search.budget_gib if self.search.budget_gib is not None else self.memory.budget_gib)
+        budget = self.search.budget_gib if self.search.budget_gib is not None else self.memory.budget_gib
+        assert budget is not None  # the validator requires one of the two
+        return float(budget)
 
     def job_dict(self) -> dict:
         """The base job spec as plain data: everything but `search`."""
