@@ -53,8 +53,11 @@ def _file_sha256(path: Path) -> str:
     memo = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
     if memo in _HASHES:  # a checkpoint every few steps hashes the data again: once is enough
         return _HASHES[memo]
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:  # in blocks: hashlib.file_digest is Python 3.11+, rayft supports 3.10
+        while block := f.read(1 << 20):
+            h.update(block)
+    digest = h.hexdigest()
     # A file modified within the filesystem's timestamp granularity of now could change again
     # without changing (size, mtime): remember only hashes of files that have been still a while.
     if time.time() - st.st_mtime > 2:
