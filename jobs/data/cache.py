@@ -26,9 +26,9 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -131,13 +131,15 @@ def data_cache_dir(spec: JobSpec, key: str) -> Path:
 
 # ---- an entry's files -------------------------------------------------------------------------
 
-class TokenizedSplit(SequenceABC):
+class TokenizedSplit(Sequence):
     """Examples stored as flat int32 arrays (`input_ids.bin`, `targets.bin`) and int64 offsets,
     memory-mapped read-only: an index costs only the pages of the examples it touches."""
 
     def __init__(self, directory: Path, name: str, n: int, n_tokens: int):
         self.n = n
         self.offsets = np.load(directory / f"{name}.offsets.npy", mmap_mode="r")
+        self.ids: np.ndarray
+        self.targets: np.ndarray
         if n_tokens:
             self.ids = np.memmap(directory / f"{name}.input_ids.bin", dtype=np.int32, mode="r", shape=(n_tokens,))
             self.targets = np.memmap(directory / f"{name}.targets.bin", dtype=np.int32, mode="r", shape=(n_tokens,))
@@ -182,7 +184,7 @@ class _SplitWriter:
         return {"n": len(self.offsets) - 1, "n_tokens": self.offsets[-1]}
 
 
-class TokenizedPairs(SequenceABC):
+class TokenizedPairs(Sequence):
     """Pairs stored per field (prompt, chosen, rejected) as a flat int32 array and int64 offsets,
     memory-mapped read-only: reading pair i re-tokenizes nothing and touches only its pages."""
 
@@ -257,10 +259,11 @@ def count_checked_records(spec: JobSpec) -> int:
     skips the pass. The records are checked against the objective too: pairs for a preference
     objective, SFT records otherwise (`jobs.data.sources.read_jsonl`)."""
     d = spec.data
+    memo: Path | None = None
     try:
         checked = [content_hash(spec), d.fields] + ([PAIRS] if data_kind(spec) == PAIRS else [])
         key = hashlib.sha256(json.dumps(checked).encode()).hexdigest()[:24]
-        memo: Path | None = data_cache_dir(spec, f"checked-{key}.json")
+        memo = data_cache_dir(spec, f"checked-{key}.json")
         return int(json.loads(memo.read_text())["train_records"])
     except SpecError:  # a source that cannot be hashed: the pass below names the problem
         memo = None
@@ -316,7 +319,7 @@ def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
 def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
     """Read and tokenize the spec's data into a cache entry's files under `tmp`."""
     records, eval_records = read_records(spec, tokenizer)
-    meta = {"content_hash": content, "records": len(records), "eval_records": len(eval_records)}
+    meta: dict[str, Any] = {"content_hash": content, "records": len(records), "eval_records": len(eval_records)}
     if data_kind(spec) == PAIRS:
         return _build_pairs(tmp, spec, tokenizer, meta, records, eval_records)
     kept = 0

@@ -85,6 +85,7 @@ class _SourceCheck:
     def check(self, rec, where: str, fields: dict | None) -> dict:
         rec = check_record(rec, where, fields, self.pairs)
         fmt = record_format(rec)
+        assert fmt is not None  # check_record refused a record of none of the formats
         kind = record_kind(fmt)
         if self.first is None:
             if self.objective is not None and kind != (PAIRS if self.pairs else SFT):
