@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -47,7 +48,10 @@ from . import checkpoint as ckpt
 from . import fsdp
 from .context import Context
 from .data import (
+    Dataset,
+    Example,
     GlobalBatches,
+    Pair,
     collate,
     collate_pairs,
     count_inputs,
@@ -89,6 +93,8 @@ class CausalLMLoss(nn.Module):
     produce logits. With `chunk_tokens`, the head + loss run per chunk under checkpointing,
     so the fp32 [T, vocab] logits never exist at once (they dominate memory at 128k vocab).
     """
+
+    model: Any  # a transformers causal LM, or a peft PeftModel around one (peft ships no types)
 
     def __init__(self, model: nn.Module, chunk_tokens: int = 0):
         super().__init__()
@@ -161,6 +167,12 @@ class Engine:
     def is_ddp(self) -> bool:
         return isinstance(self.module, nn.parallel.DistributedDataParallel)
 
+    @property
+    def unwrapped(self) -> nn.Module:
+        """`module` without DDP's wrapper (held-out passes run it directly: no gradient sync)."""
+        m = self.module
+        return m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
+
     def sync_gate(self, last: bool):
         """Forward and backward of one micro-step run inside this: gradients are reduced across
         ranks only when `last` (the window's last micro-step); before it each rank accumulates
@@ -169,7 +181,7 @@ class Engine:
             return fsdp.gradient_sync(self.module, last)
         if last or not self.is_ddp:
             return contextlib.nullcontext()
-        return self.module.no_sync()
+        return cast(nn.parallel.DistributedDataParallel, self.module).no_sync()
 
 
 def layout_args(spec: JobSpec, device: torch.device) -> dict:
@@ -260,7 +272,7 @@ def held_out_loss(engine: Engine, examples, rank: int, world_size: int, micro_ba
     """Token-weighted mean loss over the held-out set, sharded over ranks."""
     if not examples:
         return None
-    module = engine.module.module if engine.is_ddp else engine.module
+    module = engine.unwrapped
     module.eval()
     layout = layout or {}
     sums = torch.zeros(2, device=engine.device, dtype=torch.float64)
@@ -285,7 +297,7 @@ def held_out_pairs(engine: Engine, job: Job, rank: int, world_size: int,
     pairs = job.data.eval
     if not pairs:
         return None, {}
-    module = engine.module.module if engine.is_ddp else engine.module
+    module = engine.unwrapped
     module.eval()
     obj = job.objective
     sums = torch.zeros(1 + len(obj.stat_names), device=engine.device, dtype=torch.float64)
@@ -314,11 +326,11 @@ class Job:
     and the data. (The optimizer is the Engine's: under FSDP it steps on the shards, which exist
     only once the model is wrapped.)"""
 
-    model: nn.Module          # the PEFT model (not wrapped; under FSDP its layers are sharded in place)
-    tokenizer: object
+    model: Any                # the PEFT model (not wrapped; under FSDP its layers are sharded in place); untyped
+    tokenizer: Any            # a transformers tokenizer
     plan: MemoryPlan
     precision: str
-    data: object              # jobs.data.Dataset
+    data: Dataset
     batches: GlobalBatches
     steps: int                # optimizer steps of the whole run
     scaler: torch.amp.GradScaler
@@ -443,7 +455,8 @@ class Window:
 def pair_batch(job: Job, split: str, indices: Sequence[int]) -> dict:
     """`collate_pairs` of the pairs `indices` of `split`, with their precomputed reference
     log-probabilities (chosen rows, then rejected rows) when the run has them."""
-    pairs = job.data.train if split == "train" else job.data.eval
+    # A preference run's samples are Pairs (`Dataset.kind`).
+    pairs = cast(Sequence[Pair], job.data.train if split == "train" else job.data.eval)
     pin = job.device is not None and job.device.type == "cuda"
     batch = collate_pairs([pairs[i] for i in indices], job.tokenizer.pad_token_id, pin_memory=pin)
     if job.reference is not None:
@@ -466,7 +479,8 @@ def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> Window
         return Window([pair_batch(job, "train", mb) for mb in mine], len(indices), n_labels, n_inputs)
     layout = layout_args(spec, ctx.device)
     pad_id, pin = job.tokenizer.pad_token_id, ctx.device.type == "cuda"
-    micro = [collate([train[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
+    examples = cast(Sequence[Example], train)  # an SFT run's samples are Examples (`Dataset.kind`)
+    micro = [collate([examples[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
     return Window(micro, n_labels, n_labels, n_inputs)
 
 
@@ -535,6 +549,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         if ctx.is_main:
             if step == pos.step:  # the first step of this run
                 append_event(out, "first_step", step=done)
+            assert metrics_log is not None  # made on the main rank
             metrics_log.write(last)
             trackers.log_step(last)
             ctx.progress(dict(last, total_steps=job.steps))
@@ -550,6 +565,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     adapter = fsdp.full_adapter(job.model)  # every rank: under FSDP the shards are gathered to rank 0
     summary = {}
     if ctx.is_main:
+        assert metrics_log is not None
         metrics_log.close()
         adapter = stopper.best_adapter(out) or adapter
         summary = write_outputs(spec, job, pos, last, adapter, wall_s=time.perf_counter() - run_start,

@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,8 @@ class PreferenceLoss(nn.Module):
 
     With `chunk_tokens`, the LM head runs per chunk of label tokens under checkpointing, as in
     the SFT loss, so the fp32 [tokens, vocab] logits never exist at once."""
+
+    model: Any  # a peft PeftModel (peft ships no types)
 
     def __init__(self, model: nn.Module, objective: Objective, chunk_tokens: int = 0,
                  reference_adapter: str | None = None):
