@@ -105,10 +105,10 @@ def load_adapted(adapter_dir: Path, dtype: torch.dtype = torch.float32):
     _quiet()
     base = base_of(adapter_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+        base_model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     except OSError as e:
         raise UserError(f"{adapter_dir}: cannot load its base model {base!r}: {str(e).splitlines()[0]}") from None
-    model = PeftModel.from_pretrained(model, str(adapter_dir))
+    model = PeftModel.from_pretrained(base_model, str(adapter_dir))
     tok = AutoTokenizer.from_pretrained(str(adapter_dir))
     model.eval()
     return model, tok

@@ -127,7 +127,9 @@ def _progress_actor():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
-    return ProgressActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+    # `@ray.remote(num_cpus=0)` makes an ActorClass; Ray's annotations give that form the class back unchanged.
+    strategy = NodeAffinitySchedulingStrategy(here, soft=False)
+    return ProgressActor.options(scheduling_strategy=strategy).remote()  # type: ignore[attr-defined]
 
 
 def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks: list | None = None):
@@ -146,7 +148,9 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks
             num_workers=r.num_workers, use_gpu=r.use_gpu, accelerator_type=r.accelerator_type,
             resources_per_worker={"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})},
         ),
-        run_config=RunConfig(
+        # ray.train binds RunConfig to Train V2's class at runtime (these are its fields); its
+        # annotations name ray.air's older one, the first of the two conditional imports.
+        run_config=RunConfig(  # type: ignore[call-arg]
             name="checkpoints",
             storage_path=str(spec.output_path.resolve()),
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
@@ -181,11 +185,11 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, resume: bool = True
     seen = 0
     while thread.is_alive():
         thread.join(timeout=0.5)
-        if progress is not None:
+        if progress is not None and on_progress is not None:
             for rec in ray.get(progress.since.remote(seen)):
                 seen += 1
                 on_progress(rec)
-    if progress is not None:
+    if progress is not None and on_progress is not None:
         for rec in ray.get(progress.since.remote(seen)):
             on_progress(rec)
     if "error" in result:

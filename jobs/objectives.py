@@ -87,6 +87,8 @@ def pair_losses(obj: Objective, pi_w: torch.Tensor, pi_l: torch.Tensor, n_w: tor
                 ref_w: torch.Tensor | None = None,
                 ref_l: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss of every pair [P], per-pair statistics {name: [P]}) for objective `obj`."""
+    if obj.beta is None:
+        raise ValueError(f"objective {obj.name} has no beta")
     beta = float(obj.beta)
     if obj.needs_reference:
         if ref_w is None or ref_l is None:
@@ -104,6 +106,8 @@ def pair_losses(obj: Objective, pi_w: torch.Tensor, pi_l: torch.Tensor, n_w: tor
         reward_w, reward_l = beta * a_w, beta * a_l
         extra = {}
         if obj.name == "simpo":
+            if obj.simpo_gamma is None:
+                raise ValueError("objective simpo has no simpo_gamma")
             loss = -F.logsigmoid(beta * (a_w - a_l) - float(obj.simpo_gamma))
         elif obj.name == "orpo":
             log_odds = (a_w - a_l) - (log1m_exp(a_w) - log1m_exp(a_l))
