@@ -223,7 +223,7 @@ def skip_packed_sequence_detection() -> None:
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is None or original is _not_packed:
         return
-    _not_packed.__wrapped__ = original  # type: ignore[attr-defined]
+    vars(_not_packed)["__wrapped__"] = original  # a function attribute (the type checker knows of none)
     masking_utils.find_packed_sequence_indices = _not_packed
 
 
