@@ -225,6 +225,7 @@ def profile_rayft(args, data_path: Path, workdir: Path, top: int = 30) -> dict:
     prof.disable()
     st = pstats.Stats(prof)
     rows = []
+    # Stats.stats is the raw table print_stats reads; typeshed's pstats stub leaves it out.
     for (file, line, fn), (_cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
         if "/jobs/" in file:
             rows.append({"function": f"jobs/{file.split('/jobs/')[-1]}:{line}({fn})", "calls": nc,
