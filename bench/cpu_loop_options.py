@@ -113,7 +113,7 @@ def run_variant(args, name: str, workdir: Path, rep: int) -> dict:
     finally:
         loop.collate = original
     records = [json.loads(x) for x in (spec.output_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    pairs = list(zip(ends[args.warmup - 1:], ends[args.warmup:]))
+    pairs = list(zip(ends[args.warmup - 1:], ends[args.warmup:], strict=False))  # consecutive ends
     timed = records[args.warmup:]
     return {"wall_s": [b[0] - a[0] for a, b in pairs], "cpu_s": [b[1] - a[1] for a, b in pairs],
             "real_tokens": [r["tokens"] for r in timed], "losses": [r["loss"] for r in records],
@@ -167,7 +167,8 @@ def main(argv=None) -> int:
             "real_tok_s_wall": tokens_per_step / statistics.median(wall),
             "computed_positions_per_step": positions / max(1, len(cpu)),
             "padding_fraction": 1 - real / positions if positions else None,
-            "max_loss_diff_vs_padded": max(abs(a - b) for r in rs for a, b in zip(r["losses"], ref_losses)),
+            "max_loss_diff_vs_padded": max(abs(a - b) for r in rs
+                                           for a, b in zip(r["losses"], ref_losses, strict=True)),
             # the first repeat's first step: where the compile happens (later repeats in this
             # process reuse dynamo's compiled code, so their first steps are fast)
             "first_step_s": [r["first_step_s"] for r in rs],

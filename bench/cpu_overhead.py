@@ -53,7 +53,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -101,7 +100,7 @@ def now() -> tuple[float, float]:
 
 def intervals(ends: list[tuple[float, float]], warmup: int) -> tuple[list[float], list[float]]:
     """(wall, CPU) seconds of each optimizer step after the warmup steps."""
-    pairs = list(zip(ends[warmup - 1:], ends[warmup:]))
+    pairs = list(zip(ends[warmup - 1:], ends[warmup:], strict=False))  # consecutive ends
     return [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
 
 
@@ -226,7 +225,8 @@ def profile_rayft(args, data_path: Path, workdir: Path, top: int = 30) -> dict:
     prof.disable()
     st = pstats.Stats(prof)
     rows = []
-    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+    # Stats.stats is the raw table print_stats reads; typeshed's pstats stub leaves it out.
+    for (file, line, fn), (_cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
         if "/jobs/" in file:
             rows.append({"function": f"jobs/{file.split('/jobs/')[-1]}:{line}({fn})", "calls": nc,
                          "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4)})
@@ -237,7 +237,7 @@ def profile_rayft(args, data_path: Path, workdir: Path, top: int = 30) -> dict:
             "steps": args.warmup + args.steps, "train_wall_s": res["train_wall_s"]}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 repeats x (1 warmup + 4 timed steps): checks the script")
     ap.add_argument("--repeats", type=int, default=5)
@@ -303,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "overhead_ms_per_step": (med["rayft"] - med["plain"]) * 1e3}
     results["wall"]["rayft_inner"] = stats([x for rep in inner for x in rep])
     ratio = ratios["cpu"]["rayft_over_plain"]
-    loss_diff = max(abs(a - b) for a, b in zip(losses["rayft"], losses["plain"]))
+    loss_diff = max(abs(a - b) for a, b in zip(losses["rayft"], losses["plain"], strict=True))
     today = _dt.date.today().isoformat()
     result = {
         "benchmark": "cpu-overhead",

@@ -133,7 +133,8 @@ def main() -> None:
         result = {
             "what": "data loading: in-memory tokenization per worker vs the tokenized memory-mapped cache",
             "command": f"python bench/data_scale.py --records {a.records} --chars {a.chars}",
-            "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
+            "date": datetime.date.today().isoformat(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
             "model": "tiny-llama (byte tokenizer)", "records": a.records, "chars_per_record": a.chars,
             "file_bytes": data.stat().st_size, "generate_s": round(gen_s, 1), "max_seq_len": max_seq_len,
         }

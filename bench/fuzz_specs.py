@@ -23,9 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
-
 import test_fuzz  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
 TARGETS = {
     "overrides": (test_fuzz.overrides_cases, test_fuzz.check_overrides),
@@ -70,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {name: fuzz(name, args.examples, args.seconds) for name in TARGETS}
     failures = [f for r in results.values() for f in r.pop("failures")]
     report = {"date": time.strftime("%Y-%m-%d"), "examples_per_target": args.examples,
-              "tried": {k: v["tried"] for k, v in results.items()}, "seconds": {k: v["seconds"] for k, v in results.items()},
+              "tried": {k: v["tried"] for k, v in results.items()},
+              "seconds": {k: v["seconds"] for k, v in results.items()},
               "tried_total": sum(r["tried"] for r in results.values()), "failures": failures}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"fuzz-specs-{report['date']}.json"

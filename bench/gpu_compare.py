@@ -84,12 +84,14 @@ model_tflops = tok_s x FLOPs/token / 1e12, also as a fraction of the measured bf
 Needs torch, transformers, peft, accelerate and rayft's `jobs` package (pydantic, pyyaml) --
 not Ray. The GPU machine has no pydantic and an older transformers (5.17, whose
 `gradient_checkpointing_enable` path in `jobs.model` loses `every_n_layers`): carry wheels of
-the dev versions (below) and install them with `pip --target` first. Run (estimated 4-6 minutes on an H200, not yet measured there; --time-limit-s stops starting rows after 390 s):
+the dev versions (below) and install them with `pip --target` first. Run (estimated 4-6 minutes
+on an H200, not yet measured there; --time-limit-s stops starting rows after 390 s):
 
     python bench/gpu_compare.py --out bench/results            # the GPU run
     python bench/gpu_compare.py --dry-run --out /tmp/x         # tiny shapes on CPU, < 1 minute
 
-On a GPU machine without internet: first, on a machine with PyPI access, fetch the wheels (17 MB; /.whl/ is git-ignored):
+On a GPU machine without internet: first, on a machine with PyPI access, fetch the wheels
+(17 MB; /.whl/ is git-ignored):
 
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
@@ -143,7 +145,6 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -454,7 +455,7 @@ def run_rayft(w: Workload, cand: dict, tokenizer, compile_layers: bool = False, 
         loop.load_base_model = original
     wall = time.perf_counter() - t0
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    timed = [b - a for a, b in zip(ends[w.warmup - 1:], ends[w.warmup:])] if w.warmup else []
+    timed = [b - a for a, b in zip(ends[w.warmup - 1:], ends[w.warmup:], strict=False)] if w.warmup else []
     inner = [r["step_time_s"] for r in records[w.warmup:]]
     return {"micro_batch_size": summary["micro_batch_size"], "grad_accum_steps": summary["grad_accum_steps"],
             "gradient_checkpointing": bool(summary.get("gradient_checkpointing")),
@@ -530,7 +531,7 @@ def run_hf_once(w: Workload, model, micro: int, gc_on: bool) -> dict:
         with contextlib.suppress(Exception):
             trainer.accelerator.free_memory()
         del trainer
-    timed = [b - a for a, b in zip(ends[w.warmup - 1:], ends[w.warmup:])] if w.warmup else []
+    timed = [b - a for a, b in zip(ends[w.warmup - 1:], ends[w.warmup:], strict=False)] if w.warmup else []
     return {"micro_batch_size": micro, "grad_accum_steps": w.global_batch // micro, "gradient_checkpointing": gc_on,
             "step_s": timed, "peak_alloc_gib": peak, "final_loss": float(result.training_loss),
             "row_wall_s": time.perf_counter() - t0, "checkpointing_argument": ckpt_name}
@@ -689,7 +690,8 @@ def environment_warnings() -> list[str]:
     if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
         out.append("transformers has no activation_checkpointing_enable: jobs.model.enable_checkpointing falls back "
                    "to gradient_checkpointing_enable without every_n_layers, so rayft's selective checkpointing "
-                   "(every k-th layer) checkpoints every layer here; carry transformers>=5.24 (see this file's docstring)")
+                   "(every k-th layer) checkpoints every layer here; carry transformers>=5.24 "
+                   "(see this file's docstring)")
     for w in out:
         print(f"# WARNING: {w}", flush=True)
     return out
@@ -767,7 +769,7 @@ def print_table(result: dict) -> None:
 
 # ---- main -----------------------------------------------------------------------------------
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks the pipeline, < 1 minute")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="directory of the result file")

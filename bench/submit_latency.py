@@ -156,17 +156,19 @@ def one_run(address: str, overrides: list[str], workdir: Path, env: dict) -> dic
     marks = [t0, accepted, t_running, tasks.get("controller_created"), tasks.get("train_fn_started")]
     if "start" in events and "first_step" in events:
         marks += [events["start"], events["first_step"]]
-        phases = dict(zip(PHASES, (b - a for a, b in zip(marks, marks[1:]))))
+        phases = dict(zip(PHASES, (b - a for a, b in zip(marks, marks[1:], strict=False)), strict=True))
     else:
         marks += [t_metrics]
-        phases = dict(zip(PHASES[:4] + ["model_load+first_step"], (b - a for a, b in zip(marks, marks[1:]))))
+        gaps = (b - a for a, b in zip(marks, marks[1:], strict=False))
+        phases = dict(zip(PHASES[:4] + ["model_load+first_step"], gaps, strict=True))
     phases["total"] = marks[-1] - t0
     detail = {}
     if "worker_process_started" in tasks and "controller_created" in tasks:
         detail["worker_start.controller_and_placement"] = tasks["worker_process_started"] - tasks["controller_created"]
         detail["worker_start.worker_init"] = tasks["train_fn_started"] - tasks["worker_process_started"]
     detail["submit.cli_returned_after"] = t_submitted - t0
-    return {"detail_s": {k: round(v, 3) for k, v in detail.items()},"submission_id": sid, "phases_s": {k: round(v, 3) for k, v in phases.items()},
+    return {"detail_s": {k: round(v, 3) for k, v in detail.items()}, "submission_id": sid,
+            "phases_s": {k: round(v, 3) for k, v in phases.items()},
             "timestamps": {k: v for k, v in stamps.items() if v is not None}}
 
 
@@ -218,7 +220,8 @@ def main(argv=None) -> int:
         "summary_s": summary,
         "runs": runs,
     }
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"submit-latency-{time.strftime('%Y-%m-%d')}.json"
+    default_out = ROOT / "bench" / "results" / f"submit-latency-{time.strftime('%Y-%m-%d')}.json"
+    out = Path(args.out) if args.out else default_out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -33,7 +33,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import torch
 
@@ -101,7 +101,7 @@ def set_rng_state(state: dict, where: str = "rng state") -> None:
                         "use --fresh to start over") from None
 
 
-def write_rank_files(directory: Path, rank: int, files: dict[str, object]) -> None:
+def write_rank_files(directory: Path, rank: int, files: dict[str, Any]) -> None:
     """Write this rank's files, then its manifest (last: the manifest vouches for the rest)."""
     from safetensors.torch import save_file
 
@@ -123,7 +123,7 @@ def write_rank_files(directory: Path, rank: int, files: dict[str, object]) -> No
     tmp.rename(directory / manifest_file(rank))
 
 
-def why_incomplete(directory: Path) -> Optional[str]:
+def why_incomplete(directory: Path) -> str | None:
     """Why `directory` is not a complete checkpoint (a missing state or manifest, a file that
     does not match its manifest), or None when it is one."""
     try:
@@ -156,7 +156,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)), key=lambda p: p.name)
 
 
-def newest_complete(root: Path, *, warn: bool = True) -> Optional[Path]:
+def newest_complete(root: Path, *, warn: bool = True) -> Path | None:
     """The newest checkpoint that verifies; incomplete ones are skipped (never deleted here),
     each with a warning that names it and says why."""
     for p in reversed(list_checkpoints(root)):
@@ -168,7 +168,7 @@ def newest_complete(root: Path, *, warn: bool = True) -> Optional[Path]:
     return None
 
 
-def resumable(root: Path) -> Optional[Path]:
+def resumable(root: Path) -> Path | None:
     """The checkpoint a rerun resumes from, checked before anything starts: the newest complete
     one, its state readable and its `.pt` files plain data (`check_loadable`); None when there
     is no checkpoint at all. When there are checkpoints but none is complete, a silent fresh
@@ -219,7 +219,7 @@ def load_state(directory: Path) -> dict:
     return state
 
 
-def load_plain(path: Path) -> object:
+def load_plain(path: Path) -> Any:
     """A `.pt` file's content, read as tensors and plain containers only
     (`torch.load(weights_only=True)`: no pickled class or function is ever resolved or called).
     Anything else is refused as a SpecError naming the file."""
@@ -244,12 +244,12 @@ def load_adapter(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / ADAPTER_FILE))
 
 
-def rank_files(rank: int, state: dict, adapter: Optional[dict] = None, optim_state: Optional[dict] = None,
-               scaler=None) -> dict[str, object]:
+def rank_files(rank: int, state: dict, adapter: dict | None = None, optim_state: dict | None = None,
+               scaler=None) -> dict[str, Any]:
     """What rank `rank` writes into a checkpoint: its RNG state; rank 0 (the caller passes them
     there only) also the adapter and optimizer state (full, by parameter name: `jobs.fsdp.adapter_state`),
     the scaler and `state`."""
-    files: dict[str, object] = {rng_file(rank): rng_state()}
+    files: dict[str, Any] = {rng_file(rank): rng_state()}
     if adapter is not None:
         files[ADAPTER_FILE] = adapter
         files[OPTIMIZER_FILE] = optim_state
@@ -315,9 +315,9 @@ def _load_into(target, path: Path) -> None:
 
 def resume_key(spec: JobSpec) -> dict:
     d = spec.to_dict()
-    out = {}
+    out: dict[str, Any] = {}
     for key in RESUME_KEYS:
-        node = d
+        node: Any = d
         for part in key.split("."):
             node = node[part]
         out[key] = node
@@ -330,7 +330,9 @@ def resume_key(spec: JobSpec) -> dict:
 def _field_default(key: str):
     """The default of the spec field `section.field`, as `resume_key` stores values (JSON)."""
     section, name = key.split(".")
-    field = JobSpec.model_fields[section].annotation.model_fields[name]
+    section_model = JobSpec.model_fields[section].annotation
+    assert section_model is not None  # every section is a model class
+    field = section_model.model_fields[name]
     if field.is_required():
         return None
     value = field.get_default(call_default_factory=True)

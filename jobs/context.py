@@ -10,8 +10,8 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,7 @@ class Context:
 class LocalContext(Context):
     """No Ray: one process, or several started by `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK, env://)."""
 
-    def __init__(self, use_gpu: bool = False, on_progress: Optional[Callable[[dict], None]] = None):
+    def __init__(self, use_gpu: bool = False, on_progress: Callable[[dict], None] | None = None):
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))

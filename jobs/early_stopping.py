@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from .spec import JobSpec
 
@@ -26,17 +26,17 @@ class EarlyStopping:
 
     DIR = "early-stopping"
 
-    def __init__(self, patience: int = 0, min_delta: float = 0.0, state: Optional[dict] = None):
+    def __init__(self, patience: int = 0, min_delta: float = 0.0, state: dict | None = None):
         self.enabled, self.patience, self.min_delta = patience > 0, patience, min_delta
         state = state or {}
-        self.best_loss: Optional[float] = state.get("best_loss")
+        self.best_loss: float | None = state.get("best_loss")
         self.best_step: int = state.get("best_step", 0)
         self.bad_evals: int = state.get("bad_evals", 0)
-        self.stopped_at: Optional[int] = state.get("stopped_at")
+        self.stopped_at: int | None = state.get("stopped_at")
         self.kept_step = self.best_step  # the best adapter the newest checkpoint names
 
     @classmethod
-    def of(cls, spec: JobSpec, state: Optional[dict]) -> "EarlyStopping":
+    def of(cls, spec: JobSpec, state: dict | None) -> EarlyStopping:
         es = spec.run.early_stopping
         return cls(es.patience, es.min_delta, state) if es else cls()
 
@@ -51,7 +51,7 @@ class EarlyStopping:
     def best_file(self, out: Path, step: int) -> Path:
         return out / self.DIR / f"best-step-{step:08d}.safetensors"
 
-    def judge(self, step: int, eval_loss: Optional[float], adapter: Callable[[], dict], out: Path,
+    def judge(self, step: int, eval_loss: float | None, adapter: Callable[[], dict], out: Path,
               is_main: bool) -> None:
         """Every rank, after the evaluation of optimizer step `step` (the eval loss is the same on
         all); `adapter()` gives the full adapter state on rank 0 (every rank calls it: under FSDP
@@ -81,7 +81,7 @@ class EarlyStopping:
         os.replace(tmp, path)
         self._prune(out)
 
-    def checkpointed(self, out: Optional[Path]) -> None:
+    def checkpointed(self, out: Path | None) -> None:
         """A checkpoint naming `best_step` is on disk (rank 0 passes `out`)."""
         if self.enabled and out is not None:
             self.kept_step = self.best_step
@@ -93,7 +93,7 @@ class EarlyStopping:
             if f.name not in keep:
                 f.unlink(missing_ok=True)
 
-    def best_adapter(self, out: Path) -> Optional[dict]:
+    def best_adapter(self, out: Path) -> dict | None:
         """Rank 0, at the end: the best step's adapter state (what is saved as `adapter/`), or None.
         It was kept as `judge` got it, the run's full adapter state (`jobs.fsdp.full_adapter`), so
         it is keyed as the final adapter is."""

@@ -21,7 +21,7 @@ nothing above it.
 from __future__ import annotations
 
 import re
-from typing import Iterator, Optional, Union
+from collections.abc import Iterator
 
 
 class RayftError(Exception):
@@ -91,11 +91,11 @@ class RunError(RayftError, RuntimeError):
 
 # ---- failures that come back wrapped (by Ray Train, Ray Tune, the Jobs API) --------------------
 
-def causes(err: Optional[BaseException]) -> Iterator[BaseException]:
+def causes(err: BaseException | None) -> Iterator[BaseException]:
     """`err` and everything it wraps: Ray Train's per-worker failures, `__cause__`, `__context__`.
     The one walk over Ray's wrapping that `worker_error` and `oom_line` use."""
     seen: set[int] = set()
-    todo: list[Optional[BaseException]] = [err]
+    todo: list[BaseException | None] = [err]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
@@ -116,7 +116,7 @@ _WORKER_ERRORS: dict[str, type[RayftError]] = {cls.__name__: cls for cls in (Spe
 _WORKER_ERROR_LINE = re.compile(r"(?<!\w)(" + "|".join(_WORKER_ERRORS) + r"): ")
 
 
-def worker_error(err: Optional[BaseException]) -> Optional[RayftError]:
+def worker_error(err: BaseException | None) -> RayftError | None:
     """A SpecError (bad data line, LoRA targets that match nothing) or RunError (training diverged)
     raised on a worker comes back wrapped by Ray, sometimes only as text; unwrap it so the CLI
     prints its one line and exits with its code (2 and 1)."""
@@ -137,13 +137,13 @@ def worker_error(err: Optional[BaseException]) -> Optional[RayftError]:
 _OOM_EXCEPTION_LINE = re.compile(r"(\w+\.)*OutOfMemoryError: .*")
 
 
-def oom_line(*failures: Union[BaseException, str, None]) -> Optional[str]:
+def oom_line(*failures: BaseException | str | None) -> str | None:
     """The out-of-memory message in a training failure -- an exception (walked with `causes`) or
     the text of a job's status message or logs -- or None when it is not out of memory. The one
     rule Tune (trial -> infeasible) and the queue driver (job -> retried at half the micro-batch) use.
     Preference: an OutOfMemoryError/MemoryError object, then torch's exception line, then any
     line that says "out of memory"."""
-    found: Optional[str] = None
+    found: str | None = None
     for failure in failures:
         for e in ([failure] if isinstance(failure, str) or failure is None else causes(failure)):
             if isinstance(e, BaseException) and (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"):
@@ -165,7 +165,7 @@ def oom_line(*failures: Union[BaseException, str, None]) -> Optional[str]:
 _WORKER_NODE = re.compile(r"node_id='([0-9a-f]+)',\s*node_ip='([^']*)'")
 
 
-def unreachable_workers(err: Optional[BaseException]) -> dict[str, tuple[str, list[int]]]:
+def unreachable_workers(err: BaseException | None) -> dict[str, tuple[str, list[int]]]:
     """{node id: (node ip, [world ranks])} of the training workers whose health check failed in a
     Ray Train failure (`WorkerGroupError.worker_failures`); empty when none did. Whether their node
     is gone, or only the worker process, is for the caller to ask the cluster."""

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -51,7 +51,7 @@ def base_of(adapter_dir: Path) -> str:
     return base
 
 
-def _target(output_dir: Path, to: Optional[Path], merge: bool) -> Path:
+def _target(output_dir: Path, to: Path | None, merge: bool) -> Path:
     target = Path(to) if to else Path(output_dir) / ("merged" if merge else "adapter-export")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UserError(f"--to {target}: exists and is not empty; name a new directory")
@@ -105,16 +105,16 @@ def load_adapted(adapter_dir: Path, dtype: torch.dtype = torch.float32):
     _quiet()
     base = base_of(adapter_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+        base_model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     except OSError as e:
         raise UserError(f"{adapter_dir}: cannot load its base model {base!r}: {str(e).splitlines()[0]}") from None
-    model = PeftModel.from_pretrained(model, str(adapter_dir))
+    model = PeftModel.from_pretrained(base_model, str(adapter_dir))
     tok = AutoTokenizer.from_pretrained(str(adapter_dir))
     model.eval()
     return model, tok
 
 
-def export(output_dir: Path, *, merge: bool = False, dtype: str = "fp32", to: Optional[Path] = None) -> Path:
+def export(output_dir: Path, *, merge: bool = False, dtype: str = "fp32", to: Path | None = None) -> Path:
     """Export the run's adapter (copied, with a README naming its base) or, with `merge`, a
     standalone model. Returns the target directory."""
     if dtype not in DTYPES:

@@ -10,8 +10,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import ray
 
@@ -50,7 +50,7 @@ def train_worker(config: dict) -> None:
     train(spec, RayContext(config.get("progress")), resume=config["resume"])
 
 
-def init_ray(address: Optional[str], num_cpus: int, log_to_driver: bool = True) -> None:
+def init_ray(address: str | None, num_cpus: int, log_to_driver: bool = True) -> None:
     """Connect to `address`, or the cluster of the enclosing Ray job, or start a local one with
     at least `num_cpus` logical CPUs (Ray's own tests oversubscribe a small machine the same way)."""
     if ray.is_initialized():
@@ -127,10 +127,12 @@ def _progress_actor():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
-    return ProgressActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+    # `@ray.remote(num_cpus=0)` makes an ActorClass; Ray's annotations give that form the class back unchanged.
+    strategy = NodeAffinitySchedulingStrategy(here, soft=False)
+    return ProgressActor.options(scheduling_strategy=strategy).remote()  # type: ignore[attr-defined]
 
 
-def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks: Optional[list] = None):
+def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks: list | None = None):
     """The TorchTrainer that runs `spec` (the one setup `run_on_ray` and every Tune trial use):
     `resources.num_workers` workers with `cpus_per_worker` CPUs and one GPU each when `use_gpu`,
     checkpoints in `<output_dir>/checkpoints/step-NNNNNNNN` (Ray Train's storage is the output
@@ -146,7 +148,9 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks
             num_workers=r.num_workers, use_gpu=r.use_gpu, accelerator_type=r.accelerator_type,
             resources_per_worker={"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})},
         ),
-        run_config=RunConfig(
+        # ray.train binds RunConfig to Train V2's class at runtime (these are its fields); its
+        # annotations name ray.air's older one, the first of the two conditional imports.
+        run_config=RunConfig(  # type: ignore[call-arg]
             name="checkpoints",
             storage_path=str(spec.output_path.resolve()),
             failure_config=FailureConfig(max_failures=spec.run.max_failures),
@@ -158,8 +162,8 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks
     )
 
 
-def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = True,
-               on_progress: Optional[Callable[[dict], None]] = None) -> dict:
+def run_on_ray(spec: JobSpec, *, address: str | None = None, resume: bool = True,
+               on_progress: Callable[[dict], None] | None = None) -> dict:
     """Train `spec` on Ray; returns summary.json's content. Blocks until the run ends."""
     from .outputs import SUMMARY
 
@@ -181,18 +185,19 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
     seen = 0
     while thread.is_alive():
         thread.join(timeout=0.5)
-        if progress is not None:
+        if progress is not None and on_progress is not None:
             for rec in ray.get(progress.since.remote(seen)):
                 seen += 1
                 on_progress(rec)
-    if progress is not None:
+    if progress is not None and on_progress is not None:
         for rec in ray.get(progress.since.remote(seen)):
             on_progress(rec)
     if "error" in result:
         lost = node_lost(result["error"])
         if lost is not None:
             n = spec.run.max_failures
-            raise NodeLost(f"{lost}; the run stopped ({f'after run.max_failures={n} restarts' if n else 'run.max_failures=0'}). "
+            why = f"after run.max_failures={n} restarts" if n else "run.max_failures=0"
+            raise NodeLost(f"{lost}; the run stopped ({why}). "
                            f"{resume_hint(spec)}" + ("" if n else " (with run.max_failures=1 it resumes on its own "
                                                      "once the cluster has room again)"),
                            lost.node_id, lost.node_ip) from None
@@ -207,7 +212,7 @@ def run_on_ray(spec: JobSpec, *, address: Optional[str] = None, resume: bool = T
 NODE_DEATH_WAIT_S = 70.0
 
 
-def node_lost(err: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> Optional[NodeLost]:
+def node_lost(err: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> NodeLost | None:
     """A `NodeLost` naming the node when a Ray Train failure `err` came from losing a node, else None.
 
     A worker that stopped answering (`unreachable_workers`) is only a node loss when Ray marks its

@@ -33,9 +33,10 @@ import math
 import random
 import resource
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -46,16 +47,37 @@ from torch import nn
 from . import checkpoint as ckpt
 from . import fsdp
 from .context import Context
-from .data import (GlobalBatches, collate, collate_pairs, count_inputs, count_labels, equal_micro_batches,
-                   load_dataset, split_window, total_steps)
+from .data import (
+    Dataset,
+    Example,
+    GlobalBatches,
+    Pair,
+    collate,
+    collate_pairs,
+    count_inputs,
+    count_labels,
+    equal_micro_batches,
+    load_dataset,
+    split_window,
+    total_steps,
+)
 from .early_stopping import EarlyStopping
 from .errors import RunError
 from .faults import from_env
 from .memory import MemoryPlan
 from .model import add_lora, check_batchnorm, check_packing, compile_layers, enable_checkpointing, load_base_model
 from .objectives import Objective
+from .outputs import (
+    PLOT,
+    SUMMARY,
+    MetricsLog,
+    append_event,
+    claim_output_dir,
+    plot_loss,
+    read_metrics,
+    write_json_atomic,
+)
 from .preference import REFERENCE_ADAPTER, PreferenceLoss, precomputed_reference
-from .outputs import PLOT, SUMMARY, MetricsLog, append_event, claim_output_dir, plot_loss, read_metrics, write_json_atomic
 from .spec import JobSpec, compute_precision
 from .tracking import open_trackers
 
@@ -71,6 +93,8 @@ class CausalLMLoss(nn.Module):
     produce logits. With `chunk_tokens`, the head + loss run per chunk under checkpointing,
     so the fp32 [T, vocab] logits never exist at once (they dominate memory at 128k vocab).
     """
+
+    model: Any  # a transformers causal LM, or a peft PeftModel around one (peft ships no types)
 
     def __init__(self, model: nn.Module, chunk_tokens: int = 0):
         super().__init__()
@@ -143,6 +167,12 @@ class Engine:
     def is_ddp(self) -> bool:
         return isinstance(self.module, nn.parallel.DistributedDataParallel)
 
+    @property
+    def unwrapped(self) -> nn.Module:
+        """`module` without DDP's wrapper (held-out passes run it directly: no gradient sync)."""
+        m = self.module
+        return m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
+
     def sync_gate(self, last: bool):
         """Forward and backward of one micro-step run inside this: gradients are reduced across
         ranks only when `last` (the window's last micro-step); before it each rank accumulates
@@ -151,7 +181,7 @@ class Engine:
             return fsdp.gradient_sync(self.module, last)
         if last or not self.is_ddp:
             return contextlib.nullcontext()
-        return self.module.no_sync()
+        return cast(nn.parallel.DistributedDataParallel, self.module).no_sync()
 
 
 def layout_args(spec: JobSpec, device: torch.device) -> dict:
@@ -166,7 +196,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 
 def train_window(engine: Engine, micro_batches: Sequence[dict], denominator: int,
-                 after_micro_step: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+                 after_micro_step: Callable[[int], None] | None = None) -> torch.Tensor:
     """Forward/backward over one rank's micro-batches of one global batch.
 
     `denominator` is what the step's loss is a mean over, counted over the whole global batch:
@@ -177,7 +207,7 @@ def train_window(engine: Engine, micro_batches: Sequence[dict], denominator: int
     backward.
     """
     scale = engine.world_size / denominator  # DDP divides by world_size; see module doc
-    sums: Optional[torch.Tensor] = None
+    sums: torch.Tensor | None = None
     last = len(micro_batches) - 1
     for j, mb in enumerate(micro_batches):
         with engine.sync_gate(j == last):
@@ -192,7 +222,7 @@ def train_window(engine: Engine, micro_batches: Sequence[dict], denominator: int
     return sums if sums is not None else torch.zeros((), device=engine.device)
 
 
-def optimizer_step(engine: Engine, max_grad_norm: Optional[float]) -> tuple[torch.Tensor, Optional[float]]:
+def optimizer_step(engine: Engine, max_grad_norm: float | None) -> tuple[torch.Tensor, float | None]:
     """Unscale once, clip, step, update. Returns (grad norm tensor, scale before or None)."""
     scale_before = engine.scaler.get_scale() if engine.scaler.is_enabled() else None
     engine.scaler.unscale_(engine.optimizer)  # exactly once per window, before clipping
@@ -238,11 +268,11 @@ def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def held_out_loss(engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int,
-             layout: Optional[dict] = None) -> Optional[float]:
+             layout: dict | None = None) -> float | None:
     """Token-weighted mean loss over the held-out set, sharded over ranks."""
     if not examples:
         return None
-    module = engine.module.module if engine.is_ddp else engine.module
+    module = engine.unwrapped
     module.eval()
     layout = layout or {}
     sums = torch.zeros(2, device=engine.device, dtype=torch.float64)
@@ -260,14 +290,14 @@ def held_out_loss(engine: Engine, examples, rank: int, world_size: int, micro_ba
 
 
 @torch.no_grad()
-def held_out_pairs(engine: Engine, job: "Job", rank: int, world_size: int,
-                   micro_batch_size: int) -> tuple[Optional[float], dict]:
+def held_out_pairs(engine: Engine, job: Job, rank: int, world_size: int,
+                   micro_batch_size: int) -> tuple[float | None, dict]:
     """Mean per-pair loss over the held-out pairs and the statistics' means (TRL's names with
     `eval_` in front), sharded over ranks."""
     pairs = job.data.eval
     if not pairs:
         return None, {}
-    module = engine.module.module if engine.is_ddp else engine.module
+    module = engine.unwrapped
     module.eval()
     obj = job.objective
     sums = torch.zeros(1 + len(obj.stat_names), device=engine.device, dtype=torch.float64)
@@ -278,7 +308,7 @@ def held_out_pairs(engine: Engine, job: "Job", rank: int, world_size: int,
             sums += torch.cat([summed.double().view(1), stats])
     module.train()
     values = (all_reduce_sum(sums, world_size) / len(pairs)).tolist()
-    return values[0], {f"eval_{k}": v for k, v in zip(obj.stat_names, values[1:])}
+    return values[0], {f"eval_{k}": v for k, v in zip(obj.stat_names, values[1:], strict=True)}
 
 
 def memory_plan(spec: JobSpec, device: torch.device) -> MemoryPlan:
@@ -296,19 +326,19 @@ class Job:
     and the data. (The optimizer is the Engine's: under FSDP it steps on the shards, which exist
     only once the model is wrapped.)"""
 
-    model: nn.Module          # the PEFT model (not wrapped; under FSDP its layers are sharded in place)
-    tokenizer: object
+    model: Any                # the PEFT model (not wrapped; under FSDP its layers are sharded in place); untyped
+    tokenizer: Any            # a transformers tokenizer
     plan: MemoryPlan
     precision: str
-    data: object              # jobs.data.Dataset
+    data: Dataset
     batches: GlobalBatches
     steps: int                # optimizer steps of the whole run
     scaler: torch.amp.GradScaler
     resume_key: dict          # what a checkpoint of this run must match to be resumed (taken once, at the start)
     strategy: str = "ddp"     # "ddp" (also one process) or "fsdp": see `strategy_of`
     objective: Objective = Objective()
-    reference: Optional[dict] = None  # split -> [pairs, 2] precomputed reference log-probs (`objective.reference`)
-    device: Optional[torch.device] = None
+    reference: dict | None = None  # split -> [pairs, 2] precomputed reference log-probs (`objective.reference`)
+    device: torch.device | None = None
 
 
 @dataclass
@@ -318,9 +348,9 @@ class Position:
     step: int = 0             # optimizer steps done (= the next global batch)
     tokens_seen: int = 0
     skipped_steps: int = 0
-    eval_loss: Optional[float] = None
-    source: Optional[str] = None  # the checkpoint resumed from
-    early_stopping: Optional[dict] = None  # `EarlyStopping.state()` of the checkpoint
+    eval_loss: float | None = None
+    source: str | None = None  # the checkpoint resumed from
+    early_stopping: dict | None = None  # `EarlyStopping.state()` of the checkpoint
     eval_stats: dict = field(default_factory=dict)  # preference objectives: the last evaluation's statistics
 
 
@@ -425,7 +455,8 @@ class Window:
 def pair_batch(job: Job, split: str, indices: Sequence[int]) -> dict:
     """`collate_pairs` of the pairs `indices` of `split`, with their precomputed reference
     log-probabilities (chosen rows, then rejected rows) when the run has them."""
-    pairs = job.data.train if split == "train" else job.data.eval
+    # A preference run's samples are Pairs (`Dataset.kind`).
+    pairs = cast(Sequence[Pair], job.data.train if split == "train" else job.data.eval)
     pin = job.device is not None and job.device.type == "cuda"
     batch = collate_pairs([pairs[i] for i in indices], job.tokenizer.pad_token_id, pin_memory=pin)
     if job.reference is not None:
@@ -448,7 +479,8 @@ def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> Window
         return Window([pair_batch(job, "train", mb) for mb in mine], len(indices), n_labels, n_inputs)
     layout = layout_args(spec, ctx.device)
     pad_id, pin = job.tokenizer.pad_token_id, ctx.device.type == "cuda"
-    micro = [collate([train[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
+    examples = cast(Sequence[Example], train)  # an SFT run's samples are Examples (`Dataset.kind`)
+    micro = [collate([examples[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
     return Window(micro, n_labels, n_labels, n_inputs)
 
 
@@ -456,7 +488,8 @@ def step_values(job: Job, sums: torch.Tensor, window: Window) -> tuple[float, di
     """(the step's loss, its preference statistics as means over the pairs) from the window's
     all-reduced sums: one host read."""
     values = sums.reshape(-1).tolist()
-    stats = {k: v / window.denominator for k, v in zip(job.objective.stat_names, values[1:])}
+    # An SFT window's sums are its loss alone: nothing follows it, and the statistics are dropped below.
+    stats = {k: v / window.denominator for k, v in zip(job.objective.stat_names, values[1:], strict=False)}
     return values[0] / window.denominator, stats if job.objective.is_preference else {}
 
 
@@ -517,11 +550,13 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         if ctx.is_main:
             if step == pos.step:  # the first step of this run
                 append_event(out, "first_step", step=done)
+            assert metrics_log is not None  # made on the main rank
             metrics_log.write(last)
             trackers.log_step(last)
             ctx.progress(dict(last, total_steps=job.steps))
 
-        if (spec.run.checkpoint_every and done % spec.run.checkpoint_every == 0) or done == job.steps or stopper.stopped:
+        every = spec.run.checkpoint_every
+        if (every and done % every == 0) or done == job.steps or stopper.stopped:
             save_checkpoint(spec, ctx, job, engine, pos, done, last, stopper)
             trackers.checkpointed(done)
             stopper.checkpointed(out if ctx.is_main else None)
@@ -531,6 +566,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     adapter = fsdp.full_adapter(job.model)  # every rank: under FSDP the shards are gathered to rank 0
     summary = {}
     if ctx.is_main:
+        assert metrics_log is not None
         metrics_log.close()
         adapter = stopper.best_adapter(out) or adapter
         summary = write_outputs(spec, job, pos, last, adapter, wall_s=time.perf_counter() - run_start,
@@ -585,7 +621,7 @@ def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, 
 
 
 def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, adapter: dict, *, wall_s: float,
-                  mean_tokens_per_s: Optional[float], extra: Optional[dict] = None) -> dict:
+                  mean_tokens_per_s: float | None, extra: dict | None = None) -> dict:
     """Rank 0, at the end: `adapter` (the full trainable state, `fsdp.full_adapter`) in PEFT
     format, the loss curve, summary.json. PEFT writes the given state rather than reading the
     model's parameters, which under FSDP are this rank's shards only."""

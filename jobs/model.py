@@ -15,9 +15,13 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from .cache import build_once
 from .errors import SpecError
@@ -77,13 +81,13 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
-    cfg = dict(TINY_LLAMA, vocab_size=259, pad_token_id=256, bos_token_id=257, eos_token_id=258)
+    cfg: dict[str, Any] = dict(TINY_LLAMA, vocab_size=259, pad_token_id=256, bos_token_id=257, eos_token_id=258)
     cfg.update(overrides)
     return LlamaConfig(**cfg)
 
@@ -148,12 +152,15 @@ def load_base_model(spec: JobSpec, precision: str, *, quantized: bool = True):
     m = spec.model
     qcfg = quantization_config(m.quantization, precision) if quantized else None
     quant = dict(quantization_config=qcfg, device_map={"": _load_device(spec)}) if qcfg is not None else {}
+    model: PreTrainedModel
     if m.name == "tiny-llama":
         # Deterministic from the seed: every rank (and every later run) builds the same weights.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.run.seed)
             model = LlamaForCausalLM(tiny_llama_config(attn_implementation=m.attn_implementation))
-        model.to(dtype)
+        # transformers declares `to` through functools.wraps(nn.Module.to), which types the wrapper as
+        # taking the module as its first argument.
+        model.to(dtype)  # type: ignore[arg-type]
         if quant:
             import tempfile
 
@@ -173,6 +180,7 @@ def load_base_model(spec: JobSpec, precision: str, *, quantized: bool = True):
     else:
         token = os.environ.get(m.hf_token_env) if m.hf_token_env else None
         kwargs = dict(dtype=dtype, attn_implementation=m.attn_implementation, **quant)
+        src: str | Path
         if m.gguf_file:
             src = _gguf_cache(Path(resolve_model_dir(m.name)), m.gguf_file)
             model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
@@ -215,7 +223,7 @@ def skip_packed_sequence_detection() -> None:
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is None or original is _not_packed:
         return
-    _not_packed.__wrapped__ = original  # type: ignore[attr-defined]
+    vars(_not_packed)["__wrapped__"] = original  # a function attribute (the type checker knows of none)
     masking_utils.find_packed_sequence_indices = _not_packed
 
 
@@ -262,7 +270,8 @@ def _gguf_cache(directory: Path, gguf_file: str) -> Path:
 
 
 # `lora.init` -> PEFT's `init_lora_weights`.
-LORA_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
+LORA_INIT: dict[str, bool | Literal["gaussian", "pissa", "olora"]] = {
+    "default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
 
 
 def add_lora(model, spec: JobSpec, precision: str = "fp32"):
@@ -274,7 +283,8 @@ def add_lora(model, spec: JobSpec, precision: str = "fp32"):
 
     cfg = LoraConfig(
         r=spec.lora.r,
-        lora_alpha=spec.lora.alpha,
+        # PEFT declares lora_alpha an int, but any number scales (alpha / r) and lora.alpha may be fractional.
+        lora_alpha=spec.lora.alpha,  # type: ignore[arg-type]
         lora_dropout=spec.lora.dropout,
         target_modules=list(spec.lora.target_modules),
         task_type="CAUSAL_LM",
@@ -341,6 +351,7 @@ def starting_adapter_config(spec: JobSpec) -> dict:
     must agree. A disagreement is refused in one line naming the key and both values."""
     import json
 
+    assert spec.model.adapter is not None  # called for a spec with model.adapter
     path = Path(spec.model.adapter) / "adapter_config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -372,6 +383,7 @@ def start_from_adapter(model, spec: JobSpec):
     from .preference import REFERENCE_ADAPTER
 
     starting_adapter_config(spec)
+    assert spec.model.adapter is not None  # checked by starting_adapter_config
     try:
         peft_model = PeftModel.from_pretrained(model, spec.model.adapter, is_trainable=True)
         if spec.objective.name in ("dpo", "ipo"):

@@ -35,7 +35,6 @@ beta a_w for SimPO/ORPO (likewise rejected); `rewards/margins` = chosen - reject
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,13 +54,13 @@ class Objective:
     the keys an objective does not read are None."""
 
     name: str = "sft"
-    beta: Optional[float] = None
-    simpo_gamma: Optional[float] = None
-    label_smoothing: Optional[float] = None
-    reference: Optional[str] = None  # "adapter_off" | "precomputed" for DPO/IPO, else None
+    beta: float | None = None
+    simpo_gamma: float | None = None
+    label_smoothing: float | None = None
+    reference: str | None = None  # "adapter_off" | "precomputed" for DPO/IPO, else None
 
     @classmethod
-    def of(cls, spec) -> "Objective":
+    def of(cls, spec) -> Objective:
         o = spec.objective
         return cls(o.name, o.value("beta"), o.value("simpo_gamma"), o.value("label_smoothing"), o.value("reference"))
 
@@ -85,9 +84,11 @@ def log1m_exp(a: torch.Tensor) -> torch.Tensor:
 
 
 def pair_losses(obj: Objective, pi_w: torch.Tensor, pi_l: torch.Tensor, n_w: torch.Tensor, n_l: torch.Tensor,
-                ref_w: Optional[torch.Tensor] = None,
-                ref_l: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                ref_w: torch.Tensor | None = None,
+                ref_l: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss of every pair [P], per-pair statistics {name: [P]}) for objective `obj`."""
+    if obj.beta is None:
+        raise ValueError(f"objective {obj.name} has no beta")
     beta = float(obj.beta)
     if obj.needs_reference:
         if ref_w is None or ref_l is None:
@@ -105,6 +106,8 @@ def pair_losses(obj: Objective, pi_w: torch.Tensor, pi_l: torch.Tensor, n_w: tor
         reward_w, reward_l = beta * a_w, beta * a_l
         extra = {}
         if obj.name == "simpo":
+            if obj.simpo_gamma is None:
+                raise ValueError("objective simpo has no simpo_gamma")
             loss = -F.logsigmoid(beta * (a_w - a_l) - float(obj.simpo_gamma))
         elif obj.name == "orpo":
             log_odds = (a_w - a_l) - (log1m_exp(a_w) - log1m_exp(a_l))

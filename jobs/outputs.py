@@ -19,7 +19,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from .errors import SpecError
 from .spec import one_line
@@ -120,13 +120,13 @@ def finite_or_none(obj: Any) -> Any:
     return obj
 
 
-def strict_json(obj: Any, indent: Optional[int] = None) -> str:
+def strict_json(obj: Any, indent: int | None = None) -> str:
     """JSON that any strict reader parses: non-finite floats become null (JSON has no NaN or
     Infinity; Python's default would write those bare words)."""
     return json.dumps(finite_or_none(obj), indent=indent, allow_nan=False)
 
 
-def output_dir_problem(path: Union[str, Path], *, beside_others: bool = False) -> Optional[str]:
+def output_dir_problem(path: str | Path, *, beside_others: bool = False) -> str | None:
     """Why rayft may not write into `path` (as the user wrote it, `{name}` filled in), or None.
 
     Refused: an empty path; `/`, a system directory or anything inside a system tree (after
@@ -172,14 +172,14 @@ def _made_by_old_rayft(names: list[str]) -> bool:
                                    for n in names)
 
 
-def check_output_dir(path: Union[str, Path], *, beside_others: bool = False) -> None:
+def check_output_dir(path: str | Path, *, beside_others: bool = False) -> None:
     """Raise a one-line SpecError (`run.output_dir=...: why`) when `output_dir_problem` finds one."""
     problem = output_dir_problem(path, beside_others=beside_others)
     if problem:
         raise SpecError(f"run.output_dir={one_line(str(path))}: {one_line(problem)}")
 
 
-def claim_output_dir(path: Union[str, Path], *, beside_others: bool = False, name: str = "") -> Path:
+def claim_output_dir(path: str | Path, *, beside_others: bool = False, name: str = "") -> Path:
     """Check `path` (see `output_dir_problem`), then create it and write `RUN_MARKER` into it
     when it is not there yet. Returns the path. Idempotent."""
     check_output_dir(path, beside_others=beside_others)
@@ -191,7 +191,7 @@ def claim_output_dir(path: Union[str, Path], *, beside_others: bool = False, nam
     return out
 
 
-def set_aside(path: Path) -> Optional[Path]:
+def set_aside(path: Path) -> Path | None:
     """`--fresh`: rename `path` (old checkpoints, a previous search) to `<name>.set-aside-<time>`
     beside it, never deleting anything. None when there is nothing there."""
     path = Path(path)
@@ -212,7 +212,7 @@ def loss_points(records: list[dict]) -> tuple[list[tuple[int, float]], list[tupl
 
 
 def plot_loss(output_dir: Path, records: list[dict], title: str, ylabel: str = "loss (nats / label token)",
-              train_label: str = "train loss (token-weighted)") -> Optional[Path]:
+              train_label: str = "train loss (token-weighted)") -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")

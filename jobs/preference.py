@@ -27,7 +27,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +58,7 @@ def active_adapter(model: nn.Module, name: str):
             m._active_adapter = [name]
         yield
     finally:
-        for m, prev in zip(layers, before):
+        for m, prev in zip(layers, before, strict=True):
             m._active_adapter = prev
 
 
@@ -69,8 +69,10 @@ class PreferenceLoss(nn.Module):
     With `chunk_tokens`, the LM head runs per chunk of label tokens under checkpointing, as in
     the SFT loss, so the fp32 [tokens, vocab] logits never exist at once."""
 
+    model: Any  # a peft PeftModel (peft ships no types)
+
     def __init__(self, model: nn.Module, objective: Objective, chunk_tokens: int = 0,
-                 reference_adapter: Optional[str] = None):
+                 reference_adapter: str | None = None):
         super().__init__()
         self.model = model
         self.objective = objective
@@ -117,7 +119,7 @@ class PreferenceLoss(nn.Module):
             self.model.train(was_training)
 
     def forward(self, input_ids: torch.Tensor, label_pos: torch.Tensor, label_ids: torch.Tensor,
-                resp_len: torch.Tensor, ref_logps: Optional[torch.Tensor] = None, reference_only: bool = False):
+                resp_len: torch.Tensor, ref_logps: torch.Tensor | None = None, reference_only: bool = False):
         """(summed pair loss, summed statistics); with `reference_only`, the reference's [rows]
         log-probabilities alone (the precompute pass: through `forward`, so DDP and FSDP hooks run)."""
         if reference_only:
@@ -146,7 +148,7 @@ def _files_fingerprint(directory: Path) -> list:
     return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file())
 
 
-def _adapter_digest(path: Optional[str]) -> Optional[str]:
+def _adapter_digest(path: str | None) -> str | None:
     if not path:
         return None
     h = hashlib.sha256()

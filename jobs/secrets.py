@@ -19,8 +19,8 @@ characters (`shown`, `redact`): an error message may say *what* it found, never 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 # At most this many characters of a credential appear in any message, then "...".
 SHOWN_CHARS = 6
@@ -83,7 +83,7 @@ def shown(secret: str) -> str:
     return secret[:SHOWN_CHARS] + "..."
 
 
-def describe(text: str) -> Optional[str]:
+def describe(text: str) -> str | None:
     """"a Hugging Face token (hf_AbC...)" for the first credential in `text`, or None."""
     found = find_tokens(text)
     if not found:

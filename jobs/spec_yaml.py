@@ -17,7 +17,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import yaml
 
@@ -39,7 +39,7 @@ def one_line(text: str) -> str:
     return text.translate(_LINE_BREAKS)
 
 
-def path_problem(path: Union[str, Path]) -> Optional[str]:
+def path_problem(path: str | Path) -> str | None:
     """Why `path` cannot be read as a regular file ("file not found", "is a directory", "is a
     FIFO (named pipe)", ...), or None when it can. Only stats: a FIFO is never opened (that
     would block until someone writes to it)."""
@@ -148,7 +148,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     key = key.strip()
     if not key or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
-        raise SpecError(f"override {shown}: {one_line(secrets.redact(repr(key)))} is not a field path like section.field")
+        raise SpecError(f"override {shown}: {one_line(secrets.redact(repr(key)))} "
+                        "is not a field path like section.field")
     try:
         value = load_yaml_text(raw, f"override {key}") if raw.strip() else ""
     except yaml.YAMLError:
@@ -173,7 +174,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return out
 
 
-def read_yaml(path: Union[str, Path]) -> dict:
+def read_yaml(path: str | Path) -> dict:
     """A spec file as plain data, read through `load_yaml_text`; every problem is one SpecError
     line naming the file (and the line where there is one)."""
     p = Path(path)

@@ -26,8 +26,9 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from . import secrets
@@ -110,11 +111,11 @@ class Trackers:
     """The trackers of one run on rank 0. `log_step(record)` per optimizer step,
     `checkpointed(step)` after a checkpoint is written, `finish(summary, files)` at the end."""
 
-    def __init__(self, spec: Optional[JobSpec] = None, resume_step: int = 0):
+    def __init__(self, spec: JobSpec | None = None, resume_step: int = 0):
         self.spec = spec
-        self.tb = None          # tensorboard SummaryWriter
-        self.ml = None          # mlflow MlflowClient
-        self.run_id: Optional[str] = None
+        self.tb: Any = None     # tensorboard SummaryWriter (an untyped library)
+        self.ml: Any = None     # mlflow MlflowClient (an untyped library)
+        self.run_id: str | None = None
         self.pending: list[dict] = []  # records not yet sent to MLflow (see module doc)
         if spec is None:
             return
@@ -123,18 +124,24 @@ class Trackers:
         if "mlflow" in spec.run.trackers:
             self._guard("mlflow", lambda: self._open_mlflow(resume_step))
 
+    @property
+    def _spec(self) -> JobSpec:
+        """The spec, for what runs once a tracker is open: only a run with a spec opens one."""
+        assert self.spec is not None
+        return self.spec
+
     # ---- opening ----------------------------------------------------------------------------
 
     def _open_tensorboard(self, resume_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        logdir = self.spec.output_path / TENSORBOARD_DIR
+        logdir = self._spec.output_path / TENSORBOARD_DIR
         # purge_step: readers drop events at steps >= it written before: a killed run's tail on
         # resume, a whole earlier run on a fresh start (`--fresh`) in the same directory.
         self.tb = SummaryWriter(str(logdir), purge_step=resume_step + 1)
 
     def _open_mlflow(self, resume_step: int) -> None:
-        uri = tracking_uri(self.spec)
+        uri = tracking_uri(self._spec)
         # MLflow retries an unreachable server for minutes by default; one short try here, since a
         # failure only turns the tracker off (the user's own setting wins).
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -143,16 +150,16 @@ class Trackers:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=uri)
-        saved = self.spec.output_path / MLFLOW_RUN_FILE
+        saved = self._spec.output_path / MLFLOW_RUN_FILE
         if resume_step and saved.exists():
             info = json.loads(saved.read_text())
             if info.get("tracking_uri") == uri:
                 client.update_run(info["run_id"], status="RUNNING")
                 self.ml, self.run_id = client, info["run_id"]
                 return
-        exp_id = experiment_id(client, self.spec)
-        run = client.create_run(exp_id, run_name=self.spec.name)
-        params = [Param(k, v) for k, v in flat_params(self.spec).items()]
+        exp_id = experiment_id(client, self._spec)
+        run = client.create_run(exp_id, run_name=self._spec.name)
+        params = [Param(k, v) for k, v in flat_params(self._spec).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
             client.log_batch(run.info.run_id, params=params[i:i + 100])
         write_json_atomic(saved, {"run_id": run.info.run_id, "experiment_id": exp_id, "tracking_uri": uri})
@@ -174,8 +181,8 @@ class Trackers:
             self.tb.add_scalar(key, value, step)
         self.tb.flush()
 
-    def checkpointed(self, step: int) -> None:
-        """A checkpoint of `step` is on disk: MLflow may now have every step up to it."""
+    def checkpointed(self, step: float) -> None:
+        """A checkpoint of `step` is on disk: MLflow may now have every step up to it (inf: all)."""
         if self.ml is None:
             return
         sent = [r for r in self.pending if r["step"] <= step]
@@ -227,11 +234,11 @@ class Trackers:
         try:
             action()
         except Exception as e:  # noqa: BLE001 - a tracker never fails the training
-            where = shown_uri(tracking_uri(self.spec)) if which == "mlflow" else str(
-                self.spec.output_path / TENSORBOARD_DIR)
+            where = shown_uri(tracking_uri(self._spec)) if which == "mlflow" else str(
+                self._spec.output_path / TENSORBOARD_DIR)
             reason = " ".join(str(e).split())
             if which == "mlflow":
-                uri = tracking_uri(self.spec)
+                uri = tracking_uri(self._spec)
                 reason = reason.replace(uri, shown_uri(uri))
             reason = secrets.redact(reason)[:300]
             log.warning("tracker %s (%s) failed: %s: %s; training goes on without it (metrics.jsonl stays "

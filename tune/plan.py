@@ -38,13 +38,13 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from jobs import memory
 from jobs.errors import SpecError
 from jobs.memory import checkpointing_str
 from jobs.spec import JobSpec
-from .spec import SearchSpec
+
+from .spec import Rule, SearchSpec
 
 # What a search leaves in run.output_dir (see tune.report for the results files).
 TUNE_DIR = "tune"  # the Tune experiment (Tuner.restore path)
@@ -55,7 +55,7 @@ STARTS_FILE = "starts.log"  # one line per time a trial function started
 TIME_ATTR = "samples_seen"  # ASHA's time attribute: training samples, not steps
 
 
-def gib_str(x: Optional[float]) -> str:
+def gib_str(x: float | None) -> str:
     """GiB for people: MiB below 1 GiB (tiny models live there)."""
     if x is None:
         return "-"
@@ -82,16 +82,16 @@ class Point:
     reference_batch_size: int
     status: str = "planned"  # planned | infeasible | skipped
     reason: str = ""
-    gradient_checkpointing: Optional[bool] = None
-    checkpoint_every_n_layers: Optional[int] = None  # the plan's: 0 off, 1 every layer, k every k-th layer
-    estimate_gib: Optional[float] = None  # the plan's estimate (the least memory there is when infeasible)
-    strategy: Optional[str] = None  # the plan's: "ddp" or "fsdp" (resources.strategy auto decides per point)
-    reshard_after_forward: Optional[bool] = None  # the plan's, under fsdp
-    estimate_off_gib: Optional[float] = None  # checkpointing off, for the report
-    estimate_on_gib: Optional[float] = None  # checkpointing every layer, for the report
-    max_steps: Optional[int] = None
-    every_steps: Optional[int] = None
-    beta: Optional[float] = None  # the trial's objective.beta (search.beta); None: the base job's
+    gradient_checkpointing: bool | None = None
+    checkpoint_every_n_layers: int | None = None  # the plan's: 0 off, 1 every layer, k every k-th layer
+    estimate_gib: float | None = None  # the plan's estimate (the least memory there is when infeasible)
+    strategy: str | None = None  # the plan's: "ddp" or "fsdp" (resources.strategy auto decides per point)
+    reshard_after_forward: bool | None = None  # the plan's, under fsdp
+    estimate_off_gib: float | None = None  # checkpointing off, for the report
+    estimate_on_gib: float | None = None  # checkpointing every layer, for the report
+    max_steps: int | None = None
+    every_steps: int | None = None
+    beta: float | None = None  # the trial's objective.beta (search.beta); None: the base job's
 
     @property
     def key(self) -> str:
@@ -117,14 +117,14 @@ class Plan:
     job: dict = field(default_factory=dict, repr=False)  # the base job every trial starts from
     metric: str = "eval_loss"  # what trials are compared on (search.metric)
     mode: str = "min"  # "min" or "max": the best trial's value of `metric`
-    base_beta: Optional[float] = None  # the base job's objective.beta as it trains; None: no beta (SFT)
+    base_beta: float | None = None  # the base job's objective.beta as it trains; None: no beta (SFT)
 
     @property
     def has_beta(self) -> bool:
         """The objective takes a beta: the report shows each trial's."""
         return self.base_beta is not None
 
-    def beta_of(self, point: dict) -> Optional[float]:
+    def beta_of(self, point: dict) -> float | None:
         """The beta a trial of `point` trains with: its own (search.beta), else the base job's; None for SFT."""
         return point["beta"] if point.get("beta") is not None else self.base_beta
 
@@ -132,7 +132,7 @@ class Plan:
     def planned(self) -> list[Point]:
         return [p for p in self.points if p.status == "planned"]
 
-    def trial_spec(self, point: dict, lr: float, out_dir: str = "", name: Optional[str] = None) -> JobSpec:
+    def trial_spec(self, point: dict, lr: float, out_dir: str = "", name: str | None = None) -> JobSpec:
         """The job spec a trial of `point` (a `Point.trial_config()`) with base lr `lr` runs."""
         return JobSpec.model_validate(trial_job_dict(self.job, point, lr, out_dir, name or self.job["name"],
                                                      self.budget_gib))
@@ -145,7 +145,7 @@ class Plan:
                 "points": [asdict(p) | {"key": p.key} for p in self.points]}
 
 
-def _splits(spec: SearchSpec, notes: list[str]) -> tuple[list[tuple[int, int, int, str]], list[str], int]:
+def _splits(spec: SearchSpec, notes: list[str]) -> tuple[list[tuple[int, int, int, str]], list[Rule], int]:
     """(micro, accum, global, why not) per batch split, the lr rules to search, the reference batch."""
     s = spec.search
     W = spec.resources.num_workers
@@ -183,7 +183,7 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
 
     # -- points: the batch split x the lr rules x the betas --
     splits, rules, reference = _splits(spec, notes)
-    betas: list[Optional[float]] = list(s.beta) if s.beta else [None]
+    betas: list[float | None] = list(s.beta) if s.beta else [None]
     points: list[Point] = []
     for m, a, g, why in splits:
         for i, rule in enumerate(rules[:1] if why else rules):  # a split that cannot run is listed once
@@ -263,7 +263,8 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
 
     if not any(p.status == "planned" for p in points):
         reasons = sorted({f"{p.key}: {p.reason}" for p in points})
-        raise SpecError(f"{where}: search: no configuration can run under {budget_key}={budget:g} ({'; '.join(reasons)})")
+        raise SpecError(f"{where}: search: no configuration can run under {budget_key}={budget:g} "
+                        f"({'; '.join(reasons)})")
     return Plan(device=device, budget_gib=budget, smallest_budget_gib=smallest,
                 samples_per_trial=s.samples_per_trial, eval_every_samples=every, grace_samples=grace,
                 points=points, notes=notes, memory=mem, job=job_dict, metric=s.metric, mode=s.mode_of_metric,

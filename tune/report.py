@@ -18,21 +18,23 @@ import csv
 import math
 import os
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
 from jobs.memory import checkpointing_str
 from jobs.outputs import write_json_atomic, write_text_atomic
 from jobs.spec import JobSpec
+
 from .plan import TIME_ATTR, Plan, gib_str
 from .spec import SearchSpec
 
 COLUMNS = ["trial_id", "status", "micro_batch_size", "grad_accum_steps", "global_batch_size", "gradient_checkpointing",
-           "checkpoint_every_n_layers", "lr_scaling", "reference_batch_size", "base_lr", "effective_lr", "estimate_gib", "budget_gib",
+           "checkpoint_every_n_layers", "lr_scaling", "reference_batch_size", "base_lr", "effective_lr", "estimate_gib",
+           "budget_gib",
            "samples_seen", "tokens_seen", "steps", "eval_loss", "tokens_per_s", "trainings_started", "reason",
            "output_dir"]
-RESULTS_CSV, RESULTS_JSON, RESULTS_TXT, PLOT, BEST = "results.csv", "results.json", "results.txt", "search.png", "best.yaml"
+RESULTS_CSV, RESULTS_JSON, RESULTS_TXT = "results.csv", "results.json", "results.txt"
+PLOT, BEST = "search.png", "best.yaml"
 # How the results table heads each metric's column.
 LABELS = {"eval_loss": "eval loss", "eval_rewards/accuracies": "eval acc"}
 
@@ -47,7 +49,7 @@ def columns(plan: Plan) -> list[str]:
     return cols
 
 
-def pick_best(rows: list[dict], samples_per_trial: int, metric: str = "eval_loss", mode: str = "min") -> Optional[dict]:
+def pick_best(rows: list[dict], samples_per_trial: int, metric: str = "eval_loss", mode: str = "min") -> dict | None:
     """The best value of `metric` (lowest for mode "min", highest for "max") among trials that saw
     the full sample budget; ties (to 6 decimals) go to the faster one."""
     done = [r for r in rows if r["status"] == "finished" and r.get(metric) is not None
@@ -80,7 +82,7 @@ def best_job_dict(raw: SearchSpec, best: dict) -> dict:
     return d
 
 
-def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: Optional[dict], notes: list[str],
+def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: dict | None, notes: list[str],
               *, interrupted: bool) -> dict[str, str]:
     out.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -169,7 +171,7 @@ def results_table(rows: list[dict], name: str, plan: Plan):
     return t
 
 
-def plot(path: Path, rows: list[dict], plan: Plan, name: str) -> Optional[Path]:
+def plot(path: Path, rows: list[dict], plan: Plan, name: str) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -33,14 +33,25 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 from jobs.errors import NodeLost, SpecError, oom_line
 from jobs.launch import make_trainer, node_lost
 from jobs.outputs import write_json_atomic
 from jobs.spec import JobSpec
-from .plan import (PLAN_FILE, STARTS_FILE, STATUS_FILE, TIME_ATTR, TRIALS_DIR, TUNE_DIR, Plan, gib_str,
-                   spec_fingerprint, trial_job_dict, trial_name)
+
+from .plan import (
+    PLAN_FILE,
+    STARTS_FILE,
+    STATUS_FILE,
+    TIME_ATTR,
+    TRIALS_DIR,
+    TUNE_DIR,
+    Plan,
+    gib_str,
+    spec_fingerprint,
+    trial_job_dict,
+    trial_name,
+)
 from .spec import SearchSpec
 
 log = logging.getLogger("rayft")
@@ -54,14 +65,14 @@ class TrialOutOfMemory(RuntimeError):
 
 # ---- one trial ---------------------------------------------------------------------------
 
-def read_json(path: Path) -> Optional[dict]:
+def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
 
 
-def forward_metrics(m: dict, global_batch: int, max_steps: int, metric: str = "eval_loss") -> Optional[dict]:
+def forward_metrics(m: dict, global_batch: int, max_steps: int, metric: str = "eval_loss") -> dict | None:
     """What one worker report becomes for Tune, or None to hold it back.
 
     `samples_seen` = optimizer steps x global batch: the ASHA time attribute. The final step is
@@ -157,7 +168,7 @@ def run_trial(config: dict, setup: dict) -> None:
     tune.report(result)
 
 
-def final_value(summary: dict, out: Path, metric: str, max_steps: int) -> Optional[float]:
+def final_value(summary: dict, out: Path, metric: str, max_steps: int) -> float | None:
     """`metric` at the trial's last step: summary.json's, else the final step's metrics.jsonl record
     (a job resumed at its last checkpoint trains no step and its summary carries only the eval loss)."""
     if summary.get(metric) is not None:
@@ -204,7 +215,7 @@ def per_trial_cpus(spec: SearchSpec) -> int:
     return 1 + math.ceil(r.num_workers * r.cpus_per_worker)
 
 
-def init_ray(address: Optional[str], num_cpus: Optional[int], per_trial: int) -> None:
+def init_ray(address: str | None, num_cpus: int | None, per_trial: int) -> None:
     """An embedded Ray big enough for two trials at once: on 2 cores two 1-worker trials need
     4 logical CPUs."""
     from jobs.launch import init_ray as init
@@ -237,14 +248,14 @@ def concurrency(spec: SearchSpec, n_trials: int, notes: list[str]) -> int:
 @dataclass
 class Outcome:
     rows: list[dict]
-    best: Optional[dict]
+    best: dict | None
     interrupted: bool
     resumed: bool
     files: dict[str, str]
     notes: list[str]
 
 
-def check_resume(spec: SearchSpec, raw_spec: SearchSpec, resume: Optional[bool], spec_path: str = "spec") -> bool:
+def check_resume(spec: SearchSpec, raw_spec: SearchSpec, resume: bool | None, spec_path: str = "spec") -> bool:
     """Whether this run resumes an earlier search in run.output_dir (`resume`: None = if there is
     one, True = there must be one, False = never). Refuses to resume a search whose spec changed."""
     from ray import tune
@@ -304,8 +315,8 @@ def tracking_callbacks(spec: SearchSpec) -> list:
     return [MLflowLoggerCallback(tracking_uri=uri, experiment_name=spec.name, save_artifact=False)]
 
 
-def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: Optional[bool] = None,
-               address: Optional[str] = None, num_cpus: Optional[int] = None,
+def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: bool | None = None,
+               address: str | None = None, num_cpus: int | None = None,
                spec_path: str = "spec") -> Outcome:
     """Run (or resume) the search. `spec` is absolutized for workers; `raw_spec` is what the user wrote
     (best.yaml keeps its relative paths). `resume`: None = if possible, True = must, False = fresh."""
@@ -425,7 +436,8 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
             status, reason = "stopped", f"ASHA stopped it at {samples} samples"
         else:
             status, reason = "not run", "interrupted before it reported"
-        recs = [x for x in read_metrics(tdir) if x.get("step", 0) * p["global_batch_size"] <= samples] if samples else []
+        gbs = p["global_batch_size"]
+        recs = [x for x in read_metrics(tdir) if x.get("step", 0) * gbs <= samples] if samples else []
         tps = [x["tokens_per_s"] for x in recs if x.get("tokens_per_s")]
         starts = (tdir / STARTS_FILE).read_text().splitlines() if (tdir / STARTS_FILE).exists() else []
         reported = status in ("finished", "stopped")
@@ -437,7 +449,8 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
             "lr_scaling": p["lr_scaling"], "reference_batch_size": p["reference_batch_size"],
             "base_lr": lr, "effective_lr": plan.trial_spec(p, lr).effective_lr,  # the lr the trial trains with
             "estimate_gib": p["estimate_gib"], "budget_gib": plan.budget_gib,
-            "samples_seen": samples, "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
+            "samples_seen": samples,
+            "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
             "steps": samples // p["global_batch_size"] if samples else 0,
             "eval_loss": m.get("eval_loss") if reported else None,
             "tokens_per_s": m.get("tokens_per_s") if status == "finished" and m.get("tokens_per_s")
@@ -466,7 +479,7 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
     return rows
 
 
-def _searched(plan: Plan, point: dict, value: Optional[float]) -> dict:
+def _searched(plan: Plan, point: dict, value: float | None) -> dict:
     """A row's beta (preference objectives: the one the trial trains with) and its value of the search's
     metric (beside eval_loss, which every row has)."""
     extra = {"beta": plan.beta_of(point)} if plan.has_beta else {}

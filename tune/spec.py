@@ -25,7 +25,7 @@ Two modes:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -36,8 +36,14 @@ Rule = Literal["none", "linear", "sqrt"]
 Metric = Literal["eval_loss", "eval_rewards/accuracies"]
 # How trials compare on each metric: the lowest eval loss wins, the highest preference accuracy.
 METRIC_MODES = {"eval_loss": "min", "eval_rewards/accuracies": "max"}
-# A searched beta obeys objective.beta's own bounds (they live on ObjectiveSpec).
-Beta = Annotated[float, *ObjectiveSpec.model_fields["beta"].metadata]
+# A searched beta obeys objective.beta's own bounds (they live on ObjectiveSpec): `Annotated[float, *bounds]`.
+# Python 3.10 has no unpacking inside a subscript, so the arguments are a tuple built first; the type checker
+# cannot follow a computed Annotated and sees what it means statically, a float.
+if TYPE_CHECKING:
+    Beta = float
+else:
+    _BETA_ARGS = (float, *ObjectiveSpec.model_fields["beta"].metadata)
+    Beta = Annotated[_BETA_ARGS]
 
 
 class _Section(BaseModel):
@@ -51,7 +57,7 @@ class LrRange(_Section):
     """Largest base learning rate; equal to `low` means a fixed learning rate."""
 
     @model_validator(mode="after")
-    def _ordered(self) -> "LrRange":
+    def _ordered(self) -> LrRange:
         if self.high < self.low:
             raise ValueError(f"search.lr.high={self.high:g} is below search.lr.low={self.low:g}")
         return self
@@ -61,7 +67,7 @@ class AshaSpec(_Section):
     reduction_factor: int = Field(2, ge=2)
     """ASHA keeps the best 1/reduction_factor of the trials at each rung; rungs sit at
     grace_samples x reduction_factor^k samples (an integer, so rungs fall on report points)."""
-    grace_samples: Optional[int] = Field(None, gt=0)
+    grace_samples: int | None = Field(None, gt=0)
     """Training samples every trial sees before ASHA may stop it; default `search.eval_every_samples`.
     Must be a multiple of `search.eval_every_samples` (rungs sit where every trial reports)."""
 
@@ -72,32 +78,32 @@ class SearchSection(_Section):
     global batch = micro x accumulation x workers grows with accumulation, the lr rule then matters."""
     grad_accum_steps: list[int]
     """Accumulation steps to try."""
-    micro_batch_size: Optional[list[int]] = None
+    micro_batch_size: list[int] | None = None
     """`fixed_micro_batch` only: micro-batch sizes to try (default: `batch.micro_batch_size`)."""
-    lr_scaling: list[Rule] = Field(default_factory=lambda: ["none"])
+    lr_scaling: list[Rule] = Field(default_factory=lambda: list[Rule](["none"]))
     """LR scaling rules to try: lr = base x f(global / reference) with f = 1 (`none`), x (`linear`), sqrt(x)."""
-    lr: Optional[LrRange] = None
+    lr: LrRange | None = None
     """Base learning-rate range, sampled log-uniformly; default: `optim.lr`, fixed."""
     num_samples: int = Field(1, gt=0)
     """Learning rates sampled per (micro-batch, accumulation, rule) point."""
-    budget_gib: Optional[float] = Field(None, gt=0)
+    budget_gib: float | None = Field(None, gt=0)
     """Per-device memory budget in GiB (default `memory.budget_gib`). Configurations whose estimate
     (jobs.memory, for the device the trials run on) exceeds it are never launched."""
     samples_per_trial: int = Field(gt=0)
     """Training samples (sequences) every trial sees: the equal token budget. max_steps = this / global batch."""
-    eval_every_samples: Optional[int] = Field(None, gt=0)
+    eval_every_samples: int | None = Field(None, gt=0)
     """Evaluate and report every N training samples; default: the least common multiple of the searched
     global batches, so every trial reports at the same sample counts."""
     scheduler: Literal["asha", "fifo"] = "asha"
     """`asha`: stop trials early on `search.metric` at equal samples seen; `fifo`: run every trial to the end."""
     asha: AshaSpec = Field(default_factory=AshaSpec)
     """ASHA settings (time attribute: training samples seen)."""
-    max_concurrent_trials: Optional[int] = Field(None, gt=0)
+    max_concurrent_trials: int | None = Field(None, gt=0)
     """Trials at once; default (and upper bound): what the cluster holds, each trial taking one CPU for
     the trial function plus its workers' CPUs (and GPUs)."""
-    seed: Optional[int] = None
+    seed: int | None = None
     """Seed of the learning-rate sampler; default `run.seed`."""
-    beta: Optional[list[Beta]] = None
+    beta: list[Beta] | None = None
     """Preference objectives with a beta (dpo, ipo, simpo, orpo) only: `objective.beta` values to try, a grid
     dimension beside accumulation and the lr rule (default: the base job's `objective.beta`). More than
     one needs `search.metric: eval_rewards/accuracies` (eval losses at different beta are not comparable)."""
@@ -108,7 +114,7 @@ class SearchSection(_Section):
 
     @field_validator("grad_accum_steps", "micro_batch_size")
     @classmethod
-    def _positive_unique(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+    def _positive_unique(cls, v: list[int] | None) -> list[int] | None:
         if v is None:
             return v
         if not v:
@@ -122,7 +128,7 @@ class SearchSection(_Section):
 
     @field_validator("beta")
     @classmethod
-    def _betas(cls, v: Optional[list[float]]) -> Optional[list[float]]:
+    def _betas(cls, v: list[float] | None) -> list[float] | None:
         if v is None:
             return v
         if not v:
@@ -153,7 +159,7 @@ class SearchSpec(JobSpec):
     """What to search and under which memory budget (see tune/spec.py)."""
 
     @model_validator(mode="after")
-    def _search_consistent(self) -> "SearchSpec":
+    def _search_consistent(self) -> SearchSpec:
         s = self.search
         if s.budget_gib is None and self.memory.budget_gib is None:
             raise ValueError("search.budget_gib: required (or set memory.budget_gib): the search only launches "
@@ -192,7 +198,9 @@ class SearchSpec(JobSpec):
 
     @property
     def budget(self) -> float:
-        return float(self.search.budget_gib if self.search.budget_gib is not None else self.memory.budget_gib)
+        budget = self.search.budget_gib if self.search.budget_gib is not None else self.memory.budget_gib
+        assert budget is not None  # the validator requires one of the two
+        return float(budget)
 
     def job_dict(self) -> dict:
         """The base job spec as plain data: everything but `search`."""
@@ -204,7 +212,7 @@ class SearchSpec(JobSpec):
         return JobSpec.model_validate(self.job_dict())
 
 
-def load_search_spec(path=None, overrides: Optional[list[str]] = None, *, data: Optional[dict] = None,
+def load_search_spec(path=None, overrides: list[str] | None = None, *, data: dict | None = None,
                      files: bool = True) -> SearchSpec:
     """Read, override (`search.lr.low=1e-4` works like any override), validate, check files."""
     where = str(path) if path is not None else "spec"

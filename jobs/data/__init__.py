@@ -20,14 +20,48 @@ One module per role, each importing only those above it:
 Callers import from `jobs.data`; the names below are the package's interface.
 """
 
-from .batches import (GlobalBatches, collate, collate_pairs, count_inputs, count_labels, equal_micro_batches, eval_shard,
-                      pack_rows, split_window, total_steps)
-from .cache import (CACHE_FORMAT, Dataset, TokenizedPairs, TokenizedSplit, cache_key, content_hash,
-                    count_checked_records, data_cache_dir, data_kind, load_dataset, source_hash, tokenizer_hash)
+from .batches import (
+    GlobalBatches,
+    collate,
+    collate_pairs,
+    count_inputs,
+    count_labels,
+    equal_micro_batches,
+    eval_shard,
+    pack_rows,
+    split_window,
+    total_steps,
+)
+from .cache import (
+    CACHE_FORMAT,
+    Dataset,
+    TokenizedPairs,
+    TokenizedSplit,
+    cache_key,
+    content_hash,
+    count_checked_records,
+    data_cache_dir,
+    data_kind,
+    load_dataset,
+    source_hash,
+    tokenizer_hash,
+)
 from .chat import chat_pair_texts, chat_prompt_ids, chat_spans
 from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs, tokenize_pairs_iter, truncate_pair
-from .records import (OUR_FIELDS, PAIR, PAIR_FIELDS, PAIRS, ROLES, SFT, TEXT_FIELDS, char_bound, check_record,
-                      longest_token_chars, record_format, record_kind)
+from .records import (
+    OUR_FIELDS,
+    PAIR,
+    PAIR_FIELDS,
+    PAIRS,
+    ROLES,
+    SFT,
+    TEXT_FIELDS,
+    char_bound,
+    check_record,
+    longest_token_chars,
+    record_format,
+    record_kind,
+)
 from .sources import DATASETS_SUFFIXES, is_hub, read_jsonl, read_records
 from .tokenizing import IGNORE, Example, encode_prompt, tokenize, tokenize_iter
 
@@ -37,7 +71,8 @@ __all__ = [
     "Dataset", "Example", "GlobalBatches", "Pair", "TokenizedPairs", "TokenizedSplit",
     "cache_key", "char_bound", "chat_pair_texts", "chat_prompt_ids", "chat_spans", "check_record", "collate",
     "collate_pairs", "content_hash", "count_checked_records", "count_inputs", "count_labels", "data_cache_dir",
-    "data_kind", "encode_prompt", "equal_micro_batches", "eval_shard", "is_hub", "load_dataset", "longest_token_chars", "pack_rows",
+    "data_kind", "encode_prompt", "equal_micro_batches", "eval_shard", "is_hub", "load_dataset", "longest_token_chars",
+    "pack_rows",
     "read_jsonl", "read_records", "record_format", "record_kind", "source_hash", "split_window", "tokenize",
     "tokenize_iter", "tokenize_pairs", "tokenize_pairs_iter", "tokenizer_hash", "total_steps", "truncate_pair",
 ]

@@ -25,10 +25,10 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,8 +53,11 @@ def _file_sha256(path: Path) -> str:
     memo = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
     if memo in _HASHES:  # a checkpoint every few steps hashes the data again: once is enough
         return _HASHES[memo]
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:  # in blocks: hashlib.file_digest is Python 3.11+, rayft supports 3.10
+        while block := f.read(1 << 20):
+            h.update(block)
+    digest = h.hexdigest()
     # A file modified within the filesystem's timestamp granularity of now could change again
     # without changing (size, mtime): remember only hashes of files that have been still a while.
     if time.time() - st.st_mtime > 2:
@@ -62,7 +65,7 @@ def _file_sha256(path: Path) -> str:
     return digest
 
 
-def source_hash(path: str, hf_token_env: Optional[str] = None) -> str:
+def source_hash(path: str, hf_token_env: str | None = None) -> str:
     """sha256 of a data source's content: a file's bytes, every file of a `save_to_disk`
     directory (names and bytes), or a hub dataset's fingerprint (datasets' hash of its files)."""
     if is_hub(path):
@@ -110,7 +113,8 @@ def cache_key(spec: JobSpec, tokenizer) -> str:
     parts = {"format": CACHE_FORMAT, "content": content_hash(spec), "tokenizer": tokenizer_hash(tokenizer),
              "max_seq_len": d.max_seq_len, "fields": d.fields, "train_on": d.train_on,
              "n_sources": len(d.path), "eval_path": bool(d.eval_path),
-             "eval_fraction": d.eval_fraction, "split_seed": spec.run.seed if d.eval_fraction > 0 and not d.eval_path else None}
+             "eval_fraction": d.eval_fraction,
+             "split_seed": spec.run.seed if d.eval_fraction > 0 and not d.eval_path else None}
     if data_kind(spec) == PAIRS:  # only then: an SFT entry keeps the key it always had
         parts["kind"] = PAIRS
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
@@ -127,13 +131,15 @@ def data_cache_dir(spec: JobSpec, key: str) -> Path:
 
 # ---- an entry's files -------------------------------------------------------------------------
 
-class TokenizedSplit(SequenceABC):
+class TokenizedSplit(Sequence):
     """Examples stored as flat int32 arrays (`input_ids.bin`, `targets.bin`) and int64 offsets,
     memory-mapped read-only: an index costs only the pages of the examples it touches."""
 
     def __init__(self, directory: Path, name: str, n: int, n_tokens: int):
         self.n = n
         self.offsets = np.load(directory / f"{name}.offsets.npy", mmap_mode="r")
+        self.ids: np.ndarray
+        self.targets: np.ndarray
         if n_tokens:
             self.ids = np.memmap(directory / f"{name}.input_ids.bin", dtype=np.int32, mode="r", shape=(n_tokens,))
             self.targets = np.memmap(directory / f"{name}.targets.bin", dtype=np.int32, mode="r", shape=(n_tokens,))
@@ -178,7 +184,7 @@ class _SplitWriter:
         return {"n": len(self.offsets) - 1, "n_tokens": self.offsets[-1]}
 
 
-class TokenizedPairs(SequenceABC):
+class TokenizedPairs(Sequence):
     """Pairs stored per field (prompt, chosen, rejected) as a flat int32 array and int64 offsets,
     memory-mapped read-only: reading pair i re-tokenizes nothing and touches only its pages."""
 
@@ -239,7 +245,7 @@ class Dataset:
     eval: Sequence[Example | Pair]
     dropped: int  # records with no label token left after truncation (pairs: the two counts below)
     content_hash: str = ""  # `content_hash(spec)`: what the checkpoint's resume key records
-    cache_dir: Optional[Path] = None
+    cache_dir: Path | None = None
     kind: str = SFT  # `SFT`: `train`/`eval` hold Examples; `PAIRS`: they hold Pairs
     dropped_empty: int = 0  # pairs with an empty prompt or response
     dropped_identical: int = 0  # pairs whose responses are identical after tokenization and truncation
@@ -253,10 +259,11 @@ def count_checked_records(spec: JobSpec) -> int:
     skips the pass. The records are checked against the objective too: pairs for a preference
     objective, SFT records otherwise (`jobs.data.sources.read_jsonl`)."""
     d = spec.data
+    memo: Path | None = None
     try:
         checked = [content_hash(spec), d.fields] + ([PAIRS] if data_kind(spec) == PAIRS else [])
         key = hashlib.sha256(json.dumps(checked).encode()).hexdigest()[:24]
-        memo: Optional[Path] = data_cache_dir(spec, f"checked-{key}.json")
+        memo = data_cache_dir(spec, f"checked-{key}.json")
         return int(json.loads(memo.read_text())["train_records"])
     except SpecError:  # a source that cannot be hashed: the pass below names the problem
         memo = None
@@ -312,7 +319,7 @@ def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
 def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
     """Read and tokenize the spec's data into a cache entry's files under `tmp`."""
     records, eval_records = read_records(spec, tokenizer)
-    meta = {"content_hash": content, "records": len(records), "eval_records": len(eval_records)}
+    meta: dict[str, Any] = {"content_hash": content, "records": len(records), "eval_records": len(eval_records)}
     if data_kind(spec) == PAIRS:
         return _build_pairs(tmp, spec, tokenizer, meta, records, eval_records)
     kept = 0

@@ -10,8 +10,6 @@ SpecError naming the model.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ..errors import SpecError
 from ..spec import one_line
 
@@ -32,7 +30,7 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, model_name
 
 
 def chat_spans(tokenizer, messages: list[dict], train_on: str = "assistant",
-               model_name: Optional[str] = None) -> tuple[str, list[tuple[int, int]]]:
+               model_name: str | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans that carry loss.
 
     The span of assistant turn i is what the template adds between rendering `messages[:i]` with
@@ -58,7 +56,7 @@ def chat_spans(tokenizer, messages: list[dict], train_on: str = "assistant",
     return full, spans
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], model_name: Optional[str] = None) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], model_name: str | None = None) -> list[int]:
     """Token ids of `messages` rendered with the generation prompt: what `rayft eval` feeds the
     model, the same text the training labels of the next assistant turn follow."""
     text = _render(tokenizer, messages, True, model_name or _model_name(tokenizer))
@@ -66,7 +64,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict], model_name: Optional[str] =
 
 
 def chat_pair_texts(tokenizer, prompt: list[dict], chosen: list[dict], rejected: list[dict],
-                    model_name: Optional[str] = None) -> tuple[str, str, str]:
+                    model_name: str | None = None) -> tuple[str, str, str]:
     """(prompt text, chosen text, rejected text) of a conversational pair, as TRL renders them:
     the prompt is `prompt` rendered with the generation prompt; a response is what rendering
     `prompt + response` adds after it (its content and the template's end-of-turn text). That

@@ -30,8 +30,8 @@ a response its first, so the result equals tokenizing the whole texts and trunca
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
 
 from .chat import chat_pair_texts
 from .records import char_bound, cut_record, cut_text
@@ -69,7 +69,7 @@ class Pair:
 
 
 def truncate_pair(prompt: Sequence[int], chosen: Sequence[int], rejected: Sequence[int], max_seq_len: int,
-                  bos: Optional[int]) -> tuple[list[int], list[int], list[int]]:
+                  bos: int | None) -> tuple[list[int], list[int], list[int]]:
     """(prompt, chosen, rejected) cut to `max_seq_len` by the module's rule: the prompt from the
     left (keeping a leading `bos`), then the responses from the right."""
     prompt, chosen, rejected = list(prompt), list(chosen), list(rejected)
@@ -86,8 +86,8 @@ def truncate_pair(prompt: Sequence[int], chosen: Sequence[int], rejected: Sequen
     return prompt, chosen[:room], rejected[:room]
 
 
-def tokenize_pairs_iter(records: Sequence[dict], tokenizer, max_seq_len: int, model_name: Optional[str] = None,
-                        chunk: int = 512) -> Iterator[Union[Pair, str]]:
+def tokenize_pairs_iter(records: Sequence[dict], tokenizer, max_seq_len: int, model_name: str | None = None,
+                        chunk: int = 512) -> Iterator[Pair | str]:
     """Per pair record, in order: its `Pair`, or why it was dropped (`DROP_EMPTY`,
     `DROP_IDENTICAL`). Records are tokenized `chunk` at a time (one batched tokenizer call per
     field)."""
@@ -112,7 +112,7 @@ def tokenize_pairs_iter(records: Sequence[dict], tokenizer, max_seq_len: int, mo
 
 
 def tokenize_pairs(records: Sequence[dict], tokenizer, max_seq_len: int,
-                   model_name: Optional[str] = None) -> tuple[list[Pair], dict[str, int]]:
+                   model_name: str | None = None) -> tuple[list[Pair], dict[str, int]]:
     """The `Pair`s of `records` that survive truncation, and how many were dropped, by reason."""
     pairs, dropped = [], {DROP_EMPTY: 0, DROP_IDENTICAL: 0}
     for x in tokenize_pairs_iter(records, tokenizer, max_seq_len, model_name):
@@ -123,7 +123,7 @@ def tokenize_pairs(records: Sequence[dict], tokenizer, max_seq_len: int,
     return pairs, dropped
 
 
-def _texts(rec: dict, tokenizer, cut: int, model_name: Optional[str]) -> tuple[str, str, str]:
+def _texts(rec: dict, tokenizer, cut: int, model_name: str | None) -> tuple[str, str, str]:
     """The (prompt, chosen, rejected) texts of a pair record (its fields already cut), each cut
     to `cut` characters: a prompt keeps its end, a response its beginning."""
     if isinstance(rec["prompt"], str):
@@ -134,7 +134,7 @@ def _texts(rec: dict, tokenizer, cut: int, model_name: Optional[str]) -> tuple[s
     return _prompt_tail(prompt, cut, tokenizer.bos_token), cut_text(chosen, cut), cut_text(rejected, cut)
 
 
-def _prompt_tail(text: str, cut: int, bos_text: Optional[str]) -> str:
+def _prompt_tail(text: str, cut: int, bos_text: str | None) -> str:
     """The last `cut` characters of a prompt text, after its leading BOS text if it has one (a
     truncated prompt keeps its BOS token)."""
     if len(text) <= cut:

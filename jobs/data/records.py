@@ -24,7 +24,6 @@ came from.
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 from ..errors import SpecError
 from ..spec import one_line
@@ -40,7 +39,7 @@ TEXT_FIELDS = ("text", "prompt", "completion")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def record_format(rec: dict, pairs: bool = False) -> Optional[str]:
+def record_format(rec: dict, pairs: bool = False) -> str | None:
     """`MESSAGES`, `TEXT`, `PROMPT_COMPLETION` or `PAIR` (the first that `rec`'s keys fit, in that
     order; with `pairs`, a preference job's records, `PAIR` first), or None when it fits none. A
     record with `chosen` or `rejected` is a pair, so a missing third field is named, not guessed
@@ -57,12 +56,12 @@ def record_format(rec: dict, pairs: bool = False) -> Optional[str]:
     return PAIR if is_pair else None
 
 
-def record_kind(fmt: Optional[str]) -> str:
+def record_kind(fmt: str | None) -> str:
     """`PAIRS` for the pair format, `SFT` for the others."""
     return PAIRS if fmt == PAIR else SFT
 
 
-def check_record(rec, where: str, fields: Optional[dict] = None, pairs: bool = False) -> dict:
+def check_record(rec, where: str, fields: dict | None = None, pairs: bool = False) -> dict:
     """`rec` with `fields` renamed, checked to be one of the four formats (`pairs`: read as a
     preference job reads it, see `record_format`); a SpecError otherwise."""
     if not isinstance(rec, dict):
@@ -92,7 +91,7 @@ def check_record(rec, where: str, fields: Optional[dict] = None, pairs: bool = F
     return rec
 
 
-def _rename(rec: dict, where: str, fields: Optional[dict]) -> dict:
+def _rename(rec: dict, where: str, fields: dict | None) -> dict:
     if not fields:
         return rec
     for ours, theirs in fields.items():
@@ -163,7 +162,7 @@ def _check_pair(rec: dict, where: str) -> dict:
     return {k: [{"role": m["role"], "content": m["content"]} for m in rec[k]] for k in PAIR_FIELDS}
 
 
-def cut_record(rec: dict, max_chars: Optional[int]) -> dict:
+def cut_record(rec: dict, max_chars: int | None) -> dict:
     """`rec` with every text (and every message's content) cut to `max_chars` characters; `rec`
     itself when `max_chars` is None. A pair's prompt keeps its *last* `max_chars` characters (a
     prompt is truncated from the left, `jobs.data.pairs`), its responses their first."""

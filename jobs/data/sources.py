@@ -17,12 +17,22 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Optional
 
 from ..errors import SpecError
 from ..spec import OBJECTIVE_KEYS, JobSpec, one_line, path_problem
-from .records import (MESSAGES, PAIR, PAIRS, PROMPT_COMPLETION, SFT, TEXT, char_bound, check_record, cut_record,
-                      record_format, record_kind)
+from .records import (
+    MESSAGES,
+    PAIR,
+    PAIRS,
+    PROMPT_COMPLETION,
+    SFT,
+    TEXT,
+    char_bound,
+    check_record,
+    cut_record,
+    record_format,
+    record_kind,
+)
 
 DATASETS_SUFFIXES = {".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -31,9 +41,9 @@ def is_hub(path: str) -> bool:
     return str(path).startswith("hf:")
 
 
-def read_jsonl(path: str, key: str = "data.path", max_chars: Optional[int] = None,
-               fields: Optional[dict] = None, hf_token_env: Optional[str] = None,
-               objective: Optional[str] = None) -> list[dict]:
+def read_jsonl(path: str, key: str = "data.path", max_chars: int | None = None,
+               fields: dict | None = None, hf_token_env: str | None = None,
+               objective: str | None = None) -> list[dict]:
     """The records of one data source, each checked for shape (after renaming `fields`, ours ->
     theirs); a problem is one SpecError naming `key`, the source and the line or row. A `.jsonl`
     (or any file `datasets` has no reader for) is read line by line; `.json`, `.parquet`, `.csv`,
@@ -66,15 +76,16 @@ class _SourceCheck:
     one kind (the first record's, or the one `objective` trains on), and some pair with chosen !=
     rejected. Each refusal names the first record that breaks the rule."""
 
-    def __init__(self, key: str, shown: str, objective: Optional[str]):
+    def __init__(self, key: str, shown: str, objective: str | None):
         self.key, self.shown, self.objective = key, shown, objective
         self.pairs = objective is not None and objective != "sft"
-        self.first: Optional[tuple[str, str]] = None  # (kind, where) of the first record
+        self.first: tuple[str, str] | None = None  # (kind, where) of the first record
         self.some_pair_differs = False
 
-    def check(self, rec, where: str, fields: Optional[dict]) -> dict:
+    def check(self, rec, where: str, fields: dict | None) -> dict:
         rec = check_record(rec, where, fields, self.pairs)
         fmt = record_format(rec)
+        assert fmt is not None  # check_record refused a record of none of the formats
         kind = record_kind(fmt)
         if self.first is None:
             if self.objective is not None and kind != (PAIRS if self.pairs else SFT):
@@ -119,7 +130,7 @@ def read_records(spec: JobSpec, tokenizer) -> tuple[list[dict], list[dict]]:
     return records, eval_records
 
 
-def _read_lines(path: str, key: str, max_chars: Optional[int], fields: Optional[dict],
+def _read_lines(path: str, key: str, max_chars: int | None, fields: dict | None,
                 checks: _SourceCheck) -> list[dict]:
     records = []
     shown = one_line(str(path))
@@ -140,7 +151,7 @@ def _read_lines(path: str, key: str, max_chars: Optional[int], fields: Optional[
     return records
 
 
-def _parse_record(line: str, where: str, fields: Optional[dict], checks: _SourceCheck) -> dict:
+def _parse_record(line: str, where: str, fields: dict | None, checks: _SourceCheck) -> dict:
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
@@ -152,7 +163,7 @@ def _parse_record(line: str, where: str, fields: Optional[dict], checks: _Source
     return checks.check(rec, where, fields)
 
 
-def datasets_rows(path: str, key: str, hf_token_env: Optional[str]):
+def datasets_rows(path: str, key: str, hf_token_env: str | None):
     """A `datasets.Dataset` (Arrow, memory-mapped from datasets' cache) for a non-JSONL source."""
     import datasets
 

@@ -9,8 +9,8 @@ bounded by max_seq_len; the result equals tokenizing the whole text and truncati
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence
 
 from .chat import chat_spans
 from .records import MESSAGES, PROMPT_COMPLETION, TEXT, char_bound, record_format
@@ -46,7 +46,7 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return with_bos(tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.bos_token_id)
 
 
-def with_bos(ids: Sequence[int], bos: Optional[int]) -> list[int]:
+def with_bos(ids: Sequence[int], bos: int | None) -> list[int]:
     """`ids` with `bos` in front, unless they start with it (or the tokenizer has none): the rule
     `encode_prompt` applies, for ids tokenized in a batch."""
     ids = list(ids)
@@ -56,7 +56,7 @@ def with_bos(ids: Sequence[int], bos: Optional[int]) -> list[int]:
 
 
 def tokenize_iter(records: Sequence[dict], tokenizer, max_seq_len: int, train_on: str = "assistant",
-                  model_name: Optional[str] = None, chunk: int = 512) -> Iterable[Optional[Example]]:
+                  model_name: str | None = None, chunk: int = 512) -> Iterable[Example | None]:
     """One Example per record (None where truncation leaves no label), in record order (see the
     module docstring for what each format becomes). Records are tokenized `chunk` at a time (one
     batched call of the fast tokenizer)."""
@@ -69,13 +69,13 @@ def tokenize_iter(records: Sequence[dict], tokenizer, max_seq_len: int, train_on
 
 
 def tokenize(records: Sequence[dict], tokenizer, max_seq_len: int, train_on: str = "assistant",
-             model_name: Optional[str] = None) -> list[Example]:
+             model_name: str | None = None) -> list[Example]:
     """The Examples of `records` that keep a label after truncation (see `tokenize_iter`)."""
     return [e for e in tokenize_iter(records, tokenizer, max_seq_len, train_on, model_name) if e is not None]
 
 
 def _chunk_sequences(part: Sequence[dict], tokenizer, cut: int, train_on: str,
-                     model_name: Optional[str]) -> Iterator[tuple[list[int], list[int]]]:
+                     model_name: str | None) -> Iterator[tuple[list[int], list[int]]]:
     """(token ids, labels) of each record of `part`, in order, before truncation: texts cut to
     `cut` characters, then one batched tokenizer call per kind of text."""
     eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
@@ -83,9 +83,9 @@ def _chunk_sequences(part: Sequence[dict], tokenizer, cut: int, train_on: str,
     chats = [i for i, f in enumerate(formats) if f == MESSAGES]
     rendered = {i: chat_spans(tokenizer, part[i]["messages"], train_on, model_name) for i in chats}
     firsts = [(r["text"] if f == TEXT else r["prompt"])[:cut] if f != MESSAGES else ""
-              for r, f in zip(part, formats)]
+              for r, f in zip(part, formats, strict=True)]
     enc1 = _encode_many(tokenizer, firsts)["input_ids"]
-    comps = [r["completion"][:cut] if f == PROMPT_COMPLETION else "" for r, f in zip(part, formats)]
+    comps = [r["completion"][:cut] if f == PROMPT_COMPLETION else "" for r, f in zip(part, formats, strict=True)]
     enc2 = _encode_many(tokenizer, comps)["input_ids"]
     chat_enc = _encode_many(tokenizer, [rendered[i][0][:cut] for i in chats], offsets=True)
     chat_at = {i: j for j, i in enumerate(chats)}

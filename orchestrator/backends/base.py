@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Protocol, TextIO, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TextIO, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    from .kuberay.node_types import NodeType
 
 QUEUED, PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED = "QUEUED", "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"
 STATES = (QUEUED, PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED)
@@ -74,8 +78,8 @@ class JobStatus:
     message: str = ""
     name: str = ""
     spec_hash: str = ""
-    start_time_s: Optional[float] = None
-    end_time_s: Optional[float] = None
+    start_time_s: float | None = None
+    end_time_s: float | None = None
     backend: str = ""
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -111,11 +115,16 @@ class Submission(Protocol):
         """Everything that would be sent, for `rayft submit --dry-run`."""
 
 
+# What one backend's `prepare` makes and its `submit` takes (a RaySubmission, a KubeRaySubmission).
+SubmissionT = TypeVar("SubmissionT", bound=Submission)
+
+
 @runtime_checkable
-class Backend(Protocol):
+class Backend(Protocol[SubmissionT]):
     """Runs job specs and answers for them by id. Errors are `jobs.errors` classes: `UserError`
     for the input, `ClusterUnreachable` / `ClusterAuthError` / `JobNotFound` / `ClusterError`
-    for the cluster, each with a one-line message."""
+    for the cluster, each with a one-line message. Generic in its submission type: `submit`
+    takes only what the same backend's `prepare` made (`Backend[Any]`: any backend)."""
 
     name: str
 
@@ -127,14 +136,14 @@ class Backend(Protocol):
     def cli_flags(self) -> str:
         """The flags that name this backend again on the command line (for hints)."""
 
-    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: Optional[str] = None,
-                attempt: int = 1, extra_metadata: Optional[dict] = None) -> Submission:
+    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: str | None = None,
+                attempt: int = 1, extra_metadata: dict | None = None) -> SubmissionT:
         """Load and validate the spec once; compute what `submit` sends. Sends nothing."""
 
-    def submit(self, sub: Submission) -> tuple[JobStatus, bool]:
+    def submit(self, sub: SubmissionT) -> tuple[JobStatus, bool]:
         """Submit unless a job with that id exists: (its status, whether this call created it)."""
 
-    def info(self, job_id: str) -> Optional[JobStatus]:
+    def info(self, job_id: str) -> JobStatus | None:
         """The job's status, or None when the backend has no job of that id."""
 
     def status(self, job_id: str) -> JobStatus:
@@ -143,10 +152,10 @@ class Backend(Protocol):
     def logs(self, job_id: str) -> str:
         """The driver's output so far."""
 
-    def follow(self, job_id: str, out: Optional[TextIO] = None) -> JobStatus:
+    def follow(self, job_id: str, out: TextIO | None = None) -> JobStatus:
         """Write the logs to `out` (stdout) as they come until the job ends; its final status."""
 
-    def wait(self, job_id: str, timeout_s: Optional[float] = None) -> JobStatus:
+    def wait(self, job_id: str, timeout_s: float | None = None) -> JobStatus:
         """Wait, silently, until the job ends (or `timeout_s`); its last status."""
 
     def stop(self, job_id: str) -> bool:
@@ -156,7 +165,7 @@ class Backend(Protocol):
         """The jobs rayft submitted (`all_jobs`: every job the backend has), oldest first."""
 
 
-def write_new_text(out: Optional[TextIO], seen: str, text: str) -> str:
+def write_new_text(out: TextIO | None, seen: str, text: str) -> str:
     """Write what `text` adds to `seen` (all of it when the log was rotated); returns `text`."""
     out = out or sys.stdout
     out.write(text[len(seen):] if text.startswith(seen) else text)
@@ -164,7 +173,7 @@ def write_new_text(out: Optional[TextIO], seen: str, text: str) -> str:
     return text
 
 
-def wait_for_end(status: Callable[[], JobStatus], timeout_s: Optional[float], poll_s: float) -> JobStatus:
+def wait_for_end(status: Callable[[], JobStatus], timeout_s: float | None, poll_s: float) -> JobStatus:
     """Poll `status()` every `poll_s` seconds until the job has ended, or `timeout_s` has passed
     (None: no limit); returns the last status seen. Every backend's `wait` is this."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -179,13 +188,14 @@ def sorted_by_start(rows: Iterable[JobStatus]) -> list[JobStatus]:
     return sorted(rows, key=lambda r: (r.start_time_s is None, r.start_time_s or 0.0, r.id))
 
 
-# ---- a cluster's resources, as a backend reports them for queue admission -------------------------------------------------------------------------------
+# ---- a cluster's resources, as a backend reports them for queue admission --------------------------------------
 #
 # The queue's driver (orchestrator.queue.driver) admits in one of two ways, by what the backend offers:
 #   cluster_view() -> ClusterView   rayft is the scheduler: a job is submitted when its pods fit the
 #                                   free resources now (Ray Jobs);
 #   admits_by_quota = True, with    the cluster's own queue admits (Kueue): jobs are created at once
 #   node_type -> a NodeType         and wait there; rayft only refuses what can never fit one node (KubeRay).
+# `ResourceBackend` and `QuotaBackend` name the two.
 
 @dataclass
 class Node:
@@ -196,7 +206,7 @@ class Node:
     cpu_free: float
     gpu_total: float = 0.0
     gpu_free: float = 0.0
-    accelerator_type: Optional[str] = None
+    accelerator_type: str | None = None
 
 
 @dataclass
@@ -221,3 +231,20 @@ class ClusterView:
     @property
     def gpu_free(self) -> float:
         return sum(n.gpu_free for n in self.nodes)
+
+
+class ResourceBackend(Backend[Any], Protocol):
+    """A backend the queue admits to by its free resources (Ray Jobs)."""
+
+    def cluster_view(self) -> ClusterView:
+        """The alive nodes with their total and free resources, now."""
+
+
+class QuotaBackend(Backend[Any], Protocol):
+    """A backend whose cluster admits by quota (KubeRay with Kueue); `admits_by_quota` is True."""
+
+    admits_by_quota: bool
+
+    @property
+    def node_type(self) -> NodeType:
+        """What one node of the cluster has."""

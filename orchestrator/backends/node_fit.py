@@ -33,8 +33,8 @@ then what the node says, then `--gpu-memory default=GiB`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class GpuPlan:
     choice: str = "ddp"      # its strategy choice (`jobs.memory.CHOICES`: ddp, fsdp, fsdp-keep)
 
 
-def _no_plan(gpu_memory_gib: float) -> Optional[GpuPlan]:
+def _no_plan(gpu_memory_gib: float) -> GpuPlan | None:
     return None
 
 
@@ -55,11 +55,11 @@ class PodAsk:
     """What one worker pod asks of the node it lands on. None: not judged by this caller."""
 
     gpus: int                                   # 0: a CPU pod
-    cpus: Optional[float] = None
-    accelerator_type: Optional[str] = None      # resources.accelerator_type
-    budget_gib: Optional[float] = None          # memory.budget_gib, held against the GPU's memory
+    cpus: float | None = None
+    accelerator_type: str | None = None      # resources.accelerator_type
+    budget_gib: float | None = None          # memory.budget_gib, held against the GPU's memory
     # The plan on a GPU of that many GiB (None: not known here, e.g. a hub model read offline).
-    plan: Callable[[float], Optional[GpuPlan]] = _no_plan
+    plan: Callable[[float], GpuPlan | None] = _no_plan
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class NodeOffer:
     gpus: float                                 # GPUs of the node
     cpus: float                                 # CPUs of the node
     gpu_names: tuple[str, ...] = ()             # what `resources.accelerator_type` may call its GPU
-    gpu_memory_gib: Optional[float] = None      # of one GPU (None: unknown)
+    gpu_memory_gib: float | None = None      # of one GPU (None: unknown)
     # True: a placement holds each pod against the node's free GPUs and CPUs (Ray Jobs admission),
     # so its size is not judged here.
     sized_by_placement: bool = False
@@ -82,10 +82,10 @@ class Refusal:
     fact: str
     need: float = 0.0                           # the pod's GPUs / CPUs / budget / plan GiB
     have: float = 0.0                           # the node's GPUs / CPUs / GPU memory
-    plan: Optional[GpuPlan] = None              # for "plan": the plan that does not fit
+    plan: GpuPlan | None = None              # for "plan": the plan that does not fit
 
 
-def refusal(pod: PodAsk, node: NodeOffer) -> Optional[Refusal]:
+def refusal(pod: PodAsk, node: NodeOffer) -> Refusal | None:
     """The first fact (module docstring) by which `pod` can never run on `node`; None when it can."""
     if pod.gpus and node.gpus < 1:
         return Refusal("no-gpus", pod.gpus, node.gpus)
@@ -109,7 +109,7 @@ def refusal(pod: PodAsk, node: NodeOffer) -> Optional[Refusal]:
     return None
 
 
-def gpu_memory_of(accel: Optional[str], overrides: dict[str, float], known: Optional[float] = None) -> Optional[float]:
+def gpu_memory_of(accel: str | None, overrides: dict[str, float], known: float | None = None) -> float | None:
     """GiB of one GPU of Ray accelerator type `accel`: `--gpu-memory` for that type (any case) first,
     then `known` (what the node says of itself: a node type's gpuMemoryGiB, or admission's table of
     Ray accelerator types), then `--gpu-memory default=GiB`; None when unknown (never guessed)."""

@@ -34,12 +34,21 @@ import ipaddress
 import os
 import shlex
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, TextIO
+from typing import Any, TextIO
 from urllib.parse import urlparse
 
-from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, JobNotFound, RayftError, SpecError, UserError
+from jobs.errors import (
+    ClusterAuthError,
+    ClusterError,
+    ClusterUnreachable,
+    JobNotFound,
+    RayftError,
+    SpecError,
+    UserError,
+)
 from jobs.spec import JobSpec, apply_overrides, load_spec, validate
 
 from .base import FINAL, ClusterView, JobStatus, Node, first_line, job_state, sorted_by_start, wait_for_end
@@ -66,7 +75,7 @@ def default_token_path() -> Path:
     return Path.home() / ".ray" / "auth_token"
 
 
-def token_source() -> Optional[str]:
+def token_source() -> str | None:
     """Where Ray's token loader will take the token from, in its order; None when nowhere.
 
     Ray 2.60 (`ray._raylet.AuthenticationTokenLoader`): RAY_AUTH_TOKEN, else the file named by
@@ -81,7 +90,7 @@ def token_source() -> Optional[str]:
     return None
 
 
-def configure_auth() -> Optional[str]:
+def configure_auth() -> str | None:
     """Turn on token auth for this client when a token is available and RAY_AUTH_MODE is unset.
 
     This is what `ray.init` does when it connects to an existing cluster; `JobSubmissionClient`
@@ -93,7 +102,8 @@ def configure_auth() -> Optional[str]:
     if mode is None and src is not None:
         os.environ["RAY_AUTH_MODE"] = "token"
         try:  # Ray caches its config; refresh it if Ray already read it in this process.
-            from ray._raylet import Config
+            # Config is a Cython class of ray._raylet that Ray's own stub (_raylet.pyi) leaves out.
+            from ray._raylet import Config  # type: ignore[attr-defined]
 
             Config.initialize("")
         except Exception:
@@ -162,7 +172,7 @@ def _ignore_files(directory: Path, include_gitignore: bool) -> list:
     return out
 
 
-def plan_upload(root: Path, excludes: list[str], limit_bytes: Optional[int] = None) -> UploadPlan:
+def plan_upload(root: Path, excludes: list[str], limit_bytes: int | None = None) -> UploadPlan:
     """Walk `root` the way Ray packages a working_dir and add up what it would upload.
 
     Ray's documented rules (runtime_env `working_dir` / `excludes`): `excludes` are gitignore-style
@@ -218,7 +228,7 @@ def check_upload(plan: UploadPlan) -> None:
             "in .gitignore or .rayignore (data and models belong on shared storage)")
 
 
-def find_project(working_dir: Optional[str]) -> Path:
+def find_project(working_dir: str | None) -> Path:
     """The project directory to upload: it must hold `jobs/finetune.py` (the entrypoint)."""
     wd = Path(working_dir or ".").resolve()
     if not wd.is_dir():
@@ -250,7 +260,7 @@ def submission_id(name: str, spec_hash: str, attempt: int = 1) -> str:
     return f"{name}-{spec_hash}" if attempt <= 1 else f"{name}-{spec_hash}-a{attempt}"
 
 
-def is_loopback(address: Optional[str]) -> bool:
+def is_loopback(address: str | None) -> bool:
     if not address:
         return False
     host = urlparse(address if "://" in address else f"http://{address}").hostname or ""
@@ -294,7 +304,7 @@ class RaySubmission:
 
 
 def resolve_spec(spec_path: str, overrides: list[str], working_dir: Path, *,
-                 address: Optional[str] = None) -> tuple[JobSpec, str, list[str], list[str]]:
+                 address: str | None = None) -> tuple[JobSpec, str, list[str], list[str]]:
     """Load and validate the spec, once, as the job will see it; returns (spec, spec path
     relative to the working dir, overrides for the entrypoint, warnings). Relative paths
     resolve in the working dir; `preflight` reads the data files."""
@@ -331,9 +341,9 @@ def resolve_spec(spec_path: str, overrides: list[str], working_dir: Path, *,
     return spec, rel, overrides, warnings
 
 
-def build_submission(spec_path: str, overrides: list[str], *, address: Optional[str] = None,
-                     working_dir: Optional[str] = None, attempt: int = 1, extra_metadata: Optional[dict] = None,
-                     excludes: Optional[list[str]] = None, driver_num_cpus: float = DRIVER_NUM_CPUS) -> RaySubmission:
+def build_submission(spec_path: str, overrides: list[str], *, address: str | None = None,
+                     working_dir: str | None = None, attempt: int = 1, extra_metadata: dict | None = None,
+                     excludes: list[str] | None = None, driver_num_cpus: float = DRIVER_NUM_CPUS) -> RaySubmission:
     """Validate and prepare one submission; raises a `UserError` (nothing sent) on any mistake."""
     wd = find_project(working_dir)
     spec, rel, overrides, warnings = resolve_spec(spec_path, overrides, wd, address=address)
@@ -343,7 +353,8 @@ def build_submission(spec_path: str, overrides: list[str], *, address: Optional[
     h = spec.spec_hash()
     sid = submission_id(spec.name, h, attempt)
     metadata = {f"{META_PREFIX}name": spec.name, f"{META_PREFIX}spec_hash": h, f"{META_PREFIX}spec": rel,
-                f"{META_PREFIX}attempt": str(attempt), f"{META_PREFIX}micro_batch_size": str(spec.batch.micro_batch_size),
+                f"{META_PREFIX}attempt": str(attempt),
+                f"{META_PREFIX}micro_batch_size": str(spec.batch.micro_batch_size),
                 f"{META_PREFIX}grad_accum_steps": str(spec.grad_accum_steps)}
     metadata.update({f"{META_PREFIX}{k}": str(v) for k, v in (extra_metadata or {}).items()})
     return RaySubmission(
@@ -356,11 +367,12 @@ def build_submission(spec_path: str, overrides: list[str], *, address: Optional[
 
 # ---- the client ------------------------------------------------------------------------------
 
-def http_timeout_s(timeout_s: Optional[float] = None, flag: str = "--timeout-s") -> float:
+def http_timeout_s(timeout_s: float | None = None, flag: str = "--timeout-s") -> float:
     """The network timeout in seconds: `timeout_s` (the CLI flag), else $RAYFT_HTTP_TIMEOUT_S,
     else `DEFAULT_HTTP_TIMEOUT_S`. Always finite and > 0 (a bad value is a `UserError` naming
     where it came from). Both backends use it: the Jobs API and the Kubernetes API."""
-    where, value = flag, timeout_s
+    where = flag
+    value: float | str | None = timeout_s  # the flag's number, or the environment's text
     if value is None and os.environ.get(HTTP_TIMEOUT_ENV, "").strip():
         where, value = f"${HTTP_TIMEOUT_ENV}", os.environ[HTTP_TIMEOUT_ENV].strip()
     if value is None:
@@ -397,7 +409,7 @@ def check_address(url: str, where: str = "--address") -> None:
         raise UserError(f"{where} {url}: not a valid URL ({first_line(e, 160)})") from None
 
 
-def resolve_address(address: Optional[str]) -> Optional[str]:
+def resolve_address(address: str | None) -> str | None:
     """The Jobs API URL: `address`, else $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS (as `ray job
     submit` does); "HOST:PORT" gets http://. None when none is given anywhere. The syntax is
     checked here (`check_address`), so a bad address never reaches the HTTP client."""
@@ -415,7 +427,7 @@ def resolve_address(address: Optional[str]) -> Optional[str]:
     return addr
 
 
-def _seconds(ms: Optional[int]) -> Optional[float]:
+def _seconds(ms: int | None) -> float | None:
     return None if not ms else ms / 1000.0        # Ray reports milliseconds since the epoch
 
 
@@ -446,10 +458,10 @@ class RayJobsBackend:
 
     name = "ray"
 
-    def __init__(self, address: Optional[str] = None, timeout_s: Optional[float] = None):
+    def __init__(self, address: str | None = None, timeout_s: float | None = None):
         self.address = resolve_address(address)
         self.timeout_s = http_timeout_s(timeout_s)
-        self.token_source: Optional[str] = None
+        self.token_source: str | None = None
         self._client = None
 
     @property
@@ -540,8 +552,8 @@ class RayJobsBackend:
             raise JobNotFound(f"no job {sid!r} on the Ray cluster at {self.address} (`rayft list` shows its jobs)")
         return info
 
-    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: Optional[str] = None,
-                attempt: int = 1, extra_metadata: Optional[dict] = None) -> RaySubmission:
+    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: str | None = None,
+                attempt: int = 1, extra_metadata: dict | None = None) -> RaySubmission:
         return build_submission(spec_path, overrides, address=self.address, working_dir=working_dir,
                                 attempt=attempt, extra_metadata=extra_metadata)
 
@@ -560,7 +572,7 @@ class RayJobsBackend:
                 created = False
         return self.status(sub.submission_id), created
 
-    def info(self, sid: str) -> Optional[JobStatus]:
+    def info(self, sid: str) -> JobStatus | None:
         details = self.details(sid)
         return None if details is None else to_status(details)
 
@@ -572,7 +584,7 @@ class RayJobsBackend:
         with self._errors(f"logs of {sid}"):
             return self.client.get_job_logs(sid)
 
-    def follow(self, sid: str, out: Optional[TextIO] = None) -> JobStatus:
+    def follow(self, sid: str, out: TextIO | None = None) -> JobStatus:
         """Stream the logs until the job ends; returns its final status."""
         import asyncio
 
@@ -589,7 +601,7 @@ class RayJobsBackend:
         # The stream closes as the job ends; its status follows within a few seconds.
         return self.wait(sid, timeout_s=30.0, poll_s=0.5)
 
-    def wait(self, sid: str, timeout_s: Optional[float] = None, poll_s: float = 1.0) -> JobStatus:
+    def wait(self, sid: str, timeout_s: float | None = None, poll_s: float = 1.0) -> JobStatus:
         return wait_for_end(lambda: self.status(sid), timeout_s, poll_s)
 
     def stop(self, sid: str) -> bool:

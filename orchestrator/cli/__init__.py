@@ -22,7 +22,6 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Optional
 
 from jobs.errors import RayftError, UserError
 
@@ -48,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from jobs.finetune import parse_with_overrides
 

@@ -13,32 +13,32 @@ unreachable cluster or rejected credentials (`orchestrator.cli.main` maps the er
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 from orchestrator.backends.base import SUCCEEDED, Backend, JobStatus, first_line
 
 from .output import fmt_time, print_json, say, table
 
-
 # ---- backends --------------------------------------------------------------------------------
 
-def _ray_jobs(args) -> Backend:
+def _ray_jobs(args) -> Backend[Any]:
     from orchestrator.backends.ray_jobs import RayJobsBackend
 
     return RayJobsBackend(args.address, timeout_s=getattr(args, "timeout_s", None))
 
 
-def _kuberay(args) -> Backend:
+def _kuberay(args) -> Backend[Any]:
     from orchestrator.backends.kuberay import KubeRayBackend
 
     target = {k: getattr(args, k) for k in ("queue", "image", "overlay") if getattr(args, k, None)}
     return KubeRayBackend(namespace=args.namespace, timeout_s=getattr(args, "timeout_s", None), **target)
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"ray": _ray_jobs, "kuberay": _kuberay}
+BACKENDS: dict[str, Callable[..., Backend[Any]]] = {"ray": _ray_jobs, "kuberay": _kuberay}
 
 
-def backend_from_args(args) -> Backend:
+def backend_from_args(args) -> Backend[Any]:
     return BACKENDS[args.backend](args)
 
 

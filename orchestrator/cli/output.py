@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 
 def say(msg: str) -> None:
@@ -38,7 +38,7 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     Console(width=None if sys.stdout.isatty() else 1000).print(t)
 
 
-def fmt_time(epoch_s: Optional[float]) -> str:
+def fmt_time(epoch_s: float | None) -> str:
     """Seconds since the epoch as local time, "-" when unknown."""
     if not epoch_s:
         return "-"

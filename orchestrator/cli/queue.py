@@ -10,6 +10,7 @@ them by quota). The queue itself is a SQLite file (`--db`, default $RAYFT_QUEUE_
 from __future__ import annotations
 
 import json
+from typing import cast
 
 from jobs.errors import UserError
 
@@ -42,7 +43,8 @@ def cmd_queue_add(args) -> int:
         row = q.job(job_id)
         ids.append(job_id)
         if created:
-            say(f"queued #{job_id} {row['name']} (spec hash {row['spec_hash']}, priority {row['priority']}) in {q.path}")
+            say(f"queued #{job_id} {row['name']} (spec hash {row['spec_hash']}, priority {row['priority']}) "
+                f"in {q.path}")
         else:
             from orchestrator.queue.store import RETRYABLE
 
@@ -54,6 +56,7 @@ def cmd_queue_add(args) -> int:
 
 
 def cmd_queue_run(args) -> int:
+    from orchestrator.backends.base import QuotaBackend
     from orchestrator.queue.admission import parse_gpu_memory
     from orchestrator.queue.driver import Driver, DriverConfig
 
@@ -67,7 +70,7 @@ def cmd_queue_run(args) -> int:
                        gpu_memory=parse_gpu_memory(args.gpu_memory))
     backend = backend_from_args(args)
     if args.backend == "kuberay":
-        _ = backend.node_type                # a wrong --overlay: one line now, before the driver starts
+        _ = cast(QuotaBackend, backend).node_type  # a wrong --overlay: one line now, before the driver starts
     driver = Driver(_queue(args), backend, cfg)
     return driver.run(once=args.once, forever=args.forever)
 

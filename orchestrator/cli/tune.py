@@ -128,15 +128,16 @@ def cmd_estimate(args) -> int:
     off = MemoryEstimate(rep["by_checkpointing"]["off"]["components"])
     on = MemoryEstimate(rep["by_checkpointing"]["on"]["components"])
     # Headings as lines, not table titles: rich folds a title to the table's width.
-    rows = " (packed rows)" if spec.data.packing else ""
+    packed = " (packed rows)" if spec.data.packing else ""
     quant = "" if rep["quantization"] == "none" else f", {rep['quantization']} base"
-    con.print(f"[bold]{spec.name}[/]: {spec.model.name}, micro-batch {rep['micro_batch_size']} x seq {rep['seq_len']}{rows}, "
+    con.print(f"[bold]{spec.name}[/]: {spec.model.name}, micro-batch {rep['micro_batch_size']} "
+              f"x seq {rep['seq_len']}{packed}, "
               f"{rep['num_workers']} worker(s), {rep['precision']}{quant} on {device}", soft_wrap=True)
     t = Table()
     t.add_column("component")
     t.add_column("checkpointing off", justify="right")
     t.add_column("checkpointing on", justify="right")
-    for (name, g_off), (_, g_on) in zip(off.table(), on.table()):
+    for (name, g_off), (_, g_on) in zip(off.table(), on.table(), strict=True):
         label = f"{name} (transient)" if name in rep["transient_components"] else name
         style = "bold" if name == "total" else None
         t.add_row(label, gib_str(g_off), gib_str(g_on), style=style)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Optional
+from typing import Any
 
 from jobs.errors import UserError
 from orchestrator.backends.base import ClusterView, Node
@@ -66,13 +66,13 @@ class Demand:
     num_workers: int
     cpus_per_worker: float
     use_gpu: bool = False
-    accelerator_type: Optional[str] = None
+    accelerator_type: str | None = None
     driver_cpus: float = DRIVER_NUM_CPUS
-    gib_by_every: Optional[dict[int, float]] = None
+    gib_by_every: dict[int, float] | None = None
     gc_mode: str = "auto"                 # memory.gradient_checkpointing: "true", "false" or "auto"
-    budget_gib: Optional[float] = None    # memory.budget_gib
+    budget_gib: float | None = None    # memory.budget_gib
     num_layers: int = 1                   # decoder layers of the model (the checkpointing candidates)
-    plan_table: Optional[dict] = None     # jobs.memory.plan_table: estimates by strategy and checkpointing
+    plan_table: dict | None = None     # jobs.memory.plan_table: estimates by strategy and checkpointing
     gpus_per_worker: int = 1              # resources.gpus_per_worker: GPUs of one worker pod, on one node
 
     @property
@@ -134,17 +134,17 @@ class Demand:
         return self.gpu_plan(gpu_mem_gib)[1]
 
     @property
-    def est_gib_off(self) -> Optional[float]:
+    def est_gib_off(self) -> float | None:
         """GiB per GPU with gradient checkpointing off."""
         return None if not self.gib_by_every else self.gib_by_every[0]
 
     @property
-    def est_gib_on(self) -> Optional[float]:
+    def est_gib_on(self) -> float | None:
         """GiB per GPU with gradient checkpointing on every layer."""
         return None if not self.gib_by_every else self.gib_by_every[1]
 
     @classmethod
-    def from_spec(cls, spec, driver_cpus: float = DRIVER_NUM_CPUS) -> "Demand":
+    def from_spec(cls, spec, driver_cpus: float = DRIVER_NUM_CPUS) -> Demand:
         """The demand of a validated JobSpec; for a GPU job this runs the memory model (once per
         checkpointing choice), which is why the queue stores the result instead of the spec."""
         r = spec.resources
@@ -164,7 +164,7 @@ class Demand:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "Demand":
+    def from_json(cls, text: str) -> Demand:
         d: dict[str, Any] = json.loads(text)
         table = d.pop("gib_by_every", None)
         # A row queued before the checkpointing table existed has off/on estimates only.
@@ -175,7 +175,7 @@ class Demand:
         return cls(**d)
 
 
-def _ray_gpu_memory_gib(accel: Optional[str], overrides: dict[str, float]) -> Optional[float]:
+def _ray_gpu_memory_gib(accel: str | None, overrides: dict[str, float]) -> float | None:
     """GiB per GPU of a Ray node whose GPUs are of Ray accelerator type `accel` (`GPU_MEMORY_GIB`
     under `--gpu-memory`, `node_fit.gpu_memory_of`); None when unknown (never guessed)."""
     table = {k.lower(): v for k, v in GPU_MEMORY_GIB.items()}
@@ -215,11 +215,11 @@ class Placement:
     now: bool
     ever: bool
     why: str = ""
-    free_after: Optional[dict[str, tuple[float, float]]] = None
+    free_after: dict[str, tuple[float, float]] | None = None
 
 
 def _first_fit(demand: Demand, nodes: list[Node], allowed: dict[str, bool],
-               free: dict[str, tuple[float, float]]) -> Optional[dict[str, tuple[float, float]]]:
+               free: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]] | None:
     """`free` after placing the job's worker pods first-fit (all of a pod's GPUs and CPUs on one
     allowed node) and then the driver's CPU share anywhere; None when they do not all fit."""
     pod_gpus = demand.pod_gpus
@@ -258,8 +258,8 @@ def _never_why(demand: Demand, view: ClusterView, reasons: list[str]) -> str:
     return f"can never fit this cluster ({view.cpu_total:g} CPUs, {view.gpu_total:g} GPUs): {why}"
 
 
-def place(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]] = None,
-          held: Optional[tuple[float, float]] = None) -> Placement:
+def place(demand: Demand, view: ClusterView, gpu_memory: dict[str, float] | None = None,
+          held: tuple[float, float] | None = None) -> Placement:
     """Where `demand` would go on a Ray cluster now; `view` is not changed (`reserve` takes it off).
 
     Worker pods (`gpus_per_worker` workers each, all of a pod's GPUs and CPUs on one node) are
@@ -290,8 +290,8 @@ def place(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, floa
     return Placement(True, True, "", placed)
 
 
-def reserve(demand: Demand, view: ClusterView, gpu_memory: Optional[dict[str, float]] = None,
-            held: Optional[tuple[float, float]] = None) -> tuple[bool, bool, str]:
+def reserve(demand: Demand, view: ClusterView, gpu_memory: dict[str, float] | None = None,
+            held: tuple[float, float] | None = None) -> tuple[bool, bool, str]:
     """(fits now, could ever fit this cluster, why not) of `place`; when the job fits now, its
     placement is taken off `view`'s free resources, so the next job of the same admission pass
     sees what is left."""
@@ -321,7 +321,7 @@ def _node_type_why(demand: Demand, node, r: Refusal) -> str:
     return f"needs {r.need:.1f} GiB per GPU (gradient checkpointing {checkpointing}), its GPU has {r.have:g} GiB"
 
 
-def fit_node_type(demand: Demand, node, gpu_memory: Optional[dict[str, float]] = None) -> tuple[bool, bool, str]:
+def fit_node_type(demand: Demand, node, gpu_memory: dict[str, float] | None = None) -> tuple[bool, bool, str]:
     """(fits, could ever fit, why not) of a job on a KubeRay cluster of one node type
     (`orchestrator.backends.kuberay.NodeType`). Pure: nothing is reserved.
 

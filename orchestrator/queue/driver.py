@@ -38,16 +38,18 @@ import signal
 import sqlite3
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, TextIO, cast
 
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, RayftError, UserError, oom_line
-from orchestrator.backends.base import FAILED, QUEUED, SUCCEEDED, Backend, first_line
+from orchestrator.backends.base import FAILED, QUEUED, SUCCEEDED, Backend, QuotaBackend, ResourceBackend, first_line
 from orchestrator.backends.ray_jobs import find_project, resolve_spec
 
 from .admission import Demand, fit_node_type, reserve
 from .store import ACTIVE, DONE, NewJob, Queue
+
 
 def load_queued_spec(spec_path: str, overrides: list[str], working_dir: Path, backend: str = "ray"):
     """(spec, spec path relative to the working dir), validated as `backend` will submit it.
@@ -73,7 +75,7 @@ def load_queued_spec(spec_path: str, overrides: list[str], working_dir: Path, ba
 
 
 def enqueue(queue: Queue, spec_path: str, overrides: list[str], *, priority: int = 0, max_retries: int = 2,
-            working_dir: Optional[str] = None, backend: str = "ray") -> tuple[int, bool]:
+            working_dir: str | None = None, backend: str = "ray") -> tuple[int, bool]:
     """`rayft queue add` of one spec: validate it (as `backend` will submit it, relative paths in
     the working dir), estimate its demand, store it. Returns (id, created); the same spec twice is
     one job."""
@@ -90,7 +92,7 @@ class DriverConfig:
     """How the driver admits: concurrency limit, seconds between passes, first retry delay
     (doubling), GPU memory overrides by Ray accelerator type, and where it logs."""
 
-    max_concurrency: Optional[int] = None
+    max_concurrency: int | None = None
     poll_s: float = 2.0
     backoff_s: float = 30.0
     gpu_memory: dict[str, float] = field(default_factory=dict)
@@ -105,15 +107,23 @@ class Driver:
     itself (`admits_by_quota`, with a `node_type`: KubeRay with Kueue, checked here for fit only).
     """
 
-    def __init__(self, queue: Queue, backend: Optional[Backend], config: Optional[DriverConfig] = None):
+    def __init__(self, queue: Queue, backend: Backend[Any] | None, config: DriverConfig | None = None):
         self.q = queue
-        self.backend = backend
+        self._backend = backend
         self.cfg = config or DriverConfig()
-        self._lock_file = None
+        self._lock_file: TextIO | None = None
+
+    @property
+    def backend(self) -> Backend[Any]:
+        """The backend jobs go to. A driver made without one (None) only locks its file and
+        records the ends of attempts; nothing it does then reaches here."""
+        if self._backend is None:
+            raise AttributeError("this queue driver has no backend")
+        return self._backend
 
     @property
     def backend_name(self) -> str:
-        return getattr(self.backend, "name", "ray")
+        return getattr(self._backend, "name", "ray")
 
     def log(self, job: sqlite3.Row, msg: str) -> None:
         self.cfg.log(f"{time.strftime('%H:%M:%S')} #{job['id']} {job['name']}: {msg}")
@@ -162,7 +172,8 @@ class Driver:
                         c.execute("DELETE FROM attempts WHERE job_id=? AND attempt=?", (job["id"], job["attempt"]))
                         self.q.event(c, job["id"], "requeued", f"{job['submission_id']} never reached the cluster")
             if n:
-                self.log(job, f"{job['submission_id']}: {'tracking' if info is not None else 'not on the cluster; requeued'}")
+                found = "tracking" if info is not None else "not on the cluster; requeued"
+                self.log(job, f"{job['submission_id']}: {found}")
 
     def poll(self) -> None:
         for job in self.q.jobs(("RUNNING",)):
@@ -236,7 +247,7 @@ class Driver:
         self.log(job, f"{job['submission_id']} {detail}" + (f": {first}" if first and new_state in DONE
                                                            and status != SUCCEEDED else ""))
 
-    def _demand_for(self, job: sqlite3.Row, changes: list[str]) -> Optional[Demand]:
+    def _demand_for(self, job: sqlite3.Row, changes: list[str]) -> Demand | None:
         try:
             wd = Path(job["working_dir"])
             spec, _ = load_queued_spec(str(wd / job["spec_path"]), json.loads(job["overrides"]) + changes, wd,
@@ -268,9 +279,9 @@ class Driver:
             return 0
         quota = getattr(self.backend, "admits_by_quota", False)
         if quota:
-            node = self.backend.node_type
+            node = cast(QuotaBackend, self.backend).node_type
         else:
-            view = self.backend.cluster_view()
+            view = cast(ResourceBackend, self.backend).cluster_view()
         held = [Demand.from_json(j["demand"]) for j in active]
         held_res = (sum(d.cpus for d in held), sum(d.gpus for d in held))
         admitted = 0
@@ -321,7 +332,8 @@ class Driver:
             return False
         with self.q.txn() as c:
             n = c.execute("UPDATE jobs SET state='SUBMITTING', attempt=?, submission_id=?, status_detail='', "
-                          "not_before=0 WHERE id=? AND state='QUEUED'", (attempt, sub.submission_id, job["id"])).rowcount
+                          "not_before=0 WHERE id=? AND state='QUEUED'",
+                          (attempt, sub.submission_id, job["id"])).rowcount
             if not n:
                 return False
             c.execute("INSERT OR REPLACE INTO attempts (job_id, attempt, submission_id, micro_batch_size, "

@@ -25,9 +25,10 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 from urllib.parse import quote
 
 from jobs.errors import UserError
@@ -124,10 +125,10 @@ class Queue:
     how to recover, and is never written to: its schema is checked before rayft creates tables.
     """
 
-    def __init__(self, path: Optional[os.PathLike] = None, *, readonly: bool = False):
+    def __init__(self, path: os.PathLike | None = None, *, readonly: bool = False):
         self.path = Path(path) if path is not None else default_db()
         self.readonly = readonly
-        self._db: Optional[sqlite3.Connection] = None
+        self._db: sqlite3.Connection | None = None
         self._has_tables = False
 
     @property
@@ -213,7 +214,8 @@ class Queue:
         self._has_tables = bool(tables)
         if tables and not OUR_TABLES <= tables:
             db.close()
-            raise self._refuse_unusable(f"a SQLite database of something else (tables: {', '.join(sorted(tables)[:5])}), "
+            shown = ", ".join(sorted(tables)[:5])
+            raise self._refuse_unusable(f"a SQLite database of something else (tables: {shown}), "
                                         "not a rayft queue")
         return db
 
@@ -232,7 +234,7 @@ class Queue:
                   (job_id, time.time(), kind, detail))
 
     # -- reading --
-    def jobs(self, states: Optional[tuple[str, ...]] = None) -> list[sqlite3.Row]:
+    def jobs(self, states: tuple[str, ...] | None = None) -> list[sqlite3.Row]:
         if self.readonly and (not self.exists or (self.db is not None and not self._has_tables)):
             return []                     # no file, or an empty one: an empty queue (nothing created)
         if states:
@@ -249,7 +251,7 @@ class Queue:
     def attempts(self, job_id: int) -> list[sqlite3.Row]:
         return list(self.db.execute("SELECT * FROM attempts WHERE job_id = ? ORDER BY attempt", (job_id,)))
 
-    def events(self, job_id: Optional[int] = None) -> list[sqlite3.Row]:
+    def events(self, job_id: int | None = None) -> list[sqlite3.Row]:
         if job_id is None:
             return list(self.db.execute("SELECT * FROM events ORDER BY id"))
         return list(self.db.execute("SELECT * FROM events WHERE job_id = ? ORDER BY id", (job_id,)))
@@ -270,8 +272,10 @@ class Queue:
                 (job.name, job.working_dir, job.spec_path, json.dumps(list(job.overrides)), job.spec_hash,
                  job.priority, job.micro_batch_size, job.grad_accum_steps, job.demand_json, job.max_retries,
                  time.time()))
-            self.event(c, cur.lastrowid, "queued", f"priority {job.priority}, spec {job.spec_path}, hash {job.spec_hash}")
-            return int(cur.lastrowid), True
+            job_id = cur.lastrowid
+            assert job_id is not None  # set by the INSERT above
+            self.event(c, job_id, "queued", f"priority {job.priority}, spec {job.spec_path}, hash {job.spec_hash}")
+            return job_id, True
 
     def retry(self, job_id: int) -> str:
         """Queue a job that ended without success again; its next attempt gets the next id."""
@@ -285,7 +289,7 @@ class Queue:
                 self.event(c, job_id, "requeued", f"by hand after {row['state']}")
         return self.job(job_id)["state"]
 
-    def cancel(self, job_id: int, stop: Optional[Callable[[str], Any]] = None) -> str:
+    def cancel(self, job_id: int, stop: Callable[[str], Any] | None = None) -> str:
         """QUEUED -> CANCELED; an active job is stopped on the cluster first (`stop(submission_id)`)."""
         row = self.job(job_id)
         if row["state"] in DONE:

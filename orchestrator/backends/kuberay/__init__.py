@@ -13,10 +13,30 @@ methods, so rendering and checking need no cluster library.
 from .client import KubeRayBackend, KubeRayError, KubeRaySubmission, job_state
 from .node_types import DEFAULT_OVERLAY, NodeType, k8s_dir, load_node_type, overlays
 from .policy import QUEUE_LABEL, SHELL_OPERATORS, SHELL_SAFE, pod_specs, policy_violations
-from .render import (ANN_CHECKPOINTING, ANN_STRATEGY, ANN_ESTIMATE, ANN_ESTIMATE_BYTES, ANN_ESTIMATE_ERROR, ANN_GPU_MEMORY,
-                     ANN_NODE_TYPE, ANN_SPEC_HASH, ANN_SPEC_SOURCE, DEFAULT_NAMESPACE, DEFAULT_QUEUE, HF_SECRET,
-                     HF_SECRET_KEY, WORKDIR, K8sSpec, job_name, load_spec_for_k8s, render, render_rayjob,
-                     render_yaml, spec_configmap_name, to_yaml)
+from .render import (
+    ANN_CHECKPOINTING,
+    ANN_ESTIMATE,
+    ANN_ESTIMATE_BYTES,
+    ANN_ESTIMATE_ERROR,
+    ANN_GPU_MEMORY,
+    ANN_NODE_TYPE,
+    ANN_SPEC_HASH,
+    ANN_SPEC_SOURCE,
+    ANN_STRATEGY,
+    DEFAULT_NAMESPACE,
+    DEFAULT_QUEUE,
+    HF_SECRET,
+    HF_SECRET_KEY,
+    WORKDIR,
+    K8sSpec,
+    job_name,
+    load_spec_for_k8s,
+    render,
+    render_rayjob,
+    render_yaml,
+    spec_configmap_name,
+    to_yaml,
+)
 
 __all__ = [
     "KubeRayBackend", "KubeRayError", "KubeRaySubmission", "job_state",

@@ -5,7 +5,8 @@
 attempt N > 1: `attempt_name`), so submitting the same spec (and attempt) twice finds the first
 RayJob -- which is what lets the queue's driver, killed after creating one, find it on restart.
 Every failure is one line: `JobNotFound` for a RayJob that is not there, `ClusterAuthError` for
-401/403, `ClusterUnreachable` for no configuration or no answer, `KubeRayError` (a `ClusterError`) for any other refusal. Every API call carries
+401/403, `ClusterUnreachable` for no configuration or no answer, `KubeRayError` (a `ClusterError`)
+for any other refusal. Every API call carries
 `_request_timeout` (`ray_jobs.http_timeout_s`: `--timeout-s`, else $RAYFT_HTTP_TIMEOUT_S, else
 30 s, per connect and per read); an API server that does not answer is `ClusterUnreachable`
 naming its address.
@@ -18,22 +19,46 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, TextIO, Union
+from typing import Any, TextIO
 
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, JobNotFound, UserError
 from jobs.spec import JobSpec
 
-from ..base import FAILED, FINAL, PENDING, QUEUED, RUNNING, SUCCEEDED, JobStatus, first_line, sorted_by_start, \
-    wait_for_end, write_new_text
+from ..base import (
+    FAILED,
+    FINAL,
+    PENDING,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    JobStatus,
+    first_line,
+    sorted_by_start,
+    wait_for_end,
+    write_new_text,
+)
 from ..base import job_state as ray_job_state
 from ..ray_jobs import http_timeout_s
-from .node_types import DEFAULT_OVERLAY
-from .render import (ANN_CHECKPOINTING, ANN_ESTIMATE, ANN_NODE_TYPE, ANN_SPEC_HASH, DEFAULT_NAMESPACE,
-                     MAX_RAYJOB_NAME, RAY_GROUP, RAY_VERSION_API, RAYJOB_PLURAL, Obj, load_spec_for_k8s, render,
-                     spec_configmap_name)
+from .node_types import DEFAULT_OVERLAY, NodeType
+from .render import (
+    ANN_CHECKPOINTING,
+    ANN_ESTIMATE,
+    ANN_NODE_TYPE,
+    ANN_SPEC_HASH,
+    DEFAULT_NAMESPACE,
+    MAX_RAYJOB_NAME,
+    RAY_GROUP,
+    RAY_VERSION_API,
+    RAYJOB_PLURAL,
+    Obj,
+    load_spec_for_k8s,
+    render,
+    spec_configmap_name,
+)
 
 MANAGED_BY = "app.kubernetes.io/managed-by=rayft"
 ANN_ATTEMPT = "rayft.io/attempt"
@@ -95,7 +120,7 @@ def job_state(obj: Obj) -> str:
     return PENDING                       # New, Initializing, Waiting, and whatever a newer KubeRay adds
 
 
-def _epoch_s(stamp: Optional[str]) -> Optional[float]:
+def _epoch_s(stamp: str | None) -> float | None:
     """An RFC 3339 time of the Kubernetes API ("2026-01-02T03:04:05Z") as seconds since the epoch."""
     if not stamp:
         return None
@@ -167,10 +192,10 @@ class KubeRayBackend:
     # and checks only that a job fits one node of `node_type` (orchestrator.queue.admission).
     admits_by_quota = True
 
-    def __init__(self, namespace: Optional[str] = None, *, api_client: Any = None,
-                 overlay: Union[str, Path] = DEFAULT_OVERLAY, queue: Optional[str] = None,
-                 image: Optional[str] = None, context: Optional[str] = None,
-                 timeout_s: Optional[float] = None):
+    def __init__(self, namespace: str | None = None, *, api_client: Any = None,
+                 overlay: str | Path = DEFAULT_OVERLAY, queue: str | None = None,
+                 image: str | None = None, context: str | None = None,
+                 timeout_s: float | None = None):
         self.timeout_s = http_timeout_s(timeout_s)
         self.namespace = namespace or os.environ.get("RAYFT_K8S_NAMESPACE") or DEFAULT_NAMESPACE
         self.overlay, self.queue, self.image, self.context = overlay, queue, image, context
@@ -181,7 +206,7 @@ class KubeRayBackend:
         return f"namespace {self.namespace}"
 
     @property
-    def node_type(self):
+    def node_type(self) -> NodeType:
         """The overlay's node type: what one node of the cluster the RayJobs land on has."""
         from .node_types import load_node_type
 
@@ -234,7 +259,7 @@ class KubeRayBackend:
         return client.CustomObjectsApi(self.api_client)
 
     @contextlib.contextmanager
-    def _api(self, what: str, missing: Optional[str] = None) -> Iterator[None]:
+    def _api(self, what: str, missing: str | None = None) -> Iterator[None]:
         """Kubernetes API failures as rayft errors; `missing`: the message for a 404 (JobNotFound)."""
         import logging
 
@@ -284,12 +309,12 @@ class KubeRayBackend:
         kw.setdefault("overlay", self.overlay)
         return render(spec, namespace=self.namespace, **kw)
 
-    def prepare_spec(self, spec: JobSpec, *, spec_path: Optional[str] = None) -> KubeRaySubmission:
+    def prepare_spec(self, spec: JobSpec, *, spec_path: str | None = None) -> KubeRaySubmission:
         """Render a typed spec (refused when it does not fit the overlay's node type)."""
         return KubeRaySubmission(spec, self.render(spec, spec_path=spec_path))
 
-    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: Optional[str] = None,
-                attempt: int = 1, extra_metadata: Optional[dict] = None) -> KubeRaySubmission:
+    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: str | None = None,
+                attempt: int = 1, extra_metadata: dict | None = None) -> KubeRaySubmission:
         """Render the spec as attempt `attempt` (a RayJob of its own, `attempt_name`), annotated
         with the attempt, the batch split it runs (what an out-of-memory retry changes) and
         `extra_metadata` as `rayft.io/<key>` (the queue's job id)."""
@@ -310,7 +335,7 @@ class KubeRayBackend:
         return sub
 
     def _create_or_match(self, kind: str, name: str, create: Callable[[], Any], read: Callable[[], Any],
-                         differs: Callable[[Any], Optional[str]]) -> tuple[Any, Any]:
+                         differs: Callable[[Any], str | None]) -> tuple[Any, Any]:
         """Create one object: (what the create returned, None). When one of that name exists
         already (409 AlreadyExists: the same job's, from a submission killed half-way or repeated),
         `read` it and return (None, it) if it is the same -- `differs(it)` says nothing -- and refuse
@@ -355,7 +380,7 @@ class KubeRayBackend:
         policy = client.PolicyV1Api(self.api_client) if rest else None
         t = self._timeout
 
-        def hash_of(obj: Any) -> Optional[str]:
+        def hash_of(obj: Any) -> str | None:
             return ((self._as_dict(obj).get("metadata") or {}).get("annotations") or {}).get(ANN_SPEC_HASH)
 
         body = client.V1ConfigMap.from_dict(cm) if hasattr(client.V1ConfigMap, "from_dict") else cm
@@ -386,7 +411,7 @@ class KubeRayBackend:
             lambda: policy.read_namespaced_pod_disruption_budget(name, self.namespace, _request_timeout=t),
             lambda have: self._budget_differs(pdb, have))
 
-    def _budget_differs(self, want: Obj, have: Any) -> Optional[str]:
+    def _budget_differs(self, want: Obj, have: Any) -> str | None:
         """Why an existing PodDisruptionBudget is not the one rendered: every field of the rendered
         spec must be there with the same value (fields the API server adds are not compared)."""
         want_spec = want.get("spec") or {}
@@ -422,7 +447,7 @@ class KubeRayBackend:
         sub = KubeRaySubmission(spec, self.render(spec, **render_kw))
         return self.submit(sub)[0].id
 
-    def info(self, name: str) -> Optional[JobStatus]:
+    def info(self, name: str) -> JobStatus | None:
         try:
             return self.status(name)
         except JobNotFound:
@@ -431,7 +456,7 @@ class KubeRayBackend:
     def status(self, name: str) -> JobStatus:
         return to_status(self._get_rayjob(name), self.namespace)
 
-    def logs(self, name: str, tail_lines: Optional[int] = None) -> str:
+    def logs(self, name: str, tail_lines: int | None = None) -> str:
         """Best effort: the submitter pod's log (it follows the driver), else the head pod's."""
         from kubernetes.client.exceptions import ApiException
 
@@ -466,7 +491,7 @@ class KubeRayBackend:
                     raise
         return f"(no log from pod {pod.metadata.name} yet: {job_state(obj)})\n"
 
-    def follow(self, name: str, out: Optional[TextIO] = None, poll_s: float = 2.0) -> JobStatus:
+    def follow(self, name: str, out: TextIO | None = None, poll_s: float = 2.0) -> JobStatus:
         """Write the log as it grows (polled: the API has no log stream across pods) until the end."""
         seen = ""
         while True:
@@ -476,7 +501,7 @@ class KubeRayBackend:
                 return st
             time.sleep(poll_s)
 
-    def wait(self, name: str, timeout_s: Optional[float] = None, poll_s: float = 2.0) -> JobStatus:
+    def wait(self, name: str, timeout_s: float | None = None, poll_s: float = 2.0) -> JobStatus:
         return wait_for_end(lambda: self.status(name), timeout_s, poll_s)
 
     def stop(self, name: str) -> bool:

@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import yaml
 
@@ -99,7 +99,7 @@ class NodeType:
                     f"(clusterGpus{where})")
         return ""
 
-    def offer(self, gpu_memory_gib: Optional[float]) -> NodeOffer:
+    def offer(self, gpu_memory_gib: float | None) -> NodeOffer:
         """One node of this type as the node-fit rule sees it, its GPU holding `gpu_memory_gib`
         (render: gpuMemoryGiB as written; admission: after `--gpu-memory`, None when unknown)."""
         return NodeOffer(gpus=self.gpus_per_node, cpus=self.cpus_per_node,
@@ -111,7 +111,7 @@ class NodeType:
         return {self.gpu_label_key: value} if value else {}
 
     @classmethod
-    def from_configmap(cls, obj: Obj, overlay: str, source: str = "") -> "NodeType":
+    def from_configmap(cls, obj: Obj, overlay: str, source: str = "") -> NodeType:
         d = obj.get("data") or {}
         where = f"overlay {overlay}: node-type ConfigMap"
         try:
@@ -188,7 +188,7 @@ def _shown(f: Path) -> str:
         return str(f)
 
 
-def load_node_type(overlay: Union[str, Path] = DEFAULT_OVERLAY) -> NodeType:
+def load_node_type(overlay: str | Path = DEFAULT_OVERLAY) -> NodeType:
     """The node type of an overlay: a name under k8s/overlays/, or a path to an overlay folder."""
     p = Path(overlay)
     if p.is_dir():

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import yaml
 
@@ -94,7 +95,7 @@ def shm_gib(memory_gib: float) -> float:
     return max(0.5, math.ceil(memory_gib * SHM_FRACTION * 2) / 2)
 
 
-def quantity_bytes(q: Any) -> Optional[float]:
+def quantity_bytes(q: Any) -> float | None:
     """A Kubernetes memory/storage quantity ("16Gi", "512Mi", "1e9" as an int) in bytes; None
     when it is not one."""
     if isinstance(q, (int, float)) and not isinstance(q, bool):
@@ -219,8 +220,9 @@ def _disruption_violations(where: str, template: Obj) -> list[str]:
 
 
 def _ray_pod_templates(o: Obj) -> Iterator[tuple[str, Obj]]:
-    kind, spec, oid = o.get("kind"), o.get("spec") or {}, _oid(o)
-    rc = {"RayCluster": spec, "RayJob": spec.get("rayClusterSpec"), "RayService": spec.get("rayClusterConfig")}.get(kind)
+    kind, spec, oid = o.get("kind", ""), o.get("spec") or {}, _oid(o)
+    rc = {"RayCluster": spec, "RayJob": spec.get("rayClusterSpec"),
+          "RayService": spec.get("rayClusterConfig")}.get(kind)
     if not rc:
         return
     yield f"{oid} head", (rc.get("headGroupSpec") or {}).get("template") or {}
@@ -282,7 +284,7 @@ def _env_violations(where: str, pod: Obj) -> list[str]:
     return bad
 
 
-def _exposes_ray_ports(ports: list[Obj]) -> bool:
+def _exposes_ray_ports(ports: list[Obj] | None) -> bool:
     for p in ports or []:
         if p.get("port") in RAY_PORTS or p.get("targetPort") in RAY_PORTS or \
                 p.get("targetPort") in ("dashboard", "client"):
@@ -326,7 +328,7 @@ def selector_matches(selector: Any, labels: dict) -> bool:
     return True
 
 
-def _ns(o: Obj) -> Optional[str]:
+def _ns(o: Obj) -> str | None:
     return (o.get("metadata") or {}).get("namespace")
 
 

@@ -38,9 +38,10 @@ the first RayJob instead of starting a second one (`KubeRayBackend.submit` is id
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -49,8 +50,20 @@ from jobs.spec import JobSpec
 
 from ..node_fit import GpuPlan, PodAsk, refusal
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
-from .policy import (CACHE_ENV, CLUSTER_LABEL, IMAGE_REF, NO_DISRUPT, PRIORITY_CLASS, QUEUE_LABEL, RAY_NODE_LABEL,
-                     SHELL_SAFE, pod_disruption_budget, policy_violations, pull_policy, shm_gib)
+from .policy import (
+    CACHE_ENV,
+    CLUSTER_LABEL,
+    IMAGE_REF,
+    NO_DISRUPT,
+    PRIORITY_CLASS,
+    QUEUE_LABEL,
+    RAY_NODE_LABEL,
+    SHELL_SAFE,
+    pod_disruption_budget,
+    policy_violations,
+    pull_policy,
+    shm_gib,
+)
 
 RAY_VERSION = "2.60.0"
 DEFAULT_QUEUE = "rayft"                  # the LocalQueue in k8s/base/kueue.yaml
@@ -124,7 +137,7 @@ class K8sSpec:
 
     spec: JobSpec                      # the job (for a search: its base job)
     kind: str                          # "finetune" or "tune"
-    spec_text: Optional[str] = None    # a search's YAML as written (None: render writes the spec)
+    spec_text: str | None = None    # a search's YAML as written (None: render writes the spec)
     entrypoint_overrides: tuple[str, ...] = ()   # a search's overrides travel on the command line
     concurrent_trials: int = 1         # a search's `search.max_concurrent_trials`
 
@@ -191,7 +204,7 @@ def _cpu(x: float) -> str:
 def _env(spec: JobSpec) -> list[Obj]:
     # Model downloads and rayft's cache on the data volume, not the container layer: a large model
     # would fill the node's disk and get the pod evicted; on the volume it is downloaded once.
-    env = [{"name": k, "value": v} for k, v in CACHE_ENV.items()]
+    env: list[Obj] = [{"name": k, "value": v} for k, v in CACHE_ENV.items()]
     if spec.model.hf_token_env:
         env.append({
             "name": spec.model.hf_token_env,
@@ -229,11 +242,11 @@ def _shm(memory_gib: float) -> float:
 
 # ---- the memory plan -----------------------------------------------------------------------------
 
-def memory_plan_or_why(spec: JobSpec, node: NodeType, use_gpu: bool) -> tuple[Optional[MemoryPlan], Optional[str]]:
+def memory_plan_or_why(spec: JobSpec, node: NodeType, use_gpu: bool) -> tuple[MemoryPlan | None, str | None]:
     """(plan, None): `jobs.memory.plan_for_spec` for one worker on this node type's GPU (its CPU
     when the job has no GPU); or (None, why not) when the model's shape cannot be read here (e.g. a
     hub model without network access). A spec mistake is raised."""
-    from jobs.memory import plan_for_spec    # here, not at the top: `rayft --help` stays light
+    from jobs.memory import plan_for_spec  # here, not at the top: `rayft --help` stays light
 
     device = "cuda" if use_gpu else "cpu"
     try:
@@ -259,7 +272,7 @@ class _Pods:
     count: int            # worker pods of the whole job
 
     @classmethod
-    def of(cls, spec: JobSpec, kind: _Kind, concurrent_trials: int) -> "_Pods":
+    def of(cls, spec: JobSpec, kind: _Kind, concurrent_trials: int) -> _Pods:
         res = spec.resources
         per_pod = res.gpus_per_worker if res.use_gpu else 1
         trials = max(1, concurrent_trials) if kind.searches else 1
@@ -268,7 +281,7 @@ class _Pods:
                    count=res.num_workers // per_pod * trials)
 
 
-def _refuse_unfit(spec: JobSpec, node: NodeType, where: str, pods: _Pods, plan: Optional[MemoryPlan]) -> None:
+def _refuse_unfit(spec: JobSpec, node: NodeType, where: str, pods: _Pods, plan: MemoryPlan | None) -> None:
     """Refuse (SpecError, both numbers named) a job one node of this type cannot hold: the node-fit
     rule (`node_fit.refusal`, the one queue admission applies) said as the spec's fields."""
     res = spec.resources
@@ -347,8 +360,8 @@ def _labels(spec: JobSpec, kind: str) -> dict[str, str]:
     }
 
 
-def _annotations(spec: JobSpec, node: NodeType, pods: _Pods, plan: Optional[MemoryPlan],
-                 plan_error: Optional[str], spec_path: Optional[str]) -> dict[str, str]:
+def _annotations(spec: JobSpec, node: NodeType, pods: _Pods, plan: MemoryPlan | None,
+                 plan_error: str | None, spec_path: str | None) -> dict[str, str]:
     """The spec hash, the node type, and the plan's numbers that queue admission and the training
     loop use (estimate, checkpointing, strategy), or why there is no plan."""
     ann = {
@@ -375,9 +388,9 @@ class _Meta:
 
     labels: dict[str, str]
     annotations: dict[str, str]
-    namespace: Optional[str]
+    namespace: str | None
 
-    def of(self, obj_name: str, extra_labels: Optional[dict] = None) -> Obj:
+    def of(self, obj_name: str, extra_labels: dict | None = None) -> Obj:
         m: Obj = {"name": obj_name, "labels": {**self.labels, **(extra_labels or {})},
                   "annotations": dict(self.annotations)}
         if self.namespace:
@@ -533,10 +546,10 @@ def _rayjob(name: str, kind: _Kind, entrypoint: str, node: NodeType, c: _Contain
     }
 
 
-def render(spec: JobSpec, *, queue: Optional[str] = None, image: Optional[str] = None,
-           overlay: Union[str, Path] = DEFAULT_OVERLAY, spec_path: Optional[str] = None,
-           kind: str = "finetune", spec_text: Optional[str] = None,
-           namespace: Optional[str] = None, entrypoint_overrides: Sequence[str] = (),
+def render(spec: JobSpec, *, queue: str | None = None, image: str | None = None,
+           overlay: str | Path = DEFAULT_OVERLAY, spec_path: str | None = None,
+           kind: str = "finetune", spec_text: str | None = None,
+           namespace: str | None = None, entrypoint_overrides: Sequence[str] = (),
            concurrent_trials: int = 1) -> list[Obj]:
     """[ConfigMap, RayJob, PodDisruptionBudget] for one job spec; raises SpecError when it cannot
     fit the node type.
@@ -606,7 +619,7 @@ def _str_representer(dumper: yaml.SafeDumper, s: str):
 _Dumper.add_representer(str, _str_representer)
 
 
-def to_yaml(objs: Iterable[Obj], header: Optional[str] = None) -> str:
+def to_yaml(objs: Iterable[Obj], header: str | None = None) -> str:
     """Multi-document YAML, in order (the ConfigMap before the RayJob that mounts it, then its PDB)."""
     docs = [yaml.dump(o, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
             for o in objs]

@@ -7,7 +7,8 @@ Each template is `render` of an example spec from ``k8s/jobs/spec-configmaps.yam
 the gpu overlay's node type; the dev-cpu overlay patches it down), with what is per job replaced
 by fixed names: the RayJob is ``rayft-<kind>-example``, it mounts the shared example ConfigMap,
 its pods carry ``rayft.io/ray-cluster: rayft-<kind>-example`` and its PodDisruptionBudget (the
-second document of the file, same name) selects them; the per-job annotations (spec hash, memory estimate) are left out so that the files change
+second document of the file, same name) selects them; the per-job annotations (spec hash, memory
+estimate) are left out so that the files change
 only when the shape does. Kustomize (k8s/overlays/*/jobs) sets the namespace, image and GPU
 product from the overlay's node type. The comments below are written into the files.
 """
@@ -19,7 +20,7 @@ import copy
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -157,7 +158,7 @@ def example_spec_text(configmap: str, jobs_dir: Path) -> str:
     raise FileNotFoundError(f"{jobs_dir / SPEC_CONFIGMAPS}: no ConfigMap {configmap}")
 
 
-def template(kind: str, jobs_dir: Optional[Path] = None) -> Obj:
+def template(kind: str, jobs_dir: Path | None = None) -> Obj:
     """The RayJob of k8s/jobs for `kind`: `render` of its example spec on the gpu overlay, with the
     per-job identity replaced by the template's fixed names (see the module docstring)."""
     from jobs.spec import load_spec
@@ -244,7 +245,7 @@ def _emit(node: Any, path: KeyPath, indent: int, comments: dict[KeyPath, str], o
         _value(v, p, indent, comments, out, f"{_scalar(key)}:" if isinstance(node, dict) else "-")
 
 
-def generate(jobs_dir: Optional[Path] = None) -> dict[str, str]:
+def generate(jobs_dir: Path | None = None) -> dict[str, str]:
     """{file name under k8s/jobs: its text} for every template."""
     out = {}
     for kind, (fname, _, _) in TEMPLATES.items():
@@ -255,7 +256,7 @@ def generate(jobs_dir: Optional[Path] = None) -> dict[str, str]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m orchestrator.backends.kuberay.templates",
                                  description="Write k8s/jobs/rayjob-*.yaml from `render`.")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file differs")
