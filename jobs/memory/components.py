@@ -466,12 +466,14 @@ class _LossHead:
 def _loss_head(step: _Step, label_fraction: float, loss_chunk_tokens: Optional[int]) -> _LossHead:
     """`CausalLMLoss`, in one piece or in checkpointed chunks of `loss_chunk_tokens`. Pairs
     (`PreferenceLoss`): the same head with per-token log-probabilities, summed per row by an
-    `index_add` that keeps its [T] row index, beside the [T] fp32 log-probabilities (measured:
-    12 bytes a label token, plus a few bytes a pair)."""
+    `index_add` that keeps its [T] row index and its [T] float64 source (the per-token
+    log-probabilities, summed in float64; measured: 16 bytes a label token, plus a few bytes a
+    pair)."""
     T = max(1, math.ceil(label_fraction * step.tokens))
     V, H, a = step.shape.vocab, step.shape.hidden, step.act_bytes
-    # label_pos (index_select) and label_ids (cross-entropy); pairs: the row index and log-probs
-    index_bytes = 2 * T * INDEX_BYTES + (T * (INDEX_BYTES + FP32_BYTES) if step.pairs else 0)
+    # label_pos (index_select) and label_ids (cross-entropy); pairs: the row index and the float64
+    # log-probs index_add keeps
+    index_bytes = 2 * T * INDEX_BYTES + (T * (INDEX_BYTES + 2 * FP32_BYTES) if step.pairs else 0)
     chunk = T if not loss_chunk_tokens or T <= loss_chunk_tokens else loss_chunk_tokens
     # Forward: logits [c, V] in the compute dtype, .float() copy, log-softmax output (saved).
     # Backward: d(log-softmax) and d(logits) in fp32 while the saved output is alive: 12 bytes/elem.
