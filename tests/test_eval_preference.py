@@ -259,3 +259,38 @@ def test_sft_records_in_a_preference_specs_eval_path_are_refused(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert err.startswith("rayft: error: data.eval_path: ") and "objective.name=dpo trains on pairs" in err
     assert "\n" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["adapter_off", "precomputed"])
+def test_the_trained_adapters_rewards_are_the_runs_last_evaluation(tmp_path, reference):
+    """DPO from a starting adapter, two steps, evaluated at the last: `rayft eval`'s loss and
+    rewards of the trained adapter against the starting adapter are the run's `eval_*`."""
+    import contextlib
+    import io
+
+    from jobs.evaluate import evaluate
+    from jobs.finetune import main as finetune_main
+
+    root = Path(__file__).resolve().parents[1] / "examples" / "data"
+    raw = {"name": "dpo-then-eval", "model": {"name": "tiny-llama"},
+           "objective": {"name": "dpo", "beta": BETA, "reference": reference},
+           "data": {"path": str(root / "tiny-pairs.jsonl"), "eval_path": str(root / "tiny-pairs-eval.jsonl"),
+                    "max_seq_len": 64},
+           "lora": {"r": 4, "alpha": 8}, "batch": {"global_batch_size": 8, "micro_batch_size": 4},
+           "optim": {"lr": 0.01}, "resources": {"num_workers": 1},
+           "run": {"max_steps": 2, "eval_every": 2, "checkpoint_every": 0, "output_dir": str(tmp_path / "out")}}
+    raw["model"]["adapter"] = save_adapter(load_spec(data=raw | {"model": {"name": "tiny-llama"}}),
+                                           tmp_path / "start", seed=7)
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(raw))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert finetune_main([str(spec_path), "--local"]) == 0
+    last = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    result = evaluate(load_spec(str(spec_path)), max_new_tokens=1)
+    trained = by_role(result)["adapter"]
+    assert result["reference"] == "start" and result["pairs"] == 16
+    assert trained["loss"] == pytest.approx(last["eval_loss"], abs=1e-5)
+    for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+              "logps/rejected"):
+        assert trained[k] == pytest.approx(last[f"eval_{k}"], abs=1e-5), k
