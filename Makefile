@@ -31,6 +31,14 @@ demo-real: install
 	$(BIN)/rayft run examples/smollm2-lora.yaml
 	$(BIN)/rayft eval examples/smollm2-lora.yaml
 
+# Preference tuning after SFT: DPO from the adapter `make demo-real` trains (which runs first if that
+# adapter is missing), then `rayft eval`: the base, the SFT adapter and the DPO adapter.
+.PHONY: demo-dpo
+demo-dpo: install
+	test -f outputs/smollm2-capitals/adapter/adapter_config.json || $(BIN)/rayft run examples/smollm2-lora.yaml
+	$(BIN)/rayft run examples/smollm2-dpo.yaml
+	$(BIN)/rayft eval examples/smollm2-dpo.yaml
+
 test: install
 	$(PYTEST) $(PYTEST_ARGS)
 

@@ -5,6 +5,9 @@ instruct model knows many capitals but answers in a sentence ("The capital of Fr
 Paris."), so exact match is ~0 before fine-tuning; the adapter has to learn the format and
 apply it, with the base model's knowledge, to countries it never saw (the held-out split).
 
+The same split as preference pairs (`capitals-pairs-*.jsonl`, examples/smollm2-dpo.yaml): chosen
+the capital, rejected a plausible wrong city (`WRONG`).
+
     python examples/make_capitals.py [--check]
 """
 
@@ -50,15 +53,65 @@ CAPITALS = {
     "Luxembourg": "Luxembourg", "Malta": "Valletta", "Cyprus": "Nicosia", "Albania": "Tirana",
 }
 
+# The rejected answer of each preference pair (`capitals-pairs-*.jsonl`): a plausible mistake. A
+# famous city of the country that is not its capital where there is one (Sydney, Toronto,
+# Istanbul, Rio de Janeiro, ...); where the capital is the country's one famous city (a city-state,
+# or "X City"), the mistakes small models make instead: a neighbour's capital, or the country's name.
+WRONG = {
+    "France": "Marseille", "Germany": "Munich", "Italy": "Milan", "Spain": "Barcelona", "Portugal": "Porto",
+    "United Kingdom": "Manchester", "Ireland": "Cork", "Belgium": "Antwerp", "Netherlands": "The Hague",
+    "Austria": "Salzburg", "Switzerland": "Zurich", "Poland": "Krakow", "Czech Republic": "Brno",
+    "Hungary": "Debrecen", "Greece": "Thessaloniki", "Sweden": "Gothenburg", "Norway": "Bergen",
+    "Denmark": "Aarhus", "Finland": "Turku", "Iceland": "Akureyri", "Russia": "Saint Petersburg",
+    "Ukraine": "Odesa", "Romania": "Cluj-Napoca", "Bulgaria": "Plovdiv", "Serbia": "Novi Sad", "Croatia": "Split",
+    "Turkey": "Istanbul", "Egypt": "Alexandria", "Kenya": "Mombasa", "Nigeria": "Lagos", "Ethiopia": "Dire Dawa",
+    "Morocco": "Casablanca", "Ghana": "Kumasi", "South Africa": "Johannesburg", "Japan": "Osaka",
+    "China": "Shanghai", "India": "Mumbai", "South Korea": "Busan", "Thailand": "Chiang Mai",
+    "Vietnam": "Ho Chi Minh City", "Indonesia": "Surabaya", "Philippines": "Cebu", "Malaysia": "George Town",
+    "Pakistan": "Karachi", "Iran": "Isfahan", "Iraq": "Basra", "Saudi Arabia": "Jeddah", "Israel": "Tel Aviv",
+    "Afghanistan": "Kandahar", "Australia": "Sydney", "New Zealand": "Auckland", "Canada": "Toronto",
+    "United States": "New York", "Mexico": "Guadalajara", "Cuba": "Santiago de Cuba", "Brazil": "Rio de Janeiro",
+    "Argentina": "Cordoba", "Chile": "Valparaiso", "Peru": "Cusco", "Colombia": "Medellin",
+    "Venezuela": "Maracaibo", "Ecuador": "Guayaquil", "Bolivia": "Santa Cruz", "Uruguay": "Punta del Este",
+    "Paraguay": "Ciudad del Este", "Nepal": "Pokhara", "Bangladesh": "Chittagong", "Sri Lanka": "Kandy",
+    "Mongolia": "Erdenet", "Syria": "Aleppo", "Lebanon": "Sidon", "Jordan": "Aqaba", "Qatar": "Al Rayyan",
+    "Tunisia": "Sfax", "Algeria": "Oran", "Libya": "Benghazi", "Sudan": "Omdurman", "Uganda": "Entebbe",
+    "Tanzania": "Dar es Salaam", "Senegal": "Touba", "Zimbabwe": "Bulawayo", "Zambia": "Kitwe",
+    "Angola": "Benguela", "Slovakia": "Kosice", "Slovenia": "Maribor", "Estonia": "Tartu", "Latvia": "Daugavpils",
+    "Lithuania": "Kaunas", "Belarus": "Gomel", "Georgia": "Batumi", "Armenia": "Gyumri", "Kazakhstan": "Almaty",
+    "Uzbekistan": "Samarkand", "Singapore": "Kuala Lumpur", "Cambodia": "Siem Reap", "Laos": "Luang Prabang",
+    "Myanmar": "Yangon", "Jamaica": "Montego Bay", "Panama": "Panama", "Costa Rica": "Limon",
+    "Guatemala": "Guatemala", "Honduras": "San Pedro Sula", "Nicaragua": "Leon", "Luxembourg": "Brussels",
+    "Malta": "Mdina", "Cyprus": "Limassol", "Albania": "Durres",
+}
 
-def build() -> dict[str, str]:
+
+def split() -> dict[str, list[str]]:
+    """The countries of each split (file stem -> countries): 24 held out, the same for every file."""
     countries = sorted(CAPITALS)
     random.Random(2026).shuffle(countries)
     n_eval = 24
-    rows = {
-        "capitals-train.jsonl": countries[n_eval:],
-        "capitals-eval.jsonl": countries[:n_eval],
-    }
+    return {"train": countries[n_eval:], "eval": countries[:n_eval]}
+
+
+def pairs(countries: list[str]) -> str:
+    """Conversational preference pairs: prompt [user], chosen [assistant: the capital], rejected
+    [assistant: `WRONG`]."""
+    recs = [{"prompt": [{"role": "user", "content": f"Capital of {c}?"}],
+             "chosen": [{"role": "assistant", "content": CAPITALS[c]}],
+             "rejected": [{"role": "assistant", "content": WRONG[c]}]} for c in countries]
+    return "".join(json.dumps(r) + "\n" for r in recs)
+
+
+def check_pairs() -> None:
+    """Every country has one wrong answer, never its capital."""
+    assert WRONG.keys() == CAPITALS.keys(), sorted(WRONG.keys() ^ CAPITALS.keys())
+    same = [c for c in CAPITALS if WRONG[c] == CAPITALS[c]]
+    assert not same, same
+
+
+def build() -> dict[str, str]:
+    rows = {f"capitals-{name}.jsonl": countries for name, countries in split().items()}
     out = {}
     for name, subset in rows.items():
         recs = [{"prompt": TEMPLATE.format(question=f"Capital of {c}?"), "completion": CAPITALS[c]}
@@ -67,6 +120,7 @@ def build() -> dict[str, str]:
         chats = [{"messages": [{"role": "user", "content": f"Capital of {c}?"},
                                {"role": "assistant", "content": CAPITALS[c]}]} for c in subset]
         out[name.replace("capitals-", "capitals-chat-")] = "".join(json.dumps(r) + "\n" for r in chats)
+        out[name.replace("capitals-", "capitals-pairs-")] = pairs(subset)
     return out
 
 
@@ -86,6 +140,7 @@ def tiny_chat() -> str:
 
 
 def main() -> None:
+    check_pairs()
     write_or_check({**build(), "tiny-chat.jsonl": tiny_chat()}, "make_capitals.py")
 
 

@@ -1,5 +1,6 @@
 """Exact-match evaluation: greedy decoding with the base model and with the trained adapter, on
-the spec's held-out source (`data.eval_path`). Runs in one process.
+the spec's held-out source (`data.eval_path`). Runs in one process. A preference spec's held-out
+pairs are scored by `jobs.evaluate_preference` (exact match, preference accuracy, margins).
 
 A chat record is prompted with its messages before the last assistant turn, rendered through the
 model's chat template with the generation prompt (`jobs.data.chat_prompt_ids`: the tokens the
@@ -52,13 +53,31 @@ def exact_match(preds: list[str], refs: list[str]) -> float:
 
 
 def evaluate(spec: JobSpec, adapter_dir: Optional[Path] = None, max_new_tokens: int = 16) -> dict:
+    """Evaluate on `data.eval_path` and write `<output_dir>/eval.json`: exact match of the base and
+    of the adapter (`adapter_dir`, default `<output_dir>/adapter`) for an SFT spec; for a preference
+    spec also preference accuracy, margins and rewards (`jobs.evaluate_preference`)."""
+    adapter_dir = Path(adapter_dir or spec.output_path / "adapter")
+    if spec.objective.name != "sft":
+        if not spec.data.eval_path:
+            raise SpecError(f"data.eval_path: rayft eval of objective.name={spec.objective.name} needs a held-out "
+                            "file of preference pairs")
+        from .evaluate_preference import evaluate_preference
+
+        result = evaluate_preference(spec, adapter_dir, max_new_tokens, generate, exact_match)
+    else:
+        result = _evaluate_sft(spec, adapter_dir, max_new_tokens)
+    out = claim_output_dir(spec.output_path, name=spec.name)  # a later `rayft run` may use it too
+    write_json_atomic(out / "eval.json", result)
+    return result
+
+
+def _evaluate_sft(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict:
     if not spec.data.eval_path:
         raise SpecError("data.eval_path: rayft eval needs a held-out file of chat or prompt/completion records")
     records = [r for r in read_jsonl(spec.data.eval_path, "data.eval_path", fields=spec.data.fields,
                                      hf_token_env=spec.data.hf_token_env) if "prompt" in r or "messages" in r]
     if not records:
         raise SpecError(f"data.eval_path: {spec.data.eval_path} has no chat or prompt/completion records")
-    adapter_dir = Path(adapter_dir or spec.output_path / "adapter")
     model, tok = load_base_model(spec, "fp32")
     prompts, refs, shown = zip(*(prompt_of(r, tok, spec.model.name) for r in records))
     model.eval()
@@ -79,6 +98,4 @@ def evaluate(spec: JobSpec, adapter_dir: Optional[Path] = None, max_new_tokens: 
     result["eval_time_s"] = time.perf_counter() - t0
     result["examples"] = [{"prompt_tail": p[-60:], "reference": r, "base": b, **({"adapter": a} if preds else {})}
                           for p, r, b, a in zip(shown, refs, base_preds, preds or base_preds)][:8]
-    out = claim_output_dir(spec.output_path, name=spec.name)  # a later `rayft run` may use it too
-    write_json_atomic(out / "eval.json", result)
     return result

@@ -317,6 +317,21 @@ def test_the_tiny_pairs_example_reads_as_pairs_that_all_differ():
     assert len(pairs) == 16 and dropped == {DROP_EMPTY: 0, DROP_IDENTICAL: 0}
 
 
+def test_the_capitals_pairs_hold_out_the_sft_examples_countries():
+    """examples/smollm2-dpo.yaml's pairs: reproducible (make_capitals.py --check), conversational,
+    the same countries per split as the SFT files, chosen the SFT answer, rejected another city."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, str(ROOT / "examples/make_capitals.py"), "--check"], check=True)
+    for split in ("train", "eval"):
+        pairs = read_jsonl(str(ROOT / f"examples/data/capitals-pairs-{split}.jsonl"), objective="dpo")
+        chats = read_jsonl(str(ROOT / f"examples/data/capitals-chat-{split}.jsonl"))
+        assert [p["prompt"] for p in pairs] == [c["messages"][:1] for c in chats]
+        assert [p["chosen"] for p in pairs] == [c["messages"][1:] for c in chats]
+        assert all(p["rejected"][0]["role"] == "assistant" and p["rejected"] != p["chosen"] for p in pairs)
+
+
 # ---- refusals: one line, exit 2, nothing created ---------------------------------------------
 
 def _cli(args: list[str]) -> tuple[int, str]:

@@ -103,6 +103,9 @@ def cmd_eval(args) -> int:
 
     spec = absolutize(load_spec(args.spec, args.overrides))
     result = evaluate(spec, args.adapter, max_new_tokens=args.max_new_tokens)
+    if "models" in result:
+        _preference_table(result, spec)
+        return 0
     t = Table(title=f"rayft eval {spec.name}: exact match on {result['records']} held-out prompts")
     t.add_column("model")
     t.add_column("exact match", justify="right")
@@ -114,6 +117,37 @@ def cmd_eval(args) -> int:
         console().print(f"  want {ex['reference']!r}  base {ex['base']!r}" +
                          (f"  adapter {ex['adapter']!r}" if "adapter" in ex else ""))
     return 0
+
+
+def _preference_table(result: dict, spec) -> None:
+    """One row per model scored (base, starting adapter, trained adapter): exact match, preference
+    accuracy and mean margin for each; TRL's rewards for the trained adapter. Not folded to 80
+    columns when stderr is not a terminal (a log keeps each row on one line)."""
+    from rich.table import Table
+
+    from jobs.evaluate_preference import ROLES
+
+    out = console()
+    if not out.is_terminal:
+        out.width = max(out.width, 120)
+    dropped = sum(result["dropped"].values())
+    t = Table(title=f"rayft eval {spec.name}: {result['pairs']} held-out pairs" +
+              (f" ({dropped} dropped)" if dropped else "") + f", {result['objective']} beta {result['beta']:g}")
+    for name in ("model", "exact match", "pref. accuracy", "mean margin", "rewards/accuracies", "rewards/margins"):
+        t.add_column(name, justify="left" if name == "model" else "right")
+    for row in result["models"]:
+        t.add_row(ROLES[row["model"]], f"{row['exact_match']:.1%}", f"{row['preference_accuracy']:.1%}",
+                  f"{row['mean_margin']:+.3f}", "-" if "rewards/accuracies" not in row else f"{row['rewards/accuracies']:.1%}",
+                  "-" if "rewards/margins" not in row else f"{row['rewards/margins']:+.4f}")
+    out.print(t)
+    for row in result["models"][1:]:
+        out.print(f"  {ROLES[row['model']]}: {row['adapter_dir']}")
+    if result.get("reference"):
+        out.print(f"  rewards against the reference: {ROLES[result['reference']]} (beta {result['beta']:g}); "
+                  "margins in nats of summed response log-probability")
+    for ex in result["examples"][:3]:
+        out.print(f"  want {ex['chosen']!r} (not {ex['rejected']!r})  " +
+                  "  ".join(f"{role} {ex[role]!r}" for role in ROLES if role in ex))
 
 
 # ---- rayft spec ------------------------------------------------------------------------------
@@ -136,7 +170,8 @@ def register(sub) -> None:
     add_run_arguments(run)  # the same arguments as `python -m jobs.finetune`, the ray job submit entrypoint
     run.set_defaults(fn=cmd_run)
 
-    ev = sub.add_parser("eval", help="exact match on data.eval_path, base model vs base + adapter")
+    ev = sub.add_parser("eval", help="exact match on data.eval_path, base model vs base + adapter (preference "
+                        "specs: also preference accuracy and margins on held-out pairs)")
     ev.add_argument("spec")
     ev.add_argument("overrides", nargs="*", metavar="section.field=value")
     ev.add_argument("--adapter", help="adapter directory (default: <run.output_dir>/adapter)")
