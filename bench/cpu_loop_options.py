@@ -68,18 +68,24 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def make_spec(args, out: Path, group: bool, packing: bool, compile_layers: bool):
-    return load_spec(data={
-        "name": "cpu-loop-options",
-        "model": {"name": "tiny-llama", "compile": compile_layers},
-        "data": {"path": [str(args.data)], "max_seq_len": args.max_seq_len, "group_by_length": group,
-                 "packing": packing},
-        "lora": {"r": 16, "alpha": 32, "target_modules": TARGETS},
-        "batch": {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch},
-        "optim": {"name": "adamw", "lr": 1e-3, "schedule": "constant", "warmup_steps": 0},
-        "precision": "fp32",
-        "memory": {"gradient_checkpointing": False},
-        "run": {"max_steps": args.warmup + args.steps, "seed": 0, "output_dir": str(out), "eval_every": 0},
-    })
+    return load_spec(
+        data={
+            "name": "cpu-loop-options",
+            "model": {"name": "tiny-llama", "compile": compile_layers},
+            "data": {
+                "path": [str(args.data)],
+                "max_seq_len": args.max_seq_len,
+                "group_by_length": group,
+                "packing": packing,
+            },
+            "lora": {"r": 16, "alpha": 32, "target_modules": TARGETS},
+            "batch": {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch},
+            "optim": {"name": "adamw", "lr": 1e-3, "schedule": "constant", "warmup_steps": 0},
+            "precision": "fp32",
+            "memory": {"gradient_checkpointing": False},
+            "run": {"max_steps": args.warmup + args.steps, "seed": 0, "output_dir": str(out), "eval_every": 0},
+        }
+    )
 
 
 def with_hf_mask(batch: dict, examples) -> dict:
@@ -108,18 +114,25 @@ def run_variant(args, name: str, workdir: Path, rep: int) -> dict:
     ends: list[tuple[float, float]] = []
     loop.collate, original = counting_collate, loop.collate
     try:
-        loop.train(spec, LocalContext(on_progress=lambda m: ends.append((time.perf_counter(), time.process_time()))),
-                   resume=False)
+        loop.train(
+            spec,
+            LocalContext(on_progress=lambda m: ends.append((time.perf_counter(), time.process_time()))),
+            resume=False,
+        )
     finally:
         loop.collate = original
     records = [json.loads(x) for x in (spec.output_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    pairs = list(zip(ends[args.warmup - 1:], ends[args.warmup:], strict=False))  # consecutive ends
-    timed = records[args.warmup:]
-    return {"wall_s": [b[0] - a[0] for a, b in pairs], "cpu_s": [b[1] - a[1] for a, b in pairs],
-            "real_tokens": [r["tokens"] for r in timed], "losses": [r["loss"] for r in records],
-            "first_step_s": records[0]["step_time_s"],
-            # the timed steps' share of the computed positions (eval is off: all are training)
-            "computed_positions": sum(computed) * len(timed) // max(1, len(records))}
+    pairs = list(zip(ends[args.warmup - 1 :], ends[args.warmup :], strict=False))  # consecutive ends
+    timed = records[args.warmup :]
+    return {
+        "wall_s": [b[0] - a[0] for a, b in pairs],
+        "cpu_s": [b[1] - a[1] for a, b in pairs],
+        "real_tokens": [r["tokens"] for r in timed],
+        "losses": [r["loss"] for r in records],
+        "first_step_s": records[0]["step_time_s"],
+        # the timed steps' share of the computed positions (eval is off: all are training)
+        "computed_positions": sum(computed) * len(timed) // max(1, len(records)),
+    }
 
 
 def main(argv=None) -> int:
@@ -167,8 +180,9 @@ def main(argv=None) -> int:
             "real_tok_s_wall": tokens_per_step / statistics.median(wall),
             "computed_positions_per_step": positions / max(1, len(cpu)),
             "padding_fraction": 1 - real / positions if positions else None,
-            "max_loss_diff_vs_padded": max(abs(a - b) for r in rs
-                                           for a, b in zip(r["losses"], ref_losses, strict=True)),
+            "max_loss_diff_vs_padded": max(
+                abs(a - b) for r in rs for a, b in zip(r["losses"], ref_losses, strict=True)
+            ),
             # the first repeat's first step: where the compile happens (later repeats in this
             # process reuse dynamo's compiled code, so their first steps are fast)
             "first_step_s": [r["first_step_s"] for r in rs],
@@ -183,27 +197,42 @@ def main(argv=None) -> int:
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "load_average_1_5_15": {"before": load_before, "after": load_after},
-        "config": {"data": str(args.data.relative_to(ROOT)) if args.data.is_relative_to(ROOT) else str(args.data),
-                   "model": "tiny-llama", "lora": "r=16, all 7 linear layers", "precision": "fp32",
-                   "max_seq_len": args.max_seq_len, "global_batch_size": args.global_batch,
-                   "micro_batch_size": args.micro_batch, "grad_accum_steps": args.global_batch // args.micro_batch,
-                   "warmup_steps": args.warmup, "timed_steps": args.steps, "repeats": args.repeats,
-                   "threads": args.threads, "quick": args.quick},
-        "definitions": {name: {"group_by_length": g, "packing": p, "hf_attention_mask": m, "compile": c}
-                        for name, (g, p, m, c) in VARIANTS.items()},
+        "config": {
+            "data": str(args.data.relative_to(ROOT)) if args.data.is_relative_to(ROOT) else str(args.data),
+            "model": "tiny-llama",
+            "lora": "r=16, all 7 linear layers",
+            "precision": "fp32",
+            "max_seq_len": args.max_seq_len,
+            "global_batch_size": args.global_batch,
+            "micro_batch_size": args.micro_batch,
+            "grad_accum_steps": args.global_batch // args.micro_batch,
+            "warmup_steps": args.warmup,
+            "timed_steps": args.steps,
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "quick": args.quick,
+        },
+        "definitions": {
+            name: {"group_by_length": g, "packing": p, "hf_attention_mask": m, "compile": c}
+            for name, (g, p, m, c) in VARIANTS.items()
+        },
         "rows": rows,
         "wall_s": round(time.perf_counter() - started, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"cpu-loop-options-{today}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\n{'layout':15} {'ms/step cpu':>11} {'real tok/s':>10} {'positions':>9} {'padding':>8} "
-          f"{'vs padded+mask':>14} {'loss diff':>9} {'1st step s':>10}")
+    print(
+        f"\n{'layout':15} {'ms/step cpu':>11} {'real tok/s':>10} {'positions':>9} {'padding':>8} "
+        f"{'vs padded+mask':>14} {'loss diff':>9} {'1st step s':>10}"
+    )
     for name, r in rows.items():
-        print(f"{name:15} {r['cpu_s_per_step_median'] * 1e3:11.1f} {r['real_tok_s_cpu']:10.0f} "
-              f"{r['computed_positions_per_step']:9.0f} {r['padding_fraction']:8.1%} "
-              f"{r['speedup_cpu_vs_padded_mask']:13.2f}x {r['max_loss_diff_vs_padded']:9.1e} "
-              f"{r['first_step_s'][0]:10.2f}")
+        print(
+            f"{name:15} {r['cpu_s_per_step_median'] * 1e3:11.1f} {r['real_tok_s_cpu']:10.0f} "
+            f"{r['computed_positions_per_step']:9.0f} {r['padding_fraction']:8.1%} "
+            f"{r['speedup_cpu_vs_padded_mask']:13.2f}x {r['max_loss_diff_vs_padded']:9.1e} "
+            f"{r['first_step_s'][0]:10.2f}"
+        )
     print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f}; {result['wall_s']} s; wrote {path}")
     return 0
 

@@ -79,18 +79,20 @@ def write_data(path: Path, n: int, chars: int, seed: int = 0) -> None:
 
 
 def make_spec(args, data_path: Path, out_dir: Path):
-    return load_spec(data={
-        "name": "cpu-overhead",
-        "model": {"name": "tiny-llama"},
-        "data": {"path": [str(data_path)], "max_seq_len": args.seq + 1},
-        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": TARGETS},
-        "batch": {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch},
-        "optim": {"name": "adamw", "lr": 1e-3, "schedule": "constant", "warmup_steps": 0, "max_grad_norm": 1.0},
-        "precision": "fp32",
-        "memory": {"gradient_checkpointing": False},
-        "resources": {"num_workers": 1, "use_gpu": False},
-        "run": {"max_steps": args.warmup + args.steps, "seed": 0, "output_dir": str(out_dir)},
-    })
+    return load_spec(
+        data={
+            "name": "cpu-overhead",
+            "model": {"name": "tiny-llama"},
+            "data": {"path": [str(data_path)], "max_seq_len": args.seq + 1},
+            "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": TARGETS},
+            "batch": {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch},
+            "optim": {"name": "adamw", "lr": 1e-3, "schedule": "constant", "warmup_steps": 0, "max_grad_norm": 1.0},
+            "precision": "fp32",
+            "memory": {"gradient_checkpointing": False},
+            "resources": {"num_workers": 1, "use_gpu": False},
+            "run": {"max_steps": args.warmup + args.steps, "seed": 0, "output_dir": str(out_dir)},
+        }
+    )
 
 
 def now() -> tuple[float, float]:
@@ -100,11 +102,12 @@ def now() -> tuple[float, float]:
 
 def intervals(ends: list[tuple[float, float]], warmup: int) -> tuple[list[float], list[float]]:
     """(wall, CPU) seconds of each optimizer step after the warmup steps."""
-    pairs = list(zip(ends[warmup - 1:], ends[warmup:], strict=False))  # consecutive ends
+    pairs = list(zip(ends[warmup - 1 :], ends[warmup:], strict=False))  # consecutive ends
     return [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
 
 
 # ---- the two loops ------------------------------------------------------------------------------
+
 
 def run_rayft(args, data_path: Path, workdir: Path, rep: int) -> dict:
     out = workdir / f"rayft-{rep}"
@@ -115,8 +118,13 @@ def run_rayft(args, data_path: Path, workdir: Path, rep: int) -> dict:
     wall = time.perf_counter() - t0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     step_s, cpu_s = intervals(ends, args.warmup)
-    return {"step_s": step_s, "cpu_s": cpu_s, "inner_step_s": [r["step_time_s"] for r in records[args.warmup:]],
-            "losses": [r["loss"] for r in records], "train_wall_s": wall}
+    return {
+        "step_s": step_s,
+        "cpu_s": cpu_s,
+        "inner_step_s": [r["step_time_s"] for r in records[args.warmup :]],
+        "losses": [r["loss"] for r in records],
+        "train_wall_s": wall,
+    }
 
 
 class PlainLoop:
@@ -135,8 +143,9 @@ class PlainLoop:
         for step in range(args.warmup + args.steps):
             idx = batches.indices(step)
             mbs = split_window(idx, 0, 1, spec.batch.micro_batch_size, spec.grad_accum_steps)
-            self.windows.append(([collate([data.train[i] for i in mb], tok.pad_token_id) for mb in mbs],
-                                 count_labels(data.train, idx)))
+            self.windows.append(
+                ([collate([data.train[i] for i in mb], tok.pad_token_id) for mb in mbs], count_labels(data.train, idx))
+            )
 
     def host_work(self, repeats: int = 5) -> list[float]:
         """CPU seconds per step of the host-side data work `train()` does and the plain loop
@@ -185,14 +194,21 @@ class PlainLoop:
 
 # ---- statistics and output ----------------------------------------------------------------------
 
+
 def stats(xs: list[float]) -> dict:
     s = sorted(xs)
 
     def q(p: float) -> float:
         return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
 
-    return {"n": len(s), "median_s": statistics.median(s), "mean_s": statistics.fmean(s), "p10_s": q(0.1),
-            "p90_s": q(0.9), "min_s": s[0]}
+    return {
+        "n": len(s),
+        "median_s": statistics.median(s),
+        "mean_s": statistics.fmean(s),
+        "p10_s": q(0.1),
+        "p90_s": q(0.9),
+        "min_s": s[0],
+    }
 
 
 def machine() -> dict:
@@ -204,10 +220,15 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"platform": platform.platform(), "machine": platform.machine(), "cpu_model": model or platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_model": model or platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
 
 
 def versions() -> dict:
@@ -228,13 +249,23 @@ def profile_rayft(args, data_path: Path, workdir: Path, top: int = 30) -> dict:
     # Stats.stats is the raw table print_stats reads; typeshed's pstats stub leaves it out.
     for (file, line, fn), (_cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
         if "/jobs/" in file:
-            rows.append({"function": f"jobs/{file.split('/jobs/')[-1]}:{line}({fn})", "calls": nc,
-                         "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4)})
+            rows.append(
+                {
+                    "function": f"jobs/{file.split('/jobs/')[-1]}:{line}({fn})",
+                    "calls": nc,
+                    "tottime_s": round(tt, 4),
+                    "cumtime_s": round(ct, 4),
+                }
+            )
     rows.sort(key=lambda r: -r["cumtime_s"])
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return {"jobs_functions_by_cumtime": rows[:top], "top_by_tottime": buf.getvalue(),
-            "steps": args.warmup + args.steps, "train_wall_s": res["train_wall_s"]}
+    return {
+        "jobs_functions_by_cumtime": rows[:top],
+        "top_by_tottime": buf.getvalue(),
+        "steps": args.warmup + args.steps,
+        "train_wall_s": res["train_wall_s"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         write_data(data_path, args.global_batch * (args.warmup + args.steps), args.seq - 1)
         plain = PlainLoop(args, data_path, workdir)
         for rep in range(args.repeats):
-            for name in (names if rep % 2 == 0 else names[::-1]):
+            for name in names if rep % 2 == 0 else names[::-1]:
                 if name == "rayft":
                     res = run_rayft(args, data_path, workdir, rep)
                     inner.append(res["inner_step_s"])
@@ -280,10 +311,16 @@ def main(argv: list[str] | None = None) -> int:
                 per["wall"][name].append(res["step_s"])
                 per["cpu"][name].append(res["cpu_s"])
                 losses.setdefault(name, res["losses"])
-            print(f"# repeat {rep + 1}/{args.repeats}, median CPU (wall) ms per step: " + ", ".join(
-                f"{n} {statistics.median(per['cpu'][n][-1]) * 1e3:.2f} "
-                f"({statistics.median(per['wall'][n][-1]) * 1e3:.2f})"
-                for n in names) + f"; load {os.getloadavg()[0]:.2f}", flush=True)
+            print(
+                f"# repeat {rep + 1}/{args.repeats}, median CPU (wall) ms per step: "
+                + ", ".join(
+                    f"{n} {statistics.median(per['cpu'][n][-1]) * 1e3:.2f} "
+                    f"({statistics.median(per['wall'][n][-1]) * 1e3:.2f})"
+                    for n in names
+                )
+                + f"; load {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
         host = plain.host_work()
         profile = profile_rayft(args, data_path, workdir) if args.profile else None
     load_after = os.getloadavg()
@@ -297,10 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         med = {n: res[n]["median_s"] for n in names}
         rep_med = {n: statistics.median(res[n]["per_repeat_median_s"]) for n in names}
         results[clock] = res
-        ratios[clock] = {"rayft_over_plain": med["rayft"] / med["plain"],
-                         "rayft_over_plain_per_repeat_medians": rep_med["rayft"] / rep_med["plain"],
-                         "rayft_over_bare": med["rayft"] / med["bare"],
-                         "overhead_ms_per_step": (med["rayft"] - med["plain"]) * 1e3}
+        ratios[clock] = {
+            "rayft_over_plain": med["rayft"] / med["plain"],
+            "rayft_over_plain_per_repeat_medians": rep_med["rayft"] / rep_med["plain"],
+            "rayft_over_bare": med["rayft"] / med["bare"],
+            "overhead_ms_per_step": (med["rayft"] - med["plain"]) * 1e3,
+        }
     results["wall"]["rayft_inner"] = stats([x for rep in inner for x in rep])
     ratio = ratios["cpu"]["rayft_over_plain"]
     loss_diff = max(abs(a - b) for a, b in zip(losses["rayft"], losses["plain"], strict=True))
@@ -311,32 +350,41 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "machine": machine(),
         "load_average_1_5_15": {"before": load_before, "after": load_after},
-        "config": {"model": "tiny-llama (hidden 64, 2 layers, 4 heads / 2 kv, intermediate 176, vocab 259)",
-                   "lora": "r=16, alpha=32, all 7 linear layers, fp32", "precision": "fp32",
-                   "gradient_checkpointing": False, "seq_len": args.seq, "global_batch_size": args.global_batch,
-                   "micro_batch_size": args.micro_batch,
-                   "grad_accum_steps": args.global_batch // args.micro_batch,
-                   "optimizer": "AdamW (not fused), lr 1e-3 constant",
-                   "max_grad_norm": 1.0, "warmup_steps": args.warmup, "timed_steps": args.steps,
-                   "repeats": args.repeats, "threads": args.threads, "quick": args.quick},
+        "config": {
+            "model": "tiny-llama (hidden 64, 2 layers, 4 heads / 2 kv, intermediate 176, vocab 259)",
+            "lora": "r=16, alpha=32, all 7 linear layers, fp32",
+            "precision": "fp32",
+            "gradient_checkpointing": False,
+            "seq_len": args.seq,
+            "global_batch_size": args.global_batch,
+            "micro_batch_size": args.micro_batch,
+            "grad_accum_steps": args.global_batch // args.micro_batch,
+            "optimizer": "AdamW (not fused), lr 1e-3 constant",
+            "max_grad_norm": 1.0,
+            "warmup_steps": args.warmup,
+            "timed_steps": args.steps,
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "quick": args.quick,
+        },
         "definitions": {
             "rayft": "interval between consecutive Context.progress calls of jobs.loop.train (one per optimizer "
-                     "step): lr schedule, sampler, token counts, split, collate, fault hook, train_window, "
-                     "optimizer_step (scaler no-ops, clip_grad_norm_, AdamW, zero_grad), .item() of loss and grad "
-                     "norm, peak-memory read, metrics record + metrics.jsonl line (flushed), progress callback",
+            "step): lr schedule, sampler, token counts, split, collate, fault hook, train_window, "
+            "optimizer_step (scaler no-ops, clip_grad_norm_, AdamW, zero_grad), .item() of loss and grad "
+            "norm, peak-memory read, metrics record + metrics.jsonl line (flushed), progress callback",
             "rayft_inner": "(wall only) metrics.jsonl step_time_s, train()'s own timer: from the lr set to after "
-                           "the loss .item() (excludes grad_norm.item(), metrics write, progress)",
+            "the loss .item() (excludes grad_norm.item(), metrics write, progress)",
             "plain": "hand-written loop over the same pre-collated micro-batches (collated outside the timing): "
-                     "forward (CausalLMLoss), (summed * 1/label_tokens).backward(), clip_grad_norm_(1.0), "
-                     "AdamW step, zero_grad(set_to_none=True), one .item()",
+            "forward (CausalLMLoss), (summed * 1/label_tokens).backward(), clip_grad_norm_(1.0), "
+            "AdamW step, zero_grad(set_to_none=True), one .item()",
             "bare": "plain without clip_grad_norm_",
             "rayft_host_data": "CPU time per step of the data work only train() does per step (sampler indices, "
-                               "label/input token counts, split_window, collate of every micro-batch), measured "
-                               "alone: the part of rayft's overhead that does not depend on noise",
+            "label/input token counts, split_window, collate of every micro-batch), measured "
+            "alone: the part of rayft's overhead that does not depend on noise",
             "clocks": "cpu: time.process_time() of this process per step (the headline: a shared machine "
-                      "runs other work, which inflates wall time at random); wall: time.perf_counter()",
+            "runs other work, which inflates wall time at random); wall: time.perf_counter()",
             "statistic": "median seconds per optimizer step over all timed steps of all repeats; loops alternate "
-                         "per repeat (rayft, plain, bare / bare, plain, rayft)",
+            "per repeat (rayft, plain, bare / bare, plain, rayft)",
         },
         "results": results,
         "ratios": ratios,
@@ -361,18 +409,26 @@ def main(argv: list[str] | None = None) -> int:
         for n in [*names, "rayft_inner"]:
             s = results[clock].get(n)
             if s:
-                print(f"{n:12} {s['median_s'] * 1e3:10.2f} {s['mean_s'] * 1e3:9.2f} {s['p10_s'] * 1e3:8.2f} "
-                      f"{s['p90_s'] * 1e3:8.2f} {s['n']:4d}")
+                print(
+                    f"{n:12} {s['median_s'] * 1e3:10.2f} {s['mean_s'] * 1e3:9.2f} {s['p10_s'] * 1e3:8.2f} "
+                    f"{s['p90_s'] * 1e3:8.2f} {s['n']:4d}"
+                )
         r = ratios[clock]
-        print(f"rayft / plain = {r['rayft_over_plain']:.3f} "
-              f"(per-repeat medians {r['rayft_over_plain_per_repeat_medians']:.3f}; "
-              f"rayft / bare {r['rayft_over_bare']:.3f}); overhead {r['overhead_ms_per_step']:+.2f} ms/step")
+        print(
+            f"rayft / plain = {r['rayft_over_plain']:.3f} "
+            f"(per-repeat medians {r['rayft_over_plain_per_repeat_medians']:.3f}; "
+            f"rayft / bare {r['rayft_over_bare']:.3f}); overhead {r['overhead_ms_per_step']:+.2f} ms/step"
+        )
     print(f"\nheadline (CPU time): rayft / plain = {ratio:.3f}; goal <= {GOAL}: {'met' if result['met'] else 'MISSED'}")
-    print(f"rayft's per-step host data work alone (sampler, counts, split, collate): "
-          f"{result['rayft_host_data_cpu_ms_per_step']:.2f} ms CPU = "
-          f"{result['rayft_host_data_fraction_of_plain_step']:.1%} of a plain step")
-    print(f"same math: max |loss rayft - loss plain| = {loss_diff:.2e}; load average {load_before[0]:.2f} -> "
-          f"{load_after[0]:.2f} on {result['machine']['cpu_count']} CPUs")
+    print(
+        f"rayft's per-step host data work alone (sampler, counts, split, collate): "
+        f"{result['rayft_host_data_cpu_ms_per_step']:.2f} ms CPU = "
+        f"{result['rayft_host_data_fraction_of_plain_step']:.1%} of a plain step"
+    )
+    print(
+        f"same math: max |loss rayft - loss plain| = {loss_diff:.2e}; load average {load_before[0]:.2f} -> "
+        f"{load_after[0]:.2f} on {result['machine']['cpu_count']} CPUs"
+    )
     if profile:
         print("\nrayft functions by cumulative time (one train() call):")
         for r in profile["jobs_functions_by_cumtime"]:

@@ -63,9 +63,15 @@ def generate(path: Path, n: int, chars: int) -> None:
 def spec_for(path: str, out: str, max_seq_len: int):
     from jobs.spec import load_spec
 
-    return load_spec(data={"name": "bench", "data": {"path": path, "max_seq_len": max_seq_len},
-                           "batch": {"global_batch_size": 16, "micro_batch_size": 4},
-                           "resources": {"num_workers": 1}, "run": {"output_dir": out}})
+    return load_spec(
+        data={
+            "name": "bench",
+            "data": {"path": path, "max_seq_len": max_seq_len},
+            "batch": {"global_batch_size": 16, "micro_batch_size": 4},
+            "resources": {"num_workers": 1},
+            "run": {"output_dir": out},
+        }
+    )
 
 
 def case(kind: str, path: str, out: str, max_seq_len: int) -> dict:
@@ -92,17 +98,37 @@ def case(kind: str, path: str, out: str, max_seq_len: int) -> dict:
     D.collate([train[i] for i in first], tok.pad_token_id)
     gc.collect()
     done = time.perf_counter()
-    return {"load_s": round(load_s, 2), "load_to_first_batch_s": round(done - t0, 2),
-            "start_to_first_batch_s": round(done - T_START, 2), "python_imports_s": round(imports_s, 2),
-            "rss_growth_gib": round((rss_bytes() - rss0) / GIB, 3), "examples": len(train),
-            # tokens per sequence = input ids + the last label (the shift drops one)
-            "tokens": (int(train.offsets[-1]) if hasattr(train, "offsets") else sum(len(e.input_ids) for e in train))
-            + len(train)}
+    return {
+        "load_s": round(load_s, 2),
+        "load_to_first_batch_s": round(done - t0, 2),
+        "start_to_first_batch_s": round(done - T_START, 2),
+        "python_imports_s": round(imports_s, 2),
+        "rss_growth_gib": round((rss_bytes() - rss0) / GIB, 3),
+        "examples": len(train),
+        # tokens per sequence = input ids + the last label (the shift drops one)
+        "tokens": (int(train.offsets[-1]) if hasattr(train, "offsets") else sum(len(e.input_ids) for e in train))
+        + len(train),
+    }
 
 
 def run_case(kind: str, path: Path, out: Path, max_seq_len: int) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--case", kind, "--data", str(path), "--out", str(out),
-                        "--max-seq-len", str(max_seq_len)], capture_output=True, text=True, cwd=ROOT)
+    p = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--case",
+            kind,
+            "--data",
+            str(path),
+            "--out",
+            str(out),
+            "--max-seq-len",
+            str(max_seq_len),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if p.returncode:
         raise SystemExit(f"{kind} failed: {p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -135,8 +161,12 @@ def main() -> None:
             "command": f"python bench/data_scale.py --records {a.records} --chars {a.chars}",
             "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
-            "model": "tiny-llama (byte tokenizer)", "records": a.records, "chars_per_record": a.chars,
-            "file_bytes": data.stat().st_size, "generate_s": round(gen_s, 1), "max_seq_len": max_seq_len,
+            "model": "tiny-llama (byte tokenizer)",
+            "records": a.records,
+            "chars_per_record": a.chars,
+            "file_bytes": data.stat().st_size,
+            "generate_s": round(gen_s, 1),
+            "max_seq_len": max_seq_len,
         }
         if not a.skip_in_memory:
             result["in_memory"] = run_case("in_memory", data, work / "a" / "out", max_seq_len)

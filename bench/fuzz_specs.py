@@ -39,8 +39,13 @@ def fuzz(name: str, examples: int, deadline_s: float) -> dict:
     strategy, check = TARGETS[name]
     tried, failures, start = 0, [], time.monotonic()
 
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def run(case):
         nonlocal tried
@@ -50,10 +55,15 @@ def fuzz(name: str, examples: int, deadline_s: float) -> dict:
         try:
             check(case)
         except Exception as e:  # noqa: BLE001 - every failure is recorded, the run goes on
-            failures.append({"target": name, "error": type(e).__name__,
-                             "message": (str(e).strip().splitlines() or [""])[0][:300],
-                             "where": traceback.extract_tb(e.__traceback__)[-1].filename.replace(str(ROOT) + "/", ""),
-                             "case": repr(case)[:SHOWN_CASE_CHARS]})
+            failures.append(
+                {
+                    "target": name,
+                    "error": type(e).__name__,
+                    "message": (str(e).strip().splitlines() or [""])[0][:300],
+                    "where": traceback.extract_tb(e.__traceback__)[-1].filename.replace(str(ROOT) + "/", ""),
+                    "case": repr(case)[:SHOWN_CASE_CHARS],
+                }
+            )
 
     run()
     return {"tried": tried, "seconds": round(time.monotonic() - start, 1), "failures": failures}
@@ -68,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a model hub
     results = {name: fuzz(name, args.examples, args.seconds) for name in TARGETS}
     failures = [f for r in results.values() for f in r.pop("failures")]
-    report = {"date": time.strftime("%Y-%m-%d"), "examples_per_target": args.examples,
-              "tried": {k: v["tried"] for k, v in results.items()},
-              "seconds": {k: v["seconds"] for k, v in results.items()},
-              "tried_total": sum(r["tried"] for r in results.values()), "failures": failures}
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "examples_per_target": args.examples,
+        "tried": {k: v["tried"] for k, v in results.items()},
+        "seconds": {k: v["seconds"] for k, v in results.items()},
+        "tried_total": sum(r["tried"] for r in results.values()),
+        "failures": failures,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"fuzz-specs-{report['date']}.json"
     path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")

@@ -158,27 +158,57 @@ EFF_TOKENS = 512  # eff(t) = t / (t + EFF_TOKENS) in rayft's configuration choic
 HF_PROXY_MARGIN = 1.10  # HF candidates whose proxy estimate exceeds budget x this are not tried
 
 SHAPES = {
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
-    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
+    "llama-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "llama-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
 }
 GLOBAL_BATCH = {"llama-1b": 32, "llama-8b": 16}
 TINY_SHAPES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=176, vocab_size=512, tie_word_embeddings=False),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=176,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    ),
 }
 TINY_GLOBAL_BATCH = {"tiny": 8}
 
 
 # ---- model, FLOPs, ceiling ------------------------------------------------------------------
 
+
 def llama_config(shape: dict, seq: int):
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(**shape, max_position_embeddings=max(8192, seq + 1), rope_theta=500000.0, rms_norm_eps=1e-5,
-                      attn_implementation="sdpa", use_cache=False, bos_token_id=shape["vocab_size"] - 3,
-                      eos_token_id=shape["vocab_size"] - 2, pad_token_id=shape["vocab_size"] - 1)
+    cfg = LlamaConfig(
+        **shape,
+        max_position_embeddings=max(8192, seq + 1),
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        attn_implementation="sdpa",
+        use_cache=False,
+        bos_token_id=shape["vocab_size"] - 3,
+        eos_token_id=shape["vocab_size"] - 2,
+        pad_token_id=shape["vocab_size"] - 1,
+    )
     return cfg
 
 
@@ -193,8 +223,15 @@ def flops_per_token(config, seq: int) -> dict:
     n_head = V * h
     n = n_layers + n_head
     attn = 6 * L * seq * dq
-    return {"N": n, "N_layers": n_layers, "N_head": n_head, "attention": attn, "total": 4 * n + attn,
-            "attn_fwd_per_layer": 2 * seq * dq, "layer_linear": layer_linear}
+    return {
+        "N": n,
+        "N_layers": n_layers,
+        "N_head": n_head,
+        "attention": attn,
+        "total": 4 * n + attn,
+        "attn_fwd_per_layer": 2 * seq * dq,
+        "layer_linear": layer_linear,
+    }
 
 
 def build_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -224,8 +261,14 @@ def matmul_ceiling(device: torch.device, n: int, warmup: int = 3, reps: int = 10
     sync(device)
     dt = (time.perf_counter() - t) / reps
     del a, b
-    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "tflops": 2 * n**3 / dt / 1e12,
-            "seconds_per_matmul": dt, "reps": reps, "warmup": warmup}
+    return {
+        "n": n,
+        "dtype": str(dtype).replace("torch.", ""),
+        "tflops": 2 * n**3 / dt / 1e12,
+        "seconds_per_matmul": dt,
+        "reps": reps,
+        "warmup": warmup,
+    }
 
 
 def sync(device: torch.device) -> None:
@@ -274,6 +317,7 @@ def divisors_desc(n: int) -> list[int]:
 
 # ---- data -----------------------------------------------------------------------------------
 
+
 def id_tokenizer(vocab: int):
     """Word-level tokenizer whose words are the decimal token ids; the last three ids are
     <s>, </s>, <pad>. A real `PreTrainedTokenizerFast`, so rayft's data path runs unchanged."""
@@ -286,8 +330,9 @@ def id_tokenizer(vocab: int):
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(list(specials))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   model_max_length=1 << 30)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", model_max_length=1 << 30
+    )
 
 
 def make_sequences(vocab: int, n: int, seq: int, seed: int = 0) -> list[list[int]]:
@@ -318,6 +363,7 @@ class SeqDataset(torch.utils.data.Dataset):
 
 
 # ---- rayft ----------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Workload:
@@ -361,16 +407,21 @@ def weights_dir(w: Workload) -> Path:
     return out
 
 
-def rayft_spec(w: Workload, micro: int, chunk: int, out_dir: Path, compile_layers: bool = False,
-               quantization: str = "none"):
+def rayft_spec(
+    w: Workload, micro: int, chunk: int, out_dir: Path, compile_layers: bool = False, quantization: str = "none"
+):
     from jobs.spec import load_spec
 
     # The estimate reads the config only; a quantized base is really loaded, so it needs weights.
     model_dir = w.model_dir if quantization == "none" else w.workdir / f"weights-{w.shape}"
     data = {
         "name": f"bench-{w.shape}",
-        "model": {"name": str(model_dir), "attn_implementation": "sdpa", "compile": compile_layers,
-                  "quantization": quantization},
+        "model": {
+            "name": str(model_dir),
+            "attn_implementation": "sdpa",
+            "compile": compile_layers,
+            "quantization": quantization,
+        },
         "data": {"path": [str(w.data_path)], "max_seq_len": w.seq + 1},
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": TARGETS},
         "batch": {"global_batch_size": w.global_batch, "micro_batch_size": micro},
@@ -404,16 +455,31 @@ def rayft_candidates(w: Workload, flops: dict, quantization: str = "none") -> li
             recompute = n_ckpt * (2 * flops["layer_linear"] + flops["attn_fwd_per_layer"])
             recompute += 2 * flops["N_head"] if chunk else 0
             eff = tokens / (tokens + EFF_TOKENS)
-            est = memory.estimate(w.config, micro_batch_size=mb, seq_len=w.seq, gradient_checkpointing=every > 0,
-                                  checkpoint_every_n_layers=max(1, every), base_dtype=w.precision,
-                                  lora_r=LORA_R, lora_target_modules=TARGETS, loss_chunk_tokens=chunk or None,
-                                  device=w.device.type, quantization=quantization)
-            rows.append({"micro_batch_size": mb, "loss_chunk_tokens": chunk, "checkpoint_every_n_layers": every,
-                         "estimate_spec_gib": round(float(est_spec), 3),
-                         "estimate_gib": round(est.peak_allocated_gib, 3),
-                         "estimate_total_gib": round(est.total_gib, 3),
-                         "fits": float(est_spec) <= w.budget_gib,
-                         "cost": (flops["total"] + recompute) / eff / flops["total"]})
+            est = memory.estimate(
+                w.config,
+                micro_batch_size=mb,
+                seq_len=w.seq,
+                gradient_checkpointing=every > 0,
+                checkpoint_every_n_layers=max(1, every),
+                base_dtype=w.precision,
+                lora_r=LORA_R,
+                lora_target_modules=TARGETS,
+                loss_chunk_tokens=chunk or None,
+                device=w.device.type,
+                quantization=quantization,
+            )
+            rows.append(
+                {
+                    "micro_batch_size": mb,
+                    "loss_chunk_tokens": chunk,
+                    "checkpoint_every_n_layers": every,
+                    "estimate_spec_gib": round(float(est_spec), 3),
+                    "estimate_gib": round(est.peak_allocated_gib, 3),
+                    "estimate_total_gib": round(est.total_gib, 3),
+                    "fits": float(est_spec) <= w.budget_gib,
+                    "cost": (flops["total"] + recompute) / eff / flops["total"],
+                }
+            )
     rows.sort(key=lambda r: (not r["fits"], r["cost"], -r["micro_batch_size"], -r["loss_chunk_tokens"]))
     return rows
 
@@ -448,27 +514,37 @@ def run_rayft(w: Workload, cand: dict, tokenizer, compile_layers: bool = False, 
     t0 = time.perf_counter()
     try:
         with memory_cap(w.device, w.budget_gib):
-            summary = loop.train(spec, LocalContext(use_gpu=w.device.type == "cuda", on_progress=on_progress),
-                                 resume=False)
+            summary = loop.train(
+                spec, LocalContext(use_gpu=w.device.type == "cuda", on_progress=on_progress), resume=False
+            )
             peak = torch.cuda.max_memory_allocated(w.device) / GIB if w.device.type == "cuda" else None
     finally:
         loop.load_base_model = original
     wall = time.perf_counter() - t0
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    timed = [b - a for a, b in zip(ends[w.warmup - 1:], ends[w.warmup:], strict=False)] if w.warmup else []
-    inner = [r["step_time_s"] for r in records[w.warmup:]]
-    return {"micro_batch_size": summary["micro_batch_size"], "grad_accum_steps": summary["grad_accum_steps"],
-            "gradient_checkpointing": bool(summary.get("gradient_checkpointing")),
-            "checkpoint_every_n_layers": summary.get("checkpoint_every_n_layers"),
-            "loss_chunk_tokens": cand["loss_chunk_tokens"], "step_s": timed,
-            "inner_step_s": inner, "peak_alloc_gib": peak,
-            "estimate_gib": cand["estimate_gib"], "estimate_total_gib": cand["estimate_total_gib"],
-            "estimate_spec_gib": summary.get("estimate_gib"), "quantization": quantization,
-            "quantized_linear_layers": quantized_layers[0] if quantized_layers else 0,
-            "final_loss": summary.get("final_loss"), "row_wall_s": wall}
+    timed = [b - a for a, b in zip(ends[w.warmup - 1 :], ends[w.warmup :], strict=False)] if w.warmup else []
+    inner = [r["step_time_s"] for r in records[w.warmup :]]
+    return {
+        "micro_batch_size": summary["micro_batch_size"],
+        "grad_accum_steps": summary["grad_accum_steps"],
+        "gradient_checkpointing": bool(summary.get("gradient_checkpointing")),
+        "checkpoint_every_n_layers": summary.get("checkpoint_every_n_layers"),
+        "loss_chunk_tokens": cand["loss_chunk_tokens"],
+        "step_s": timed,
+        "inner_step_s": inner,
+        "peak_alloc_gib": peak,
+        "estimate_gib": cand["estimate_gib"],
+        "estimate_total_gib": cand["estimate_total_gib"],
+        "estimate_spec_gib": summary.get("estimate_gib"),
+        "quantization": quantization,
+        "quantized_linear_layers": quantized_layers[0] if quantized_layers else 0,
+        "final_loss": summary.get("final_loss"),
+        "row_wall_s": wall,
+    }
 
 
 # ---- HF Trainer + PEFT ----------------------------------------------------------------------
+
 
 def training_arguments(w: Workload, micro: int, gc_on: bool, out_dir: Path):
     """`TrainingArguments` across transformers 5.x: `activation_checkpointing*` (5.2x) or the
@@ -479,12 +555,26 @@ def training_arguments(w: Workload, micro: int, gc_on: bool, out_dir: Path):
     ckpt = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     cuda = w.device.type == "cuda"
     kwargs = dict(
-        output_dir=str(out_dir), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=w.global_batch // micro, max_steps=w.total_steps,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        bf16=cuda, optim="adamw_torch_fused" if cuda else "adamw_torch",
-        logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
-        remove_unused_columns=False, seed=0, dataloader_num_workers=0, use_cpu=not cuda,
+        output_dir=str(out_dir),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=w.global_batch // micro,
+        max_steps=w.total_steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        bf16=cuda,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        seed=0,
+        dataloader_num_workers=0,
+        use_cpu=not cuda,
         **{ckpt: gc_on, f"{ckpt}_kwargs": {"use_reentrant": False}},
     )
     unknown = sorted(set(kwargs) - fields)
@@ -497,8 +587,10 @@ def hf_model(w: Workload):
     from peft import LoraConfig, get_peft_model
 
     model = build_model(w.config, w.device, w.dtype)
-    model = get_peft_model(model, LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
-                                             target_modules=TARGETS, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"),
+    )
     for p in model.parameters():  # as rayft: LoRA weights in fp32
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
@@ -531,10 +623,17 @@ def run_hf_once(w: Workload, model, micro: int, gc_on: bool) -> dict:
         with contextlib.suppress(Exception):
             trainer.accelerator.free_memory()
         del trainer
-    timed = [b - a for a, b in zip(ends[w.warmup - 1:], ends[w.warmup:], strict=False)] if w.warmup else []
-    return {"micro_batch_size": micro, "grad_accum_steps": w.global_batch // micro, "gradient_checkpointing": gc_on,
-            "step_s": timed, "peak_alloc_gib": peak, "final_loss": float(result.training_loss),
-            "row_wall_s": time.perf_counter() - t0, "checkpointing_argument": ckpt_name}
+    timed = [b - a for a, b in zip(ends[w.warmup - 1 :], ends[w.warmup :], strict=False)] if w.warmup else []
+    return {
+        "micro_batch_size": micro,
+        "grad_accum_steps": w.global_batch // micro,
+        "gradient_checkpointing": gc_on,
+        "step_s": timed,
+        "peak_alloc_gib": peak,
+        "final_loss": float(result.training_loss),
+        "row_wall_s": time.perf_counter() - t0,
+        "checkpointing_argument": ckpt_name,
+    }
 
 
 def unwrap_accelerate(model) -> None:
@@ -554,11 +653,21 @@ def run_hf(w: Workload) -> tuple[dict, list[dict]]:
     try:
         for gc_on in (False, True):
             for micro in divisors_desc(w.global_batch):
-                proxy = memory.estimate(w.config, micro_batch_size=micro, seq_len=w.seq, gradient_checkpointing=gc_on,
-                                        base_dtype=w.precision, lora_r=LORA_R, lora_target_modules=TARGETS,
-                                        device=w.device.type)
-                att = {"micro_batch_size": micro, "gradient_checkpointing": gc_on,
-                       "proxy_estimate_gib": round(proxy.peak_allocated_gib, 3)}
+                proxy = memory.estimate(
+                    w.config,
+                    micro_batch_size=micro,
+                    seq_len=w.seq,
+                    gradient_checkpointing=gc_on,
+                    base_dtype=w.precision,
+                    lora_r=LORA_R,
+                    lora_target_modules=TARGETS,
+                    device=w.device.type,
+                )
+                att = {
+                    "micro_batch_size": micro,
+                    "gradient_checkpointing": gc_on,
+                    "proxy_estimate_gib": round(proxy.peak_allocated_gib, 3),
+                }
                 limit = w.budget_gib * (HF_PROXY_MARGIN if w.device.type == "cuda" else 1.0)
                 if proxy.peak_allocated_gib > limit:
                     attempts.append({**att, "result": f"skipped: proxy estimate > {limit:.3g} GiB"})
@@ -589,30 +698,45 @@ def run_hf(w: Workload) -> tuple[dict, list[dict]]:
 
 # ---- one row --------------------------------------------------------------------------------
 
+
 def finish_row(base: dict, res: dict, flops: dict, ceiling: float) -> dict:
     steps = res.pop("step_s")
     mean = statistics.fmean(steps) if steps else float("nan")
     tok_s = base["global_batch_size"] * base["seq_len"] / mean if steps else None
     tflops = tok_s * flops["total"] / 1e12 if tok_s else None
     row = {**base, **res}
-    row.update({
-        "tok_s": round(tok_s, 1) if tok_s else None,
-        "model_tflops": float(f"{tflops:.4g}") if tflops else None,
-        "fraction_of_matmul_ceiling": round(tflops / ceiling, 4) if tflops and ceiling else None,
-        "step_s": [round(s, 4) for s in steps],
-        "step_s_median": round(statistics.median(steps), 4) if steps else None,
-        "peak_alloc_gib": round(res["peak_alloc_gib"], 3) if res.get("peak_alloc_gib") is not None else None,
-    })
+    row.update(
+        {
+            "tok_s": round(tok_s, 1) if tok_s else None,
+            "model_tflops": float(f"{tflops:.4g}") if tflops else None,
+            "fraction_of_matmul_ceiling": round(tflops / ceiling, 4) if tflops and ceiling else None,
+            "step_s": [round(s, 4) for s in steps],
+            "step_s_median": round(statistics.median(steps), 4) if steps else None,
+            "peak_alloc_gib": round(res["peak_alloc_gib"], 3) if res.get("peak_alloc_gib") is not None else None,
+        }
+    )
     if row.get("estimate_gib") is not None and row.get("peak_alloc_gib"):
         row["estimate_rel_err"] = round((row["estimate_gib"] - row["peak_alloc_gib"]) / row["peak_alloc_gib"], 4)
     return row
 
 
 def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer) -> dict:
-    base = {"shape": w.shape, "budget_gib": w.budget_gib, "loop": loop_name, "seq_len": w.seq,
-            "global_batch_size": w.global_batch, "warmup_steps": w.warmup, "timed_steps": w.steps,
-            "micro_batch_size": None, "grad_accum_steps": None, "gradient_checkpointing": None,
-            "tok_s": None, "model_tflops": None, "peak_alloc_gib": None, "estimate_gib": None}
+    base = {
+        "shape": w.shape,
+        "budget_gib": w.budget_gib,
+        "loop": loop_name,
+        "seq_len": w.seq,
+        "global_batch_size": w.global_batch,
+        "warmup_steps": w.warmup,
+        "timed_steps": w.steps,
+        "micro_batch_size": None,
+        "grad_accum_steps": None,
+        "gradient_checkpointing": None,
+        "tok_s": None,
+        "model_tflops": None,
+        "peak_alloc_gib": None,
+        "estimate_gib": None,
+    }
     start_alloc = free_memory(w.device)
     base["allocated_before_gib"] = round(start_alloc, 3)
     t0 = time.perf_counter()
@@ -627,8 +751,9 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
             for cand in [c for c in cands if c["fits"]][:3]:
                 failed = None
                 try:
-                    res = run_rayft(w, cand, tokenizer, compile_layers=loop_name == "rayft-compile",
-                                    quantization=quantization)
+                    res = run_rayft(
+                        w, cand, tokenizer, compile_layers=loop_name == "rayft-compile", quantization=quantization
+                    )
                 except Exception as e:  # noqa: BLE001
                     failed = e
                 if failed is None:
@@ -640,11 +765,15 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
                 failed = None
                 tried.append({**cand, "result": "oom (the estimate said it fits)"})
                 free_memory(w.device)
-                print(f"#   rayft {w.shape} @{w.budget_gib:g} GiB: micro {cand['micro_batch_size']} chunk "
-                      f"{cand['loss_chunk_tokens']}: out of memory although estimated to fit", flush=True)
+                print(
+                    f"#   rayft {w.shape} @{w.budget_gib:g} GiB: micro {cand['micro_batch_size']} chunk "
+                    f"{cand['loss_chunk_tokens']}: out of memory although estimated to fit",
+                    flush=True,
+                )
             else:
-                raise RuntimeError(f"rayft: no configuration ran (tried {tried}; "
-                                   f"{sum(c['fits'] for c in cands)} estimated to fit)")
+                raise RuntimeError(
+                    f"rayft: no configuration ran (tried {tried}; {sum(c['fits'] for c in cands)} estimated to fit)"
+                )
         else:
             res, attempts = run_hf(w)
             row = finish_row({**base, "attempts": attempts, "status": "ok"}, res, flops, ceiling)
@@ -658,13 +787,20 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
 
 # ---- output ---------------------------------------------------------------------------------
 
+
 def versions() -> dict:
     import accelerate
     import peft
     import transformers
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "transformers": transformers.__version__, "peft": peft.__version__, "accelerate": accelerate.__version__}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "accelerate": accelerate.__version__,
+    }
     try:
         import pydantic
 
@@ -672,10 +808,15 @@ def versions() -> dict:
     except ImportError:
         pass
     try:
-        out["rayft_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                             text=True, timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "jobs"], cwd=ROOT, capture_output=True, text=True,
-                               timeout=10).stdout.strip()
+        out["rayft_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "jobs"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         out["rayft_jobs_dirty"] = bool(dirty)
     except (OSError, subprocess.SubprocessError):
         out["rayft_commit"] = None
@@ -688,10 +829,12 @@ def environment_warnings() -> list[str]:
     from transformers import PreTrainedModel
 
     if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
-        out.append("transformers has no activation_checkpointing_enable: jobs.model.enable_checkpointing falls back "
-                   "to gradient_checkpointing_enable without every_n_layers, so rayft's selective checkpointing "
-                   "(every k-th layer) checkpoints every layer here; carry transformers>=5.24 "
-                   "(see this file's docstring)")
+        out.append(
+            "transformers has no activation_checkpointing_enable: jobs.model.enable_checkpointing falls back "
+            "to gradient_checkpointing_enable without every_n_layers, so rayft's selective checkpointing "
+            "(every k-th layer) checkpoints every layer here; carry transformers>=5.24 "
+            "(see this file's docstring)"
+        )
     for w in out:
         print(f"# WARNING: {w}", flush=True)
     return out
@@ -712,37 +855,56 @@ def comparisons(rows: list[dict], goal: float) -> list[dict]:
         ray = by.get("rayft", {})
         compiled = by.get("rayft-compile", {}).get("tok_s")
         qlora = by.get("rayft-qlora", {})
-        out.append({"shape": shape, "budget_gib": budget, "rayft_tok_s": a, "hf_tok_s": b,
-                    "rayft_compile_tok_s": compiled,
-                    "compile_speedup": round(compiled / a, 3) if compiled and a else None,
-                    "ratio": round(ratio, 3) if ratio else None, "goal": goal,
-                    "met": ratio >= goal if ratio else None,
-                    "rayft_fraction_of_matmul_ceiling": ray.get("fraction_of_matmul_ceiling"),
-                    "hf_fraction_of_matmul_ceiling": by.get("hf", {}).get("fraction_of_matmul_ceiling"),
-                    "rayft_estimate_rel_err": ray.get("estimate_rel_err"),
-                    "qlora_tok_s": qlora.get("tok_s"), "qlora_peak_alloc_gib": qlora.get("peak_alloc_gib"),
-                    "qlora_estimate_gib": qlora.get("estimate_gib"),
-                    "qlora_estimate_rel_err": qlora.get("estimate_rel_err")})
+        out.append(
+            {
+                "shape": shape,
+                "budget_gib": budget,
+                "rayft_tok_s": a,
+                "hf_tok_s": b,
+                "rayft_compile_tok_s": compiled,
+                "compile_speedup": round(compiled / a, 3) if compiled and a else None,
+                "ratio": round(ratio, 3) if ratio else None,
+                "goal": goal,
+                "met": ratio >= goal if ratio else None,
+                "rayft_fraction_of_matmul_ceiling": ray.get("fraction_of_matmul_ceiling"),
+                "hf_fraction_of_matmul_ceiling": by.get("hf", {}).get("fraction_of_matmul_ceiling"),
+                "rayft_estimate_rel_err": ray.get("estimate_rel_err"),
+                "qlora_tok_s": qlora.get("tok_s"),
+                "qlora_peak_alloc_gib": qlora.get("peak_alloc_gib"),
+                "qlora_estimate_gib": qlora.get("estimate_gib"),
+                "qlora_estimate_rel_err": qlora.get("estimate_rel_err"),
+            }
+        )
     return out
 
 
-HEADER = (f"{'shape':9} {'budget':>6} {'loop':13} {'mb':>3} {'acc':>3} {'gc':>4} {'chunk':>5} {'tok/s':>9} "
-          f"{'TFLOP/s':>8} {'%ceil':>6} {'peak':>7} {'est':>7} {'err':>6}  status")
+HEADER = (
+    f"{'shape':9} {'budget':>6} {'loop':13} {'mb':>3} {'acc':>3} {'gc':>4} {'chunk':>5} {'tok/s':>9} "
+    f"{'TFLOP/s':>8} {'%ceil':>6} {'peak':>7} {'est':>7} {'err':>6}  status"
+)
 
 
 def fmt_row(r: dict) -> str:
     def f(v, spec, width):
         return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else f"{'-':>{width}}"
 
-    gc_s = "-" if r.get("gradient_checkpointing") is None else (
-        "off" if not r["gradient_checkpointing"] else
-        (f"/{r['checkpoint_every_n_layers']}" if (r.get("checkpoint_every_n_layers") or 1) > 1 else "on"))
+    gc_s = (
+        "-"
+        if r.get("gradient_checkpointing") is None
+        else (
+            "off"
+            if not r["gradient_checkpointing"]
+            else (f"/{r['checkpoint_every_n_layers']}" if (r.get("checkpoint_every_n_layers") or 1) > 1 else "on")
+        )
+    )
     frac = r.get("fraction_of_matmul_ceiling")
-    return (f"{r['shape']:9} {r['budget_gib']:6g} {r['loop']:13} {f(r.get('micro_batch_size'), '3d', 3)} "
-            f"{f(r.get('grad_accum_steps'), '3d', 3)} {gc_s:>4} {f(r.get('loss_chunk_tokens'), '5d', 5)} "
-            f"{f(r.get('tok_s'), '9.0f', 9)} {f(r.get('model_tflops'), '8.1f', 8)} "
-            f"{f(frac * 100 if frac is not None else None, '5.1f', 5)}% {f(r.get('peak_alloc_gib'), '7.2f', 7)} "
-            f"{f(r.get('estimate_gib'), '7.2f', 7)} {f(r.get('estimate_rel_err'), '+6.1%', 6)}  {r.get('status', '')}")
+    return (
+        f"{r['shape']:9} {r['budget_gib']:6g} {r['loop']:13} {f(r.get('micro_batch_size'), '3d', 3)} "
+        f"{f(r.get('grad_accum_steps'), '3d', 3)} {gc_s:>4} {f(r.get('loss_chunk_tokens'), '5d', 5)} "
+        f"{f(r.get('tok_s'), '9.0f', 9)} {f(r.get('model_tflops'), '8.1f', 8)} "
+        f"{f(frac * 100 if frac is not None else None, '5.1f', 5)}% {f(r.get('peak_alloc_gib'), '7.2f', 7)} "
+        f"{f(r.get('estimate_gib'), '7.2f', 7)} {f(r.get('estimate_rel_err'), '+6.1%', 6)}  {r.get('status', '')}"
+    )
 
 
 def print_table(result: dict) -> None:
@@ -752,22 +914,30 @@ def print_table(result: dict) -> None:
     c = result["matmul_ceiling"]
     print(f"\nmatmul ceiling ({c['n']}^3 {c['dtype']}): {c['tflops']:.1f} TFLOP/s")
     goals = result["goals"]
-    print(f"\ngoals: rayft/hf >= {goals['speedup_vs_hf']}; 8B rayft >= {goals['fraction_of_matmul_ceiling_8b']:.0%} "
-          f"of the matmul ceiling; rayft estimate within +-{goals['estimate_rel_err']:.0%} of the measured peak")
-    print(f"{'shape':9} {'budget':>6} {'rayft tok/s':>12} {'hf tok/s':>10} {'rayft/hf':>9} {'speedup':>8} "
-          f"{'rayft %ceil':>11} {'hf %ceil':>9} {'est err':>8} {'compile x':>9}")
+    print(
+        f"\ngoals: rayft/hf >= {goals['speedup_vs_hf']}; 8B rayft >= {goals['fraction_of_matmul_ceiling_8b']:.0%} "
+        f"of the matmul ceiling; rayft estimate within +-{goals['estimate_rel_err']:.0%} of the measured peak"
+    )
+    print(
+        f"{'shape':9} {'budget':>6} {'rayft tok/s':>12} {'hf tok/s':>10} {'rayft/hf':>9} {'speedup':>8} "
+        f"{'rayft %ceil':>11} {'hf %ceil':>9} {'est err':>8} {'compile x':>9}"
+    )
     for c in result["comparisons"]:
+
         def f(v, spec, width):
             return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else f"{'-':>{width}}"
 
         met = "-" if c["met"] is None else ("met" if c["met"] else "MISSED")
-        print(f"{c['shape']:9} {c['budget_gib']:6g} {f(c['rayft_tok_s'], '12.0f', 12)} {f(c['hf_tok_s'], '10.0f', 10)} "
-              f"{f(c['ratio'], '9.3f', 9)} {met:>8} {f(c['rayft_fraction_of_matmul_ceiling'], '11.1%', 11)} "
-              f"{f(c['hf_fraction_of_matmul_ceiling'], '9.1%', 9)} {f(c['rayft_estimate_rel_err'], '+8.1%', 8)} "
-              f"{f(c['compile_speedup'], '9.3f', 9)}")
+        print(
+            f"{c['shape']:9} {c['budget_gib']:6g} {f(c['rayft_tok_s'], '12.0f', 12)} {f(c['hf_tok_s'], '10.0f', 10)} "
+            f"{f(c['ratio'], '9.3f', 9)} {met:>8} {f(c['rayft_fraction_of_matmul_ceiling'], '11.1%', 11)} "
+            f"{f(c['hf_fraction_of_matmul_ceiling'], '9.1%', 9)} {f(c['rayft_estimate_rel_err'], '+8.1%', 8)} "
+            f"{f(c['compile_speedup'], '9.3f', 9)}"
+        )
 
 
 # ---- main -----------------------------------------------------------------------------------
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -778,17 +948,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, help="sequence length (default 2048; dry run 64)")
     ap.add_argument("--warmup", type=int, help="untimed optimizer steps per row (default 2; dry run 1)")
     ap.add_argument("--steps", type=int, help="timed optimizer steps per row (default 4; dry run 2)")
-    ap.add_argument("--compile-shapes", default=None,
-                    help="shapes that get one more rayft row with model.compile=true at the first budget, "
-                         "after all main rows and only within the time limit (default: the first shape; "
-                         "'' for none)")
-    ap.add_argument("--qlora-shapes", default=None,
-                    help="shapes that get one more rayft row with model.quantization=nf4 at the first budget, "
-                         "last and only within the time limit (default: llama-8b; dry run: tiny; '' for none)")
-    ap.add_argument("--qlora-only", action="store_true",
-                    help="run only the QLoRA rows (no rayft/HF comparison, no compile rows)")
-    ap.add_argument("--time-limit-s", type=float, default=390.0,
-                    help="start no new row after this many seconds (rows left are recorded as skipped)")
+    ap.add_argument(
+        "--compile-shapes",
+        default=None,
+        help="shapes that get one more rayft row with model.compile=true at the first budget, "
+        "after all main rows and only within the time limit (default: the first shape; "
+        "'' for none)",
+    )
+    ap.add_argument(
+        "--qlora-shapes",
+        default=None,
+        help="shapes that get one more rayft row with model.quantization=nf4 at the first budget, "
+        "last and only within the time limit (default: llama-8b; dry run: tiny; '' for none)",
+    )
+    ap.add_argument(
+        "--qlora-only", action="store_true", help="run only the QLoRA rows (no rayft/HF comparison, no compile rows)"
+    )
+    ap.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=390.0,
+        help="start no new row after this many seconds (rows left are recorded as skipped)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     # PEFT probes transformers' deprecated alias on every forward; not ours, and noisy.
@@ -820,26 +1001,27 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
         "date": today,
         "versions": versions(),
-        "device_total_gib": (torch.cuda.get_device_properties(device).total_memory / GIB
-                             if device.type == "cuda" else None),
+        "device_total_gib": (
+            torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
+        ),
         "dry_run": dry,
         "matmul_ceiling": ceiling,
         "goals": {"speedup_vs_hf": 1.3, "fraction_of_matmul_ceiling_8b": 0.45, "estimate_rel_err": 0.05},
         "method": {
             "flops_per_token": "4N + 6 L S d_q (N: decoder linear weights + LM head; causal attention; "
-                               "recomputation not counted)",
+            "recomputation not counted)",
             "tok_s": "global_batch x seq / mean interval between consecutive end-of-step timestamps after warmup",
             "peak_alloc_gib": "torch.cuda.max_memory_allocated over the row (null on CPU)",
             "estimate_gib": "rayft rows: jobs.memory peak_allocated for the configuration and the bench's "
-                            "full-length data (compare with peak_alloc_gib); estimate_spec_gib: what train() "
-                            "logged (estimate total incl. CUDA context + slack). HF rows: null; "
-                            "proxy_estimate_gib is rayft's model for HF's micro-batch without loss chunking",
+            "full-length data (compare with peak_alloc_gib); estimate_spec_gib: what train() "
+            "logged (estimate total incl. CUDA context + slack). HF rows: null; "
+            "proxy_estimate_gib is rayft's model for HF's micro-batch without loss chunking",
             "budget": "allocator capped with torch.cuda.set_per_process_memory_fraction; rayft also needs its "
-                      "estimate total <= budget",
+            "estimate total <= budget",
             "rayft_choice": f"least (model+recompute FLOPs)/eff among configs whose estimate fits; "
-                            f"eff = t/(t+{EFF_TOKENS}), t = tokens per micro-batch",
+            f"eff = t/(t+{EFF_TOKENS}), t = tokens per micro-batch",
             "hf_choice": "largest micro-batch without checkpointing that runs, else largest with it "
-                         f"(descending, catching OOM; proxy estimate > {HF_PROXY_MARGIN} x budget not tried)",
+            f"(descending, catching OOM; proxy estimate > {HF_PROXY_MARGIN} x budget not tried)",
         },
         "warnings": environment_warnings(),
         "flops_per_token": {},
@@ -871,18 +1053,29 @@ def main(argv: list[str] | None = None) -> int:
             write_jsonl(seqs, data_path)
             tokenizer = id_tokenizer(config.vocab_size)
             for budget in budgets:
-                w = Workload(shape_name, config, seq, gb, budget, device, warmup, steps, workdir, data_path,
-                             model_dir, seqs)
+                w = Workload(
+                    shape_name, config, seq, gb, budget, device, warmup, steps, workdir, data_path, model_dir, seqs
+                )
                 at_first_budget.setdefault(shape_name, (w, flops, tokenizer))
                 loops = ["rayft", "hf"] if order_flip % 2 == 0 else ["hf", "rayft"]
                 order_flip += 1
-                for loop_name in ([] if args.qlora_only else loops):
+                for loop_name in [] if args.qlora_only else loops:
                     if time.perf_counter() - started > args.time_limit_s:
-                        row = {"shape": shape_name, "budget_gib": budget, "loop": loop_name, "seq_len": seq,
-                               "global_batch_size": gb, "micro_batch_size": None, "grad_accum_steps": None,
-                               "gradient_checkpointing": None, "tok_s": None, "model_tflops": None,
-                               "peak_alloc_gib": None, "estimate_gib": None,
-                               "status": f"skipped: time limit {args.time_limit_s:g} s"}
+                        row = {
+                            "shape": shape_name,
+                            "budget_gib": budget,
+                            "loop": loop_name,
+                            "seq_len": seq,
+                            "global_batch_size": gb,
+                            "micro_batch_size": None,
+                            "grad_accum_steps": None,
+                            "gradient_checkpointing": None,
+                            "tok_s": None,
+                            "model_tflops": None,
+                            "peak_alloc_gib": None,
+                            "estimate_gib": None,
+                            "status": f"skipped: time limit {args.time_limit_s:g} s",
+                        }
                     else:
                         row = run_row(loop_name, w, flops, ceiling["tflops"], tokenizer)
                     result["rows"].append(row)
@@ -890,8 +1083,13 @@ def main(argv: list[str] | None = None) -> int:
                     save()
         # Optional extra rows: is torch.compile worth turning on? Last, so they never starve the
         # main comparison; same configuration choice as the plain rayft row.
-        compile_shapes = [] if args.qlora_only else list(shapes)[:1] if args.compile_shapes is None else [
-            n for n in args.compile_shapes.split(",") if n]
+        compile_shapes = (
+            []
+            if args.qlora_only
+            else list(shapes)[:1]
+            if args.compile_shapes is None
+            else [n for n in args.compile_shapes.split(",") if n]
+        )
         for shape_name in compile_shapes:
             if shape_name not in at_first_budget or time.perf_counter() - started > args.time_limit_s:
                 continue
@@ -901,15 +1099,22 @@ def main(argv: list[str] | None = None) -> int:
             print(fmt_row(row), flush=True)
             save()
         # QLoRA rows: 4-bit base, same loop; last, for the same reason.
-        qlora_shapes = ["tiny" if dry else "llama-8b"] if args.qlora_shapes is None else [
-            n for n in args.qlora_shapes.split(",") if n]
+        qlora_shapes = (
+            ["tiny" if dry else "llama-8b"]
+            if args.qlora_shapes is None
+            else [n for n in args.qlora_shapes.split(",") if n]
+        )
         for shape_name in qlora_shapes:
             if shape_name not in at_first_budget or time.perf_counter() - started > args.time_limit_s:
                 continue
             w, flops, tokenizer = at_first_budget[shape_name]
             if importlib.util.find_spec("bitsandbytes") is None:
-                row = {"shape": shape_name, "budget_gib": w.budget_gib, "loop": "rayft-qlora",
-                       "status": "skipped: bitsandbytes is not installed (carry its wheel, see the docstring)"}
+                row = {
+                    "shape": shape_name,
+                    "budget_gib": w.budget_gib,
+                    "loop": "rayft-qlora",
+                    "status": "skipped: bitsandbytes is not installed (carry its wheel, see the docstring)",
+                }
             else:
                 row = run_row("rayft-qlora", w, flops, ceiling["tflops"], tokenizer)
             result["rows"].append(row)
@@ -919,8 +1124,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(result)
     print(f"\n{result['wall_s']} s; wrote {path}")
     # A QLoRA row skipped for want of bitsandbytes is said in the row; it fails nothing else.
-    return 0 if all(r.get("status") == "ok" or (r["loop"] == "rayft-qlora" and r["status"].startswith("skipped"))
-                    for r in result["rows"]) else 1
+    return (
+        0
+        if all(
+            r.get("status") == "ok" or (r["loop"] == "rayft-qlora" and r["status"].startswith("skipped"))
+            for r in result["rows"]
+        )
+        else 1
+    )
 
 
 if __name__ == "__main__":

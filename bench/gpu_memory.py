@@ -45,24 +45,53 @@ GIB = 1024**3
 TARGETS = list(DEFAULT_TARGET_MODULES)
 
 SHAPES = {
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
-    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
+    "llama-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "llama-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
 }
 TINY_SHAPES = {
-    "tiny-gqa": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=160, vocab_size=300, tie_word_embeddings=False),
-    "tiny-tied": dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-                      intermediate_size=256, vocab_size=500, tie_word_embeddings=True),
+    "tiny-gqa": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=160,
+        vocab_size=300,
+        tie_word_embeddings=False,
+    ),
+    "tiny-tied": dict(
+        hidden_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        vocab_size=500,
+        tie_word_embeddings=True,
+    ),
 }
 
 
 def llama_config(shape: dict):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**shape, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                       attn_implementation="sdpa")
+    return LlamaConfig(
+        **shape, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, attn_implementation="sdpa"
+    )
 
 
 # ---- rayft's loss ------------------------------------------------------------------------------
@@ -70,6 +99,7 @@ def llama_config(shape: dict):
 try:  # the real thing when rayft's dependencies are installed
     from jobs.loop import CausalLMLoss
 except ImportError:  # the GPU machine may only have torch/transformers/peft
+
     class CausalLMLoss(torch.nn.Module):
         """Same computation as jobs.loop.CausalLMLoss (chunk_tokens=0)."""
 
@@ -86,6 +116,7 @@ except ImportError:  # the GPU machine may only have torch/transformers/peft
 
 # ---- the model, as jobs.model builds it ---------------------------------------------------------
 
+
 def build(config, device: torch.device, lora_r: int):
     """Random init directly on the device in bf16; frozen base; fp32 LoRA on all linears that
     reads its input in bf16 (no PEFT cast to fp32), as jobs.model builds it."""
@@ -97,8 +128,10 @@ def build(config, device: torch.device, lora_r: int):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     for p in model.parameters():
         p.requires_grad_(False)
-    model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0,
-                                             target_modules=TARGETS, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"),
+    )
     for p in model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
@@ -115,12 +148,12 @@ def make_batch(vocab: int, micro_batch_size: int, seq_len: int, device: torch.de
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (micro_batch_size, seq_len), generator=g)
     flat = ids.view(-1)
-    batch = {"input_ids": ids,
-             "label_pos": torch.arange(flat.numel()), "label_ids": flat.roll(-1)}
+    batch = {"input_ids": ids, "label_pos": torch.arange(flat.numel()), "label_ids": flat.roll(-1)}
     return {k: v.to(device) for k, v in batch.items()}
 
 
 # ---- measuring -------------------------------------------------------------------------------
+
 
 class CpuPeak(torch.utils._python_dispatch.TorchDispatchMode):
     """CPU stand-in for max_memory_allocated: peak bytes of storages allocated by ops (plus
@@ -167,8 +200,13 @@ def step_peak_bytes(loss_fn, model, optimizer, batch: dict, device: torch.device
         peak = torch.cuda.max_memory_allocated(device)
     else:
         state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        existing = [*model.parameters(), *model.buffers(), *batch.values(), *state,
-                    *(p.grad for p in model.parameters() if p.grad is not None)]
+        existing = [
+            *model.parameters(),
+            *model.buffers(),
+            *batch.values(),
+            *state,
+            *(p.grad for p in model.parameters() if p.grad is not None),
+        ]
         with CpuPeak(existing) as mode:
             with autocast:
                 loss = loss_fn(**batch)
@@ -212,13 +250,28 @@ def run_shape(name: str, shape: dict, args, device: torch.device, rows: list, sa
         set_checkpointing(model, gc_on)
         for seq in args.seq_lens:
             for mb in args.micro_batches:
-                est = memory.estimate(config, micro_batch_size=mb, seq_len=seq, gradient_checkpointing=gc_on,
-                                      base_dtype="bf16", lora_r=args.lora_r, lora_target_modules=TARGETS,
-                                      optimizer="adamw", device=device.type)
-                row = {"shape": name, "seq_len": seq, "micro_batch_size": mb, "gradient_checkpointing": gc_on,
-                       "measured_gib": None, "estimate_gib": round(est.peak_allocated_gib, 4),
-                       "estimate_total_gib": round(est.total_gib, 4), "rel_err": None,
-                       "components_gib": {k: round(v / GIB, 4) for k, v in est.components.items()}}
+                est = memory.estimate(
+                    config,
+                    micro_batch_size=mb,
+                    seq_len=seq,
+                    gradient_checkpointing=gc_on,
+                    base_dtype="bf16",
+                    lora_r=args.lora_r,
+                    lora_target_modules=TARGETS,
+                    optimizer="adamw",
+                    device=device.type,
+                )
+                row = {
+                    "shape": name,
+                    "seq_len": seq,
+                    "micro_batch_size": mb,
+                    "gradient_checkpointing": gc_on,
+                    "measured_gib": None,
+                    "estimate_gib": round(est.peak_allocated_gib, 4),
+                    "estimate_total_gib": round(est.total_gib, 4),
+                    "rel_err": None,
+                    "components_gib": {k: round(v / GIB, 4) for k, v in est.components.items()},
+                }
                 if est.total_gib > args.max_gib:
                     rows.append({**row, "status": f"skipped: estimate {est.total_gib:.3g} GiB > {args.max_gib:g}"})
                     continue
@@ -228,8 +281,9 @@ def run_shape(name: str, shape: dict, args, device: torch.device, rows: list, sa
                 t = time.perf_counter()
                 peak = None
                 try:
-                    peak = step_peak_bytes(loss_fn, model, optimizer, make_batch(config.vocab_size, mb, seq, device),
-                                           device)
+                    peak = step_peak_bytes(
+                        loss_fn, model, optimizer, make_batch(config.vocab_size, mb, seq, device), device
+                    )
                 except torch.cuda.OutOfMemoryError:
                     pass
                 if peak is None:  # out of memory: free what the failed step held (outside `except`,
@@ -241,9 +295,15 @@ def run_shape(name: str, shape: dict, args, device: torch.device, rows: list, sa
                     save()
                     continue
                 measured = peak / GIB
-                rows.append({**row, "status": "ok", "measured_gib": round(measured, 4),
-                             "rel_err": round((est.peak_allocated_gib - measured) / measured, 4),
-                             "seconds": round(time.perf_counter() - t, 2)})
+                rows.append(
+                    {
+                        **row,
+                        "status": "ok",
+                        "measured_gib": round(measured, 4),
+                        "rel_err": round((est.peak_allocated_gib - measured) / measured, 4),
+                        "seconds": round(time.perf_counter() - t, 2),
+                    }
+                )
                 print(_fmt(rows[-1]), flush=True)
                 save()
     del model, loss_fn, optimizer, params
@@ -260,8 +320,10 @@ HEADER = f"{'shape':10} {'seq':>5} {'mb':>3} {'gc':>3} {'measured':>9} {'estimat
 def _fmt(r: dict) -> str:
     m = f"{r['measured_gib']:9.3f}" if r["measured_gib"] is not None else f"{'-':>9}"
     e = f"{r['rel_err']:+8.1%}" if r["rel_err"] is not None else f"{'-':>8}"
-    return (f"{r['shape']:10} {r['seq_len']:5d} {r['micro_batch_size']:3d} {'on' if r['gradient_checkpointing'] else 'off':>3}"
-            f" {m} {r['estimate_gib']:9.3f} {e}  {r['status']}")
+    return (
+        f"{r['shape']:10} {r['seq_len']:5d} {r['micro_batch_size']:3d} {'on' if r['gradient_checkpointing'] else 'off':>3}"
+        f" {m} {r['estimate_gib']:9.3f} {e}  {r['status']}"
+    )
 
 
 def device_slug(device: torch.device) -> str:
@@ -280,8 +342,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--max-gib", type=float, default=130.0, help="skip combinations estimated above this")
     ap.add_argument("--out-dir", type=Path, help="default: bench/results (a temp dir with --dry-run)")
-    ap.add_argument("--time-limit-s", type=float, default=float("inf"),
-                    help="measure no new combination after this many seconds (the rest: skipped)")
+    ap.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=float("inf"),
+        help="measure no new combination after this many seconds (the rest: skipped)",
+    )
     args = ap.parse_args(argv)
     if args.dry_run:
         args.device, args.tiny = "cpu", True
@@ -302,18 +368,27 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     today = _dt.date.today().isoformat()
-    out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="rayft-bench-")) if args.dry_run else ROOT / "bench" / "results")
+    out_dir = args.out_dir or (
+        Path(tempfile.mkdtemp(prefix="rayft-bench-")) if args.dry_run else ROOT / "bench" / "results"
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"memory-{today}-{device_slug(device)}.json"
     meta = {
-        "date": today, "device": device_slug(device),
-        "device_total_gib": (torch.cuda.get_device_properties(device).total_memory / GIB
-                             if device.type == "cuda" else None),
-        "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-        "cuda": torch.version.cuda, "lora_r": args.lora_r, "lora_target_modules": TARGETS,
+        "date": today,
+        "device": device_slug(device),
+        "device_total_gib": (
+            torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
+        ),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "cuda": torch.version.cuda,
+        "lora_r": args.lora_r,
+        "lora_target_modules": TARGETS,
         "dtype": "bf16 base (autocast), fp32 LoRA, AdamW state and gradients resident",
-        "measured": "torch.cuda.max_memory_allocated over forward+backward" if device.type == "cuda"
-                    else "CPU live-storage tracker (dry run)",
+        "measured": "torch.cuda.max_memory_allocated over forward+backward"
+        if device.type == "cuda"
+        else "CPU live-storage tracker (dry run)",
         "estimate": "MemoryEstimate.peak_allocated_bytes (total minus framework_overhead)",
     }
     rows: list[dict] = []
@@ -333,8 +408,10 @@ def main(argv=None) -> int:
         print(_fmt(r))
     ok = [abs(r["rel_err"]) for r in rows if r["rel_err"] is not None]
     if ok:
-        print(f"\n{len(ok)} measured, |rel_err| max {max(ok):.1%}, mean {sum(ok) / len(ok):.1%}; "
-              f"{len(rows) - len(ok)} skipped/oom; {meta['wall_s']}s")
+        print(
+            f"\n{len(ok)} measured, |rel_err| max {max(ok):.1%}, mean {sum(ok) / len(ok):.1%}; "
+            f"{len(rows) - len(ok)} skipped/oom; {meta['wall_s']}s"
+        )
     print(f"wrote {path}")
     return 0
 

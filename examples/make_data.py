@@ -18,8 +18,10 @@ import random
 
 from datafiles import write_or_check
 
-WORDS = ("ray lora tune adapter gradient batch micro step window token rank worker cluster queue "
-         "kube job spec loss scale memory budget search accumulation sync bucket shard seed").split()
+WORDS = (
+    "ray lora tune adapter gradient batch micro step window token rank worker cluster queue "
+    "kube job spec loss scale memory budget search accumulation sync bucket shard seed"
+).split()
 
 
 def phrase(rng: random.Random, n_words: int) -> str:
@@ -44,10 +46,12 @@ def wrong(rec: dict) -> str:
     """A plausible wrong answer to `rec` (never its completion)."""
     words = rec["prompt"].split(": ", 1)[1].removesuffix("\n=> ").split()
     task = rec["prompt"].split(":", 1)[0]
-    candidates = {"reverse": [" ".join(words), " ".join(words[1:] + words[:1])],
-                  "upper": [" ".join(words), " ".join(w.capitalize() for w in words)],
-                  "count words": [str(len(words) + 1), str(max(0, len(words) - 1))],
-                  "first word": [words[-1], words[len(words) // 2]]}[task]
+    candidates = {
+        "reverse": [" ".join(words), " ".join(words[1:] + words[:1])],
+        "upper": [" ".join(words), " ".join(w.capitalize() for w in words)],
+        "count words": [str(len(words) + 1), str(max(0, len(words) - 1))],
+        "first word": [words[-1], words[len(words) // 2]],
+    }[task]
     candidates += [w for w in WORDS if w != rec["completion"]]
     return next(c for c in candidates if c != rec["completion"])
 
@@ -68,8 +72,13 @@ def build() -> dict[str, str]:
     dump = lambda rows: "".join(json.dumps(r) + "\n" for r in rows)  # noqa: E731
     pair_rng = random.Random(4321)  # its own stream: the files above stay as they were
     train_pairs, eval_pairs = pairs(pair_rng, 64), pairs(pair_rng, 16)
-    return {"tiny.jsonl": dump(train), "tiny-eval.jsonl": dump(evals), "tiny-text.jsonl": dump(texts),
-            "tiny-pairs.jsonl": dump(train_pairs), "tiny-pairs-eval.jsonl": dump(eval_pairs)}
+    return {
+        "tiny.jsonl": dump(train),
+        "tiny-eval.jsonl": dump(evals),
+        "tiny-text.jsonl": dump(texts),
+        "tiny-pairs.jsonl": dump(train_pairs),
+        "tiny-pairs-eval.jsonl": dump(eval_pairs),
+    }
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 log = logging.getLogger("rayft")
 
 TMP_INFIX = ".tmp"
-PID_WAIT_S = 5.0   # how long a waiter looks for the lock holder's pid before naming it "unknown"
+PID_WAIT_S = 5.0  # how long a waiter looks for the lock holder's pid before naming it "unknown"
 
 
 def build_once(final_dir: Path, build: Callable[[Path], None], what: str) -> Path:

@@ -43,10 +43,10 @@ log = logging.getLogger("rayft")
 
 STEP_PREFIX = "step-"
 # The files of one checkpoint. Rank 0 writes the shared ones; every rank writes its RNG state.
-ADAPTER_FILE = "adapter.safetensors"   # the trainable (LoRA) parameters, by name
+ADAPTER_FILE = "adapter.safetensors"  # the trainable (LoRA) parameters, by name
 OPTIMIZER_FILE = "optimizer.pt"
-SCALER_FILE = "scaler.pt"              # fp16 only
-STATE_FILE = "state.json"              # step (= the next global batch), counters, world size, resume key
+SCALER_FILE = "scaler.pt"  # fp16 only
+STATE_FILE = "state.json"  # step (= the next global batch), counters, world size, resume key
 
 
 def rng_file(rank: int) -> str:
@@ -59,11 +59,29 @@ def manifest_file(rank: int) -> str:
 
 # Spec fields that must not change between a checkpoint and the run that resumes from it:
 # they change the model, the adapter's shape, or which samples form optimizer step k.
-RESUME_KEYS = ("model.name", "model.gguf_file", "model.quantization", "lora.r", "lora.alpha",
-               "lora.target_modules", "lora.use_dora", "lora.use_rslora", "lora.init",
-               "batch.global_batch_size", "run.seed", "data.path", "data.max_seq_len", "optim.name",
-               "data.fields", "data.train_on", "model.adapter", "objective.name", "objective.beta",
-               "objective.simpo_gamma", "objective.label_smoothing")
+RESUME_KEYS = (
+    "model.name",
+    "model.gguf_file",
+    "model.quantization",
+    "lora.r",
+    "lora.alpha",
+    "lora.target_modules",
+    "lora.use_dora",
+    "lora.use_rslora",
+    "lora.init",
+    "batch.global_batch_size",
+    "run.seed",
+    "data.path",
+    "data.max_seq_len",
+    "optim.name",
+    "data.fields",
+    "data.train_on",
+    "model.adapter",
+    "objective.name",
+    "objective.beta",
+    "objective.simpo_gamma",
+    "objective.label_smoothing",
+)
 # Not a spec field: the sha256 of what the data sources hold (`jobs.data.content_hash`), so data
 # that changed under the same path refuses a resume (the batches of step k would differ).
 DATA_HASH_KEY = "data.content_sha256"
@@ -97,8 +115,9 @@ def set_rng_state(state: dict, where: str = "rng state") -> None:
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise SpecError(f"checkpoint file {where}: not an RNG state ({one_line(str(e))[:120]}); "
-                        "use --fresh to start over") from None
+        raise SpecError(
+            f"checkpoint file {where}: not an RNG state ({one_line(str(e))[:120]}); use --fresh to start over"
+        ) from None
 
 
 def write_rank_files(directory: Path, rank: int, files: dict[str, Any]) -> None:
@@ -176,8 +195,10 @@ def resumable(root: Path) -> Path | None:
     found = list_checkpoints(root)
     newest = newest_complete(root)
     if newest is None and found:
-        raise SpecError(f"{one_line(str(root))}: all {len(found)} checkpoints are incomplete or corrupt "
-                        "(see the warnings above); use --fresh to start over (they are set aside, not deleted)")
+        raise SpecError(
+            f"{one_line(str(root))}: all {len(found)} checkpoints are incomplete or corrupt "
+            "(see the warnings above); use --fresh to start over (they are set aside, not deleted)"
+        )
     if newest is not None:
         load_state(newest)
         check_loadable(newest)
@@ -208,14 +229,22 @@ def load_state(directory: Path) -> dict:
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise SpecError(f"checkpoint file {one_line(str(path))}: unreadable ({type(e).__name__}); "
-                        "use --fresh to start over") from None
-    ok = (isinstance(state, dict) and isinstance(state.get("resume_key"), dict)
-          and all(isinstance(state.get(k), int) and not isinstance(state.get(k), bool) and state[k] >= 0
-                  for k in ("step", "tokens_seen", "skipped_steps", "world_size")))
+        raise SpecError(
+            f"checkpoint file {one_line(str(path))}: unreadable ({type(e).__name__}); use --fresh to start over"
+        ) from None
+    ok = (
+        isinstance(state, dict)
+        and isinstance(state.get("resume_key"), dict)
+        and all(
+            isinstance(state.get(k), int) and not isinstance(state.get(k), bool) and state[k] >= 0
+            for k in ("step", "tokens_seen", "skipped_steps", "world_size")
+        )
+    )
     if not ok:
-        raise SpecError(f"checkpoint file {one_line(str(path))}: not a rayft checkpoint state (needs step, "
-                        "tokens_seen, skipped_steps, world_size and resume_key); use --fresh to start over")
+        raise SpecError(
+            f"checkpoint file {one_line(str(path))}: not a rayft checkpoint state (needs step, "
+            "tokens_seen, skipped_steps, world_size and resume_key); use --fresh to start over"
+        )
     return state
 
 
@@ -228,8 +257,10 @@ def load_plain(path: Path) -> Any:
     except Exception as e:  # UnpicklingError for foreign objects; others for damaged files
         found = re.search(r"GLOBAL (\S+)", str(e))
         detail = f"it refers to {found.group(1)}" if found else one_line(str(e).strip().splitlines()[0])[:120]
-        raise SpecError(f"checkpoint file {one_line(str(path))}: refused to load: not plain tensor data "
-                        f"({detail}); move that checkpoint away, or use --fresh to start over") from None
+        raise SpecError(
+            f"checkpoint file {one_line(str(path))}: refused to load: not plain tensor data "
+            f"({detail}); move that checkpoint away, or use --fresh to start over"
+        ) from None
 
 
 def check_loadable(directory: Path) -> None:
@@ -244,8 +275,9 @@ def load_adapter(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / ADAPTER_FILE))
 
 
-def rank_files(rank: int, state: dict, adapter: dict | None = None, optim_state: dict | None = None,
-               scaler=None) -> dict[str, Any]:
+def rank_files(
+    rank: int, state: dict, adapter: dict | None = None, optim_state: dict | None = None, scaler=None
+) -> dict[str, Any]:
     """What rank `rank` writes into a checkpoint: its RNG state; rank 0 (the caller passes them
     there only) also the adapter and optimizer state (full, by parameter name: `jobs.fsdp.adapter_state`),
     the scaler and `state`."""
@@ -271,15 +303,19 @@ def restore(directory: Path, spec: JobSpec, rank: int, world_size: int, model, o
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     adapter = load_adapter(directory)
     if set(adapter) != set(trainable):
-        raise SpecError(f"checkpoint {one_line(str(directory))}: its adapter's parameters are not this model's "
-                        "LoRA parameters; use --fresh to start over")
+        raise SpecError(
+            f"checkpoint {one_line(str(directory))}: its adapter's parameters are not this model's "
+            "LoRA parameters; use --fresh to start over"
+        )
     path = directory / OPTIMIZER_FILE
     optim_state = by_name(load_plain(path), trainable)
     try:
         load_adapter_state(model, optimizer, adapter, optim_state)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise SpecError(f"checkpoint file {one_line(str(path))}: does not fit this run "
-                        f"({one_line(str(e))[:120]}); use --fresh to start over") from None
+        raise SpecError(
+            f"checkpoint file {one_line(str(path))}: does not fit this run "
+            f"({one_line(str(e))[:120]}); use --fresh to start over"
+        ) from None
     if scaler.is_enabled() and (directory / SCALER_FILE).exists():
         _load_into(scaler, directory / SCALER_FILE)
     if state["world_size"] == world_size and (directory / rng_file(rank)).exists():
@@ -297,8 +333,10 @@ def by_name(optim_state, names: list[str]):
     if not all(isinstance(i, int) for g in groups for i in g.get("params", [])):
         return optim_state
     try:
-        return {"state": {names[i]: s for i, s in optim_state.get("state", {}).items()},
-                "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in groups]}
+        return {
+            "state": {names[i]: s for i, s in optim_state.get("state", {}).items()},
+            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in groups],
+        }
     except (IndexError, TypeError, AttributeError):
         return optim_state
 
@@ -309,8 +347,10 @@ def _load_into(target, path: Path) -> None:
     try:
         target.load_state_dict(state)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise SpecError(f"checkpoint file {one_line(str(path))}: does not fit this run "
-                        f"({one_line(str(e))[:120]}); use --fresh to start over") from None
+        raise SpecError(
+            f"checkpoint file {one_line(str(path))}: does not fit this run "
+            f"({one_line(str(e))[:120]}); use --fresh to start over"
+        ) from None
 
 
 def resume_key(spec: JobSpec) -> dict:
@@ -348,8 +388,10 @@ def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
     saved = {**{k: _field_default(k) for k in now if k not in saved and k != DATA_HASH_KEY}, **saved}
     diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k] and k != DATA_HASH_KEY]
     if saved.get(DATA_HASH_KEY) != now[DATA_HASH_KEY]:
-        diffs.append("the data changed: its content no longer matches the checkpoint's (sha256 "
-                     f"{str(saved.get(DATA_HASH_KEY))[:12]} -> {now[DATA_HASH_KEY][:12]})")
+        diffs.append(
+            "the data changed: its content no longer matches the checkpoint's (sha256 "
+            f"{str(saved.get(DATA_HASH_KEY))[:12]} -> {now[DATA_HASH_KEY][:12]})"
+        )
     if diffs:
         raise SpecError(
             f"{where}: cannot resume, the spec changed in a way that breaks resuming ({'; '.join(diffs)}); "

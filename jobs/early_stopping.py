@@ -45,14 +45,17 @@ class EarlyStopping:
         return self.stopped_at is not None
 
     def state(self) -> dict:
-        return {"best_loss": self.best_loss, "best_step": self.best_step, "bad_evals": self.bad_evals,
-                "stopped_at": self.stopped_at}
+        return {
+            "best_loss": self.best_loss,
+            "best_step": self.best_step,
+            "bad_evals": self.bad_evals,
+            "stopped_at": self.stopped_at,
+        }
 
     def best_file(self, out: Path, step: int) -> Path:
         return out / self.DIR / f"best-step-{step:08d}.safetensors"
 
-    def judge(self, step: int, eval_loss: float | None, adapter: Callable[[], dict], out: Path,
-              is_main: bool) -> None:
+    def judge(self, step: int, eval_loss: float | None, adapter: Callable[[], dict], out: Path, is_main: bool) -> None:
         """Every rank, after the evaluation of optimizer step `step` (the eval loss is the same on
         all); `adapter()` gives the full adapter state on rank 0 (every rank calls it: under FSDP
         it gathers the shards)."""
@@ -67,9 +70,15 @@ class EarlyStopping:
         self.bad_evals += 1
         if self.bad_evals >= self.patience:
             self.stopped_at = step
-            log.warning("early stopping at step %d: eval loss has not improved by more than %g for %d "
-                        "evaluations; the adapter of step %d (eval loss %.4f) is the result", step,
-                        self.min_delta, self.bad_evals, self.best_step, self.best_loss)
+            log.warning(
+                "early stopping at step %d: eval loss has not improved by more than %g for %d "
+                "evaluations; the adapter of step %d (eval loss %.4f) is the result",
+                step,
+                self.min_delta,
+                self.bad_evals,
+                self.best_step,
+                self.best_loss,
+            )
 
     def _keep(self, adapter: dict, out: Path, step: int) -> None:
         from safetensors.torch import save_file
@@ -106,5 +115,8 @@ class EarlyStopping:
     def summary(self) -> dict:
         if not self.enabled:
             return {}
-        return {"best_step": self.best_step or None, "best_eval_loss": self.best_loss,
-                "stopped_early_at_step": self.stopped_at}
+        return {
+            "best_step": self.best_step or None,
+            "best_eval_loss": self.best_loss,
+            "stopped_early_at_step": self.stopped_at,
+        }

@@ -91,6 +91,7 @@ class RunError(RayftError, RuntimeError):
 
 # ---- failures that come back wrapped (by Ray Train, Ray Tune, the Jobs API) --------------------
 
+
 def causes(err: BaseException | None) -> Iterator[BaseException]:
     """`err` and everything it wraps: Ray Train's per-worker failures, `__cause__`, `__context__`.
     The one walk over Ray's wrapping that `worker_error` and `oom_line` use."""
@@ -126,7 +127,7 @@ def worker_error(err: BaseException | None) -> RayftError | None:
                 return cls(str(e))
         named = list(_WORKER_ERROR_LINE.finditer(str(e)))
         if named:
-            lines = str(e)[named[-1].end():].strip().splitlines()
+            lines = str(e)[named[-1].end() :].strip().splitlines()
             return _WORKER_ERRORS[named[-1].group(1)](lines[0] if lines else "")
     return None
 
@@ -145,7 +146,7 @@ def oom_line(*failures: BaseException | str | None) -> str | None:
     line that says "out of memory"."""
     found: str | None = None
     for failure in failures:
-        for e in ([failure] if isinstance(failure, str) or failure is None else causes(failure)):
+        for e in [failure] if isinstance(failure, str) or failure is None else causes(failure):
             if isinstance(e, BaseException) and (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"):
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 return f"{type(e).__name__}: {first}"[:300]

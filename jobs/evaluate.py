@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -28,12 +27,18 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
     outs: list[str] = []
     pad = tokenizer.pad_token_id
     for start in range(0, len(prompts), batch_size):
-        enc = [p if isinstance(p, list) else encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
+        enc = [p if isinstance(p, list) else encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
         width = max(len(e) for e in enc)
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
-        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=pad,
+        )
         outs += [tokenizer.decode(g[width:], skip_special_tokens=True) for g in gen]
     return outs
 
@@ -52,15 +57,17 @@ def exact_match(preds: list[str], refs: list[str]) -> float:
     return sum(p.strip() == r.strip() for p, r in zip(preds, refs)) / max(1, len(refs))
 
 
-def evaluate(spec: JobSpec, adapter_dir: Optional[Path] = None, max_new_tokens: int = 16) -> dict:
+def evaluate(spec: JobSpec, adapter_dir: Path | None = None, max_new_tokens: int = 16) -> dict:
     """Evaluate on `data.eval_path` and write `<output_dir>/eval.json`: exact match of the base and
     of the adapter (`adapter_dir`, default `<output_dir>/adapter`) for an SFT spec; for a preference
     spec also preference accuracy, margins and rewards (`jobs.evaluate_preference`)."""
     adapter_dir = Path(adapter_dir or spec.output_path / "adapter")
     if spec.objective.name != "sft":
         if not spec.data.eval_path:
-            raise SpecError(f"data.eval_path: rayft eval of objective.name={spec.objective.name} needs a held-out "
-                            "file of preference pairs")
+            raise SpecError(
+                f"data.eval_path: rayft eval of objective.name={spec.objective.name} needs a held-out "
+                "file of preference pairs"
+            )
         from .evaluate_preference import evaluate_preference
 
         result = evaluate_preference(spec, adapter_dir, max_new_tokens, generate, exact_match)
@@ -74,8 +81,13 @@ def evaluate(spec: JobSpec, adapter_dir: Optional[Path] = None, max_new_tokens: 
 def _evaluate_sft(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict:
     if not spec.data.eval_path:
         raise SpecError("data.eval_path: rayft eval needs a held-out file of chat or prompt/completion records")
-    records = [r for r in read_jsonl(spec.data.eval_path, "data.eval_path", fields=spec.data.fields,
-                                     hf_token_env=spec.data.hf_token_env) if "prompt" in r or "messages" in r]
+    records = [
+        r
+        for r in read_jsonl(
+            spec.data.eval_path, "data.eval_path", fields=spec.data.fields, hf_token_env=spec.data.hf_token_env
+        )
+        if "prompt" in r or "messages" in r
+    ]
     if not records:
         raise SpecError(f"data.eval_path: {spec.data.eval_path} has no chat or prompt/completion records")
     model, tok = load_base_model(spec, "fp32")
@@ -96,6 +108,8 @@ def _evaluate_sft(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict
     else:
         preds = None
     result["eval_time_s"] = time.perf_counter() - t0
-    result["examples"] = [{"prompt_tail": p[-60:], "reference": r, "base": b, **({"adapter": a} if preds else {})}
-                          for p, r, b, a in zip(shown, refs, base_preds, preds or base_preds)][:8]
+    result["examples"] = [
+        {"prompt_tail": p[-60:], "reference": r, "base": b, **({"adapter": a} if preds else {})}
+        for p, r, b, a in zip(shown, refs, base_preds, preds or base_preds)
+    ][:8]
     return result

@@ -27,8 +27,8 @@ with the adapter off (the values `reference: precomputed` stores are the same fo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -44,8 +44,14 @@ ROLES = {"base": "base", "start": "starting adapter", "adapter": "trained adapte
 
 def held_out_pairs(spec: JobSpec, tokenizer) -> tuple[list[Pair], list[dict], dict[str, int], int]:
     """(the held-out `Pair`s, the record each came from, pairs dropped by reason, records read)."""
-    records = read_jsonl(spec.data.eval_path, "data.eval_path", max_chars=char_bound(tokenizer, spec.data.max_seq_len),
-                         fields=spec.data.fields, hf_token_env=spec.data.hf_token_env, objective=spec.objective.name)
+    records = read_jsonl(
+        spec.data.eval_path,
+        "data.eval_path",
+        max_chars=char_bound(tokenizer, spec.data.max_seq_len),
+        fields=spec.data.fields,
+        hf_token_env=spec.data.hf_token_env,
+        objective=spec.objective.name,
+    )
     pairs, kept, dropped = [], [], {DROP_EMPTY: 0, DROP_IDENTICAL: 0}
     for rec, x in zip(records, tokenize_pairs_iter(records, tokenizer, spec.data.max_seq_len, spec.model.name)):
         if isinstance(x, Pair):
@@ -54,8 +60,10 @@ def held_out_pairs(spec: JobSpec, tokenizer) -> tuple[list[Pair], list[dict], di
         else:
             dropped[x] += 1
     if not pairs:
-        raise SpecError(f"data.eval_path: none of its {len(records)} pairs survives tokenization "
-                        f"(dropped: {dropped[DROP_EMPTY]} empty, {dropped[DROP_IDENTICAL]} identical)")
+        raise SpecError(
+            f"data.eval_path: none of its {len(records)} pairs survives tokenization "
+            f"(dropped: {dropped[DROP_EMPTY]} empty, {dropped[DROP_IDENTICAL]} identical)"
+        )
     return pairs, kept, dropped, len(records)
 
 
@@ -72,7 +80,7 @@ def pair_logps(model, pairs: list[Pair], pad_id: int, batch_size: int) -> tuple[
     device = next(model.parameters()).device
     chosen, rejected = [], []
     for start in range(0, len(pairs), batch_size):
-        batch = collate_pairs(pairs[start:start + batch_size], pad_id)
+        batch = collate_pairs(pairs[start : start + batch_size], pad_id)
         logps = scorer.sequence_logps(*(batch[k].to(device) for k in ("input_ids", "label_pos", "label_ids"))).cpu()
         m = logps.shape[0] // 2
         chosen.append(logps[:m])
@@ -82,11 +90,15 @@ def pair_logps(model, pairs: list[Pair], pad_id: int, batch_size: int) -> tuple[
 
 def preference_numbers(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
     margin = (chosen - rejected).double()
-    return {"preference_accuracy": (margin > 0).double().mean().item(), "mean_margin": margin.mean().item(),
-            "mean_logp_chosen": chosen.double().mean().item(), "mean_logp_rejected": rejected.double().mean().item()}
+    return {
+        "preference_accuracy": (margin > 0).double().mean().item(),
+        "mean_margin": margin.mean().item(),
+        "mean_logp_chosen": chosen.double().mean().item(),
+        "mean_logp_rejected": rejected.double().mean().item(),
+    }
 
 
-def reward_numbers(obj: Objective, pairs: list[Pair], pi: tuple, ref: Optional[tuple]) -> dict:
+def reward_numbers(obj: Objective, pairs: list[Pair], pi: tuple, ref: tuple | None) -> dict:
     """The objective's mean loss and TRL's statistics, means over the pairs (`pair_losses`)."""
     n_w = torch.tensor([len(p.chosen) for p in pairs], dtype=torch.float32)
     n_l = torch.tensor([len(p.rejected) for p in pairs], dtype=torch.float32)
@@ -94,8 +106,9 @@ def reward_numbers(obj: Objective, pairs: list[Pair], pi: tuple, ref: Optional[t
     return {"loss": loss.double().mean().item(), **{k: v.double().mean().item() for k, v in stats.items()}}
 
 
-def evaluate_preference(spec: JobSpec, adapter_dir: Path, max_new_tokens: int, generate: Callable,
-                        exact_match: Callable) -> dict:
+def evaluate_preference(
+    spec: JobSpec, adapter_dir: Path, max_new_tokens: int, generate: Callable, exact_match: Callable
+) -> dict:
     """Score the base, the starting adapter and the trained adapter (each when it exists) on the
     held-out pairs; eval.json's content (see the module docstring). `generate` and `exact_match`
     are `jobs.evaluate`'s, the ones an SFT spec's evaluation uses."""
@@ -107,8 +120,10 @@ def evaluate_preference(spec: JobSpec, adapter_dir: Path, max_new_tokens: int, g
     pairs, records, dropped, n_records = held_out_pairs(spec, tok)
     prompts = [list(p.prompt) for p in pairs]
     refs = [response_text(r["chosen"]) for r in records]
-    adapters = {"start": spec.model.adapter,
-                "adapter": str(adapter_dir) if (adapter_dir / "adapter_config.json").is_file() else None}
+    adapters = {
+        "start": spec.model.adapter,
+        "adapter": str(adapter_dir) if (adapter_dir / "adapter_config.json").is_file() else None,
+    }
     t0 = time.perf_counter()
     rows, logps, preds = [], {}, {}
     for role in ROLES:
@@ -122,8 +137,14 @@ def evaluate_preference(spec: JobSpec, adapter_dir: Path, max_new_tokens: int, g
         if role != "base":
             row["adapter_dir"] = adapters[role]
         rows.append(row)
-    result: dict = {"objective": obj.name, "beta": obj.beta, "records": n_records, "pairs": len(pairs),
-                    "dropped": dropped, "models": rows}
+    result: dict = {
+        "objective": obj.name,
+        "beta": obj.beta,
+        "records": n_records,
+        "pairs": len(pairs),
+        "dropped": dropped,
+        "models": rows,
+    }
     if "adapter" in logps:
         reference = ("start" if "start" in logps else "base") if obj.needs_reference else None
         rows[-1].update(reward_numbers(obj, pairs, logps["adapter"], logps[reference] if reference else None))
@@ -132,9 +153,15 @@ def evaluate_preference(spec: JobSpec, adapter_dir: Path, max_new_tokens: int, g
     if "adapter" in logps:
         result["adapter_exact_match"], result["adapter_dir"] = rows[-1]["exact_match"], adapters["adapter"]
     result["eval_time_s"] = time.perf_counter() - t0
-    result["examples"] = [{"prompt_tail": tok.decode(p)[-60:], "chosen": c, "rejected": response_text(r["rejected"]),
-                           **{role: preds[role][i] for role in preds}}
-                          for i, (p, c, r) in enumerate(zip(prompts, refs, records))][:8]
+    result["examples"] = [
+        {
+            "prompt_tail": tok.decode(p)[-60:],
+            "chosen": c,
+            "rejected": response_text(r["rejected"]),
+            **{role: preds[role][i] for role in preds},
+        }
+        for i, (p, c, r) in enumerate(zip(prompts, refs, records))
+    ][:8]
     return result
 
 

@@ -38,8 +38,10 @@ def finished_adapter(output_dir: Path) -> Path:
     adapter = out / "adapter"
     missing = [f for f in ADAPTER_FILES if not (adapter / f).is_file()]
     if missing:
-        raise UserError(f"{out}: no finished adapter (adapter/{missing[0]} is missing); a run writes it when it "
-                        "ends: finish (or rerun to resume) the run first")
+        raise UserError(
+            f"{out}: no finished adapter (adapter/{missing[0]} is missing); a run writes it when it "
+            "ends: finish (or rerun to resume) the run first"
+        )
     return adapter
 
 
@@ -75,15 +77,19 @@ def _build_into(target: Path, build: Callable[[Path], None]) -> Path:
 
 def _readme(base: str, adapter_dir: Path, merged: bool, dtype: str) -> str:
     if merged:
-        return (f"# Merged model exported by rayft\n\nBase model: `{base}`\n\nLoRA adapter merged into it: "
-                f"`{adapter_dir}` (PEFT `merge_and_unload`, in fp32, saved as {dtype}).\n\n"
-                "Loads without peft:\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                "model = AutoModelForCausalLM.from_pretrained(THIS_DIR)\ntokenizer = AutoTokenizer.from_pretrained("
-                "THIS_DIR)\n```\n")
-    return (f"# LoRA adapter exported by rayft\n\nThis adapter belongs to the base model `{base}` and is only "
-            f"meaningful on top of it.\n\nSource: `{adapter_dir}`.\n\n```python\nfrom transformers import "
-            f"AutoModelForCausalLM\nfrom peft import PeftModel\nbase = AutoModelForCausalLM.from_pretrained("
-            f"\"{base}\")\nmodel = PeftModel.from_pretrained(base, THIS_DIR)\n```\n")
+        return (
+            f"# Merged model exported by rayft\n\nBase model: `{base}`\n\nLoRA adapter merged into it: "
+            f"`{adapter_dir}` (PEFT `merge_and_unload`, in fp32, saved as {dtype}).\n\n"
+            "Loads without peft:\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            "model = AutoModelForCausalLM.from_pretrained(THIS_DIR)\ntokenizer = AutoTokenizer.from_pretrained("
+            "THIS_DIR)\n```\n"
+        )
+    return (
+        f"# LoRA adapter exported by rayft\n\nThis adapter belongs to the base model `{base}` and is only "
+        f"meaningful on top of it.\n\nSource: `{adapter_dir}`.\n\n```python\nfrom transformers import "
+        f"AutoModelForCausalLM\nfrom peft import PeftModel\nbase = AutoModelForCausalLM.from_pretrained("
+        f'"{base}")\nmodel = PeftModel.from_pretrained(base, THIS_DIR)\n```\n'
+    )
 
 
 def _quiet() -> None:
@@ -141,6 +147,7 @@ def export(output_dir: Path, *, merge: bool = False, dtype: str = "fp32", to: Pa
 
 # ---- generation ------------------------------------------------------------------------------
 
+
 def load_for_generation(path: Path):
     """(model, tokenizer) from a run directory (base + its adapter), an adapter directory, or a
     merged export (a plain Hugging Face model directory)."""
@@ -163,8 +170,9 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("--chat: this model's tokenizer has no chat template; drop --chat")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     from .data import encode_prompt
 
@@ -172,8 +180,17 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt: str, *, chat: bool = False, max_new_tokens: int = 64,
-             temperature: float = 0.0, stream: bool = True, seed: int = 0) -> str:
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    *,
+    chat: bool = False,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    stream: bool = True,
+    seed: int = 0,
+) -> str:
     """The answer to `prompt` (greedy at temperature 0, else sampled with `seed`), streamed to
     stdout as it is produced when `stream`."""
     from transformers import TextStreamer
@@ -184,10 +201,16 @@ def generate(model, tokenizer, prompt: str, *, chat: bool = False, max_new_token
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                             streamer=streamer, **kwargs)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            streamer=streamer,
+            **kwargs,
+        )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def prompts_from(lines: Iterable[str]) -> Iterable[str]:

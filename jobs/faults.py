@@ -33,7 +33,8 @@ class Faults:
             if kind == "oom" and micro_batch_size > int(args["micro_batch_gt"]):
                 raise torch.OutOfMemoryError(
                     f"CUDA out of memory (injected by RAYFT_FAULT: micro_batch_size={micro_batch_size} "
-                    f"> {args['micro_batch_gt']})")
+                    f"> {args['micro_batch_gt']})"
+                )
             if kind == "kill" and step == int(args["step"]) and rank == int(args.get("rank", 0)):
                 if _first_time(args, f"killed rank {rank} at step {step}"):
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -55,8 +56,11 @@ def _first_time(args: dict[str, str], what: str, mark: bool = True) -> bool:
 
 
 # Each fault's numeric arguments, all required but `rank` (default 0); `once` (a marker file) is optional.
-_NUMBERS: dict[str, dict[str, type]] = {"oom": {"micro_batch_gt": int}, "kill": {"step": int, "rank": int},
-                                        "sleep": {"step": int, "seconds": float}}
+_NUMBERS: dict[str, dict[str, type]] = {
+    "oom": {"micro_batch_gt": int},
+    "kill": {"step": int, "rank": int},
+    "sleep": {"step": int, "seconds": float},
+}
 _OPTIONAL = {"rank"}
 
 

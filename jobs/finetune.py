@@ -25,8 +25,9 @@ def preflight(spec) -> None:
     # checked before (same content hash) is not read again.
     n_train = count_checked_records(spec)
     if n_train < spec.batch.global_batch_size:  # tokenizing can only drop records, never add any
-        raise SpecError(f"data.path: {n_train} training records, fewer than "
-                        f"batch.global_batch_size={spec.batch.global_batch_size}")
+        raise SpecError(
+            f"data.path: {n_train} training records, fewer than batch.global_batch_size={spec.batch.global_batch_size}"
+        )
     if spec.data.packing:
         from .memory import config_from_spec
         from .model import check_packing
@@ -38,15 +39,19 @@ def preflight(spec) -> None:
 def check_lora_rank(spec) -> None:
     """`lora.r` at most the model's hidden size (a rank above it adds nothing and can allocate
     without bound), where the model's config is here to read without a download."""
-    if not (spec.model.name == "tiny-llama" or spec.model.name.startswith(("pkg:", ".", "/"))
-            or os.path.isdir(spec.model.name)):
+    if not (
+        spec.model.name == "tiny-llama"
+        or spec.model.name.startswith(("pkg:", ".", "/"))
+        or os.path.isdir(spec.model.name)
+    ):
         return
     from .memory import config_from_spec
 
     hidden = getattr(config_from_spec(spec), "hidden_size", None)
     if isinstance(hidden, int) and spec.lora.r > hidden:
-        raise SpecError(f"lora.r={spec.lora.r} exceeds the model's hidden size {hidden}: "
-                        "a LoRA rank above it adds nothing")
+        raise SpecError(
+            f"lora.r={spec.lora.r} exceeds the model's hidden size {hidden}: a LoRA rank above it adds nothing"
+        )
 
 
 def check_local_workers(spec, local: bool) -> None:
@@ -57,9 +62,11 @@ def check_local_workers(spec, local: bool) -> None:
     world = os.environ.get("WORLD_SIZE")
     n = spec.resources.num_workers
     if world is None and n > 1:
-        raise SpecError(f"resources.num_workers={n} with --local: one process runs one worker; start {n} with "
-                        f"`torchrun --nproc_per_node={n} -m jobs.finetune SPEC --local`, or set "
-                        "resources.num_workers=1")
+        raise SpecError(
+            f"resources.num_workers={n} with --local: one process runs one worker; start {n} with "
+            f"`torchrun --nproc_per_node={n} -m jobs.finetune SPEC --local`, or set "
+            "resources.num_workers=1"
+        )
     if world is not None and world != str(n):
         raise SpecError(f"resources.num_workers={n} but WORLD_SIZE={world}: start as many processes as workers")
 
@@ -101,8 +108,7 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None
     return args
 
 
-def run(spec, *, local: bool = False, address: str | None = None, fresh: bool = False,
-        on_progress=None) -> dict:
+def run(spec, *, local: bool = False, address: str | None = None, fresh: bool = False, on_progress=None) -> dict:
     """Train a prepared spec: on Ray (an address, the enclosing Ray job, or embedded), or `local`ly."""
     if local:
         from .context import LocalContext
@@ -110,8 +116,7 @@ def run(spec, *, local: bool = False, address: str | None = None, fresh: bool = 
 
         check_local_workers(spec, local)  # for callers that prepared without `local`
         os.environ.update(spec.run.env)  # what runtime_env does for Ray workers
-        return train(spec, LocalContext(use_gpu=spec.resources.use_gpu, on_progress=on_progress),
-                     resume=not fresh)
+        return train(spec, LocalContext(use_gpu=spec.resources.use_gpu, on_progress=on_progress), resume=not fresh)
     from .launch import run_on_ray
 
     return run_on_ray(spec, address=address, resume=not fresh, on_progress=on_progress)
@@ -121,10 +126,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of one job run: `rayft run` and `python -m jobs.finetune` take the same."""
     parser.add_argument("spec", help="job spec YAML")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
-    parser.add_argument("--address", metavar="GCS_ADDRESS",
-                        help="an existing Ray cluster to run on, as `ray.init` takes it: its GCS address HOST:6379, "
-                             "or ray://HOST:10001 (default: the enclosing Ray job's cluster, else an embedded local "
-                             "Ray). Not the Jobs API URL http://HOST:8265 that `rayft submit` takes")
+    parser.add_argument(
+        "--address",
+        metavar="GCS_ADDRESS",
+        help="an existing Ray cluster to run on, as `ray.init` takes it: its GCS address HOST:6379, "
+        "or ray://HOST:10001 (default: the enclosing Ray job's cluster, else an embedded local "
+        "Ray). Not the Jobs API URL http://HOST:8265 that `rayft submit` takes",
+    )
     parser.add_argument("--local", action="store_true", help="run in this process without Ray (torchrun-compatible)")
     parser.add_argument("--fresh", action="store_true", help="do not resume; existing checkpoints are moved aside")
 
@@ -141,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         spec = prepare(args.spec, args.overrides, args.fresh, local=args.local)
-        summary = run(spec, local=args.local, address=args.address, fresh=args.fresh,
-                      on_progress=lambda rec: print(format_step(rec), flush=True))
+        summary = run(
+            spec,
+            local=args.local,
+            address=args.address,
+            fresh=args.fresh,
+            on_progress=lambda rec: print(format_step(rec), flush=True),
+        )
     except RayftError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -21,8 +21,8 @@ FSDP shards of any worker count).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -35,8 +35,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not isinstance(layers, nn.ModuleList) or not len(layers):
         from .errors import SpecError
 
-        raise SpecError(f"resources.strategy=fsdp: cannot find the decoder layers of {type(base).__name__} "
-                        "(expected a `layers` list under its base model); use strategy ddp")
+        raise SpecError(
+            f"resources.strategy=fsdp: cannot find the decoder layers of {type(base).__name__} "
+            "(expected a `layers` list under its base model); use strategy ddp"
+        )
     return layers
 
 
@@ -68,7 +70,7 @@ class Units:
     gathered from the embedding lookup to the end of backward (FSDP2 frees a unit after the
     backward of its first module, and the embedding lookup has none)."""
 
-    embeddings: Optional[nn.Module]  # None: tied, in `head`
+    embeddings: nn.Module | None  # None: tied, in `head`
     layers: tuple[nn.Module, ...]
     head: tuple[nn.Module, ...]
 
@@ -87,15 +89,24 @@ def units(model: nn.Module) -> Units:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = decoder_layers(model)
     embed, head = base.get_input_embeddings(), base.get_output_embeddings()
-    norms = tuple(m for m in base.base_model.children()
-                  if m is not layers and m is not embed and any(True for _ in m.parameters()))
+    norms = tuple(
+        m
+        for m in base.base_model.children()
+        if m is not layers and m is not embed and any(True for _ in m.parameters())
+    )
     if head.weight is embed.weight:
         return Units(None, tuple(layers), (embed, *norms, head))
     return Units(embed, tuple(layers), (*norms, head))
 
 
-def shard(module: nn.Module, model: nn.Module, precision: str, reshard_after_forward: bool,
-          device: torch.device, world_size: int) -> nn.Module:
+def shard(
+    module: nn.Module,
+    model: nn.Module,
+    precision: str,
+    reshard_after_forward: bool,
+    device: torch.device,
+    world_size: int,
+) -> nn.Module:
     """`fully_shard` the `units` of `model`, then `module` (the loss wrapper around it) as the
     root, over all `world_size` ranks; each rank's shards go to `device` (the whole base never has
     to fit on one GPU). Activation checkpointing must already be on (as torchtitan does:
@@ -184,11 +195,9 @@ def _trainable_only(model: nn.Module, state: dict) -> dict:
     return {k: v for k, v in state.items() if k in names}
 
 
-def load_adapter_state(model: nn.Module, optimizer: torch.optim.Optimizer, adapter: dict,
-                       optim_state: dict) -> None:
+def load_adapter_state(model: nn.Module, optimizer: torch.optim.Optimizer, adapter: dict, optim_state: dict) -> None:
     """Load a full state (as `adapter_state` returns it; every rank passes the same) into this
     run's parameters and optimizer, whether they are replicas or FSDP shards."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=adapter, optim_state_dict=optim_state,
-                   options=_options())
+    set_state_dict(model, optimizer, model_state_dict=adapter, optim_state_dict=optim_state, options=_options())

@@ -68,9 +68,15 @@ def init_ray(address: str | None, num_cpus: int, log_to_driver: bool = True) -> 
     os.environ["RAY_GCS_SERVER_PORT"] = str(gcs_port)
     try:
         # address="local": never attach to some other `ray start` cluster on this machine.
-        ray.init(address="local", num_cpus=max(num_cpus, os.cpu_count() or 1), log_to_driver=log_to_driver,
-                 logging_level=logging.WARNING, _node_ip_address="127.0.0.1", dashboard_port=_free_port(),
-                 runtime_env={"env_vars": {"RAY_ADDRESS": f"127.0.0.1:{gcs_port}"}})
+        ray.init(
+            address="local",
+            num_cpus=max(num_cpus, os.cpu_count() or 1),
+            log_to_driver=log_to_driver,
+            logging_level=logging.WARNING,
+            _node_ip_address="127.0.0.1",
+            dashboard_port=_free_port(),
+            runtime_env={"env_vars": {"RAY_ADDRESS": f"127.0.0.1:{gcs_port}"}},
+        )
     finally:
         os.environ.pop("RAY_GCS_SERVER_PORT", None)
     _condense_worker_tracebacks()
@@ -83,7 +89,7 @@ class _TracebackFilter:
 
     def __init__(self, print_batch: Callable[[dict], None]):
         self.print_batch = print_batch
-        self.inside: dict = {}                       # (pid, stream) -> inside a traceback's frames
+        self.inside: dict = {}  # (pid, stream) -> inside a traceback's frames
 
     def __call__(self, data: dict) -> None:
         key, kept = (data.get("pid"), data.get("is_err")), []
@@ -91,7 +97,7 @@ class _TracebackFilter:
             if line.strip() == "Traceback (most recent call last):":
                 self.inside[key] = True
             elif self.inside.get(key) and line[:1].isspace():
-                pass                                  # a frame or its source line
+                pass  # a frame or its source line
             else:
                 self.inside[key] = False
                 kept.append(line)
@@ -145,7 +151,9 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks
         train_worker,
         train_loop_config={"spec": spec.to_dict(), "progress": progress, "resume": resume},
         scaling_config=ScalingConfig(
-            num_workers=r.num_workers, use_gpu=r.use_gpu, accelerator_type=r.accelerator_type,
+            num_workers=r.num_workers,
+            use_gpu=r.use_gpu,
+            accelerator_type=r.accelerator_type,
             resources_per_worker={"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})},
         ),
         # ray.train binds RunConfig to Train V2's class at runtime (these are its fields); its
@@ -162,8 +170,9 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks
     )
 
 
-def run_on_ray(spec: JobSpec, *, address: str | None = None, resume: bool = True,
-               on_progress: Callable[[dict], None] | None = None) -> dict:
+def run_on_ray(
+    spec: JobSpec, *, address: str | None = None, resume: bool = True, on_progress: Callable[[dict], None] | None = None
+) -> dict:
     """Train `spec` on Ray; returns summary.json's content. Blocks until the run ends."""
     from .outputs import SUMMARY
 
@@ -197,10 +206,13 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, resume: bool = True
         if lost is not None:
             n = spec.run.max_failures
             why = f"after run.max_failures={n} restarts" if n else "run.max_failures=0"
-            raise NodeLost(f"{lost}; the run stopped ({why}). "
-                           f"{resume_hint(spec)}" + ("" if n else " (with run.max_failures=1 it resumes on its own "
-                                                     "once the cluster has room again)"),
-                           lost.node_id, lost.node_ip) from None
+            raise NodeLost(
+                f"{lost}; the run stopped ({why}). "
+                f"{resume_hint(spec)}"
+                + ("" if n else " (with run.max_failures=1 it resumes on its own once the cluster has room again)"),
+                lost.node_id,
+                lost.node_ip,
+            ) from None
         raise worker_error(result["error"]) or result["error"]
     return json.loads((out / SUMMARY).read_text())
 
@@ -232,8 +244,12 @@ def node_lost(err: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> NodeLost
             ip, ranks = workers[node_id]
             why = (node.get("DeathReasonMessage") or "").strip().splitlines()
             what = f"training worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
-            return NodeLost(f"lost node {node_id} ({ip or node.get('NodeManagerAddress', '?')}), which held {what}"
-                            + (f" ({why[0][:200]})" if why else ""), node_id, ip)
+            return NodeLost(
+                f"lost node {node_id} ({ip or node.get('NodeManagerAddress', '?')}), which held {what}"
+                + (f" ({why[0][:200]})" if why else ""),
+                node_id,
+                ip,
+            )
         if time.monotonic() >= deadline:
             return None
         time.sleep(1.0)  # waiting for the cluster's verdict on the node
@@ -246,8 +262,9 @@ def resume_hint(spec: JobSpec) -> str:
     root = spec.output_path.resolve() / "checkpoints"
     newest = newest_complete(root, warn=False)
     if newest is None:
-        return (f"No checkpoint was written before it: `rayft run` with run.output_dir={spec.output_path} "
-                "starts over")
+        return f"No checkpoint was written before it: `rayft run` with run.output_dir={spec.output_path} starts over"
     step = int(Path(newest).name.rsplit("-", 1)[1])
-    return (f"Checkpoints up to step {step} are kept in {root}: `rayft run` with run.output_dir={spec.output_path} "
-            f"resumes from step {step}")
+    return (
+        f"Checkpoints up to step {step} are kept in {root}: `rayft run` with run.output_dir={spec.output_path} "
+        f"resumes from step {step}"
+    )

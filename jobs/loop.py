@@ -109,8 +109,9 @@ class CausalLMLoss(nn.Module):
         if seq_ids is not None:  # packed rows (`jobs.data.collate`)
             attention_mask = packed_attention_mask(seq_ids, lm.get_input_embeddings().weight.dtype)
         # `base_model` is the decoder stack under any HF causal LM (`model`, `gpt_neox`, ...).
-        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
+        hidden = lm.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         h = hidden.flatten(0, 1).index_select(0, label_pos)
         head = lm.get_output_embeddings()
         if not self.chunk_tokens or h.shape[0] <= self.chunk_tokens:
@@ -119,7 +120,8 @@ class CausalLMLoss(nn.Module):
         for start in range(0, h.shape[0], self.chunk_tokens):
             sl = slice(start, start + self.chunk_tokens)
             total = total + torch.utils.checkpoint.checkpoint(
-                _head_loss, head, h[sl], label_ids[sl], use_reentrant=False)
+                _head_loss, head, h[sl], label_ids[sl], use_reentrant=False
+            )
         return total
 
 
@@ -187,16 +189,22 @@ class Engine:
 def layout_args(spec: JobSpec, device: torch.device) -> dict:
     """`collate`'s layout arguments: with `data.packing`, rows of up to `data.max_seq_len`
     tokens, aligned to 16 on GPU."""
-    return {"pack_tokens": spec.data.max_seq_len if spec.data.packing else 0,
-            "row_multiple": 16 if device.type == "cuda" else 1}
+    return {
+        "pack_tokens": spec.data.max_seq_len if spec.data.packing else 0,
+        "row_multiple": 16 if device.type == "cuda" else 1,
+    }
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def train_window(engine: Engine, micro_batches: Sequence[dict], denominator: int,
-                 after_micro_step: Callable[[int], None] | None = None) -> torch.Tensor:
+def train_window(
+    engine: Engine,
+    micro_batches: Sequence[dict],
+    denominator: int,
+    after_micro_step: Callable[[int], None] | None = None,
+) -> torch.Tensor:
     """Forward/backward over one rank's micro-batches of one global batch.
 
     `denominator` is what the step's loss is a mean over, counted over the whole global batch:
@@ -267,8 +275,9 @@ def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_out_loss(engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int,
-             layout: dict | None = None) -> float | None:
+def held_out_loss(
+    engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int, layout: dict | None = None
+) -> float | None:
     """Token-weighted mean loss over the held-out set, sharded over ranks."""
     if not examples:
         return None
@@ -290,8 +299,9 @@ def held_out_loss(engine: Engine, examples, rank: int, world_size: int, micro_ba
 
 
 @torch.no_grad()
-def held_out_pairs(engine: Engine, job: Job, rank: int, world_size: int,
-                   micro_batch_size: int) -> tuple[float | None, dict]:
+def held_out_pairs(
+    engine: Engine, job: Job, rank: int, world_size: int, micro_batch_size: int
+) -> tuple[float | None, dict]:
     """Mean per-pair loss over the held-out pairs and the statistics' means (TRL's names with
     `eval_` in front), sharded over ranks."""
     pairs = job.data.eval
@@ -326,16 +336,16 @@ class Job:
     and the data. (The optimizer is the Engine's: under FSDP it steps on the shards, which exist
     only once the model is wrapped.)"""
 
-    model: Any                # the PEFT model (not wrapped; under FSDP its layers are sharded in place); untyped
-    tokenizer: Any            # a transformers tokenizer
+    model: Any  # the PEFT model (not wrapped; under FSDP its layers are sharded in place); untyped
+    tokenizer: Any  # a transformers tokenizer
     plan: MemoryPlan
     precision: str
     data: Dataset
     batches: GlobalBatches
-    steps: int                # optimizer steps of the whole run
+    steps: int  # optimizer steps of the whole run
     scaler: torch.amp.GradScaler
-    resume_key: dict          # what a checkpoint of this run must match to be resumed (taken once, at the start)
-    strategy: str = "ddp"     # "ddp" (also one process) or "fsdp": see `strategy_of`
+    resume_key: dict  # what a checkpoint of this run must match to be resumed (taken once, at the start)
+    strategy: str = "ddp"  # "ddp" (also one process) or "fsdp": see `strategy_of`
     objective: Objective = Objective()
     reference: dict | None = None  # split -> [pairs, 2] precomputed reference log-probs (`objective.reference`)
     device: torch.device | None = None
@@ -345,7 +355,7 @@ class Job:
 class Position:
     """Where the run stands; a checkpoint restores it."""
 
-    step: int = 0             # optimizer steps done (= the next global batch)
+    step: int = 0  # optimizer steps done (= the next global batch)
     tokens_seen: int = 0
     skipped_steps: int = 0
     eval_loss: float | None = None
@@ -355,7 +365,7 @@ class Position:
 
 
 def strategy_of(plan: MemoryPlan, world_size: int) -> str:
-    """"fsdp" or "ddp" (one process runs unwrapped, whatever is asked). The plan already holds an
+    """ "fsdp" or "ddp" (one process runs unwrapped, whatever is asked). The plan already holds an
     explicit `resources.strategy` and decides `auto` (`jobs.memory.plan_for_spec`)."""
     return plan.strategy if world_size >= 2 else "ddp"
 
@@ -363,8 +373,9 @@ def strategy_of(plan: MemoryPlan, world_size: int) -> str:
 def set_up(spec: JobSpec, ctx: Context) -> Job:
     """Model, adapters, the memory plan (strategy, checkpointing), data; nothing trained yet."""
     if ctx.world_size != spec.resources.num_workers:
-        raise RunError(f"resources.num_workers={spec.resources.num_workers} but the runner started "
-                       f"{ctx.world_size} workers")
+        raise RunError(
+            f"resources.num_workers={spec.resources.num_workers} but the runner started {ctx.world_size} workers"
+        )
     precision = compute_precision(spec.precision, ctx.device.type)
     model, tokenizer = load_base_model(spec, precision)
     if spec.data.packing:
@@ -381,11 +392,20 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
         model.to(ctx.device)
     model.train()
     data = load_dataset(spec, tokenizer)
-    return Job(model, tokenizer, plan, precision, data,
-               GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed),
-               total_steps(spec, len(data.train)),
-               torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"), ckpt.resume_key(spec), strategy,
-               Objective.of(spec), device=ctx.device)
+    return Job(
+        model,
+        tokenizer,
+        plan,
+        precision,
+        data,
+        GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed),
+        total_steps(spec, len(data.train)),
+        torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"),
+        ckpt.resume_key(spec),
+        strategy,
+        Objective.of(spec),
+        device=ctx.device,
+    )
 
 
 def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, engine: Engine, resume: bool) -> Position:
@@ -399,11 +419,22 @@ def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, engine: Engine, resume
         random.seed(spec.run.seed * 7919 + ctx.rank)
         return Position()
     state = ckpt.restore(newest, spec, ctx.rank, ctx.world_size, job.model, engine.optimizer, job.scaler)
-    pos = Position(state["step"], state["tokens_seen"], state["skipped_steps"], state.get("eval_loss"), str(newest),
-                   state.get("early_stopping"), state.get("eval_stats") or {})
+    pos = Position(
+        state["step"],
+        state["tokens_seen"],
+        state["skipped_steps"],
+        state.get("eval_loss"),
+        str(newest),
+        state.get("early_stopping"),
+        state.get("eval_stats") or {},
+    )
     if ctx.is_main and pos.step >= job.steps:
-        log.warning("%s already ran all %d steps (%s): nothing to train; outputs are rewritten from it "
-                    "(--fresh trains again)", spec.name, job.steps, newest)
+        log.warning(
+            "%s already ran all %d steps (%s): nothing to train; outputs are rewritten from it (--fresh trains again)",
+            spec.name,
+            job.steps,
+            newest,
+        )
     elif ctx.is_main:
         log.warning("resuming from %s at optimizer step %d", newest, pos.step)
     return pos
@@ -414,15 +445,20 @@ def make_engine(spec: JobSpec, ctx: Context, job: Job) -> Engine:
     strategy trains (FSDP replaces each parameter by its shard, so the optimizer comes after)."""
     module = loss_module(job)
     if job.strategy == "fsdp":
-        module = fsdp.shard(module, job.model, job.precision, reshard_after_forward(job.plan),
-                            ctx.device, ctx.world_size)
+        module = fsdp.shard(
+            module, job.model, job.precision, reshard_after_forward(job.plan), ctx.device, ctx.world_size
+        )
     elif ctx.world_size > 1:
         module = nn.parallel.DistributedDataParallel(
-            module, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            gradient_as_bucket_view=True, find_unused_parameters=False)
+            module,
+            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=False,
+        )
     params = [p for p in job.model.parameters() if p.requires_grad]
-    return Engine(module, params, make_optimizer(spec, params, ctx.device), job.scaler, ctx.device, job.precision,
-                  ctx.world_size)
+    return Engine(
+        module, params, make_optimizer(spec, params, ctx.device), job.scaler, ctx.device, job.precision, ctx.world_size
+    )
 
 
 def loss_module(job: Job) -> nn.Module:
@@ -448,8 +484,8 @@ class Window:
 
     micro_batches: list[dict]
     denominator: int  # what the step's loss is a mean over: label tokens (SFT) or pairs
-    n_labels: int     # label tokens (for pairs: the tokens of both responses)
-    n_inputs: int     # input tokens computed
+    n_labels: int  # label tokens (for pairs: the tokens of both responses)
+    n_inputs: int  # input tokens computed
 
 
 def pair_batch(job: Job, split: str, indices: Sequence[int]) -> dict:
@@ -538,15 +574,37 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             if job.objective.is_preference:
                 pos.eval_loss, pos.eval_stats = held_out_pairs(engine, job, rank, world, spec.batch.micro_batch_size)
             else:
-                pos.eval_loss = held_out_loss(engine, job.data.eval, rank, world, spec.batch.micro_batch_size,
-                                              job.tokenizer.pad_token_id, layout_args(spec, device))
+                pos.eval_loss = held_out_loss(
+                    engine,
+                    job.data.eval,
+                    rank,
+                    world,
+                    spec.batch.micro_batch_size,
+                    job.tokenizer.pad_token_id,
+                    layout_args(spec, device),
+                )
             stopper.judge(done, pos.eval_loss, lambda: fsdp.full_adapter(job.model), out, ctx.is_main)
         peak, peak_kind = peak_memory_bytes(device)
-        last = {"step": done, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n_inputs,
-                "tokens_seen": pos.tokens_seen, "label_tokens": n_labels, "tokens_per_s": n_inputs / dt,
-                "step_time_s": dt, "epoch": job.batches.epoch_of(done), "peak_mem_gib": peak / GIB,
-                "peak_mem_kind": peak_kind, "estimate_gib": job.plan.total_gib, "skipped": skipped,
-                "eval_loss": pos.eval_loss, "evaluated": evaluated, **stats, **pos.eval_stats}
+        last = {
+            "step": done,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": norm,
+            "tokens": n_inputs,
+            "tokens_seen": pos.tokens_seen,
+            "label_tokens": n_labels,
+            "tokens_per_s": n_inputs / dt,
+            "step_time_s": dt,
+            "epoch": job.batches.epoch_of(done),
+            "peak_mem_gib": peak / GIB,
+            "peak_mem_kind": peak_kind,
+            "estimate_gib": job.plan.total_gib,
+            "skipped": skipped,
+            "eval_loss": pos.eval_loss,
+            "evaluated": evaluated,
+            **stats,
+            **pos.eval_stats,
+        }
         if ctx.is_main:
             if step == pos.step:  # the first step of this run
                 append_event(out, "first_step", step=done)
@@ -569,9 +627,16 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         assert metrics_log is not None
         metrics_log.close()
         adapter = stopper.best_adapter(out) or adapter
-        summary = write_outputs(spec, job, pos, last, adapter, wall_s=time.perf_counter() - run_start,
-                                mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None,
-                                extra=stopper.summary())
+        summary = write_outputs(
+            spec,
+            job,
+            pos,
+            last,
+            adapter,
+            wall_s=time.perf_counter() - run_start,
+            mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None,
+            extra=stopper.summary(),
+        )
         trackers.finish(summary, [out / SUMMARY, out / PLOT, out / "adapter"])
     ctx.report(dict(last, done=True))
     return summary
@@ -579,31 +644,64 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
 
 def announce(spec: JobSpec, ctx: Context, job: Job, pos: Position) -> None:
     """Rank 0, before the first step: the run's start in events.jsonl, and the plan in one line."""
-    append_event(spec.output_path, "resume" if pos.step else "start", step=pos.step, world_size=ctx.world_size,
-                 checkpoint=pos.source)
+    append_event(
+        spec.output_path,
+        "resume" if pos.step else "start",
+        step=pos.step,
+        world_size=ctx.world_size,
+        checkpoint=pos.source,
+    )
     unit = f" {job.objective.name.upper()} pairs" if job.objective.is_preference else ""
-    log.warning("job %s: %d steps, global batch %d%s = %d%s workers x %d accumulation x %d micro; lr %.3g (base "
-                "%.3g x %s scaling %.3g at reference batch %d); precision %s; gradient checkpointing %s; "
-                "estimate %.2f GiB", spec.name, job.steps, spec.batch.global_batch_size, unit, ctx.world_size,
-                f" {job.strategy.upper()}" if ctx.world_size > 1 else "",
-                spec.grad_accum_steps, spec.batch.micro_batch_size, spec.effective_lr, spec.optim.lr,
-                spec.optim.lr_scaling, spec.lr_scale, spec.reference_batch_size, job.precision,
-                job.plan.checkpointing, job.plan.total_gib)
+    log.warning(
+        "job %s: %d steps, global batch %d%s = %d%s workers x %d accumulation x %d micro; lr %.3g (base "
+        "%.3g x %s scaling %.3g at reference batch %d); precision %s; gradient checkpointing %s; "
+        "estimate %.2f GiB",
+        spec.name,
+        job.steps,
+        spec.batch.global_batch_size,
+        unit,
+        ctx.world_size,
+        f" {job.strategy.upper()}" if ctx.world_size > 1 else "",
+        spec.grad_accum_steps,
+        spec.batch.micro_batch_size,
+        spec.effective_lr,
+        spec.optim.lr,
+        spec.optim.lr_scaling,
+        spec.lr_scale,
+        spec.reference_batch_size,
+        job.precision,
+        job.plan.checkpointing,
+        job.plan.total_gib,
+    )
 
 
-def save_checkpoint(spec: JobSpec, ctx: Context, job: Job, engine: Engine, pos: Position, done: int, last: dict,
-                    stopper: EarlyStopping) -> None:
+def save_checkpoint(
+    spec: JobSpec, ctx: Context, job: Job, engine: Engine, pos: Position, done: int, last: dict, stopper: EarlyStopping
+) -> None:
     """Every rank, after optimizer step `done`: its files of checkpoint `step-<done>` (rank 0 adds
     the adapter, optimizer and scaler), with the position that resuming continues from. The
     adapter and optimizer state are the full ones, by parameter name, whatever the strategy
     (gathered from the FSDP shards), so any strategy and worker count can resume from them."""
-    state = {"step": done, "next_global_batch": done, "tokens_seen": pos.tokens_seen,
-             "skipped_steps": pos.skipped_steps, "world_size": ctx.world_size, "eval_loss": pos.eval_loss,
-             "resume_key": job.resume_key, "early_stopping": stopper.state(), "eval_stats": pos.eval_stats}
+    state = {
+        "step": done,
+        "next_global_batch": done,
+        "tokens_seen": pos.tokens_seen,
+        "skipped_steps": pos.skipped_steps,
+        "world_size": ctx.world_size,
+        "eval_loss": pos.eval_loss,
+        "resume_key": job.resume_key,
+        "early_stopping": stopper.state(),
+        "eval_stats": pos.eval_stats,
+    }
     adapter, optim_state = fsdp.adapter_state(job.model, engine.optimizer)  # every rank: a collective under FSDP
     shared = (adapter, optim_state, job.scaler) if ctx.is_main else ()
-    ctx.save_checkpoint(spec.output_path / "checkpoints", done, ckpt.rank_files(ctx.rank, state, *shared), last,
-                        spec.run.keep_checkpoints)
+    ctx.save_checkpoint(
+        spec.output_path / "checkpoints",
+        done,
+        ckpt.rank_files(ctx.rank, state, *shared),
+        last,
+        spec.run.keep_checkpoints,
+    )
 
 
 def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, skipped: bool) -> None:
@@ -616,12 +714,23 @@ def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, 
         return
     last = ckpt.newest_complete(spec.output_path / "checkpoints", warn=False)
     kept = f"the last good checkpoint is kept: {last}" if last else "no checkpoint was written before it"
-    raise RunError(f"optimizer step {step}: training diverged (loss {loss:g}, grad norm {grad_norm:g}); "
-                    f"stopped, {kept}; lower optim.lr (now {spec.optim.lr:g}) or set optim.max_grad_norm")
+    raise RunError(
+        f"optimizer step {step}: training diverged (loss {loss:g}, grad norm {grad_norm:g}); "
+        f"stopped, {kept}; lower optim.lr (now {spec.optim.lr:g}) or set optim.max_grad_norm"
+    )
 
 
-def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, adapter: dict, *, wall_s: float,
-                  mean_tokens_per_s: float | None, extra: dict | None = None) -> dict:
+def write_outputs(
+    spec: JobSpec,
+    job: Job,
+    pos: Position,
+    last: dict,
+    adapter: dict,
+    *,
+    wall_s: float,
+    mean_tokens_per_s: float | None,
+    extra: dict | None = None,
+) -> dict:
     """Rank 0, at the end: `adapter` (the full trainable state, `fsdp.full_adapter`) in PEFT
     format, the loss curve, summary.json. PEFT writes the given state rather than reading the
     model's parameters, which under FSDP are this rank's shards only."""
@@ -635,8 +744,13 @@ def write_outputs(spec: JobSpec, job: Job, pos: Position, last: dict, adapter: d
     if spec.model.name == "tiny-llama":
         _save_tiny_base(spec, out / "base", adapter_dir)
     if job.objective.is_preference:
-        plot_loss(out, records, f"{spec.name}: {spec.batch.global_batch_size} pairs/step, accum {spec.grad_accum_steps}",
-                  ylabel=f"{spec.objective.name} loss (mean per pair)", train_label="train loss (mean over pairs)")
+        plot_loss(
+            out,
+            records,
+            f"{spec.name}: {spec.batch.global_batch_size} pairs/step, accum {spec.grad_accum_steps}",
+            ylabel=f"{spec.objective.name} loss (mean per pair)",
+            train_label="train loss (mean over pairs)",
+        )
     else:
         plot_loss(out, records, f"{spec.name}: {spec.batch.global_batch_size} seq/step, accum {spec.grad_accum_steps}")
     final = last or (records[-1] if records else {})  # a rerun of a finished job trains no step

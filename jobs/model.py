@@ -67,8 +67,9 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([PAD, BOS, EOS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   chat_template=TINY_CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, chat_template=TINY_CHAT_TEMPLATE
+    )
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -114,13 +115,18 @@ def quantization_config(quantization: str, precision: str):
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise SpecError(f"model.quantization={quantization} needs bitsandbytes on the worker "
-                        "(pip install 'rayft[qlora]')") from None
+        raise SpecError(
+            f"model.quantization={quantization} needs bitsandbytes on the worker (pip install 'rayft[qlora]')"
+        ) from None
     from transformers import BitsAndBytesConfig
 
     if quantization == "nf4":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=base_dtype(precision))
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=base_dtype(precision),
+        )
     if quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     raise SpecError(f"model.quantization: must be none, nf4 or int8, got {quantization!r}")
@@ -171,8 +177,9 @@ def load_base_model(spec: JobSpec, precision: str, *, quantized: bool = True):
                 # every rank needs its own copy here.
                 model.config.save_pretrained(tmp)
                 save_model(model, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
-                model = LlamaForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=m.attn_implementation,
-                                                         **quant)
+                model = LlamaForCausalLM.from_pretrained(
+                    tmp, dtype=dtype, attn_implementation=m.attn_implementation, **quant
+                )
             # As built from the config: no name (PEFT would look the gone temporary directory up
             # when it saves the adapter).
             model.name_or_path = model.config._name_or_path = ""
@@ -271,7 +278,11 @@ def _gguf_cache(directory: Path, gguf_file: str) -> Path:
 
 # `lora.init` -> PEFT's `init_lora_weights`.
 LORA_INIT: dict[str, bool | Literal["gaussian", "pissa", "olora"]] = {
-    "default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
+    "default": True,
+    "gaussian": "gaussian",
+    "pissa": "pissa",
+    "olora": "olora",
+}
 
 
 def add_lora(model, spec: JobSpec, precision: str = "fp32"):
@@ -336,8 +347,9 @@ def _finish_adapter(peft_model, spec: JobSpec, precision: str):
         init_dir = tempfile.mkdtemp(prefix="rayft-lora-init-")
         atexit.register(shutil.rmtree, init_dir, True)
         peft_model.save_pretrained(init_dir)
-        peft_model.save_pretrained = functools.partial(peft_model.save_pretrained,
-                                                       path_initial_model_for_weight_conversion=init_dir)
+        peft_model.save_pretrained = functools.partial(
+            peft_model.save_pretrained, path_initial_model_for_weight_conversion=init_dir
+        )
     return peft_model
 
 
@@ -363,13 +375,17 @@ def starting_adapter_config(spec: JobSpec) -> dict:
         want = getattr(spec.lora, field)
         have = cfg.get(key, False if isinstance(want, bool) else None)
         if have != want:
-            raise SpecError(f"model.adapter: the adapter has {key}={have!r} but lora.{field}={want!r}; set "
-                            f"lora.{field}={have} (lora.* must describe the starting adapter)")
+            raise SpecError(
+                f"model.adapter: the adapter has {key}={have!r} but lora.{field}={want!r}; set "
+                f"lora.{field}={have} (lora.* must describe the starting adapter)"
+            )
     targets = cfg.get("target_modules")
     targets = sorted([targets] if isinstance(targets, str) else targets or [])
     if targets != sorted(spec.lora.target_modules):
-        raise SpecError(f"model.adapter: the adapter targets {targets} but lora.target_modules="
-                        f"{sorted(spec.lora.target_modules)}; set lora.target_modules to the adapter's")
+        raise SpecError(
+            f"model.adapter: the adapter targets {targets} but lora.target_modules="
+            f"{sorted(spec.lora.target_modules)}; set lora.target_modules to the adapter's"
+        )
     return cfg
 
 
@@ -390,8 +406,10 @@ def start_from_adapter(model, spec: JobSpec):
             peft_model.load_adapter(spec.model.adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
             peft_model.set_adapter("default")  # the trainable one stays active (and trainable)
     except (RuntimeError, ValueError, OSError) as e:  # shapes that do not fit the base, unreadable weights
-        raise SpecError(f"model.adapter: {spec.model.adapter} does not load on model.name={spec.model.name} "
-                        f"({one_line(str(e))[:200]})") from None
+        raise SpecError(
+            f"model.adapter: {spec.model.adapter} does not load on model.name={spec.model.name} "
+            f"({one_line(str(e))[:200]})"
+        ) from None
     return peft_model
 
 
@@ -415,11 +433,15 @@ def check_packing(config) -> None:
     every layer: refuse models whose layers also need a sliding-window mask."""
     types = getattr(config, "layer_types", None) or []
     sliding = any("sliding" in str(t) for t in types) or (
-        not types and getattr(config, "sliding_window", None) is not None
-        and getattr(config, "use_sliding_window", True))
+        not types
+        and getattr(config, "sliding_window", None) is not None
+        and getattr(config, "use_sliding_window", True)
+    )
     if sliding:
-        raise SpecError(f"data.packing: not supported for {getattr(config, 'model_type', 'this model')!r}: its "
-                        f"sliding-window attention needs its own mask (set data.packing=false)")
+        raise SpecError(
+            f"data.packing: not supported for {getattr(config, 'model_type', 'this model')!r}: its "
+            f"sliding-window attention needs its own mask (set data.packing=false)"
+        )
 
 
 def check_batchnorm(model: nn.Module, sync: bool, world_size: int) -> nn.Module:
@@ -448,8 +470,10 @@ def compile_layers(model) -> int:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = getattr(base.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
-        raise SpecError(f"model.compile: cannot find the decoder layers of {type(base).__name__} "
-                        "(expected a `layers` list under its base model)")
+        raise SpecError(
+            f"model.compile: cannot find the decoder layers of {type(base).__name__} "
+            "(expected a `layers` list under its base model)"
+        )
     for layer in layers:
         layer.compile()
     return len(layers)
@@ -469,8 +493,9 @@ def enable_checkpointing(model, every_n_layers: int = 1) -> None:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
         return
     if every_n_layers != 1:
-        warnings.warn(f"this transformers cannot checkpoint every {every_n_layers}th layer only: "
-                      "checkpointing every layer (more recompute, less memory than estimated)", stacklevel=2)
+        warnings.warn(
+            f"this transformers cannot checkpoint every {every_n_layers}th layer only: "
+            "checkpointing every layer (more recompute, less memory than estimated)",
+            stacklevel=2,
+        )
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-

@@ -43,8 +43,14 @@ PREFERENCE = ("dpo", "ipo", "simpo", "orpo")
 WITH_REFERENCE = ("dpo", "ipo")
 # The per-pair statistics summed over a window (then divided by its pair count): TRL's metric
 # names, plus the objective's own terms.
-STATS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-         "logps/rejected")
+STATS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
 ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
@@ -83,9 +89,15 @@ def log1m_exp(a: torch.Tensor) -> torch.Tensor:
     return torch.log(-torch.expm1(a.clamp(max=-1e-7)))
 
 
-def pair_losses(obj: Objective, pi_w: torch.Tensor, pi_l: torch.Tensor, n_w: torch.Tensor, n_l: torch.Tensor,
-                ref_w: torch.Tensor | None = None,
-                ref_l: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def pair_losses(
+    obj: Objective,
+    pi_w: torch.Tensor,
+    pi_l: torch.Tensor,
+    n_w: torch.Tensor,
+    n_l: torch.Tensor,
+    ref_w: torch.Tensor | None = None,
+    ref_l: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss of every pair [P], per-pair statistics {name: [P]}) for objective `obj`."""
     if obj.beta is None:
         raise ValueError(f"objective {obj.name} has no beta")
@@ -116,9 +128,15 @@ def pair_losses(obj: Objective, pi_w: torch.Tensor, pi_l: torch.Tensor, n_w: tor
             extra = {"nll_loss": -a_w, "log_odds_ratio": ratio, "log_odds_chosen": log_odds}
         else:
             raise ValueError(f"not a preference objective: {obj.name}")
-    stats = {"rewards/chosen": reward_w, "rewards/rejected": reward_l, "rewards/margins": reward_w - reward_l,
-             "rewards/accuracies": (reward_w > reward_l).to(reward_w.dtype), "logps/chosen": pi_w,
-             "logps/rejected": pi_l, **extra}
+    stats = {
+        "rewards/chosen": reward_w,
+        "rewards/rejected": reward_l,
+        "rewards/margins": reward_w - reward_l,
+        "rewards/accuracies": (reward_w > reward_l).to(reward_w.dtype),
+        "logps/chosen": pi_w,
+        "logps/rejected": pi_l,
+        **extra,
+    }
     return loss, {k: v.detach() for k, v in stats.items()}
 
 

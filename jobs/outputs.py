@@ -34,11 +34,47 @@ RUN_MARKER = ".rayft-run"
 # from before the marker holds only these (plus `checkpoints.set-aside-*`, `*.tmp`).
 RUN_FILES = (METRICS, SUMMARY, PLOT, EVENTS, "adapter", "base", "checkpoints")
 # Never an output directory: the root, system directories, and (below) $HOME itself.
-SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc",
-               "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+SYSTEM_DIRS = (
+    "/",
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/home",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/opt",
+    "/proc",
+    "/root",
+    "/run",
+    "/sbin",
+    "/srv",
+    "/sys",
+    "/tmp",
+    "/usr",
+    "/var",
+)
 # ... and nothing anywhere below these: configuration, kernel and device trees, installed programs.
-SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys",
-                "/usr/bin", "/usr/include", "/usr/lib", "/usr/lib64", "/usr/libexec", "/usr/sbin", "/usr/share")
+SYSTEM_TREES = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/proc",
+    "/sbin",
+    "/sys",
+    "/usr/bin",
+    "/usr/include",
+    "/usr/lib",
+    "/usr/lib64",
+    "/usr/libexec",
+    "/usr/sbin",
+    "/usr/share",
+)
 
 
 class MetricsLog:
@@ -92,10 +128,15 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def format_step(rec: dict) -> str:
     """One optimizer step as the plain progress line `rayft run` and `python -m jobs.finetune` print."""
-    pref = (f" rewards/accuracies {rec['rewards/accuracies']:.2f} rewards/margins {rec['rewards/margins']:.3g}"
-            if "rewards/accuracies" in rec else "")
-    return (f"step {rec['step']}/{rec.get('total_steps')} loss {rec['loss']:.4f}{pref} lr {rec['lr']:.3g} "
-            f"grad_norm {rec['grad_norm']:.3g} tokens/s {rec['tokens_per_s']:.0f}")
+    pref = (
+        f" rewards/accuracies {rec['rewards/accuracies']:.2f} rewards/margins {rec['rewards/margins']:.3g}"
+        if "rewards/accuracies" in rec
+        else ""
+    )
+    return (
+        f"step {rec['step']}/{rec.get('total_steps')} loss {rec['loss']:.4f}{pref} lr {rec['lr']:.3g} "
+        f"grad_norm {rec['grad_norm']:.3g} tokens/s {rec['tokens_per_s']:.0f}"
+    )
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -144,11 +185,9 @@ def output_dir_problem(path: str | Path, *, beside_others: bool = False) -> str 
     except (OSError, RuntimeError):
         pass  # a symlink loop: judged by its own name below, and refused when it is not a directory
     home = Path(os.path.expanduser("~")).resolve()
-    if (str(resolved) in SYSTEM_DIRS or resolved == home
-            or any(resolved.is_relative_to(t) for t in SYSTEM_TREES)):
+    if str(resolved) in SYSTEM_DIRS or resolved == home or any(resolved.is_relative_to(t) for t in SYSTEM_TREES):
         where = "your home directory" if resolved == home else "a system directory or inside one"
-        return (f"is {where} ({resolved}); "
-                "rayft writes only into a directory of its own: name a new one")
+        return f"is {where} ({resolved}); rayft writes only into a directory of its own: name a new one"
     if not os.path.lexists(resolved) and not os.path.lexists(text):
         return None
     if not resolved.is_dir():
@@ -161,15 +200,18 @@ def output_dir_problem(path: str | Path, *, beside_others: bool = False) -> str 
         return None
     if beside_others and not any(n in RUN_FILES and n != "checkpoints" for n in names):
         return None
-    return (f"is not empty and was not made by rayft (no {RUN_MARKER} in it): rayft writes only into a new "
-            "or empty directory or one of its own runs; name another run.output_dir")
+    return (
+        f"is not empty and was not made by rayft (no {RUN_MARKER} in it): rayft writes only into a new "
+        "or empty directory or one of its own runs; name another run.output_dir"
+    )
 
 
 def _made_by_old_rayft(names: list[str]) -> bool:
     """The top-level layout of a run made by a rayft without `RUN_MARKER`: its events file,
     and nothing but what the loop writes."""
-    return EVENTS in names and all(n in RUN_FILES or n.startswith("checkpoints.set-aside-") or n.endswith(".tmp")
-                                   for n in names)
+    return EVENTS in names and all(
+        n in RUN_FILES or n.startswith("checkpoints.set-aside-") or n.endswith(".tmp") for n in names
+    )
 
 
 def check_output_dir(path: str | Path, *, beside_others: bool = False) -> None:
@@ -211,8 +253,13 @@ def loss_points(records: list[dict]) -> tuple[list[tuple[int, float]], list[tupl
     return train, evals
 
 
-def plot_loss(output_dir: Path, records: list[dict], title: str, ylabel: str = "loss (nats / label token)",
-              train_label: str = "train loss (token-weighted)") -> Path | None:
+def plot_loss(
+    output_dir: Path,
+    records: list[dict],
+    title: str,
+    ylabel: str = "loss (nats / label token)",
+    train_label: str = "train loss (token-weighted)",
+) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")

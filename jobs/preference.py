@@ -71,8 +71,9 @@ class PreferenceLoss(nn.Module):
 
     model: Any  # a peft PeftModel (peft ships no types)
 
-    def __init__(self, model: nn.Module, objective: Objective, chunk_tokens: int = 0,
-                 reference_adapter: str | None = None):
+    def __init__(
+        self, model: nn.Module, objective: Objective, chunk_tokens: int = 0, reference_adapter: str | None = None
+    ):
         super().__init__()
         self.model = model
         self.objective = objective
@@ -82,8 +83,7 @@ class PreferenceLoss(nn.Module):
     def _causal_lm(self):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def sequence_logps(self, input_ids: torch.Tensor, label_pos: torch.Tensor,
-                       label_ids: torch.Tensor) -> torch.Tensor:
+    def sequence_logps(self, input_ids: torch.Tensor, label_pos: torch.Tensor, label_ids: torch.Tensor) -> torch.Tensor:
         """[rows] summed log-probabilities of each row's label tokens, summed in float64: DPO and
         IPO take differences of such sums (hundreds of nats), whose fp32 rounding would otherwise
         show in the per-pair weights of the gradient."""
@@ -94,9 +94,18 @@ class PreferenceLoss(nn.Module):
         if not self.chunk_tokens or h.shape[0] <= self.chunk_tokens:
             token = _token_logps(head, h, label_ids)
         else:
-            token = torch.cat([torch.utils.checkpoint.checkpoint(
-                _token_logps, head, h[s:s + self.chunk_tokens], label_ids[s:s + self.chunk_tokens],
-                use_reentrant=False) for s in range(0, h.shape[0], self.chunk_tokens)])
+            token = torch.cat(
+                [
+                    torch.utils.checkpoint.checkpoint(
+                        _token_logps,
+                        head,
+                        h[s : s + self.chunk_tokens],
+                        label_ids[s : s + self.chunk_tokens],
+                        use_reentrant=False,
+                    )
+                    for s in range(0, h.shape[0], self.chunk_tokens)
+                ]
+            )
         rows = torch.div(label_pos, input_ids.shape[1], rounding_mode="floor")
         return token.new_zeros(input_ids.shape[0], dtype=torch.float64).index_add(0, rows, token.double())
 
@@ -106,8 +115,9 @@ class PreferenceLoss(nn.Module):
         return self.model.disable_adapter()
 
     @torch.no_grad()
-    def reference_logps(self, input_ids: torch.Tensor, label_pos: torch.Tensor,
-                        label_ids: torch.Tensor) -> torch.Tensor:
+    def reference_logps(
+        self, input_ids: torch.Tensor, label_pos: torch.Tensor, label_ids: torch.Tensor
+    ) -> torch.Tensor:
         """The reference's [rows] log-probabilities: eval mode, no grad, the adapter off (or the
         frozen starting adapter active)."""
         was_training = self.model.training
@@ -118,8 +128,15 @@ class PreferenceLoss(nn.Module):
         finally:
             self.model.train(was_training)
 
-    def forward(self, input_ids: torch.Tensor, label_pos: torch.Tensor, label_ids: torch.Tensor,
-                resp_len: torch.Tensor, ref_logps: torch.Tensor | None = None, reference_only: bool = False):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        label_pos: torch.Tensor,
+        label_ids: torch.Tensor,
+        resp_len: torch.Tensor,
+        ref_logps: torch.Tensor | None = None,
+        reference_only: bool = False,
+    ):
         """(summed pair loss, summed statistics); with `reference_only`, the reference's [rows]
         log-probabilities alone (the precompute pass: through `forward`, so DDP and FSDP hooks run)."""
         if reference_only:
@@ -130,8 +147,15 @@ class PreferenceLoss(nn.Module):
         pi = self.sequence_logps(input_ids, label_pos, label_ids)
         m = input_ids.shape[0] // 2
         n = resp_len.to(pi.dtype)
-        loss, stats = pair_losses(self.objective, pi[:m], pi[m:], n[:m], n[m:],
-                                  None if ref is None else ref[:m], None if ref is None else ref[m:])
+        loss, stats = pair_losses(
+            self.objective,
+            pi[:m],
+            pi[m:],
+            n[:m],
+            n[m:],
+            None if ref is None else ref[:m],
+            None if ref is None else ref[m:],
+        )
         return loss.sum(), summed_stats(self.objective, stats)
 
 
@@ -166,10 +190,20 @@ def reference_key(spec, data_dir: Path, precision: str) -> str:
     from .spec import resolve_model_dir
 
     m = spec.model
-    base = ["tiny-llama", spec.run.seed] if m.name == "tiny-llama" else [
-        m.name, m.gguf_file, _files_fingerprint(Path(resolve_model_dir(m.name)))]
-    parts = {"format": REFERENCE_FORMAT, "data": data_dir.name, "base": base, "quantization": m.quantization,
-             "precision": precision, "attn": m.attn_implementation, "adapter": _adapter_digest(m.adapter)}
+    base = (
+        ["tiny-llama", spec.run.seed]
+        if m.name == "tiny-llama"
+        else [m.name, m.gguf_file, _files_fingerprint(Path(resolve_model_dir(m.name)))]
+    )
+    parts = {
+        "format": REFERENCE_FORMAT,
+        "data": data_dir.name,
+        "base": base,
+        "quantization": m.quantization,
+        "precision": precision,
+        "attn": m.attn_implementation,
+        "adapter": _adapter_digest(m.adapter),
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -189,24 +223,33 @@ def precomputed_reference(spec, ctx, job, engine, pair_batch) -> dict:
     from .data import equal_micro_batches
 
     final = job.data.cache_dir.with_name(
-        f"{job.data.cache_dir.name}.reference-{reference_key(spec, job.data.cache_dir, job.precision)}")
+        f"{job.data.cache_dir.name}.reference-{reference_key(spec, job.data.cache_dir, job.precision)}"
+    )
     have = torch.tensor([float(final.is_dir())], device=engine.device)
     if ctx.world_size > 1:
         dist.all_reduce(have, op=dist.ReduceOp.MIN)
     if not have.item():
-        tables = {split: _reference_table(engine, job, split, ctx, pair_batch, equal_micro_batches,
-                                          spec.batch.micro_batch_size) for split in ("train", "eval")}
+        tables = {
+            split: _reference_table(
+                engine, job, split, ctx, pair_batch, equal_micro_batches, spec.batch.micro_batch_size
+            )
+            for split in ("train", "eval")
+        }
 
         def write(tmp: Path) -> None:
             for split, table in tables.items():
                 np.save(tmp / f"{split}.npy", table)
-            (tmp / "meta.json").write_text(json.dumps({"format": REFERENCE_FORMAT, "pairs": {
-                k: int(v.shape[0]) for k, v in tables.items()}}))
+            (tmp / "meta.json").write_text(
+                json.dumps({"format": REFERENCE_FORMAT, "pairs": {k: int(v.shape[0]) for k, v in tables.items()}})
+            )
 
         final = build_once(final, write, "the precomputed reference log-probabilities")
         if ctx.is_main:
-            log.warning("reference log-probabilities of %d pairs computed and stored at %s",
-                        sum(len(t) for t in tables.values()), final)
+            log.warning(
+                "reference log-probabilities of %d pairs computed and stored at %s",
+                sum(len(t) for t in tables.values()),
+                final,
+            )
     return {split: np.load(final / f"{split}.npy") for split in ("train", "eval")}
 
 
@@ -227,4 +270,3 @@ def _reference_table(engine, job, split: str, ctx, pair_batch, equal_micro_batch
         if ctx.world_size > 1:
             dist.all_reduce(table)
     return table.cpu().numpy()
-

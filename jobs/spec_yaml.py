@@ -54,9 +54,17 @@ def path_problem(path: str | Path) -> str | None:
         return f"{shown}: cannot be read ({getattr(e, 'strerror', None) or e})"
     if stat.S_ISREG(mode):
         return None if os.access(path, os.R_OK) else f"{shown}: permission denied"
-    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "not a regular file")
+    kind = (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO (named pipe)"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )
     return f"{shown} is {kind}, not a regular file"
 
 
@@ -94,8 +102,10 @@ def _check_yaml_graph(root: yaml.Node, where: str) -> None:
             on_path.discard(nid)
             size[nid] = 1 + sum(size[id(c)] for c in _yaml_children(node))
             if size[nid] > MAX_YAML_NODES:
-                raise SpecError(f"{where}: line {line}: aliases expand this value to more than {MAX_YAML_NODES} "
-                                "YAML nodes; a spec is far smaller: write it out without the aliases")
+                raise SpecError(
+                    f"{where}: line {line}: aliases expand this value to more than {MAX_YAML_NODES} "
+                    "YAML nodes; a spec is far smaller: write it out without the aliases"
+                )
             continue
         if nid in size:
             continue
@@ -117,8 +127,10 @@ def _check_unique_keys(node: yaml.MappingNode, where: str) -> None:
             continue  # `<<: *base` merges; an explicit key after it overrides, as YAML intends
         ident = (key.tag, key.value)
         if ident in first_line:
-            raise SpecError(f"{where}: line {key.start_mark.line + 1}: duplicate key {one_line(repr(key.value))} "
-                            f"(first at line {first_line[ident]})")
+            raise SpecError(
+                f"{where}: line {key.start_mark.line + 1}: duplicate key {one_line(repr(key.value))} "
+                f"(first at line {first_line[ident]})"
+            )
         first_line[ident] = key.start_mark.line + 1
 
 
@@ -148,8 +160,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     key = key.strip()
     if not key or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
-        raise SpecError(f"override {shown}: {one_line(secrets.redact(repr(key)))} "
-                        "is not a field path like section.field")
+        raise SpecError(
+            f"override {shown}: {one_line(secrets.redact(repr(key)))} is not a field path like section.field"
+        )
     try:
         value = load_yaml_text(raw, f"override {key}") if raw.strip() else ""
     except yaml.YAMLError:
@@ -167,8 +180,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if nxt is None:
                 nxt = node[part] = {}
             if not isinstance(nxt, dict):
-                raise SpecError(f"override {one_line(secrets.redact(repr(item)))}: "
-                                f"{'.'.join(path[: i + 1])} is not a section")
+                raise SpecError(
+                    f"override {one_line(secrets.redact(repr(item)))}: {'.'.join(path[: i + 1])} is not a section"
+                )
             node = nxt
         node[path[-1]] = value
     return out
@@ -181,8 +195,9 @@ def read_yaml(path: str | Path) -> dict:
     where = one_line(str(p))
     problem = path_problem(p)
     if problem:
-        raise SpecError(f"{where}: spec file not found" if problem.startswith("file not found")
-                        else f"spec file {problem}")
+        raise SpecError(
+            f"{where}: spec file not found" if problem.startswith("file not found") else f"spec file {problem}"
+        )
     if p.stat().st_size > MAX_SPEC_BYTES:
         raise SpecError(f"{where}: {p.stat().st_size} bytes, larger than any spec ({MAX_SPEC_BYTES} bytes at most)")
     try:
@@ -199,4 +214,3 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise SpecError(f"{where}: the spec must be a YAML mapping of sections, got {type(data).__name__}")
     return data
-

@@ -113,8 +113,8 @@ class Trackers:
 
     def __init__(self, spec: JobSpec | None = None, resume_step: int = 0):
         self.spec = spec
-        self.tb: Any = None     # tensorboard SummaryWriter (an untyped library)
-        self.ml: Any = None     # mlflow MlflowClient (an untyped library)
+        self.tb: Any = None  # tensorboard SummaryWriter (an untyped library)
+        self.ml: Any = None  # mlflow MlflowClient (an untyped library)
         self.run_id: str | None = None
         self.pending: list[dict] = []  # records not yet sent to MLflow (see module doc)
         if spec is None:
@@ -161,7 +161,7 @@ class Trackers:
         run = client.create_run(exp_id, run_name=self._spec.name)
         params = [Param(k, v) for k, v in flat_params(self._spec).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
-            client.log_batch(run.info.run_id, params=params[i:i + 100])
+            client.log_batch(run.info.run_id, params=params[i : i + 100])
         write_json_atomic(saved, {"run_id": run.info.run_id, "experiment_id": exp_id, "tracking_uri": uri})
         self.ml, self.run_id = client, run.info.run_id
 
@@ -195,10 +195,11 @@ class Trackers:
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        metrics = [Metric(k, v, now_ms, r["step"]) for r in records
-                   for k, v in metrics_of(r, bool(r.get("evaluated"))).items()]
+        metrics = [
+            Metric(k, v, now_ms, r["step"]) for r in records for k, v in metrics_of(r, bool(r.get("evaluated"))).items()
+        ]
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit
-            self.ml.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self.ml.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     # ---- the end ----------------------------------------------------------------------------
 
@@ -234,15 +235,23 @@ class Trackers:
         try:
             action()
         except Exception as e:  # noqa: BLE001 - a tracker never fails the training
-            where = shown_uri(tracking_uri(self._spec)) if which == "mlflow" else str(
-                self._spec.output_path / TENSORBOARD_DIR)
+            where = (
+                shown_uri(tracking_uri(self._spec))
+                if which == "mlflow"
+                else str(self._spec.output_path / TENSORBOARD_DIR)
+            )
             reason = " ".join(str(e).split())
             if which == "mlflow":
                 uri = tracking_uri(self._spec)
                 reason = reason.replace(uri, shown_uri(uri))
             reason = secrets.redact(reason)[:300]
-            log.warning("tracker %s (%s) failed: %s: %s; training goes on without it (metrics.jsonl stays "
-                        "complete)", which, where, type(e).__name__, reason)
+            log.warning(
+                "tracker %s (%s) failed: %s: %s; training goes on without it (metrics.jsonl stays complete)",
+                which,
+                where,
+                type(e).__name__,
+                reason,
+            )
             if which == "tensorboard":
                 self.tb = None
             else:

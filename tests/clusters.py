@@ -17,8 +17,9 @@ from polling import wait_until
 
 BIN = Path(sys.executable).parent
 # Node death noticed within ~10 s instead of Ray's default ~30 s (with room for a busy machine).
-FAST_HEALTH = json.dumps({"health_check_period_ms": 2000, "health_check_failure_threshold": 5,
-                          "health_check_timeout_ms": 2000})
+FAST_HEALTH = json.dumps(
+    {"health_check_period_ms": 2000, "health_check_failure_threshold": 5, "health_check_timeout_ms": 2000}
+)
 
 
 def free_port() -> int:
@@ -48,8 +49,14 @@ def ensure_auth_token() -> None:
     home = str(Path.home())
     if home in _token_ensured and (Path(home) / ".ray" / "auth_token").is_file():
         return
-    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=cluster_env(), check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    subprocess.run(
+        [str(BIN / "ray"), "get-auth-token", "--generate"],
+        env=cluster_env(),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=60,
+    )
     _token_ensured.add(home)
 
 
@@ -85,7 +92,7 @@ def wait_for_jobs_api(info, timeout_s: float = 120.0) -> None:
                 client.submit_job(entrypoint="true", submission_id=probe)
                 submitted[0] = True
             return client.get_job_status(probe) in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
-        except Exception as e:                        # not up yet
+        except Exception as e:  # not up yet
             last_error[0] = e
             return False
 
@@ -104,14 +111,25 @@ class RayHead:
         self.env = cluster_env()
         ensure_auth_token()
         gcs, dash, client = free_port(), free_port(), free_port()
-        cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-               "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
-               "--num-cpus=4", "--disable-usage-stats",
-               # Its own job-agent port: Ray's default (52365) is taken by any other cluster on this
-               # machine, and a head without its agent accepts no job ("No available agent").
-               f"--dashboard-agent-listen-port={free_port()}"]
-        self.process = subprocess.Popen(cmd, env=self.env, start_new_session=True, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+        cmd = [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--ray-client-server-port={client}",
+            "--num-cpus=4",
+            "--disable-usage-stats",
+            # Its own job-agent port: Ray's default (52365) is taken by any other cluster on this
+            # machine, and a head without its agent accepts no job ("No available agent").
+            f"--dashboard-agent-listen-port={free_port()}",
+        ]
+        self.process = subprocess.Popen(
+            cmd, env=self.env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self.address, self.dashboard = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}"
         self.token_path = Path.home() / ".ray" / "auth_token"
         try:
@@ -143,14 +161,23 @@ class LocalCluster:
         self.env["RAY_ADDRESS"] = self.address
         self.tmp = tmp
         self.nodes: list[subprocess.Popen] = []
-        self.node_ids: dict[int, str] = {}          # node process id -> Ray node id
-        self.head = self._start(["--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                                 f"--ray-client-server-port={free_port()}", "--num-cpus=0",
-                                 f"--system-config={FAST_HEALTH}"], "head")
-        self.process = self.head                     # for wait_for_jobs_api
+        self.node_ids: dict[int, str] = {}  # node process id -> Ray node id
+        self.head = self._start(
+            [
+                "--head",
+                f"--port={gcs}",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dash}",
+                f"--ray-client-server-port={free_port()}",
+                "--num-cpus=0",
+                f"--system-config={FAST_HEALTH}",
+            ],
+            "head",
+        )
+        self.process = self.head  # for wait_for_jobs_api
         try:
             wait_for_jobs_api(self)
-            self.head_id = self._nodes()[0]["node_id"]   # the only node so far
+            self.head_id = self._nodes()[0]["node_id"]  # the only node so far
         except BaseException:
             self.stop()
             raise
@@ -182,20 +209,35 @@ class LocalCluster:
             busy = {node for node, actors in self.actors_by_node().items() if actors}
             idle_first = sorted(self._live(), key=lambda q: self.node_ids.get(q.pid) in busy)
             for q in idle_first[:surplus]:
-                kill_group(q, signal.SIGTERM, timeout_s=15)   # the node stops its workers and leaves
+                kill_group(q, signal.SIGTERM, timeout_s=15)  # the node stops its workers and leaves
             self.wait_nodes(n)
 
     def _start(self, args: list[str], name: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")
-        return subprocess.Popen([str(BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1",
-                                 "--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}", *args],
-                                env=self.env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [
+                str(BIN / "ray"),
+                "start",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                "--disable-usage-stats",
+                f"--dashboard-agent-listen-port={free_port()}",
+                *args,
+            ],
+            env=self.env,
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def alive_cpu_nodes(self) -> list[str]:
         from orchestrator.backends.ray_jobs import RayJobsBackend
 
-        return [n.node_id for n in RayJobsBackend(self.dashboard, timeout_s=10).cluster_view().nodes
-                if n.cpu_total >= 1 and n.node_id != getattr(self, "head_id", None)]
+        return [
+            n.node_id
+            for n in RayJobsBackend(self.dashboard, timeout_s=10).cluster_view().nodes
+            if n.cpu_total >= 1 and n.node_id != getattr(self, "head_id", None)
+        ]
 
     def add_node(self) -> subprocess.Popen:
         """Start one more worker node and wait until it is alive; records its Ray node id."""
@@ -222,7 +264,7 @@ class LocalCluster:
         def exactly_n() -> tuple:
             try:
                 seen[0] = self.alive_cpu_nodes()
-            except Exception:                          # the dashboard is busy or restarting
+            except Exception:  # the dashboard is busy or restarting
                 return ()
             return (seen[0],) if len(seen[0]) == n else ()
 
@@ -240,15 +282,19 @@ class LocalCluster:
         def victims() -> list[subprocess.Popen]:
             on.clear()
             on.update(self.actors_by_node())
-            return [p for p in self._live() if "RayTrainWorker" in on.get(self.node_ids[p.pid], set())
-                    and not not_with & on.get(self.node_ids[p.pid], set())]
+            return [
+                p
+                for p in self._live()
+                if "RayTrainWorker" in on.get(self.node_ids[p.pid], set())
+                and not not_with & on.get(self.node_ids[p.pid], set())
+            ]
 
-        try:   # the state API may answer before it lists every actor
+        try:  # the state API may answer before it lists every actor
             found = wait_until(victims, 30, "a node holds a training worker and no driver-side actor")
         except AssertionError:
             raise AssertionError(on) from None
         alive = len(self.alive_cpu_nodes())
-        kill_group(found[0])                          # a whole node: its raylet and its workers
+        kill_group(found[0])  # a whole node: its raylet and its workers
         self.wait_nodes(alive - 1)
         return self.node_ids[found[0].pid]
 

@@ -26,11 +26,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 from clusters import BIN, LocalCluster, RayHead, cluster_env, ensure_auth_token, free_port  # noqa: E402,F401
 
 _FUZZ_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=150, derandomize=True, database=None, deadline=None,
-                          suppress_health_check=_FUZZ_HEALTH)
+settings.register_profile(
+    "ci", max_examples=150, derandomize=True, database=None, deadline=None, suppress_health_check=_FUZZ_HEALTH
+)
 # Long fuzzing (`make test-all`): new random cases every run, 20x CI's count.
-settings.register_profile("long", max_examples=3000, derandomize=False, database=None, deadline=None,
-                          suppress_health_check=_FUZZ_HEALTH)
+settings.register_profile(
+    "long", max_examples=3000, derandomize=False, database=None, deadline=None, suppress_health_check=_FUZZ_HEALTH
+)
 settings.load_profile(os.environ.get("RAYFT_HYPOTHESIS_PROFILE", "ci"))
 
 # Session-wide clusters, stopped early: fixture name -> id of the last selected test that uses it.

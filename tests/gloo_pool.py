@@ -24,8 +24,8 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, Optional
 
-CALL_TIMEOUT_S = 900.0     # pytest-timeout's limit: no call may outlast the test that makes it
-START_TIMEOUT_S = 600.0    # importing torch & co. on a loaded 2-core machine
+CALL_TIMEOUT_S = 900.0  # pytest-timeout's limit: no call may outlast the test that makes it
+START_TIMEOUT_S = 600.0  # importing torch & co. on a loaded 2-core machine
 
 
 class RankFailed(RuntimeError):
@@ -57,9 +57,8 @@ def _rank_main(rank: int, world: int, rendezvous: str, log: str, conn) -> None:
             os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world))
             os.chdir(cwd)
             torch.manual_seed(seed)
-            if not dist.is_initialized():       # the previous function destroyed the group
-                dist.init_process_group("gloo", init_method=f"file://{task_rendezvous}", rank=rank,
-                                        world_size=world)
+            if not dist.is_initialized():  # the previous function destroyed the group
+                dist.init_process_group("gloo", init_method=f"file://{task_rendezvous}", rank=rank, world_size=world)
             torch.save(fn(rank, world, *args), result_path)
             reply = ("done", None)
         except BaseException:
@@ -89,8 +88,11 @@ class GlooPool:
         self.conns, self.procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(rank, world, str(self.dir / "rendezvous"),
-                                                     str(self.log(rank)), child), daemon=True)
+            p = ctx.Process(
+                target=_rank_main,
+                args=(rank, world, str(self.dir / "rendezvous"), str(self.log(rank)), child),
+                daemon=True,
+            )
             p.start()
             child.close()
             self.conns.append(parent)
@@ -107,8 +109,7 @@ class GlooPool:
         rendezvous = str(self.dir / f"rendezvous-{self.calls}")
         try:
             for rank, conn in enumerate(self.conns):
-                conn.send_bytes(pickle.dumps((fn, args, str(paths[rank]), os.getcwd(), dict(os.environ),
-                                              rendezvous)))
+                conn.send_bytes(pickle.dumps((fn, args, str(paths[rank]), os.getcwd(), dict(os.environ), rendezvous)))
             self._collect("done", CALL_TIMEOUT_S, f"{getattr(fn, '__qualname__', fn)}")
         except BaseException:
             # Interrupted (a test timeout, Ctrl-C) or failed: ranks may still be inside the call, and
@@ -132,7 +133,7 @@ class GlooPool:
                 if ready in by_sentinel:
                     rank = by_sentinel[ready]
                     if pending.get(rank) is not None and pending[rank].poll():
-                        continue                      # its last message is still to be read
+                        continue  # its last message is still to be read
                     self._fail(what, f"rank {rank} died (exit code {self.procs[rank].exitcode})", rank)
                 rank = next(r for r, c in pending.items() if c is ready)
                 try:
@@ -187,7 +188,7 @@ def run_on_ranks(fn: Callable, world: int, tmp: Path, *args) -> list:
             return once.run(fn, args, tmp)
         finally:
             once.close()
-    if _pool is None or not _pool.alive:              # never started, or torn down after a failure
+    if _pool is None or not _pool.alive:  # never started, or torn down after a failure
         _pool = GlooPool(world)
     return _pool.run(fn, args, tmp)
 

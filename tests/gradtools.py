@@ -21,9 +21,13 @@ RAY_STEPS = ["run.max_steps=8", "run.checkpoint_every=2", "run.keep_checkpoints=
 
 
 def tiny_spec(*overrides: str, **sections) -> JobSpec:
-    data = {"name": "t", "data": {"path": str(DATA), "max_seq_len": 96},
-            "lora": {"r": 4, "alpha": 8}, "batch": {"global_batch_size": 8, "micro_batch_size": 2},
-            "run": {"max_steps": 2}}
+    data = {
+        "name": "t",
+        "data": {"path": str(DATA), "max_seq_len": 96},
+        "lora": {"r": 4, "alpha": 8},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+        "run": {"max_steps": 2},
+    }
     for k, v in sections.items():
         data.setdefault(k, {}).update(v) if isinstance(v, dict) else data.__setitem__(k, v)
     return load_spec(data=data, overrides=list(overrides))
@@ -39,8 +43,9 @@ def perturb_lora_b(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_engine(spec: JobSpec, *, world_size: int = 1, gc: bool = False, precision: str = "fp32",
-                 optimizer: bool = True) -> tuple[Engine, nn.Module, object]:
+def build_engine(
+    spec: JobSpec, *, world_size: int = 1, gc: bool = False, precision: str = "fp32", optimizer: bool = True
+) -> tuple[Engine, nn.Module, object]:
     """Model + LoRA with B perturbed away from zero, so every LoRA parameter gets a gradient."""
     model, tok = load_base_model(spec, precision)
     model = perturb_lora_b(add_lora(model, spec, precision))
@@ -96,6 +101,7 @@ def reference_grads(spec: JobSpec, *, gc: bool = False, precision: str = "fp32")
 
 
 # ---- multi-process helpers (gloo on CPU) --------------------------------------------------
+
 
 def spawn(fn: Callable, world_size: int, tmp: Path, *args) -> list:
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks (separate processes, the

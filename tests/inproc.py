@@ -53,7 +53,7 @@ def rayft_in_process(*args: str, env: Optional[dict] = None, cwd: Path = ROOT) -
         os.chdir(cwd)
         try:
             code = main(list(args))
-        except SystemExit as e:                      # as the interpreter turns it into an exit status
+        except SystemExit as e:  # as the interpreter turns it into an exit status
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
             if isinstance(e.code, str):
                 print(e.code, file=err)

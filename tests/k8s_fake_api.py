@@ -34,7 +34,7 @@ import yaml
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds"
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
-K8S_VALIDATE_OLDEST = "1.33.0"   # plus the newest schema the installed kubernetes-validate ships
+K8S_VALIDATE_OLDEST = "1.33.0"  # plus the newest schema the installed kubernetes-validate ships
 
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 OBJECT_META = {
@@ -78,8 +78,11 @@ def strictify(node: Any) -> Any:
             out[k] = [strictify(s) for s in v]
         else:
             out[k] = v
-    if "properties" in out and "additionalProperties" not in out \
-            and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -112,8 +115,11 @@ def strict_crd_validator(kind: str) -> Callable[[dict], list[str]]:
     v = _validators[kind]
 
     def errors(obj: dict) -> list[str]:
-        return [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
-                for e in sorted(v.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
+        return [
+            f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+            for e in sorted(v.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))
+        ]
+
     return errors
 
 
@@ -134,9 +140,18 @@ def k8s_validate_errors(obj: dict) -> Optional[list[str]]:
 
 # ---- the fake API server -------------------------------------------------------------------------
 
+
 def _status(code: int, reason: str, message: str, **details) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "details": details, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "details": details,
+        "code": code,
+    }
 
 
 def _ok_status() -> dict:
@@ -158,20 +173,21 @@ class FakeKubeAPI:
 
     QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
-    def __init__(self, transitions=None, validate_rayjob: Optional[Callable[[dict], list[str]]] = None,
-                 kueue: bool = False):
+    def __init__(
+        self, transitions=None, validate_rayjob: Optional[Callable[[dict], list[str]]] = None, kueue: bool = False
+    ):
         self.transitions = list(transitions or self.DEFAULT_TRANSITIONS)
         self.validate_rayjob = validate_rayjob
         self.kueue = kueue
-        self.ended: dict[tuple[str, str], dict] = {}      # a status `finish` pinned
+        self.ended: dict[tuple[str, str], dict] = {}  # a status `finish` pinned
         self.configmaps: dict[tuple[str, str], dict] = {}
         self.rayjobs: dict[tuple[str, str], dict] = {}
         self.pdbs: dict[tuple[str, str], dict] = {}
         self.gets: dict[tuple[str, str], int] = {}
         self.pods: dict[tuple[str, str], dict] = {}
         self.logs: dict[tuple[str, str], str] = {}
-        self.requests: list[tuple[str, str, int]] = []     # (method, path, response code)
-        self.request_names: list[str] = []                 # the object each request named (POST: the body's)
+        self.requests: list[tuple[str, str, int]] = []  # (method, path, response code)
+        self.request_names: list[str] = []  # the object each request named (POST: the body's)
         self.lock = threading.Lock()
         fake = self
 
@@ -232,10 +248,18 @@ class FakeKubeAPI:
         cfg = client.Configuration(host=self.url)
         return client.ApiClient(cfg)
 
-    def add_pod(self, ns: str, name: str, labels: dict, log: str, created: str = "2026-01-01T00:00:00Z",
-                container: str = "ray-job-submitter") -> None:
+    def add_pod(
+        self,
+        ns: str,
+        name: str,
+        labels: dict,
+        log: str,
+        created: str = "2026-01-01T00:00:00Z",
+        container: str = "ray-job-submitter",
+    ) -> None:
         self.pods[(ns, name)] = {
-            "apiVersion": "v1", "kind": "Pod",
+            "apiVersion": "v1",
+            "kind": "Pod",
             "metadata": {"name": name, "namespace": ns, "labels": labels, "creationTimestamp": created},
             "spec": {"containers": [{"name": container, "image": "rayproject/ray:2.60.0-py311"}]},
             "status": {"phase": "Running"},
@@ -249,20 +273,34 @@ class FakeKubeAPI:
             self.rayjobs[(ns, name)]["spec"]["suspend"] = False
             self.gets[(ns, name)] = 0
 
-    def finish(self, ns: str, name: str, deployment: str = "Failed", job_status: str = "FAILED",
-               message: str = "", log: Optional[str] = None) -> None:
+    def finish(
+        self,
+        ns: str,
+        name: str,
+        deployment: str = "Failed",
+        job_status: str = "FAILED",
+        message: str = "",
+        log: Optional[str] = None,
+    ) -> None:
         """End the RayJob: every GET from now on shows this status; `log` becomes its submitter
         pod's log (where `rayft logs` and the queue driver read a failure's cause)."""
         with self.lock:
-            self.ended[(ns, name)] = {"jobDeploymentStatus": deployment, "jobStatus": job_status,
-                                      "message": message, "rayClusterName": f"{name}-abcde"}
+            self.ended[(ns, name)] = {
+                "jobDeploymentStatus": deployment,
+                "jobStatus": job_status,
+                "message": message,
+                "rayClusterName": f"{name}-abcde",
+            }
         if log is not None:
             self.add_pod(ns, f"{name}-submit", {"batch.kubernetes.io/job-name": name}, log)
 
     def created(self, ns: str = "rayft") -> list[str]:
         """Names of the RayJobs created (201), in order: a duplicate create is a 409, not here."""
-        return [n for (m, p, c), n in zip(self.requests, self.request_names)
-                if m == "POST" and c == 201 and p == f"/apis/ray.io/v1/namespaces/{ns}/rayjobs"]
+        return [
+            n
+            for (m, p, c), n in zip(self.requests, self.request_names)
+            if m == "POST" and c == 201 and p == f"/apis/ray.io/v1/namespaces/{ns}/rayjobs"
+        ]
 
     # -- routing --
     CM = re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps(?:/([^/]+))?$")
@@ -273,8 +311,11 @@ class FakeKubeAPI:
     def handle(self, h, method: str) -> None:
         url = urlparse(h.path)
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
-        for pattern, store, kind in ((self.CM, self.configmaps, "ConfigMap"), (self.RJ, self.rayjobs, "RayJob"),
-                                     (self.PDB, self.pdbs, "PodDisruptionBudget")):
+        for pattern, store, kind in (
+            (self.CM, self.configmaps, "ConfigMap"),
+            (self.RJ, self.rayjobs, "RayJob"),
+            (self.PDB, self.pdbs, "PodDisruptionBudget"),
+        ):
             m = pattern.match(url.path)
             if m:
                 return self._objects(h, method, m.group(1), m.group(2), store, kind, query)
@@ -282,15 +323,18 @@ class FakeKubeAPI:
         if m and method == "GET":
             ns, name, log = m.groups()
             if name is None:
-                items = [p for (pns, _), p in self.pods.items()
-                         if pns == ns and _match(p["metadata"]["labels"], query.get("labelSelector", ""))]
+                items = [
+                    p
+                    for (pns, _), p in self.pods.items()
+                    if pns == ns and _match(p["metadata"]["labels"], query.get("labelSelector", ""))
+                ]
                 return h._send(200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items})
             if (ns, name) not in self.pods:
                 return h._send(404, _status(404, "NotFound", f'pods "{name}" not found', name=name, kind="pods"))
             if log:
                 text = self.logs[(ns, name)]
                 if query.get("tailLines"):
-                    text = "".join(text.splitlines(True)[-int(query["tailLines"]):])
+                    text = "".join(text.splitlines(True)[-int(query["tailLines"]) :])
                 return h._send(200, text, "text/plain")
             return h._send(200, self.pods[(ns, name)])
         return h._send(404, _status(404, "NotFound", f"no route for {method} {url.path}"))
@@ -301,25 +345,45 @@ class FakeKubeAPI:
             body = h._body()
             errs = self._validate(kind, body)
             if errs:
-                return h._send(422, _status(422, "Invalid", f"{kind} is invalid: " + "; ".join(errs),
-                                            kind=kind, name=(body.get("metadata") or {}).get("name")))
+                return h._send(
+                    422,
+                    _status(
+                        422,
+                        "Invalid",
+                        f"{kind} is invalid: " + "; ".join(errs),
+                        kind=kind,
+                        name=(body.get("metadata") or {}).get("name"),
+                    ),
+                )
             name = body["metadata"]["name"]
             h.object_name = name
             if (ns, name) in store:
-                return h._send(409, _status(409, "AlreadyExists", f'{plural} "{name}" already exists',
-                                            name=name, kind=plural))
+                return h._send(
+                    409, _status(409, "AlreadyExists", f'{plural} "{name}" already exists', name=name, kind=plural)
+                )
             obj = copy.deepcopy(body)
-            obj["metadata"].update(namespace=ns, uid=str(uuid.uuid4()), resourceVersion="1",
-                                   creationTimestamp="2026-01-01T00:00:00Z")
+            obj["metadata"].update(
+                namespace=ns, uid=str(uuid.uuid4()), resourceVersion="1", creationTimestamp="2026-01-01T00:00:00Z"
+            )
             if kind == "RayJob" and self.kueue and (obj["metadata"].get("labels") or {}).get(self.QUEUE_LABEL):
-                obj["spec"]["suspend"] = True             # Kueue's webhook: held until admitted
+                obj["spec"]["suspend"] = True  # Kueue's webhook: held until admitted
             store[(ns, name)] = obj
             return h._send(201, obj)
         if method == "GET" and name is None:
-            items = [self._with_status(kind, ons, oname, o, advance=False) for (ons, oname), o in store.items()
-                     if ons == ns and _match(o["metadata"].get("labels") or {}, query.get("labelSelector", ""))]
-            return h._send(200, {"apiVersion": {"ConfigMap": "v1", "RayJob": "ray.io/v1"}.get(kind, "policy/v1"),
-                                 "kind": f"{kind}List", "metadata": {}, "items": items})
+            items = [
+                self._with_status(kind, ons, oname, o, advance=False)
+                for (ons, oname), o in store.items()
+                if ons == ns and _match(o["metadata"].get("labels") or {}, query.get("labelSelector", ""))
+            ]
+            return h._send(
+                200,
+                {
+                    "apiVersion": {"ConfigMap": "v1", "RayJob": "ray.io/v1"}.get(kind, "policy/v1"),
+                    "kind": f"{kind}List",
+                    "metadata": {},
+                    "items": items,
+                },
+            )
         if (ns, name) not in store:
             return h._send(404, _status(404, "NotFound", f'{plural} "{name}" not found', name=name, kind=plural))
         obj = store[(ns, name)]
@@ -356,7 +420,7 @@ class FakeKubeAPI:
         self.gets[(ns, name)] = n
         obj = copy.deepcopy(obj)
         if n == 0:
-            return obj                                    # not reconciled yet: no status
+            return obj  # not reconciled yet: no status
         ds, js = self.transitions[min(n, len(self.transitions)) - 1]
         obj["status"] = {"jobDeploymentStatus": ds, "rayClusterName": f"{name}-abcde"}
         if js:

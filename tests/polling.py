@@ -11,8 +11,13 @@ from typing import Callable, Optional, TypeVar, Union
 T = TypeVar("T")
 
 
-def wait_until(ready: Callable[[], T], timeout_s: float, what: Union[str, Callable[[], str]],
-               every_s: float = 0.5, proc: Optional[subprocess.Popen] = None) -> T:
+def wait_until(
+    ready: Callable[[], T],
+    timeout_s: float,
+    what: Union[str, Callable[[], str]],
+    every_s: float = 0.5,
+    proc: Optional[subprocess.Popen] = None,
+) -> T:
     """Poll `ready()` every `every_s` until it returns something true, and return that. Fails
     (AssertionError naming `what`, or what `what()` says then) after `timeout_s`, or as soon as
     `proc` (the process under test, when given) has exited: then with the tail of its output."""
@@ -23,8 +28,9 @@ def wait_until(ready: Callable[[], T], timeout_s: float, what: Union[str, Callab
             return got
         if proc is not None and proc.poll() is not None:
             out = proc.communicate()
-            raise AssertionError(f"exited with {proc.returncode} before {_said(what)}:\n"
-                                 + "".join(x or "" for x in out)[-3000:])
+            raise AssertionError(
+                f"exited with {proc.returncode} before {_said(what)}:\n" + "".join(x or "" for x in out)[-3000:]
+            )
         assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting until {_said(what)}"
         time.sleep(every_s)  # the pause between two looks at the condition
 
@@ -38,9 +44,9 @@ def group_alive(pgid: int) -> list[str]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()   # state, ppid, pgrp, ...
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
         except (OSError, IndexError):
-            continue                                              # it just exited
+            continue  # it just exited
         if int(fields[2]) == pgid and fields[0] != "Z":
             out.append(stat.parent.name)
     return out

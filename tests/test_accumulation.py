@@ -13,8 +13,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradtools import (accumulated_grads, build_engine, grads, reference_grads, rel_err, sgd_update, spawn,
-                       tiny_spec, window_inputs)
+from gradtools import (
+    accumulated_grads,
+    build_engine,
+    grads,
+    reference_grads,
+    rel_err,
+    sgd_update,
+    spawn,
+    tiny_spec,
+    window_inputs,
+)
 from jobs.loop import train_window
 
 # (workers, micro_batch_size) for global batch 8 -> N = 8 / (W * m)

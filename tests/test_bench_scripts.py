@@ -20,13 +20,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ROW_KEYS = {"shape", "budget_gib", "loop", "micro_batch_size", "grad_accum_steps", "global_batch_size",
-            "gradient_checkpointing", "tok_s", "model_tflops", "peak_alloc_gib", "estimate_gib"}
+ROW_KEYS = {
+    "shape",
+    "budget_gib",
+    "loop",
+    "micro_batch_size",
+    "grad_accum_steps",
+    "global_batch_size",
+    "gradient_checkpointing",
+    "tok_s",
+    "model_tflops",
+    "peak_alloc_gib",
+    "estimate_gib",
+}
 
 
 def _run(script: str, *args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -163,10 +180,21 @@ def test_gpu_all_runs_both_gpu_benchmarks_in_one_call(tmp_path):
     files, the logs and the versions it ran with. It is also CI's one dry run of each GPU script:
     bench/gpu_compare.py's result is checked in full (_check_gpu_compare_dry_run), with two
     out-of-memory failures simulated."""
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_all.sh"), str(tmp_path)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1", "MEM_S": "120",
-                               "CMP_S": "450", "GPU_COMPARE_FAKE_OOM": "hf:8:0,rayft:8:0"})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_all.sh"), str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "PYTHON": sys.executable,
+            "DRY_RUN": "1",
+            "MEM_S": "120",
+            "CMP_S": "450",
+            "GPU_COMPARE_FAKE_OOM": "hf:8:0,rayft:8:0",
+        },
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     names = {p.name for p in tmp_path.iterdir()}
     assert {"versions.txt", "gpu_memory.log", "gpu_compare.log"} <= names
@@ -176,7 +204,10 @@ def test_gpu_all_runs_both_gpu_benchmarks_in_one_call(tmp_path):
     compare = json.loads(compare_file.read_text())
     # the QLoRA row comes last, only when the time limit leaves room for it (CMP_S here does: it is
     # asserted by the full check below)
-    assert {"rayft", "hf", "rayft-compile"} <= {r["loop"] for r in compare["rows"]} <= {
-        "rayft", "hf", "rayft-compile", "rayft-qlora"}
+    assert (
+        {"rayft", "hf", "rayft-compile"}
+        <= {r["loop"] for r in compare["rows"]}
+        <= {"rayft", "hf", "rayft-compile", "rayft-qlora"}
+    )
     assert "gpu_memory exit 0, gpu_compare exit 0" in proc.stdout
     _check_gpu_compare_dry_run([p for p in tmp_path.glob("*.json") if p != memory_file], proc.stdout)

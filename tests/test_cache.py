@@ -26,6 +26,7 @@ CONDITION_TIMEOUT_S = 60.0
 
 # ---- several plain processes -----------------------------------------------------------------
 
+
 class _MarkWaiting(logging.Handler):
     """Turns build_once's "waiting for another process" warning into a file the builder can see."""
 
@@ -46,9 +47,12 @@ def _slow_build(tmp: Path, marks: Path, counter: Path) -> None:
     with open(counter, "a") as f:
         f.write(f"{os.getpid()}\n")
     (marks / f"build-{os.getpid()}").write_text("")
-    wait_until(lambda: len(list(marks.iterdir())) >= N_PROCS, CONDITION_TIMEOUT_S,
-               lambda: f"all {N_PROCS} processes build or wait (marks: {sorted(p.name for p in marks.iterdir())})",
-               every_s=0.01)
+    wait_until(
+        lambda: len(list(marks.iterdir())) >= N_PROCS,
+        CONDITION_TIMEOUT_S,
+        lambda: f"all {N_PROCS} processes build or wait (marks: {sorted(p.name for p in marks.iterdir())})",
+        every_s=0.01,
+    )
     for i in range(20):  # a cache of several files: a half-published one would be visible
         (tmp / f"part-{i}.bin").write_bytes(os.urandom(4096))
     (tmp / "complete").write_text("yes")
@@ -133,6 +137,7 @@ def test_losing_the_rename_to_an_unlocked_builder_uses_the_winners_copy(tmp_path
 
 # ---- the real thing: two Ray workers, an empty cache -------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_two_ray_workers_on_an_empty_cache_dequantize_once_then_eval_uses_it(tmp_path):
@@ -146,9 +151,18 @@ def test_two_ray_workers_on_an_empty_cache_dequantize_once_then_eval_uses_it(tmp
     env = dict(os.environ, RAYFT_CACHE=str(cache), HOME=str(home))
     env.pop("RAY_ADDRESS", None)
     # One optimizer step of 4 sequences (2 workers x 2): the run is the model load.
-    run = [str(BIN / "rayft"), "run", "examples/smollm2-lora.yaml", "run.max_steps=1", "run.eval_every=0",
-           "run.checkpoint_every=1", f"run.output_dir={out}", "data.eval_path=null",
-           "batch.global_batch_size=4", "batch.micro_batch_size=2"]
+    run = [
+        str(BIN / "rayft"),
+        "run",
+        "examples/smollm2-lora.yaml",
+        "run.max_steps=1",
+        "run.eval_every=0",
+        "run.checkpoint_every=1",
+        f"run.output_dir={out}",
+        "data.eval_path=null",
+        "batch.global_batch_size=4",
+        "batch.micro_batch_size=2",
+    ]
     p = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     assert (out / "adapter" / "adapter_config.json").exists()
@@ -165,9 +179,22 @@ def test_two_ray_workers_on_an_empty_cache_dequantize_once_then_eval_uses_it(tmp
     # Two held-out prompts, a few tokens each: the command's path, not the README's numbers.
     held_out = tmp_path / "eval.jsonl"
     held_out.write_text("".join((ROOT / "examples/data/capitals-eval.jsonl").read_text().splitlines(True)[:2]))
-    e = subprocess.run([str(BIN / "rayft"), "eval", "examples/smollm2-lora.yaml", f"run.output_dir={out}",
-                        f"data.eval_path={held_out}", "--max-new-tokens", "4"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    e = subprocess.run(
+        [
+            str(BIN / "rayft"),
+            "eval",
+            "examples/smollm2-lora.yaml",
+            f"run.output_dir={out}",
+            f"data.eval_path={held_out}",
+            "--max-new-tokens",
+            "4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert e.returncode == 0, e.stderr[-4000:]
     result = json.loads((out / "eval.json").read_text())
     assert result["records"] == 2 and {"base_exact_match", "adapter_exact_match"} <= result.keys()

@@ -19,9 +19,13 @@ LLAMA3 = (
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
-CONVO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-         {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more?"},
-         {"role": "assistant", "content": "ok"}]
+CONVO = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "more?"},
+    {"role": "assistant", "content": "ok"},
+]
 
 
 def B(s: str) -> list[int]:
@@ -48,18 +52,32 @@ def got(tok, records, max_seq_len=10_000, train_on="assistant"):
 
 
 def tiny_parts(train_last_only=False):
-    return [([BOS], False), (B("<|system|>\nBe brief.") + [EOS], False), (B("<|user|>\nhi") + [EOS], False),
-            (B("<|assistant|>\n"), False), (B("yo") + [EOS], not train_last_only),
-            (B("<|user|>\nmore?") + [EOS], False), (B("<|assistant|>\n"), False), (B("ok") + [EOS], True)]
+    return [
+        ([BOS], False),
+        (B("<|system|>\nBe brief.") + [EOS], False),
+        (B("<|user|>\nhi") + [EOS], False),
+        (B("<|assistant|>\n"), False),
+        (B("yo") + [EOS], not train_last_only),
+        (B("<|user|>\nmore?") + [EOS], False),
+        (B("<|assistant|>\n"), False),
+        (B("ok") + [EOS], True),
+    ]
 
 
 def llama3_parts(train_last_only=False):
     def head(role):
         return B(f"<|start_header_id|>{role}<|end_header_id|>\n\n")
 
-    return [([BOS], False), (head("system") + B("Be brief.<|eot_id|>"), False), (head("user") + B("hi<|eot_id|>"), False),
-            (head("assistant"), False), (B("yo<|eot_id|>"), not train_last_only),
-            (head("user") + B("more?<|eot_id|>"), False), (head("assistant"), False), (B("ok<|eot_id|>"), True)]
+    return [
+        ([BOS], False),
+        (head("system") + B("Be brief.<|eot_id|>"), False),
+        (head("user") + B("hi<|eot_id|>"), False),
+        (head("assistant"), False),
+        (B("yo<|eot_id|>"), not train_last_only),
+        (head("user") + B("more?<|eot_id|>"), False),
+        (head("assistant"), False),
+        (B("ok<|eot_id|>"), True),
+    ]
 
 
 @pytest.mark.parametrize("template,parts", [(None, tiny_parts), (LLAMA3, llama3_parts)], ids=["built-in", "llama3"])
@@ -87,28 +105,37 @@ def test_eval_prompts_are_the_training_prefix():
         tok = tok_with(template)
         ids, targets = got(tok, [{"messages": CONVO[:3]}])[0]
         first_label = next(i for i, t in enumerate(targets) if t != IGNORE)
-        assert chat_prompt_ids(tok, CONVO[:2]) == list(ids[:first_label + 1])
+        assert chat_prompt_ids(tok, CONVO[:2]) == list(ids[: first_label + 1])
 
 
 def test_a_template_that_is_not_prefix_stable_is_refused():
-    tok = tok_with("{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['role'] + ':' + m['content'] }}"
-                   "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    tok = tok_with(
+        "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['role'] + ':' + m['content'] }}"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     with pytest.raises(SpecError) as e:
         tokenize([{"messages": CONVO}], tok, 256, "assistant", "my/model")
     assert "my/model" in str(e.value) and "prefix-stable" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("messages,needle", [
-    ([{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}], "unknown role 'bot'"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}], '"content" must be a string'),
-    ([{"role": "user", "content": "q"}], "without an assistant turn"),
-    ("not a list", '"messages" must be a non-empty list'),
-    ([{"role": "user"}], 'must be an object with "role" and "content"'),
-])
+@pytest.mark.parametrize(
+    "messages,needle",
+    [
+        ([{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}], "unknown role 'bot'"),
+        ([{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}], '"content" must be a string'),
+        ([{"role": "user", "content": "q"}], "without an assistant turn"),
+        ("not a list", '"messages" must be a non-empty list'),
+        ([{"role": "user"}], 'must be an object with "role" and "content"'),
+    ],
+)
 def test_bad_conversations_are_one_line(tmp_path, messages, needle):
     p = tmp_path / "c.jsonl"
-    p.write_text(json.dumps({"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "k"}]})
-                 + "\n" + json.dumps({"messages": messages}) + "\n")
+    p.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "k"}]})
+        + "\n"
+        + json.dumps({"messages": messages})
+        + "\n"
+    )
     with pytest.raises(SpecError) as e:
         read_jsonl(str(p))
     assert needle in str(e.value) and "c.jsonl line 2" in str(e.value) and "\n" not in str(e.value)
@@ -129,9 +156,14 @@ def test_rayft_eval_prompts_chat_records_through_the_template(tmp_path, monkeypa
     from jobs.spec import load_spec
 
     held = tmp_path / "eval.jsonl"
-    held.write_text("".join(json.dumps({"messages": CONVO[:3 + 2 * k]}) + "\n" for k in range(2)))
-    spec = load_spec(data={"name": "chat-eval", "data": {"path": str(held), "eval_path": str(held)},
-                           "run": {"output_dir": str(tmp_path / "out")}})
+    held.write_text("".join(json.dumps({"messages": CONVO[: 3 + 2 * k]}) + "\n" for k in range(2)))
+    spec = load_spec(
+        data={
+            "name": "chat-eval",
+            "data": {"path": str(held), "eval_path": str(held)},
+            "run": {"output_dir": str(tmp_path / "out")},
+        }
+    )
     seen = []
 
     def fake_generate(model, tok, prompts, max_new_tokens, batch_size=8):
@@ -143,7 +175,8 @@ def test_rayft_eval_prompts_chat_records_through_the_template(tmp_path, monkeypa
     tok = byte_tokenizer()
     assert seen == [chat_prompt_ids(tok, CONVO[:2]), chat_prompt_ids(tok, CONVO[:4])]
     assert seen[1] == [BOS] + B("<|system|>\nBe brief.") + [EOS] + B("<|user|>\nhi") + [EOS] + B(
-        "<|assistant|>\nyo") + [EOS] + B("<|user|>\nmore?") + [EOS] + B("<|assistant|>\n")
+        "<|assistant|>\nyo"
+    ) + [EOS] + B("<|user|>\nmore?") + [EOS] + B("<|assistant|>\n")
     assert result["records"] == 2 and result["base_exact_match"] == 0.5  # "yo" right, "nope" != "ok"
 
 
@@ -162,7 +195,9 @@ def test_the_tiny_chat_example_trains_on_exactly_its_assistant_turns(tmp_path):
     root = Path(__file__).resolve().parents[1]
     example = str(root / "examples" / "tiny-chat.yaml")
     spec = load_spec(example, [f"run.output_dir={tmp_path / 'out'}", "data.eval_fraction=0"], files=False)
-    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"path": [str(root / p) for p in spec.data.path]})})
+    spec = spec.model_copy(
+        update={"data": spec.data.model_copy(update={"path": [str(root / p) for p in spec.data.path]})}
+    )
     data = load_dataset(spec, byte_tokenizer())
     records = read_jsonl(spec.data.path[0])
     assert len(data.train) == len(records) == 64
@@ -171,7 +206,9 @@ def test_the_tiny_chat_example_trains_on_exactly_its_assistant_turns(tmp_path):
         assert [t for t in ex.targets if t != IGNORE] == B(answers[0]) + [EOS] + B(answers[1]) + [EOS]
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = finetune_main([example, f"run.output_dir={tmp_path / 'run'}", "run.max_steps=2", "run.eval_every=2", "--local"])
+        rc = finetune_main(
+            [example, f"run.output_dir={tmp_path / 'run'}", "run.max_steps=2", "run.eval_every=2", "--local"]
+        )
     assert rc == 0, err.getvalue()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["dropped_records"] == 0

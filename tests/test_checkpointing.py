@@ -79,7 +79,9 @@ def test_auto_checkpointing_picks_the_sparsest_layers_that_fit():
     spec = tiny_spec("batch.micro_batch_size=8", "memory.gradient_checkpointing=auto")
 
     def gib(on: bool, every: int = 1) -> float:
-        return estimate_for_spec(spec, gradient_checkpointing=on, device="cpu", checkpoint_every_n_layers=every).total_gib
+        return estimate_for_spec(
+            spec, gradient_checkpointing=on, device="cpu", checkpoint_every_n_layers=every
+        ).total_gib
 
     off, every2, every1 = gib(False), gib(True, 2), gib(True, 1)
     assert off > every2 > every1  # tiny-llama has 2 layers: every 2nd = only the first

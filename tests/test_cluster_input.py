@@ -19,7 +19,7 @@ from orchestrator.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = "examples/tiny-lora.yaml"
-FAKE_GH = "ghp_" + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJ"      # GitHub-token-shaped, not a real one
+FAKE_GH = "ghp_" + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJ"  # GitHub-token-shaped, not a real one
 
 
 class SilentServer:
@@ -47,7 +47,7 @@ class SilentServer:
             except socket.timeout:
                 continue
             self.accepted_at.append(time.monotonic())
-            self._held.append(conn)                 # held open, never read from, never answered
+            self._held.append(conn)  # held open, never read from, never answered
         for c in self._held:
             c.close()
         self.sock.close()
@@ -90,6 +90,7 @@ def clean_env(monkeypatch):
 
 # ---- 1. timeouts on every network call, addresses checked up front ---------------------------
 
+
 def test_submit_to_a_server_that_never_answers_ends_after_the_timeout(capsys, clean_env):
     with SilentServer() as srv:
         code, err = run_cli(capsys, "submit", SPEC, "--address", srv.url, "--timeout-s", "2")
@@ -119,14 +120,17 @@ def test_the_timeout_comes_from_the_environment_and_is_validated(capsys, clean_e
     assert code == 2 and "--timeout-s" in one_line(err), err
 
 
-@pytest.mark.parametrize("address,says", [
-    ("http://127.0.0.1:99999", "port"),
-    ("http://127.0.0.1:0", "port"),
-    ("http://127.0.0.1:http", "port"),
-    ("ftp://127.0.0.1:8265", "http://"),
-    ("http://:8265", "host"),
-    ("http://exa mple:8265", "host"),
-])
+@pytest.mark.parametrize(
+    "address,says",
+    [
+        ("http://127.0.0.1:99999", "port"),
+        ("http://127.0.0.1:0", "port"),
+        ("http://127.0.0.1:http", "port"),
+        ("ftp://127.0.0.1:8265", "http://"),
+        ("http://:8265", "host"),
+        ("http://exa mple:8265", "host"),
+    ],
+)
 def test_an_address_that_cannot_be_one_is_refused_before_any_request(capsys, clean_env, address, says):
     code, err = run_cli(capsys, "status", "x", "--address", address)
     line = one_line(err)
@@ -164,6 +168,7 @@ def test_kubernetes_api_calls_time_out_and_name_the_server():
 
 # ---- 3. what reaches rendered manifests outside the spec ------------------------------------
 
+
 @pytest.mark.parametrize("flag,value", [("--image", f"ghcr.io/x/rayft:{FAKE_GH}"), ("--queue", FAKE_GH)])
 def test_a_credential_caught_in_render_is_one_line(capsys, clean_env, flag, value):
     code, err = run_cli(capsys, "k8s", "render", SPEC, flag, value)
@@ -171,22 +176,23 @@ def test_a_credential_caught_in_render_is_one_line(capsys, clean_env, flag, valu
     line = one_line(err)
     assert code == 2, err
     assert "policy" in line and "credential" in line, line
-    assert FAKE_GH not in line and FAKE_GH not in out       # the token is not printed back
-    assert "kind: RayJob" not in out                        # nothing rendered
+    assert FAKE_GH not in line and FAKE_GH not in out  # the token is not printed back
+    assert "kind: RayJob" not in out  # nothing rendered
 
 
 def test_submit_to_kuberay_refuses_a_policy_violation_in_one_line(capsys, clean_env):
     """`rayft submit --backend kuberay` renders the same manifests; a violation there is refused
     before the Kubernetes API is contacted (--dry-run: none is configured here)."""
-    code, err = run_cli(capsys, "submit", SPEC, "--backend", "kuberay", "--dry-run", "--image",
-                        f"registry.example/rayft:{FAKE_GH}")
+    code, err = run_cli(
+        capsys, "submit", SPEC, "--backend", "kuberay", "--dry-run", "--image", f"registry.example/rayft:{FAKE_GH}"
+    )
     line = one_line(err)
     assert code == 2 and "policy" in line and FAKE_GH not in line, err
 
 
 # ---- 2. the queue database ------------------------------------------------------------------
 
-FAKE_HF = "hf_" + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJK"       # Hugging-Face-token-shaped, not a real one
+FAKE_HF = "hf_" + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJK"  # Hugging-Face-token-shaped, not a real one
 
 
 def db_bytes(db: Path) -> bytes:
@@ -206,9 +212,9 @@ def test_queue_add_refuses_a_credential_and_stores_nothing(capsys, clean_env, tm
     db = tmp_path / "queue.db"
     code, err = run_cli(capsys, "queue", "add", SPEC, "--db", str(db), f"run.env.AUTH=Bearer {FAKE_HF}")
     assert code == 2 and "secret" in one_line(err) and FAKE_HF not in err, err
-    assert not db.exists()                              # refused before the queue was opened
+    assert not db.exists()  # refused before the queue was opened
     assert run_cli(capsys, "queue", "add", SPEC, "--db", str(db))[0] == 0
-    spec = tmp_path / "leaky.yaml"                      # in a spec file, where a variable name belongs
+    spec = tmp_path / "leaky.yaml"  # in a spec file, where a variable name belongs
     spec.write_text((ROOT / SPEC).read_text().replace("model:\n", f"model:\n  hf_token_env: {FAKE_HF}\n", 1))
     code, err = run_cli(capsys, "queue", "add", str(spec), "--db", str(db), "--working-dir", str(ROOT))
     assert code == 2 and FAKE_HF not in err, err
@@ -217,12 +223,15 @@ def test_queue_add_refuses_a_credential_and_stores_nothing(capsys, clean_env, tm
     assert FAKE_HF.encode() not in db_bytes(db) and FAKE_HF[3:].encode() not in db_bytes(db)
 
 
-@pytest.mark.parametrize("argv,says", [
-    (["add", SPEC, "--max-retries", "-5"], "--max-retries"),
-    (["run", "--poll", "-1", "--address", "http://127.0.0.1:1"], "--poll"),
-    (["run", "--poll", "nan", "--address", "http://127.0.0.1:1"], "--poll"),
-    (["run", "--backoff", "inf", "--address", "http://127.0.0.1:1"], "--backoff"),
-])
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["add", SPEC, "--max-retries", "-5"], "--max-retries"),
+        (["run", "--poll", "-1", "--address", "http://127.0.0.1:1"], "--poll"),
+        (["run", "--poll", "nan", "--address", "http://127.0.0.1:1"], "--poll"),
+        (["run", "--backoff", "inf", "--address", "http://127.0.0.1:1"], "--backoff"),
+    ],
+)
 def test_queue_arguments_out_of_range_are_refused(capsys, clean_env, tmp_path, argv, says):
     db = tmp_path / "queue.db"
     code, err = run_cli(capsys, "queue", *argv, "--db", str(db))
@@ -230,17 +239,20 @@ def test_queue_arguments_out_of_range_are_refused(capsys, clean_env, tmp_path, a
     assert not db.exists()
 
 
-@pytest.mark.parametrize("content", [
-    pytest.param(lambda good: os.urandom(4096), id="garbage"),
-    pytest.param(lambda good: good[:9000], id="truncated"),
-    pytest.param(lambda good: good[:4096] + bytes(len(good) - 4096), id="zeroed-pages"),
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param(lambda good: os.urandom(4096), id="garbage"),
+        pytest.param(lambda good: good[:9000], id="truncated"),
+        pytest.param(lambda good: good[:4096] + bytes(len(good) - 4096), id="zeroed-pages"),
+    ],
+)
 def test_a_corrupt_queue_db_is_reported_and_never_written(capsys, clean_env, tmp_path, content):
     import sqlite3
 
     good = tmp_path / "good.db"
     assert run_cli(capsys, "queue", "add", SPEC, "--db", str(good))[0] == 0
-    with contextlib.closing(sqlite3.connect(good)) as c:     # everything in the main file, none in the WAL
+    with contextlib.closing(sqlite3.connect(good)) as c:  # everything in the main file, none in the WAL
         c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert good.stat().st_size > 9000
     db = tmp_path / "queue.db"
@@ -279,30 +291,48 @@ def test_queue_status_reads_a_db_this_user_cannot_write(tmp_path):
         db = d / "queue.db"
         env = {k: v for k, v in os.environ.items() if k != "RAYFT_QUEUE_DB"}
         rayft = str(Path(sys.executable).parent / "rayft")
-        r = subprocess.run([rayft, "queue", "add", SPEC, "--db", str(db)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [rayft, "queue", "add", SPEC, "--db", str(db)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         before = sorted(p.name for p in d.iterdir()), db.read_bytes()
         db.chmod(0o444)
         d.chmod(0o555)
         top.chmod(0o755)
         as_user: list[str] = []
-        if os.geteuid() == 0:                        # as nobody: the file is not theirs to write
+        if os.geteuid() == 0:  # as nobody: the file is not theirs to write
             import shutil
 
             if not shutil.which("setpriv"):
                 pytest.skip("running as root without setpriv: permissions cannot make a file read-only")
             as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
         env["HOME"] = str(top)
-        r = subprocess.run([*as_user, rayft, "queue", "status", "--db", str(db), "--json"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [*as_user, rayft, "queue", "status", "--db", str(db), "--json"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         import json
 
         rows = json.loads(r.stdout)
         assert [row["name"] for row in rows] == ["tiny-lora"] and rows[0]["state"] == "QUEUED"
-        r = subprocess.run([*as_user, rayft, "queue", "retry", "1", "--db", str(db)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [*as_user, rayft, "queue", "retry", "1", "--db", str(db)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 2 and "read-only" in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert (sorted(p.name for p in d.iterdir()), db.read_bytes()) == before
     finally:

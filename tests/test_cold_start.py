@@ -45,9 +45,17 @@ def test_tune_example_runs_on_an_empty_home(tmp_path):
     env = dict(os.environ, HOME=str(home), PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     for var in ("RAY_ADDRESS", "RAYFT_CACHE"):
         env.pop(var, None)
-    cmd = [str(BIN / "rayft"), "tune", EXAMPLE, "search.micro_batch_size=[2]", "search.grad_accum_steps=[1]",
-           "search.lr_scaling=[none]", "search.samples_per_trial=16", "search.eval_every_samples=8",
-           f"run.output_dir={out}"]
+    cmd = [
+        str(BIN / "rayft"),
+        "tune",
+        EXAMPLE,
+        "search.micro_batch_size=[2]",
+        "search.grad_accum_steps=[1]",
+        "search.lr_scaling=[none]",
+        "search.samples_per_trial=16",
+        "search.eval_every_samples=8",
+        f"run.output_dir={out}",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     trials = json.loads((out / "results.json").read_text())["trials"]

@@ -22,9 +22,15 @@ def test_compiled_layers_train_like_eager_layers(tmp_path):
     runs = {}
     for compiled in (False, True):
         out = tmp_path / str(compiled)
-        spec = tiny_spec("run.max_steps=3", "optim.lr=0.01", f"run.output_dir={out}", "batch.micro_batch_size=4",
-                         "memory.gradient_checkpointing=true", "data.group_by_length=false",
-                         f"model.compile={str(compiled).lower()}")
+        spec = tiny_spec(
+            "run.max_steps=3",
+            "optim.lr=0.01",
+            f"run.output_dir={out}",
+            "batch.micro_batch_size=4",
+            "memory.gradient_checkpointing=true",
+            "data.group_by_length=false",
+            f"model.compile={str(compiled).lower()}",
+        )
         train(spec, LocalContext(on_progress=lambda r: None), resume=False)
         runs[compiled] = ([r["loss"] for r in read_metrics(out)], final_adapter(out))
         if not compiled:

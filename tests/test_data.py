@@ -72,14 +72,17 @@ def test_example_data_is_strongly_ragged_and_reproducible():
     subprocess.run([sys.executable, str(DATA.parents[1] / "make_data.py"), "--check"], check=True)
 
 
-@pytest.mark.parametrize("line,needle", [
-    ("not json", "line 1: not valid JSON"),
-    ("[1, 2]", "line 1: expected a JSON object"),
-    ('{"foo": 1}', 'line 1: expected {"text"'),
-    ('{"text": 5}', '"text" must be a string'),
-    ('{"prompt": "a"}', 'line 1: expected {"text"'),
-    ('{"prompt": "a", "completion": 3}', "must be strings"),
-])
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ("not json", "line 1: not valid JSON"),
+        ("[1, 2]", "line 1: expected a JSON object"),
+        ('{"foo": 1}', 'line 1: expected {"text"'),
+        ('{"text": 5}', '"text" must be a string'),
+        ('{"prompt": "a"}', 'line 1: expected {"text"'),
+        ('{"prompt": "a", "completion": 3}', "must be strings"),
+    ],
+)
 def test_bad_jsonl_lines_name_file_and_line(tmp_path, line, needle):
     p = tmp_path / "bad.jsonl"
     p.write_text(line + "\n")

@@ -24,8 +24,16 @@ from jobs.spec import load_spec
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "tiny.jsonl"
 DEMO = str(ROOT / "examples" / "tiny-lora.yaml")
-SMALL = ["resources.num_workers=1", "data.max_seq_len=64", "lora.r=4", "lora.alpha=8", "batch.global_batch_size=8",
-         "batch.micro_batch_size=4", "run.eval_every=0", "data.eval_path=null"]
+SMALL = [
+    "resources.num_workers=1",
+    "data.max_seq_len=64",
+    "lora.r=4",
+    "lora.alpha=8",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "run.eval_every=0",
+    "data.eval_path=null",
+]
 
 
 def spec_for(path: Path, out: Path, *extra: str):
@@ -84,7 +92,8 @@ def test_concurrent_loads_build_once(tmp_path, monkeypatch):
     assert len(results) == 3 and len(calls) == 1
     assert len({r.cache_dir for r in results}) == 1
     assert sorted(p.name for p in (tmp_path / ".rayft-data").iterdir()) == sorted(
-        [results[0].cache_dir.name, results[0].cache_dir.name + ".lock"])  # no temporary copy left
+        [results[0].cache_dir.name, results[0].cache_dir.name + ".lock"]
+    )  # no temporary copy left
 
 
 def test_changed_content_under_the_same_path_is_a_new_entry(tmp_path):

@@ -23,9 +23,16 @@ from jobs.outputs import read_metrics
 from jobs.spec import absolutize, load_spec
 
 DEMO = "examples/tiny-lora.yaml"
-SMALL = ["resources.num_workers=1", "batch.global_batch_size=8", "batch.micro_batch_size=4",
-         "memory.gradient_checkpointing=false", "run.eval_every=1", "run.checkpoint_every=1",
-         "run.keep_checkpoints=2", "optim.lr=0.05"]
+SMALL = [
+    "resources.num_workers=1",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "memory.gradient_checkpointing=false",
+    "run.eval_every=1",
+    "run.checkpoint_every=1",
+    "run.keep_checkpoints=2",
+    "optim.lr=0.05",
+]
 
 
 def _spec(out: Path, *extra: str):
@@ -60,8 +67,9 @@ def after_2_steps(tmp_path_factory) -> dict:
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        spec = absolutize(load_spec(DEMO, [s for s in SMALL if "eval_every" not in s] +
-                                    [f"run.output_dir={out}", "run.max_steps=2"]))
+        spec = absolutize(
+            load_spec(DEMO, [s for s in SMALL if "eval_every" not in s] + [f"run.output_dir={out}", "run.max_steps=2"])
+        )
         jobs_loop.train(spec, LocalContext(on_progress=lambda r: None), resume=False)
     finally:
         os.chdir(cwd)
@@ -72,8 +80,9 @@ def test_stops_after_patience_and_ends_with_the_best_adapter(tmp_path, monkeypat
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
     _script(monkeypatch, [3.0, 2.0, 2.5, 2.4, 9.9, 9.9])
-    summary = jobs_loop.train(_spec(out, "run.max_steps=6", "run.early_stopping.patience=2"),
-                              LocalContext(on_progress=lambda r: None))
+    summary = jobs_loop.train(
+        _spec(out, "run.max_steps=6", "run.early_stopping.patience=2"), LocalContext(on_progress=lambda r: None)
+    )
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]  # stopped at the 2nd bad evaluation
     assert summary["best_step"] == 2 and summary["stopped_early_at_step"] == 4
     assert summary["best_eval_loss"] == 2.0
@@ -85,8 +94,10 @@ def test_min_delta_counts_small_improvements_as_none(tmp_path, monkeypatch, afte
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
     _script(monkeypatch, [3.0, 2.0, 1.95, 1.92, 9.9, 9.9])
-    summary = jobs_loop.train(_spec(out, "run.max_steps=6", "run.early_stopping.patience=2",
-                                    "run.early_stopping.min_delta=0.1"), LocalContext(on_progress=lambda r: None))
+    summary = jobs_loop.train(
+        _spec(out, "run.max_steps=6", "run.early_stopping.patience=2", "run.early_stopping.min_delta=0.1"),
+        LocalContext(on_progress=lambda r: None),
+    )
     assert summary["best_step"] == 2 and summary["stopped_early_at_step"] == 4
     assert _same(_adapter(out), after_2_steps)
 
@@ -95,8 +106,9 @@ def test_a_run_that_keeps_improving_runs_to_the_end(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
     _script(monkeypatch, [3.0, 2.0, 1.0])
-    summary = jobs_loop.train(_spec(out, "run.max_steps=3", "run.early_stopping.patience=1"),
-                              LocalContext(on_progress=lambda r: None))
+    summary = jobs_loop.train(
+        _spec(out, "run.max_steps=3", "run.early_stopping.patience=1"), LocalContext(on_progress=lambda r: None)
+    )
     assert summary["best_step"] == 3 and summary["stopped_early_at_step"] is None
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 

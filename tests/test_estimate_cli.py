@@ -78,14 +78,19 @@ def test_json_components_and_pairs_agree_with_jobs_memory(tmp_path, capsys):
 
     # the pairs: every split of 16 over 2 workers, checkpointing off and on, as jobs.memory lists them
     pairs = rep["pairs"]
-    assert [{k: v for k, v in r.items() if k != "estimate_bytes"} for r in pairs] == \
-        memory.feasible_pairs(spec, BUDGET, device="cpu")
+    assert [{k: v for k, v in r.items() if k != "estimate_bytes"} for r in pairs] == memory.feasible_pairs(
+        spec, BUDGET, device="cpu"
+    )
     assert sorted({r["micro_batch_size"] for r in pairs}) == _divisors(8)
     assert len(pairs) == 2 * len(_divisors(8))
     for r in pairs:
         assert r["micro_batch_size"] * r["grad_accum_steps"] * 2 == 16  # multiplies back to the global batch
-        exact = memory.estimate_for_spec(spec, micro_batch_size=r["micro_batch_size"],
-                                         gradient_checkpointing=r["gradient_checkpointing"], device="cpu")
+        exact = memory.estimate_for_spec(
+            spec,
+            micro_batch_size=r["micro_batch_size"],
+            gradient_checkpointing=r["gradient_checkpointing"],
+            device="cpu",
+        )
         assert r["estimate_bytes"] == exact.total_bytes
         assert r["fits"] == (exact.total_gib <= BUDGET)
     fits = {(r["micro_batch_size"], r["gradient_checkpointing"]) for r in pairs if r["fits"]}
@@ -95,8 +100,10 @@ def test_json_components_and_pairs_agree_with_jobs_memory(tmp_path, capsys):
 
 def test_overrides_device_and_search_specs(tmp_path, capsys):
     path = _write(tmp_path, BASE)
-    rep = _json(capsys, ["estimate", str(path), "--json", "batch.global_batch_size=12", "batch.micro_batch_size=2",
-                         "--device", "cuda"])
+    rep = _json(
+        capsys,
+        ["estimate", str(path), "--json", "batch.global_batch_size=12", "batch.micro_batch_size=2", "--device", "cuda"],
+    )
     assert rep["global_batch_size"] == 12 and rep["device"] == "cuda" and rep["precision"] == "bf16"
     assert sorted({r["micro_batch_size"] for r in rep["pairs"]}) == [1, 2, 3, 6]
     assert all(r["micro_batch_size"] * r["grad_accum_steps"] * 2 == 12 for r in rep["pairs"])
@@ -104,8 +111,12 @@ def test_overrides_device_and_search_specs(tmp_path, capsys):
     assert not any(r["fits"] for r in rep["pairs"])  # a few MiB cannot hold a CUDA context
 
     # a search spec: its job part, with search.budget_gib as the budget
-    search = dict(BASE, data=dict(BASE["data"], eval_path=str(DATA)), run={},
-                  search={"grad_accum_steps": [1, 2], "budget_gib": 0.5, "samples_per_trial": 16})
+    search = dict(
+        BASE,
+        data=dict(BASE["data"], eval_path=str(DATA)),
+        run={},
+        search={"grad_accum_steps": [1, 2], "budget_gib": 0.5, "samples_per_trial": 16},
+    )
     rep = _json(capsys, ["estimate", str(_write(tmp_path, search, "search.yaml")), "--json"])
     assert rep["budget_gib"] == 0.5 and all(r["fits"] for r in rep["pairs"])
 
@@ -123,15 +134,18 @@ def test_human_output_has_the_table_the_total_against_the_budget_and_the_pairs(t
     assert "exceeds the budget" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["batch.foo=1"], "batch.foo: unknown key"),
-    (["batch.micro_batch_size=0"], "batch.micro_batch_size: Input should be greater than 0"),
-    (["batch.micro_batch_size=3"], "batch.global_batch_size=16 is not divisible by batch.micro_batch_size=3"),
-    (["lora.target_modules=[attn]"], "lora target modules ['attn'] are not linear layers"),
-    (["model.name=./no-such-model"], "model.name: cannot read the model config"),
-    (["memory.budget_gib=-1"], "memory.budget_gib: Input should be greater than 0"),
-    (["nodots"], "unrecognized arguments: nodots"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["batch.foo=1"], "batch.foo: unknown key"),
+        (["batch.micro_batch_size=0"], "batch.micro_batch_size: Input should be greater than 0"),
+        (["batch.micro_batch_size=3"], "batch.global_batch_size=16 is not divisible by batch.micro_batch_size=3"),
+        (["lora.target_modules=[attn]"], "lora target modules ['attn'] are not linear layers"),
+        (["model.name=./no-such-model"], "model.name: cannot read the model config"),
+        (["memory.budget_gib=-1"], "memory.budget_gib: Input should be greater than 0"),
+        (["nodots"], "unrecognized arguments: nodots"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, fragment):
     path = _write(tmp_path, BASE)
     try:
@@ -156,8 +170,9 @@ def test_packing_is_estimated_as_full_packed_rows(tmp_path, capsys):
     is above the unpacked one by at least that bias, and says which row length it assumed."""
     path = _write(tmp_path, BASE)
     plain = _json(capsys, ["estimate", str(path), "--json", "memory.gradient_checkpointing=false"])
-    packed = _json(capsys, ["estimate", str(path), "--json", "memory.gradient_checkpointing=false",
-                            "data.packing=true"])
+    packed = _json(
+        capsys, ["estimate", str(path), "--json", "memory.gradient_checkpointing=false", "data.packing=true"]
+    )
     spec = load_spec(path)
     S, B = spec.data.max_seq_len, spec.batch.micro_batch_size
     assert plain["seq_len"] == S - 1 and packed["seq_len"] == S
@@ -178,12 +193,14 @@ def test_a_preference_spec_shows_its_pairs_and_its_reference(tmp_path, capsys, m
     assert rep["components"] == plan.estimate.components and rep["total_bytes"] == plan.estimate.total_bytes
     assert set(memory.REFERENCE_COMPONENTS) <= set(rep["components"])
     assert "reference_forward" in rep["transient_components"]
-    rows8 = memory.estimate_for_spec(load_spec(path, ["batch.micro_batch_size=8"], files=False),
-                                     gradient_checkpointing=False, device="cpu")
+    rows8 = memory.estimate_for_spec(
+        load_spec(path, ["batch.micro_batch_size=8"], files=False), gradient_checkpointing=False, device="cpu"
+    )
     assert rep["by_checkpointing"]["off"]["components"]["activations"] == rows8.components["activations"]
     pre = _json(capsys, ["estimate", str(path), "--json", "objective.name=dpo", "objective.reference=precomputed"])
-    simpo = _json(capsys, ["estimate", str(path), "--json", "objective.name=simpo",
-                           "model.adapter=outputs/sft/adapter"])
+    simpo = _json(
+        capsys, ["estimate", str(path), "--json", "objective.name=simpo", "model.adapter=outputs/sft/adapter"]
+    )
     assert "reference_forward" not in pre["components"] and "reference_adapter" not in pre["components"]
     assert not set(memory.REFERENCE_COMPONENTS) & set(simpo["components"])
     monkeypatch.setenv("COLUMNS", "200")
@@ -200,8 +217,9 @@ BIG = ROOT / "examples" / "llama70b-lora.yaml"
 
 def _big(capsys, *overrides) -> dict:
     """The 70B example (its model.name is a directory with only config.json), from any cwd."""
-    return _json(capsys, ["estimate", str(BIG), "--json", f"model.name={ROOT / 'examples' / 'llama3-70b-shape'}",
-                          *overrides])
+    return _json(
+        capsys, ["estimate", str(BIG), "--json", f"model.name={ROOT / 'examples' / 'llama3-70b-shape'}", *overrides]
+    )
 
 
 def _rows(rep: dict) -> dict:
@@ -212,9 +230,15 @@ def test_70b_needs_fsdp_over_eight_h100s_or_nf4_on_fewer(capsys, monkeypatch):
     rep = _big(capsys)
     rows = _rows(rep)
     assert rep["num_workers"] == 8 and rep["budget_gib"] <= 80 and rep["device"] == "cuda"  # 8 x H100 80GB
-    params = sum(memory.count_base_params(memory.model_shape(
-        memory.config_from_spec(load_spec(BIG, [f"model.name={ROOT / 'examples' / 'llama3-70b-shape'}"],
-                                          files=False)))).values())
+    params = sum(
+        memory.count_base_params(
+            memory.model_shape(
+                memory.config_from_spec(
+                    load_spec(BIG, [f"model.name={ROOT / 'examples' / 'llama3-70b-shape'}"], files=False)
+                )
+            )
+        ).values()
+    )
     assert 70e9 < params < 71e9
 
     # DDP: every GPU holds the whole bf16 base; it does not fit even checkpointing every layer
@@ -248,7 +272,7 @@ def test_70b_needs_fsdp_over_eight_h100s_or_nf4_on_fewer(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["estimate", str(BIG), f"model.name={ROOT / 'examples' / 'llama3-70b-shape'}"]) == 0
     out = capsys.readouterr().out
-    table = out[out.index("per GPU by strategy"):out.index("(micro_batch_size")]
+    table = out[out.index("per GPU by strategy") : out.index("(micro_batch_size")]
     ddp_line = next(line for line in table.splitlines() if "ddp" in line)
     fsdp_line = next(line for line in table.splitlines() if "fsdp" in line)
     assert "exceeds" in ddp_line and "chosen" not in ddp_line

@@ -19,15 +19,21 @@ from orchestrator.cli import main
 
 BOS, EOS = 257, 258
 BETA = 0.25
-STRING_PAIRS = [{"prompt": "upper: ray\n=> ", "chosen": "RAY", "rejected": "ray"},
-                {"prompt": "first: lora tune\n=> ", "chosen": "lora", "rejected": "tune"},
-                {"prompt": "sum: 2 3\n=> ", "chosen": "5", "rejected": "6"},
-                {"prompt": "reverse: abc\n=> ", "chosen": "cba", "rejected": "abc"},
-                {"prompt": "same\n=> ", "chosen": "x", "rejected": "x"}]  # identical: dropped, counted
-CHAT_PAIRS = [{"prompt": [{"role": "user", "content": f"Capital of {c}?"}],
-               "chosen": [{"role": "assistant", "content": good}], "rejected": [{"role": "assistant", "content": bad}]}
-              for c, good, bad in (("France", "Paris", "Lyon"), ("Canada", "Ottawa", "Toronto"),
-                                   ("Turkey", "Ankara", "Istanbul"))]
+STRING_PAIRS = [
+    {"prompt": "upper: ray\n=> ", "chosen": "RAY", "rejected": "ray"},
+    {"prompt": "first: lora tune\n=> ", "chosen": "lora", "rejected": "tune"},
+    {"prompt": "sum: 2 3\n=> ", "chosen": "5", "rejected": "6"},
+    {"prompt": "reverse: abc\n=> ", "chosen": "cba", "rejected": "abc"},
+    {"prompt": "same\n=> ", "chosen": "x", "rejected": "x"},
+]  # identical: dropped, counted
+CHAT_PAIRS = [
+    {
+        "prompt": [{"role": "user", "content": f"Capital of {c}?"}],
+        "chosen": [{"role": "assistant", "content": good}],
+        "rejected": [{"role": "assistant", "content": bad}],
+    }
+    for c, good, bad in (("France", "Paris", "Lyon"), ("Canada", "Ottawa", "Toronto"), ("Turkey", "Ankara", "Istanbul"))
+]
 
 
 def B(s: str) -> list[int]:
@@ -61,7 +67,7 @@ def greedy(model, prompt: list[int], n: int) -> str:
             if nxt == EOS:
                 break
             ids.append(nxt)
-    return byte_tokenizer().decode(ids[len(prompt):], skip_special_tokens=True)
+    return byte_tokenizer().decode(ids[len(prompt) :], skip_special_tokens=True)
 
 
 def save_adapter(spec, directory: Path, seed: int) -> str:
@@ -70,8 +76,13 @@ def save_adapter(spec, directory: Path, seed: int) -> str:
 
     model, _ = load_base_model(spec, "fp32")
     torch.manual_seed(seed)
-    cfg = LoraConfig(r=spec.lora.r, lora_alpha=spec.lora.alpha, target_modules=list(spec.lora.target_modules),
-                     init_lora_weights=False, task_type="CAUSAL_LM")
+    cfg = LoraConfig(
+        r=spec.lora.r,
+        lora_alpha=spec.lora.alpha,
+        target_modules=list(spec.lora.target_modules),
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+    )
     peft_model = get_peft_model(model, cfg)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -84,11 +95,16 @@ def save_adapter(spec, directory: Path, seed: int) -> str:
 def make_spec(tmp_path: Path, records: list[dict], objective: str = "dpo", start: bool = True, extra=None):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    raw = {"name": "pref-eval", "model": {"name": "tiny-llama"},
-           "objective": {"name": objective, "beta": BETA},
-           "data": {"path": str(data), "eval_path": str(data), "max_seq_len": 64},
-           "lora": {"r": 4, "alpha": 8}, "batch": {"global_batch_size": 4, "micro_batch_size": 2},
-           "run": {"output_dir": str(tmp_path / "out")}, **(extra or {})}
+    raw = {
+        "name": "pref-eval",
+        "model": {"name": "tiny-llama"},
+        "objective": {"name": objective, "beta": BETA},
+        "data": {"path": str(data), "eval_path": str(data), "max_seq_len": 64},
+        "lora": {"r": 4, "alpha": 8},
+        "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+        "run": {"output_dir": str(tmp_path / "out")},
+        **(extra or {}),
+    }
     spec = load_spec(data=raw)
     claim_output_dir(spec.output_path, name=spec.name)  # a run's directory, as `rayft run` leaves it
     save_adapter(spec, tmp_path / "out" / "adapter", seed=11)
@@ -133,8 +149,11 @@ def test_preference_numbers_match_an_independent_computation(tmp_path, records):
     kept = [r for r in records if r["chosen"] != r["rejected"]]
     assert result["pairs"] == len(kept) and result["records"] == len(records)
     assert result["dropped"] == {"empty": 0, "identical": len(records) - len(kept)}
-    want = {"base": independent(spec, None)[0], "start": independent(spec, spec.model.adapter)[0],
-            "adapter": independent(spec, str(tmp_path / "out" / "adapter"))[0]}
+    want = {
+        "base": independent(spec, None)[0],
+        "start": independent(spec, spec.model.adapter)[0],
+        "adapter": independent(spec, str(tmp_path / "out" / "adapter"))[0],
+    }
     for role, logps in want.items():
         margins = [c - r for c, r in logps]
         assert rows[role]["mean_margin"] == pytest.approx(sum(margins) / len(margins), abs=2e-4)
@@ -225,8 +244,11 @@ def test_the_table_through_the_cli(tmp_path, capsys):
     result = json.loads((tmp_path / "out" / "eval.json").read_text())
     cells = [[c.strip() for c in r.split("│")[2:-1]] for r in rows]
     for cell, row in zip(cells, result["models"]):
-        assert cell[:3] == [f"{row['exact_match']:.1%}", f"{row['preference_accuracy']:.1%}",
-                            f"{row['mean_margin']:+.3f}"]
+        assert cell[:3] == [
+            f"{row['exact_match']:.1%}",
+            f"{row['preference_accuracy']:.1%}",
+            f"{row['mean_margin']:+.3f}",
+        ]
     assert cells[0][3:] == cells[1][3:] == ["-", "-"]
     trained = result["models"][2]
     assert cells[2][3:] == [f"{trained['rewards/accuracies']:.1%}", f"{trained['rewards/margins']:+.4f}"]
@@ -238,13 +260,22 @@ def test_a_preference_spec_without_held_out_pairs_is_one_line(tmp_path, capsys):
     spec_path = tmp_path / "s.json"
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in STRING_PAIRS))
-    spec_path.write_text(json.dumps({"name": "no-held-out", "model": {"name": "tiny-llama"},
-                                     "objective": {"name": "dpo"}, "data": {"path": str(data)},
-                                     "run": {"output_dir": str(tmp_path / "o")}}))
+    spec_path.write_text(
+        json.dumps(
+            {
+                "name": "no-held-out",
+                "model": {"name": "tiny-llama"},
+                "objective": {"name": "dpo"},
+                "data": {"path": str(data)},
+                "run": {"output_dir": str(tmp_path / "o")},
+            }
+        )
+    )
     assert main(["eval", str(spec_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("rayft: error: data.eval_path: rayft eval of objective.name=dpo needs a held-out file of "
-                   "preference pairs")
+    assert err == (
+        "rayft: error: data.eval_path: rayft eval of objective.name=dpo needs a held-out file of preference pairs"
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -273,15 +304,24 @@ def test_the_trained_adapters_rewards_are_the_runs_last_evaluation(tmp_path, ref
     from jobs.finetune import main as finetune_main
 
     root = Path(__file__).resolve().parents[1] / "examples" / "data"
-    raw = {"name": "dpo-then-eval", "model": {"name": "tiny-llama"},
-           "objective": {"name": "dpo", "beta": BETA, "reference": reference},
-           "data": {"path": str(root / "tiny-pairs.jsonl"), "eval_path": str(root / "tiny-pairs-eval.jsonl"),
-                    "max_seq_len": 64},
-           "lora": {"r": 4, "alpha": 8}, "batch": {"global_batch_size": 8, "micro_batch_size": 4},
-           "optim": {"lr": 0.01}, "resources": {"num_workers": 1},
-           "run": {"max_steps": 2, "eval_every": 2, "checkpoint_every": 0, "output_dir": str(tmp_path / "out")}}
-    raw["model"]["adapter"] = save_adapter(load_spec(data=raw | {"model": {"name": "tiny-llama"}}),
-                                           tmp_path / "start", seed=7)
+    raw = {
+        "name": "dpo-then-eval",
+        "model": {"name": "tiny-llama"},
+        "objective": {"name": "dpo", "beta": BETA, "reference": reference},
+        "data": {
+            "path": str(root / "tiny-pairs.jsonl"),
+            "eval_path": str(root / "tiny-pairs-eval.jsonl"),
+            "max_seq_len": 64,
+        },
+        "lora": {"r": 4, "alpha": 8},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 4},
+        "optim": {"lr": 0.01},
+        "resources": {"num_workers": 1},
+        "run": {"max_steps": 2, "eval_every": 2, "checkpoint_every": 0, "output_dir": str(tmp_path / "out")},
+    }
+    raw["model"]["adapter"] = save_adapter(
+        load_spec(data=raw | {"model": {"name": "tiny-llama"}}), tmp_path / "start", seed=7
+    )
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(raw))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -291,6 +331,12 @@ def test_the_trained_adapters_rewards_are_the_runs_last_evaluation(tmp_path, ref
     trained = by_role(result)["adapter"]
     assert result["reference"] == "start" and result["pairs"] == 16
     assert trained["loss"] == pytest.approx(last["eval_loss"], abs=1e-5)
-    for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-              "logps/rejected"):
+    for k in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         assert trained[k] == pytest.approx(last[f"eval_{k}"], abs=1e-5), k

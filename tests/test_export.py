@@ -18,8 +18,14 @@ from jobs.spec import absolutize, load_spec
 from orchestrator.cli import main
 
 DEMO = "examples/tiny-lora.yaml"
-SMALL = ["resources.num_workers=1", "batch.global_batch_size=8", "batch.micro_batch_size=4",
-         "memory.gradient_checkpointing=false", "run.max_steps=3", "optim.lr=0.05"]
+SMALL = [
+    "resources.num_workers=1",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "memory.gradient_checkpointing=false",
+    "run.max_steps=3",
+    "optim.lr=0.05",
+]
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +74,10 @@ def test_merged_export_loads_without_peft_and_equals_base_plus_adapter(run_dir, 
             base = adapted(input_ids=ids).logits
     assert _rel(base, want) > 1e-3  # the adapter changes the model, so the comparison can fail
     assert _rel(got, want) <= 1e-4
-    assert AutoTokenizer.from_pretrained(target)("ab")["input_ids"] == \
-        AutoTokenizer.from_pretrained(run_dir / "adapter")("ab")["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(target)("ab")["input_ids"]
+        == AutoTokenizer.from_pretrained(run_dir / "adapter")("ab")["input_ids"]
+    )
 
 
 def test_merged_export_in_bf16(run_dir, tmp_path):
@@ -82,8 +90,9 @@ def test_merged_export_in_bf16(run_dir, tmp_path):
 
 def test_adapter_export_copies_the_adapter_and_names_its_base(run_dir, tmp_path):
     target = export(run_dir, to=tmp_path / "adapter")
-    assert (target / "adapter_model.safetensors").read_bytes() == \
-        (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert (target / "adapter_model.safetensors").read_bytes() == (
+        run_dir / "adapter" / "adapter_model.safetensors"
+    ).read_bytes()
     base = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert base and base in (target / "README.md").read_text()
 
@@ -109,9 +118,15 @@ def test_export_refuses_a_non_empty_target(run_dir, tmp_path, capsys):
 
 def _greedy(model, tok, ids: list[int], n: int) -> str:
     x = torch.tensor([ids])
-    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return tok.decode(out[0, x.shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        input_ids=x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return tok.decode(out[0, x.shape[1] :], skip_special_tokens=True)
 
 
 def test_generate_streams_the_greedy_answer(run_dir, capsys):

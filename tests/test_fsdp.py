@@ -82,7 +82,8 @@ def test_sharded_accumulated_gradient_equals_big_batch(micro, tmp_path):
     ref = reference_grads(spec)
     ref_norm = sum(float(g.double().pow(2).sum()) for g in ref.values()) ** 0.5
     for (gc, reshard), (got, local, norm, clipped_norm, clipped), (_, other_local, *_) in zip(
-            CONFIGS, results, per_rank[1][0]):
+        CONFIGS, results, per_rank[1][0]
+    ):
         where = f"checkpointing={gc} reshard_after_forward={reshard}"
         assert len(got) == len(ref) > 0
         assert rel_err(got, ref) <= 1e-5, where
@@ -126,6 +127,7 @@ def test_dora_and_bf16_under_fsdp(tmp_path):
 
 # ---- (b) one reduction per optimizer step, counted -------------------------------------------
 
+
 def _count_reductions(rank: int, world: int, gate: str):
     spec = tiny_spec(f"resources.num_workers={world}", "batch.micro_batch_size=1")
     engine, model, tok = _sharded(spec, world)
@@ -137,6 +139,7 @@ def _count_reductions(rank: int, world: int, gate: str):
         def call(*args, **kwargs):
             calls["n"] += 1
             return originals[name](*args, **kwargs)
+
         return call
 
     if gate == "every-micro-step":  # the gate left open: FSDP reduces after every backward
@@ -157,8 +160,9 @@ def _count_reductions(rank: int, world: int, gate: str):
     # The FSDP units with LoRA weights reduce their gradients; the others (embeddings, [final
     # norm, LM head]: all frozen) have none to reduce.
     units = fsdp.units(model).all()
-    trainable = [{id(p) for m in (u if isinstance(u, list) else [u]) for p in m.parameters() if p.requires_grad}
-                 for u in units]
+    trainable = [
+        {id(p) for m in (u if isinstance(u, list) else [u]) for p in m.parameters() if p.requires_grad} for u in units
+    ]
     assert set().union(*trainable) == {id(p) for p in engine.params}
     return per_step, spec.grad_accum_steps, sum(1 for t in trainable if t), len(units), counted
 
@@ -174,6 +178,7 @@ def test_one_gradient_reduction_per_optimizer_step(tmp_path):
 
 
 # ---- fp16: GradScaler over shards ---------------------------------------------------------------
+
 
 def _fp16_steps(rank: int, world: int):
     spec = tiny_spec(f"resources.num_workers={world}", "batch.micro_batch_size=2")
@@ -209,8 +214,16 @@ def test_fp16_grad_scaler_over_shards_and_overflow_on_one_rank_skips_everywhere(
 # ---- (c), (d): whole runs through the loop (no Ray), checkpoints across strategies ------------
 
 DEMO = "examples/tiny-lora.yaml"
-RUN = ["batch.global_batch_size=8", "batch.micro_batch_size=2", "data.max_seq_len=96", "lora.r=4",
-       "run.max_steps=4", "run.checkpoint_every=2", "run.keep_checkpoints=3", "run.eval_every=2"]
+RUN = [
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=2",
+    "data.max_seq_len=96",
+    "lora.r=4",
+    "run.max_steps=4",
+    "run.checkpoint_every=2",
+    "run.keep_checkpoints=3",
+    "run.eval_every=2",
+]
 
 
 def _train(rank: int, world: int, strategy: str, out: str) -> dict:
@@ -219,9 +232,13 @@ def _train(rank: int, world: int, strategy: str, out: str) -> dict:
     from jobs.spec import absolutize, load_spec
 
     import os
+
     os.chdir(ROOT)
-    spec = absolutize(load_spec(DEMO, RUN + [f"resources.num_workers={world}", f"resources.strategy={strategy}",
-                                             f"run.output_dir={out}"]))
+    spec = absolutize(
+        load_spec(
+            DEMO, RUN + [f"resources.num_workers={world}", f"resources.strategy={strategy}", f"run.output_dir={out}"]
+        )
+    )
     return train(spec, LocalContext(on_progress=lambda r: None), resume=True)
 
 
@@ -272,9 +289,11 @@ def test_two_fsdp_workers_end_with_the_one_worker_adapter_in_peft_format(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source,world,strategy", [("fsdp2", 2, "fsdp"), ("fsdp2", 4, "fsdp"), ("fsdp2", 1, "ddp"),
-                                                    ("one", 2, "fsdp")],
-                         ids=["fsdp2-to-fsdp2", "fsdp2-to-fsdp4", "fsdp2-to-1-worker", "1-worker-to-fsdp2"])
+@pytest.mark.parametrize(
+    "source,world,strategy",
+    [("fsdp2", 2, "fsdp"), ("fsdp2", 4, "fsdp"), ("fsdp2", 1, "ddp"), ("one", 2, "fsdp")],
+    ids=["fsdp2-to-fsdp2", "fsdp2-to-fsdp4", "fsdp2-to-1-worker", "1-worker-to-fsdp2"],
+)
 def test_resume_across_strategies_and_worker_counts_is_exact(runs, source, world, strategy, tmp_path):
     tmp, one, two, _ = runs
     src = {"one": one, "fsdp2": two}[source]
@@ -297,9 +316,24 @@ def test_rayft_run_with_two_fsdp_workers_on_ray(runs, tmp_path, ray_head):
     _, one, _, _ = runs
     out = tmp_path / "ray"
     rayft = Path(sys.executable).parent / "rayft"
-    p = subprocess.run([str(rayft), "run", DEMO, *RUN, "resources.num_workers=2", "resources.strategy=fsdp",
-                        f"run.output_dir={out}", "--address", ray_head.address], cwd=ROOT, env=ray_head.env,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            str(rayft),
+            "run",
+            DEMO,
+            *RUN,
+            "resources.num_workers=2",
+            "resources.strategy=fsdp",
+            f"run.output_dir={out}",
+            "--address",
+            ray_head.address,
+        ],
+        cwd=ROOT,
+        env=ray_head.env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy"] == "fsdp" and summary["num_workers"] == 2
@@ -319,8 +353,16 @@ def test_a_checkpoint_with_the_optimizer_state_by_position_still_resumes(tmp_pat
     assert all(isinstance(k, int) for k in old["state"]) and old["state"]
     state = {"step": 1, "tokens_seen": 0, "skipped_steps": 0, "world_size": 1, "resume_key": ckpt.resume_key(spec)}
     d = tmp_path / ckpt.step_dir_name(1)
-    ckpt.write_rank_files(d, 0, {ckpt.ADAPTER_FILE: {n: p for n, p in model.named_parameters() if p.requires_grad},
-                                 ckpt.OPTIMIZER_FILE: old, ckpt.STATE_FILE: state, ckpt.rng_file(0): ckpt.rng_state()})
+    ckpt.write_rank_files(
+        d,
+        0,
+        {
+            ckpt.ADAPTER_FILE: {n: p for n, p in model.named_parameters() if p.requires_grad},
+            ckpt.OPTIMIZER_FILE: old,
+            ckpt.STATE_FILE: state,
+            ckpt.rng_file(0): ckpt.rng_state(),
+        },
+    )
     fresh, fresh_model, _ = build_engine(spec)
     ckpt.restore(d, spec, 0, 1, fresh_model, fresh.optimizer, fresh.scaler)
     new = fresh.optimizer.state_dict()
@@ -328,6 +370,10 @@ def test_a_checkpoint_with_the_optimizer_state_by_position_still_resumes(tmp_pat
     for i, s in old["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(new["state"][i][key], s[key]), (i, key)
-    assert rel_err({n: p.detach() for n, p in fresh_model.named_parameters() if p.requires_grad},
-                   {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}) == 0.0
-
+    assert (
+        rel_err(
+            {n: p.detach() for n, p in fresh_model.named_parameters() if p.requires_grad},
+            {n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
+        )
+        == 0.0
+    )

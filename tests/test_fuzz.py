@@ -29,54 +29,172 @@ from jobs.errors import RayftError
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "tiny.jsonl"
 # A valid small job the fuzzer starts from; overrides and mutations then break it.
-BASE = {"name": "fuzz", "data": {"path": str(DATA), "max_seq_len": 32}, "lora": {"r": 4, "alpha": 8},
-        "batch": {"global_batch_size": 8, "micro_batch_size": 2}, "run": {"max_steps": 1}}
+BASE = {
+    "name": "fuzz",
+    "data": {"path": str(DATA), "max_seq_len": 32},
+    "lora": {"r": 4, "alpha": 8},
+    "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+    "run": {"max_steps": 1},
+}
 FIELDS = [
-    "name", "precision", "model.attn_implementation", "model.sync_batchnorm", "model.hf_token_env", "model.compile",
-    "model.gguf_file", "data.path", "data.eval_path", "data.eval_fraction", "data.max_seq_len",
-    "data.group_by_length", "data.packing", "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules",
-    "batch.global_batch_size", "batch.micro_batch_size", "batch.grad_accum_steps", "optim.name", "optim.lr",
-    "optim.reference_batch_size", "optim.lr_scaling", "optim.warmup_steps", "optim.schedule", "optim.min_lr_ratio",
-    "optim.max_grad_norm", "optim.weight_decay", "optim.betas", "optim.momentum", "optim.fused",
-    "memory.gradient_checkpointing", "memory.budget_gib", "memory.loss_chunk_tokens", "resources.num_workers",
-    "resources.use_gpu", "resources.accelerator_type", "resources.cpus_per_worker", "run.max_steps", "run.epochs",
-    "run.seed", "run.checkpoint_every", "run.keep_checkpoints", "run.eval_every", "run.max_failures", "run.env",
-    "run.env.SOME_VAR", "run.trackers", "model", "data", "run", "unknown", "optim.unknown", "lora.r.deeper",
+    "name",
+    "precision",
+    "model.attn_implementation",
+    "model.sync_batchnorm",
+    "model.hf_token_env",
+    "model.compile",
+    "model.gguf_file",
+    "data.path",
+    "data.eval_path",
+    "data.eval_fraction",
+    "data.max_seq_len",
+    "data.group_by_length",
+    "data.packing",
+    "lora.r",
+    "lora.alpha",
+    "lora.dropout",
+    "lora.target_modules",
+    "batch.global_batch_size",
+    "batch.micro_batch_size",
+    "batch.grad_accum_steps",
+    "optim.name",
+    "optim.lr",
+    "optim.reference_batch_size",
+    "optim.lr_scaling",
+    "optim.warmup_steps",
+    "optim.schedule",
+    "optim.min_lr_ratio",
+    "optim.max_grad_norm",
+    "optim.weight_decay",
+    "optim.betas",
+    "optim.momentum",
+    "optim.fused",
+    "memory.gradient_checkpointing",
+    "memory.budget_gib",
+    "memory.loss_chunk_tokens",
+    "resources.num_workers",
+    "resources.use_gpu",
+    "resources.accelerator_type",
+    "resources.cpus_per_worker",
+    "run.max_steps",
+    "run.epochs",
+    "run.seed",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.eval_every",
+    "run.max_failures",
+    "run.env",
+    "run.env.SOME_VAR",
+    "run.trackers",
+    "model",
+    "data",
+    "run",
+    "unknown",
+    "optim.unknown",
+    "lora.r.deeper",
 ]
 # Values a careless or hostile user types, as YAML text.
 NASTY_TEXT = [
-    ".inf", "-.inf", ".nan", "NaN", "null", "~", "", " ", "true", "no", "yes", "[]", "{}", "[1, 2", "{a: 1",
-    "*a", "&a x", "!!python/object/apply:os.system ['true']", "!!binary aGk=", "!!set {a, b}", "!!timestamp 2024-01-01",
-    "2024-01-01", "0x1F", "0o17", "1e26", "1e8", "100000000", "-1", "0", "1_000", "99999999999999999999999999999",
-    "'ok\\n'", '"ok\\n"', '"\\u0000"', '"\\ud800"', "é", "名前", "🙂", "a: b", "- a", "[[[[[[[[[[[]]]]]]]]]]]", "\t",
-    "&a [*a]", "{a: &a [x, x], b: [*a, *a, *a]}", "hf_" + "aB3xY7kQ9mZ2" * 3, "Bearer " + "aB3xY7kQ9mZ2" * 2,
-    "https://u:" + "pw12" * 3 + "@h/x", "pkg:json", "pkg:os.path", "./no-such-model", "tiny-llama",
+    ".inf",
+    "-.inf",
+    ".nan",
+    "NaN",
+    "null",
+    "~",
+    "",
+    " ",
+    "true",
+    "no",
+    "yes",
+    "[]",
+    "{}",
+    "[1, 2",
+    "{a: 1",
+    "*a",
+    "&a x",
+    "!!python/object/apply:os.system ['true']",
+    "!!binary aGk=",
+    "!!set {a, b}",
+    "!!timestamp 2024-01-01",
+    "2024-01-01",
+    "0x1F",
+    "0o17",
+    "1e26",
+    "1e8",
+    "100000000",
+    "-1",
+    "0",
+    "1_000",
+    "99999999999999999999999999999",
+    "'ok\\n'",
+    '"ok\\n"',
+    '"\\u0000"',
+    '"\\ud800"',
+    "é",
+    "名前",
+    "🙂",
+    "a: b",
+    "- a",
+    "[[[[[[[[[[[]]]]]]]]]]]",
+    "\t",
+    "&a [*a]",
+    "{a: &a [x, x], b: [*a, *a, *a]}",
+    "hf_" + "aB3xY7kQ9mZ2" * 3,
+    "Bearer " + "aB3xY7kQ9mZ2" * 2,
+    "https://u:" + "pw12" * 3 + "@h/x",
+    "pkg:json",
+    "pkg:os.path",
+    "./no-such-model",
+    "tiny-llama",
 ]
 # run.output_dir values: the refused ones, and relative names (inside the fuzz's own working
 # directory, so nothing lands anywhere else).
 OUTPUT_DIRS = ["", " ", "/", "/etc", "/usr", "/proc/self", "/dev", ".", "..", "~"]
 # model.name values that never reach a model hub (the fuzz runs without a network).
-MODEL_NAMES = ["tiny-llama", "", " ", "./missing-model", "/nonexistent/model", "pkg:json", "pkg:a.b", "pkg:",
-               "pkg:no_such_package_xyz", ".", "pkg:" + "x" * 300]
+MODEL_NAMES = [
+    "tiny-llama",
+    "",
+    " ",
+    "./missing-model",
+    "/nonexistent/model",
+    "pkg:json",
+    "pkg:a.b",
+    "pkg:",
+    "pkg:no_such_package_xyz",
+    ".",
+    "pkg:" + "x" * 300,
+]
 
 finite_or_not = st.floats(allow_nan=True, allow_infinity=True)
 plain = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(10**40), max_value=10**40) | finite_or_not | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**40), max_value=10**40)
+    | finite_or_not
+    | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
 
 
 def _yaml_text(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6, allow_unicode=True).strip().removesuffix("...").strip()
+    return (
+        yaml.safe_dump(value, default_flow_style=True, width=10**6, allow_unicode=True)
+        .strip()
+        .removesuffix("...")
+        .strip()
+    )
 
 
 value_text = st.one_of(st.sampled_from(NASTY_TEXT), plain.map(_yaml_text), st.text(max_size=40))
 override = st.one_of(
     st.tuples(st.sampled_from(FIELDS), value_text).map(lambda kv: f"{kv[0]}={kv[1]}"),
     st.tuples(st.just("model.name"), st.sampled_from(MODEL_NAMES)).map(lambda kv: f"{kv[0]}={kv[1]}"),
-    st.tuples(st.just("run.output_dir"), st.sampled_from(OUTPUT_DIRS) | st.text(st.characters(
-        blacklist_characters="/\x00", blacklist_categories=("Cs",)), max_size=12)).map(lambda kv: f"{kv[0]}={kv[1]}"),
+    st.tuples(
+        st.just("run.output_dir"),
+        st.sampled_from(OUTPUT_DIRS)
+        | st.text(st.characters(blacklist_characters="/\x00", blacklist_categories=("Cs",)), max_size=12),
+    ).map(lambda kv: f"{kv[0]}={kv[1]}"),
     st.text(max_size=30),  # anything at all, "=" or not
 )
 overrides_cases = st.lists(override, max_size=5)
@@ -130,18 +248,32 @@ record_line = st.one_of(
     st.text(max_size=40).filter(lambda t: "\n" not in t and "\r" not in t),
     st.integers(1, 3000).map(lambda n: "[" * n + "]" * n),
     st.integers(1, 3000).map(lambda n: '{"text": ' + "[" * n),
-    st.sampled_from(['{"text": NaN}', '{"text": "\\ud800"}', '{"text": "a", "n": ' + "9" * 5000 + "}", "\ufeff{}",
-                     '{"text": "x"}{"text": "y"}', '"just a string"', "{}"]),
+    st.sampled_from(
+        [
+            '{"text": NaN}',
+            '{"text": "\\ud800"}',
+            '{"text": "a", "n": ' + "9" * 5000 + "}",
+            "\ufeff{}",
+            '{"text": "x"}{"text": "y"}',
+            '"just a string"',
+            "{}",
+        ]
+    ),
 )
-valid_line = st.one_of(st.fixed_dictionaries({"text": st.text(max_size=200)}),
-                       st.fixed_dictionaries({"prompt": st.text(max_size=60), "completion": st.text(max_size=60)}),
-                       ).map(lambda r: json.dumps(r, ensure_ascii=False))
+valid_line = st.one_of(
+    st.fixed_dictionaries({"text": st.text(max_size=200)}),
+    st.fixed_dictionaries({"prompt": st.text(max_size=60), "completion": st.text(max_size=60)}),
+).map(lambda r: json.dumps(r, ensure_ascii=False))
 # Files of well-shaped records only (so tokenizing is reached), or of anything.
-jsonl_files = st.tuples(st.lists(valid_line, min_size=1, max_size=12) | st.lists(record_line, max_size=12),
-                        st.sampled_from(["\n", "\r\n"]), st.integers(1, 4))
+jsonl_files = st.tuples(
+    st.lists(valid_line, min_size=1, max_size=12) | st.lists(record_line, max_size=12),
+    st.sampled_from(["\n", "\r\n"]),
+    st.integers(1, 4),
+)
 
 
 # ---- the property ----------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def _workdir() -> Iterator[Path]:
@@ -174,8 +306,9 @@ def _spec_check_then_prepare(spec_path: Path, overrides: list[str], out: Path) -
     check = _exit_code(lambda: load_spec(spec_path, overrides).to_yaml())  # rayft spec check
     assert check in (0, 2)
     before = sorted(os.listdir(spec_path.parent))
-    run = _exit_code(lambda: prepare(str(spec_path), [*overrides, "run.max_steps=1", "run.epochs=null"],
-                                     fresh=False, local=True))
+    run = _exit_code(
+        lambda: prepare(str(spec_path), [*overrides, "run.max_steps=1", "run.epochs=null"], fresh=False, local=True)
+    )
     assert run in (0, 2)
     if run:  # refused: no output directory, here (relative ones) or at the default
         assert not out.exists() and sorted(os.listdir(spec_path.parent)) == before, "a refused run created files"
@@ -209,8 +342,15 @@ def check_jsonl(case: tuple[list[str], str, int]) -> None:
         data = d / "d.jsonl"
         data.write_text(newline.join(lines) + newline, encoding="utf-8", errors="surrogatepass")
         spec_path = d / "spec.yaml"
-        spec_path.write_text(yaml.safe_dump(dict(BASE, data={"path": str(data), "max_seq_len": 16},
-                                                 batch={"global_batch_size": batch, "micro_batch_size": 1})))
+        spec_path.write_text(
+            yaml.safe_dump(
+                dict(
+                    BASE,
+                    data={"path": str(data), "max_seq_len": 16},
+                    batch={"global_batch_size": batch, "micro_batch_size": 1},
+                )
+            )
+        )
         out = d / "out"
         code = _exit_code(lambda: prepare(str(spec_path), [f"run.output_dir={out}"], fresh=False, local=True))
         assert code in (0, 2)
@@ -237,6 +377,7 @@ def _tokenizer():
 # How many cases, and which: the hypothesis profile conftest loads. CI ("ci"): 150 per test,
 # derandomized (the same cases every run); `make test-all` ("long"): 3000 new random ones.
 
+
 @given(overrides_cases)
 def test_fuzz_overrides(overrides):
     check_overrides(overrides)
@@ -261,7 +402,11 @@ def test_the_fuzzer_reaches_both_outcomes():
         from jobs.finetune import prepare
 
         assert _exit_code(lambda: prepare(str(spec_path), [f"run.output_dir={d / 'a'}"], False, local=True)) == 0
-        assert _exit_code(lambda: prepare(str(spec_path), [f"run.output_dir={d / 'b'}", "optim.lr=.inf"], False,
-                                          local=True)) == 2
+        assert (
+            _exit_code(
+                lambda: prepare(str(spec_path), [f"run.output_dir={d / 'b'}", "optim.lr=.inf"], False, local=True)
+            )
+            == 2
+        )
         assert (d / "a").is_dir() and not (d / "b").exists()
     assert math.isnan(yaml.safe_load(_yaml_text(math.nan)))

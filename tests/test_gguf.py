@@ -47,7 +47,7 @@ def test_gguf_loads_dequantized_caches_as_safetensors_and_answers(smollm2_spec, 
     prompt = rec["prompt"].replace(question, "What is the capital of France?")
     ids = torch.tensor([encode_prompt(tok, prompt)])
     out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :])
     # LoRA attaches to its Llama projections
     lora = add_lora(again, smollm2_spec)
     assert sum(p.numel() for p in lora.parameters() if p.requires_grad) > 0

@@ -17,10 +17,18 @@ def _whoami(rank: int, world: int, marker: str) -> dict:
     import torch.distributed as dist
 
     t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)                                # a real collective between the processes
-    return {"pid": os.getpid(), "rank": rank, "world": world, "backend": dist.get_backend(), "sum": float(t),
-            "env": (os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), os.environ.get("GLOO_POOL_TEST")),
-            "cwd": os.getcwd(), "draw": float(torch.rand(1)), "marker": marker}
+    dist.all_reduce(t)  # a real collective between the processes
+    return {
+        "pid": os.getpid(),
+        "rank": rank,
+        "world": world,
+        "backend": dist.get_backend(),
+        "sum": float(t),
+        "env": (os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), os.environ.get("GLOO_POOL_TEST")),
+        "cwd": os.getcwd(),
+        "draw": float(torch.rand(1)),
+        "marker": marker,
+    }
 
 
 def _change_things(rank: int, world: int) -> None:
@@ -28,7 +36,7 @@ def _change_things(rank: int, world: int) -> None:
 
     os.environ["GLOO_POOL_TEST"] = "left behind"
     os.chdir("/")
-    torch.rand(100)                                   # moves the RNG on
+    torch.rand(100)  # moves the RNG on
 
 
 def _fail_on(rank: int, world: int, bad_rank: int) -> None:
@@ -37,7 +45,7 @@ def _fail_on(rank: int, world: int, bad_rank: int) -> None:
 
     if rank == bad_rank:
         raise ValueError(f"rank {rank} fails on purpose")
-    dist.all_reduce(torch.zeros(1))                   # the other rank waits here for ever
+    dist.all_reduce(torch.zeros(1))  # the other rank waits here for ever
 
 
 def test_the_ranks_are_separate_processes_in_one_gloo_group_and_start_each_call_fresh(tmp_path, monkeypatch):
@@ -53,9 +61,9 @@ def test_the_ranks_are_separate_processes_in_one_gloo_group_and_start_each_call_
     run_on_ranks(_change_things, 2, tmp_path / "b")
     monkeypatch.delenv("GLOO_POOL_TEST")
     again = run_on_ranks(_whoami, 2, tmp_path / "c", "two")
-    assert [r["pid"] for r in again] == [r["pid"] for r in first]          # the same processes
+    assert [r["pid"] for r in again] == [r["pid"] for r in first]  # the same processes
     assert all(r["env"][2] is None and Path(r["cwd"]) == tmp_path for r in again)
-    assert [r["draw"] for r in again] == [r["draw"] for r in first]        # torch's initial RNG state
+    assert [r["draw"] for r in again] == [r["draw"] for r in first]  # torch's initial RNG state
 
 
 def test_a_failing_rank_is_reported_and_the_next_call_gets_a_new_pool(tmp_path):

@@ -49,9 +49,11 @@ def _window(packing: bool, gc: bool, chunk: int = 0):
     return engine, mbs, count_labels(data.train, idx)
 
 
-@pytest.mark.parametrize("packing,gc,chunk", [(False, False, 0), (False, True, 0), (True, False, 0), (True, True, 0),
-                                              (False, False, 16)],
-                         ids=["padded", "padded-checkpointing", "packed", "packed-checkpointing", "chunked-loss"])
+@pytest.mark.parametrize(
+    "packing,gc,chunk",
+    [(False, False, 0), (False, True, 0), (True, False, 0), (True, True, 0), (False, False, 16)],
+    ids=["padded", "padded-checkpointing", "packed", "packed-checkpointing", "chunked-loss"],
+)
 def test_no_host_sync_inside_the_window(packing, gc, chunk):
     engine, mbs, n_labels = _window(packing, gc, chunk)
     with HostSyncs() as mode:
@@ -65,8 +67,9 @@ def test_the_oracle_sees_transformers_own_sync(monkeypatch):
     from transformers import masking_utils
 
     engine, mbs, n_labels = _window(False, False)  # loads the model: the guard is installed
-    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices",
-                        inspect.unwrap(masking_utils.find_packed_sequence_indices))
+    monkeypatch.setattr(
+        masking_utils, "find_packed_sequence_indices", inspect.unwrap(masking_utils.find_packed_sequence_indices)
+    )
     with HostSyncs() as mode:
         train_window(engine, mbs, n_labels)
     assert len(mode.ops) == len(mbs)

@@ -30,8 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "tiny.jsonl"
 DEMO = str(ROOT / "examples" / "tiny-lora.yaml")
 # The demo, made small: one worker, short sequences, a small batch.
-SMALL = ["resources.num_workers=1", "data.max_seq_len=64", "lora.r=4", "lora.alpha=8", "batch.global_batch_size=8",
-         "batch.micro_batch_size=4", "run.eval_every=0", "data.eval_path=null"]
+SMALL = [
+    "resources.num_workers=1",
+    "data.max_seq_len=64",
+    "lora.r=4",
+    "lora.alpha=8",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "run.eval_every=0",
+    "data.eval_path=null",
+]
 
 
 def _cli(args: list[str]) -> tuple[int, str]:
@@ -54,6 +62,7 @@ def _assert_one_line(rc: int, err: str, *fragments: str, exit_code: int = 2) -> 
 
 
 # ---- 1. a checkpoint never runs code -------------------------------------------------------
+
 
 class _Planted:
     """Unpickling this calls open(marker, "w"): a stand-in for any code a pickle can run."""
@@ -108,8 +117,16 @@ def test_restore_reads_plain_data_only(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters())
     state = {"step": 1, "tokens_seen": 0, "skipped_steps": 0, "world_size": 1, "resume_key": ckpt.resume_key(spec)}
     d = tmp_path / ckpt.step_dir_name(1)
-    ckpt.write_rank_files(d, 0, {ckpt.ADAPTER_FILE: dict(model.named_parameters()), ckpt.STATE_FILE: state,
-                                 ckpt.OPTIMIZER_FILE: {"evil": _Planted(marker)}, ckpt.rng_file(0): ckpt.rng_state()})
+    ckpt.write_rank_files(
+        d,
+        0,
+        {
+            ckpt.ADAPTER_FILE: dict(model.named_parameters()),
+            ckpt.STATE_FILE: state,
+            ckpt.OPTIMIZER_FILE: {"evil": _Planted(marker)},
+            ckpt.rng_file(0): ckpt.rng_state(),
+        },
+    )
     assert ckpt.is_complete(d)
     with pytest.raises(SpecError, match="optimizer.pt: refused to load"):
         ckpt.restore(d, spec, 0, 1, model, optimizer, torch.amp.GradScaler("cpu", enabled=False))
@@ -139,12 +156,13 @@ def test_rng_state_round_trips_through_weights_only(tmp_path):
 
 # ---- 2. rayft writes only into a directory of its own ---------------------------------------
 
+
 @pytest.fixture
 def foreign(tmp_path) -> Path:
     d = tmp_path / "mine"
     d.mkdir()
     (d / "notes.txt").write_text("keep me")
-    (d / "summary.json").write_text("{\"mine\": true}")
+    (d / "summary.json").write_text('{"mine": true}')
     return d
 
 
@@ -154,12 +172,21 @@ def test_a_non_empty_directory_that_is_not_rayfts_is_refused(foreign, monkeypatc
         rc, err = _cli([DEMO, f"run.output_dir={foreign}", *SMALL, *extra])
         _assert_one_line(rc, err, "run.output_dir=", "not empty and was not made by rayft", RUN_MARKER)
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt", "summary.json"]
-    assert (foreign / "summary.json").read_text() == "{\"mine\": true}"
+    assert (foreign / "summary.json").read_text() == '{"mine": true}'
 
 
-@pytest.mark.parametrize("where,fragment", [("", "is empty"), ("/", "system directory"), ("/etc", "system directory"),
-                                            ("/etc/rayft-out", "system directory"), ("/usr", "system directory"),
-                                            ("/proc/self", "system directory"), ("HOME", "home directory")])
+@pytest.mark.parametrize(
+    "where,fragment",
+    [
+        ("", "is empty"),
+        ("/", "system directory"),
+        ("/etc", "system directory"),
+        ("/etc/rayft-out", "system directory"),
+        ("/usr", "system directory"),
+        ("/proc/self", "system directory"),
+        ("HOME", "home directory"),
+    ],
+)
 def test_empty_root_system_and_home_directories_are_refused(where, fragment, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     home = tmp_path / "home"
@@ -191,7 +218,7 @@ def test_new_empty_and_own_directories_are_claimed(tmp_path, monkeypatch):
     # a run directory made before the marker existed holds only rayft's files: still rayft's
     old = tmp_path / "old"
     (old / "checkpoints").mkdir(parents=True)
-    (old / "events.jsonl").write_text("{\"event\": \"start\"}\n")
+    (old / "events.jsonl").write_text('{"event": "start"}\n')
     (old / "metrics.jsonl").write_text("")
     prepare(DEMO, [f"run.output_dir={old}", *SMALL], fresh=False, local=True)
     assert (old / RUN_MARKER).is_file()
@@ -210,18 +237,26 @@ def test_the_loop_claims_its_directory_before_loading_the_model(foreign):
 
 # ---- 4. YAML: alias bombs, cycles, duplicate keys, depth --------------------------------------
 
-BOMB = "name: x\ndata:\n  path: examples/data/tiny.jsonl\na: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
-    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+BOMB = (
+    "name: x\ndata:\n  path: examples/data/tiny.jsonl\na: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    + "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+)
 
 
-@pytest.mark.parametrize("text,fragment", [
-    (BOMB, "aliases expand this value to more than"),
-    ("name: x\ndata:\n  path: a.jsonl\nname: y\n", "line 4: duplicate key 'name' (first at line 1)"),
-    ("name: x\ndata:\n  path: a.jsonl\n  max_seq_len: 8\n  max_seq_len: 9\n", "line 5: duplicate key 'max_seq_len'"),
-    ("name: x\ndata: &d\n  path: [*d]\n", "line 2: this value contains an alias to itself"),
-    ("name: x\nrun:\n  env: " + "[" * 200 + "]" * 200 + "\n", "nested"),
-    ("name: x\nrun:\n  env: " + "[" * 100_000 + "\n", "nested"),
-])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        (BOMB, "aliases expand this value to more than"),
+        ("name: x\ndata:\n  path: a.jsonl\nname: y\n", "line 4: duplicate key 'name' (first at line 1)"),
+        (
+            "name: x\ndata:\n  path: a.jsonl\n  max_seq_len: 8\n  max_seq_len: 9\n",
+            "line 5: duplicate key 'max_seq_len'",
+        ),
+        ("name: x\ndata: &d\n  path: [*d]\n", "line 2: this value contains an alias to itself"),
+        ("name: x\nrun:\n  env: " + "[" * 200 + "]" * 200 + "\n", "nested"),
+        ("name: x\nrun:\n  env: " + "[" * 100_000 + "\n", "nested"),
+    ],
+)
 def test_hostile_yaml_is_refused_quickly_with_file_and_line(tmp_path, text, fragment):
     path = tmp_path / "spec.yaml"
     path.write_text(text)
@@ -233,8 +268,10 @@ def test_hostile_yaml_is_refused_quickly_with_file_and_line(tmp_path, text, frag
 
 
 def test_an_alias_bomb_in_an_override_is_refused(tmp_path):
-    value = "{a: &a [x,x,x,x,x,x,x,x,x], b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]," \
-            " d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c], e: [*d,*d,*d,*d,*d,*d,*d,*d,*d]}"
+    value = (
+        "{a: &a [x,x,x,x,x,x,x,x,x], b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b],"
+        " d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c], e: [*d,*d,*d,*d,*d,*d,*d,*d,*d]}"
+    )
     rc, err = _cli([DEMO, f"run.output_dir={tmp_path / 'out'}", f"run.env={value}"])
     _assert_one_line(rc, err, "override run.env", "aliases expand")
     assert not (tmp_path / "out").exists()
@@ -242,17 +279,29 @@ def test_an_alias_bomb_in_an_override_is_refused(tmp_path):
 
 def test_merge_keys_and_small_aliases_still_work(tmp_path):
     path = tmp_path / "spec.yaml"
-    path.write_text(f"name: x\ndata:\n  path: {DATA}\nbatch: &b\n  global_batch_size: 8\n  micro_batch_size: 2\n"
-                    "lora:\n  target_modules: &t [q_proj, v_proj]\nrun:\n  env:\n    A: &v '1'\n    B: *v\n")
+    path.write_text(
+        f"name: x\ndata:\n  path: {DATA}\nbatch: &b\n  global_batch_size: 8\n  micro_batch_size: 2\n"
+        "lora:\n  target_modules: &t [q_proj, v_proj]\nrun:\n  env:\n    A: &v '1'\n    B: *v\n"
+    )
     spec = load_spec(path)
     assert spec.lora.target_modules == ["q_proj", "v_proj"] and spec.run.env == {"A": "1", "B": "1"}
 
 
 # ---- 5. non-finite numbers ------------------------------------------------------------------
 
-FLOAT_FIELDS = ["optim.lr", "lora.alpha", "lora.dropout", "run.epochs", "optim.max_grad_norm", "optim.weight_decay",
-                "optim.min_lr_ratio", "optim.momentum", "memory.budget_gib", "resources.cpus_per_worker",
-                "data.eval_fraction"]
+FLOAT_FIELDS = [
+    "optim.lr",
+    "lora.alpha",
+    "lora.dropout",
+    "run.epochs",
+    "optim.max_grad_norm",
+    "optim.weight_decay",
+    "optim.min_lr_ratio",
+    "optim.momentum",
+    "memory.budget_gib",
+    "resources.cpus_per_worker",
+    "data.eval_fraction",
+]
 
 
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
@@ -270,8 +319,18 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
     # lr 1e30 is finite (the spec takes it) and blows the weights up within a few steps.
-    rc, err = _cli([DEMO, f"run.output_dir={out}", *SMALL, "optim.lr=1e30", "optim.warmup_steps=0",
-                    "optim.max_grad_norm=null", "run.max_steps=6", "run.checkpoint_every=1"])
+    rc, err = _cli(
+        [
+            DEMO,
+            f"run.output_dir={out}",
+            *SMALL,
+            "optim.lr=1e30",
+            "optim.warmup_steps=0",
+            "optim.max_grad_norm=null",
+            "run.max_steps=6",
+            "run.checkpoint_every=1",
+        ]
+    )
     line = _assert_one_line(rc, err, "training diverged", "optimizer step", "optim.lr", exit_code=1)
     bad = int(re.search(r"optimizer step (\d+)", line).group(1))
     assert bad > 1, line  # the first step's loss is finite
@@ -321,9 +380,15 @@ def test_a_bad_rayft_fault_is_one_line_exit_1(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "metrics.jsonl").read_text()  # refused before the first step
 
 
-@pytest.mark.parametrize("fault,says", [("kill:step", "cannot parse"), ("kill:rank=1", "needs step=<int>"),
-                                        ("oom:micro_batch_gt=two", "needs micro_batch_gt=<int>"),
-                                        ("sleep:step=1,seconds=", "needs seconds=<float>")])
+@pytest.mark.parametrize(
+    "fault,says",
+    [
+        ("kill:step", "cannot parse"),
+        ("kill:rank=1", "needs step=<int>"),
+        ("oom:micro_batch_gt=two", "needs micro_batch_gt=<int>"),
+        ("sleep:step=1,seconds=", "needs seconds=<float>"),
+    ],
+)
 def test_every_bad_rayft_fault_is_refused_before_the_first_step(monkeypatch, fault, says):
     from jobs.faults import from_env
 
@@ -344,6 +409,7 @@ def test_json_outputs_are_strict_non_finite_becomes_null(tmp_path):
 
 
 # ---- 7. one huge record costs what max_seq_len allows ---------------------------------------
+
 
 class _Recording:
     """A tokenizer wrapper that remembers the longest text it was handed."""
@@ -368,12 +434,22 @@ def test_a_huge_record_is_cut_before_tokenization(tmp_path):
     huge = "many words, " * 150_000  # 1.8 MB in one line
     path = tmp_path / "d.jsonl"
     normal = [{"text": "short record number %d" % i} for i in range(8)]
-    path.write_text("\n".join(json.dumps(r) for r in [{"text": huge}, {"prompt": huge, "completion": "x"},
-                                                       {"prompt": "q", "completion": huge}, *normal]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [{"text": huge}, {"prompt": huge, "completion": "x"}, {"prompt": "q", "completion": huge}, *normal]
+        )
+        + "\n"
+    )
     # A fresh output dir: the tokenized-data cache beside it is empty, so this load tokenizes.
-    spec = load_spec(data={"name": "big", "data": {"path": str(path), "max_seq_len": 64},
-                           "batch": {"global_batch_size": 8, "micro_batch_size": 2},
-                           "run": {"output_dir": str(tmp_path / "out")}})
+    spec = load_spec(
+        data={
+            "name": "big",
+            "data": {"path": str(path), "max_seq_len": 64},
+            "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+            "run": {"output_dir": str(tmp_path / "out")},
+        }
+    )
     bound = char_bound(tok, 64)
     assert bound < 10_000
     recording = _Recording(tok)
@@ -401,9 +477,12 @@ def test_a_huge_record_is_cut_before_tokenization(tmp_path):
 
 def test_a_deeply_nested_or_oversized_record_is_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    for name, line in (("deep", "[" * 100_000 + "]" * 100_000), ("deep-obj", '{"text": ' + "[" * 100_000),
-                       ("huge-int", '{"text": "a", "n": ' + "9" * 20_000 + "}"),
-                       ("surrogate", '{"text": "\\ud800"}')):
+    for name, line in (
+        ("deep", "[" * 100_000 + "]" * 100_000),
+        ("deep-obj", '{"text": ' + "[" * 100_000),
+        ("huge-int", '{"text": "a", "n": ' + "9" * 20_000 + "}"),
+        ("surrogate", '{"text": "\\ud800"}'),
+    ):
         path = tmp_path / f"{name}.jsonl"
         path.write_text(line + "\n")
         out = tmp_path / f"out-{name}"
@@ -414,6 +493,7 @@ def test_a_deeply_nested_or_oversized_record_is_one_line(tmp_path, monkeypatch):
 
 # ---- 8. DNS-1123 names are matched whole ----------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["ok\n", "ok\r\n", "\nok", "ok\u2028", "ok\x00"])
 def test_a_name_with_a_line_break_is_not_dns_1123(name):
     with pytest.raises(SpecError) as e:
@@ -422,6 +502,7 @@ def test_a_name_with_a_line_break_is_not_dns_1123(name):
 
 
 # ---- 9. what used to end in a traceback ------------------------------------------------------
+
 
 @pytest.fixture
 def empty_dir(tmp_path) -> Path:
@@ -476,6 +557,7 @@ def test_former_tracebacks_through_the_rayft_cli(tmp_path, monkeypatch, capsys):
 
 
 # ---- 10. corrupt checkpoints, odd data paths, --local with several workers -------------------
+
 
 def _fake_checkpoint(root: Path, step: int) -> Path:
     d = root / ckpt.step_dir_name(step)

@@ -31,7 +31,7 @@ import yaml
 
 from jobs.errors import ClusterUnreachable, JobNotFound, SpecError, UserError
 from jobs.spec import load_spec, validate as validate_spec
-from k8s_fake_api import (CRD_DIR, FakeKubeAPI, crds_available, k8s_validate_errors, strict_crd_validator)
+from k8s_fake_api import CRD_DIR, FakeKubeAPI, crds_available, k8s_validate_errors, strict_crd_validator
 from orchestrator.backends import kuberay as k8s
 from orchestrator.backends.kuberay import client as kuberay_client
 from orchestrator.backends.kuberay.policy import CLUSTER_LABEL
@@ -43,7 +43,7 @@ _VENV_KUBECTL = Path(sys.executable).parent / "kubectl"
 KUBECTL = str(_VENV_KUBECTL) if _VENV_KUBECTL.is_file() else shutil.which("kubectl")
 NEEDS_KUBECTL = pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH: kustomize builds not checked")
 NEEDS_CRDS = pytest.mark.skipif(not crds_available(), reason=f"KubeRay CRDs not found in {CRD_DIR}")
-OVERLAYS = k8s.overlays()            # gpu, dev-cpu and the cluster flavours (gke, eks, onprem)
+OVERLAYS = k8s.overlays()  # gpu, dev-cpu and the cluster flavours (gke, eks, onprem)
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -68,7 +68,7 @@ def example_specs() -> list[tuple[str, object, str, str]]:
     for f in sorted((REPO / "examples").glob("*.yaml")):
         raw = yaml.safe_load(f.read_text())
         if not isinstance(raw, dict) or not {"name", "data"} <= set(raw):
-            continue                                   # not a job or search spec
+            continue  # not a job or search spec
         kind = "tune" if "search" in raw else "finetune"
         job = {k: v for k, v in raw.items() if k != "search"}
         out.append((f.name, load_spec(f, data=job, files=False), kind, f.read_text()))
@@ -78,10 +78,14 @@ def example_specs() -> list[tuple[str, object, str, str]]:
 
 
 def _inline_spec(**resources) -> dict:
-    return {"name": "tiny-lora", "model": {"name": "tiny-llama"},
-            "data": {"path": "examples/data/tiny.jsonl"},
-            "batch": {"global_batch_size": 32, "micro_batch_size": 4},
-            "resources": {"num_workers": 2, **resources}, "run": {"max_steps": 40}}
+    return {
+        "name": "tiny-lora",
+        "model": {"name": "tiny-llama"},
+        "data": {"path": "examples/data/tiny.jsonl"},
+        "batch": {"global_batch_size": 32, "micro_batch_size": 4},
+        "resources": {"num_workers": 2, **resources},
+        "run": {"max_steps": 40},
+    }
 
 
 def spec_of(**resources):
@@ -104,6 +108,7 @@ def _config_once():
         if key not in seen:
             seen[key] = read(spec)
         return copy.deepcopy(seen[key])
+
     return mock.patch.object(config_io, "config_from_spec", config_from_spec)
 
 
@@ -126,7 +131,7 @@ def _rendered_sets() -> list[tuple[str, list[dict]]]:
                 try:
                     objs = k8s.render(s, overlay=ov, kind=kind, spec_text=text if kind == "tune" else None)
                 except SpecError:
-                    continue                              # does not fit: refusals are tested below
+                    continue  # does not fit: refusals are tested below
                 out.append((f"{sid}{tag}@{ov}", objs))
     return out
 
@@ -139,6 +144,7 @@ def all_built_objects(built) -> list[tuple[str, dict]]:
 
 
 # ---- kustomize -----------------------------------------------------------------------------------
+
 
 @NEEDS_KUBECTL
 @pytest.mark.parametrize("path", kustomizations())
@@ -160,18 +166,26 @@ def test_layout_has_the_overlays_and_templates():
 def test_overlays_install_the_pieces(built):
     for ov in OVERLAYS:
         kinds = {(o["kind"], o["metadata"]["name"]) for o in built[f"overlays/{ov}"]}
-        for want in [("Namespace", "rayft"), ("RayCluster", "rayft"), ("PersistentVolumeClaim", "rayft-data"),
-                     ("NetworkPolicy", "rayft-default-deny-ingress"), ("NetworkPolicy", "rayft-ray-nodes"),
-                     ("ResourceFlavor", "rayft-gpu"), ("ClusterQueue", "rayft"), ("LocalQueue", "rayft"),
-                     ("ConfigMap", "rayft-node-type")]:
+        for want in [
+            ("Namespace", "rayft"),
+            ("RayCluster", "rayft"),
+            ("PersistentVolumeClaim", "rayft-data"),
+            ("NetworkPolicy", "rayft-default-deny-ingress"),
+            ("NetworkPolicy", "rayft-ray-nodes"),
+            ("ResourceFlavor", "rayft-gpu"),
+            ("ClusterQueue", "rayft"),
+            ("LocalQueue", "rayft"),
+            ("ConfigMap", "rayft-node-type"),
+        ]:
             assert want in kinds, f"overlays/{ov} lacks {want}"
         assert all(o["kind"] != "RayJob" for o in built[f"overlays/{ov}"]), "applying an overlay must not start jobs"
         jobs = {o["metadata"]["name"]: o for o in built[f"overlays/{ov}/jobs"] if o["kind"] == "RayJob"}
         assert set(jobs) == {"rayft-finetune-example", "rayft-tune-example"}
         assert "jobs.finetune" in jobs["rayft-finetune-example"]["spec"]["entrypoint"]
         assert "rayft tune" in jobs["rayft-tune-example"]["spec"]["entrypoint"]
-        assert all(o["metadata"]["name"] != "rayft-node-type" for o in built[f"overlays/{ov}/jobs"]), \
+        assert all(o["metadata"]["name"] != "rayft-node-type" for o in built[f"overlays/{ov}/jobs"]), (
             "the jobs build uses the node type as a source only (the overlay installs it)"
+        )
         for o in built[f"overlays/{ov}"] + built[f"overlays/{ov}/jobs"]:
             if o["kind"] not in ("Namespace", "ResourceFlavor", "ClusterQueue", "StorageClass", "PriorityClass"):
                 assert o["metadata"].get("namespace") == "rayft", o["metadata"]
@@ -206,18 +220,22 @@ def test_node_type_is_the_one_place_for_image_and_gpu_product(tmp_path):
     root = tmp_path / "k8s"
     shutil.copytree(K8S, root)
     f = root / "overlays/gpu/node-type/node-type.yaml"
-    f.write_text(f.read_text().replace("NVIDIA-H100-80GB-HBM3", "NVIDIA-A100-SXM4-40GB")
-                 .replace("rayproject/ray:2.60.0-py311-gpu", "registry.example/rayft:1.2.3"))
+    f.write_text(
+        f.read_text()
+        .replace("NVIDIA-H100-80GB-HBM3", "NVIDIA-A100-SXM4-40GB")
+        .replace("rayproject/ray:2.60.0-py311-gpu", "registry.example/rayft:1.2.3")
+    )
     objs = build(root / "overlays/gpu") + build(root / "overlays/gpu/jobs")
     text = yaml.safe_dump_all(objs)
     assert "NVIDIA-H100" not in text and "rayproject/ray" not in text
-    assert text.count("NVIDIA-A100-SXM4-40GB") >= 5    # node-type x2, RayCluster, ResourceFlavor, RayJobs
+    assert text.count("NVIDIA-A100-SXM4-40GB") >= 5  # node-type x2, RayCluster, ResourceFlavor, RayJobs
     for o in objs:
         for where, pod in k8s.pod_specs(o):
             assert {c["image"] for c in pod["containers"]} == {"registry.example/rayft:1.2.3"}, where
 
 
 # ---- strict schema validation --------------------------------------------------------------------
+
 
 @NEEDS_KUBECTL
 @NEEDS_CRDS
@@ -287,8 +305,10 @@ def _core_objects(objs):
             if o["kind"] == "RayJob":
                 temps.append(("submitter", o["spec"]["submitterPodTemplate"]))
             for part, t in temps:
-                yield f"{oid} {part}", {"apiVersion": "v1", "kind": "PodTemplate",
-                                        "metadata": {"name": "t"}, "template": t}
+                yield (
+                    f"{oid} {part}",
+                    {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": t},
+                )
         else:
             yield oid, o
 
@@ -320,8 +340,18 @@ def test_kubernetes_validate_catches_unknown_core_fields():
 
 KUEUE_SPEC_FIELDS = {
     "ResourceFlavor": {"nodeLabels", "nodeTaints", "tolerations", "topologyName"},
-    "ClusterQueue": {"resourceGroups", "cohortName", "queueingStrategy", "namespaceSelector", "flavorFungibility",
-                     "preemption", "admissionChecksStrategy", "stopPolicy", "fairSharing", "admissionScope"},
+    "ClusterQueue": {
+        "resourceGroups",
+        "cohortName",
+        "queueingStrategy",
+        "namespaceSelector",
+        "flavorFungibility",
+        "preemption",
+        "admissionChecksStrategy",
+        "stopPolicy",
+        "fairSharing",
+        "admissionScope",
+    },
     "LocalQueue": {"clusterQueue", "stopPolicy", "fairSharing"},
 }
 
@@ -346,10 +376,16 @@ def test_kueue_objects_hang_together(built, ov):
     node = k8s.load_node_type(ov)
     # The GPU flavor selects the node type's GPU label (GFD, GKE, Karpenter); a CPU-only overlay keeps
     # the base's (its GPU quota is 0).
-    assert by["ResourceFlavor"]["rayft-gpu"]["spec"]["nodeLabels"] == \
-        (node.gpu_selector() or k8s.load_node_type("gpu").gpu_selector())
-    gpus = sum(r["nominalQuota"] for rg in cq["resourceGroups"] for fl in rg["flavors"]
-               for r in fl["resources"] if r["name"] == "nvidia.com/gpu")
+    assert by["ResourceFlavor"]["rayft-gpu"]["spec"]["nodeLabels"] == (
+        node.gpu_selector() or k8s.load_node_type("gpu").gpu_selector()
+    )
+    gpus = sum(
+        r["nominalQuota"]
+        for rg in cq["resourceGroups"]
+        for fl in rg["flavors"]
+        for r in fl["resources"]
+        if r["name"] == "nvidia.com/gpu"
+    )
     assert (gpus > 0) == (k8s.load_node_type(ov).gpus_per_node > 0)
     for o in built[f"overlays/{ov}/jobs"]:
         if o["kind"] == "RayJob":
@@ -369,13 +405,14 @@ def test_template_specs_are_valid_job_specs(built):
 
 # ---- policy --------------------------------------------------------------------------------------
 
+
 @NEEDS_KUBECTL
 def test_policy_holds_for_everything_built(built):
-    for d, built_objs in built.items():        # one build is what one `kubectl apply -k` creates
+    for d, built_objs in built.items():  # one build is what one `kubectl apply -k` creates
         assert k8s.policy_violations(built_objs) == [], d
     objs = [o for _, o in all_built_objects(built)]
     pods = [w for o in objs for w, _ in k8s.pod_specs(o)]
-    assert len(pods) >= 12          # head + workers + submitters, per overlay and per jobs build
+    assert len(pods) >= 12  # head + workers + submitters, per overlay and per jobs build
 
 
 @pytest.mark.parametrize("sid,objs", RENDERED, ids=[r[0] for r in RENDERED])
@@ -387,34 +424,78 @@ def test_policy_holds_for_everything_rendered(sid, objs):
 
 
 def _deploy(**container) -> dict:
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
-            "spec": {"template": {"spec": {
-                "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
-                "containers": [{"name": "c", "image": "x", "securityContext": {
-                    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}, **container}]}}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d"},
+        "spec": {
+            "template": {
+                "spec": {
+                    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [
+                        {
+                            "name": "c",
+                            "image": "x",
+                            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                            **container,
+                        }
+                    ],
+                }
+            }
+        },
+    }
 
 
 def test_policy_checker_accepts_a_good_deployment():
     assert k8s.policy_violations([_deploy()]) == []
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda d: d["spec"]["template"]["spec"].pop("securityContext"), "runAsNonRoot"),
-    (lambda d: d["spec"]["template"]["spec"]["securityContext"].pop("seccompProfile"), "seccompProfile"),
-    (lambda d: d["spec"]["template"]["spec"]["containers"][0]["securityContext"].update(
-        allowPrivilegeEscalation=True), "allowPrivilegeEscalation"),
-    (lambda d: d["spec"]["template"]["spec"]["containers"][0]["securityContext"].pop("capabilities"), "drop"),
-    (lambda d: d["spec"]["template"]["spec"]["containers"][0]["securityContext"].update(privileged=True),
-     "privileged"),
-    (lambda d: d["spec"]["template"]["spec"].update(initContainers=[{"name": "init", "image": "x"}]),
-     "init container init"),
-    (lambda d: d["spec"]["template"]["spec"]["containers"][0].update(
-        env=[{"name": "HF_TOKEN", "value": "hf_not_really_a_token"}]), "inline value"),
-    (lambda d: d["spec"]["template"]["spec"]["containers"][0].update(
-        env=[{"name": "AWS_SECRET_ACCESS_KEY", "value": "abc"}]), "inline value"),
-    (lambda d: d["spec"]["template"]["spec"].update(hostNetwork=True), "hostNetwork"),
-], ids=["no-pod-sc", "no-seccomp", "priv-esc", "no-drop-all", "privileged", "bare-init", "hf-token",
-        "aws-key", "host-network"])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda d: d["spec"]["template"]["spec"].pop("securityContext"), "runAsNonRoot"),
+        (lambda d: d["spec"]["template"]["spec"]["securityContext"].pop("seccompProfile"), "seccompProfile"),
+        (
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["securityContext"].update(
+                allowPrivilegeEscalation=True
+            ),
+            "allowPrivilegeEscalation",
+        ),
+        (lambda d: d["spec"]["template"]["spec"]["containers"][0]["securityContext"].pop("capabilities"), "drop"),
+        (
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["securityContext"].update(privileged=True),
+            "privileged",
+        ),
+        (
+            lambda d: d["spec"]["template"]["spec"].update(initContainers=[{"name": "init", "image": "x"}]),
+            "init container init",
+        ),
+        (
+            lambda d: d["spec"]["template"]["spec"]["containers"][0].update(
+                env=[{"name": "HF_TOKEN", "value": "hf_not_really_a_token"}]
+            ),
+            "inline value",
+        ),
+        (
+            lambda d: d["spec"]["template"]["spec"]["containers"][0].update(
+                env=[{"name": "AWS_SECRET_ACCESS_KEY", "value": "abc"}]
+            ),
+            "inline value",
+        ),
+        (lambda d: d["spec"]["template"]["spec"].update(hostNetwork=True), "hostNetwork"),
+    ],
+    ids=[
+        "no-pod-sc",
+        "no-seccomp",
+        "priv-esc",
+        "no-drop-all",
+        "privileged",
+        "bare-init",
+        "hf-token",
+        "aws-key",
+        "host-network",
+    ],
+)
 def test_policy_checker_catches_bad_pods(mutate, expect):
     d = _deploy()
     mutate(d)
@@ -427,16 +508,28 @@ def test_policy_checker_catches_secrets_and_exposure():
     assert k8s.policy_violations([secret])
     empty = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"token": ""}}
     assert k8s.policy_violations([empty]) == []
-    leaked = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"},
-              "data": {"spec.yaml": "note: hf_" + "a" * 34}}
+    leaked = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "c"},
+        "data": {"spec.yaml": "note: hf_" + "a" * 34},
+    }
     assert any("credential" in b for b in k8s.policy_violations([leaked]))
     for typ, port in (("NodePort", 8265), ("LoadBalancer", 10001), ("LoadBalancer", 443)):
-        svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "svc"},
-               "spec": {"type": typ, "ports": [{"port": 443 if port == 443 else 80, "targetPort": port}]}}
+        svc = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "svc"},
+            "spec": {"type": typ, "ports": [{"port": 443 if port == 443 else 80, "targetPort": port}]},
+        }
         bad = k8s.policy_violations([svc])
         assert bool(bad) == (port != 443), (typ, port, bad)
-    ok = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "svc"},
-          "spec": {"type": "ClusterIP", "ports": [{"port": 8265}]}}
+    ok = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "svc"},
+        "spec": {"type": "ClusterIP", "ports": [{"port": 8265}]},
+    }
     assert k8s.policy_violations([ok]) == []
 
 
@@ -448,14 +541,17 @@ def test_policy_checker_catches_bad_ray_objects():
         "activeDeadlineSeconds": lambda rj: rj["spec"].pop("activeDeadlineSeconds"),
         "NodePort": lambda rj: rj["spec"]["rayClusterSpec"]["headGroupSpec"].update(serviceType="NodePort"),
         "LoadBalancer": lambda rj: rj["spec"]["rayClusterSpec"]["headGroupSpec"].update(
-            headService={"spec": {"type": "LoadBalancer"}}),
+            headService={"spec": {"type": "LoadBalancer"}}
+        ),
         "submitterPodTemplate": lambda rj: rj["spec"].pop("submitterPodTemplate"),
         "queue-name": lambda rj: rj["metadata"]["labels"].pop(k8s.QUEUE_LABEL),
         "shutdownAfterJobFinishes": lambda rj: rj["spec"].update(shutdownAfterJobFinishes=False),
         "submitter: container": lambda rj: rj["spec"]["submitterPodTemplate"]["spec"]["containers"][0].pop(
-            "securityContext"),
+            "securityContext"
+        ),
         "worker group gpu: container ray-worker": lambda rj: rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0][
-            "template"]["spec"]["containers"][0]["securityContext"].update(allowPrivilegeEscalation=True),
+            "template"
+        ]["spec"]["containers"][0]["securityContext"].update(allowPrivilegeEscalation=True),
         "runtimeEnvYAML": lambda rj: rj["spec"].update(runtimeEnvYAML="env_vars:\n  HF_TOKEN: abc\n"),
         "one plain command": lambda rj: rj["spec"].update(entrypoint="cd /home/ray/rayft && python -m jobs.finetune x"),
     }
@@ -475,18 +571,25 @@ def test_policy_checker_catches_a_broken_built_cluster(built):
     assert any("autoscaler sidecar" in b for b in k8s.policy_violations([rc]))
     rc = copy.deepcopy(next(o for o in built["overlays/gpu"] if o["kind"] == "RayCluster"))
     rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"].append(
-        {"name": "RAY_AUTH_TOKEN", "value": "s3cret"})
+        {"name": "RAY_AUTH_TOKEN", "value": "s3cret"}
+    )
     assert any("RAY_AUTH_TOKEN" in b for b in k8s.policy_violations([rc]))
 
 
 # ---- render --------------------------------------------------------------------------------------
 
+
 def test_render_shape_for_a_gpu_spec():
-    spec = load_spec(data={**_inline_spec(use_gpu=True, num_workers=4, cpus_per_worker=3,
-                                          accelerator_type="H100"),
-                           "model": {"name": "tiny-llama", "hf_token_env": "HF_TOKEN"}}, files=False)
-    cm, rj, pdb = k8s.render(spec, overlay="gpu", queue="team-a", image="reg.example/rayft:1",
-                        spec_path="examples/x.yaml")
+    spec = load_spec(
+        data={
+            **_inline_spec(use_gpu=True, num_workers=4, cpus_per_worker=3, accelerator_type="H100"),
+            "model": {"name": "tiny-llama", "hf_token_env": "HF_TOKEN"},
+        },
+        files=False,
+    )
+    cm, rj, pdb = k8s.render(
+        spec, overlay="gpu", queue="team-a", image="reg.example/rayft:1", spec_path="examples/x.yaml"
+    )
     node = k8s.load_node_type("gpu")
     name = rj["metadata"]["name"]
     assert name == k8s.job_name(spec) and rj["spec"]["jobId"] == name
@@ -502,15 +605,23 @@ def test_render_shape_for_a_gpu_spec():
     assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 4
     pod = g["template"]["spec"]
     c = pod["containers"][0]
-    assert c["resources"]["limits"] == {"cpu": "4", "memory": f"{int(node.worker_memory_gib)}Gi", "nvidia.com/gpu": "1",
-                                        "ephemeral-storage": f"{int(node.worker_ephemeral_gib)}Gi"}
+    assert c["resources"]["limits"] == {
+        "cpu": "4",
+        "memory": f"{int(node.worker_memory_gib)}Gi",
+        "nvidia.com/gpu": "1",
+        "ephemeral-storage": f"{int(node.worker_ephemeral_gib)}Gi",
+    }
     assert c["resources"]["requests"] == c["resources"]["limits"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": node.gpu_product}
     assert c["image"] == "reg.example/rayft:1"
-    assert c["env"] == [{"name": "HF_HOME", "value": "/mnt/rayft/cache/huggingface"},
-                        {"name": "RAYFT_CACHE", "value": "/mnt/rayft/cache/rayft"},
-                        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": k8s.HF_SECRET, "key": k8s.HF_SECRET_KEY, "optional": True}}}]
+    assert c["env"] == [
+        {"name": "HF_HOME", "value": "/mnt/rayft/cache/huggingface"},
+        {"name": "RAYFT_CACHE", "value": "/mnt/rayft/cache/rayft"},
+        {
+            "name": "HF_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": k8s.HF_SECRET, "key": k8s.HF_SECRET_KEY, "optional": True}},
+        },
+    ]
     head = rc["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in head["resources"]["limits"]
     ep = rj["spec"]["entrypoint"]
@@ -525,7 +636,7 @@ def test_render_yaml_round_trips_and_names_are_deterministic():
     docs = [d for d in yaml.safe_load_all(text) if d]
     assert [d["kind"] for d in docs] == ["ConfigMap", "RayJob", "PodDisruptionBudget"]
     assert docs == k8s.render(spec, overlay="dev-cpu")
-    assert "spec.yaml: |" in text                       # the spec stays readable
+    assert "spec.yaml: |" in text  # the spec stays readable
     again = load_spec(data=_inline_spec(), files=False)
     assert k8s.job_name(again) == k8s.job_name(spec)
     other = load_spec(data=_inline_spec(), overrides=["optim.lr=0.002"], files=False)
@@ -566,32 +677,46 @@ def test_rayjob_templates_are_generated_from_render():
     assert set(files) == {"rayjob-finetune.yaml", "rayjob-tune.yaml"}
     for kind, (fname, name, configmap) in templates.TEMPLATES.items():
         text = files[fname]
-        assert (K8S / "jobs" / fname).read_text() == text, \
+        assert (K8S / "jobs" / fname).read_text() == text, (
             f"k8s/jobs/{fname} is stale: run python -m orchestrator.backends.kuberay.templates"
-        rj, pdb = yaml.safe_load_all(text)          # the RayJob, then its PodDisruptionBudget
+        )
+        rj, pdb = yaml.safe_load_all(text)  # the RayJob, then its PodDisruptionBudget
         assert rj == templates.template(kind) and rj["metadata"]["name"] == name
         assert pdb == templates.template_pdb(kind, rj) and pdb["metadata"]["name"] == name
         assert k8s.policy_violations([rj, pdb]) == []
-        assert text.startswith("# ") and "\n  # " in text          # the comments are written into the file
-        mounted = {v["configMap"]["name"] for _, pod in k8s.pod_specs(rj) for v in pod.get("volumes", [])
-                   if "configMap" in v}
+        assert text.startswith("# ") and "\n  # " in text  # the comments are written into the file
+        mounted = {
+            v["configMap"]["name"] for _, pod in k8s.pod_specs(rj) for v in pod.get("volumes", []) if "configMap" in v
+        }
         assert mounted == {configmap}
     tune = next(yaml.safe_load_all(files["rayjob-tune.yaml"]))
     search = yaml.safe_load(templates.example_spec_text("rayft-search-example", K8S / "jobs"))
-    assert tune["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == \
-        search["resources"]["num_workers"] * search["search"]["max_concurrent_trials"]
+    assert (
+        tune["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"]
+        == search["resources"]["num_workers"] * search["search"]["max_concurrent_trials"]
+    )
 
 
 @NEEDS_KUBECTL
 def test_render_matches_the_kustomize_templates(built):
     """The rendered RayJob keeps the templates' shape: same security, volumes, labels, auth."""
     for ov in OVERLAYS:
-        tmpl = next(o for o in built[f"overlays/{ov}/jobs"]
-                    if o["kind"] == "RayJob" and o["metadata"]["name"] == "rayft-finetune-example")
+        tmpl = next(
+            o
+            for o in built[f"overlays/{ov}/jobs"]
+            if o["kind"] == "RayJob" and o["metadata"]["name"] == "rayft-finetune-example"
+        )
         use_gpu = k8s.load_node_type(ov).gpus_per_node > 0
         rj = k8s.render(spec_of(use_gpu=use_gpu), overlay=ov)[1]
-        for key in ("submissionMode", "shutdownAfterJobFinishes", "ttlSecondsAfterFinished",
-                    "activeDeadlineSeconds", "backoffLimit", "submitterConfig", "runtimeEnvYAML"):
+        for key in (
+            "submissionMode",
+            "shutdownAfterJobFinishes",
+            "ttlSecondsAfterFinished",
+            "activeDeadlineSeconds",
+            "backoffLimit",
+            "submitterConfig",
+            "runtimeEnvYAML",
+        ):
             assert rj["spec"][key] == tmpl["spec"][key], key
         a, b = rj["spec"]["rayClusterSpec"], tmpl["spec"]["rayClusterSpec"]
         for key in ("rayVersion", "authOptions", "enableInTreeAutoscaling"):
@@ -610,16 +735,21 @@ def test_render_matches_the_kustomize_templates(built):
             ca, cb = ta["spec"]["containers"][0], tb["spec"]["containers"][0]
             for key in ("name", "image", "securityContext"):
                 assert ca[key] == cb[key], (ov, part, key)
-            assert [(m["name"], m["mountPath"]) for m in ca["volumeMounts"]] == \
-                [(m["name"], m["mountPath"]) for m in cb["volumeMounts"]]
+            assert [(m["name"], m["mountPath"]) for m in ca["volumeMounts"]] == [
+                (m["name"], m["mountPath"]) for m in cb["volumeMounts"]
+            ]
             assert set(ca["resources"]["limits"]) == set(cb["resources"]["limits"])
         pdb = k8s.render(spec_of(use_gpu=use_gpu), overlay=ov)[2]
-        tpdb = next(o for o in built[f"overlays/{ov}/jobs"]
-                    if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "rayft-finetune-example")
+        tpdb = next(
+            o
+            for o in built[f"overlays/{ov}/jobs"]
+            if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "rayft-finetune-example"
+        )
         assert pdb["spec"]["selector"]["matchLabels"][CLUSTER_LABEL] == rj["metadata"]["name"]
         assert tpdb["spec"]["selector"]["matchLabels"][CLUSTER_LABEL] == tmpl["metadata"]["name"]
-        assert {k: v for k, v in pdb["spec"].items() if k != "selector"} == \
-            {k: v for k, v in tpdb["spec"].items() if k != "selector"}
+        assert {k: v for k, v in pdb["spec"].items() if k != "selector"} == {
+            k: v for k, v in tpdb["spec"].items() if k != "selector"
+        }
         sa, sb = rj["spec"]["submitterPodTemplate"], tmpl["spec"]["submitterPodTemplate"]
         assert sa["metadata"] == sb["metadata"]
         assert sa["spec"]["securityContext"] == sb["spec"]["securityContext"]
@@ -628,14 +758,20 @@ def test_render_matches_the_kustomize_templates(built):
 
 # ---- refusals ------------------------------------------------------------------------------------
 
+
 def _fake_memory(monkeypatch, total_gib: float):
     mod = types.ModuleType("jobs.memory")
     calls = []
 
     def plan_for_spec(spec, device="cuda", gpu_memory_gib=None):
         calls.append(device)
-        return types.SimpleNamespace(total_gib=total_gib, checkpointing="off", choice="ddp",
-                                     estimate=types.SimpleNamespace(total_bytes=int(total_gib * 2**30)))
+        return types.SimpleNamespace(
+            total_gib=total_gib,
+            checkpointing="off",
+            choice="ddp",
+            estimate=types.SimpleNamespace(total_bytes=int(total_gib * 2**30)),
+        )
+
     mod.plan_for_spec = plan_for_spec
     monkeypatch.setitem(sys.modules, "jobs.memory", mod)
     return calls
@@ -666,7 +802,7 @@ def test_refuses_an_estimate_above_the_gpu_memory(monkeypatch):
     _fake_memory(monkeypatch, 12.345)
     rj = k8s.render(spec_of(use_gpu=True), overlay="gpu")[1]
     assert rj["metadata"]["annotations"][k8s.ANN_ESTIMATE] == "12.35"
-    calls = _fake_memory(monkeypatch, 500.0)             # CPU jobs: annotated, not refused
+    calls = _fake_memory(monkeypatch, 500.0)  # CPU jobs: annotated, not refused
     rj = k8s.render(spec_of(), overlay="dev-cpu")[1]
     assert calls == ["cpu"] and rj["metadata"]["annotations"][k8s.ANN_ESTIMATE] == "500.00"
 
@@ -695,9 +831,15 @@ def test_real_memory_model_annotates_when_present():
         if spec.model.name == "tiny-llama":
             rj = k8s.render(spec, overlay="dev-cpu" if not spec.resources.use_gpu else "gpu")[1]
             float(rj["metadata"]["annotations"][k8s.ANN_ESTIMATE])
-    huge = load_spec(data={**_inline_spec(use_gpu=True), "data": {"path": "x.jsonl", "max_seq_len": 100000},
-                           "batch": {"global_batch_size": 256, "micro_batch_size": 128},
-                           "memory": {"gradient_checkpointing": False}}, files=False)
+    huge = load_spec(
+        data={
+            **_inline_spec(use_gpu=True),
+            "data": {"path": "x.jsonl", "max_seq_len": 100000},
+            "batch": {"global_batch_size": 256, "micro_batch_size": 128},
+            "memory": {"gradient_checkpointing": False},
+        },
+        files=False,
+    )
     est = jobs.memory.estimate_for_spec(huge, device="cuda").total_gib
     assert est > 80
     with pytest.raises(SpecError) as e:
@@ -706,6 +848,7 @@ def test_real_memory_model_annotates_when_present():
 
 
 # ---- the KubeRay backend against a fake API server -----------------------------------------------
+
 
 @pytest.fixture
 def fake_api():
@@ -735,8 +878,12 @@ def test_backend_submit_status_logs_stop(fake_api):
     assert [s.state for s in seen] == ["PENDING", "RUNNING", "SUCCEEDED", "SUCCEEDED"]
     assert seen[2].details["job_status"] == "SUCCEEDED" and seen[0].spec_hash == spec.spec_hash(10)
 
-    fake_api.add_pod("rayft", f"{name}-x7k2p", {"batch.kubernetes.io/job-name": name},
-                     "Job submitted\nstep 1/40 loss 5.5\nstep 40/40 loss 2.1\n")
+    fake_api.add_pod(
+        "rayft",
+        f"{name}-x7k2p",
+        {"batch.kubernetes.io/job-name": name},
+        "Job submitted\nstep 1/40 loss 5.5\nstep 40/40 loss 2.1\n",
+    )
     fake_api.add_pod("rayft", "other-pod", {"batch.kubernetes.io/job-name": "other"}, "not this one\n")
     out = be.logs(name)
     assert "step 40/40 loss 2.1" in out and "not this one" not in out
@@ -756,7 +903,7 @@ def test_backend_submit_is_idempotent(fake_api):
     be = _backend(fake_api)
     assert be.submit_spec(spec) == be.submit_spec(spec)
     posts = [code for method, path, code in fake_api.requests if method == "POST" and path.endswith("/rayjobs")]
-    assert posts == [201, 409]                         # the second create met AlreadyExists
+    assert posts == [201, 409]  # the second create met AlreadyExists
     assert len(fake_api.rayjobs) == 1 and len(fake_api.configmaps) == 1
 
 
@@ -779,13 +926,13 @@ def test_backend_creates_in_order_and_refuses_a_budget_of_another_spec(fake_api)
     posts = [path.rsplit("/", 1)[1] for method, path, code in fake_api.requests if method == "POST"]
     assert posts == ["configmaps", "poddisruptionbudgets", "rayjobs"]
     fake_api.rayjobs.clear()
-    assert be.submit_spec(spec) == name                # the same budget (and ConfigMap): matched, not replaced
+    assert be.submit_spec(spec) == name  # the same budget (and ConfigMap): matched, not replaced
     assert len(fake_api.pdbs) == 1 and fake_api.pdbs[("rayft", name)]["spec"]["maxUnavailable"] == 0
     fake_api.pdbs[("rayft", name)]["spec"]["maxUnavailable"] = 1
     fake_api.rayjobs.clear()
     with pytest.raises(k8s.KubeRayError, match=f"PodDisruptionBudget {name} exists with spec .*Unavailable.: 1") as e:
         be.submit_spec(spec)
-    assert "\n" not in str(e.value) and not fake_api.rayjobs       # refused before the RayJob
+    assert "\n" not in str(e.value) and not fake_api.rayjobs  # refused before the RayJob
 
 
 @NEEDS_CRDS
@@ -796,6 +943,7 @@ def test_fake_api_rejects_an_invalid_rayjob(fake_api, monkeypatch):
         objs = real(*a, **kw)
         objs[1]["spec"]["rayClusterSpec"]["headGroupSpec"]["serviceTyp"] = "ClusterIP"
         return objs
+
     monkeypatch.setattr(kuberay_client, "render", broken)
     with pytest.raises(k8s.KubeRayError, match="422.*serviceTyp"):
         _backend(fake_api).submit_spec(spec_of())
@@ -807,8 +955,13 @@ def test_backend_logs_fall_back_to_the_head_pod(fake_api):
     be = _backend(fake_api)
     name = be.submit_spec(spec_of())
     assert "no submitter or head pod" in be.logs(name)
-    fake_api.add_pod("rayft", f"{name}-abcde-head-1", {"ray.io/cluster": f"{name}-abcde", "ray.io/node-type": "head"},
-                     "driver says hi\n", container="ray-head")
+    fake_api.add_pod(
+        "rayft",
+        f"{name}-abcde-head-1",
+        {"ray.io/cluster": f"{name}-abcde", "ray.io/node-type": "head"},
+        "driver says hi\n",
+        container="ray-head",
+    )
     assert be.logs(name) == "driver says hi\n"
 
 
@@ -827,7 +980,7 @@ def test_backend_reports_an_unreachable_api_server_in_one_line():
 
     from kubernetes import client
 
-    with socket.socket() as sock:                       # a port nothing listens on
+    with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cfg = client.Configuration()
@@ -838,18 +991,21 @@ def test_backend_reports_an_unreachable_api_server_in_one_line():
     assert "\n" not in str(e.value) and e.value.exit_code == 2
 
 
-@pytest.mark.parametrize("status,suspend,state", [
-    ({}, False, "PENDING"),
-    ({}, True, "QUEUED"),
-    ({"jobDeploymentStatus": "Suspended"}, True, "QUEUED"),
-    ({"jobDeploymentStatus": "Initializing"}, False, "PENDING"),
-    ({"jobDeploymentStatus": "Running", "jobStatus": "PENDING"}, False, "PENDING"),
-    ({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}, False, "RUNNING"),
-    ({"jobDeploymentStatus": "Retrying"}, False, "RUNNING"),
-    ({"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}, False, "SUCCEEDED"),
-    ({"jobDeploymentStatus": "Complete", "jobStatus": "STOPPED"}, False, "STOPPED"),
-    ({"jobDeploymentStatus": "Failed", "jobStatus": "FAILED"}, False, "FAILED"),
-    ({"jobDeploymentStatus": "ValidationFailed"}, False, "FAILED"),
-])
+@pytest.mark.parametrize(
+    "status,suspend,state",
+    [
+        ({}, False, "PENDING"),
+        ({}, True, "QUEUED"),
+        ({"jobDeploymentStatus": "Suspended"}, True, "QUEUED"),
+        ({"jobDeploymentStatus": "Initializing"}, False, "PENDING"),
+        ({"jobDeploymentStatus": "Running", "jobStatus": "PENDING"}, False, "PENDING"),
+        ({"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}, False, "RUNNING"),
+        ({"jobDeploymentStatus": "Retrying"}, False, "RUNNING"),
+        ({"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}, False, "SUCCEEDED"),
+        ({"jobDeploymentStatus": "Complete", "jobStatus": "STOPPED"}, False, "STOPPED"),
+        ({"jobDeploymentStatus": "Failed", "jobStatus": "FAILED"}, False, "FAILED"),
+        ({"jobDeploymentStatus": "ValidationFailed"}, False, "FAILED"),
+    ],
+)
 def test_job_state(status, suspend, state):
     assert k8s.job_state({"spec": {"suspend": suspend}, "status": status}) == state

@@ -39,20 +39,37 @@ from celpy.evaluation import CELEvalError  # noqa: E402
 
 KUEUE_CRD_DIR = CRD_DIR.parent / "kueue-crds"
 CRD_FILES = sorted(CRD_DIR.glob("*.yaml")) + sorted(KUEUE_CRD_DIR.glob("*.yaml"))
-pytestmark = pytest.mark.skipif(not (list(CRD_DIR.glob("*.yaml")) and list(KUEUE_CRD_DIR.glob("*.yaml"))),
-                                reason=f"KubeRay or Kueue CRDs not found in {CRD_DIR} / {KUEUE_CRD_DIR}")
+pytestmark = pytest.mark.skipif(
+    not (list(CRD_DIR.glob("*.yaml")) and list(KUEUE_CRD_DIR.glob("*.yaml"))),
+    reason=f"KubeRay or Kueue CRDs not found in {CRD_DIR} / {KUEUE_CRD_DIR}",
+)
 
 
 # ---- Kubernetes' CEL libraries that cel-python lacks ------------------------------------------------
 
-_SUFFIX = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
-           "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
-           "P": Decimal("1e15"), "E": Decimal("1e18"),
-           "Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30), "Ti": Decimal(2**40),
-           "Pi": Decimal(2**50), "Ei": Decimal(2**60)}
+_SUFFIX = {
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": Decimal(1),
+    "k": Decimal("1e3"),
+    "M": Decimal("1e6"),
+    "G": Decimal("1e9"),
+    "T": Decimal("1e12"),
+    "P": Decimal("1e15"),
+    "E": Decimal("1e18"),
+    "Ki": Decimal(2**10),
+    "Mi": Decimal(2**20),
+    "Gi": Decimal(2**30),
+    "Ti": Decimal(2**40),
+    "Pi": Decimal(2**50),
+    "Ei": Decimal(2**60),
+}
 # k8s.io/apimachinery resource.Quantity: a signed decimal, then a binary/decimal SI suffix or an
 # exponent (e3, E-2).
-_QUANTITY = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)|[eE]([+-]?[0-9]+))?")
+_QUANTITY = re.compile(
+    r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)|[eE]([+-]?[0-9]+))?"
+)
 
 
 class Quantity:
@@ -138,12 +155,19 @@ K8S_FUNCTIONS: dict[str, Any] = {
     "getHostname": lambda u: celtypes.StringType(u.hostname or ""),
     "getPort": lambda u: celtypes.StringType("" if u.port is None else str(u.port)),
     "getEscapedPath": lambda u: celtypes.StringType(u.path),
-    "getQuery": lambda u: celtypes.MapType({celtypes.StringType(k): celtypes.ListType(
-        [celtypes.StringType(x) for x in v]) for k, v in parse_qs(u.query).items()}),
+    "getQuery": lambda u: celtypes.MapType(
+        {
+            celtypes.StringType(k): celtypes.ListType([celtypes.StringType(x) for x in v])
+            for k, v in parse_qs(u.query).items()
+        }
+    ),
     # regex library (regex.go): find / findAll; `matches` is cel-python's (RE2, unanchored)
     "find": lambda s, r: celtypes.StringType((lambda m: m.group(0) if m else "")(re.search(str(r), str(s)))),
-    "findAll": lambda s, r, *n: celtypes.ListType([celtypes.StringType(m.group(0)) for m in re.finditer(
-        str(r), str(s))][: (int(n[0]) if n and int(n[0]) >= 0 else None)]),
+    "findAll": lambda s, r, *n: celtypes.ListType(
+        [celtypes.StringType(m.group(0)) for m in re.finditer(str(r), str(s))][
+            : (int(n[0]) if n and int(n[0]) >= 0 else None)
+        ]
+    ),
     # lists library (lists.go), min/max left out: cel-python would read them as its own macros
     "isSorted": _bool(lambda xs: list(xs) == sorted(xs)),
     "sum": lambda xs: sum(xs[1:], xs[0]) if len(xs) else celtypes.IntType(0),
@@ -154,9 +178,13 @@ K8S_FUNCTIONS: dict[str, Any] = {
     "lowerAscii": lambda s: celtypes.StringType("".join(c.lower() if c.isascii() else c for c in str(s))),
     "upperAscii": lambda s: celtypes.StringType("".join(c.upper() if c.isascii() else c for c in str(s))),
     "replace": lambda s, a, b, *n: celtypes.StringType(str(s).replace(str(a), str(b), *(int(x) for x in n))),
-    "split": lambda s, sep, *n: celtypes.ListType([celtypes.StringType(x) for x in (
-        str(s).split(str(sep), int(n[0]) - 1) if n and int(n[0]) > 0 else str(s).split(str(sep)))]),
-    "substring": lambda s, a, *b: celtypes.StringType(str(s)[int(a): int(b[0]) if b else None]),
+    "split": lambda s, sep, *n: celtypes.ListType(
+        [
+            celtypes.StringType(x)
+            for x in (str(s).split(str(sep), int(n[0]) - 1) if n and int(n[0]) > 0 else str(s).split(str(sep)))
+        ]
+    ),
+    "substring": lambda s, a, *b: celtypes.StringType(str(s)[int(a) : int(b[0]) if b else None]),
     "trim": lambda s: celtypes.StringType(str(s).strip()),
     "join": lambda xs, *sep: celtypes.StringType((str(sep[0]) if sep else "").join(str(x) for x in xs)),
 }
@@ -171,14 +199,43 @@ def _safe(f) -> bool:
 
 
 # Functions and macros cel-python provides with the Kubernetes meaning (the CEL standard library).
-CEL_STANDARD = {"has", "all", "exists", "exists_one", "map", "filter", "size", "contains", "startsWith",
-                "endsWith", "matches", "int", "uint", "double", "string", "bytes", "bool", "duration",
-                "timestamp", "type", "getDate", "getDayOfMonth", "getDayOfWeek", "getDayOfYear",
-                "getFullYear", "getMonth", "getHours", "getMilliseconds", "getMinutes", "getSeconds"}
+CEL_STANDARD = {
+    "has",
+    "all",
+    "exists",
+    "exists_one",
+    "map",
+    "filter",
+    "size",
+    "contains",
+    "startsWith",
+    "endsWith",
+    "matches",
+    "int",
+    "uint",
+    "double",
+    "string",
+    "bytes",
+    "bool",
+    "duration",
+    "timestamp",
+    "type",
+    "getDate",
+    "getDayOfMonth",
+    "getDayOfWeek",
+    "getDayOfYear",
+    "getFullYear",
+    "getMonth",
+    "getHours",
+    "getMilliseconds",
+    "getMinutes",
+    "getSeconds",
+}
 SUPPORTED = CEL_STANDARD | set(K8S_FUNCTIONS)
 
 
 # ---- rules, compiled once -----------------------------------------------------------------------
+
 
 class Unsupported(Exception):
     """A rule this checker cannot evaluate faithfully: the test fails."""
@@ -187,10 +244,10 @@ class Unsupported(Exception):
 @dataclass
 class Rule:
     crd: str
-    path: str                     # schema path where the rule is declared, e.g. spec.deletionStrategy
+    path: str  # schema path where the rule is declared, e.g. spec.deletionStrategy
     rule: str
     message: str
-    transition: bool              # names oldSelf: not evaluated on create
+    transition: bool  # names oldSelf: not evaluated on create
     program: Any = None
     unsupported: Optional[str] = None
 
@@ -242,15 +299,15 @@ class Schema:
 
     crd: str
     root: dict
-    rules: dict[int, list[Rule]] = field(default_factory=dict)   # id(schema node) -> its rules
-    evaluated: set = field(default_factory=set)                  # (rule path, rule) evaluated so far
+    rules: dict[int, list[Rule]] = field(default_factory=dict)  # id(schema node) -> its rules
+    evaluated: set = field(default_factory=set)  # (rule path, rule) evaluated so far
 
     @classmethod
     def of(cls, crd: str, schema: dict) -> "Schema":
         s = cls(crd, schema)
         reached = s._compile(schema, "")
         declared = _count_rules(schema)
-        if reached != declared:   # a rule under anyOf/allOf/not would never be evaluated below
+        if reached != declared:  # a rule under anyOf/allOf/not would never be evaluated below
             raise Unsupported(f"{crd}: {declared - reached} rule(s) sit where this checker does not walk")
         return s
 
@@ -282,7 +339,7 @@ class Schema:
             return
         for r in self.rules.get(id(node), []):
             if r.transition:
-                continue                  # oldSelf: an update rule; there is no old object on create
+                continue  # oldSelf: an update rule; there is no old object on create
             if r.unsupported:
                 raise Unsupported(f"{r.crd} {r.path}: {r.rule!r} {r.unsupported}")
             self.evaluated.add((r.path, r.rule))
@@ -343,7 +400,9 @@ def load_schemas() -> dict[tuple[str, str], Schema]:
             group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
             for v in crd["spec"]["versions"]:
                 if v.get("served", True):
-                    out[(f"{group}/{v['name']}", kind)] = Schema.of(f"{kind} {v['name']}", v["schema"]["openAPIV3Schema"])
+                    out[(f"{group}/{v['name']}", kind)] = Schema.of(
+                        f"{kind} {v['name']}", v["schema"]["openAPIV3Schema"]
+                    )
     return out
 
 
@@ -361,6 +420,7 @@ def cel_violations(objs: list[dict]) -> list[str]:
 
 
 # ---- the objects: every overlay build and every render variant ---------------------------------------
+
 
 def _render_variants() -> list[tuple[str, list[dict]]]:
     """RENDERED (every example on every overlay it fits, + GPU variants), and: the tune kind, an image
@@ -386,9 +446,10 @@ VARIANTS = _render_variants()
 
 # ---- tests ------------------------------------------------------------------------------------------
 
+
 def test_every_rule_of_the_crds_is_compiled_and_evaluable_here():
     rules = [r for s in SCHEMAS.values() for r in s.all_rules()]
-    assert len(rules) >= 40, len(rules)          # KubeRay v1.7.0 + Kueue v0.19.2 declare dozens
+    assert len(rules) >= 40, len(rules)  # KubeRay v1.7.0 + Kueue v0.19.2 declare dozens
     kinds = {s.crd.split()[0] for s in SCHEMAS.values() if s.rules}
     assert {"RayCluster", "RayJob", "ClusterQueue", "ResourceFlavor", "LocalQueue", "Workload"} <= kinds
     bad = [f"{r.crd} {r.path}: {r.rule!r}: {r.unsupported}" for r in rules if r.unsupported]
@@ -428,6 +489,7 @@ def test_render_variants_cover_kinds_overlays_digests_and_gpu_packing():
 
 # ---- the checker reports broken objects ------------------------------------------------------------
 
+
 def _rendered_rayjob() -> dict:
     return copy.deepcopy(render(load_spec(data=_inline_spec(use_gpu=True), files=False), overlay="gpu")[1])
 
@@ -436,20 +498,44 @@ def _built(built, kind: str, overlay: str = "gpu") -> dict:
     return copy.deepcopy(next(o for o in built[f"overlays/{overlay}"] if o["kind"] == kind))
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda s: s.update(managedBy="someone-else"), "managedBy field value must be either"),
-    (lambda s: s["rayClusterSpec"].update(managedBy="x"), "managedBy field value must be either"),
-    (lambda s: s.update(deletionStrategy={"onSuccess": {"policy": "DeleteCluster"},
-                                          "deletionRules": [{"policy": "DeleteCluster",
-                                                             "condition": {"jobStatus": "SUCCEEDED"}}]}),
-     "cannot be used together within the same deletionStrategy"),
-    (lambda s: s.update(deletionStrategy={"onSuccess": {"policy": "DeleteCluster"}}),
-     "requires either BOTH onSuccess and onFailure"),
-    (lambda s: s.update(deletionStrategy={"deletionRules": [{"policy": "DeleteCluster", "condition": {
-        "jobStatus": "FAILED", "jobDeploymentStatus": "Failed"}}]}), "cannot be used together within the same deletion condition"),
-    (lambda s: s.update(deletionStrategy={"deletionRules": [{"policy": "DeleteCluster", "condition": {}}]}),
-     "requires either the JobStatus or the JobDeploymentStatus"),
-], ids=["managedBy", "cluster-managedBy", "legacy+rules", "half-legacy", "rule-two-conditions", "rule-no-condition"])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda s: s.update(managedBy="someone-else"), "managedBy field value must be either"),
+        (lambda s: s["rayClusterSpec"].update(managedBy="x"), "managedBy field value must be either"),
+        (
+            lambda s: s.update(
+                deletionStrategy={
+                    "onSuccess": {"policy": "DeleteCluster"},
+                    "deletionRules": [{"policy": "DeleteCluster", "condition": {"jobStatus": "SUCCEEDED"}}],
+                }
+            ),
+            "cannot be used together within the same deletionStrategy",
+        ),
+        (
+            lambda s: s.update(deletionStrategy={"onSuccess": {"policy": "DeleteCluster"}}),
+            "requires either BOTH onSuccess and onFailure",
+        ),
+        (
+            lambda s: s.update(
+                deletionStrategy={
+                    "deletionRules": [
+                        {
+                            "policy": "DeleteCluster",
+                            "condition": {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed"},
+                        }
+                    ]
+                }
+            ),
+            "cannot be used together within the same deletion condition",
+        ),
+        (
+            lambda s: s.update(deletionStrategy={"deletionRules": [{"policy": "DeleteCluster", "condition": {}}]}),
+            "requires either the JobStatus or the JobDeploymentStatus",
+        ),
+    ],
+    ids=["managedBy", "cluster-managedBy", "legacy+rules", "half-legacy", "rule-two-conditions", "rule-no-condition"],
+)
 def test_checker_reports_a_rayjob_breaking_a_kuberay_rule(mutate, expect):
     rj = _rendered_rayjob()
     assert cel_violations([rj]) == []
@@ -481,15 +567,18 @@ def test_checker_reports_kueue_objects_breaking_their_rules(built):
     cq = _built(built, "ClusterQueue")
     assert cel_violations([cq]) == []
     cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"].pop()
-    assert any("resourceGroups[0]" in b and "same number of resources as the coveredResources" in b
-               for b in cel_violations([cq]))
+    assert any(
+        "resourceGroups[0]" in b and "same number of resources as the coveredResources" in b
+        for b in cel_violations([cq])
+    )
     cq = _built(built, "ClusterQueue")
     cq["spec"].pop("cohortName", None)
     cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"][0]["borrowingLimit"] = 1
     assert any("borrowingLimit must be nil when cohort is empty" in b for b in cel_violations([cq]))
     rf = _built(built, "ResourceFlavor")
-    rf["spec"]["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule",
-                                  "tolerationSeconds": 60}]
+    rf["spec"]["tolerations"] = [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 60}
+    ]
     assert any("effect must be 'NoExecute'" in b for b in cel_violations([rf]))
     rf["spec"]["tolerations"] = [{"operator": "Equal", "value": "x"}]
     assert any("operator must be Exists when 'key' is empty" in b for b in cel_violations([rf]))
@@ -497,8 +586,12 @@ def test_checker_reports_kueue_objects_breaking_their_rules(built):
 
 def test_transition_rules_wait_for_an_update():
     """LocalQueue's `clusterQueue` is immutable (`self == oldSelf`): nothing to compare on create."""
-    lq = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "q"},
-          "spec": {"clusterQueue": "rayft"}}
+    lq = {
+        "apiVersion": "kueue.x-k8s.io/v1beta2",
+        "kind": "LocalQueue",
+        "metadata": {"name": "q"},
+        "spec": {"clusterQueue": "rayft"},
+    }
     schema = SCHEMAS[("kueue.x-k8s.io/v1beta2", "LocalQueue")]
     assert [r.transition for r in schema.all_rules()] == [True]
     assert cel_violations([lq]) == []
@@ -506,42 +599,89 @@ def test_transition_rules_wait_for_an_update():
 
 def test_defaults_apply_before_the_rules():
     """A rule reading a field the schema defaults sees the default, as on the API server."""
-    schema = Schema.of("T", {"type": "object", "properties": {"spec": {
-        "type": "object", "x-kubernetes-validations": [{"rule": "self.mode == 'fast'", "message": "mode"}],
-        "properties": {"mode": {"type": "string", "default": "slow"}}}}})
+    schema = Schema.of(
+        "T",
+        {
+            "type": "object",
+            "properties": {
+                "spec": {
+                    "type": "object",
+                    "x-kubernetes-validations": [{"rule": "self.mode == 'fast'", "message": "mode"}],
+                    "properties": {"mode": {"type": "string", "default": "slow"}},
+                }
+            },
+        },
+    )
     assert schema.check({"spec": {}}) == ["spec: mode"]
     assert schema.check({"spec": {"mode": "fast"}}) == []
-    assert schema.check({}) == []                          # absent: the rule is not evaluated
+    assert schema.check({}) == []  # absent: the rule is not evaluated
 
 
 def test_a_rule_reading_a_missing_field_rejects():
-    schema = Schema.of("T", {"type": "object", "properties": {"spec": {
-        "type": "object", "x-kubernetes-validations": [{"rule": "self.x > 1", "message": "x"}],
-        "properties": {"x": {"type": "integer"}}}}})
+    schema = Schema.of(
+        "T",
+        {
+            "type": "object",
+            "properties": {
+                "spec": {
+                    "type": "object",
+                    "x-kubernetes-validations": [{"rule": "self.x > 1", "message": "x"}],
+                    "properties": {"x": {"type": "integer"}},
+                }
+            },
+        },
+    )
     bad = schema.check({"spec": {}})
     assert len(bad) == 1 and "failed to evaluate" in bad[0]
 
 
 def _one_rule(rule: str) -> Schema:
-    return Schema.of("T", {"type": "object", "properties": {"v": {
-        "type": "object", "x-kubernetes-preserve-unknown-fields": True,
-        "x-kubernetes-validations": [{"rule": rule, "message": "no"}]}}})
+    return Schema.of(
+        "T",
+        {
+            "type": "object",
+            "properties": {
+                "v": {
+                    "type": "object",
+                    "x-kubernetes-preserve-unknown-fields": True,
+                    "x-kubernetes-validations": [{"rule": rule, "message": "no"}],
+                }
+            },
+        },
+    )
 
 
-@pytest.mark.parametrize("rule,good,bad", [
-    ("quantity(self.m).isLessThan(quantity('1Gi'))", {"m": "512Mi"}, {"m": "2Gi"}),
-    ("quantity(self.m).compareTo(quantity('1.5')) == 0", {"m": "1500m"}, {"m": "1.4"}),
-    ("isQuantity(self.m) && quantity(self.m).add(1).isGreaterThan(quantity('1e3'))", {"m": "1k"}, {"m": "1x"}),
-    ("quantity(self.m).asInteger() == 1024", {"m": "1Ki"}, {"m": "1.5"}),
-    ("isURL(self.u) && url(self.u).getScheme() == 'https' && url(self.u).getPort() == '8443'",
-     {"u": "https://h.example:8443/p"}, {"u": "h.example"}),
-    ("self.m.size() == 2 && size(self.m) == 2", {"m": {"a": 1, "b": 2}}, {"m": {"a": 1}}),
-    ("self.s.matches('^[a-z]+$') && self.s.find('[a-z]+') == self.s", {"s": "abc"}, {"s": "ab1"}),
-    ("self.l.isSorted() && self.l.sum() == 6 && self.l.indexOf(2) == 1", {"l": [1, 2, 3]}, {"l": [3, 2, 1]}),
-    ("self.s.lowerAscii().split('-').join('.') == 'a.b'", {"s": "A-B"}, {"s": "A_B"}),
-    ("has(self.x) ? self.x.exists_one(e, e == 'y') : true", {"x": ["y", "z"]}, {"x": ["y", "y"]}),
-], ids=["isLessThan", "compareTo", "isQuantity-add", "asInteger", "url", "map-size", "regex", "lists", "strings",
-        "has-macro"])
+@pytest.mark.parametrize(
+    "rule,good,bad",
+    [
+        ("quantity(self.m).isLessThan(quantity('1Gi'))", {"m": "512Mi"}, {"m": "2Gi"}),
+        ("quantity(self.m).compareTo(quantity('1.5')) == 0", {"m": "1500m"}, {"m": "1.4"}),
+        ("isQuantity(self.m) && quantity(self.m).add(1).isGreaterThan(quantity('1e3'))", {"m": "1k"}, {"m": "1x"}),
+        ("quantity(self.m).asInteger() == 1024", {"m": "1Ki"}, {"m": "1.5"}),
+        (
+            "isURL(self.u) && url(self.u).getScheme() == 'https' && url(self.u).getPort() == '8443'",
+            {"u": "https://h.example:8443/p"},
+            {"u": "h.example"},
+        ),
+        ("self.m.size() == 2 && size(self.m) == 2", {"m": {"a": 1, "b": 2}}, {"m": {"a": 1}}),
+        ("self.s.matches('^[a-z]+$') && self.s.find('[a-z]+') == self.s", {"s": "abc"}, {"s": "ab1"}),
+        ("self.l.isSorted() && self.l.sum() == 6 && self.l.indexOf(2) == 1", {"l": [1, 2, 3]}, {"l": [3, 2, 1]}),
+        ("self.s.lowerAscii().split('-').join('.') == 'a.b'", {"s": "A-B"}, {"s": "A_B"}),
+        ("has(self.x) ? self.x.exists_one(e, e == 'y') : true", {"x": ["y", "z"]}, {"x": ["y", "y"]}),
+    ],
+    ids=[
+        "isLessThan",
+        "compareTo",
+        "isQuantity-add",
+        "asInteger",
+        "url",
+        "map-size",
+        "regex",
+        "lists",
+        "strings",
+        "has-macro",
+    ],
+)
 def test_kubernetes_cel_functions_behave(rule, good, bad):
     schema = _one_rule(rule)
     assert schema.check({"v": good}) == []

@@ -36,6 +36,7 @@ def _shm_volume(pod):
 
 # ---- one /dev/shm rule -----------------------------------------------------------------------------
 
+
 def test_shm_rule():
     assert policy.shm_gib(16) == 5 and policy.shm_gib(96) == 29 and policy.shm_gib(2) == 1
     assert policy.shm_gib(1) == 0.5
@@ -57,20 +58,24 @@ def test_every_ray_pod_follows_the_one_shm_rule(built):
     assert seen >= 2 * len(RENDERED) + 8
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda pod: _shm_volume(pod)["emptyDir"].update(sizeLimit="4Gi"), "below 30%"),
-    (lambda pod: _shm_volume(pod)["emptyDir"].pop("medium"), "memory emptyDir"),
-    (lambda pod: pod["containers"][0]["volumeMounts"].pop(), "memory emptyDir"),
-    (lambda pod: pod["containers"][0]["resources"]["limits"].pop("memory"), "limits.memory"),
-], ids=["small", "disk", "unmounted", "no-limit"])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda pod: _shm_volume(pod)["emptyDir"].update(sizeLimit="4Gi"), "below 30%"),
+        (lambda pod: _shm_volume(pod)["emptyDir"].pop("medium"), "memory emptyDir"),
+        (lambda pod: pod["containers"][0]["volumeMounts"].pop(), "memory emptyDir"),
+        (lambda pod: pod["containers"][0]["resources"]["limits"].pop("memory"), "limits.memory"),
+    ],
+    ids=["small", "disk", "unmounted", "no-limit"],
+)
 def test_policy_flags_a_ray_pod_with_too_little_shm(mutate, expect):
     good = render(spec_of(use_gpu=True), overlay="gpu")
     assert policy.policy_violations(good) == []
     rj = copy.deepcopy(good[1])
     head = rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
-    head["containers"][0]["volumeMounts"] = [m for m in head["containers"][0]["volumeMounts"]
-                                             if m["mountPath"] != "/dev/shm"] + [
-        next(m for m in head["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm")]
+    head["containers"][0]["volumeMounts"] = [
+        m for m in head["containers"][0]["volumeMounts"] if m["mountPath"] != "/dev/shm"
+    ] + [next(m for m in head["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm")]
     mutate(head)
     bad = policy.policy_violations([rj])
     assert any("head" in b and expect in b for b in bad), bad
@@ -80,12 +85,14 @@ def test_policy_flags_the_old_head_shm_of_the_standing_cluster(built):
     rc = copy.deepcopy(next(o for o in built["overlays/gpu"] if o["kind"] == "RayCluster"))
     pdb = next(o for o in built["overlays/gpu"] if o["kind"] == "PodDisruptionBudget")
     assert policy.policy_violations([rc, pdb]) == []
-    _shm_volume(rc["spec"]["headGroupSpec"]["template"]["spec"])["emptyDir"]["sizeLimit"] = "4Gi"   # < 4.8Gi
-    assert any("head" in b and "4Gi is below 30% of the memory limit 16Gi" in b
-               for b in policy.policy_violations([rc, pdb]))
+    _shm_volume(rc["spec"]["headGroupSpec"]["template"]["spec"])["emptyDir"]["sizeLimit"] = "4Gi"  # < 4.8Gi
+    assert any(
+        "head" in b and "4Gi is below 30% of the memory limit 16Gi" in b for b in policy.policy_violations([rc, pdb])
+    )
 
 
 # ---- RayJobs hand the GPUs back when Kueue hands back the quota -------------------------------------
+
 
 def _rayjobs(built):
     return [(sid, o) for sid, objs in _everything(built) for o in objs if o.get("kind") == "RayJob"]
@@ -93,19 +100,23 @@ def _rayjobs(built):
 
 def test_every_rayjob_deletes_its_cluster_at_once_and_bounds_its_start(built):
     rayjobs = _rayjobs(built)
-    assert len(rayjobs) >= len(RENDERED) + 4          # rendered + both templates in each jobs build
+    assert len(rayjobs) >= len(RENDERED) + 4  # rendered + both templates in each jobs build
     for sid, rj in rayjobs:
         s = rj["spec"]
         assert s["shutdownAfterJobFinishes"] is True and s["ttlSecondsAfterFinished"] == 0, sid
         assert 0 < s["preRunningDeadlineSeconds"] < s["activeDeadlineSeconds"], sid
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda s: s.update(ttlSecondsAfterFinished=600), "ttlSecondsAfterFinished must be 0"),
-    (lambda s: s.pop("preRunningDeadlineSeconds"), "preRunningDeadlineSeconds must be set"),
-    (lambda s: s.update(preRunningDeadlineSeconds=0), "preRunningDeadlineSeconds must be set"),
-    (lambda s: s.update(preRunningDeadlineSeconds=s["activeDeadlineSeconds"]), "below activeDeadlineSeconds"),
-], ids=["ttl-600", "no-pre-running", "zero", "past-active"])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda s: s.update(ttlSecondsAfterFinished=600), "ttlSecondsAfterFinished must be 0"),
+        (lambda s: s.pop("preRunningDeadlineSeconds"), "preRunningDeadlineSeconds must be set"),
+        (lambda s: s.update(preRunningDeadlineSeconds=0), "preRunningDeadlineSeconds must be set"),
+        (lambda s: s.update(preRunningDeadlineSeconds=s["activeDeadlineSeconds"]), "below activeDeadlineSeconds"),
+    ],
+    ids=["ttl-600", "no-pre-running", "zero", "past-active"],
+)
 def test_policy_flags_a_rayjob_that_holds_gpus(mutate, expect):
     objs = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu"))
     assert policy.policy_violations(objs) == []
@@ -120,6 +131,7 @@ def test_ttl_absent_is_kuberays_default_zero():
 
 
 # ---- ephemeral storage; downloads and caches on the data volume -------------------------------------
+
 
 def test_every_ray_container_bounds_its_disk_and_caches_on_the_data_volume(built):
     seen = 0
@@ -144,19 +156,35 @@ def test_every_ray_container_bounds_its_disk_and_caches_on_the_data_volume(built
 def _mut_env(name):
     def f(pod):
         pod["containers"][0]["env"] = [e for e in pod["containers"][0]["env"] if e["name"] != name]
+
     return f
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda pod: pod["containers"][0]["resources"]["limits"].pop("ephemeral-storage"), "ephemeral-storage"),
-    (lambda pod: pod["containers"][0]["resources"]["requests"].update({"ephemeral-storage": "900Gi"}),
-     "request is above its limit"),
-    (_mut_env("HF_HOME"), "env HF_HOME"),
-    (_mut_env("RAYFT_CACHE"), "env RAYFT_CACHE"),
-    (lambda pod: pod["containers"][0]["env"].__setitem__(0, {"name": "HF_HOME", "value": "/tmp/hf"}), "env HF_HOME"),
-    (lambda pod: [m.update(mountPath="/data") for m in pod["containers"][0]["volumeMounts"]
-                  if m["mountPath"] == "/mnt/rayft"], "data volume"),
-], ids=["no-limit", "request-above", "no-hf-home", "no-cache", "hf-home-in-tmp", "no-data-volume"])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda pod: pod["containers"][0]["resources"]["limits"].pop("ephemeral-storage"), "ephemeral-storage"),
+        (
+            lambda pod: pod["containers"][0]["resources"]["requests"].update({"ephemeral-storage": "900Gi"}),
+            "request is above its limit",
+        ),
+        (_mut_env("HF_HOME"), "env HF_HOME"),
+        (_mut_env("RAYFT_CACHE"), "env RAYFT_CACHE"),
+        (
+            lambda pod: pod["containers"][0]["env"].__setitem__(0, {"name": "HF_HOME", "value": "/tmp/hf"}),
+            "env HF_HOME",
+        ),
+        (
+            lambda pod: [
+                m.update(mountPath="/data")
+                for m in pod["containers"][0]["volumeMounts"]
+                if m["mountPath"] == "/mnt/rayft"
+            ],
+            "data volume",
+        ),
+    ],
+    ids=["no-limit", "request-above", "no-hf-home", "no-cache", "hf-home-in-tmp", "no-data-volume"],
+)
 def test_policy_flags_a_worker_that_would_fill_the_node_disk(mutate, expect):
     rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
     mutate(rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"])
@@ -175,8 +203,12 @@ def test_policy_flags_a_submitter_without_an_ephemeral_storage_limit():
 from jobs.errors import SpecError, UserError  # noqa: E402
 from orchestrator.backends.kuberay import node_types  # noqa: E402
 
-FLAVOURS = {"gke": "cloud.google.com/gke-accelerator", "eks": "karpenter.k8s.aws/instance-gpu-name",
-            "onprem": "nvidia.com/gpu.product", "gpu": "nvidia.com/gpu.product"}
+FLAVOURS = {
+    "gke": "cloud.google.com/gke-accelerator",
+    "eks": "karpenter.k8s.aws/instance-gpu-name",
+    "onprem": "nvidia.com/gpu.product",
+    "gpu": "nvidia.com/gpu.product",
+}
 
 
 def test_the_flavour_overlays_exist():
@@ -191,16 +223,23 @@ def test_built_and_rendered_gpu_pods_select_the_flavours_label(built, ov):
     objs = built[f"overlays/{ov}"] + built[f"overlays/{ov}/jobs"]
     rendered = render(spec_of(use_gpu=True), overlay=ov)
     assert policy.policy_violations(rendered) == []
-    groups = [g for o in objs + rendered for g in
-              ((o.get("spec") or {}).get("workerGroupSpecs") or
-               ((o.get("spec") or {}).get("rayClusterSpec") or {}).get("workerGroupSpecs") or [])]
-    assert len(groups) == 4                          # standing cluster, 2 templates, rendered
+    groups = [
+        g
+        for o in objs + rendered
+        for g in (
+            (o.get("spec") or {}).get("workerGroupSpecs")
+            or ((o.get("spec") or {}).get("rayClusterSpec") or {}).get("workerGroupSpecs")
+            or []
+        )
+    ]
+    assert len(groups) == 4  # standing cluster, 2 templates, rendered
     for g in groups:
         pod = g["template"]["spec"]
         assert pod["nodeSelector"] == want, (ov, g["groupName"])
         assert pod["tolerations"] == [dict(t) for t in node.gpu_tolerations], (ov, g["groupName"])
-    flavor = next(o for o in built[f"overlays/{ov}"] if o["kind"] == "ResourceFlavor"
-                  and o["metadata"]["name"] == "rayft-gpu")
+    flavor = next(
+        o for o in built[f"overlays/{ov}"] if o["kind"] == "ResourceFlavor" and o["metadata"]["name"] == "rayft-gpu"
+    )
     assert flavor["spec"]["nodeLabels"] == want
 
 
@@ -226,15 +265,21 @@ def test_eks_efs_class_gives_the_ray_user_its_directory(built):
 
 def _gpu_quota(objs) -> int:
     cq = next(o for o in objs if o["kind"] == "ClusterQueue")
-    return sum(r["nominalQuota"] for rg in cq["spec"]["resourceGroups"] for fl in rg["flavors"]
-               for r in fl["resources"] if r["name"] == "nvidia.com/gpu")
+    return sum(
+        r["nominalQuota"]
+        for rg in cq["spec"]["resourceGroups"]
+        for fl in rg["flavors"]
+        for r in fl["resources"]
+        if r["name"] == "nvidia.com/gpu"
+    )
 
 
 def _standing_max_gpus(objs) -> int:
     rc = next(o for o in objs if o["kind"] == "RayCluster")
-    return sum(g["maxReplicas"] * int(g["template"]["spec"]["containers"][0]["resources"]["limits"]
-                                      .get("nvidia.com/gpu", 0))
-               for g in rc["spec"]["workerGroupSpecs"])
+    return sum(
+        g["maxReplicas"] * int(g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0))
+        for g in rc["spec"]["workerGroupSpecs"]
+    )
 
 
 @pytest.mark.parametrize("ov", sorted(FLAVOURS) + ["dev-cpu"])
@@ -271,14 +316,14 @@ def _spec_with_workers(workers: int):
     from test_k8s import _inline_spec
 
     d = _inline_spec(use_gpu=True, num_workers=workers)
-    d["batch"] = {"global_batch_size": 48, "micro_batch_size": 1}      # divides by 6 and by 8 workers
+    d["batch"] = {"global_batch_size": 48, "micro_batch_size": 1}  # divides by 6 and by 8 workers
     return load_spec(data=d, files=False)
 
 
 @pytest.mark.parametrize("ov", GPU_OVERLAYS)
 def test_render_refuses_more_gpus_than_kueue_hands_out(ov):
     quota = node_types.load_node_type(ov).job_quota_gpus
-    objs = render(_spec_with_workers(quota), overlay=ov)                 # exactly the quota: admitted
+    objs = render(_spec_with_workers(quota), overlay=ov)  # exactly the quota: admitted
     assert objs[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == quota
     with pytest.raises(SpecError) as e:
         render(_spec_with_workers(quota + 2), overlay=ov, spec_path="big.yaml")
@@ -291,10 +336,13 @@ def test_render_counts_every_concurrent_trial_of_a_search_against_the_quota():
     spec = _spec_with_workers(2)
     rj = render(spec, overlay="gpu", kind="tune", spec_text="name: s\n", concurrent_trials=3)[1]
     assert rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] == 6
-    with pytest.raises(SpecError, match=r"resources.num_workers=2 x search.max_concurrent_trials=4: 8 GPUs exceed "
-                                        r"the 6 GPUs .*jobQuotaGpus"):
+    with pytest.raises(
+        SpecError,
+        match=r"resources.num_workers=2 x search.max_concurrent_trials=4: 8 GPUs exceed "
+        r"the 6 GPUs .*jobQuotaGpus",
+    ):
         render(spec, overlay="gpu", kind="tune", spec_text="name: s\n", concurrent_trials=4)
-    render(spec, overlay="gpu", concurrent_trials=4)                     # a fine-tune has no trials
+    render(spec, overlay="gpu", concurrent_trials=4)  # a fine-tune has no trials
 
 
 def test_no_quota_in_the_node_type_is_not_checked(tmp_path):
@@ -328,7 +376,7 @@ def test_render_and_submit_cli_refuse_a_job_over_the_quota_before_creating_it(mo
         assert err.count("\n") == 1 and "8 GPUs exceed the 6 GPUs" in err and "jobQuotaGpus" in err
         assert not api.rayjobs and not api.configmaps and not api.pdbs
         assert main(["submit", "--backend", "kuberay", *job, "resources.num_workers=4", "--overlay", "gpu"]) == 0
-        assert len(api.rayjobs) == 1                                      # the same path does create
+        assert len(api.rayjobs) == 1  # the same path does create
 
 
 def test_shipped_examples_fit_the_quota_of_the_gpu_overlays():
@@ -339,36 +387,65 @@ def test_shipped_examples_fit_the_quota_of_the_gpu_overlays():
         assert {"tiny-lora.yaml", "tiny-chat.yaml", "smollm2-lora.yaml", "tune-accum.yaml"} <= fits, (ov, fits)
         assert "llama70b-lora.yaml" not in fits
 
+
 def _node_type_dir(tmp_path, **data):
     d = tmp_path / "ov" / "node-type"
     d.mkdir(parents=True)
-    base = {"cpusPerNode": "8", "workerMemoryGiB": "8", "headCpu": "1", "headMemoryGiB": "2", "image": "x:1",
-            "gpusPerNode": "1", "gpuMemoryGiB": "24", "gpuProduct": "NVIDIA-L4", **data}
+    base = {
+        "cpusPerNode": "8",
+        "workerMemoryGiB": "8",
+        "headCpu": "1",
+        "headMemoryGiB": "2",
+        "image": "x:1",
+        "gpusPerNode": "1",
+        "gpuMemoryGiB": "24",
+        "gpuProduct": "NVIDIA-L4",
+        **data,
+    }
     import yaml
-    (d / "node-type.yaml").write_text(yaml.safe_dump(
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "rayft-node-type"}, "data": base}))
+
+    (d / "node-type.yaml").write_text(
+        yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "rayft-node-type"}, "data": base})
+    )
     return tmp_path / "ov"
 
 
 def test_custom_label_and_tolerations_reach_the_rendered_job(tmp_path):
-    ov = _node_type_dir(tmp_path, flavour="custom", gpuLabelKey="example.com/gpu", gpuLabelValue="l4",
-                        gpuTolerations="[{key: dedicated, operator: Equal, value: gpu, effect: NoSchedule}]")
-    pod = render(spec_of(use_gpu=True), overlay=ov)[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0][
-        "template"]["spec"]
+    ov = _node_type_dir(
+        tmp_path,
+        flavour="custom",
+        gpuLabelKey="example.com/gpu",
+        gpuLabelValue="l4",
+        gpuTolerations="[{key: dedicated, operator: Equal, value: gpu, effect: NoSchedule}]",
+    )
+    pod = render(spec_of(use_gpu=True), overlay=ov)[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"][
+        "spec"
+    ]
     assert pod["nodeSelector"] == {"example.com/gpu": "l4"}
     assert pod["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]
 
 
-@pytest.mark.parametrize("data,expect", [
-    ({"flavour": "aks"}, "data.flavour 'aks'"),
-    ({"flavour": "custom"}, "data.gpuLabelKey is missing"),
-    ({"gpuTolerations": "{key: x}"}, "gpuTolerations must be a YAML list"),
-    ({"gpuTolerations": "[unclosed"}, "gpuTolerations is not YAML"),
-    ({"accessMode": "ReadMany"}, "data.accessMode 'ReadMany'"),
-    ({"jobQuotaGpus": "six"}, "data.jobQuotaGpus 'six': expected a whole number of GPUs"),
-    ({"jobQuotaGpus": "-2"}, "data.jobQuotaGpus '-2'"),
-], ids=["flavour", "custom-no-key", "tolerations-map", "tolerations-yaml", "access-mode", "quota-word",
-        "quota-negative"])
+@pytest.mark.parametrize(
+    "data,expect",
+    [
+        ({"flavour": "aks"}, "data.flavour 'aks'"),
+        ({"flavour": "custom"}, "data.gpuLabelKey is missing"),
+        ({"gpuTolerations": "{key: x}"}, "gpuTolerations must be a YAML list"),
+        ({"gpuTolerations": "[unclosed"}, "gpuTolerations is not YAML"),
+        ({"accessMode": "ReadMany"}, "data.accessMode 'ReadMany'"),
+        ({"jobQuotaGpus": "six"}, "data.jobQuotaGpus 'six': expected a whole number of GPUs"),
+        ({"jobQuotaGpus": "-2"}, "data.jobQuotaGpus '-2'"),
+    ],
+    ids=[
+        "flavour",
+        "custom-no-key",
+        "tolerations-map",
+        "tolerations-yaml",
+        "access-mode",
+        "quota-word",
+        "quota-negative",
+    ],
+)
 def test_a_bad_node_type_is_one_clear_error(tmp_path, data, expect):
     with pytest.raises(UserError, match=expect.replace("[", r"\[").replace("{", r"\{")):
         node_types.load_node_type(_node_type_dir(tmp_path, **data))
@@ -376,6 +453,7 @@ def test_a_bad_node_type_is_one_clear_error(tmp_path, data, expect):
 
 def test_render_cli_follows_the_overlays_node_type(capsys):
     from orchestrator.cli import main
+
     assert main(["k8s", "render", "examples/tiny-lora.yaml", "resources.use_gpu=true", "--overlay", "eks"]) == 0
     out = capsys.readouterr().out
     assert "karpenter.k8s.aws/instance-gpu-name: h100" in out and "nvidia.com/gpu.product" not in out
@@ -402,6 +480,7 @@ def test_image_by_digest_is_pulled_if_not_present_and_by_tag_always():
 @pytest.mark.parametrize("image", ["bad image!", "reg.example/rayft@sha256:abc", "Rayft:1", "reg/rayft:1;rm"])
 def test_a_bad_image_reference_is_one_clear_error(image):
     from jobs.errors import UserError
+
     with pytest.raises(UserError, match="not an image reference"):
         render(spec_of(use_gpu=True), overlay="gpu", image=image)
 
@@ -416,13 +495,17 @@ def test_every_built_and_rendered_tagged_image_is_pulled_always(built):
 
 def test_policy_flags_a_tag_pulled_if_not_present():
     rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu", image="registry.example/rayft:0.1.0")[1])
-    rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0][
-        "imagePullPolicy"] = "IfNotPresent"
-    assert any("worker group gpu" in b and "by tag with imagePullPolicy IfNotPresent" in b
-               for b in policy.policy_violations([rj]))
+    rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["imagePullPolicy"] = (
+        "IfNotPresent"
+    )
+    assert any(
+        "worker group gpu" in b and "by tag with imagePullPolicy IfNotPresent" in b
+        for b in policy.policy_violations([rj])
+    )
 
 
 # ---- disruption: annotations each autoscaler honours, a priority class -----------------------------
+
 
 def test_every_ray_pod_is_kept_from_consolidation_and_has_the_priority_class(built):
     seen = 0
@@ -445,12 +528,18 @@ def _worker_template(rj):
     return rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda t: t["metadata"]["annotations"].pop("karpenter.sh/do-not-disrupt"), "karpenter.sh/do-not-disrupt"),
-    (lambda t: t["metadata"]["annotations"].update({"cluster-autoscaler.kubernetes.io/safe-to-evict": "true"}),
-     "safe-to-evict"),
-    (lambda t: t["spec"].pop("priorityClassName"), "priorityClassName"),
-], ids=["karpenter", "cluster-autoscaler", "priority"])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda t: t["metadata"]["annotations"].pop("karpenter.sh/do-not-disrupt"), "karpenter.sh/do-not-disrupt"),
+        (
+            lambda t: t["metadata"]["annotations"].update({"cluster-autoscaler.kubernetes.io/safe-to-evict": "true"}),
+            "safe-to-evict",
+        ),
+        (lambda t: t["spec"].pop("priorityClassName"), "priorityClassName"),
+    ],
+    ids=["karpenter", "cluster-autoscaler", "priority"],
+)
 def test_policy_flags_an_evictable_training_pod(mutate, expect):
     rj = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu")[1])
     mutate(_worker_template(rj))
@@ -458,6 +547,7 @@ def test_policy_flags_an_evictable_training_pod(mutate, expect):
 
 
 # ---- the operator's NetworkPolicy selector comes from the node type ---------------------------------
+
 
 def _operator_rule(objs):
     np = next(o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rayft-ray-nodes")
@@ -469,6 +559,7 @@ def _operator_rule(objs):
 def test_the_operator_selector_follows_the_node_type(built, tmp_path):
     import shutil
     from test_k8s import K8S, build
+
     for ov in node_types.overlays():
         assert _operator_rule(built[f"overlays/{ov}"]) == {"app.kubernetes.io/name": "kuberay-operator"}, ov
     root = tmp_path / "k8s"
@@ -481,15 +572,20 @@ def test_the_operator_selector_follows_the_node_type(built, tmp_path):
 # ---- Kueue objects of every overlay, strictly against the Kueue CRDs ------------------------------
 
 KUEUE_CRD_DIR = CRD_DIR.parent / "kueue-crds"
-KUEUE_CRDS = {"ResourceFlavor": "resourceflavors.yaml", "ClusterQueue": "clusterqueues.yaml",
-              "LocalQueue": "localqueues.yaml"}
+KUEUE_CRDS = {
+    "ResourceFlavor": "resourceflavors.yaml",
+    "ClusterQueue": "clusterqueues.yaml",
+    "LocalQueue": "localqueues.yaml",
+}
 
 
 def _kueue_validator(kind: str):
     import jsonschema
     import yaml
 
-    crd = yaml.load((KUEUE_CRD_DIR / KUEUE_CRDS[kind]).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    crd = yaml.load(
+        (KUEUE_CRD_DIR / KUEUE_CRDS[kind]).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    )
     v = next(v for v in crd["spec"]["versions"] if v["name"] == "v1beta2")
     schema = strictify(v["schema"]["openAPIV3Schema"])
     schema["properties"]["metadata"] = OBJECT_META
@@ -499,8 +595,10 @@ def _kueue_validator(kind: str):
     return lambda obj: [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in val.iter_errors(obj)]
 
 
-NEEDS_KUEUE_CRDS = pytest.mark.skipif(not all((KUEUE_CRD_DIR / f).is_file() for f in KUEUE_CRDS.values()),
-                                      reason=f"Kueue CRDs not found in {KUEUE_CRD_DIR}")
+NEEDS_KUEUE_CRDS = pytest.mark.skipif(
+    not all((KUEUE_CRD_DIR / f).is_file() for f in KUEUE_CRDS.values()),
+    reason=f"Kueue CRDs not found in {KUEUE_CRD_DIR}",
+)
 
 
 @NEEDS_KUEUE_CRDS
@@ -513,12 +611,13 @@ def test_kueue_objects_of_every_overlay_validate_strictly_against_the_kueue_crds
                 assert validators[o["kind"]](o) == [], (sid, o["kind"], o["metadata"]["name"])
                 n += 1
     assert n >= 4 * len(node_types.overlays())
-    bad = copy.deepcopy(next(o for o in built["overlays/eks"] if o["kind"] == "ResourceFlavor"
-                             and o["metadata"]["name"] == "rayft-gpu"))
-    bad["spec"]["nodeLabel"] = bad["spec"].pop("nodeLabels")               # a misspelt field
+    bad = copy.deepcopy(
+        next(o for o in built["overlays/eks"] if o["kind"] == "ResourceFlavor" and o["metadata"]["name"] == "rayft-gpu")
+    )
+    bad["spec"]["nodeLabel"] = bad["spec"].pop("nodeLabels")  # a misspelt field
     assert any("nodeLabel" in e for e in validators["ResourceFlavor"](bad))
     cq = copy.deepcopy(next(o for o in built["overlays/gke"] if o["kind"] == "ClusterQueue"))
-    cq["spec"]["resourceGroups"][0]["flavors"][1]["resources"][2]["quota"] = 6   # not a ResourceQuota field
+    cq["spec"]["resourceGroups"][0]["flavors"][1]["resources"][2]["quota"] = 6  # not a ResourceQuota field
     assert validators["ClusterQueue"](cq)
 
 
@@ -567,11 +666,12 @@ def test_selector_matching():
     labels = {"a": "1", "b": "2"}
     assert policy.selector_matches({"matchLabels": {"a": "1"}}, labels)
     assert not policy.selector_matches({"matchLabels": {"a": "2"}}, labels)
-    assert policy.selector_matches({}, labels)                      # policy/v1: empty selects all
+    assert policy.selector_matches({}, labels)  # policy/v1: empty selects all
     assert not policy.selector_matches(None, labels)
     assert policy.selector_matches({"matchExpressions": [{"key": "a", "operator": "In", "values": ["1", "3"]}]}, labels)
-    assert not policy.selector_matches({"matchExpressions": [{"key": "b", "operator": "NotIn", "values": ["2"]}]},
-                                       labels)
+    assert not policy.selector_matches(
+        {"matchExpressions": [{"key": "b", "operator": "NotIn", "values": ["2"]}]}, labels
+    )
     assert not policy.selector_matches({"matchExpressions": [{"key": "c", "operator": "Exists"}]}, labels)
     assert policy.selector_matches({"matchExpressions": [{"key": "c", "operator": "DoesNotExist"}]}, labels)
 
@@ -580,16 +680,26 @@ def _pdb_of(objs):
     return next(o for o in objs if o["kind"] == "PodDisruptionBudget")
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda objs: objs.remove(_pdb_of(objs)), "no PodDisruptionBudget"),
-    (lambda objs: _pdb_of(objs)["spec"].update(maxUnavailable=1), "allows evictions"),
-    (lambda objs: _pdb_of(objs)["spec"]["selector"]["matchLabels"].update({policy.CLUSTER_LABEL: "other"}),
-     "no PodDisruptionBudget"),
-    (lambda objs: _pdb_of(objs)["metadata"].update(namespace="elsewhere"), "no PodDisruptionBudget"),
-    (lambda objs: _pdb_of(objs)["spec"].update(selector={}), "submitter pod too"),
-    (lambda objs: objs[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"].pop(
-        policy.CLUSTER_LABEL), "worker group gpu: no PodDisruptionBudget"),
-], ids=["missing", "max-unavailable-1", "other-cluster", "other-namespace", "selects-all", "unlabelled-workers"])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda objs: objs.remove(_pdb_of(objs)), "no PodDisruptionBudget"),
+        (lambda objs: _pdb_of(objs)["spec"].update(maxUnavailable=1), "allows evictions"),
+        (
+            lambda objs: _pdb_of(objs)["spec"]["selector"]["matchLabels"].update({policy.CLUSTER_LABEL: "other"}),
+            "no PodDisruptionBudget",
+        ),
+        (lambda objs: _pdb_of(objs)["metadata"].update(namespace="elsewhere"), "no PodDisruptionBudget"),
+        (lambda objs: _pdb_of(objs)["spec"].update(selector={}), "submitter pod too"),
+        (
+            lambda objs: objs[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"].pop(
+                policy.CLUSTER_LABEL
+            ),
+            "worker group gpu: no PodDisruptionBudget",
+        ),
+    ],
+    ids=["missing", "max-unavailable-1", "other-cluster", "other-namespace", "selects-all", "unlabelled-workers"],
+)
 def test_policy_flags_ray_pods_a_drain_could_evict(mutate, expect):
     objs = copy.deepcopy(render(spec_of(use_gpu=True), overlay="gpu", namespace="rayft"))
     assert policy.policy_violations(objs) == []
@@ -601,7 +711,7 @@ def test_policy_flags_ray_pods_a_drain_could_evict(mutate, expect):
 def test_policy_flags_one_pdb_over_two_clusters(built):
     a = render(spec_of(use_gpu=True), overlay="gpu")
     b = render(spec_of(use_gpu=True, num_workers=4), overlay="gpu")
-    assert policy.policy_violations(a + b) == []                 # one budget each: fine together
+    assert policy.policy_violations(a + b) == []  # one budget each: fine together
     wide = copy.deepcopy(_pdb_of(a))
     wide["spec"]["selector"] = {"matchLabels": {policy.RAY_NODE_LABEL: "true"}}
     bad = policy.policy_violations([a[1], b[1], wide])
@@ -611,6 +721,7 @@ def test_policy_flags_one_pdb_over_two_clusters(built):
 
 
 # ---- resources.gpus_per_worker: Ray Train workers packed into GPU pods ----------------------------
+
 
 def _cpu(q: str) -> float:
     return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
@@ -638,12 +749,14 @@ def test_gpus_per_worker_packs_workers_into_pods(gpus_per_worker, tmp_path):
     lim = pod["containers"][0]["resources"]["limits"]
     assert pod["containers"][0]["resources"]["requests"] == lim
     assert int(lim["nvidia.com/gpu"]) == n
-    assert g["replicas"] * int(lim["nvidia.com/gpu"]) == spec.resources.num_workers   # one worker per GPU
+    assert g["replicas"] * int(lim["nvidia.com/gpu"]) == spec.resources.num_workers  # one worker per GPU
     assert _cpu(lim["cpu"]) == 3 * n + 1
     assert policy.quantity_bytes(lim["memory"]) == n * node.worker_memory_gib * GIB
     assert policy.quantity_bytes(lim["ephemeral-storage"]) == n * node.worker_ephemeral_gib * GIB
-    assert policy.quantity_bytes(_shm_volume(pod)["emptyDir"]["sizeLimit"]) == \
-        policy.shm_gib(n * node.worker_memory_gib) * GIB
+    assert (
+        policy.quantity_bytes(_shm_volume(pod)["emptyDir"]["sizeLimit"])
+        == policy.shm_gib(n * node.worker_memory_gib) * GIB
+    )
 
 
 def test_gpus_per_worker_multiplies_the_trials_of_a_search():
@@ -660,11 +773,11 @@ def test_gpus_per_worker_beyond_the_node_is_refused_naming_both(tmp_path):
     (ov / "node-type").mkdir(parents=True)
     (ov / "node-type/node-type.yaml").write_text(src.read_text().replace('gpusPerNode: "8"', 'gpusPerNode: "4"'))
     assert node_types.load_node_type(ov).gpus_per_node == 4
-    render(spec_of(use_gpu=True, num_workers=4, gpus_per_worker=4), overlay=ov)   # 4 fits 4
+    render(spec_of(use_gpu=True, num_workers=4, gpus_per_worker=4), overlay=ov)  # 4 fits 4
     with pytest.raises(SpecError) as e:
         render(spec_of(use_gpu=True, num_workers=8, gpus_per_worker=8), overlay=ov)
     msg = str(e.value)
     assert "\n" not in msg and "resources.gpus_per_worker=8" in msg and "has 4 GPU(s) per node" in msg
-    with pytest.raises(SpecError) as e:                    # 12 x 8 + 1 = 97 CPUs > 96
+    with pytest.raises(SpecError) as e:  # 12 x 8 + 1 = 97 CPUs > 96
         render(spec_of(use_gpu=True, num_workers=8, gpus_per_worker=8, cpus_per_worker=12), overlay="gpu")
     assert "97" in str(e.value) and "96" in str(e.value) and "gpus_per_worker=8" in str(e.value)

@@ -14,9 +14,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jobs", "tune", "orchestrator")
 # The loop core runs without Ray (GPU benchmarks use it on machines that have no Ray). A name
 # here is a module, or a package standing for all its submodules; each must exist.
-RAY_FREE = ("jobs.loop", "jobs.data", "jobs.model", "jobs.memory", "jobs.spec", "jobs.checkpoint",
-            "jobs.context", "jobs.outputs", "jobs.errors", "jobs.finetune", "jobs.cache", "jobs.early_stopping",
-            "jobs.fsdp", "jobs.tracking", "jobs.faults")
+RAY_FREE = (
+    "jobs.loop",
+    "jobs.data",
+    "jobs.model",
+    "jobs.memory",
+    "jobs.spec",
+    "jobs.checkpoint",
+    "jobs.context",
+    "jobs.outputs",
+    "jobs.errors",
+    "jobs.finetune",
+    "jobs.cache",
+    "jobs.early_stopping",
+    "jobs.fsdp",
+    "jobs.tracking",
+    "jobs.faults",
+)
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -72,8 +86,11 @@ def test_the_checks_see_imports_inside_functions_and_relative_ones(tmp_path):
 
 @pytest.mark.parametrize("lower,upper", [("jobs", "tune"), ("jobs", "orchestrator"), ("tune", "orchestrator")])
 def test_imports_flow_orchestrator_to_tune_to_jobs(lower, upper):
-    bad = {n: sorted(m for m in imports_of(n, p) if m == upper or m.startswith(upper + "."))
-           for n, p in modules().items() if n == lower or n.startswith(lower + ".")}
+    bad = {
+        n: sorted(m for m in imports_of(n, p) if m == upper or m.startswith(upper + "."))
+        for n, p in modules().items()
+        if n == lower or n.startswith(lower + ".")
+    }
     assert not {n: m for n, m in bad.items() if m}, f"{lower} must not import {upper}"
 
 
@@ -96,7 +113,7 @@ def test_the_ray_free_check_covers_packages_and_fails_on_a_missing_module(tmp_pa
     assert ray_importers(("jobs.loop",), mods) == {}
     assert ray_importers(("jobs.memory", "jobs.loop"), mods) == {"jobs.memory": ["jobs.memory.plan"]}
     assert ray_importers(("jobs.renamed",), mods) == {"jobs.renamed": ["(no such module)"]}
-    assert ray_importers(("jobs.mem",), mods) == {"jobs.mem": ["(no such module)"]}   # a prefix is no package
+    assert ray_importers(("jobs.mem",), mods) == {"jobs.mem": ["(no such module)"]}  # a prefix is no package
 
 
 def find_cycle(graph: dict[str, set[str]]):
@@ -109,7 +126,7 @@ def find_cycle(graph: dict[str, set[str]]):
         stack.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if state.get(m) is None:
                 found = visit(m)
                 if found:

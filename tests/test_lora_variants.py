@@ -30,8 +30,17 @@ def build(case: Case, dora: bool):
     model.to(DTYPES[case.dtype])
     for p in model.parameters():
         p.requires_grad_(False)
-    model = get_peft_model(model, LoraConfig(r=case.r, lora_alpha=2 * case.r, lora_dropout=case.lora_dropout,
-                                             target_modules=case.targets, task_type="CAUSAL_LM", use_dora=dora))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=case.r,
+            lora_alpha=2 * case.r,
+            lora_dropout=case.lora_dropout,
+            target_modules=case.targets,
+            task_type="CAUSAL_LM",
+            use_dora=dora,
+        ),
+    )
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()

@@ -55,6 +55,7 @@ def _one_thread():
 
 # ---- building the real thing -------------------------------------------------------------------
 
+
 @dataclass
 class Case:
     """One configuration: model shape + training settings."""
@@ -84,31 +85,52 @@ class Case:
     extra: dict = field(default_factory=dict)
 
     def config(self):
-        common = dict(hidden_size=self.hidden, intermediate_size=self.intermediate,
-                      num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                      vocab_size=self.vocab, tie_word_embeddings=self.tied, attn_implementation=self.attn,
-                      max_position_embeddings=512, **self.extra)
+        common = dict(
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            vocab_size=self.vocab,
+            tie_word_embeddings=self.tied,
+            attn_implementation=self.attn,
+            max_position_embeddings=512,
+            **self.extra,
+        )
         if self.arch == "llama":
             from transformers import LlamaConfig
+
             return LlamaConfig(num_key_value_heads=self.kv_heads, **common)
         if self.arch == "qwen2":
             from transformers import Qwen2Config
+
             return Qwen2Config(num_key_value_heads=self.kv_heads, **common)
         if self.arch == "mistral":
             from transformers import MistralConfig
+
             return MistralConfig(num_key_value_heads=self.kv_heads, **common)
         if self.arch == "gpt_neox":
             from transformers import GPTNeoXConfig
+
             return GPTNeoXConfig(**common)
         raise ValueError(self.arch)
 
     def estimate(self, **overrides):
         labels = len(batch_for(self)["label_pos"])  # padding carries no labels
-        kw = dict(micro_batch_size=self.batch, seq_len=self.seq, gradient_checkpointing=self.gc,
-                  base_dtype=self.dtype, lora_r=self.r, lora_target_modules=self.targets,
-                  lora_dropout=self.lora_dropout, attn_implementation=self.attn,
-                  label_fraction=labels / (self.batch * self.seq), loss_chunk_tokens=self.chunk or None,
-                  packed=self.packed, checkpoint_every_n_layers=self.every_n, device="cpu")
+        kw = dict(
+            micro_batch_size=self.batch,
+            seq_len=self.seq,
+            gradient_checkpointing=self.gc,
+            base_dtype=self.dtype,
+            lora_r=self.r,
+            lora_target_modules=self.targets,
+            lora_dropout=self.lora_dropout,
+            attn_implementation=self.attn,
+            label_fraction=labels / (self.batch * self.seq),
+            loss_chunk_tokens=self.chunk or None,
+            packed=self.packed,
+            checkpoint_every_n_layers=self.every_n,
+            device="cpu",
+        )
         kw.update(overrides)
         return estimate(self.config(), **kw)
 
@@ -124,8 +146,16 @@ def build(case: Case):
     model.to(DTYPES[case.dtype])
     for p in model.parameters():
         p.requires_grad_(False)
-    model = get_peft_model(model, LoraConfig(r=case.r, lora_alpha=2 * case.r, lora_dropout=case.lora_dropout,
-                                             target_modules=case.targets, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=case.r,
+            lora_alpha=2 * case.r,
+            lora_dropout=case.lora_dropout,
+            target_modules=case.targets,
+            task_type="CAUSAL_LM",
+        ),
+    )
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
@@ -133,7 +163,8 @@ def build(case: Case):
         keep_lora_inputs_in_compute_dtype(model)
     if case.gc:
         model.get_base_model().activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=case.every_n)
+            activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=case.every_n
+        )
     model.train()
     return model
 
@@ -145,10 +176,10 @@ def batch_for(case: Case) -> dict:
     ids = torch.randint(0, case.vocab, (case.batch, case.seq), generator=g)
     mask = torch.ones_like(ids)
     if case.padded:
-        mask[-1, case.seq // 2:] = 0  # the last sequence is half as long
+        mask[-1, case.seq // 2 :] = 0  # the last sequence is half as long
     labels = torch.full_like(ids, -100)
     n = max(1, round(case.label_fraction * case.seq))
-    labels[:, case.seq - n:] = ids[:, case.seq - n:]  # completion-style: labels at the end
+    labels[:, case.seq - n :] = ids[:, case.seq - n :]  # completion-style: labels at the end
     labels[mask == 0] = -100
     flat = labels.view(-1)
     pos = (flat != -100).nonzero().squeeze(1)
@@ -188,6 +219,7 @@ def autocast(case: Case):
 
 # ---- oracle 1: bytes saved for backward ------------------------------------------------------
 
+
 def saved_bytes(case: Case, loss_of=None) -> dict:
     """Unique non-parameter storages kept for backward after forward, split decoder / loss head.
     `loss_of(model)` gives the loss to run on the case's batch (default: `loss_module`)."""
@@ -212,12 +244,15 @@ def saved_bytes(case: Case, loss_of=None) -> dict:
     layers = decoder_of(model).layers
     hooks = []
     if case.gc:
+
         def hold(mod, args, kwargs):
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.Tensor):
                     note(t)
-        hooks = [layer.register_forward_pre_hook(hold, with_kwargs=True) for layer in layers
-                 if layer.gradient_checkpointing]
+
+        hooks = [
+            layer.register_forward_pre_hook(hold, with_kwargs=True) for layer in layers if layer.gradient_checkpointing
+        ]
     # Everything saved after the decoder returns belongs to the loss head.
     hooks.append(decoder_of(model).register_forward_hook(lambda m, a, o: where.__setitem__(0, "loss")))
     head = base.get_output_embeddings()
@@ -238,6 +273,7 @@ def saved_bytes(case: Case, loss_of=None) -> dict:
 
 
 # ---- oracle 2: live storages over forward + backward ------------------------------------------
+
 
 class LivePeak(TorchDispatchMode):
     """Bytes of op-allocated storages alive, and their peak, over everything run under it.
@@ -289,8 +325,12 @@ def live_peak_bytes(case: Case, loss_of=None) -> int:
     for p in model.parameters():  # steady state: gradients of earlier micro-steps exist
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    existing = [*model.parameters(), *model.buffers(), *b.values(),
-                *(p.grad for p in model.parameters() if p.grad is not None)]
+    existing = [
+        *model.parameters(),
+        *model.buffers(),
+        *b.values(),
+        *(p.grad for p in model.parameters() if p.grad is not None),
+    ]
     with LivePeak(existing) as mode:
         with autocast(case):
             loss = loss_mod(**b)
@@ -349,10 +389,20 @@ CASES = [
     Case("mistral-window-mask", arch="mistral", extra=dict(sliding_window=16)),
     Case("neox-fp32", arch="gpt_neox", targets=NEOX_ALL, extra=dict(rotary_pct=0.25)),
     Case("neox-bf16", arch="gpt_neox", targets=NEOX_ALL, dtype="bf16", extra=dict(rotary_pct=0.25)),
-    Case("neox-gc-bf16", arch="gpt_neox", targets=["query_key_value", "dense_4h_to_h"], dtype="bf16", gc=True,
-         extra=dict(rotary_pct=0.5)),
-    Case("neox-sequential", arch="gpt_neox", targets=["query_key_value", "dense_h_to_4h"],
-         extra=dict(rotary_pct=1.0, use_parallel_residual=False)),
+    Case(
+        "neox-gc-bf16",
+        arch="gpt_neox",
+        targets=["query_key_value", "dense_4h_to_h"],
+        dtype="bf16",
+        gc=True,
+        extra=dict(rotary_pct=0.5),
+    ),
+    Case(
+        "neox-sequential",
+        arch="gpt_neox",
+        targets=["query_key_value", "dense_h_to_4h"],
+        extra=dict(rotary_pct=1.0, use_parallel_residual=False),
+    ),
 ]
 
 
@@ -361,6 +411,7 @@ def _ids(cases):
 
 
 # ---- the estimate against the oracles ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_saved_for_backward_matches_estimate(case):
@@ -413,10 +464,12 @@ def test_micro_batch_scales_activations_and_logits_linearly():
         r = four.estimate().components[key] / one.estimate().components[key]
         assert 3.8 < r <= 4.0, key  # rope tables and position ids do not grow with the batch
     assert saved_bytes(four)["decoder"] / saved_bytes(one)["decoder"] == pytest.approx(
-        four.estimate().components["activations"] / one.estimate().components["activations"], rel=TOL)
+        four.estimate().components["activations"] / one.estimate().components["activations"], rel=TOL
+    )
 
 
 # ---- preference objectives: pairs, the reference forward ---------------------------------------
+
 
 def preference_loss(model, case: Case, name: str, reference_adapter=None):
     """`jobs.preference.PreferenceLoss` for `name` with the spec's defaults."""
@@ -432,11 +485,13 @@ def pair_loss(case: Case, name: str):
     """`loss_of` for `saved_bytes` / `live_peak_bytes`: the case's rows are its pairs' chosen then
     rejected rows, through `PreferenceLoss` (DPO given its precomputed reference log-probabilities);
     the summed loss."""
+
     def make(model):
         loss = preference_loss(model, case, name)
         resp_len = torch.full((case.batch,), 5)
         ref = torch.zeros(case.batch) if name in ("dpo", "ipo") else None
         return lambda **b: loss(**b, resp_len=resp_len, ref_logps=ref)[0]
+
     return make
 
 
@@ -446,8 +501,10 @@ def with_reference_adapter(model, case: Case):
 
     from jobs.preference import REFERENCE_ADAPTER
 
-    model.add_adapter(REFERENCE_ADAPTER, LoraConfig(r=case.r, lora_alpha=2 * case.r, target_modules=case.targets,
-                                                    task_type="CAUSAL_LM"))
+    model.add_adapter(
+        REFERENCE_ADAPTER,
+        LoraConfig(r=case.r, lora_alpha=2 * case.r, target_modules=case.targets, task_type="CAUSAL_LM"),
+    )
     for n, prm in model.named_parameters():
         if f".{REFERENCE_ADAPTER}." in n:
             prm.requires_grad_(False)
@@ -460,10 +517,13 @@ def pair_estimate(case: Case, **kw) -> memory.MemoryEstimate:
     return case.estimate(micro_batch_size=case.batch // 2, pairs=True, **kw)
 
 
-PAIR_CASES = [Case("pairs-fp32", batch=4), Case("pairs-bf16", batch=4, dtype="bf16"),
-              Case("pairs-gc-bf16", batch=4, dtype="bf16", gc=True),
-              Case("pairs-chunks", batch=4, dtype="bf16", vocab=3000, chunk=16),
-              Case("pairs-label-half", batch=4, dtype="bf16", label_fraction=0.5)]
+PAIR_CASES = [
+    Case("pairs-fp32", batch=4),
+    Case("pairs-bf16", batch=4, dtype="bf16"),
+    Case("pairs-gc-bf16", batch=4, dtype="bf16", gc=True),
+    Case("pairs-chunks", batch=4, dtype="bf16", vocab=3000, chunk=16),
+    Case("pairs-label-half", batch=4, dtype="bf16", label_fraction=0.5),
+]
 
 
 @pytest.mark.parametrize("name", ["dpo", "simpo", "orpo"])
@@ -482,11 +542,14 @@ def test_pairs_are_two_rows_each_in_saved_bytes_and_peak(case, name):
     assert abs(rel(dynamic, live_peak_bytes(case, loss_of=pair_loss(case, name)))) <= TOL, est.components
 
 
-REFERENCE_CASES = [Case("ref-fp32", batch=4), Case("ref-bf16", batch=4, dtype="bf16"),
-                   Case("ref-big-vocab-bf16", batch=4, dtype="bf16", vocab=3000),
-                   Case("ref-chunks", batch=4, dtype="bf16", vocab=3000, chunk=16),
-                   Case("ref-wide-mlp", batch=4, intermediate=512, dtype="bf16"),
-                   Case("ref-gqa-h128", batch=2, hidden=128, heads=8, kv_heads=2, intermediate=256, dtype="bf16")]
+REFERENCE_CASES = [
+    Case("ref-fp32", batch=4),
+    Case("ref-bf16", batch=4, dtype="bf16"),
+    Case("ref-big-vocab-bf16", batch=4, dtype="bf16", vocab=3000),
+    Case("ref-chunks", batch=4, dtype="bf16", vocab=3000, chunk=16),
+    Case("ref-wide-mlp", batch=4, intermediate=512, dtype="bf16"),
+    Case("ref-gqa-h128", batch=2, hidden=128, heads=8, kv_heads=2, intermediate=256, dtype="bf16"),
+]
 
 
 @pytest.mark.parametrize("adapter", [False, True], ids=["adapter-off", "reference-adapter"])
@@ -530,19 +593,24 @@ def test_reference_components_and_where_they_count():
     assert c["reference_adapter"] == c["lora_weights"]
     assert c["reference_forward"] - off["reference_forward"] == 2 * 2 * 16 * 1024 * 2  # rows x seq x inter x bf16
     static = sum(v for k, v in c.items() if k not in memory.TRANSIENT_COMPONENTS + ("activations",))
-    assert held.peak_allocated_bytes == static + max(c["activations"] + max(c["logits_loss"], c["layer_backward"]),
-                                                     c["reference_forward"])
+    assert held.peak_allocated_bytes == static + max(
+        c["activations"] + max(c["logits_loss"], c["layer_backward"]), c["reference_forward"]
+    )
     rows = [name for name, _ in held.table()]
     assert rows.index("optimizer_state") < rows.index("reference_adapter") < rows.index("activations")
     assert rows.index("reference_forward") < rows.index("logits_loss")
-    sharded = estimate(cfg, pairs=True, reference="adapter_off", reference_adapter=True, strategy="fsdp",
-                       world_size=2, **kw)
+    sharded = estimate(
+        cfg, pairs=True, reference="adapter_off", reference_adapter=True, strategy="fsdp", world_size=2, **kw
+    )
     plain = estimate(cfg, pairs=True, reference="adapter_off", strategy="fsdp", world_size=2, **kw)
     assert sharded.components["reference_adapter"] == sharded.components["lora_weights"]
     units, one = sharded.details["fsdp_unit_bytes"], plain.details["fsdp_unit_bytes"]
     assert units["layer"] - one["layer"] == plain.details["fsdp_gathered_layer_bytes"]["lora"]
-    for bad in (dict(reference="adapter_off"), dict(pairs=True, reference="ref"),
-                dict(pairs=True, reference="precomputed", reference_adapter=True)):
+    for bad in (
+        dict(reference="adapter_off"),
+        dict(pairs=True, reference="ref"),
+        dict(pairs=True, reference="precomputed", reference_adapter=True),
+    ):
         with pytest.raises(ValueError, match="reference"):
             estimate(cfg, **kw, **bad)
 
@@ -555,8 +623,9 @@ def test_the_objective_reaches_the_estimate_from_the_spec():
     for name, extra in [("dpo", {}), ("dpo", {"reference": "precomputed"}), ("ipo", {}), ("simpo", {}), ("orpo", {})]:
         for adapter in (None, "/saved/sft/adapter"):
             spec = _spec(objective={"name": name, **extra}, model={"adapter": adapter} if adapter else {})
-            by[name, extra.get("reference"), adapter] = memory.estimate_for_spec(spec, gradient_checkpointing=True,
-                                                                                 device="cpu")
+            by[name, extra.get("reference"), adapter] = memory.estimate_for_spec(
+                spec, gradient_checkpointing=True, device="cpu"
+            )
     for (name, reference, adapter), est in by.items():
         assert est.details["rows"] == 2 * base.details["rows"] and est.details["pairs"]
         forward = name in ("dpo", "ipo") and reference != "precomputed"
@@ -567,23 +636,52 @@ def test_the_objective_reaches_the_estimate_from_the_spec():
 
 # ---- pure properties -------------------------------------------------------------------------
 
+
 def _llama(**kw):
     from transformers import LlamaConfig
 
-    base = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
+    base = dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        tie_word_embeddings=False,
+    )
     return LlamaConfig(**{**base, **kw})
 
 
-LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)
-LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+LLAMA_1B = dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=8192,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in (
-    "llama-fp32", "mha-tied-h96", "qwen2-bias-bf16", "mistral-window-mask", "neox-fp32", "targets-mlp-bf16")],
-    ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    [
+        c
+        for c in CASES
+        if c.id
+        in ("llama-fp32", "mha-tied-h96", "qwen2-bias-bf16", "mistral-window-mask", "neox-fp32", "targets-mlp-bf16")
+    ],
+    ids=lambda c: c.id,
+)
 def test_parameter_counts_match_real_models(case):
     model = build(case)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
@@ -674,8 +772,9 @@ def test_no_sync_grads_follow_the_accumulation():
     assert parts(world_size=2, strategy="fsdp")["no_sync_grads"] == 0
     assert parts(world_size=2, grad_accum_steps=16) == parts(world_size=2, grad_accum_steps=2)
     one = estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, world_size=2)
-    window = estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, world_size=2,
-                      grad_accum_steps=2)
+    window = estimate(
+        cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, world_size=2, grad_accum_steps=2
+    )
     assert window.total_bytes > one.total_bytes + lora  # and the allocator slack on it
 
 
@@ -695,6 +794,7 @@ def test_rejects_what_it_cannot_model():
     with pytest.raises(ValueError, match="lm_head"):
         estimate(_llama(), lora_target_modules=["q_proj", "lm_head"], **kw)
     from transformers import BertConfig
+
     with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
         estimate(BertConfig(), **kw)
     with pytest.raises(ValueError, match="attn_implementation"):
@@ -703,11 +803,16 @@ def test_rejects_what_it_cannot_model():
 
 # ---- from a job spec -------------------------------------------------------------------------
 
+
 def _spec(**sections):
     from jobs.spec import validate
 
-    data = {"name": "m", "data": {"path": "unused.jsonl", "max_seq_len": 129},
-            "batch": {"global_batch_size": 12, "micro_batch_size": 2}, "resources": {"num_workers": 2}}
+    data = {
+        "name": "m",
+        "data": {"path": "unused.jsonl", "max_seq_len": 129},
+        "batch": {"global_batch_size": 12, "micro_batch_size": 2},
+        "resources": {"num_workers": 2},
+    }
     for k, v in sections.items():
         data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) else v
     return validate(data)
@@ -718,9 +823,19 @@ def test_estimate_for_spec_reads_the_spec():
 
     spec = _spec(lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, optim={"name": "sgd"})
     cpu = memory.estimate_for_spec(spec, device="cpu")
-    direct = estimate(tiny_llama_config(), micro_batch_size=2, seq_len=128, gradient_checkpointing=False,
-                      base_dtype="fp32", lora_r=4, lora_target_modules=["q_proj", "v_proj"], optimizer="sgd",
-                      world_size=2, device="cpu", grad_accum_steps=3)
+    direct = estimate(
+        tiny_llama_config(),
+        micro_batch_size=2,
+        seq_len=128,
+        gradient_checkpointing=False,
+        base_dtype="fp32",
+        lora_r=4,
+        lora_target_modules=["q_proj", "v_proj"],
+        optimizer="sgd",
+        world_size=2,
+        device="cpu",
+        grad_accum_steps=3,
+    )
     # precision auto -> fp32 on CPU; seq = max_seq_len - 1; 12 sequences / (2 workers x 2) = 3 micro-steps
     assert cpu.components == direct.components and cpu.details["grad_accum_steps"] == 3
     gpu = memory.estimate_for_spec(spec, device="cuda")  # auto -> bf16 on GPU
@@ -760,8 +875,10 @@ def test_feasible_pairs_lists_only_divisors():
     assert all(by[(m, True)] < by[(m, False)] for m in (1, 2, 3, 6))
     assert by[(1, False)] < by[(2, False)] < by[(3, False)] < by[(6, False)]
     budget = by[(3, True)]
-    fits = {(r["micro_batch_size"], r["gradient_checkpointing"]): r["fits"]
-            for r in memory.feasible_pairs(spec, budget, device="cpu")}
+    fits = {
+        (r["micro_batch_size"], r["gradient_checkpointing"]): r["fits"]
+        for r in memory.feasible_pairs(spec, budget, device="cpu")
+    }
     assert fits == {k: v <= budget for k, v in by.items()}
     assert memory.smallest_budget_gib(spec, device="cpu") == by[(1, True)] == min(by.values())
 
@@ -825,8 +942,22 @@ def test_gpu_benchmark_script_runs_on_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_memory_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--dry-run", "--shapes", "tiny-gqa", "--seq-lens", "32", "--micro-batches", "1,2",
-                       "--out-dir", str(tmp_path)]) == 0
+    assert (
+        bench.main(
+            [
+                "--dry-run",
+                "--shapes",
+                "tiny-gqa",
+                "--seq-lens",
+                "32",
+                "--micro-batches",
+                "1,2",
+                "--out-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     (out,) = tmp_path.glob("memory-*-cpu.json")
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
@@ -901,7 +1032,9 @@ class GatheredPeak(TorchDispatchMode):
 # (case, reshard_after_forward) pairs whose all-gathered peak the two ranks measure: the layers,
 # the embeddings or the head the largest unit; tied embeddings; the chunked loss head.
 GATHERED_CASES = [
-    (FSDP_CASE, True), (FSDP_CASE, False), ({**FSDP_CASE, "gc": True}, True),
+    (FSDP_CASE, True),
+    (FSDP_CASE, False),
+    ({**FSDP_CASE, "gc": True}, True),
     ({**FSDP_CASE, "id": "big-vocab", "vocab": 1001, "gc": True}, True),
     ({**FSDP_CASE, "id": "big-vocab-chunks", "vocab": 1001, "chunk": 16}, False),
     ({**FSDP_CASE, "id": "tied", "vocab": 1001, "tied": True}, True),
@@ -925,8 +1058,10 @@ def _gathered_peak(kw: dict, reshard: bool) -> dict:
         loss.backward()
     names = {n: m for n, m in model.get_base_model().named_modules()}
     embeddings = None if units.tied else next(n for n, m in names.items() if m is units.embeddings)
-    return {"peak": mode.peak, "embeddings_in_backward": any(embeddings and n.endswith(embeddings)
-                                                             for n in mode.units_in_backward)}
+    return {
+        "peak": mode.peak,
+        "embeddings_in_backward": any(embeddings and n.endswith(embeddings) for n in mode.units_in_backward),
+    }
 
 
 WINDOW = 3  # micro-steps of the measured accumulation window; the gate is off on the first two
@@ -961,12 +1096,20 @@ def _wrapped(strategy: str, case: Case):
     if strategy == "fsdp":
         module = fsdp.shard(loss_module(model, case), model, case.dtype, True, torch.device("cpu"), 2)
         params = [p for p in model.parameters() if p.requires_grad]  # the shards replace the parameters
-        return (module, params, lambda last: fsdp.gradient_sync(module, last),
-                lambda: _unsharded_grads(module) + [p.grad.to_local() for p in params if p.grad is not None])
+        return (
+            module,
+            params,
+            lambda last: fsdp.gradient_sync(module, last),
+            lambda: _unsharded_grads(module) + [p.grad.to_local() for p in params if p.grad is not None],
+        )
     module = torch.nn.parallel.DistributedDataParallel(loss_module(model, case), gradient_as_bucket_view=True)
     params = [p for p in model.parameters() if p.requires_grad]
-    return (module, params, lambda last: contextlib.nullcontext() if last else module.no_sync(),
-            lambda: [p.grad for p in params if p.grad is not None])
+    return (
+        module,
+        params,
+        lambda last: contextlib.nullcontext() if last else module.no_sync(),
+        lambda: [p.grad for p in params if p.grad is not None],
+    )
 
 
 def _no_sync_window(strategy: str, dtype: str) -> dict:
@@ -989,8 +1132,10 @@ def _no_sync_window(strategy: str, dtype: str) -> dict:
                         loss = module(**batch)
                 loss.backward()
             if window == 2 and j == WINDOW - 2:
-                weights = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-                           for p in module.parameters()}
+                weights = {
+                    (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                    for p in module.parameters()
+                }
                 out["saved"] = _storage_bytes(t for t in saved if t.untyped_storage().data_ptr() not in weights)
                 out["no_sync"] = _storage_bytes(held()) + sum(n for ref, n in buckets.values() if not ref.expired())
         out["synced"] = _storage_bytes(held())
@@ -1030,19 +1175,26 @@ def _fsdp_worker(rank: int, world: int, out_dir: str) -> None:
         hook.remove()
         # After forward each layer's gathered weights are freed (their storages are empty now); the
         # head's stay gathered and are parameters: weights, not activations, either way.
-        params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-                  for p in loss_mod.parameters()}
+        params = {
+            (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in loss_mod.parameters()
+        }
         kept: dict[int, tuple[str, int]] = {}
         for w, t in saved:
             st = t.untyped_storage()
             if st.nbytes() and st.data_ptr() not in params:
                 kept.setdefault(st.data_ptr(), (w, st.nbytes()))
-        out = dict(held, decoder=sum(n for w, n in kept.values() if w == "decoder"),
-                   loss=sum(n for w, n in kept.values() if w == "loss"))
+        out = dict(
+            held,
+            decoder=sum(n for w, n in kept.values() if w == "decoder"),
+            loss=sum(n for w, n in kept.values() if w == "loss"),
+        )
         loss.backward()  # the sharded model trains: the LoRA shards get gradients
         # FSDP2 hands each shard's gradient out of one reduce-scatter buffer: count storages once.
-        grads = {p.grad.to_local().untyped_storage().data_ptr(): p.grad.to_local().untyped_storage().nbytes()
-                 for p in loss_mod.parameters() if p.requires_grad}
+        grads = {
+            p.grad.to_local().untyped_storage().data_ptr(): p.grad.to_local().untyped_storage().nbytes()
+            for p in loss_mod.parameters()
+            if p.requires_grad
+        }
         out["lora_grads"] = sum(grads.values())
         out["gathered"] = [_gathered_peak(kw, reshard) for kw, reshard in GATHERED_CASES]
         out["window"] = {key: _no_sync_window(*run) for key, run in WINDOW_RUNS.items()}
@@ -1115,8 +1267,11 @@ def test_a_no_sync_window_holds_what_the_estimate_counts(fsdp_measured):
     `lora_grads`. A gate-off forward keeps what a synced one keeps."""
     plain = saved_bytes(Case(**FSDP_CASE))
     for key, (strategy, dtype) in WINDOW_RUNS.items():
-        est = Case(**{**FSDP_CASE, "dtype": dtype}).estimate(strategy=strategy, world_size=2,
-                                                             grad_accum_steps=WINDOW).components
+        est = (
+            Case(**{**FSDP_CASE, "dtype": dtype})
+            .estimate(strategy=strategy, world_size=2, grad_accum_steps=WINDOW)
+            .components
+        )
         assert est["no_sync_grads"] > 0
         for rank in fsdp_measured:
             window = rank["window"][key]
@@ -1135,8 +1290,16 @@ def test_fsdp_gathered_layers_and_resharding():
     gathered part does not."""
     cfg = _llama(num_hidden_layers=6)
     shape = memory.model_shape(cfg)
-    kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="bf16", lora_r=8,
-              strategy="fsdp", world_size=4, device="cpu")
+    kw = dict(
+        micro_batch_size=1,
+        seq_len=8,
+        gradient_checkpointing=False,
+        base_dtype="bf16",
+        lora_r=8,
+        strategy="fsdp",
+        world_size=4,
+        device="cpu",
+    )
     reshard = estimate(cfg, reshard_after_forward=True, **kw).components
     keep = estimate(cfg, reshard_after_forward=False, **kw).components
     params = memory.count_base_params(shape)
@@ -1151,8 +1314,9 @@ def test_fsdp_gathered_layers_and_resharding():
     wide = _llama(num_hidden_layers=6, vocab_size=3000)  # the embeddings and the head outgrow a layer
     E_wide, H_wide = 2 * 3000 * 64, 2 * (3000 * 64 + 64)
     assert estimate(wide, reshard_after_forward=True, **kw).components["fsdp_gathered"] == 2 * H_wide
-    assert estimate(wide, reshard_after_forward=False, **kw).components["fsdp_gathered"] == \
-        E_wide + 6 * layer + 2 * H_wide
+    assert (
+        estimate(wide, reshard_after_forward=False, **kw).components["fsdp_gathered"] == E_wide + 6 * layer + 2 * H_wide
+    )
     tied = _llama(num_hidden_layers=6, tie_word_embeddings=True)
     T = 2 * (params["embeddings"] + params["final_norm"])  # one unit: embeddings (= LM head) and norm
     assert estimate(tied, reshard_after_forward=True, **kw).components["fsdp_gathered"] == T + 2 * layer
@@ -1165,15 +1329,21 @@ def test_fsdp_gathered_layers_and_resharding():
 
 
 def test_parameter_shapes_add_up_to_the_counts():
-    for cfg in (_llama(), _llama(tie_word_embeddings=True), Case("q", arch="qwen2").config(),
-                Case("n", arch="gpt_neox").config()):
+    for cfg in (
+        _llama(),
+        _llama(tie_word_embeddings=True),
+        Case("q", arch="qwen2").config(),
+        Case("n", arch="gpt_neox").config(),
+    ):
         shape = memory.model_shape(cfg)
-        listed = sum(math.prod(d) * (shape.layers if w == "layer" else 1)
-                     for w, _, d in memory.base_param_shapes(shape))
+        listed = sum(
+            math.prod(d) * (shape.layers if w == "layer" else 1) for w, _, d in memory.base_param_shapes(shape)
+        )
         assert listed == sum(memory.count_base_params(shape).values())
 
 
 # ---- quantized bases: the bytes bitsandbytes allocates ------------------------------------------
+
 
 def _quantize_linears(model, quantization: str):
     """Every decoder-layer nn.Linear replaced by bitsandbytes' (nf4: `Linear4bit` with double-
@@ -1188,13 +1358,21 @@ def _quantize_linears(model, quantization: str):
             parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
             w = mod.weight.data
             if quantization == "nf4":
-                new = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                                        compute_dtype=w.dtype, compress_statistics=True, quant_type="nf4")
-                new.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True,
-                                               blocksize=memory.NF4_BLOCK)
+                new = bnb.nn.Linear4bit(
+                    mod.in_features,
+                    mod.out_features,
+                    bias=mod.bias is not None,
+                    compute_dtype=w.dtype,
+                    compress_statistics=True,
+                    quant_type="nf4",
+                )
+                new.weight = bnb.nn.Params4bit(
+                    w, requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=memory.NF4_BLOCK
+                )
             else:
-                new = bnb.nn.Linear8bitLt(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                                          has_fp16_weights=False)
+                new = bnb.nn.Linear8bitLt(
+                    mod.in_features, mod.out_features, bias=mod.bias is not None, has_fp16_weights=False
+                )
                 new.weight = bnb.nn.Int8Params(w, requires_grad=False, has_fp16_weights=False)
             if mod.bias is not None:
                 new.bias = torch.nn.Parameter(mod.bias.data, requires_grad=False)
@@ -1208,8 +1386,9 @@ def _allocated_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
-@pytest.mark.parametrize("case", [Case("tiny-llama"), Case("qwen2-odd", arch="qwen2", intermediate=161, vocab=301)],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case", [Case("tiny-llama"), Case("qwen2-odd", arch="qwen2", intermediate=161, vocab=301)], ids=lambda c: c.id
+)
 def test_quantized_weights_match_bitsandbytes(case, quantization):
     """The estimate's frozen weights for a quantized base equal the bytes bitsandbytes allocates:
     4-bit codes + uint8 block constants + their fp32 constants and code books (nf4), int8 + fp32
@@ -1223,11 +1402,19 @@ def test_quantized_weights_match_bitsandbytes(case, quantization):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if quantization == "nf4" else torch.float16  # LLM.int8() computes in fp16
     model = _quantize_linears(AutoModelForCausalLM.from_config(cfg).to(dtype), quantization)
-    est = estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="bf16",
-                   quantization=quantization, device="cpu").components
+    est = estimate(
+        cfg,
+        micro_batch_size=1,
+        seq_len=8,
+        gradient_checkpointing=False,
+        base_dtype="bf16",
+        quantization=quantization,
+        device="cpu",
+    ).components
     assert est["frozen_weights"] == _allocated_bytes(model)
-    plain = estimate(cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="bf16",
-                     device="cpu").components
+    plain = estimate(
+        cfg, micro_batch_size=1, seq_len=8, gradient_checkpointing=False, base_dtype="bf16", device="cpu"
+    ).components
     assert est["frozen_weights"] < plain["frozen_weights"]
     with torch.no_grad():  # the quantized model runs
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits.float()).all()
@@ -1236,11 +1423,19 @@ def test_quantized_weights_match_bitsandbytes(case, quantization):
 def test_quantization_shrinks_a_70b_base():
     """Llama-3-70B shape: bf16 needs ~131 GiB for the base; nf4 about 0.5 byte per decoder weight
     (+ ~1.6% constants) plus the bf16 embeddings and LM head; int8 about 1 byte."""
-    cfg = _llama(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                 num_key_value_heads=8, vocab_size=128256)
+    cfg = _llama(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
     kw = dict(micro_batch_size=1, seq_len=8, gradient_checkpointing=True)
     params = memory.count_base_params(memory.model_shape(cfg))
-    bf16, nf4, int8 = (estimate(cfg, quantization=q, **kw).components["frozen_weights"] for q in ("none", "nf4", "int8"))
+    bf16, nf4, int8 = (
+        estimate(cfg, quantization=q, **kw).components["frozen_weights"] for q in ("none", "nf4", "int8")
+    )
     head = 2 * (params["embeddings"] + params["lm_head"] + params["final_norm"])
     assert bf16 == 2 * sum(params.values())
     linear = params["layers"] - 80 * 2 * 8192  # the norms stay bf16
@@ -1293,8 +1488,16 @@ def test_quantized_base_keeps_the_same_activations(quantization):
             loss = CausalLMLoss(model)(input_ids=ids, label_pos=torch.arange(B * S), label_ids=ids.view(-1))
     hook.remove()
     decoder = sum(n for w, n in kept.values() if w == "decoder")
-    est = estimate(model.config, micro_batch_size=B, seq_len=S, gradient_checkpointing=False, base_dtype="bf16",
-                   lora_r=4, quantization=quantization, device="cpu").components
+    est = estimate(
+        model.config,
+        micro_batch_size=B,
+        seq_len=S,
+        gradient_checkpointing=False,
+        base_dtype="bf16",
+        lora_r=4,
+        quantization=quantization,
+        device="cpu",
+    ).components
     assert est["activations"] == decoder
     loss.backward()  # and it trains
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
@@ -1345,18 +1548,26 @@ def _qlora_fsdp_worker(rank: int, world: int, out_dir: str) -> None:
             loss = module(input_ids=ids, label_pos=torch.arange(16), label_ids=ids.view(-1))
         hook.remove()
         loss.backward()
-        out = dict(held, constants=sum(consts.values()), n_constants=len(consts),
-                   gathered_frozen=sum(n for n, rg, _ in gathered.values() if not rg),
-                   gathered_lora=sum(n for n, rg, _ in gathered.values() if rg),
-                   gathered_dtypes=sorted({d for _, rg, d in gathered.values() if not rg}))
+        out = dict(
+            held,
+            constants=sum(consts.values()),
+            n_constants=len(consts),
+            gathered_frozen=sum(n for n, rg, _ in gathered.values() if not rg),
+            gathered_lora=sum(n for n, rg, _ in gathered.values() if rg),
+            gathered_dtypes=sorted({d for _, rg, d in gathered.values() if not rg}),
+        )
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
     finally:
         dist.destroy_process_group()
 
 
-QLORA_FSDP_SPEC = dict(model={"name": "tiny-llama", "quantization": "nf4"}, precision="bf16", lora={"r": 5},
-                       resources={"num_workers": 2, "strategy": "fsdp"})
+QLORA_FSDP_SPEC = dict(
+    model={"name": "tiny-llama", "quantization": "nf4"},
+    precision="bf16",
+    lora={"r": 5},
+    resources={"num_workers": 2, "strategy": "fsdp"},
+)
 
 
 @pytest.mark.slow  # ~20 s: two spawned ranks loading bitsandbytes
@@ -1387,8 +1598,7 @@ def test_fsdp_over_an_nf4_base_matches_fully_shard_on_two_ranks(tmp_path):
         assert rank["constants"] > 0 and rank["frozen"] < unsharded.components["frozen_weights"] - rank["constants"]
     # The constants stay whole: sharding them too would give less than the measured bytes.
     layers = memory.model_shape(memory.config_from_spec(spec)).layers
-    assert est.components["frozen_weights"] - est.details["frozen_root_bytes"] > \
-        layers * gathered["frozen"] / 2
+    assert est.components["frozen_weights"] - est.details["frozen_root_bytes"] > layers * gathered["frozen"] / 2
 
 
 def _weight_tensors(model) -> list[torch.Tensor]:

@@ -35,13 +35,29 @@ BIN = Path(sys.executable).parent
 
 
 def _run(cluster: LocalCluster, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "rayft"), "run", DEMO, f"run.output_dir={out}", *RAY_STEPS,
-                             "resources.cpus_per_worker=1", *extra, "--address", cluster.address],
-                            cwd=ROOT, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            str(BIN / "rayft"),
+            "run",
+            DEMO,
+            f"run.output_dir={out}",
+            *RAY_STEPS,
+            "resources.cpus_per_worker=1",
+            *extra,
+            "--address",
+            cluster.address,
+        ],
+        cwd=ROOT,
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
-def _stall_then_remove_a_node(cluster: LocalCluster, p: subprocess.Popen, out: Path, marker: Path,
-                              steps: int = 5) -> str:
+def _stall_then_remove_a_node(
+    cluster: LocalCluster, p: subprocess.Popen, out: Path, marker: Path, steps: int = 5
+) -> str:
     """Wait until the run stalls at step `steps` (its RAYFT_FAULT marker), remove the node of one of
     its training workers (never the one of rayft's progress actor, pinned to the driver's node, the
     head here: this only guards the test's premise); returns the removed node's id."""
@@ -56,7 +72,7 @@ def test_losing_a_node_resumes_from_the_last_checkpoint_once_capacity_is_back(cl
     out, marker = tmp_path / "run", tmp_path / "stalled"
     p = _run(cluster, out, "run.max_failures=1", f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,once={marker}")
     _stall_then_remove_a_node(cluster, p, out, marker)
-    cluster.add_node()                                # capacity back: a new node
+    cluster.add_node()  # capacity back: a new node
     _, err = p.communicate(timeout=400)
     assert p.returncode == 0, err[-3000:]
     resumes = [e for e in read_events(out) if e["event"] == "resume"]
@@ -65,19 +81,18 @@ def test_losing_a_node_resumes_from_the_last_checkpoint_once_capacity_is_back(cl
     assert rel_err(final_adapter(out), ray_reference) <= 1e-6
 
 
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_without_max_failures_losing_a_node_ends_the_run_with_one_line_naming_it(cluster, tmp_path):
     cluster.ensure_nodes(2)
     out, marker = tmp_path / "run", tmp_path / "stalled"
-    p = _run(cluster, out, f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,once={marker}")   # max_failures 0
+    p = _run(cluster, out, f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,once={marker}")  # max_failures 0
     victim = _stall_then_remove_a_node(cluster, p, out, marker)
     o, err = p.communicate(timeout=300)
-    assert p.returncode == 1, err[-3000:]                  # the cluster's fault, not a usage error (2)
+    assert p.returncode == 1, err[-3000:]  # the cluster's fault, not a usage error (2)
     assert "Traceback" not in o + err, (o + err)[-5000:]
     last = err.strip().splitlines()[-1]
-    ip = cluster.node_ip(victim)                            # dead nodes stay in Ray's node table
+    ip = cluster.node_ip(victim)  # dead nodes stay in Ray's node table
     assert last.startswith("rayft: error: lost node ") and victim in last and f"({ip})" in last, last
     assert "resumes from step 4" in last and str(out) in last, last
     # Nothing written so far is thrown away: the checkpoint of step 4 is still there, complete.
@@ -90,14 +105,17 @@ def test_without_max_failures_losing_a_node_ends_the_run_with_one_line_naming_it
 
 # ---- the pieces, without a cluster -----------------------------------------------------------
 
+
 def _health_check_failure(node_id: str, ip: str, cause: Exception):
     """Ray Train's own error for a worker that stopped answering, with its worker info as Ray
     formats it (ActorMetadata lists node_id then node_ip)."""
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
-    info = (f"A worker health check failed.\nWorker info: Worker(\n  actor=Actor(RayTrainWorker, ab12),\n"
-            f"  metadata=ActorMetadata(\n    hostname='vm',\n    node_id='{node_id}',\n    node_ip='{ip}',\n"
-            f"    pid=1,\n  ),\n)")
+    info = (
+        f"A worker health check failed.\nWorker info: Worker(\n  actor=Actor(RayTrainWorker, ab12),\n"
+        f"  metadata=ActorMetadata(\n    hostname='vm',\n    node_id='{node_id}',\n    node_ip='{ip}',\n"
+        f"    pid=1,\n  ),\n)"
+    )
     return WorkerHealthCheckFailedError(info, failure=cause)
 
 
@@ -107,11 +125,14 @@ def test_unreachable_workers_are_read_from_ray_trains_health_check_failures():
     from jobs.errors import unreachable_workers
 
     a, b = "ab" * 28, "cd" * 28
-    err = WorkerGroupError("2 workers failed", {
-        0: _health_check_failure(a, "10.0.0.7", RuntimeError("actor unavailable")),
-        1: RuntimeError(f"gloo: connection closed; node_id='{b}', node_ip='10.0.0.8'"),  # a peer, not a lost worker
-        2: _health_check_failure(a, "10.0.0.7", RuntimeError("actor died")),
-    })
+    err = WorkerGroupError(
+        "2 workers failed",
+        {
+            0: _health_check_failure(a, "10.0.0.7", RuntimeError("actor unavailable")),
+            1: RuntimeError(f"gloo: connection closed; node_id='{b}', node_ip='10.0.0.8'"),  # a peer, not a lost worker
+            2: _health_check_failure(a, "10.0.0.7", RuntimeError("actor died")),
+        },
+    )
     assert unreachable_workers(err) == {a: ("10.0.0.7", [0, 2])}
     wrapped = RuntimeError("outer")
     wrapped.__cause__ = err
@@ -125,13 +146,36 @@ def test_forwarded_worker_tracebacks_are_cut_to_their_exception_line():
 
     printed: list[list[str]] = []
     f = _TracebackFilter(lambda data: printed.append(data["lines"]))
-    f({"pid": 1, "is_err": True, "lines": ["Error in training function:", "Traceback (most recent call last):",
-                                           '  File "x.py", line 1, in f', "    g()"]})
+    f(
+        {
+            "pid": 1,
+            "is_err": True,
+            "lines": [
+                "Error in training function:",
+                "Traceback (most recent call last):",
+                '  File "x.py", line 1, in f',
+                "    g()",
+            ],
+        }
+    )
     f({"pid": 2, "is_err": True, "lines": ["  indented output of another process stays"]})
-    f({"pid": 1, "is_err": True, "lines": ['  File "y.py", line 2, in g', "    ^^^^", "RuntimeError: peer closed",
-                                           "  indented again after it, kept"]})
-    assert printed == [["Error in training function:"], ["  indented output of another process stays"],
-                       ["RuntimeError: peer closed", "  indented again after it, kept"]]
+    f(
+        {
+            "pid": 1,
+            "is_err": True,
+            "lines": [
+                '  File "y.py", line 2, in g',
+                "    ^^^^",
+                "RuntimeError: peer closed",
+                "  indented again after it, kept",
+            ],
+        }
+    )
+    assert printed == [
+        ["Error in training function:"],
+        ["  indented output of another process stays"],
+        ["RuntimeError: peer closed", "  indented again after it, kept"],
+    ]
 
 
 def test_a_worker_that_stopped_answering_is_a_lost_node_only_when_ray_marks_the_node_dead(monkeypatch):
@@ -143,9 +187,11 @@ def test_a_worker_that_stopped_answering_is_a_lost_node_only_when_ray_marks_the_
     err = WorkerGroupError("1 worker failed", {1: _health_check_failure(a, "10.0.0.7", RuntimeError("unavailable"))})
     table = [{"NodeID": a, "Alive": True, "NodeManagerAddress": "10.0.0.7"}]
     monkeypatch.setattr(launch.ray, "nodes", lambda: table)
-    assert launch.node_lost(err, wait_s=0) is None           # node up: a crashed worker process, Ray's error stays
+    assert launch.node_lost(err, wait_s=0) is None  # node up: a crashed worker process, Ray's error stays
     table[0].update(Alive=False, DeathReasonMessage="health check failed due to missing too many heartbeats")
     lost = launch.node_lost(err, wait_s=0)
     assert (lost.node_id, lost.node_ip, lost.exit_code) == (a, "10.0.0.7", 1)
-    assert str(lost) == (f"lost node {a} (10.0.0.7), which held training worker rank 1 "
-                         "(health check failed due to missing too many heartbeats)")
+    assert str(lost) == (
+        f"lost node {a} (10.0.0.7), which held training worker rank 1 "
+        "(health check failed due to missing too many heartbeats)"
+    )

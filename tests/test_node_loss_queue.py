@@ -36,8 +36,13 @@ def _project_copy(dst: Path) -> Path:
     job SDK hashes a working dir twice (the URI the job names, then the package it uploads): a
     tree that other processes write to in between makes the two differ, and the job names a
     package that was never uploaded."""
-    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                           capture_output=True).stdout.decode().split("\0")
+    names = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True, capture_output=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, names):
         if (ROOT / name).is_file():
             (dst / name).parent.mkdir(parents=True, exist_ok=True)
@@ -48,7 +53,9 @@ def _project_copy(dst: Path) -> Path:
 def _cluster_jobs(cluster: LocalCluster, name: str) -> list:
     from ray.job_submission import JobSubmissionClient
 
-    jobs = [j for j in JobSubmissionClient(cluster.dashboard).list_jobs() if (j.metadata or {}).get("rayft.name") == name]
+    jobs = [
+        j for j in JobSubmissionClient(cluster.dashboard).list_jobs() if (j.metadata or {}).get("rayft.name") == name
+    ]
     return sorted(jobs, key=lambda j: j.start_time)
 
 
@@ -58,18 +65,51 @@ def test_a_queued_job_whose_node_is_lost_is_retried_once_and_resumes(cluster, tm
     cluster.ensure_nodes(3)
     db, out, marker, name = tmp_path / "q.db", tmp_path / "run", tmp_path / "stalled", uniq("nodeloss")
     project = _project_copy(tmp_path / "project")
-    add = subprocess.run([str(BIN / "rayft"), "queue", "add", DEMO, *RAY_STEPS, "resources.cpus_per_worker=1",
-                          f"name={name}", f"run.output_dir={out}",
-                          f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,once={marker}", "--db", str(db)],
-                         cwd=project, env=cluster.env, capture_output=True, text=True, timeout=120)
+    add = subprocess.run(
+        [
+            str(BIN / "rayft"),
+            "queue",
+            "add",
+            DEMO,
+            *RAY_STEPS,
+            "resources.cpus_per_worker=1",
+            f"name={name}",
+            f"run.output_dir={out}",
+            f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,once={marker}",
+            "--db",
+            str(db),
+        ],
+        cwd=project,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert add.returncode == 0, add.stderr
-    d = subprocess.Popen([str(BIN / "rayft"), "queue", "run", "--db", str(db), "--address", cluster.dashboard,
-                          "--poll", "0.5", "--backoff", "1"], cwd=project, env=cluster.env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    d = subprocess.Popen(
+        [
+            str(BIN / "rayft"),
+            "queue",
+            "run",
+            "--db",
+            str(db),
+            "--address",
+            cluster.dashboard,
+            "--poll",
+            "0.5",
+            "--backoff",
+            "1",
+        ],
+        cwd=project,
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_until(lambda: marker.exists() and len(read_metrics(out)) >= 4, 300, "the job's step 5", proc=d)
         victim = cluster.remove_worker_node(DRIVER_SIDE)
-        cluster.add_node()                             # room again for the retry
+        cluster.add_node()  # room again for the retry
         log, _ = d.communicate(timeout=400)
     finally:
         if d.poll() is None:
@@ -80,7 +120,7 @@ def test_a_queued_job_whose_node_is_lost_is_retried_once_and_resumes(cluster, tm
     assert (row["state"], row["attempt"], row["retries"]) == ("SUCCEEDED", 2, 1), row
     jobs = _cluster_jobs(cluster, name)
     assert [str(j.status) for j in jobs] == ["FAILED", "SUCCEEDED"], [j.submission_id for j in jobs]
-    assert victim in (jobs[0].message or "") + log, log[-3000:]   # the failed attempt names the lost node
+    assert victim in (jobs[0].message or "") + log, log[-3000:]  # the failed attempt names the lost node
     assert [e["kind"] for e in db_events(db) if e["job_id"] == row["id"]].count("submitting") == 2
     # the second submission resumed from the first one's checkpoint and finished the same run
     resumes = [e for e in read_events(out) if e["event"] == "resume"]
@@ -104,14 +144,14 @@ def test_a_retried_job_waits_for_a_shrunken_cluster_a_new_one_is_skipped(tmp_pat
     q = Queue(tmp_path / "q.db")
     new, _ = enqueue(q, SPEC, [*TINY, "name=new"], working_dir=str(ROOT))
     retried, _ = enqueue(q, SPEC, [*TINY, "name=retried"], working_dir=str(ROOT))
-    with q.txn() as c:                                 # it ran once (then lost a node, say)
+    with q.txn() as c:  # it ran once (then lost a node, say)
         c.execute("UPDATE jobs SET attempt=1 WHERE id=?", (retried,))
     drv = Driver(q, _SmallCluster(), DriverConfig(log=lambda m: None))
     assert drv.admit() == 0
     detail = {r["id"]: r["status_detail"] for r in q.jobs()}
     assert detail[new].startswith("can never fit this cluster"), detail
     assert detail[retried].startswith("waiting for resources: the cluster is smaller than when it ran"), detail
-    assert not drv.unschedulable_only()                # so `rayft queue run` keeps waiting for it
+    assert not drv.unschedulable_only()  # so `rayft queue run` keeps waiting for it
     with q.txn() as c:
         c.execute("UPDATE jobs SET state='CANCELED' WHERE id=?", (retried,))
-    assert drv.unschedulable_only()                    # a job that never ran here still stops the driver
+    assert drv.unschedulable_only()  # a job that never ran here still stops the driver

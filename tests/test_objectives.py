@@ -20,8 +20,18 @@ def logsig(x: float) -> float:
     return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
-def reference_loss(name: str, beta: float, pw: float, pl: float, nw: int, nl: int, rw: float, rl: float,
-                   eps: float = 0.0, gamma: float = 0.5) -> float:
+def reference_loss(
+    name: str,
+    beta: float,
+    pw: float,
+    pl: float,
+    nw: int,
+    nl: int,
+    rw: float,
+    rl: float,
+    eps: float = 0.0,
+    gamma: float = 0.5,
+) -> float:
     if name == "dpo":
         h = (pw - rw) - (pl - rl)
         return -(1 - eps) * logsig(beta * h) - eps * logsig(-beta * h)
@@ -48,17 +58,28 @@ def tensors():
     return [torch.tensor(c, dtype=torch.float64) for c in cols]
 
 
-@pytest.mark.parametrize("name,kw", [("dpo", {}), ("dpo", {"label_smoothing": 0.2}), ("ipo", {}),
-                                     ("simpo", {"simpo_gamma": 0.5}), ("simpo", {"simpo_gamma": 1.5}),
-                                     ("orpo", {})])
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("dpo", {}),
+        ("dpo", {"label_smoothing": 0.2}),
+        ("ipo", {}),
+        ("simpo", {"simpo_gamma": 0.5}),
+        ("simpo", {"simpo_gamma": 1.5}),
+        ("orpo", {}),
+    ],
+)
 @pytest.mark.parametrize("beta", [0.1, 2.0])
 def test_each_objective_matches_its_formula_pair_by_pair(name, kw, beta):
-    obj = Objective(name, beta, kw.get("simpo_gamma"), kw.get("label_smoothing"),
-                    "adapter_off" if name in ("dpo", "ipo") else None)
+    obj = Objective(
+        name, beta, kw.get("simpo_gamma"), kw.get("label_smoothing"), "adapter_off" if name in ("dpo", "ipo") else None
+    )
     pw, pl, nw, nl, rw, rl = tensors()
     loss, stats = pair_losses(obj, pw, pl, nw, nl, rw, rl)
-    want = [reference_loss(name, beta, *p, eps=kw.get("label_smoothing", 0.0), gamma=kw.get("simpo_gamma", 0.5))
-            for p in PAIRS]
+    want = [
+        reference_loss(name, beta, *p, eps=kw.get("label_smoothing", 0.0), gamma=kw.get("simpo_gamma", 0.5))
+        for p in PAIRS
+    ]
     assert loss.tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
     if name in ("dpo", "ipo"):
         chosen = [beta * (p[0] - p[4]) for p in PAIRS]
@@ -108,17 +129,26 @@ def test_the_spec_applies_defaults_only_to_the_keys_an_objective_reads():
     assert Objective.of(load_spec(DEMO, ["objective.name=orpo"], files=False)) == Objective("orpo", 0.1)
 
 
-@pytest.mark.parametrize("overrides,says", [
-    (["objective.beta=0.2"], "beta does not apply to objective.name=sft"),
-    (["objective.name=simpo", "objective.reference=precomputed"], "reference does not apply to objective.name=simpo"),
-    (["objective.name=orpo", "objective.reference=adapter_off"], "reference does not apply to objective.name=orpo"),
-    (["objective.name=ipo", "objective.label_smoothing=0.1"], "label_smoothing does not apply to objective.name=ipo"),
-    (["objective.name=dpo", "objective.simpo_gamma=1"], "simpo_gamma does not apply to objective.name=dpo"),
-    (["objective.name=dpo", "objective.label_smoothing=0.5"], "objective.label_smoothing"),
-    (["objective.name=dpo", "objective.beta=0"], "objective.beta"),
-    (["objective.name=kto"], "objective.name"),
-    (["objective.name=dpo", "data.packing=true"], "data.packing is not available with objective.name=dpo"),
-])
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["objective.beta=0.2"], "beta does not apply to objective.name=sft"),
+        (
+            ["objective.name=simpo", "objective.reference=precomputed"],
+            "reference does not apply to objective.name=simpo",
+        ),
+        (["objective.name=orpo", "objective.reference=adapter_off"], "reference does not apply to objective.name=orpo"),
+        (
+            ["objective.name=ipo", "objective.label_smoothing=0.1"],
+            "label_smoothing does not apply to objective.name=ipo",
+        ),
+        (["objective.name=dpo", "objective.simpo_gamma=1"], "simpo_gamma does not apply to objective.name=dpo"),
+        (["objective.name=dpo", "objective.label_smoothing=0.5"], "objective.label_smoothing"),
+        (["objective.name=dpo", "objective.beta=0"], "objective.beta"),
+        (["objective.name=kto"], "objective.name"),
+        (["objective.name=dpo", "data.packing=true"], "data.packing is not available with objective.name=dpo"),
+    ],
+)
 def test_keys_that_do_not_apply_are_refused_in_one_line(overrides, says):
     with pytest.raises(SpecError) as e:
         load_spec(DEMO, overrides, files=False)

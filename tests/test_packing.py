@@ -117,9 +117,12 @@ def test_without_the_block_mask_packed_sequences_would_see_each_other():
     packed = collate(ex, tok.pad_token_id, pack_tokens=200)
     lm = model.get_base_model()
     T = packed["input_ids"].shape[1]
-    causal_only = torch.zeros(1, 1, T, T).masked_fill_(~torch.ones(T, T, dtype=torch.bool).tril_(), torch.finfo(torch.float32).min)
-    hidden = lm.model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
-                      attention_mask=causal_only, use_cache=False).last_hidden_state
+    causal_only = torch.zeros(1, 1, T, T).masked_fill_(
+        ~torch.ones(T, T, dtype=torch.bool).tril_(), torch.finfo(torch.float32).min
+    )
+    hidden = lm.model(
+        input_ids=packed["input_ids"], position_ids=packed["position_ids"], attention_mask=causal_only, use_cache=False
+    ).last_hidden_state
     h = hidden.flatten(0, 1).index_select(0, packed["label_pos"])
     torch.nn.functional.cross_entropy(lm.lm_head(h), packed["label_ids"], reduction="sum").backward()
     assert rel_err(grads(model), want) > 1e-3
@@ -129,8 +132,14 @@ def test_a_packed_run_trains_exactly_like_a_padded_run(tmp_path):
     runs = {}
     for packing in (False, True):
         out = tmp_path / str(packing)
-        spec = tiny_spec("run.max_steps=3", "optim.lr=0.01", f"run.output_dir={out}", "batch.micro_batch_size=4",
-                         "data.eval_fraction=0.1", f"data.packing={str(packing).lower()}")
+        spec = tiny_spec(
+            "run.max_steps=3",
+            "optim.lr=0.01",
+            f"run.output_dir={out}",
+            "batch.micro_batch_size=4",
+            "data.eval_fraction=0.1",
+            f"data.packing={str(packing).lower()}",
+        )
         summary = train(spec, LocalContext(on_progress=lambda r: None), resume=False)
         runs[packing] = ([r["loss"] for r in read_metrics(out)], summary["eval_loss"], final_adapter(out))
     for a, b in zip(runs[True][0], runs[False][0]):
@@ -148,12 +157,22 @@ def test_packing_is_refused_for_sliding_window_models_before_anything_starts(tmp
     from orchestrator.cli import main
 
     model_dir = tmp_path / "mistral"
-    MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=300, sliding_window=32).save_pretrained(model_dir)
-    spec = {"name": "packed-mistral", "model": {"name": str(model_dir)},
-            "data": {"path": str(DATA), "packing": True},
-            "batch": {"global_batch_size": 8, "micro_batch_size": 2},
-            "run": {"max_steps": 1, "output_dir": str(tmp_path / "out")}}
+    MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        sliding_window=32,
+    ).save_pretrained(model_dir)
+    spec = {
+        "name": "packed-mistral",
+        "model": {"name": str(model_dir)},
+        "data": {"path": str(DATA), "packing": True},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+        "run": {"max_steps": 1, "output_dir": str(tmp_path / "out")},
+    }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     assert main(["run", str(path)]) == 2

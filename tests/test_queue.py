@@ -29,6 +29,7 @@ from polling import wait_until
 
 # ---- admission (pure) ------------------------------------------------------------------------
 
+
 def view(*nodes: dict) -> ClusterView:
     """A ClusterView parsed from the dashboard's JSON shapes (as `/api/v0/nodes` and
     `/api/cluster_status` return them), with per-node used resources."""
@@ -40,9 +41,14 @@ def view(*nodes: dict) -> ClusterView:
         if n.get("type"):
             res[f"accelerator_type:{n['type']}"] = 1.0
         result.append({"node_id": f"n{i}", "state": "ALIVE", "resources_total": res, "labels": {}})
-        usage[f"n{i}"] = {"CPU": [n.get("cpu_used", 0.0), res["CPU"]], "GPU": [n.get("gpu_used", 0.0), res.get("GPU", 0.0)]}
-    return cluster_view_from_api({"data": {"result": {"result": result}}},
-                                {"data": {"clusterStatus": {"loadMetricsReport": {"usageByNode": usage}}}})
+        usage[f"n{i}"] = {
+            "CPU": [n.get("cpu_used", 0.0), res["CPU"]],
+            "GPU": [n.get("gpu_used", 0.0), res.get("GPU", 0.0)],
+        }
+    return cluster_view_from_api(
+        {"data": {"result": {"result": result}}},
+        {"data": {"clusterStatus": {"loadMetricsReport": {"usageByNode": usage}}}},
+    )
 
 
 def gpu_job(workers: int = 1, off: float = 30.0, on: float = 12.0, gc: str = "false", accel=None) -> Demand:
@@ -85,7 +91,7 @@ def test_gpu_admission_by_memory_type_and_free_gpus():
     assert reserve(cpu, view(dict(cpu=4)))[0]
     ok, ever, why = reserve(cpu, view(dict(cpu=4, cpu_used=1)))
     assert (ok, ever) == (False, True) and "needs 3.5 CPUs, 3 CPUs free" in why
-    assert not reserve(Demand(1, 8.0), view(dict(cpu=4), dict(cpu=4)))[1]     # 8 CPUs on no single node
+    assert not reserve(Demand(1, 8.0), view(dict(cpu=4), dict(cpu=4)))[1]  # 8 CPUs on no single node
     assert not reserve(gpu_job(off=1), view(dict(cpu=64)))[1]
     with pytest.raises(UserError):
         parse_gpu_memory(["H100=lots"])
@@ -93,6 +99,7 @@ def test_gpu_admission_by_memory_type_and_free_gpus():
 
 def test_gpus_per_worker_needs_whole_pods_on_one_node():
     """resources.gpus_per_worker=2: every two workers are one pod whose two GPUs share a node."""
+
     def pods_of_two(workers: int = 4) -> Demand:
         return Demand(workers, 1.0, True, gib_by_every={0: 10.0, 1: 5.0}, gc_mode="false", gpus_per_worker=2)
 
@@ -102,8 +109,9 @@ def test_gpus_per_worker_needs_whole_pods_on_one_node():
     assert (ok, ever) == (False, False)
     assert "resources.gpus_per_worker=2 needs 2 GPUs on one node, the largest node has 1" in why
     # the same four workers one GPU to a pod fit there
-    assert reserve(Demand(4, 1.0, True, gib_by_every={0: 10.0, 1: 5.0}, gc_mode="false"),
-               view(*[dict(h100, gpu=1)] * 4))[0]
+    assert reserve(
+        Demand(4, 1.0, True, gib_by_every={0: 10.0, 1: 5.0}, gc_mode="false"), view(*[dict(h100, gpu=1)] * 4)
+    )[0]
     # two nodes of two GPUs: one pod on each
     v = view(dict(h100, gpu=2), dict(h100, gpu=2))
     assert reserve(pods_of_two(), v)[0]
@@ -124,32 +132,36 @@ def test_gpus_per_worker_needs_whole_pods_on_one_node():
 
 def test_a_successful_fit_is_taken_off_the_view():
     v = view(dict(cpu=4))
-    assert reserve(Demand(1, 1.0), v)[0]          # 1.5 CPUs
-    assert reserve(Demand(1, 1.0), v)[0]          # 3.0
-    ok, ever, _ = reserve(Demand(1, 1.0), v)      # a third would need 4.5
+    assert reserve(Demand(1, 1.0), v)[0]  # 1.5 CPUs
+    assert reserve(Demand(1, 1.0), v)[0]  # 3.0
+    ok, ever, _ = reserve(Demand(1, 1.0), v)  # a third would need 4.5
     assert (ok, ever) == (False, True)
 
 
 def test_place_is_pure_and_reserve_takes_the_placement_off():
     v = view(dict(cpu=4), dict(cpu=2))
-    p = place(Demand(2, 1.5), v)             # first fit: two pods of 1.5 CPUs and the driver's 0.5 on n0
+    p = place(Demand(2, 1.5), v)  # first fit: two pods of 1.5 CPUs and the driver's 0.5 on n0
     assert (p.now, p.ever, p.why) == (True, True, "") and p.free_after == {"n0": (0.5, 0.0), "n1": (2.0, 0.0)}
-    assert [n.cpu_free for n in v.nodes] == [4.0, 2.0]               # place: nothing taken
+    assert [n.cpu_free for n in v.nodes] == [4.0, 2.0]  # place: nothing taken
     assert place(Demand(2, 1.5), v) == p
     assert reserve(Demand(2, 1.5), v) == (True, True, "")
-    assert [n.cpu_free for n in v.nodes] == [0.5, 2.0]               # reserve: taken off the view
+    assert [n.cpu_free for n in v.nodes] == [0.5, 2.0]  # reserve: taken off the view
 
 
 def test_gpu_demand_uses_the_memory_model():
     from jobs.memory import estimate_for_spec
 
-    spec = load_spec(ROOT / SPEC, ["resources.use_gpu=true", "resources.num_workers=1", "batch.micro_batch_size=4",
-                                   "batch.global_batch_size=8"])
+    spec = load_spec(
+        ROOT / SPEC,
+        ["resources.use_gpu=true", "resources.num_workers=1", "batch.micro_batch_size=4", "batch.global_batch_size=8"],
+    )
     d = Demand.from_spec(spec)
     assert d.gpus == 1 and d.cpus == 1.5
-    assert d.est_gib_off == pytest.approx(estimate_for_spec(spec, gradient_checkpointing=False, device="cuda").total_gib)
+    assert d.est_gib_off == pytest.approx(
+        estimate_for_spec(spec, gradient_checkpointing=False, device="cuda").total_gib
+    )
     assert d.est_gib_on == pytest.approx(estimate_for_spec(spec, gradient_checkpointing=True, device="cuda").total_gib)
-    assert d.gc_mode == "true"                # tiny-lora.yaml turns checkpointing on
+    assert d.gc_mode == "true"  # tiny-lora.yaml turns checkpointing on
 
 
 def test_one_driver_per_queue_file(tmp_path):
@@ -178,9 +190,11 @@ def test_queue_add_is_idempotent_and_survives_reopening(tmp_path):
 def _running(q: Queue, job_id: int, sid: str) -> dict:
     with q.txn() as c:
         c.execute("UPDATE jobs SET state='RUNNING', attempt=attempt+1, submission_id=? WHERE id=?", (sid, job_id))
-        c.execute("INSERT INTO attempts (job_id, attempt, submission_id, micro_batch_size, grad_accum_steps) "
-                  "SELECT id, attempt, submission_id, micro_batch_size, grad_accum_steps FROM jobs WHERE id=?",
-                  (job_id,))
+        c.execute(
+            "INSERT INTO attempts (job_id, attempt, submission_id, micro_batch_size, grad_accum_steps) "
+            "SELECT id, attempt, submission_id, micro_batch_size, grad_accum_steps FROM jobs WHERE id=?",
+            (job_id,),
+        )
     return q.job(job_id)
 
 
@@ -197,13 +211,18 @@ def test_end_of_attempt_decisions(tmp_path):
     a, _ = enqueue(q, SPEC, [*TINY, "name=oom-unit"], max_retries=2)
     job = _running(q, a, "s1")
     drv.ended(job, "FAILED", "Job entrypoint command failed with exit code 1", "...\n" + oom_log + "\n")
-    drv.ended(job, "FAILED", "again", oom_log)               # the same end seen twice: recorded once
+    drv.ended(job, "FAILED", "again", oom_log)  # the same end seen twice: recorded once
     r = q.job(a)
-    assert (r["state"], r["micro_batch_size"], r["grad_accum_steps"], r["oom_retried"], r["retries"]) == \
-        ("QUEUED", 2, 4, 1, 0)
+    assert (r["state"], r["micro_batch_size"], r["grad_accum_steps"], r["oom_retried"], r["retries"]) == (
+        "QUEUED",
+        2,
+        4,
+        1,
+        0,
+    )
     assert json.loads(r["changes"]) == ["batch.micro_batch_size=2", "batch.grad_accum_steps=4"]
     job = _running(q, a, "s2")
-    drv.ended(job, "FAILED", "", oom_log)                    # out of memory again: final, retries unused
+    drv.ended(job, "FAILED", "", oom_log)  # out of memory again: final, retries unused
     r = q.job(a)
     assert r["state"] == "FAILED" and "out of memory again at micro_batch_size=2" in r["message"]
     kinds = [e["kind"] for e in q.events(a)]
@@ -229,10 +248,11 @@ def test_end_of_attempt_decisions(tmp_path):
 
     d, _ = enqueue(q, SPEC, [*TINY, "name=stopped-unit"])
     drv.ended(_running(q, d, "x1"), "STOPPED", "Job was intentionally stopped.", "")
-    assert q.job(d)["state"] == "STOPPED"                    # stopped by hand: never retried
+    assert q.job(d)["state"] == "STOPPED"  # stopped by hand: never retried
 
 
 # ---- against the cluster ---------------------------------------------------------------------
+
 
 def db_rows(db: Path) -> dict[str, dict]:
     c = sqlite3.connect(str(db), timeout=30)
@@ -253,9 +273,14 @@ def db_events(db: Path) -> list[dict]:
 
 
 def driver(db: Path, ray_head, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "rayft"), "queue", "run", "--db", str(db), "--address", ray_head.dashboard,
-                             "--poll", "0.5", *extra], cwd=ROOT, env=env or ray_head.env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [str(BIN / "rayft"), "queue", "run", "--db", str(db), "--address", ray_head.dashboard, "--poll", "0.5", *extra],
+        cwd=ROOT,
+        env=env or ray_head.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def cluster_jobs_of(ray_head, names: set[str]) -> dict[str, list]:
@@ -274,14 +299,26 @@ def cluster_jobs_of(ray_head, names: set[str]) -> dict[str, list]:
 def test_priority_order_and_sigkilled_driver(ray_head, tmp_path):
     db = tmp_path / "q.db"
     names = {p: uniq(f"prio{p}") for p in (1, 5, 9)}
-    for p in (1, 9, 5):                       # queue order is not priority order
-        r = rayft_in_process("queue", "add", SPEC, *TINY, f"name={names[p]}",
-                             f"run.output_dir={tmp_path / names[p]}", "--priority", str(p), "--db", str(db),
-                             env=ray_head.env)
+    for p in (1, 9, 5):  # queue order is not priority order
+        r = rayft_in_process(
+            "queue",
+            "add",
+            SPEC,
+            *TINY,
+            f"name={names[p]}",
+            f"run.output_dir={tmp_path / names[p]}",
+            "--priority",
+            str(p),
+            "--db",
+            str(db),
+            env=ray_head.env,
+        )
         assert r.returncode == 0, r.stderr
 
     # 1) the driver dies between "the cluster accepted the job" and "the file says so"
-    crash = driver(db, ray_head, "--max-concurrency", "1", env=dict(ray_head.env, RAYFT_QUEUE_FAULT="kill_after_submit"))
+    crash = driver(
+        db, ray_head, "--max-concurrency", "1", env=dict(ray_head.env, RAYFT_QUEUE_FAULT="kill_after_submit")
+    )
     out, _ = crash.communicate(timeout=120)
     assert crash.returncode == -signal.SIGKILL, out
     rows = db_rows(db)
@@ -294,12 +331,14 @@ def test_priority_order_and_sigkilled_driver(ray_head, tmp_path):
     #    second job runs on the cluster
     d = driver(db, ray_head, "--max-concurrency", "1")
     try:
+
         def second_running():
             r = db_rows(db)[names[5]]
             if r["state"] != "RUNNING":
                 return None
             info = jobs_on(ray_head)
             return any(j.submission_id == r["submission_id"] and str(j.status) == "RUNNING" for j in info)
+
         wait_until(second_running, 240, "the second job runs", every_s=0.3)
     finally:
         d.send_signal(signal.SIGKILL)
@@ -318,14 +357,14 @@ def test_priority_order_and_sigkilled_driver(ray_head, tmp_path):
     assert all(r["attempt"] == 1 for r in rows.values())
     on_cluster = cluster_jobs_of(ray_head, set(names.values()))
     for p, n in names.items():
-        assert len(on_cluster[n]) == 1, (n, [j.submission_id for j in on_cluster[n]])   # ran exactly once
+        assert len(on_cluster[n]) == 1, (n, [j.submission_id for j in on_cluster[n]])  # ran exactly once
         assert str(on_cluster[n][0].status) == "SUCCEEDED"
         assert on_cluster[n][0].submission_id == rows[n]["submission_id"]
         assert metrics_steps(tmp_path / n) == [1, 2]
         runs = [json.loads(line)["event"] for line in (tmp_path / n / "events.jsonl").read_text().splitlines()]
-        assert runs == ["start", "first_step", "end"]                                   # trained once
+        assert runs == ["start", "first_step", "end"]  # trained once
         evs = [e for e in db_events(db) if e["job_id"] == rows[n]["id"]]
-        assert [e["kind"] for e in evs].count("ended") == 1                              # ended exactly once
+        assert [e["kind"] for e in evs].count("ended") == 1  # ended exactly once
         assert [e["kind"] for e in evs].count("submitting") == 1
     # priority order, one at a time
     order = sorted((j for js in on_cluster.values() for j in js), key=lambda j: j.start_time)
@@ -340,9 +379,20 @@ def test_out_of_memory_is_retried_once_with_half_the_micro_batch(ray_head, tmp_p
     db = tmp_path / "q.db"
     name = uniq("oom")
     # RAYFT_FAULT makes the first step raise torch.OutOfMemoryError while micro_batch_size > 2
-    r = rayft_in_process("queue", "add", SPEC, *TINY, f"name={name}", f"run.output_dir={tmp_path / name}",
-                         "run.env.RAYFT_FAULT=oom:micro_batch_gt=2", "--max-retries", "0", "--db", str(db),
-                         env=ray_head.env)
+    r = rayft_in_process(
+        "queue",
+        "add",
+        SPEC,
+        *TINY,
+        f"name={name}",
+        f"run.output_dir={tmp_path / name}",
+        "run.env.RAYFT_FAULT=oom:micro_batch_gt=2",
+        "--max-retries",
+        "0",
+        "--db",
+        str(db),
+        env=ray_head.env,
+    )
     assert r.returncode == 0, r.stderr
     d = driver(db, ray_head, "--max-concurrency", "1")
     out, _ = d.communicate(timeout=400)
@@ -353,9 +403,11 @@ def test_out_of_memory_is_retried_once_with_half_the_micro_batch(ray_head, tmp_p
     assert (f["micro_batch_size"], f["grad_accum_steps"]) == (2, 4)
     assert "micro_batch_size 4 -> 2, grad_accum_steps 2 -> 4" in f["change_note"]
     jobs = cluster_jobs_of(ray_head, {name})[name]
-    assert [str(j.status) for j in jobs] == ["FAILED", "SUCCEEDED"]            # retried exactly once
-    assert [(j.metadata["rayft.micro_batch_size"], j.metadata["rayft.grad_accum_steps"]) for j in jobs] == \
-        [("4", "2"), ("2", "4")]
+    assert [str(j.status) for j in jobs] == ["FAILED", "SUCCEEDED"]  # retried exactly once
+    assert [(j.metadata["rayft.micro_batch_size"], j.metadata["rayft.grad_accum_steps"]) for j in jobs] == [
+        ("4", "2"),
+        ("2", "4"),
+    ]
     assert jobs[1].submission_id == f["submission_id"] and jobs[1].submission_id.endswith("-a2")
     assert "batch.micro_batch_size=2 batch.grad_accum_steps=4" in jobs[1].entrypoint
     summary = json.loads((tmp_path / name / "summary.json").read_text())
@@ -380,14 +432,30 @@ def test_admission_waits_for_free_cpus(ray_head, tmp_path):
     db = tmp_path / "q.db"
     fits, never = uniq("fits"), uniq("never")
     for name, extra, prio in ((fits, [], 0), (never, ["resources.cpus_per_worker=8"], 9)):
-        r = rayft_in_process("queue", "add", SPEC, *TINY, f"name={name}", f"run.output_dir={tmp_path / name}",
-                             *extra, "--priority", str(prio), "--db", str(db), env=ray_head.env)
+        r = rayft_in_process(
+            "queue",
+            "add",
+            SPEC,
+            *TINY,
+            f"name={name}",
+            f"run.output_dir={tmp_path / name}",
+            *extra,
+            "--priority",
+            str(prio),
+            "--db",
+            str(db),
+            env=ray_head.env,
+        )
         assert r.returncode == 0, r.stderr
     # Something else holds 3 of the cluster's 4 CPUs.
     hog = client.submit_job(entrypoint="sleep 600", entrypoint_num_cpus=3, submission_id=uniq("hog"))
     try:
-        wait_until(lambda: str(client.get_job_status(hog)) == "RUNNING" and backend.cluster_view().cpu_free <= 1.0,
-                   90, "the hog holds its CPUs", every_s=1)
+        wait_until(
+            lambda: str(client.get_job_status(hog)) == "RUNNING" and backend.cluster_view().cpu_free <= 1.0,
+            90,
+            "the hog holds its CPUs",
+            every_s=1,
+        )
         r = rayft("queue", "run", "--once", "--db", str(db), "--address", ray_head.dashboard, env=ray_head.env)
         assert r.returncode == 0, r.stderr
         rows = db_rows(db)
@@ -401,14 +469,16 @@ def test_admission_waits_for_free_cpus(ray_head, tmp_path):
     r = rayft("queue", "run", "--once", "--db", str(db), "--address", ray_head.dashboard, env=ray_head.env)
     assert r.returncode == 0, r.stderr
     rows = db_rows(db)
-    assert rows[fits]["state"] == "RUNNING", rows[fits]    # the never-fitting head did not block it
+    assert rows[fits]["state"] == "RUNNING", rows[fits]  # the never-fitting head did not block it
     assert rows[never]["state"] == "QUEUED"
     assert [j.submission_id for j in cluster_jobs_of(ray_head, {fits})[fits]] == [rows[fits]["submission_id"]]
-    c = rayft("queue", "cancel", str(rows[fits]["id"]), "--db", str(db), "--address", ray_head.dashboard,
-              env=ray_head.env)
+    c = rayft(
+        "queue", "cancel", str(rows[fits]["id"]), "--db", str(db), "--address", ray_head.dashboard, env=ray_head.env
+    )
     assert c.returncode == 0 and "CANCELED" in c.stderr, c.stderr
-    wait_until(lambda: str(client.get_job_status(rows[fits]["submission_id"])) == "STOPPED", 60, "the job stopped",
-               every_s=0.3)
+    wait_until(
+        lambda: str(client.get_job_status(rows[fits]["submission_id"])) == "STOPPED", 60, "the job stopped", every_s=0.3
+    )
     r = rayft("queue", "run", "--once", "--db", str(db), "--address", ray_head.dashboard, env=ray_head.env)
     assert db_rows(db)[fits]["state"] == "CANCELED"
     assert len(cluster_jobs_of(ray_head, {fits})[fits]) == 1

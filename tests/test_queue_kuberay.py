@@ -40,8 +40,10 @@ from orchestrator.queue.store import Queue
 
 NS = "rayft"
 GPU = [*TINY, "resources.use_gpu=true"]
-OOM_LOG = ("step 0\nTraceback (most recent call last):\n"
-           "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.19 GiB total)\n")
+OOM_LOG = (
+    "step 0\nTraceback (most recent call last):\n"
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.19 GiB total)\n"
+)
 
 
 @pytest.fixture
@@ -90,12 +92,16 @@ def test_a_queued_job_is_one_rayjob_that_kueue_admits(api, tmp_path, capsys):
     rj = api.rayjobs[(NS, name)]
     assert rj["metadata"]["labels"][k8s.QUEUE_LABEL] == "rayft" and rj["spec"]["suspend"] is True
     ann = rj["metadata"]["annotations"]
-    assert (ann["rayft.io/queue-job"], ann["rayft.io/attempt"], ann["rayft.io/micro-batch-size"]) == (str(jid), "1", "4")
+    assert (ann["rayft.io/queue-job"], ann["rayft.io/attempt"], ann["rayft.io/micro-batch-size"]) == (
+        str(jid),
+        "1",
+        "4",
+    )
     # its disruption budget and spec go with it (owner reference to the RayJob)
     for obj in (api.pdbs[(NS, name)], api.configmaps[(NS, f"{name}-spec")]):
         assert [o["uid"] for o in obj["metadata"]["ownerReferences"]] == [rj["metadata"]["uid"]]
 
-    for _ in range(3):                   # Kueue holds it: queued, not failed, not created again
+    for _ in range(3):  # Kueue holds it: queued, not failed, not created again
         d.step()
     row = q.job(jid)
     assert (row["state"], row["attempt"], row["retries"]) == ("RUNNING", 1, 0)
@@ -125,7 +131,7 @@ def test_out_of_memory_retries_with_half_the_micro_batch_and_failures_retry_to_t
     api.admit(NS, first)
     d.step()
     api.finish(NS, first, message="Job entrypoint command failed with exit code 1", log=OOM_LOG)
-    d.step()                             # the failure is read, the job queued again and resubmitted
+    d.step()  # the failure is read, the job queued again and resubmitted
     row = q.job(oom)
     second = row["submission_id"]
     assert (row["state"], row["attempt"], row["oom_retried"], row["retries"]) == ("RUNNING", 2, 1, 0)
@@ -137,10 +143,17 @@ def test_out_of_memory_retries_with_half_the_micro_batch_and_failures_retry_to_t
     assert (s2.batch.micro_batch_size, s2.grad_accum_steps, s2.batch.global_batch_size) == (2, 4, 8)
     rj2 = api.rayjobs[(NS, second)]
     ann = rj2["metadata"]["annotations"]
-    assert (ann["rayft.io/micro-batch-size"], ann["rayft.io/grad-accum-steps"], ann["rayft.io/attempt"]) == ("2", "4", "2")
+    assert (ann["rayft.io/micro-batch-size"], ann["rayft.io/grad-accum-steps"], ann["rayft.io/attempt"]) == (
+        "2",
+        "4",
+        "2",
+    )
     assert rj2["spec"]["jobId"] == second
-    mounts = [v["configMap"]["name"] for v in rj2["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["volumes"]
-              if "configMap" in v]
+    mounts = [
+        v["configMap"]["name"]
+        for v in rj2["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["volumes"]
+        if "configMap" in v
+    ]
     assert mounts == [f"{second}-spec"]
     assert first not in json.dumps(rj2) and second in json.dumps(api.pdbs[(NS, second)]["spec"]["selector"])
     api.admit(NS, second)
@@ -159,8 +172,9 @@ def test_out_of_memory_retries_with_half_the_micro_batch_and_failures_retry_to_t
     for name in (f1, attempt_name(f1, 2)):
         api.admit(NS, name)
         d.step()
-        api.finish(NS, name, message="Job entrypoint command failed with exit code 1",
-                   log="ValueError: the data went away\n")
+        api.finish(
+            NS, name, message="Job entrypoint command failed with exit code 1", log="ValueError: the data went away\n"
+        )
         d.step()
     row = q.job(flaky)
     assert (row["state"], row["attempt"], row["retries"]) == ("FAILED", 2, 1)
@@ -169,7 +183,7 @@ def test_out_of_memory_retries_with_half_the_micro_batch_and_failures_retry_to_t
 
 
 def test_attempt_names_stay_valid_rayjob_names():
-    long = "a" * 36 + "-0123456789"                 # 47 characters, as render.job_name makes them
+    long = "a" * 36 + "-0123456789"  # 47 characters, as render.job_name makes them
     assert attempt_name(long, 1) == long
     for n in (2, 10, 123):
         got = attempt_name(long, n)
@@ -179,33 +193,54 @@ def test_attempt_names_stay_valid_rayjob_names():
 
 def _kubeconfig(api: FakeKubeAPI, tmp_path: Path) -> dict:
     path = tmp_path / "kubeconfig"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": NS}}],
-        "users": [{"name": "u", "user": {}}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": NS}}],
+                "users": [{"name": "u", "user": {}}],
+            }
+        )
+    )
     env = dict(os.environ, KUBECONFIG=str(path), RAYFT_HTTP_TIMEOUT_S="20")
     env.pop("KUBERNETES_SERVICE_HOST", None)
     env.pop("RAYFT_QUEUE_FAULT", None)
     return env
 
 
-@pytest.mark.slow                        # three CLI starts: 22-37 s on 2 cores
+@pytest.mark.slow  # three CLI starts: 22-37 s on 2 cores
 def test_a_driver_killed_after_creating_the_rayjob_does_not_create_a_second(api, tmp_path):
     env = _kubeconfig(api, tmp_path)
     db = tmp_path / "q.db"
     # data on the cluster's volume: `queue add --backend kuberay` does not look for it here
     on_volume = "data.path=/mnt/rayft/data/kr-kill.jsonl"
-    with pytest.raises(UserError, match="kr-kill.jsonl"):               # the Ray Jobs backend would upload it
+    with pytest.raises(UserError, match="kr-kill.jsonl"):  # the Ray Jobs backend would upload it
         enqueue(Queue(db), SPEC, [*GPU, "name=kr-kill", on_volume], working_dir=str(ROOT))
     assert not db.exists()
     r = rayft("queue", "add", SPEC, *GPU, "name=kr-kill", on_volume, "--backend", "kuberay", "--db", str(db), env=env)
     assert r.returncode == 0, r.stderr
-    run = [str(BIN / "rayft"), "queue", "run", "--backend", "kuberay", "--namespace", NS, "--overlay", "gpu",
-           "--db", str(db), "--poll", "0.05"]
+    run = [
+        str(BIN / "rayft"),
+        "queue",
+        "run",
+        "--backend",
+        "kuberay",
+        "--namespace",
+        NS,
+        "--overlay",
+        "gpu",
+        "--db",
+        str(db),
+        "--poll",
+        "0.05",
+    ]
     # killed between "the API created the RayJob" and "the queue file says so"
-    crash = subprocess.run(run, cwd=ROOT, env=dict(env, RAYFT_QUEUE_FAULT="kill_after_submit"),
-                           capture_output=True, text=True, timeout=120)
+    crash = subprocess.run(
+        run, cwd=ROOT, env=dict(env, RAYFT_QUEUE_FAULT="kill_after_submit"), capture_output=True, text=True, timeout=120
+    )
     assert crash.returncode == -signal.SIGKILL, crash.stderr
     q = Queue(db)
     row = q.jobs()[0]
@@ -218,7 +253,7 @@ def test_a_driver_killed_after_creating_the_rayjob_does_not_create_a_second(api,
     assert f"{name}: tracking" in done.stderr
     row = Queue(db).job(row["id"])
     assert (row["state"], row["attempt"], row["submission_id"]) == ("SUCCEEDED", 1, name)
-    assert api.created() == [name] and rayjob_posts(api) == [201]      # not even a second create call
+    assert api.created() == [name] and rayjob_posts(api) == [201]  # not even a second create call
     kinds = [e["kind"] for e in Queue(db).events(row["id"])]
     assert kinds.count("submitting") == 1 and kinds.count("ended") == 1
     assert spec_in_configmap(api, name).data.path == ["/mnt/rayft/data/kr-kill.jsonl"]
@@ -226,8 +261,12 @@ def test_a_driver_killed_after_creating_the_rayjob_does_not_create_a_second(api,
 
 def _small_gpu_overlay(tmp_path: Path, gpu_memory_gib: float, gpus_per_node: int) -> Path:
     src = yaml.safe_load((k8s.k8s_dir() / "overlays" / "gpu" / "node-type" / "node-type.yaml").read_text())
-    src["data"].update(nodeType="small-gpu-x1", gpuMemoryGiB=str(gpu_memory_gib), gpusPerNode=str(gpus_per_node),
-                       clusterGpus=str(gpus_per_node))
+    src["data"].update(
+        nodeType="small-gpu-x1",
+        gpuMemoryGiB=str(gpu_memory_gib),
+        gpusPerNode=str(gpus_per_node),
+        clusterGpus=str(gpus_per_node),
+    )
     d = tmp_path / "small-gpu" / "node-type"
     d.mkdir(parents=True)
     (d / "node-type.yaml").write_text(yaml.safe_dump(src))
@@ -239,8 +278,9 @@ def test_a_job_that_cannot_fit_the_gpu_is_never_created(api, tmp_path, capsys):
     # `auto` fits by checkpointing (the one memory plan decides both).
     long = "data.max_seq_len=8192"
     spec_off = load_spec(ROOT / SPEC, [*GPU, long, "memory.gradient_checkpointing=false"], files=False)
-    on = plan_for_spec(load_spec(ROOT / SPEC, [*GPU, long, "memory.gradient_checkpointing=true"], files=False),
-                       device="cuda").total_gib
+    on = plan_for_spec(
+        load_spec(ROOT / SPEC, [*GPU, long, "memory.gradient_checkpointing=true"], files=False), device="cuda"
+    ).total_gib
     gpu_gib = round((on + plan_for_spec(spec_off, device="cuda").total_gib) / 2, 3)
     need = plan_for_spec(spec_off, device="cuda", gpu_memory_gib=gpu_gib).total_gib
     assert on < gpu_gib < need
@@ -252,7 +292,7 @@ def test_a_job_that_cannot_fit_the_gpu_is_never_created(api, tmp_path, capsys):
     d = driver(q, api, overlay=str(overlay))
     d.step()
     d.step()
-    assert api.created() == [q.job(fits)["submission_id"]]      # the others never reached the API
+    assert api.created() == [q.job(fits)["submission_id"]]  # the others never reached the API
     assert q.job(big)["state"] == q.job(pair)["state"] == "QUEUED"
     why_big = [f"needs {need:.1f} GiB per GPU", "gradient checkpointing off", f"its GPU has {gpu_gib:g} GiB"]
     why_pair = "resources.gpus_per_worker=2 needs 2 GPUs on one node, it has 1"
@@ -276,7 +316,7 @@ def test_gpus_per_worker_against_the_node_type():
     """On KubeRay a worker pod's gpus_per_worker GPUs must be on one node of the node type, and the
     job's GPUs within what Kueue hands out to RayJobs (jobQuotaGpus) and the cluster (clusterGpus);
     waiting for free quota is Kueue's business."""
-    gpu = k8s.load_node_type("gpu")                                # 8 x H100 per node, 8 in the cluster
+    gpu = k8s.load_node_type("gpu")  # 8 x H100 per node, 8 in the cluster
     assert (gpu.gpus_per_node, gpu.cluster_gpus, gpu.job_quota_gpus) == (8, 8, 6)
     demand = _demand
     assert fit_node_type(demand(6, 2), gpu) == (True, True, "")
@@ -286,7 +326,7 @@ def test_gpus_per_worker_against_the_node_type():
     cpu = k8s.load_node_type("dev-cpu")
     ok, ever, why = fit_node_type(demand(2, 2), cpu)
     assert not ever and "it has no GPUs" in why
-    assert fit_node_type(Demand(2, 1.0), cpu)[0]                   # CPU jobs: render sizes them
+    assert fit_node_type(Demand(2, 1.0), cpu)[0]  # CPU jobs: render sizes them
 
 
 def test_a_job_over_the_kueue_quota_is_never_created(api, tmp_path, capsys):
@@ -295,11 +335,13 @@ def test_a_job_over_the_kueue_quota_is_never_created(api, tmp_path, capsys):
     gpu = k8s.load_node_type("gpu")
     ok, ever, why = fit_node_type(_demand(8, 1), gpu)
     assert (ok, ever) == (False, False)
-    assert why.startswith("can never fit node type gpu/h100-80gb-x8 (8 x NVIDIA-H100-80GB-HBM3): "
-                          "resources.num_workers=8: 8 GPUs exceed the 6 GPUs the Kueue ClusterQueue of overlay gpu")
+    assert why.startswith(
+        "can never fit node type gpu/h100-80gb-x8 (8 x NVIDIA-H100-80GB-HBM3): "
+        "resources.num_workers=8: 8 GPUs exceed the 6 GPUs the Kueue ClusterQueue of overlay gpu"
+    )
     assert "jobQuotaGpus in k8s/overlays/gpu/node-type/node-type.yaml" in why
-    assert fit_node_type(_demand(8, 2), gpu)[1] is False                # however the GPUs are packed
-    no_quota = dataclasses.replace(gpu, job_quota_gpus=0)                # not known: clusterGpus only
+    assert fit_node_type(_demand(8, 2), gpu)[1] is False  # however the GPUs are packed
+    no_quota = dataclasses.replace(gpu, job_quota_gpus=0)  # not known: clusterGpus only
     assert fit_node_type(_demand(8, 1), no_quota) == (True, True, "")
     ok, ever, why = fit_node_type(_demand(16, 2), no_quota)
     assert not ever and "16 GPUs exceed the 8 GPUs of overlay gpu's cluster (clusterGpus" in why
@@ -308,7 +350,7 @@ def test_a_job_over_the_kueue_quota_is_never_created(api, tmp_path, capsys):
     fits = add(q, "name=kr-six", "resources.num_workers=6", "batch.global_batch_size=48", "batch.micro_batch_size=1")
     d = driver(q, api)
     d.step()
-    assert api.created() == [q.job(fits)["submission_id"]]             # the big one never reached the API
+    assert api.created() == [q.job(fits)["submission_id"]]  # the big one never reached the API
     row = q.job(big)
     assert row["state"] == "QUEUED" and "8 GPUs exceed the 6 GPUs" in row["status_detail"]
     assert "jobQuotaGpus" in status_table(tmp_path / "q.db", capsys)

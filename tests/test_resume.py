@@ -23,13 +23,18 @@ BIN = Path(sys.executable).parent
 
 # ---- unit: what counts as a checkpoint ----------------------------------------------------
 
+
 def _write(root: Path, step: int, world: int = 2) -> Path:
     d = root / ckpt.step_dir_name(step)
     for r in range(world):
         files = {f"rng-rank{r}.pt": ckpt.rng_state()}
         if r == 0:
-            files.update({"adapter.safetensors": {"w": torch.full((4, 4), float(step))},
-                          "state.json": {"step": step, "world_size": world}})
+            files.update(
+                {
+                    "adapter.safetensors": {"w": torch.full((4, 4), float(step))},
+                    "state.json": {"step": step, "world_size": world},
+                }
+            )
         ckpt.write_rank_files(d, r, files)
     return d
 
@@ -61,10 +66,21 @@ def test_cut_off_checkpoints_are_never_loaded(tmp_path):
 
 # ---- local (no Ray): the driver process dies, the same command resumes ---------------------
 
+
 def _finetune_local(out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [str(BIN / "python"), "-m", "jobs.finetune", DEMO, "--local", f"run.output_dir={out}",
-           "resources.num_workers=1", "run.max_steps=6", "run.checkpoint_every=2", "run.keep_checkpoints=3",
-           *extra]
+    cmd = [
+        str(BIN / "python"),
+        "-m",
+        "jobs.finetune",
+        DEMO,
+        "--local",
+        f"run.output_dir={out}",
+        "resources.num_workers=1",
+        "run.max_steps=6",
+        "run.checkpoint_every=2",
+        "run.keep_checkpoints=3",
+        *extra,
+    ]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
@@ -75,8 +91,13 @@ def _finetune_local(out: Path, *extra: str, check: bool = True) -> subprocess.Co
 def test_local_crash_then_rerun_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     ref = tmp_path / "ref"
-    reference_run(0, 1, DEMO, ["resources.num_workers=1", "run.max_steps=6", "run.checkpoint_every=2",
-                      "run.keep_checkpoints=3"], str(ref))
+    reference_run(
+        0,
+        1,
+        DEMO,
+        ["resources.num_workers=1", "run.max_steps=6", "run.checkpoint_every=2", "run.keep_checkpoints=3"],
+        str(ref),
+    )
     out = tmp_path / "run"
     fault = f"run.env.RAYFT_FAULT=kill:step=5,rank=0,once={tmp_path / 'killed'}"
     p = _finetune_local(out, fault, check=False)
@@ -104,8 +125,11 @@ def test_spec_change_that_breaks_resuming_is_refused_before_training(tmp_path, m
     assert main(base + ["run.max_steps=2"]) == 0
     before = (out / "metrics.jsonl").read_text()
     capsys.readouterr()
-    for change, field in (("lora.r=8", "lora.r: 16 -> 8"), ("batch.global_batch_size=16", "batch.global_batch_size"),
-                          ("run.seed=1", "run.seed")):
+    for change, field in (
+        ("lora.r=8", "lora.r: 16 -> 8"),
+        ("batch.global_batch_size=16", "batch.global_batch_size"),
+        ("run.seed=1", "run.seed"),
+    ):
         assert main(base + ["run.max_steps=4", change]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and "cannot resume" in lines[0] and field in lines[0] and "--fresh" in lines[0]
@@ -123,8 +147,15 @@ def test_rerunning_a_finished_job_trains_nothing_and_reports_its_result(tmp_path
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
-    args = ["run", DEMO, "--local", f"run.output_dir={out}", "resources.num_workers=1", "run.max_steps=2",
-            "run.checkpoint_every=1"]
+    args = [
+        "run",
+        DEMO,
+        "--local",
+        f"run.output_dir={out}",
+        "resources.num_workers=1",
+        "run.max_steps=2",
+        "run.checkpoint_every=1",
+    ]
     assert main(args) == 0
     first = json.loads((out / "summary.json").read_text())
     metrics = (out / "metrics.jsonl").read_text()
@@ -142,9 +173,16 @@ def test_rerunning_a_finished_job_trains_nothing_and_reports_its_result(tmp_path
 
 # ---- Ray: a worker SIGKILLed mid-run, and the driver killed mid-run ------------------------
 
+
 def _rayft_run(out: Path, *extra: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "rayft"), "run", DEMO, f"run.output_dir={out}", *RAY_STEPS, *extra],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [str(BIN / "rayft"), "run", DEMO, f"run.output_dir={out}", *RAY_STEPS, *extra],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 @pytest.mark.ray
@@ -153,8 +191,14 @@ def test_worker_sigkill_restarts_from_last_checkpoint(tmp_path, ray_reference, r
     """On the session's Ray head: restarting the workers is Ray Train's, on any cluster. (The test
     below needs its own embedded Ray, which dies with the driver.)"""
     out, marker = tmp_path / "run", tmp_path / "killed"
-    p = _rayft_run(out, "run.max_failures=1", f"run.env.RAYFT_FAULT=kill:step=5,rank=1,once={marker}",
-                   "--address", ray_head.address, env=ray_head.env)
+    p = _rayft_run(
+        out,
+        "run.max_failures=1",
+        f"run.env.RAYFT_FAULT=kill:step=5,rank=1,once={marker}",
+        "--address",
+        ray_head.address,
+        env=ray_head.env,
+    )
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     assert marker.read_text().strip() == "killed rank 1 at step 5"

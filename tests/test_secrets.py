@@ -47,11 +47,34 @@ FAKES = [
 
 # Strings that resemble credentials but are not, and must pass.
 NEAR_MISSES = [
-    "hf_hub_download", "HF_TOKEN", "HF_HOME", "hf_transfer", "sk-learn", "scikit-learn", "task-classification",
-    "sk-" + "learn-classification-pipeline", "Bearer", "Bearer token", "https://example.com/path?q=1",
-    "https://user@example.com/repo.git", "http://localhost:8265", "ray://head:10001", "ghp_x", "ghp_short1",
-    "AKIA", "AKIA1234", "xoxb-", "eyJhbGciOi", "outputs/{name}", "examples/data/tiny.jsonl",
-    "meta-llama/Llama-3.2-1B", "q_proj", "NCCL_DEBUG", "WARN", "", "git@github.com:org/repo.git",
+    "hf_hub_download",
+    "HF_TOKEN",
+    "HF_HOME",
+    "hf_transfer",
+    "sk-learn",
+    "scikit-learn",
+    "task-classification",
+    "sk-" + "learn-classification-pipeline",
+    "Bearer",
+    "Bearer token",
+    "https://example.com/path?q=1",
+    "https://user@example.com/repo.git",
+    "http://localhost:8265",
+    "ray://head:10001",
+    "ghp_x",
+    "ghp_short1",
+    "AKIA",
+    "AKIA1234",
+    "xoxb-",
+    "eyJhbGciOi",
+    "outputs/{name}",
+    "examples/data/tiny.jsonl",
+    "meta-llama/Llama-3.2-1B",
+    "q_proj",
+    "NCCL_DEBUG",
+    "WARN",
+    "",
+    "git@github.com:org/repo.git",
 ]
 
 
@@ -77,7 +100,14 @@ def test_looks_like_token_refuses_tokens_where_a_name_belongs():
     for _, token in FAKES:
         assert secrets.looks_like_token(token), token
     assert secrets.looks_like_token(_fill(40))  # random-looking, no known prefix
-    for name in ("HF_TOKEN", "MY_HUB_TOKEN", "HUGGING_FACE_HUB_TOKEN", "hf_token", "Token2", "HF_TOKEN_FOR_PROD_CLUSTER_2"):
+    for name in (
+        "HF_TOKEN",
+        "MY_HUB_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "hf_token",
+        "Token2",
+        "HF_TOKEN_FOR_PROD_CLUSTER_2",
+    ):
         assert not secrets.looks_like_token(name), name
 
 
@@ -97,9 +127,12 @@ def _refusal(*overrides: str) -> str:
 
 @pytest.mark.parametrize("kind,token", FAKES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(FAKES)])
 def test_the_spec_refuses_a_credential_in_any_field_without_printing_it(kind, token):
-    for override, field in ((f"run.env.SOME_SETTING={token}", "run.env"), (f"model.name=x/{token}", "model.name"),
-                            (f"data.eval_path=d/{token}.jsonl", "data.eval_path"),
-                            (f"lora.target_modules=[q_proj, '{token}']", "lora.target_modules.1")):
+    for override, field in (
+        (f"run.env.SOME_SETTING={token}", "run.env"),
+        (f"model.name=x/{token}", "model.name"),
+        (f"data.eval_path=d/{token}.jsonl", "data.eval_path"),
+        (f"lora.target_modules=[q_proj, '{token}']", "lora.target_modules.1"),
+    ):
         msg = _refusal(override)
         assert field in msg and kind in msg, msg
         assert token not in msg and token[:6] + "..." in msg, msg

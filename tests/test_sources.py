@@ -19,8 +19,17 @@ from jobs.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = str(ROOT / "examples" / "tiny-lora.yaml")
-SMALL = ["resources.num_workers=1", "data.max_seq_len=64", "lora.r=4", "lora.alpha=8", "batch.global_batch_size=8",
-         "batch.micro_batch_size=4", "run.eval_every=0", "data.eval_path=null", "run.max_steps=1"]
+SMALL = [
+    "resources.num_workers=1",
+    "data.max_seq_len=64",
+    "lora.r=4",
+    "lora.alpha=8",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "run.eval_every=0",
+    "data.eval_path=null",
+    "run.max_steps=1",
+]
 # Answers are digits: a CSV reader that guessed types would turn them into numbers.
 QA = [{"question": f"What is {i} plus {i}?", "answer": str(2 * i), "id": i} for i in range(12)]
 OURS = [{"prompt": r["question"], "completion": r["answer"]} for r in QA]
@@ -31,8 +40,13 @@ def write_all(tmp_path: Path, rows: list[dict]) -> dict[str, Path]:
     import datasets
 
     ds = datasets.Dataset.from_list(rows)
-    paths = {"jsonl": tmp_path / "d.jsonl", "json": tmp_path / "d.json", "parquet": tmp_path / "d.parquet",
-             "csv": tmp_path / "d.csv", "disk": tmp_path / "saved"}
+    paths = {
+        "jsonl": tmp_path / "d.jsonl",
+        "json": tmp_path / "d.json",
+        "parquet": tmp_path / "d.parquet",
+        "csv": tmp_path / "d.csv",
+        "disk": tmp_path / "saved",
+    }
     paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
     paths["json"].write_text(json.dumps(rows))  # one JSON array, not lines
     ds.to_parquet(str(paths["parquet"]))
@@ -48,8 +62,10 @@ def test_every_source_form_reads_the_same_records(tmp_path):
 
 
 def test_chat_records_from_parquet_with_a_renamed_column(tmp_path):
-    convo = [{"conversations": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
-             for i in range(3)]
+    convo = [
+        {"conversations": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(3)
+    ]
     paths = write_all(tmp_path, convo)
     for kind in ("jsonl", "parquet", "disk"):
         got = read_jsonl(str(paths[kind]), fields={"messages": "conversations"})
@@ -60,8 +76,17 @@ def test_a_parquet_source_trains_on_the_same_examples_as_jsonl(tmp_path):
     paths = write_all(tmp_path, QA)
     runs = {}
     for kind in ("jsonl", "parquet"):
-        spec = load_spec(DEMO, [*SMALL, f"data.path={paths[kind]}", f"run.output_dir={tmp_path / kind / 'out'}",
-                                "data.fields.prompt=question", "data.fields.completion=answer"], files=False)
+        spec = load_spec(
+            DEMO,
+            [
+                *SMALL,
+                f"data.path={paths[kind]}",
+                f"run.output_dir={tmp_path / kind / 'out'}",
+                "data.fields.prompt=question",
+                "data.fields.completion=answer",
+            ],
+            files=False,
+        )
         data = load_dataset(spec, byte_tokenizer())
         runs[kind] = [(e.input_ids, e.targets) for e in data.train]
     assert runs["jsonl"] == runs["parquet"] and len(runs["jsonl"]) == len(QA)
@@ -80,7 +105,9 @@ def test_a_hub_id_is_loaded_through_datasets_with_the_named_token(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
     monkeypatch.setenv("MY_HUB_VAR", "hf_secretvalue")
-    assert read_jsonl("hf:org/qa:validation", fields=FIELDS, hf_token_env="MY_HUB_VAR")[0]["prompt"] == QA[0]["question"]
+    assert (
+        read_jsonl("hf:org/qa:validation", fields=FIELDS, hf_token_env="MY_HUB_VAR")[0]["prompt"] == QA[0]["question"]
+    )
     read_jsonl("hf:org/qa", fields=FIELDS)
     assert calls == [("org/qa", "validation", "hf_secretvalue"), ("org/qa", "train", None)]
 
@@ -103,13 +130,17 @@ def _bad_sources(tmp_path: Path) -> dict[str, tuple[Path, list[str], str]]:
     unmapped = tmp_path / "unmapped.parquet"
     datasets.Dataset.from_list(QA).to_parquet(str(unmapped))
     chat = tmp_path / "chat.parquet"
-    datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "q"}, {"role": "narrator", "content": "a"}]}]
-                               ).to_parquet(str(chat))
+    datasets.Dataset.from_list(
+        [{"messages": [{"role": "user", "content": "q"}, {"role": "narrator", "content": "a"}]}]
+    ).to_parquet(str(chat))
     return {
         "not-a-dataset": (not_a_dataset, [], "is a directory that is not a dataset"),
         "unreadable-parquet": (garbage, [], "garbage.parquet: cannot be read as a dataset"),
-        "missing-field": (unmapped, ["data.fields.prompt=question", "data.fields.completion=reply"],
-                          "no field 'reply' (data.fields.completion names it)"),
+        "missing-field": (
+            unmapped,
+            ["data.fields.prompt=question", "data.fields.completion=reply"],
+            "no field 'reply' (data.fields.completion names it)",
+        ),
         "unmapped": (unmapped, [], 'row 0: expected {"text": ...}'),
         "unknown-role": (chat, [], "unknown role 'narrator'"),
     }
@@ -128,9 +159,12 @@ def test_bad_sources_are_one_line_exit_2_and_create_nothing(tmp_path):
 def test_bad_data_found_by_the_tokenizing_worker_leaves_no_cache(tmp_path):
     """A chat template error surfaces in load_dataset (the worker): no cache entry, no lock stays."""
     p = tmp_path / "c.jsonl"
-    p.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant",
-                                                                                     "content": "a"}]}) + "\n"
-                         for _ in range(8)))
+    p.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n"
+            for _ in range(8)
+        )
+    )
     spec = load_spec(DEMO, [*SMALL, f"data.path={p}", f"run.output_dir={tmp_path / 'runs' / 'out'}"], files=False)
     (tmp_path / "runs" / "out").mkdir(parents=True)  # the driver claimed the output dir before the workers start
     tok = byte_tokenizer()

@@ -36,12 +36,22 @@ SPEC_CASES = [
     ("name-too-long", {"name": "a" * 64}, "is not a DNS-1123 label"),
     ("name-trailing-dash", {"name": "job-"}, "is not a DNS-1123 label"),
     ("name-number", {"name": 5}, "name: Input should be a valid string"),
-    ("not-divisible", {"batch.global_batch_size": 30, "batch.micro_batch_size": 4, "resources.num_workers": 2},
-     "batch.global_batch_size=30 is not divisible by batch.micro_batch_size=4 x resources.num_workers=2 = 8"),
-    ("accum-disagrees", {"batch.global_batch_size": 32, "batch.micro_batch_size": 4, "resources.num_workers": 2,
-                         "batch.grad_accum_steps": 3},
-     "batch.grad_accum_steps=3 disagrees with batch.global_batch_size / (batch.micro_batch_size x "
-     "resources.num_workers) = 32 / (4 x 2) = 4"),
+    (
+        "not-divisible",
+        {"batch.global_batch_size": 30, "batch.micro_batch_size": 4, "resources.num_workers": 2},
+        "batch.global_batch_size=30 is not divisible by batch.micro_batch_size=4 x resources.num_workers=2 = 8",
+    ),
+    (
+        "accum-disagrees",
+        {
+            "batch.global_batch_size": 32,
+            "batch.micro_batch_size": 4,
+            "resources.num_workers": 2,
+            "batch.grad_accum_steps": 3,
+        },
+        "batch.grad_accum_steps=3 disagrees with batch.global_batch_size / (batch.micro_batch_size x "
+        "resources.num_workers) = 32 / (4 x 2) = 4",
+    ),
     ("micro-zero", {"batch.micro_batch_size": 0}, "batch.micro_batch_size: Input should be greater than 0"),
     ("global-negative", {"batch.global_batch_size": -8}, "batch.global_batch_size: Input should be greater than 0"),
     ("global-string", {"batch.global_batch_size": "many"}, "batch.global_batch_size: Input should be a valid integer"),
@@ -59,7 +69,11 @@ SPEC_CASES = [
     ("reference-batch-zero", {"optim.reference_batch_size": 0}, "optim.reference_batch_size: Input should be greater"),
     ("momentum-one", {"optim.momentum": 1.0}, "optim.momentum: Input should be less than 1"),
     ("precision", {"precision": "fp8"}, "precision: Input should be 'auto', 'bf16', 'fp16' or 'fp32'"),
-    ("gc-maybe", {"memory.gradient_checkpointing": "maybe"}, "memory.gradient_checkpointing: must be true, false or auto"),
+    (
+        "gc-maybe",
+        {"memory.gradient_checkpointing": "maybe"},
+        "memory.gradient_checkpointing: must be true, false or auto",
+    ),
     ("budget-zero", {"memory.budget_gib": 0}, "memory.budget_gib: Input should be greater than 0"),
     ("workers-zero", {"resources.num_workers": 0}, "resources.num_workers: Input should be greater than 0"),
     ("workers-fraction", {"resources.num_workers": 1.5}, "resources.num_workers: Input should be a valid integer"),
@@ -68,7 +82,11 @@ SPEC_CASES = [
     ("max-steps-zero", {"run.max_steps": 0}, "run.max_steps: Input should be greater than 0"),
     ("steps-and-epochs", {"run.epochs": 2}, "run: give run.max_steps or run.epochs, not both"),
     ("epochs-negative", {"run.max_steps": None, "run.epochs": -1}, "run.epochs: Input should be greater than 0"),
-    ("checkpoint-every-negative", {"run.checkpoint_every": -1}, "run.checkpoint_every: Input should be greater than or equal"),
+    (
+        "checkpoint-every-negative",
+        {"run.checkpoint_every": -1},
+        "run.checkpoint_every: Input should be greater than or equal",
+    ),
     ("keep-zero", {"run.keep_checkpoints": 0}, "run.keep_checkpoints: Input should be greater than 0"),
     ("seed-string", {"run.seed": "lucky"}, "run.seed: Input should be a valid integer"),
     ("max-failures-negative", {"run.max_failures": -1}, "run.max_failures: Input should be greater than or equal"),
@@ -79,10 +97,18 @@ SPEC_CASES = [
     ("max-seq-len-one", {"data.max_seq_len": 1}, "data.max_seq_len: Input should be greater than 1"),
     ("eval-fraction-one", {"data.eval_fraction": 1.0}, "data.eval_fraction: Input should be less than 1"),
     ("token-value-not-name", {"model.hf_token_env": "hf_AbCdEf-123"}, "model.hf_token_env: must be the NAME"),
-    ("attn-impl", {"model.attn_implementation": "flash"}, "model.attn_implementation: Input should be 'sdpa' or 'eager'"),
+    (
+        "attn-impl",
+        {"model.attn_implementation": "flash"},
+        "model.attn_implementation: Input should be 'sdpa' or 'eager'",
+    ),
     ("model-name-empty", {"model.name": " "}, "model.name: must not be empty"),
     ("model-dir-missing", {"model.name": "./no-such-model"}, "model.name: directory not found"),
-    ("gguf-missing", {"model.name": str(ROOT / "examples"), "model.gguf_file": "none.gguf"}, "model.gguf_file: file not found"),
+    (
+        "gguf-missing",
+        {"model.name": str(ROOT / "examples"), "model.gguf_file": "none.gguf"},
+        "model.gguf_file: file not found",
+    ),
     ("section-is-list", {"data": ["a"]}, "data: Input should be a valid dictionary"),
     ("section-is-scalar", {"batch": 5}, "batch: Input should be a valid dictionary"),
 ]
@@ -174,7 +200,7 @@ def test_every_command_that_reads_a_spec_refuses_it_the_same_way(tmp_path, capsy
             _assert_refused(rc, err, fragment, tmp_path / "out")
         from orchestrator.queue.store import Queue
 
-        assert Queue(tmp_path / "q.db").jobs() == []          # nothing queued
+        assert Queue(tmp_path / "q.db").jobs() == []  # nothing queued
     finally:
         path.unlink()
 

@@ -21,8 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SPEC = "examples/tiny-lora.yaml"
 # One worker, two optimizer steps of 8 sequences, short sequences: a job is mostly start-up.
-TINY = ["resources.num_workers=1", "batch.global_batch_size=8", "batch.micro_batch_size=4", "run.max_steps=2",
-        "data.max_seq_len=64", "lora.r=4", "lora.alpha=8"]
+TINY = [
+    "resources.num_workers=1",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "run.max_steps=2",
+    "data.max_seq_len=64",
+    "lora.r=4",
+    "lora.alpha=8",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -37,8 +44,14 @@ def uniq(prefix: str) -> str:
 
 
 def rayft(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "rayft"), *args], cwd=cwd, env=env if env is not None else dict(os.environ),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(BIN / "rayft"), *args],
+        cwd=cwd,
+        env=env if env is not None else dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def one_line_error(r: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -66,6 +79,7 @@ def metrics_steps(out: Path) -> list[int]:
 
 # ---- before anything is sent (no cluster) ------------------------------------------------------
 
+
 def test_submission_id_is_deterministic_and_carries_no_token():
     from orchestrator.backends.ray_jobs import build_submission
 
@@ -83,10 +97,14 @@ def test_submission_id_is_deterministic_and_carries_no_token():
     # in-process: the same id again; another spec, another id; a later attempt, a suffix
     same = build_submission(SPEC, [*TINY, "name=det-job"], address="http://127.0.0.1:1")
     assert same.submission_id == da["submission_id"] and same.spec_hash == h
-    assert build_submission(SPEC, [*TINY, "name=det-job", "optim.lr=0.02"],
-                            address="http://127.0.0.1:1").submission_id != da["submission_id"]
-    assert build_submission(SPEC, [*TINY, "name=det-job"], address="http://127.0.0.1:1",
-                            attempt=3).submission_id == f"det-job-{h}-a3"
+    assert (
+        build_submission(SPEC, [*TINY, "name=det-job", "optim.lr=0.02"], address="http://127.0.0.1:1").submission_id
+        != da["submission_id"]
+    )
+    assert (
+        build_submission(SPEC, [*TINY, "name=det-job"], address="http://127.0.0.1:1", attempt=3).submission_id
+        == f"det-job-{h}-a3"
+    )
     # what would be sent: the project as working_dir, with the excludes; the driver's small CPU share
     assert da["runtime_env"]["working_dir"] == str(ROOT)
     assert {".venv", "outputs", ".git"} <= set(da["runtime_env"]["excludes"])
@@ -105,17 +123,26 @@ def test_upload_size_matches_what_ray_packages(tmp_path):
 
     from orchestrator.backends.ray_jobs import DEFAULT_EXCLUDES, plan_upload, ray_upload_limit
 
-    assert ray_upload_limit() == GCS_STORAGE_MAX_SIZE          # rayft's copy of Ray's limit
+    assert ray_upload_limit() == GCS_STORAGE_MAX_SIZE  # rayft's copy of Ray's limit
 
     proj = tmp_path / "proj"
     (proj / "jobs").mkdir(parents=True)
     (proj / "jobs" / "finetune.py").write_text("print('hi')\n")
     (proj / ".gitignore").write_text("*.log\nbuild/\n")
-    for rel, size in [("outputs/run/metrics.jsonl", 300_000), (".venv/lib/big.so", 900_000),
-                      (".git/objects/pack", 500_000), ("build/x.o", 40_000), ("a.log", 7_000),
-                      ("sub/.rayignore", 0), ("sub/secret.txt", 3_000), ("sub/keep.txt", 11_000),
-                      ("sub/deeper/.gitignore", 0), ("sub/deeper/tmp.cache", 5_000), ("sub/deeper/ok.py", 222),
-                      ("data.jsonl", 123_456)]:
+    for rel, size in [
+        ("outputs/run/metrics.jsonl", 300_000),
+        (".venv/lib/big.so", 900_000),
+        (".git/objects/pack", 500_000),
+        ("build/x.o", 40_000),
+        ("a.log", 7_000),
+        ("sub/.rayignore", 0),
+        ("sub/secret.txt", 3_000),
+        ("sub/keep.txt", 11_000),
+        ("sub/deeper/.gitignore", 0),
+        ("sub/deeper/tmp.cache", 5_000),
+        ("sub/deeper/ok.py", 222),
+        ("data.jsonl", 123_456),
+    ]:
         p = proj / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x" * size)
@@ -131,7 +158,7 @@ def test_upload_size_matches_what_ray_packages(tmp_path):
     assert plan.size_bytes == sum(i.file_size for i in files)
     names = {i.filename for i in files}
     assert "data.jsonl" in names and "sub/keep.txt" in names and "sub/secret.txt" not in names
-    assert plan.size_bytes < 200_000          # outputs/, .venv/, .git/ and ignored files not counted
+    assert plan.size_bytes < 200_000  # outputs/, .venv/, .git/ and ignored files not counted
 
     # and the real project, as `rayft submit` uploads it
     real = plan_upload(ROOT, DEFAULT_EXCLUDES)
@@ -151,9 +178,9 @@ def test_working_dir_must_not_escape_the_project(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "big").write_bytes(b"x" * 1000)
-    (proj / "inner-link").symlink_to(proj / "jobs")      # inside: fine
+    (proj / "inner-link").symlink_to(proj / "jobs")  # inside: fine
     plan_upload(proj, DEFAULT_EXCLUDES)
-    (proj / "data-link").symlink_to(outside)             # outside: Ray would upload what it points to
+    (proj / "data-link").symlink_to(outside)  # outside: Ray would upload what it points to
     with pytest.raises(UserError, match="data-link is a symlink to .* outside the project"):
         plan_upload(proj, DEFAULT_EXCLUDES)
 
@@ -173,13 +200,29 @@ def test_working_dir_must_not_escape_the_project(tmp_path):
 
 # ---- against the cluster ---------------------------------------------------------------------
 
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_ray_job_submit_runs_jobs_finetune(ray_head, tmp_path):
     """The README's command, verbatim apart from the overrides that keep it tiny."""
     out = tmp_path / "out"
-    cmd = [str(BIN / "ray"), "job", "submit", "--address", ray_head.dashboard, "--working-dir", ".", "--",
-           "python", "-m", "jobs.finetune", SPEC, *TINY, f"name={uniq('ray-cli')}", f"run.output_dir={out}"]
+    cmd = [
+        str(BIN / "ray"),
+        "job",
+        "submit",
+        "--address",
+        ray_head.dashboard,
+        "--working-dir",
+        ".",
+        "--",
+        "python",
+        "-m",
+        "jobs.finetune",
+        SPEC,
+        *TINY,
+        f"name={uniq('ray-cli')}",
+        f"run.output_dir={out}",
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=ray_head.env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "succeeded" in r.stdout
@@ -240,8 +283,12 @@ def test_rayft_submit_status_logs_stop_list(ray_head, tmp_path):
     logs = rayft("logs", sid, *a, env=env)
     assert logs.returncode == 0 and "step 1/2" in logs.stdout
 
-    wait_until(lambda: json.loads(rayft("status", sid2, *a, "--json", env=env).stdout)["status"] == "STOPPED", 60,
-               "the stopped job reached STOPPED", every_s=1)
+    wait_until(
+        lambda: json.loads(rayft("status", sid2, *a, "--json", env=env).stdout)["status"] == "STOPPED",
+        60,
+        "the stopped job reached STOPPED",
+        every_s=1,
+    )
     again = rayft("stop", sid, *a, env=env)
     assert again.returncode == 0 and "already ended (SUCCEEDED)" in again.stderr
 
@@ -259,8 +306,13 @@ def test_wrong_or_missing_token_is_refused(ray_head):
     before = len(jobs_on(ray_head))
     bad = dict(ray_head.env, RAY_AUTH_TOKEN="not-the-token-" + uuid.uuid4().hex)
     a = ["--address", ray_head.dashboard]
-    for args in (["submit", SPEC, *TINY, f"name={uniq('badtok')}"], ["status", "whatever"], ["list"],
-                 ["logs", "whatever"], ["stop", "whatever"]):
+    for args in (
+        ["submit", SPEC, *TINY, f"name={uniq('badtok')}"],
+        ["status", "whatever"],
+        ["list"],
+        ["logs", "whatever"],
+        ["stop", "whatever"],
+    ):
         msg = one_line_error(rayft(*args, *a, env=bad))
         assert "rejected the auth token (from RAY_AUTH_TOKEN)" in msg, msg
         assert bad["RAY_AUTH_TOKEN"] not in msg
@@ -293,15 +345,19 @@ def test_nothing_invalid_reaches_the_cluster(ray_head, tmp_path):
         msg = one_line_error(rayft_in_process("submit", SPEC, *TINY, f"name={name}", *overrides, *a, env=env))
         assert fragment in msg, msg
         # the queue refuses the same at `queue add`
-        msg = one_line_error(rayft_in_process("queue", "add", SPEC, *TINY, f"name={name}", *overrides,
-                                              "--db", str(tmp_path / "q.db"), env=env))
+        msg = one_line_error(
+            rayft_in_process(
+                "queue", "add", SPEC, *TINY, f"name={name}", *overrides, "--db", str(tmp_path / "q.db"), env=env
+            )
+        )
         assert fragment in msg, msg
     # a data file that is not JSONL (preflight, not just existence)
     bad = ROOT / "examples" / "data" / f"{name}.jsonl"
     try:
         bad.write_text('{"text": "ok"}\nnot json\n')
-        msg = one_line_error(rayft_in_process("submit", SPEC, *TINY, f"name={name}",
-                                              f"data.path={bad.relative_to(ROOT)}", *a, env=env))
+        msg = one_line_error(
+            rayft_in_process("submit", SPEC, *TINY, f"name={name}", f"data.path={bad.relative_to(ROOT)}", *a, env=env)
+        )
         assert "line 2" in msg
     finally:
         bad.unlink()
@@ -323,11 +379,18 @@ def test_backend_kuberay_dispatches_to_the_kubernetes_api(tmp_path):
 
     with FakeKubeAPI() as api:
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": "rayft"}}],
-            "users": [{"name": "u", "user": {}}]}))
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                    "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": "rayft"}}],
+                    "users": [{"name": "u", "user": {}}],
+                }
+            )
+        )
         env = dict(os.environ, KUBECONFIG=str(kubeconfig))
         env.pop("KUBERNETES_SERVICE_HOST", None)
         k = ["--backend", "kuberay", "--namespace", "rayft"]

@@ -27,9 +27,15 @@ pytest.importorskip("tensorboard")
 
 DEMO = "examples/tiny-lora.yaml"
 BIN = Path(sys.executable).parent
-SMALL = ["resources.num_workers=1", "batch.global_batch_size=8", "batch.micro_batch_size=4",
-         "memory.gradient_checkpointing=false", "run.checkpoint_every=2", "run.eval_every=2",
-         "run.keep_checkpoints=3"]
+SMALL = [
+    "resources.num_workers=1",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "memory.gradient_checkpointing=false",
+    "run.checkpoint_every=2",
+    "run.eval_every=2",
+    "run.keep_checkpoints=3",
+]
 
 
 def tb_scalars(out: Path, tag: str) -> list[tuple[int, float]]:
@@ -66,8 +72,14 @@ def ml_runs(out: Path, keys: str = "loss") -> list[dict]:
     db = out.resolve() / "mlflow.db"
     assert db.is_file(), f"no MLflow database at {db}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    p = subprocess.run([sys.executable, "-c", READ_BACK, f"sqlite:///{db}", keys], cwd=out, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", READ_BACK, f"sqlite:///{db}", keys],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -104,8 +116,18 @@ def test_every_step_metric_spec_and_artifacts_reach_tensorboard_and_mlflow(tmp_p
 
 
 def _finetune_local(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [str(BIN / "python"), "-m", "jobs.finetune", DEMO, "--local", f"run.output_dir={out}", *SMALL,
-           "run.max_steps=6", "run.trackers=[tensorboard,mlflow]", *extra]
+    cmd = [
+        str(BIN / "python"),
+        "-m",
+        "jobs.finetune",
+        DEMO,
+        "--local",
+        f"run.output_dir={out}",
+        *SMALL,
+        "run.max_steps=6",
+        "run.trackers=[tensorboard,mlflow]",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -156,8 +178,11 @@ def test_a_fresh_start_in_the_same_directory_replaces_the_earlier_curves(tmp_pat
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
     _train(out, "run.max_steps=2", "run.trackers=[tensorboard]", "optim.lr=0.01")
-    spec = absolutize(load_spec(DEMO, SMALL + [f"run.output_dir={out}", "run.max_steps=2",
-                                               "run.trackers=[tensorboard]", "optim.lr=0.02"]))
+    spec = absolutize(
+        load_spec(
+            DEMO, SMALL + [f"run.output_dir={out}", "run.max_steps=2", "run.trackers=[tensorboard]", "optim.lr=0.02"]
+        )
+    )
     train(spec, LocalContext(on_progress=lambda r: None), resume=False)
     records = read_metrics(out)
     assert tb_scalars(out, "lr") == [(r["step"], pytest.approx(r["lr"], rel=1e-6)) for r in records]
@@ -171,12 +196,19 @@ def test_a_search_logs_every_trial_as_a_run_of_one_experiment(tmp_path, ray_head
     rule as parameters and its eval losses."""
     from test_tune import search_spec, write
 
-    data = search_spec(tmp_path, grad_accum_steps=[2, 4], lr_scaling=["linear"], samples_per_trial=16,
-                       eval_every_samples=8)
+    data = search_spec(
+        tmp_path, grad_accum_steps=[2, 4], lr_scaling=["linear"], samples_per_trial=16, eval_every_samples=8
+    )
     data["run"]["trackers"] = ["mlflow"]
     path = write(tmp_path, data)
-    p = subprocess.run([str(BIN / "rayft"), "tune", str(path), "--address", ray_head.address], cwd=tmp_path,
-                       env=ray_head.env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [str(BIN / "rayft"), "tune", str(path), "--address", ray_head.address],
+        cwd=tmp_path,
+        env=ray_head.env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     launched = [r for r in results["trials"] if r["status"] not in ("infeasible", "skipped", "not run")]

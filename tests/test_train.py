@@ -53,8 +53,14 @@ def test_grouping_by_length_changes_padding_not_the_result(tmp_path):
 
 
 def test_outputs_metrics_summary_plot_adapter(tmp_path):
-    summary, records = _run_local(tmp_path, "run.checkpoint_every=1", "run.keep_checkpoints=2",
-                                  "data.eval_fraction=0.1", "optim.warmup_steps=2", "optim.schedule=constant")
+    summary, records = _run_local(
+        tmp_path,
+        "run.checkpoint_every=1",
+        "run.keep_checkpoints=2",
+        "data.eval_fraction=0.1",
+        "optim.warmup_steps=2",
+        "optim.schedule=constant",
+    )
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_mem_gib", "estimate_gib"):
@@ -80,8 +86,12 @@ def test_outputs_metrics_summary_plot_adapter(tmp_path):
 
 
 def test_lr_scaling_rules():
-    base = {"name": "x", "data": {"path": "x.jsonl"}, "batch": {"global_batch_size": 64, "micro_batch_size": 4},
-            "optim": {"lr": 1e-3, "reference_batch_size": 16}}
+    base = {
+        "name": "x",
+        "data": {"path": "x.jsonl"},
+        "batch": {"global_batch_size": 64, "micro_batch_size": 4},
+        "optim": {"lr": 1e-3, "reference_batch_size": 16},
+    }
     for rule, factor in (("none", 1.0), ("linear", 4.0), ("sqrt", 2.0)):
         spec = load_spec(data=base, overrides=[f"optim.lr_scaling={rule}"], files=False)
         assert spec.effective_lr == pytest.approx(1e-3 * factor)
@@ -96,9 +106,21 @@ def test_rayft_run_two_workers_matches_single_process_and_pins_loss(tmp_path, mo
     out = tmp_path / "ray"
     monkeypatch.chdir(ROOT)
     rayft = Path(sys.executable).parent / "rayft"
-    p = subprocess.run([str(rayft), "run", "examples/tiny-lora.yaml", f"run.output_dir={out}", "run.max_steps=8",
-                        "run.checkpoint_every=4", "run.eval_every=4"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            str(rayft),
+            "run",
+            "examples/tiny-lora.yaml",
+            f"run.output_dir={out}",
+            "run.max_steps=8",
+            "run.checkpoint_every=4",
+            "run.eval_every=4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, 9))
@@ -109,9 +131,17 @@ def test_rayft_run_two_workers_matches_single_process_and_pins_loss(tmp_path, mo
     assert "rayft run tiny-lora" in p.stderr  # the summary table
 
     local = tmp_path / "local"
-    spec = load_spec(ROOT / "examples/tiny-lora.yaml",
-                     [f"run.output_dir={local}", "run.max_steps=8", "run.checkpoint_every=4", "run.eval_every=4",
-                      "resources.num_workers=1", "batch.micro_batch_size=32"])
+    spec = load_spec(
+        ROOT / "examples/tiny-lora.yaml",
+        [
+            f"run.output_dir={local}",
+            "run.max_steps=8",
+            "run.checkpoint_every=4",
+            "run.eval_every=4",
+            "resources.num_workers=1",
+            "batch.micro_batch_size=32",
+        ],
+    )
     monkeypatch.chdir(ROOT)
     train(spec, LocalContext(on_progress=lambda r: None), resume=False)
     local_records = read_metrics(local)

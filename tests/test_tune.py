@@ -38,8 +38,14 @@ def est(job: JobSpec, micro: int, gc: bool) -> float:
 def _budget() -> float:
     """Between micro-batch 4 and micro-batch 8 (each at its cheaper checkpointing setting), from
     jobs.memory itself, so the tests follow the memory model as it evolves."""
-    job = job_of({"name": "b", "data": {"path": str(DATA), "max_seq_len": 64}, "lora": {"r": 4, "alpha": 8},
-                  "batch": {"global_batch_size": 8, "micro_batch_size": 2}})
+    job = job_of(
+        {
+            "name": "b",
+            "data": {"path": str(DATA), "max_seq_len": 64},
+            "lora": {"r": 4, "alpha": 8},
+            "batch": {"global_batch_size": 8, "micro_batch_size": 2},
+        }
+    )
     fits = max(min(est(job, m, False), est(job, m, True)) for m in (1, 2, 4))
     over = min(est(job, 8, False), est(job, 8, True))
     assert fits < over
@@ -60,9 +66,15 @@ def search_spec(tmp_path: Path, **search) -> dict:
         "optim": {"lr": 0.01, "schedule": "constant"},
         "memory": {"gradient_checkpointing": "auto"},
         "run": {"output_dir": str(tmp_path / "out")},
-        "search": {"grad_accum_steps": [1, 2, 4, 8, 3], "lr_scaling": ["none", "linear"],
-                   "lr": {"low": 1e-3, "high": 3e-2}, "budget_gib": BUDGET, "samples_per_trial": 32,
-                   "eval_every_samples": 16, **search},
+        "search": {
+            "grad_accum_steps": [1, 2, 4, 8, 3],
+            "lr_scaling": ["none", "linear"],
+            "lr": {"low": 1e-3, "high": 3e-2},
+            "budget_gib": BUDGET,
+            "samples_per_trial": 32,
+            "eval_every_samples": 16,
+            **search,
+        },
     }
 
 
@@ -83,15 +95,22 @@ SPEC_CASES = [
     ("accum-dup", {"search.grad_accum_steps": [2, 2]}, "search.grad_accum_steps: values must be unique"),
     ("rule", {"search.lr_scaling": ["cubic"]}, "search.lr_scaling.0: Input should be 'none', 'linear' or 'sqrt'"),
     ("mode", {"search.mode": "both"}, "search.mode: Input should be 'fixed_global_batch' or 'fixed_micro_batch'"),
-    ("lr-order", {"search.lr": {"low": 0.1, "high": 0.01}}, "search.lr: search.lr.high=0.01 is below search.lr.low=0.1"),
+    (
+        "lr-order",
+        {"search.lr": {"low": 0.1, "high": 0.01}},
+        "search.lr: search.lr.high=0.01 is below search.lr.low=0.1",
+    ),
     ("lr-zero", {"search.lr": {"low": 0, "high": 0.01}}, "search.lr.low: Input should be greater than 0"),
     ("no-budget", {"search.budget_gib": None}, "search.budget_gib: required (or set memory.budget_gib)"),
     ("budget-negative", {"search.budget_gib": -1}, "search.budget_gib: Input should be greater than 0"),
     ("micro-in-global-mode", {"search.micro_batch_size": [1, 2]}, "search.micro_batch_size: only for search.mode"),
     ("no-eval-data", {"data.eval_path": None}, "data.eval_path: the search compares trials on eval loss"),
     ("max-steps", {"run.max_steps": 5}, "run.max_steps: not used by a search"),
-    ("eval-every", {"search.eval_every_samples": 24},
-     "search.samples_per_trial=32 is not a multiple of search.eval_every_samples=24"),
+    (
+        "eval-every",
+        {"search.eval_every_samples": 24},
+        "search.samples_per_trial=32 is not a multiple of search.eval_every_samples=24",
+    ),
     ("reduction", {"search.asha.reduction_factor": 1}, "search.asha.reduction_factor: Input should be greater than"),
     ("num-samples", {"search.num_samples": 0}, "search.num_samples: Input should be greater than 0"),
     ("base-job-still-checked", {"batch.micro_batch_size": 3}, "batch.global_batch_size=8 is not divisible by"),
@@ -133,13 +152,18 @@ def test_search_section_fields_are_documented():
     from tune.spec import SearchSpec
 
     schema = SearchSpec.model_json_schema()
-    missing = [f"{name}.{f}" for name, d in schema["$defs"].items() for f, p in d.get("properties", {}).items()
-               if not p.get("description")]
+    missing = [
+        f"{name}.{f}"
+        for name, d in schema["$defs"].items()
+        for f, p in d.get("properties", {}).items()
+        if not p.get("description")
+    ]
     assert not missing, missing
     assert schema["properties"]["search"].get("description")
 
 
 # ---- the plan --------------------------------------------------------------------------------
+
 
 def test_plan_fixed_global_batch(tmp_path):
     from tune.plan import plan_search
@@ -171,7 +195,9 @@ def test_plan_fixed_global_batch(tmp_path):
         assert (p.status == "infeasible") == (p.estimate_gib > BUDGET)
     assert by_accum[1].status == "infeasible" and "> budget" in by_accum[1].reason  # micro 8 does not fit
     assert [p.micro_batch_size for p in plan.planned] == [4, 2, 1]
-    assert any(p.gradient_checkpointing for p in plan.planned) and not all(p.gradient_checkpointing for p in plan.planned)
+    assert any(p.gradient_checkpointing for p in plan.planned) and not all(
+        p.gradient_checkpointing for p in plan.planned
+    )
     for p in plan.planned:  # same samples, same report points, whatever the split
         assert p.max_steps * p.global_batch_size == 32 and p.every_steps * p.global_batch_size == 16
 
@@ -188,8 +214,9 @@ def test_trials_run_the_checkpointing_their_plan_estimated(tmp_path):
     job = job_of(search_spec(tmp_path))
     m = 4
     off = est(job, m, False)
-    every2 = memory.estimate_for_spec(job, micro_batch_size=m, gradient_checkpointing=True, device="cpu",
-                                      checkpoint_every_n_layers=2).total_gib
+    every2 = memory.estimate_for_spec(
+        job, micro_batch_size=m, gradient_checkpointing=True, device="cpu", checkpoint_every_n_layers=2
+    ).total_gib
     assert est(job, m, True) < every2 < off
     budget = round((every2 + off) / 2, 6)
     data = search_spec(tmp_path, grad_accum_steps=[2], budget_gib=budget)
@@ -197,8 +224,9 @@ def test_trials_run_the_checkpointing_their_plan_estimated(tmp_path):
     (p,) = plan.planned
     assert p.micro_batch_size == m and p.gradient_checkpointing and p.checkpoint_every_n_layers == 2
     assert p.estimate_gib == pytest.approx(every2)
-    trial = load_spec(data=trial_job_dict(job_of(data).to_dict(), p.trial_config(), 0.01, str(tmp_path / "t"),
-                                          "ts-t", budget))
+    trial = load_spec(
+        data=trial_job_dict(job_of(data).to_dict(), p.trial_config(), 0.01, str(tmp_path / "t"), "ts-t", budget)
+    )
     assert trial.memory.gradient_checkpointing == "auto" and trial.memory.budget_gib == budget
     run = memory_plan(trial, torch.device("cpu"))
     assert (run.checkpoint_every_n_layers, run.total_gib) == (2, pytest.approx(every2))
@@ -208,14 +236,22 @@ def test_plan_fixed_micro_batch_grows_the_global_batch_and_pins_the_reference(tm
     from tune.plan import plan_search, trial_job_dict
     from tune.spec import load_search_spec
 
-    data = search_spec(tmp_path, mode="fixed_micro_batch", micro_batch_size=[2, 8], grad_accum_steps=[1, 2, 4],
-                       lr_scaling=["none", "linear", "sqrt"], samples_per_trial=64, eval_every_samples=None)
+    data = search_spec(
+        tmp_path,
+        mode="fixed_micro_batch",
+        micro_batch_size=[2, 8],
+        grad_accum_steps=[1, 2, 4],
+        lr_scaling=["none", "linear", "sqrt"],
+        samples_per_trial=64,
+        eval_every_samples=None,
+    )
     data["search"].pop("eval_every_samples")
     plan = plan_search(load_search_spec(data=data))
     assert plan.eval_every_samples == 8  # lcm of the feasible global batches 2, 4, 8
     planned = plan.planned
-    assert {(p.micro_batch_size, p.grad_accum_steps, p.lr_scaling) for p in planned} == \
-        {(2, a, r) for a in (1, 2, 4) for r in ("none", "linear", "sqrt")} - {(2, 4, "linear"), (2, 4, "sqrt")}
+    assert {(p.micro_batch_size, p.grad_accum_steps, p.lr_scaling) for p in planned} == {
+        (2, a, r) for a in (1, 2, 4) for r in ("none", "linear", "sqrt")
+    } - {(2, 4, "linear"), (2, 4, "sqrt")}
     # at the reference batch every rule gives the base lr: searched once, the others say why
     same = [p for p in plan.points if p.global_batch_size == 8 and p.micro_batch_size == 2 and p.status == "skipped"]
     assert sorted(p.lr_scaling for p in same) == ["linear", "sqrt"] and "same run as lr_scaling=none" in same[0].reason
@@ -240,8 +276,15 @@ def test_plan_skips_global_batches_that_do_not_divide_the_sample_budget(tmp_path
     from tune.plan import plan_search
     from tune.spec import load_search_spec
 
-    data = search_spec(tmp_path, mode="fixed_micro_batch", micro_batch_size=[1], grad_accum_steps=[2, 3],
-                       lr_scaling=["none"], samples_per_trial=32, eval_every_samples=16)
+    data = search_spec(
+        tmp_path,
+        mode="fixed_micro_batch",
+        micro_batch_size=[1],
+        grad_accum_steps=[2, 3],
+        lr_scaling=["none"],
+        samples_per_trial=32,
+        eval_every_samples=16,
+    )
     plan = plan_search(load_search_spec(data=data))
     skipped = [p for p in plan.points if p.status == "skipped"]
     assert [p.grad_accum_steps for p in skipped] == [3]
@@ -254,7 +297,12 @@ def test_forwarded_reports_count_samples_not_steps():
     # global batch 4, 8 steps: steps 2 and 4 become 8 and 16 samples; the last step is the trial's own report
     assert forward_metrics({"step": 2, "eval_loss": 3.0, "loss": 3.1}, 4, 8)["samples_seen"] == 8
     assert forward_metrics({"step": 4, "eval_loss": 2.0}, 4, 8) == {
-        "samples_seen": 16, "eval_loss": 2.0, "step": 4, "loss": None, "tokens_per_s": None}
+        "samples_seen": 16,
+        "eval_loss": 2.0,
+        "step": 4,
+        "loss": None,
+        "tokens_per_s": None,
+    }
     assert forward_metrics({"step": 8, "eval_loss": 1.0}, 4, 8) is None
     assert forward_metrics({"step": 3, "eval_loss": None}, 4, 8) is None
 
@@ -278,16 +326,31 @@ def test_results_classify_trials_by_tunes_verdict_and_the_trials_own_record(tmp_
         if status:
             (d / "status.json").write_text(json.dumps(status))
         (d / "starts.log").write_text("2026-01-01T00:00:00 train\n")
-        return SimpleNamespace(path=str(out / "tune" / tid), config={"point": points[micro], "lr": 0.01},
-                               metrics=metrics, error=error)
+        return SimpleNamespace(
+            path=str(out / "tune" / tid), config={"point": points[micro], "lr": 0.01}, metrics=metrics, error=error
+        )
 
     grid = [
-        trial("t0", 4, {}, RuntimeError("TrialOutOfMemory: out of memory"),
-              {"status": "oom", "error": "torch.OutOfMemoryError: CUDA out of memory"}),
-        trial("t1", 2, {"samples_seen": 32, "eval_loss": 2.5, "finished": True, "tokens_per_s": 10.0},
-              status={"status": "finished", "result": {"samples_seen": 32, "eval_loss": 2.5, "finished": True}}),
-        trial("t2", 1, {"samples_seen": 16, "eval_loss": 3.0}, None,
-              {"status": "error", "error": "ActorDiedError: The actor died unexpectedly"}),
+        trial(
+            "t0",
+            4,
+            {},
+            RuntimeError("TrialOutOfMemory: out of memory"),
+            {"status": "oom", "error": "torch.OutOfMemoryError: CUDA out of memory"},
+        ),
+        trial(
+            "t1",
+            2,
+            {"samples_seen": 32, "eval_loss": 2.5, "finished": True, "tokens_per_s": 10.0},
+            status={"status": "finished", "result": {"samples_seen": 32, "eval_loss": 2.5, "finished": True}},
+        ),
+        trial(
+            "t2",
+            1,
+            {"samples_seen": 16, "eval_loss": 3.0},
+            None,
+            {"status": "error", "error": "ActorDiedError: The actor died unexpectedly"},
+        ),
         trial("t3", 2, {}, RuntimeError("ValueError: bad data line 3")),
     ]
     rows = {r["trial_id"] or r["key"]: r for r in collect_rows(plan, grid, out)}
@@ -351,11 +414,13 @@ def test_resume_without_a_search_to_resume_is_refused(tmp_path, capsys):
     assert main(["tune", str(write(tmp_path, search_spec(tmp_path))), "--resume"]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [
-        f"rayft: error: {tmp_path / 'search.yaml'}: --resume: no interrupted search to resume in {tmp_path / 'out' / 'tune'}"]
+        f"rayft: error: {tmp_path / 'search.yaml'}: --resume: no interrupted search to resume in {tmp_path / 'out' / 'tune'}"
+    ]
     assert not (tmp_path / "out").exists() and not ray.is_initialized()
 
 
 # ---- one real search on Ray, interrupted and resumed -------------------------------------------
+
 
 def _env() -> dict:
     env = dict(os.environ)
@@ -398,6 +463,7 @@ def search(tmp_path_factory):
     log1 = open(tmp / "first.log", "w")
     p = subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+
         def a_trial_finished() -> bool:
             if "finished" in _statuses(trials).values():
                 return True
@@ -408,17 +474,29 @@ def search(tmp_path_factory):
         before = _statuses(trials)
         # Kill only once the saved experiment state (every 2 s) has every trial that ended as ended:
         # finished as TERMINATED, out of memory as ERROR. The resume then must not start them again.
-        ended = {t: {"finished": "TERMINATED", "oom": "ERROR"}[s] for t, s in before.items() if s in ("finished", "oom")}
-        wait_until(lambda: all(_saved_states(tmp / "out" / "tune").get(t) == s for t, s in ended.items()), 60,
-                   f"the saved experiment state records {ended}", every_s=0.2)
+        ended = {
+            t: {"finished": "TERMINATED", "oom": "ERROR"}[s] for t, s in before.items() if s in ("finished", "oom")
+        }
+        wait_until(
+            lambda: all(_saved_states(tmp / "out" / "tune").get(t) == s for t, s in ended.items()),
+            60,
+            f"the saved experiment state records {ended}",
+            every_s=0.2,
+        )
     finally:
         os.killpg(p.pid, signal.SIGKILL)  # the driver and everything in its session: no goodbye
         p.wait()
     wait_group_gone(p.pid)  # the killed search's processes
     second = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=500)
     out = tmp / "out"
-    return {"tmp": tmp, "out": out, "data": data, "before": before, "second": second,
-            "results": json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None}
+    return {
+        "tmp": tmp,
+        "out": out,
+        "data": data,
+        "before": before,
+        "second": second,
+        "results": json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None,
+    }
 
 
 def _rows(search, **match) -> list[dict]:
@@ -442,9 +520,13 @@ def test_small_search_completes(search):
     assert "finished" in (out / "results.txt").read_text()
     # trials report at the same sample counts (samples, not steps: 16 then 32). A trial restarted by the
     # resume after it had finished re-reports only its final result, so look at all of them together.
-    seen = {r["trial_id"]: [json.loads(x)["samples_seen"]
-                            for x in (out / "tune" / r["trial_id"] / "result.json").read_text().splitlines()]
-            for r in finished}
+    seen = {
+        r["trial_id"]: [
+            json.loads(x)["samples_seen"]
+            for x in (out / "tune" / r["trial_id"] / "result.json").read_text().splitlines()
+        ]
+        for r in finished
+    }
     assert all(set(v) <= {16, 32} and 32 in v for v in seen.values()), seen
     assert any(16 in v for v in seen.values()), seen
 

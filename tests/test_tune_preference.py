@@ -38,8 +38,15 @@ def dpo_search(tmp_path: Path, objective: dict | None = None, **search) -> dict:
         "batch": {"global_batch_size": 8, "micro_batch_size": 8},
         "optim": {"lr": 0.01, "schedule": "constant"},
         "run": {"output_dir": str(tmp_path / "out")},
-        "search": {"grad_accum_steps": [1, 2], "beta": [0.1, 0.5], "metric": ACC, "budget_gib": BUDGET_GIB,
-                   "samples_per_trial": 16, "eval_every_samples": 8, **search},
+        "search": {
+            "grad_accum_steps": [1, 2],
+            "beta": [0.1, 0.5],
+            "metric": ACC,
+            "budget_gib": BUDGET_GIB,
+            "samples_per_trial": 16,
+            "eval_every_samples": 8,
+            **search,
+        },
     }
 
 
@@ -64,6 +71,7 @@ def refused(tmp_path: Path, capsys, data: dict) -> str:
 
 
 # ---- refusals ------------------------------------------------------------------------------------
+
 
 def test_beta_is_refused_for_sft(tmp_path, capsys):
     data = dpo_search(tmp_path, objective={"name": "sft"}, metric="eval_loss", beta=[0.1])
@@ -90,13 +98,17 @@ def test_accuracy_metric_is_refused_for_sft(tmp_path, capsys):
     assert "search.metric=eval_rewards/accuracies: only for preference objectives" in line, line
 
 
-@pytest.mark.parametrize("betas,fragment", [
-    ([0, 0.1], "search.beta.0: Input should be greater than 0"),
-    ([0.1, -1], "search.beta.1: Input should be greater than 0"),
-    ([0.1, 2000], "search.beta.1: Input should be less than or equal to 1000"),  # objective.beta's own bound
-    ([], "search.beta: must list at least one value"),
-    ([0.1, 0.1], "search.beta: values must be unique"),
-], ids=["zero", "negative", "above-objective-bound", "empty", "duplicate"])
+@pytest.mark.parametrize(
+    "betas,fragment",
+    [
+        ([0, 0.1], "search.beta.0: Input should be greater than 0"),
+        ([0.1, -1], "search.beta.1: Input should be greater than 0"),
+        ([0.1, 2000], "search.beta.1: Input should be less than or equal to 1000"),  # objective.beta's own bound
+        ([], "search.beta: must list at least one value"),
+        ([0.1, 0.1], "search.beta: values must be unique"),
+    ],
+    ids=["zero", "negative", "above-objective-bound", "empty", "duplicate"],
+)
 def test_bad_beta_values_are_one_line(tmp_path, capsys, betas, fragment):
     line = refused(tmp_path, capsys, dpo_search(tmp_path, beta=betas))
     assert fragment in line, line
@@ -125,6 +137,7 @@ def test_search_fields_are_documented():
 
 # ---- the plan: beta is a grid dimension, and changes no memory ------------------------------------
 
+
 def test_plan_crosses_betas_with_the_splits_and_each_trial_carries_its_beta(tmp_path):
     from tune.plan import describe, plan_search, trial_job_dict
     from tune.spec import load_search_spec
@@ -141,8 +154,9 @@ def test_plan_crosses_betas_with_the_splits_and_each_trial_carries_its_beta(tmp_
     for p in plan.planned:
         mp = memory.plan_for_spec(budget_job, device="cpu", micro_batch_size=p.micro_batch_size)
         assert p.estimate_gib == pytest.approx(mp.total_gib) and p.strategy == mp.strategy
-        job = JobSpec.model_validate(trial_job_dict(plan.job, p.trial_config(), 0.01, str(tmp_path / "t"), "tp-t",
-                                                    BUDGET_GIB))
+        job = JobSpec.model_validate(
+            trial_job_dict(plan.job, p.trial_config(), 0.01, str(tmp_path / "t"), "tp-t", BUDGET_GIB)
+        )
         assert job.objective.name == "dpo" and job.objective.value("beta") == p.beta
         assert (job.batch.micro_batch_size, job.grad_accum_steps) == (p.micro_batch_size, p.grad_accum_steps)
         assert f"beta {p.beta:g}, " in describe(p.trial_config(), 0.01)
@@ -185,23 +199,36 @@ def test_plan_flag_shows_each_points_beta_and_the_metric(tmp_path, capsys):
 
 # ---- the trials' reports, the rows and the best ---------------------------------------------------
 
+
 def test_reports_carry_the_searched_metric_beside_the_eval_loss():
     from tune.run import forward_metrics
 
     m = {"step": 2, "eval_loss": 0.69, ACC: 0.75, "loss": 0.7}
-    assert forward_metrics(m, 4, 8, ACC) == {"samples_seen": 8, ACC: 0.75, "eval_loss": 0.69, "step": 2,
-                                              "loss": 0.7, "tokens_per_s": None}
+    assert forward_metrics(m, 4, 8, ACC) == {
+        "samples_seen": 8,
+        ACC: 0.75,
+        "eval_loss": 0.69,
+        "step": 2,
+        "loss": 0.7,
+        "tokens_per_s": None,
+    }
     assert forward_metrics({"step": 2, "eval_loss": 0.69}, 4, 8, ACC) is None  # no accuracy: held back
     assert forward_metrics(m, 4, 8, "eval_loss") == {
-        "samples_seen": 8, "eval_loss": 0.69, "step": 2, "loss": 0.7, "tokens_per_s": None}
+        "samples_seen": 8,
+        "eval_loss": 0.69,
+        "step": 2,
+        "loss": 0.7,
+        "tokens_per_s": None,
+    }
 
 
 def test_final_value_falls_back_to_the_last_steps_record(tmp_path):
     from tune.run import final_value
 
     assert final_value({ACC: 0.5}, tmp_path, ACC, 2) == 0.5
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, ACC: 0.25}) + "\n" +
-                                            json.dumps({"step": 2, ACC: 0.75}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, ACC: 0.25}) + "\n" + json.dumps({"step": 2, ACC: 0.75}) + "\n"
+    )
     assert final_value({"eval_loss": 0.6}, tmp_path, ACC, 2) == 0.75
     assert final_value({}, tmp_path, ACC, 3) is None
 
@@ -220,13 +247,18 @@ def test_rows_carry_beta_and_the_metric_and_the_best_is_the_highest_accuracy(tmp
     def trial(tid, micro, beta, acc, loss, tps):
         (out / "trials" / tid).mkdir(parents=True)
         m = {"samples_seen": 16, ACC: acc, "eval_loss": loss, "finished": True, "tokens_per_s": tps}
-        return SimpleNamespace(path=str(out / "tune" / tid), config={"point": points[micro, beta], "lr": 0.01},
-                               metrics=m, error=None)
+        return SimpleNamespace(
+            path=str(out / "tune" / tid), config={"point": points[micro, beta], "lr": 0.01}, metrics=m, error=None
+        )
 
     # the lowest eval loss (beta 0.1: its loss is the smaller scale) is not the best accuracy; of the
     # two at 0.75 the faster wins
-    grid = [trial("t0", 8, 0.1, 0.5, 0.40, 100.0), trial("t1", 8, 0.5, 0.75, 0.65, 90.0),
-            trial("t2", 4, 0.1, 0.625, 0.45, 80.0), trial("t3", 4, 0.5, 0.75, 0.60, 95.0)]
+    grid = [
+        trial("t0", 8, 0.1, 0.5, 0.40, 100.0),
+        trial("t1", 8, 0.5, 0.75, 0.65, 90.0),
+        trial("t2", 4, 0.1, 0.625, 0.45, 80.0),
+        trial("t3", 4, 0.5, 0.75, 0.60, 95.0),
+    ]
     rows = collect_rows(plan, grid, out)
     assert [r["trial_id"] for r in rows] == ["t3", "t1", "t2", "t0"]  # best first: highest accuracy, then micro
     assert {r["trial_id"]: r["beta"] for r in rows} == {"t0": 0.1, "t1": 0.5, "t2": 0.1, "t3": 0.5}
@@ -240,6 +272,7 @@ def test_rows_carry_beta_and_the_metric_and_the_best_is_the_highest_accuracy(tmp
 
 
 # ---- one real search on Ray ------------------------------------------------------------------------
+
 
 def _env() -> dict:
     env = dict(os.environ)
@@ -255,8 +288,14 @@ def dpo_search_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dpo-search")
     data = dpo_search(tmp, grad_accum_steps=[1], scheduler="fifo", max_concurrent_trials=2)
     path = write(tmp, data)
-    done = subprocess.run([str(BIN / "rayft"), "tune", str(path), "--num-cpus", "4"], cwd=tmp, env=_env(),
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [str(BIN / "rayft"), "tune", str(path), "--num-cpus", "4"],
+        cwd=tmp,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = tmp / "out"
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
     return SimpleNamespace(tmp=tmp, out=out, data=data, run=done, results=results)
@@ -276,8 +315,10 @@ def test_search_over_two_betas_lists_both_and_picks_the_highest_accuracy(dpo_sea
         trial = json.loads((Path(r["output_dir"]) / "trial.json").read_text())
         assert trial["spec"]["objective"]["beta"] == r["beta"]
         # it reported the metric at 8 and 16 samples
-        reports = [json.loads(x) for x in
-                   (dpo_search_run.out / "tune" / r["trial_id"] / "result.json").read_text().splitlines()]
+        reports = [
+            json.loads(x)
+            for x in (dpo_search_run.out / "tune" / r["trial_id"] / "result.json").read_text().splitlines()
+        ]
         assert [x["samples_seen"] for x in reports] == [8, 16] and all(x[ACC] is not None for x in reports)
     best = res["best"]
     top = max(r[ACC] for r in finished)

@@ -18,20 +18,32 @@ class Announce(Callback):
         self.metric = metric
 
     def on_trial_start(self, iteration, trials, trial, **info):
-        print(f"  start  {trial.trial_id}: {describe(trial.config['point'], trial.config['lr'])}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  start  {trial.trial_id}: {describe(trial.config['point'], trial.config['lr'])}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         r = trial.last_result or {}
         ev = r.get(self.metric)
         ev = "-" if ev is None else f"{ev:.4f}"
         if r.get("finished"):
-            print(f"  done   {trial.trial_id}: {self.metric} {ev} after {r.get(TIME_ATTR)} samples", file=sys.stderr,
-                  flush=True)
+            print(
+                f"  done   {trial.trial_id}: {self.metric} {ev} after {r.get(TIME_ATTR)} samples",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
-            print(f"  stop   {trial.trial_id}: {self.metric} {ev} at {r.get(TIME_ATTR)} samples (ASHA: stopped early)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  stop   {trial.trial_id}: {self.metric} {ev} at {r.get(TIME_ATTR)} samples (ASHA: stopped early)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def on_trial_error(self, iteration, trials, trial, **info):
-        print(f"  failed {trial.trial_id}: {describe(trial.config['point'], trial.config['lr'])} "
-              "(recorded, not retried)", file=sys.stderr, flush=True)
+        print(
+            f"  failed {trial.trial_id}: {describe(trial.config['point'], trial.config['lr'])} (recorded, not retried)",
+            file=sys.stderr,
+            flush=True,
+        )

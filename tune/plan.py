@@ -67,11 +67,12 @@ def smallest_budget_str(gib: float) -> str:
     if gib <= 0:
         return "0"
     digits = 3 - int(math.floor(math.log10(gib)))
-    q = 10 ** digits
+    q = 10**digits
     return f"{math.ceil(gib * q) / q:.{max(digits, 0)}f}"
 
 
 # ---- plan --------------------------------------------------------------------------------
+
 
 @dataclass
 class Point:
@@ -134,15 +135,24 @@ class Plan:
 
     def trial_spec(self, point: dict, lr: float, out_dir: str = "", name: str | None = None) -> JobSpec:
         """The job spec a trial of `point` (a `Point.trial_config()`) with base lr `lr` runs."""
-        return JobSpec.model_validate(trial_job_dict(self.job, point, lr, out_dir, name or self.job["name"],
-                                                     self.budget_gib))
+        return JobSpec.model_validate(
+            trial_job_dict(self.job, point, lr, out_dir, name or self.job["name"], self.budget_gib)
+        )
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "budget_gib": self.budget_gib, "smallest_budget_gib": self.smallest_budget_gib,
-                "samples_per_trial": self.samples_per_trial, "eval_every_samples": self.eval_every_samples,
-                "grace_samples": self.grace_samples, "notes": self.notes, "metric": self.metric, "mode": self.mode,
-                "memory": {str(k): v for k, v in self.memory.items()},
-                "points": [asdict(p) | {"key": p.key} for p in self.points]}
+        return {
+            "device": self.device,
+            "budget_gib": self.budget_gib,
+            "smallest_budget_gib": self.smallest_budget_gib,
+            "samples_per_trial": self.samples_per_trial,
+            "eval_every_samples": self.eval_every_samples,
+            "grace_samples": self.grace_samples,
+            "notes": self.notes,
+            "metric": self.metric,
+            "mode": self.mode,
+            "memory": {str(k): v for k, v in self.memory.items()},
+            "points": [asdict(p) | {"key": p.key} for p in self.points],
+        }
 
 
 def _splits(spec: SearchSpec, notes: list[str]) -> tuple[list[tuple[int, int, int, str]], list[Rule], int]:
@@ -157,14 +167,23 @@ def _splits(spec: SearchSpec, notes: list[str]) -> tuple[list[tuple[int, int, in
         splits = []
         for a in s.grad_accum_steps:
             if G0 % (a * W):
-                splits.append((0, a, G0, f"batch.global_batch_size={G0} is not divisible by grad_accum_steps={a} "
-                                         f"x resources.num_workers={W}"))
+                splits.append(
+                    (
+                        0,
+                        a,
+                        G0,
+                        f"batch.global_batch_size={G0} is not divisible by grad_accum_steps={a} "
+                        f"x resources.num_workers={W}",
+                    )
+                )
             else:
                 splits.append((G0 // (a * W), a, G0, ""))
         if reference == G0 and len(rules) > 1:
             # Every trial has global batch == reference batch: f(1) = 1 for every rule.
-            notes.append(f"lr_scaling {', '.join(rules[1:])}: same run as {rules[0]} in fixed_global_batch mode "
-                         f"(every trial's global batch {G0} equals the reference batch {reference}); searched once")
+            notes.append(
+                f"lr_scaling {', '.join(rules[1:])}: same run as {rules[0]} in fixed_global_batch mode "
+                f"(every trial's global batch {G0} equals the reference batch {reference}); searched once"
+            )
             rules = rules[:1]
     else:
         micros = s.micro_batch_size or [spec.batch.micro_batch_size]
@@ -192,19 +211,30 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
                 if why:
                     p.status, p.reason = "skipped", why
                 elif i and g == reference:
-                    p.status, p.reason = "skipped", (f"same run as lr_scaling={rules[0]}: the global batch {g} is "
-                                                     "the reference batch, where every rule gives the base lr")
+                    p.status, p.reason = (
+                        "skipped",
+                        (
+                            f"same run as lr_scaling={rules[0]}: the global batch {g} is "
+                            "the reference batch, where every rule gives the base lr"
+                        ),
+                    )
                 elif s.samples_per_trial % g:
-                    p.status, p.reason = "skipped", (f"search.samples_per_trial={s.samples_per_trial} is not a "
-                                                     f"multiple of the global batch {g} (every trial sees the same "
-                                                     "samples)")
+                    p.status, p.reason = (
+                        "skipped",
+                        (
+                            f"search.samples_per_trial={s.samples_per_trial} is not a "
+                            f"multiple of the global batch {g} (every trial sees the same "
+                            "samples)"
+                        ),
+                    )
                 points.append(p)
 
     # -- memory: one MemoryPlan per micro-batch, as the trials' workers will make it --
     job_dict = spec.job_dict()
     # A trial's spec carries the search budget as memory.budget_gib (trial_job_dict): plan with it.
-    budget_job = JobSpec.model_validate(json.loads(json.dumps(job_dict)) | {
-        "memory": {**job_dict["memory"], "budget_gib": budget}})
+    budget_job = JobSpec.model_validate(
+        json.loads(json.dumps(job_dict)) | {"memory": {**job_dict["memory"], "budget_gib": budget}}
+    )
     gc_mode = spec.memory.gradient_checkpointing
     try:
         config = memory.config_from_spec(budget_job)
@@ -212,11 +242,15 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
         mem: dict[int, dict] = {}
         for m in sorted({p.micro_batch_size for p in points if p.micro_batch_size}):
             plans[m] = memory.plan_for_spec(budget_job, device=device, micro_batch_size=m, config=config)
-            mem[m] = {k: memory.estimate_for_spec(budget_job, micro_batch_size=m, gradient_checkpointing=gc,
-                                                  device=device, config=config).total_gib
-                      for k, gc in (("off", False), ("on", True))}
-        smallest = memory.estimate_for_spec(budget_job, micro_batch_size=1, gradient_checkpointing=gc_mode is not False,
-                                            device=device, config=config).total_gib
+            mem[m] = {
+                k: memory.estimate_for_spec(
+                    budget_job, micro_batch_size=m, gradient_checkpointing=gc, device=device, config=config
+                ).total_gib
+                for k, gc in (("off", False), ("on", True))
+            }
+        smallest = memory.estimate_for_spec(
+            budget_job, micro_batch_size=1, gradient_checkpointing=gc_mode is not False, device=device, config=config
+        ).total_gib
     except ValueError as e:  # SpecError included: the field it names, prefixed with the spec's path
         raise SpecError(f"{where}: {e}") from None
 
@@ -225,7 +259,8 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
         raise SpecError(
             f"{where}: {budget_key}={budget:g} is too small: even micro_batch_size=1 {how} needs "
             f"{gib_str(smallest)} on {device} (jobs.memory estimate); the smallest budget that fits is "
-            f"{smallest_budget_str(smallest)} GiB")
+            f"{smallest_budget_str(smallest)} GiB"
+        )
 
     for p in points:
         if not p.micro_batch_size:
@@ -237,8 +272,10 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
         p.gradient_checkpointing = mp.checkpoint_every_n_layers > 0
         if p.status == "planned" and not mp.fits:
             p.status = "infeasible"
-            p.reason = (f"estimate {gib_str(p.estimate_gib)} > budget {gib_str(budget)} "
-                        f"({mp.strategy_str}, checkpointing {mp.checkpointing})")
+            p.reason = (
+                f"estimate {gib_str(p.estimate_gib)} > budget {gib_str(budget)} "
+                f"({mp.strategy_str}, checkpointing {mp.checkpointing})"
+            )
 
     # -- the eval/report interval: the same sample counts for every trial --
     live = [p for p in points if p.status == "planned"]  # feasible: infeasible points do not constrain it
@@ -246,15 +283,22 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
         every = s.eval_every_samples
         for p in live:
             if every % p.global_batch_size:
-                p.status, p.reason = "skipped", (f"search.eval_every_samples={every} is not a multiple of the global "
-                                                 f"batch {p.global_batch_size} (trials report at equal samples seen)")
+                p.status, p.reason = (
+                    "skipped",
+                    (
+                        f"search.eval_every_samples={every} is not a multiple of the global "
+                        f"batch {p.global_batch_size} (trials report at equal samples seen)"
+                    ),
+                )
     else:
         # Each global batch divides samples_per_trial, so their lcm does too.
         every = math.lcm(*(p.global_batch_size for p in live)) if live else s.samples_per_trial
     grace = s.asha.grace_samples or every
     if grace % every:
-        raise SpecError(f"{where}: search.asha.grace_samples={grace} is not a multiple of the eval interval "
-                        f"{every} samples (set search.eval_every_samples)")
+        raise SpecError(
+            f"{where}: search.asha.grace_samples={grace} is not a multiple of the eval interval "
+            f"{every} samples (set search.eval_every_samples)"
+        )
 
     for p in points:
         if p.status == "planned":
@@ -263,22 +307,38 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
 
     if not any(p.status == "planned" for p in points):
         reasons = sorted({f"{p.key}: {p.reason}" for p in points})
-        raise SpecError(f"{where}: search: no configuration can run under {budget_key}={budget:g} "
-                        f"({'; '.join(reasons)})")
-    return Plan(device=device, budget_gib=budget, smallest_budget_gib=smallest,
-                samples_per_trial=s.samples_per_trial, eval_every_samples=every, grace_samples=grace,
-                points=points, notes=notes, memory=mem, job=job_dict, metric=s.metric, mode=s.mode_of_metric,
-                base_beta=spec.objective.value("beta"))
+        raise SpecError(
+            f"{where}: search: no configuration can run under {budget_key}={budget:g} ({'; '.join(reasons)})"
+        )
+    return Plan(
+        device=device,
+        budget_gib=budget,
+        smallest_budget_gib=smallest,
+        samples_per_trial=s.samples_per_trial,
+        eval_every_samples=every,
+        grace_samples=grace,
+        points=points,
+        notes=notes,
+        memory=mem,
+        job=job_dict,
+        metric=s.metric,
+        mode=s.mode_of_metric,
+        base_beta=spec.objective.value("beta"),
+    )
 
 
 # ---- one trial's job ---------------------------------------------------------------------
+
 
 def trial_job_dict(base: dict, p: dict, lr: float, out_dir: str, name: str, budget_gib: float) -> dict:
     """The JobSpec of one trial: the base job with this point's split, lr, rule and cadence."""
     d = json.loads(json.dumps(base))
     d["name"] = name
-    d["batch"] = {"global_batch_size": p["global_batch_size"], "micro_batch_size": p["micro_batch_size"],
-                  "grad_accum_steps": p["grad_accum_steps"]}
+    d["batch"] = {
+        "global_batch_size": p["global_batch_size"],
+        "micro_batch_size": p["micro_batch_size"],
+        "grad_accum_steps": p["grad_accum_steps"],
+    }
     d["optim"].update(lr=float(lr), lr_scaling=p["lr_scaling"], reference_batch_size=p["reference_batch_size"])
     if p.get("beta") is not None:
         d["objective"]["beta"] = float(p["beta"])
@@ -287,8 +347,15 @@ def trial_job_dict(base: dict, p: dict, lr: float, out_dir: str, name: str, budg
     gc = "auto" if d["memory"].get("gradient_checkpointing") == "auto" else bool(p["gradient_checkpointing"])
     d["memory"].update(gradient_checkpointing=gc, budget_gib=budget_gib)
     # max_failures=0: out of memory is an answer, not a retry (tune.run records it as infeasible).
-    d["run"].update(max_steps=p["max_steps"], epochs=None, checkpoint_every=p["every_steps"],
-                    eval_every=p["every_steps"], keep_checkpoints=1, max_failures=0, output_dir=out_dir)
+    d["run"].update(
+        max_steps=p["max_steps"],
+        epochs=None,
+        checkpoint_every=p["every_steps"],
+        eval_every=p["every_steps"],
+        keep_checkpoints=1,
+        max_failures=0,
+        output_dir=out_dir,
+    )
     # Trials write to <search output>/trials/<id>: their shared tokenized data goes beside trials/,
     # in the search's own output dir, not among the trial directories.
     if not d["data"].get("cache_dir"):
@@ -305,9 +372,11 @@ def trial_name(base_name: str, trial_id: str) -> str:
 def describe(p: dict, lr: float) -> str:
     """One trial, for a log line."""
     beta = "" if p.get("beta") is None else f"beta {p['beta']:g}, "
-    return (f"micro {p['micro_batch_size']} x accum {p['grad_accum_steps']} (global {p['global_batch_size']}), "
-            f"lr {lr:.3g} {p['lr_scaling']}, {beta}{p.get('strategy') or 'ddp'}, "
-            f"checkpointing {checkpointing_str(p.get('checkpoint_every_n_layers'))}")
+    return (
+        f"micro {p['micro_batch_size']} x accum {p['grad_accum_steps']} (global {p['global_batch_size']}), "
+        f"lr {lr:.3g} {p['lr_scaling']}, {beta}{p.get('strategy') or 'ddp'}, "
+        f"checkpointing {checkpointing_str(p.get('checkpoint_every_n_layers'))}"
+    )
 
 
 def spec_fingerprint(spec: SearchSpec) -> str:

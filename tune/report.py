@@ -1,15 +1,15 @@
 """What a search leaves in `run.output_dir`:
 
-    results.csv / results.json   one row per trial and per configuration never launched
-    results.txt                  the rich results table, as printed
-    search.png                   the search's metric (eval loss, or eval_rewards/accuracies) by
-                                 accumulation steps per LR rule; estimated memory by micro-batch
-                                 with the budget line
-    best.yaml                    the best trial as a complete job spec (no `search` section):
-                                 `rayft run best.yaml` and `rayft submit best.yaml` take it unchanged
-    search_plan.json             the plan (every point, its estimate and status) and the spec fingerprint
-    tune/                        the Ray Tune experiment (`Tuner.restore` resumes from it)
-    trials/<trial_id>/           each trial's job outputs (metrics.jsonl, summary.json, adapter/, ...)
+results.csv / results.json   one row per trial and per configuration never launched
+results.txt                  the rich results table, as printed
+search.png                   the search's metric (eval loss, or eval_rewards/accuracies) by
+                             accumulation steps per LR rule; estimated memory by micro-batch
+                             with the budget line
+best.yaml                    the best trial as a complete job spec (no `search` section):
+                             `rayft run best.yaml` and `rayft submit best.yaml` take it unchanged
+search_plan.json             the plan (every point, its estimate and status) and the spec fingerprint
+tune/                        the Ray Tune experiment (`Tuner.restore` resumes from it)
+trials/<trial_id>/           each trial's job outputs (metrics.jsonl, summary.json, adapter/, ...)
 """
 
 from __future__ import annotations
@@ -28,11 +28,29 @@ from jobs.spec import JobSpec
 from .plan import TIME_ATTR, Plan, gib_str
 from .spec import SearchSpec
 
-COLUMNS = ["trial_id", "status", "micro_batch_size", "grad_accum_steps", "global_batch_size", "gradient_checkpointing",
-           "checkpoint_every_n_layers", "lr_scaling", "reference_batch_size", "base_lr", "effective_lr", "estimate_gib",
-           "budget_gib",
-           "samples_seen", "tokens_seen", "steps", "eval_loss", "tokens_per_s", "trainings_started", "reason",
-           "output_dir"]
+COLUMNS = [
+    "trial_id",
+    "status",
+    "micro_batch_size",
+    "grad_accum_steps",
+    "global_batch_size",
+    "gradient_checkpointing",
+    "checkpoint_every_n_layers",
+    "lr_scaling",
+    "reference_batch_size",
+    "base_lr",
+    "effective_lr",
+    "estimate_gib",
+    "budget_gib",
+    "samples_seen",
+    "tokens_seen",
+    "steps",
+    "eval_loss",
+    "tokens_per_s",
+    "trainings_started",
+    "reason",
+    "output_dir",
+]
 RESULTS_CSV, RESULTS_JSON, RESULTS_TXT = "results.csv", "results.json", "results.txt"
 PLOT, BEST = "search.png", "best.yaml"
 # How the results table heads each metric's column.
@@ -52,8 +70,11 @@ def columns(plan: Plan) -> list[str]:
 def pick_best(rows: list[dict], samples_per_trial: int, metric: str = "eval_loss", mode: str = "min") -> dict | None:
     """The best value of `metric` (lowest for mode "min", highest for "max") among trials that saw
     the full sample budget; ties (to 6 decimals) go to the faster one."""
-    done = [r for r in rows if r["status"] == "finished" and r.get(metric) is not None
-            and r["samples_seen"] >= samples_per_trial]
+    done = [
+        r
+        for r in rows
+        if r["status"] == "finished" and r.get(metric) is not None and r["samples_seen"] >= samples_per_trial
+    ]
     if not done:
         return None
     sign = 1 if mode == "min" else -1
@@ -64,26 +85,32 @@ def best_job_dict(raw: SearchSpec, best: dict) -> dict:
     """The winning configuration as a job spec, with the paths as the user wrote them."""
     d = raw.job_dict()
     d["name"] = f"{raw.name[:57].rstrip('-')}-best"
-    d["batch"] = {"global_batch_size": best["global_batch_size"], "micro_batch_size": best["micro_batch_size"],
-                  "grad_accum_steps": best["grad_accum_steps"]}
-    d["optim"].update(lr=best["base_lr"], lr_scaling=best["lr_scaling"],
-                      reference_batch_size=best["reference_batch_size"])
+    d["batch"] = {
+        "global_batch_size": best["global_batch_size"],
+        "micro_batch_size": best["micro_batch_size"],
+        "grad_accum_steps": best["grad_accum_steps"],
+    }
+    d["optim"].update(
+        lr=best["base_lr"], lr_scaling=best["lr_scaling"], reference_batch_size=best["reference_batch_size"]
+    )
     if best.get("beta") is not None:  # the beta the trial trained with, searched or the base job's
         d["objective"]["beta"] = best["beta"]
     # `auto` stays `auto` (with the budget): `rayft run` then picks the checkpointing the trial ran.
     gc = "auto" if d["memory"].get("gradient_checkpointing") == "auto" else bool(best["gradient_checkpointing"])
     d["memory"].update(gradient_checkpointing=gc, budget_gib=raw.budget)
     out = raw.run.output_dir
-    d["run"].update(max_steps=best["steps"], epochs=None,
-                    output_dir=out if "{name}" in out else f"{out.rstrip('/')}/best-run")
+    d["run"].update(
+        max_steps=best["steps"], epochs=None, output_dir=out if "{name}" in out else f"{out.rstrip('/')}/best-run"
+    )
     # Fault injection is for drills of the search itself, not part of the result.
     d["run"]["env"] = {k: v for k, v in d["run"]["env"].items() if k != "RAYFT_FAULT"}
     JobSpec.model_validate(d)  # a complete, valid job spec, or a bug here
     return d
 
 
-def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: dict | None, notes: list[str],
-              *, interrupted: bool) -> dict[str, str]:
+def write_all(
+    out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: dict | None, notes: list[str], *, interrupted: bool
+) -> dict[str, str]:
     out.mkdir(parents=True, exist_ok=True)
     files = {}
     with open(out / RESULTS_CSV, "w", newline="") as f:
@@ -94,14 +121,25 @@ def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: di
             w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
     files["csv"] = str(out / RESULTS_CSV)
     summary = {
-        "name": raw.name, "mode": raw.search.mode, "device": plan.device, "budget_gib": plan.budget_gib,
-        "smallest_budget_gib": plan.smallest_budget_gib, "samples_per_trial": plan.samples_per_trial,
-        "eval_every_samples": plan.eval_every_samples, "time_attr": TIME_ATTR, "metric": plan.metric,
+        "name": raw.name,
+        "mode": raw.search.mode,
+        "device": plan.device,
+        "budget_gib": plan.budget_gib,
+        "smallest_budget_gib": plan.smallest_budget_gib,
+        "samples_per_trial": plan.samples_per_trial,
+        "eval_every_samples": plan.eval_every_samples,
+        "time_attr": TIME_ATTR,
+        "metric": plan.metric,
         "metric_mode": plan.mode,
-        "scheduler": raw.search.scheduler, "interrupted": interrupted, "notes": notes,
-        "counts": {s: sum(r["status"] == s for r in rows) for s in
-                   ("finished", "stopped", "infeasible", "error", "skipped", "not run")},
-        "best": best, "trials": rows,
+        "scheduler": raw.search.scheduler,
+        "interrupted": interrupted,
+        "notes": notes,
+        "counts": {
+            s: sum(r["status"] == s for r in rows)
+            for s in ("finished", "stopped", "infeasible", "error", "skipped", "not run")
+        },
+        "best": best,
+        "trials": rows,
     }
     write_json_atomic(out / RESULTS_JSON, summary)
     files["json"] = str(out / RESULTS_JSON)
@@ -117,11 +155,13 @@ def write_all(out: Path, raw: SearchSpec, plan: Plan, rows: list[dict], best: di
     best_path = out / BEST
     if best is not None:
         beta = "" if best.get("beta") is None else f", beta {best['beta']:g}"
-        header = (f"# Best configuration of search {raw.name!r} (trial {best['trial_id']}): {value_str(plan, best)} "
-                  f"after {best['samples_seen']} samples; micro {best['micro_batch_size']} x "
-                  f"accum {best['grad_accum_steps']} x {raw.resources.num_workers} workers, lr {best['base_lr']:.4g} "
-                  f"({best['lr_scaling']} -> {best['effective_lr']:.4g}){beta}.\n"
-                  f"# A complete job spec: rayft run {BEST}\n")
+        header = (
+            f"# Best configuration of search {raw.name!r} (trial {best['trial_id']}): {value_str(plan, best)} "
+            f"after {best['samples_seen']} samples; micro {best['micro_batch_size']} x "
+            f"accum {best['grad_accum_steps']} x {raw.resources.num_workers} workers, lr {best['base_lr']:.4g} "
+            f"({best['lr_scaling']} -> {best['effective_lr']:.4g}){beta}.\n"
+            f"# A complete job spec: rayft run {BEST}\n"
+        )
         write_text_atomic(best_path, header + yaml.safe_dump(best_job_dict(raw, best), sort_keys=False))
         files["best"] = str(best_path)
     elif best_path.exists():
@@ -147,25 +187,58 @@ def results_table(rows: list[dict], name: str, plan: Plan):
     from rich.table import Table
 
     what = "eval loss" if plan.metric == "eval_loss" else f"{plan.metric} ({plan.mode})"
-    t = Table(title=f"rayft tune {name}: {what} at {plan.samples_per_trial} samples per trial, "
-                    f"budget {gib_str(plan.budget_gib)} on {plan.device}")
+    t = Table(
+        title=f"rayft tune {name}: {what} at {plan.samples_per_trial} samples per trial, "
+        f"budget {gib_str(plan.budget_gib)} on {plan.device}"
+    )
     beta = ["beta"] if plan.has_beta else []
     metric = [] if plan.metric == "eval_loss" else [LABELS[plan.metric]]
-    for col in ("trial", "status", "micro", "accum", "global", "ckpt", "lr rule", *beta, "base lr", "lr", "estimate",
-                "samples", "eval loss", *metric, "tok/s", "note"):
+    for col in (
+        "trial",
+        "status",
+        "micro",
+        "accum",
+        "global",
+        "ckpt",
+        "lr rule",
+        *beta,
+        "base lr",
+        "lr",
+        "estimate",
+        "samples",
+        "eval loss",
+        *metric,
+        "tok/s",
+        "note",
+    ):
         t.add_column(col, overflow="fold")
-    styles = {"finished": "green", "stopped": "yellow", "infeasible": "red", "error": "red", "skipped": "dim",
-              "not run": "dim"}
+    styles = {
+        "finished": "green",
+        "stopped": "yellow",
+        "infeasible": "red",
+        "error": "red",
+        "skipped": "dim",
+        "not run": "dim",
+    }
     for r in rows:
         beta = [_fmt(r.get("beta"), "g")] if plan.has_beta else []
         metric = [] if plan.metric == "eval_loss" else [_fmt(r.get(plan.metric), ".4f")]
         t.add_row(
-            r["trial_id"] or "-", f"[{styles.get(r['status'], '')}]{r['status']}[/]",
-            _fmt(r["micro_batch_size"], "d"), str(r["grad_accum_steps"]), str(r["global_batch_size"]),
+            r["trial_id"] or "-",
+            f"[{styles.get(r['status'], '')}]{r['status']}[/]",
+            _fmt(r["micro_batch_size"], "d"),
+            str(r["grad_accum_steps"]),
+            str(r["global_batch_size"]),
             checkpointing_str(r.get("checkpoint_every_n_layers")),
-            r["lr_scaling"], *beta, _fmt(r["base_lr"], ".3g"), _fmt(r["effective_lr"], ".3g"),
+            r["lr_scaling"],
+            *beta,
+            _fmt(r["base_lr"], ".3g"),
+            _fmt(r["effective_lr"], ".3g"),
             gib_str(r["estimate_gib"]),
-            str(r["samples_seen"] or "-"), _fmt(r["eval_loss"], ".4f"), *metric, _fmt(r["tokens_per_s"], ".0f"),
+            str(r["samples_seen"] or "-"),
+            _fmt(r["eval_loss"], ".4f"),
+            *metric,
+            _fmt(r["tokens_per_s"], ".0f"),
             r["reason"][:90],
         )
     return t
@@ -193,11 +266,17 @@ def plot(path: Path, rows: list[dict], plan: Plan, name: str) -> Path | None:
                 best_by_accum[a] = better(best_by_accum.get(a, r[metric]), r[metric])
             xs = sorted(best_by_accum)
             ax1.plot(xs, [best_by_accum[x] for x in xs], "o-", color=colors[rule], label=f"{rule} (finished, {over})")
-        stopped = [r for r in rows
-                   if r["lr_scaling"] == rule and r["status"] == "stopped" and r.get(metric) is not None]
+        stopped = [
+            r for r in rows if r["lr_scaling"] == rule and r["status"] == "stopped" and r.get(metric) is not None
+        ]
         if stopped:
-            ax1.scatter([r["grad_accum_steps"] for r in stopped], [r[metric] for r in stopped], marker="x",
-                        color=colors[rule], label=f"{rule} (stopped early by ASHA)")
+            ax1.scatter(
+                [r["grad_accum_steps"] for r in stopped],
+                [r[metric] for r in stopped],
+                marker="x",
+                color=colors[rule],
+                label=f"{rule} (stopped early by ASHA)",
+            )
     ax1.set_xscale("log", base=2)
     accums = sorted({r["grad_accum_steps"] for r in rows if r["status"] in ("finished", "stopped")})
     if accums:
@@ -218,10 +297,21 @@ def plot(path: Path, rows: list[dict], plan: Plan, name: str) -> Path | None:
         off = [plan.memory[m]["off"] * scale for m in micros]
         on = [plan.memory[m]["on"] * scale for m in micros]
         budget = plan.budget_gib * scale
-        ax2.bar([i - 0.2 for i in x], off, 0.4, label="checkpointing off",
-                color=["tab:red" if v > budget else "tab:blue" for v in off])
-        ax2.bar([i + 0.2 for i in x], on, 0.4, label="checkpointing on", alpha=0.6,
-                color=["tab:red" if v > budget else "tab:cyan" for v in on])
+        ax2.bar(
+            [i - 0.2 for i in x],
+            off,
+            0.4,
+            label="checkpointing off",
+            color=["tab:red" if v > budget else "tab:blue" for v in off],
+        )
+        ax2.bar(
+            [i + 0.2 for i in x],
+            on,
+            0.4,
+            label="checkpointing on",
+            alpha=0.6,
+            color=["tab:red" if v > budget else "tab:cyan" for v in on],
+        )
         ax2.axhline(budget, color="black", linestyle="--", label=f"budget {gib_str(plan.budget_gib)}")
         ax2.set_xticks(list(x), [str(m) for m in micros])
         ax2.set_xlabel("micro-batch size")

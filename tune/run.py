@@ -59,11 +59,13 @@ log = logging.getLogger("rayft")
 
 # ---- failures: out of memory inside Ray's wrapping ---------------------------------------------
 
+
 class TrialOutOfMemory(RuntimeError):
     """A launched trial ran out of memory: recorded as infeasible, never retried."""
 
 
 # ---- one trial ---------------------------------------------------------------------------
+
 
 def read_json(path: Path) -> dict | None:
     try:
@@ -84,8 +86,13 @@ def forward_metrics(m: dict, global_batch: int, max_steps: int, metric: str = "e
     step = m.get("step")
     if not step or step >= max_steps or m.get(metric) is None:
         return None
-    out = {TIME_ATTR: int(step) * global_batch, metric: float(m[metric]), "step": int(step),
-           "loss": m.get("loss"), "tokens_per_s": m.get("tokens_per_s")}
+    out = {
+        TIME_ATTR: int(step) * global_batch,
+        metric: float(m[metric]),
+        "step": int(step),
+        "loss": m.get("loss"),
+        "tokens_per_s": m.get("tokens_per_s"),
+    }
     if metric != "eval_loss":
         out["eval_loss"] = m.get("eval_loss")
     return out
@@ -123,15 +130,19 @@ def run_trial(config: dict, setup: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     d = trial_job_dict(setup["job"], p, lr, str(out), trial_name(setup["name"], trial_id), setup["budget_gib"])
     spec = JobSpec.model_validate(d)
-    write_json_atomic(out / "trial.json", {"trial_id": trial_id, "point": p, "lr": lr,
-                                           "effective_lr": spec.effective_lr, "spec": spec.to_dict()})
+    write_json_atomic(
+        out / "trial.json",
+        {"trial_id": trial_id, "point": p, "lr": lr, "effective_lr": spec.effective_lr, "spec": spec.to_dict()},
+    )
 
     status = read_json(out / STATUS_FILE)
     if status and status.get("status") == "oom":
         # Ran out of memory before an interruption the experiment state did not see: still infeasible.
         _log_start(out, "out of memory earlier: not rerun")
-        raise TrialOutOfMemory(f"out of memory at micro_batch_size={p['micro_batch_size']} (recorded earlier, "
-                               f"not retried): {status.get('error')}")
+        raise TrialOutOfMemory(
+            f"out of memory at micro_batch_size={p['micro_batch_size']} (recorded earlier, "
+            f"not retried): {status.get('error')}"
+        )
     if status and status.get("status") == "finished":
         # Finished before an interruption the experiment state did not see: report, don't retrain.
         _log_start(out, "already finished: not rerun")
@@ -146,22 +157,38 @@ def run_trial(config: dict, setup: dict) -> None:
     try:
         _fit(spec, p, out, int((setup["job"].get("run") or {}).get("max_failures") or 0), metric)
     except NodeLost as e:
-        write_json_atomic(out / STATUS_FILE, {"status": "error", "error": str(e), "node_id": e.node_id,
-                                              "node_ip": e.node_ip, "wall_s": time.time() - t0})
+        write_json_atomic(
+            out / STATUS_FILE,
+            {
+                "status": "error",
+                "error": str(e),
+                "node_id": e.node_id,
+                "node_ip": e.node_ip,
+                "wall_s": time.time() - t0,
+            },
+        )
         raise
     except Exception as e:
         oom = oom_line(e)
         if oom:
             write_json_atomic(out / STATUS_FILE, {"status": "oom", "error": oom, "wall_s": time.time() - t0})
-            raise TrialOutOfMemory(f"out of memory at micro_batch_size={p['micro_batch_size']} "
-                                   f"(estimate {gib_str(p['estimate_gib'])}): {oom}") from None
+            raise TrialOutOfMemory(
+                f"out of memory at micro_batch_size={p['micro_batch_size']} "
+                f"(estimate {gib_str(p['estimate_gib'])}): {oom}"
+            ) from None
         write_json_atomic(out / STATUS_FILE, {"status": "error", "error": f"{type(e).__name__}: {str(e)[:500]}"})
         raise
     summary = read_json(out / "summary.json") or {}
-    result = {TIME_ATTR: p["max_steps"] * p["global_batch_size"], "eval_loss": summary.get("eval_loss"),
-              "step": summary.get("steps"), "loss": summary.get("final_loss"),
-              "tokens_per_s": summary.get("mean_tokens_per_s"), "tokens_seen": summary.get("tokens_seen"),
-              "peak_mem_gib": summary.get("peak_mem_gib"), "finished": True}
+    result = {
+        TIME_ATTR: p["max_steps"] * p["global_batch_size"],
+        "eval_loss": summary.get("eval_loss"),
+        "step": summary.get("steps"),
+        "loss": summary.get("final_loss"),
+        "tokens_per_s": summary.get("mean_tokens_per_s"),
+        "tokens_seen": summary.get("tokens_seen"),
+        "peak_mem_gib": summary.get("peak_mem_gib"),
+        "finished": True,
+    }
     if metric != "eval_loss":
         result[metric] = final_value(summary, out, metric, p["max_steps"])
     write_json_atomic(out / STATUS_FILE, {"status": "finished", "result": result, "wall_s": time.time() - t0})
@@ -194,12 +221,24 @@ def _fit(spec: JobSpec, p: dict, out: Path, node_retries: int, metric: str = "ev
             if lost is None:
                 raise
             if attempt == node_retries:
-                raise NodeLost(f"{lost}; the trial stopped ("
-                               + (f"after run.max_failures={node_retries} retries" if node_retries else
-                                  "run.max_failures=0: set it to resume such a trial from its checkpoint") + ")",
-                               lost.node_id, lost.node_ip) from None
-            log.warning("trial %s: %s; training again from its newest checkpoint (%d/%d)",
-                        out.name, lost, attempt + 1, node_retries)
+                raise NodeLost(
+                    f"{lost}; the trial stopped ("
+                    + (
+                        f"after run.max_failures={node_retries} retries"
+                        if node_retries
+                        else "run.max_failures=0: set it to resume such a trial from its checkpoint"
+                    )
+                    + ")",
+                    lost.node_id,
+                    lost.node_ip,
+                ) from None
+            log.warning(
+                "trial %s: %s; training again from its newest checkpoint (%d/%d)",
+                out.name,
+                lost,
+                attempt + 1,
+                node_retries,
+            )
             _log_start(out, f"lost node {lost.node_id}, retry {attempt + 1}/{node_retries}: train")
 
 
@@ -208,6 +247,7 @@ def trial_dirname(trial) -> str:
 
 
 # ---- the driver --------------------------------------------------------------------------
+
 
 def per_trial_cpus(spec: SearchSpec) -> int:
     """A trial holds one CPU for the trial function and its workers' CPUs."""
@@ -271,9 +311,11 @@ def check_resume(spec: SearchSpec, raw_spec: SearchSpec, resume: bool | None, sp
     if saved.get("fingerprint") != spec_fingerprint(raw_spec):
         diffs = _diff(saved.get("spec") or {}, raw_spec.model_dump(mode="json"))
         shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
-        raise SpecError(f"{spec_path}: cannot resume the search in {out}: the search spec changed since it "
-                        f"started ({shown or 'unreadable search_plan.json'}); use --fresh to start over "
-                        "(the old search is moved aside)")
+        raise SpecError(
+            f"{spec_path}: cannot resume the search in {out}: the search spec changed since it "
+            f"started ({shown or 'unreadable search_plan.json'}); use --fresh to start over "
+            "(the old search is moved aside)"
+        )
     return True
 
 
@@ -309,15 +351,23 @@ def tracking_callbacks(spec: SearchSpec) -> list:
         # artifacts go beside the database; the callback then finds it by name.
         experiment_id(MlflowClient(uri), spec)
     except Exception as e:  # noqa: BLE001 - a tracker never fails the search
-        logging.getLogger("rayft").warning("tracker mlflow (%s) failed: %s; the search goes on without it",
-                                           shown_uri(uri), type(e).__name__)
+        logging.getLogger("rayft").warning(
+            "tracker mlflow (%s) failed: %s; the search goes on without it", shown_uri(uri), type(e).__name__
+        )
         return []
     return [MLflowLoggerCallback(tracking_uri=uri, experiment_name=spec.name, save_artifact=False)]
 
 
-def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: bool | None = None,
-               address: str | None = None, num_cpus: int | None = None,
-               spec_path: str = "spec") -> Outcome:
+def run_search(
+    spec: SearchSpec,
+    raw_spec: SearchSpec,
+    plan: Plan,
+    *,
+    resume: bool | None = None,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    spec_path: str = "spec",
+) -> Outcome:
     """Run (or resume) the search. `spec` is absolutized for workers; `raw_spec` is what the user wrote
     (best.yaml keeps its relative paths). `resume`: None = if possible, True = must, False = fresh."""
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # rayft prints its own lines; verbose=0 then means quiet
@@ -336,45 +386,72 @@ def run_search(spec: SearchSpec, raw_spec: SearchSpec, plan: Plan, *, resume: bo
     notes = list(plan.notes)
     resumed = check_resume(spec, raw_spec, resume, spec_path)
     out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / PLAN_FILE, {"fingerprint": spec_fingerprint(raw_spec),
-                                        "spec": raw_spec.model_dump(mode="json"), "plan": plan.to_dict()})
+    write_json_atomic(
+        out / PLAN_FILE,
+        {"fingerprint": spec_fingerprint(raw_spec), "spec": raw_spec.model_dump(mode="json"), "plan": plan.to_dict()},
+    )
 
     init_ray(address, num_cpus, per_trial_cpus(spec))
     n_trials = len(plan.planned) * spec.search.num_samples
     max_conc = concurrency(spec, n_trials, notes)
 
-    setup = {"job": spec.job_dict(), "trials_dir": str((out / TRIALS_DIR).resolve()), "budget_gib": plan.budget_gib,
-             "name": spec.name, "metric": plan.metric}
+    setup = {
+        "job": spec.job_dict(),
+        "trials_dir": str((out / TRIALS_DIR).resolve()),
+        "budget_gib": plan.budget_gib,
+        "name": spec.name,
+        "metric": plan.metric,
+    }
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": 1})
     s = spec.search
     if resumed:
         print(f"resuming the search in {exp} (finished trials are not rerun)", file=sys.stderr, flush=True)
-        tuner = tune.Tuner.restore(str(exp), trainable=trainable, resume_unfinished=True, resume_errored=False,
-                                   restart_errored=False)
+        tuner = tune.Tuner.restore(
+            str(exp), trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
+        )
     else:
         lo, hi = (s.lr.low, s.lr.high) if s.lr else (spec.optim.lr, spec.optim.lr)
         lr_space = tune.loguniform(lo, hi) if hi > lo else lo
-        scheduler = (ASHAScheduler(time_attr=TIME_ATTR, max_t=plan.samples_per_trial, grace_period=plan.grace_samples,
-                                   reduction_factor=s.asha.reduction_factor)
-                     if s.scheduler == "asha" else FIFOScheduler())
+        scheduler = (
+            ASHAScheduler(
+                time_attr=TIME_ATTR,
+                max_t=plan.samples_per_trial,
+                grace_period=plan.grace_samples,
+                reduction_factor=s.asha.reduction_factor,
+            )
+            if s.scheduler == "asha"
+            else FIFOScheduler()
+        )
         seed = s.seed if s.seed is not None else spec.run.seed
         tuner = tune.Tuner(
             trainable,
             param_space={"point": tune.grid_search([p.trial_config() for p in plan.planned]), "lr": lr_space},
             tune_config=tune.TuneConfig(
-                metric=plan.metric, mode=plan.mode, scheduler=scheduler, num_samples=s.num_samples,
+                metric=plan.metric,
+                mode=plan.mode,
+                scheduler=scheduler,
+                num_samples=s.num_samples,
                 # The concurrency limit goes to the generator: Tune ignores max_concurrent_trials when
                 # a search_alg is passed, and a seeded generator is what makes the lr draws reproducible.
                 search_alg=BasicVariantGenerator(max_concurrent=max_conc, random_state=seed),
-                trial_dirname_creator=trial_dirname, reuse_actors=False),
+                trial_dirname_creator=trial_dirname,
+                reuse_actors=False,
+            ),
             run_config=tune.RunConfig(
-                name=TUNE_DIR, storage_path=str(out.resolve()), verbose=0,
+                name=TUNE_DIR,
+                storage_path=str(out.resolve()),
+                verbose=0,
                 failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),  # never retried
-                callbacks=[Announce(plan.metric), *tracking_callbacks(spec)]),
+                callbacks=[Announce(plan.metric), *tracking_callbacks(spec)],
+            ),
         )
-    print(f"search {spec.name}: {n_trials} trial(s) of {len(plan.points)} point(s) "
-          f"({sum(p.status == 'infeasible' for p in plan.points)} infeasible, "
-          f"{sum(p.status == 'skipped' for p in plan.points)} skipped); {notes[-1]}", file=sys.stderr, flush=True)
+    print(
+        f"search {spec.name}: {n_trials} trial(s) of {len(plan.points)} point(s) "
+        f"({sum(p.status == 'infeasible' for p in plan.points)} infeasible, "
+        f"{sum(p.status == 'skipped' for p in plan.points)} skipped); {notes[-1]}",
+        file=sys.stderr,
+        flush=True,
+    )
     tune_log = logging.getLogger("ray.tune.tune")
     level = tune_log.level
     tune_log.setLevel(logging.CRITICAL)  # "Trials did not complete": rayft reports failed trials itself
@@ -424,8 +501,9 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
         if res.error is not None:
             err_text = st.get("error") or str(res.error).strip().splitlines()[-1][:300]
             # A lost node is an error of the cluster whatever its death reason says (never infeasible).
-            oom = not st.get("node_id") and (st.get("status") == "oom" or oom_line(res.error) is not None
-                                             or oom_line(err_text) is not None)
+            oom = not st.get("node_id") and (
+                st.get("status") == "oom" or oom_line(res.error) is not None or oom_line(err_text) is not None
+            )
             status = "infeasible" if oom else "error"
             reason = f"out of memory when run (not retried): {err_text}" if oom else err_text
         elif m.get("finished") or st.get("status") == "finished":
@@ -441,41 +519,75 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
         tps = [x["tokens_per_s"] for x in recs if x.get("tokens_per_s")]
         starts = (tdir / STARTS_FILE).read_text().splitlines() if (tdir / STARTS_FILE).exists() else []
         reported = status in ("finished", "stopped")
-        rows.append({
-            "trial_id": trial_id, "status": status, "key": p["key"],
-            "micro_batch_size": p["micro_batch_size"], "grad_accum_steps": p["grad_accum_steps"],
-            "global_batch_size": p["global_batch_size"], "gradient_checkpointing": p["gradient_checkpointing"],
-            "checkpoint_every_n_layers": p.get("checkpoint_every_n_layers"),
-            "lr_scaling": p["lr_scaling"], "reference_batch_size": p["reference_batch_size"],
-            "base_lr": lr, "effective_lr": plan.trial_spec(p, lr).effective_lr,  # the lr the trial trains with
-            "estimate_gib": p["estimate_gib"], "budget_gib": plan.budget_gib,
-            "samples_seen": samples,
-            "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
-            "steps": samples // p["global_batch_size"] if samples else 0,
-            "eval_loss": m.get("eval_loss") if reported else None,
-            "tokens_per_s": m.get("tokens_per_s") if status == "finished" and m.get("tokens_per_s")
-            else (sum(tps) / len(tps) if tps else None),
-            "trainings_started": sum(1 for line in starts if line.endswith(" train")),
-            "reason": reason, "output_dir": str(tdir),
-        } | _searched(plan, p, m.get(plan.metric) if reported else None))
+        rows.append(
+            {
+                "trial_id": trial_id,
+                "status": status,
+                "key": p["key"],
+                "micro_batch_size": p["micro_batch_size"],
+                "grad_accum_steps": p["grad_accum_steps"],
+                "global_batch_size": p["global_batch_size"],
+                "gradient_checkpointing": p["gradient_checkpointing"],
+                "checkpoint_every_n_layers": p.get("checkpoint_every_n_layers"),
+                "lr_scaling": p["lr_scaling"],
+                "reference_batch_size": p["reference_batch_size"],
+                "base_lr": lr,
+                "effective_lr": plan.trial_spec(p, lr).effective_lr,  # the lr the trial trains with
+                "estimate_gib": p["estimate_gib"],
+                "budget_gib": plan.budget_gib,
+                "samples_seen": samples,
+                "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
+                "steps": samples // p["global_batch_size"] if samples else 0,
+                "eval_loss": m.get("eval_loss") if reported else None,
+                "tokens_per_s": m.get("tokens_per_s")
+                if status == "finished" and m.get("tokens_per_s")
+                else (sum(tps) / len(tps) if tps else None),
+                "trainings_started": sum(1 for line in starts if line.endswith(" train")),
+                "reason": reason,
+                "output_dir": str(tdir),
+            }
+            | _searched(plan, p, m.get(plan.metric) if reported else None)
+        )
     for p in plan.points:
         if p.status == "planned":
             continue
-        rows.append({
-            "trial_id": None, "status": p.status, "key": p.key, "micro_batch_size": p.micro_batch_size or None,
-            "grad_accum_steps": p.grad_accum_steps, "global_batch_size": p.global_batch_size,
-            "gradient_checkpointing": p.gradient_checkpointing,
-            "checkpoint_every_n_layers": p.checkpoint_every_n_layers, "lr_scaling": p.lr_scaling,
-            "reference_batch_size": p.reference_batch_size, "base_lr": None, "effective_lr": None,
-            "estimate_gib": p.estimate_gib, "budget_gib": plan.budget_gib, "samples_seen": 0, "tokens_seen": None,
-            "steps": 0, "eval_loss": None, "tokens_per_s": None, "trainings_started": 0,
-            "reason": p.reason, "output_dir": None,
-        } | _searched(plan, asdict(p), None))
+        rows.append(
+            {
+                "trial_id": None,
+                "status": p.status,
+                "key": p.key,
+                "micro_batch_size": p.micro_batch_size or None,
+                "grad_accum_steps": p.grad_accum_steps,
+                "global_batch_size": p.global_batch_size,
+                "gradient_checkpointing": p.gradient_checkpointing,
+                "checkpoint_every_n_layers": p.checkpoint_every_n_layers,
+                "lr_scaling": p.lr_scaling,
+                "reference_batch_size": p.reference_batch_size,
+                "base_lr": None,
+                "effective_lr": None,
+                "estimate_gib": p.estimate_gib,
+                "budget_gib": plan.budget_gib,
+                "samples_seen": 0,
+                "tokens_seen": None,
+                "steps": 0,
+                "eval_loss": None,
+                "tokens_per_s": None,
+                "trainings_started": 0,
+                "reason": p.reason,
+                "output_dir": None,
+            }
+            | _searched(plan, asdict(p), None)
+        )
     order = {"finished": 0, "stopped": 1, "infeasible": 2, "error": 3, "not run": 4, "skipped": 5}
     sign = 1 if plan.mode == "min" else -1  # best first
-    rows.sort(key=lambda x: (order.get(x["status"], 9),
-                             sign * x[plan.metric] if x[plan.metric] is not None else math.inf,
-                             x["micro_batch_size"] or 0, x["grad_accum_steps"]))
+    rows.sort(
+        key=lambda x: (
+            order.get(x["status"], 9),
+            sign * x[plan.metric] if x[plan.metric] is not None else math.inf,
+            x["micro_batch_size"] or 0,
+            x["grad_accum_steps"],
+        )
+    )
     return rows
 
 

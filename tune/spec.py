@@ -139,7 +139,7 @@ class SearchSection(_Section):
 
     @property
     def mode_of_metric(self) -> str:
-        """"min" or "max": how trials compare on `metric`."""
+        """ "min" or "max": how trials compare on `metric`."""
         return METRIC_MODES[self.metric]
 
     @field_validator("lr_scaling")
@@ -162,39 +162,54 @@ class SearchSpec(JobSpec):
     def _search_consistent(self) -> SearchSpec:
         s = self.search
         if s.budget_gib is None and self.memory.budget_gib is None:
-            raise ValueError("search.budget_gib: required (or set memory.budget_gib): the search only launches "
-                             "configurations whose memory estimate fits the budget")
+            raise ValueError(
+                "search.budget_gib: required (or set memory.budget_gib): the search only launches "
+                "configurations whose memory estimate fits the budget"
+            )
         if s.micro_batch_size is not None and s.mode != "fixed_micro_batch":
-            raise ValueError("search.micro_batch_size: only for search.mode=fixed_micro_batch (in fixed_global_batch "
-                             "mode the micro-batch is derived: global / (accumulation x workers))")
+            raise ValueError(
+                "search.micro_batch_size: only for search.mode=fixed_micro_batch (in fixed_global_batch "
+                "mode the micro-batch is derived: global / (accumulation x workers))"
+            )
         if not self.data.eval_path and self.data.eval_fraction <= 0:
-            raise ValueError("data.eval_path: the search compares trials on eval loss: set data.eval_path "
-                             "or data.eval_fraction")
+            raise ValueError(
+                "data.eval_path: the search compares trials on eval loss: set data.eval_path or data.eval_fraction"
+            )
         if self.run.epochs is not None or self.run.max_steps is not None:
-            raise ValueError("run.max_steps: not used by a search (every trial runs search.samples_per_trial "
-                             "samples); remove run.max_steps / run.epochs")
+            raise ValueError(
+                "run.max_steps: not used by a search (every trial runs search.samples_per_trial "
+                "samples); remove run.max_steps / run.epochs"
+            )
         self._objective_consistent()
         g = s.asha.grace_samples
         if g is not None and s.eval_every_samples is not None and g % s.eval_every_samples:
-            raise ValueError(f"search.asha.grace_samples={g} is not a multiple of "
-                             f"search.eval_every_samples={s.eval_every_samples}")
+            raise ValueError(
+                f"search.asha.grace_samples={g} is not a multiple of search.eval_every_samples={s.eval_every_samples}"
+            )
         if s.eval_every_samples is not None and s.samples_per_trial % s.eval_every_samples:
-            raise ValueError(f"search.samples_per_trial={s.samples_per_trial} is not a multiple of "
-                             f"search.eval_every_samples={s.eval_every_samples}")
+            raise ValueError(
+                f"search.samples_per_trial={s.samples_per_trial} is not a multiple of "
+                f"search.eval_every_samples={s.eval_every_samples}"
+            )
         return self
 
     def _objective_consistent(self) -> None:
         """`search.beta` and `search.metric` against the base job's objective."""
         s, obj = self.search, self.objective
         if s.beta is not None and obj.value("beta") is None:
-            raise ValueError(f"search.beta: objective.name={obj.name} has no beta (search it with dpo, ipo, "
-                             "simpo or orpo)")
+            raise ValueError(
+                f"search.beta: objective.name={obj.name} has no beta (search it with dpo, ipo, simpo or orpo)"
+            )
         if s.metric != "eval_loss" and not obj.is_preference:
-            raise ValueError(f"search.metric={s.metric}: only for preference objectives (objective.name={obj.name} "
-                             "reports eval_loss)")
+            raise ValueError(
+                f"search.metric={s.metric}: only for preference objectives (objective.name={obj.name} "
+                "reports eval_loss)"
+            )
         if s.beta is not None and len(s.beta) > 1 and s.metric == "eval_loss":
-            raise ValueError("search.beta: eval losses at different beta are not comparable (the preference loss "
-                             "changes with beta); compare the trials on search.metric=eval_rewards/accuracies")
+            raise ValueError(
+                "search.beta: eval losses at different beta are not comparable (the preference loss "
+                "changes with beta); compare the trials on search.metric=eval_rewards/accuracies"
+            )
 
     @property
     def budget(self) -> float:
@@ -212,15 +227,18 @@ class SearchSpec(JobSpec):
         return JobSpec.model_validate(self.job_dict())
 
 
-def load_search_spec(path=None, overrides: list[str] | None = None, *, data: dict | None = None,
-                     files: bool = True) -> SearchSpec:
+def load_search_spec(
+    path=None, overrides: list[str] | None = None, *, data: dict | None = None, files: bool = True
+) -> SearchSpec:
     """Read, override (`search.lr.low=1e-4` works like any override), validate, check files."""
     where = str(path) if path is not None else "spec"
     raw = read_yaml(path) if data is None else data
     raw = apply_overrides(raw, overrides or [])
     if "search" not in raw:
-        raise SpecError(f"{where}: search: required key is missing (a search spec is a job spec plus a "
-                        "`search` section; see examples/tune-accum.yaml)")
+        raise SpecError(
+            f"{where}: search: required key is missing (a search spec is a job spec plus a "
+            "`search` section; see examples/tune-accum.yaml)"
+        )
     spec = validate(raw, where, model=SearchSpec)
     if files:
         check_files(spec, where)

@@ -59,14 +59,15 @@ def total_steps(spec: JobSpec, n_train: int) -> int:
     return max(1, math.ceil(epochs * n_train / spec.batch.global_batch_size))
 
 
-def split_window(indices: Sequence[int], rank: int, world_size: int, micro_batch_size: int,
-                 grad_accum_steps: int) -> list[list[int]]:
+def split_window(
+    indices: Sequence[int], rank: int, world_size: int, micro_batch_size: int, grad_accum_steps: int
+) -> list[list[int]]:
     """Rank `rank`'s micro-batches for one global batch: micro-step j takes slot (j, rank)."""
     assert len(indices) == world_size * micro_batch_size * grad_accum_steps, "split must cover the batch"
     out = []
     for j in range(grad_accum_steps):
         start = (j * world_size + rank) * micro_batch_size
-        out.append(list(indices[start:start + micro_batch_size]))
+        out.append(list(indices[start : start + micro_batch_size]))
     return out
 
 
@@ -84,8 +85,9 @@ def count_inputs(examples: Sequence[Example | Pair], indices: Sequence[int]) -> 
     return sum(examples[i].n_inputs for i in indices)
 
 
-def collate(examples: Sequence[Example], pad_id: int, pin_memory: bool = False, *,
-            pack_tokens: int = 0, row_multiple: int = 1) -> dict[str, torch.Tensor]:
+def collate(
+    examples: Sequence[Example], pad_id: int, pin_memory: bool = False, *, pack_tokens: int = 0, row_multiple: int = 1
+) -> dict[str, torch.Tensor]:
     """One micro-batch as tensors; precompute the flat positions of label tokens.
 
     Default: one row per sequence, right-padded to the longest, and *no attention mask*: with
@@ -144,7 +146,7 @@ def collate_pairs(pairs: Sequence[Pair], pad_id: int, pin_memory: bool = False) 
     for r, (prompt, resp) in enumerate(rows):
         n = len(prompt) + len(resp) - 1
         input_ids[r, :n] = torch.tensor((prompt + resp)[:-1])
-        targets[r, len(prompt) - 1:n] = torch.tensor(resp)
+        targets[r, len(prompt) - 1 : n] = torch.tensor(resp)
     flat = targets.view(-1)
     label_pos = (flat != IGNORE).nonzero().squeeze(1)
     batch = {
@@ -158,8 +160,9 @@ def collate_pairs(pairs: Sequence[Pair], pad_id: int, pin_memory: bool = False) 
     return batch
 
 
-def _rows_tensors(examples: Sequence[Example], rows: list[list[int]], lengths: Sequence[int], length: int,
-                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_tensors(
+    examples: Sequence[Example], rows: list[list[int]], lengths: Sequence[int], length: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, length] input ids (padded with `pad_id`) and targets (padded with IGNORE), each
     row its sequences side by side in the row's order."""
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
@@ -168,8 +171,8 @@ def _rows_tensors(examples: Sequence[Example], rows: list[list[int]], lengths: S
         at = 0
         for i in row:
             e, n = examples[i], lengths[i]
-            input_ids[r, at:at + n] = torch.tensor(e.input_ids)
-            targets[r, at:at + n] = torch.tensor(e.targets)
+            input_ids[r, at : at + n] = torch.tensor(e.input_ids)
+            targets[r, at : at + n] = torch.tensor(e.targets)
             at += n
     return input_ids, targets
 
@@ -183,8 +186,8 @@ def _packed_positions(rows: list[list[int]], lengths: Sequence[int], length: int
         at = 0
         for slot, i in enumerate(row):
             n = lengths[i]
-            position_ids[r, at:at + n] = torch.arange(n)
-            seq_ids[r, at:at + n] = slot
+            position_ids[r, at : at + n] = torch.arange(n)
+            seq_ids[r, at : at + n] = slot
             at += n
         position_ids[r, at:] = torch.arange(length - at)
         seq_ids[r, at:] = len(row)
@@ -214,7 +217,7 @@ def equal_micro_batches(n: int, rank: int, world_size: int, micro_batch_size: in
     Every rank gets the same number of micro-batches (under FSDP each forward is a collective):
     a rank whose share runs out repeats its last micro-batch (or item 0), uncounted."""
     mine = eval_shard(n, rank, world_size)
-    out = [(mine[s:s + micro_batch_size], True) for s in range(0, len(mine), micro_batch_size)]
+    out = [(mine[s : s + micro_batch_size], True) for s in range(0, len(mine), micro_batch_size)]
     per_rank = -(-n // world_size)
     while len(out) < -(-per_rank // micro_batch_size):
         out.append((out[-1][0] if out else [0], False))

@@ -110,11 +110,18 @@ def data_kind(spec: JobSpec) -> str:
 
 def cache_key(spec: JobSpec, tokenizer) -> str:
     d = spec.data
-    parts = {"format": CACHE_FORMAT, "content": content_hash(spec), "tokenizer": tokenizer_hash(tokenizer),
-             "max_seq_len": d.max_seq_len, "fields": d.fields, "train_on": d.train_on,
-             "n_sources": len(d.path), "eval_path": bool(d.eval_path),
-             "eval_fraction": d.eval_fraction,
-             "split_seed": spec.run.seed if d.eval_fraction > 0 and not d.eval_path else None}
+    parts = {
+        "format": CACHE_FORMAT,
+        "content": content_hash(spec),
+        "tokenizer": tokenizer_hash(tokenizer),
+        "max_seq_len": d.max_seq_len,
+        "fields": d.fields,
+        "train_on": d.train_on,
+        "n_sources": len(d.path),
+        "eval_path": bool(d.eval_path),
+        "eval_fraction": d.eval_fraction,
+        "split_seed": spec.run.seed if d.eval_fraction > 0 and not d.eval_path else None,
+    }
     if data_kind(spec) == PAIRS:  # only then: an SFT entry keeps the key it always had
         parts["kind"] = PAIRS
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
@@ -130,6 +137,7 @@ def data_cache_dir(spec: JobSpec, key: str) -> Path:
 
 
 # ---- an entry's files -------------------------------------------------------------------------
+
 
 class TokenizedSplit(Sequence):
     """Examples stored as flat int32 arrays (`input_ids.bin`, `targets.bin`) and int64 offsets,
@@ -193,8 +201,11 @@ class TokenizedPairs(Sequence):
         self.offsets, self.ids = {}, {}
         for f in PAIR_FIELDS:
             self.offsets[f] = np.load(directory / f"{name}.{f}.offsets.npy", mmap_mode="r")
-            self.ids[f] = (np.memmap(directory / f"{name}.{f}.bin", dtype=np.int32, mode="r", shape=(n_tokens[f],))
-                           if n_tokens[f] else np.zeros(0, dtype=np.int32))
+            self.ids[f] = (
+                np.memmap(directory / f"{name}.{f}.bin", dtype=np.int32, mode="r", shape=(n_tokens[f],))
+                if n_tokens[f]
+                else np.zeros(0, dtype=np.int32)
+            )
 
     def __len__(self) -> int:
         return self.n
@@ -239,6 +250,7 @@ class _PairWriter:
 
 # ---- the spec's data --------------------------------------------------------------------------
 
+
 @dataclass
 class Dataset:
     train: Sequence[Example | Pair]
@@ -271,11 +283,25 @@ def count_checked_records(spec: JobSpec) -> int:
         pass
     n_train = 0
     for i, p in enumerate(d.path):
-        n_train += len(read_jsonl(p, "data.path" if len(d.path) == 1 else f"data.path.{i}", max_chars=0,
-                                  fields=d.fields, hf_token_env=d.hf_token_env, objective=spec.objective.name))
+        n_train += len(
+            read_jsonl(
+                p,
+                "data.path" if len(d.path) == 1 else f"data.path.{i}",
+                max_chars=0,
+                fields=d.fields,
+                hf_token_env=d.hf_token_env,
+                objective=spec.objective.name,
+            )
+        )
     if d.eval_path:
-        read_jsonl(d.eval_path, "data.eval_path", max_chars=0, fields=d.fields, hf_token_env=d.hf_token_env,
-                   objective=spec.objective.name)
+        read_jsonl(
+            d.eval_path,
+            "data.eval_path",
+            max_chars=0,
+            fields=d.fields,
+            hf_token_env=d.hf_token_env,
+            objective=spec.objective.name,
+        )
     # Remembered only where a tokenized cache already lives: a client that submits to a cluster
     # (or a first run) creates nothing here.
     if memo is None or not memo.parent.is_dir():
@@ -311,9 +337,16 @@ def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
             f"data.path: {len(train)} usable training records, fewer than "
             f"batch.global_batch_size={spec.batch.global_batch_size}"
         )
-    return Dataset(train, evals, dropped=meta["dropped"], content_hash=h, cache_dir=final,
-                   kind=meta.get("kind", SFT), dropped_empty=meta.get("dropped_empty", 0),
-                   dropped_identical=meta.get("dropped_identical", 0))
+    return Dataset(
+        train,
+        evals,
+        dropped=meta["dropped"],
+        content_hash=h,
+        cache_dir=final,
+        kind=meta.get("kind", SFT),
+        dropped_empty=meta.get("dropped_empty", 0),
+        dropped_identical=meta.get("dropped_identical", 0),
+    )
 
 
 def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
@@ -334,8 +367,9 @@ def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 
-def _build_pairs(tmp: Path, spec: JobSpec, tokenizer, meta: dict, records: list[dict],
-                 eval_records: list[dict]) -> None:
+def _build_pairs(
+    tmp: Path, spec: JobSpec, tokenizer, meta: dict, records: list[dict], eval_records: list[dict]
+) -> None:
     meta["kind"] = PAIRS
     dropped = {DROP_EMPTY: 0, DROP_IDENTICAL: 0}
     for name, recs in (("train", records), ("eval", eval_records)):

@@ -20,17 +20,20 @@ def _model_name(tokenizer) -> str:
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool, model_name: str) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise SpecError(f"model.name: {model_name} has no chat template; chat records (\"messages\", "
-                        "conversational pairs) need one")
+        raise SpecError(
+            f'model.name: {model_name} has no chat template; chat records ("messages", conversational pairs) need one'
+        )
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:  # a Jinja error raised by the template itself (e.g. "roles must alternate")
-        raise SpecError(f"model.name: the chat template of {model_name} refused a conversation "
-                        f"({one_line(str(e))[:160]})") from None
+        raise SpecError(
+            f"model.name: the chat template of {model_name} refused a conversation ({one_line(str(e))[:160]})"
+        ) from None
 
 
-def chat_spans(tokenizer, messages: list[dict], train_on: str = "assistant",
-               model_name: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+def chat_spans(
+    tokenizer, messages: list[dict], train_on: str = "assistant", model_name: str | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans that carry loss.
 
     The span of assistant turn i is what the template adds between rendering `messages[:i]` with
@@ -47,11 +50,13 @@ def chat_spans(tokenizer, messages: list[dict], train_on: str = "assistant",
     spans = []
     for i in turns:
         before = _render(tokenizer, messages[:i], True, name)
-        after = _render(tokenizer, messages[:i + 1], False, name)
+        after = _render(tokenizer, messages[: i + 1], False, name)
         if not (after.startswith(before) and full.startswith(after)):
-            raise SpecError(f"model.name: the chat template of {name} is not prefix-stable (rendering the first "
-                            f"{i + 1} messages is not a prefix of the whole conversation), so the tokens of an "
-                            "assistant turn cannot be told apart; use prompt/completion records instead")
+            raise SpecError(
+                f"model.name: the chat template of {name} is not prefix-stable (rendering the first "
+                f"{i + 1} messages is not a prefix of the whole conversation), so the tokens of an "
+                "assistant turn cannot be told apart; use prompt/completion records instead"
+            )
         spans.append((len(before), len(after)))
     return full, spans
 
@@ -63,8 +68,9 @@ def chat_prompt_ids(tokenizer, messages: list[dict], model_name: str | None = No
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def chat_pair_texts(tokenizer, prompt: list[dict], chosen: list[dict], rejected: list[dict],
-                    model_name: str | None = None) -> tuple[str, str, str]:
+def chat_pair_texts(
+    tokenizer, prompt: list[dict], chosen: list[dict], rejected: list[dict], model_name: str | None = None
+) -> tuple[str, str, str]:
     """(prompt text, chosen text, rejected text) of a conversational pair, as TRL renders them:
     the prompt is `prompt` rendered with the generation prompt; a response is what rendering
     `prompt + response` adds after it (its content and the template's end-of-turn text). That
@@ -76,8 +82,10 @@ def chat_pair_texts(tokenizer, prompt: list[dict], chosen: list[dict], rejected:
     for response in (chosen, rejected):
         full = _render(tokenizer, prompt + response, False, name)
         if not full.startswith(head):
-            raise SpecError(f"model.name: the chat template of {name} is not prefix-stable for the prompt (the prompt "
-                            "rendered with the generation prompt is not a prefix of prompt + response), so the "
-                            "response tokens cannot be told apart; use string pairs instead")
-        responses.append(full[len(head):])
+            raise SpecError(
+                f"model.name: the chat template of {name} is not prefix-stable for the prompt (the prompt "
+                "rendered with the generation prompt is not a prefix of prompt + response), so the "
+                "response tokens cannot be told apart; use string pairs instead"
+            )
+        responses.append(full[len(head) :])
     return head, responses[0], responses[1]

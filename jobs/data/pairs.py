@@ -68,8 +68,9 @@ class Pair:
         return len(self.prompt) + max(len(self.chosen), len(self.rejected)) - 1
 
 
-def truncate_pair(prompt: Sequence[int], chosen: Sequence[int], rejected: Sequence[int], max_seq_len: int,
-                  bos: int | None) -> tuple[list[int], list[int], list[int]]:
+def truncate_pair(
+    prompt: Sequence[int], chosen: Sequence[int], rejected: Sequence[int], max_seq_len: int, bos: int | None
+) -> tuple[list[int], list[int], list[int]]:
     """(prompt, chosen, rejected) cut to `max_seq_len` by the module's rule: the prompt from the
     left (keeping a leading `bos`), then the responses from the right."""
     prompt, chosen, rejected = list(prompt), list(chosen), list(rejected)
@@ -79,15 +80,16 @@ def truncate_pair(prompt: Sequence[int], chosen: Sequence[int], rejected: Sequen
     keep = max(max_seq_len - longer, min(len(prompt), max_seq_len // 2))
     if keep < len(prompt):
         if bos is not None and prompt and prompt[0] == bos:
-            prompt = [bos] + (prompt[len(prompt) - keep + 1:] if keep > 1 else [])
+            prompt = [bos] + (prompt[len(prompt) - keep + 1 :] if keep > 1 else [])
         else:
-            prompt = prompt[len(prompt) - keep:]
+            prompt = prompt[len(prompt) - keep :]
     room = max_seq_len - len(prompt)
     return prompt, chosen[:room], rejected[:room]
 
 
-def tokenize_pairs_iter(records: Sequence[dict], tokenizer, max_seq_len: int, model_name: str | None = None,
-                        chunk: int = 512) -> Iterator[Pair | str]:
+def tokenize_pairs_iter(
+    records: Sequence[dict], tokenizer, max_seq_len: int, model_name: str | None = None, chunk: int = 512
+) -> Iterator[Pair | str]:
     """Per pair record, in order: its `Pair`, or why it was dropped (`DROP_EMPTY`,
     `DROP_IDENTICAL`). Records are tokenized `chunk` at a time (one batched tokenizer call per
     field)."""
@@ -95,7 +97,7 @@ def tokenize_pairs_iter(records: Sequence[dict], tokenizer, max_seq_len: int, mo
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     end = [eos] if eos is not None else []
     for start in range(0, len(records), chunk):
-        part = [cut_record(r, cut) for r in records[start:start + chunk]]
+        part = [cut_record(r, cut) for r in records[start : start + chunk]]
         texts = [_texts(r, tokenizer, cut, model_name) for r in part]
         enc = [_encode_many(tokenizer, [t[j] for t in texts]) for j in range(3)]
         for i, rec in enumerate(part):
@@ -111,8 +113,9 @@ def tokenize_pairs_iter(records: Sequence[dict], tokenizer, max_seq_len: int, mo
                 yield Pair(tuple(p), tuple(c), tuple(r))
 
 
-def tokenize_pairs(records: Sequence[dict], tokenizer, max_seq_len: int,
-                   model_name: str | None = None) -> tuple[list[Pair], dict[str, int]]:
+def tokenize_pairs(
+    records: Sequence[dict], tokenizer, max_seq_len: int, model_name: str | None = None
+) -> tuple[list[Pair], dict[str, int]]:
     """The `Pair`s of `records` that survive truncation, and how many were dropped, by reason."""
     pairs, dropped = [], {DROP_EMPTY: 0, DROP_IDENTICAL: 0}
     for x in tokenize_pairs_iter(records, tokenizer, max_seq_len, model_name):
@@ -129,8 +132,7 @@ def _texts(rec: dict, tokenizer, cut: int, model_name: str | None) -> tuple[str,
     if isinstance(rec["prompt"], str):
         prompt, chosen, rejected = rec["prompt"], rec["chosen"], rec["rejected"]
     else:
-        prompt, chosen, rejected = chat_pair_texts(tokenizer, rec["prompt"], rec["chosen"], rec["rejected"],
-                                                   model_name)
+        prompt, chosen, rejected = chat_pair_texts(tokenizer, rec["prompt"], rec["chosen"], rec["rejected"], model_name)
     return _prompt_tail(prompt, cut, tokenizer.bos_token), cut_text(chosen, cut), cut_text(rejected, cut)
 
 
@@ -140,7 +142,7 @@ def _prompt_tail(text: str, cut: int, bos_text: str | None) -> str:
     if len(text) <= cut:
         return text
     head = bos_text if bos_text and text.startswith(bos_text) else ""
-    return head + cut_text(text[len(head):], cut, keep_end=True)
+    return head + cut_text(text[len(head) :], cut, keep_end=True)
 
 
 def _encode_many(tokenizer, texts: list[str]) -> list[list[int]]:

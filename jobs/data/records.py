@@ -71,23 +71,27 @@ def check_record(rec, where: str, fields: dict | None = None, pairs: bool = Fals
     if fmt == PAIR:
         return _check_pair(rec, where)
     if fmt is None and pairs:
-        raise SpecError(f"{where}: expected a pair {{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}} "
-                        "(data.fields maps other column names onto these)")
+        raise SpecError(
+            f'{where}: expected a pair {{"prompt": ..., "chosen": ..., "rejected": ...}} '
+            "(data.fields maps other column names onto these)"
+        )
     if fmt == MESSAGES:
         _check_messages(rec["messages"], where)
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]}
     if fmt == TEXT:
         if not isinstance(rec["text"], str):
-            raise SpecError(f"{where}: \"text\" must be a string")
+            raise SpecError(f'{where}: "text" must be a string')
     elif fmt == PROMPT_COMPLETION:
         if not (isinstance(rec["prompt"], str) and isinstance(rec["completion"], str)):
-            raise SpecError(f"{where}: \"prompt\" and \"completion\" must be strings")
+            raise SpecError(f'{where}: "prompt" and "completion" must be strings')
     else:
-        raise SpecError(f"{where}: expected {{\"text\": ...}}, {{\"prompt\": ..., \"completion\": ...}} or "
-                        f"{{\"messages\": [...]}} (data.fields maps other column names onto these)")
+        raise SpecError(
+            f'{where}: expected {{"text": ...}}, {{"prompt": ..., "completion": ...}} or '
+            f'{{"messages": [...]}} (data.fields maps other column names onto these)'
+        )
     for k in TEXT_FIELDS:
         if isinstance(rec.get(k), str) and _SURROGATE.search(rec[k]):
-            raise SpecError(f"{where}: \"{k}\" is not valid Unicode (an unpaired surrogate)")
+            raise SpecError(f'{where}: "{k}" is not valid Unicode (an unpaired surrogate)')
     return rec
 
 
@@ -114,17 +118,19 @@ def _check_message_list(messages, where: str, name: str) -> None:
     """`messages` (the field `name`) is a non-empty list of {"role", "content"} with known roles
     and string contents."""
     if not isinstance(messages, list) or not messages:
-        raise SpecError(f"{where}: \"{name}\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+        raise SpecError(f'{where}: "{name}" must be a non-empty list of {{"role", "content"}} objects')
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise SpecError(f"{where}: {name}[{j}] must be an object with \"role\" and \"content\"")
+            raise SpecError(f'{where}: {name}[{j}] must be an object with "role" and "content"')
         if m["role"] not in ROLES:
-            raise SpecError(f"{where}: {name}[{j}]: unknown role {one_line(repr(m['role']))[:40]} "
-                            f"(expected one of {', '.join(ROLES)})")
+            raise SpecError(
+                f"{where}: {name}[{j}]: unknown role {one_line(repr(m['role']))[:40]} "
+                f"(expected one of {', '.join(ROLES)})"
+            )
         if not isinstance(m["content"], str):
-            raise SpecError(f"{where}: {name}[{j}]: \"content\" must be a string")
+            raise SpecError(f'{where}: {name}[{j}]: "content" must be a string')
         if _SURROGATE.search(m["content"]):
-            raise SpecError(f"{where}: {name}[{j}]: \"content\" is not valid Unicode (an unpaired surrogate)")
+            raise SpecError(f'{where}: {name}[{j}]: "content" is not valid Unicode (an unpaired surrogate)')
 
 
 def _check_pair(rec: dict, where: str) -> dict:
@@ -132,28 +138,33 @@ def _check_pair(rec: dict, where: str) -> dict:
     turn, each response assistant messages only); the record reduced to them."""
     missing = [k for k in PAIR_FIELDS if k not in rec]
     if missing:
-        raise SpecError(f"{where}: a pair needs \"prompt\", \"chosen\" and \"rejected\" (no \"{missing[0]}\"; "
-                        "data.fields maps other column names onto these)")
-    forms = {k: "string" if isinstance(rec[k], str) else "list" if isinstance(rec[k], list) else None
-             for k in PAIR_FIELDS}
+        raise SpecError(
+            f'{where}: a pair needs "prompt", "chosen" and "rejected" (no "{missing[0]}"; '
+            "data.fields maps other column names onto these)"
+        )
+    forms = {
+        k: "string" if isinstance(rec[k], str) else "list" if isinstance(rec[k], list) else None for k in PAIR_FIELDS
+    }
     for k, form in forms.items():
         if form is None:
-            raise SpecError(f"{where}: \"{k}\" must be a string or a list of messages, not "
-                            f"{type(rec[k]).__name__}")
+            raise SpecError(f'{where}: "{k}" must be a string or a list of messages, not {type(rec[k]).__name__}')
     if len(set(forms.values())) > 1:
         shown = ", ".join(f"{k} a {form}" for k, form in forms.items())
-        raise SpecError(f"{where}: a pair's prompt, chosen and rejected must be all strings or all lists of "
-                        f"messages (here {shown})")
+        raise SpecError(
+            f"{where}: a pair's prompt, chosen and rejected must be all strings or all lists of messages (here {shown})"
+        )
     if forms["prompt"] == "string":
         for k in PAIR_FIELDS:
             if _SURROGATE.search(rec[k]):
-                raise SpecError(f"{where}: \"{k}\" is not valid Unicode (an unpaired surrogate)")
+                raise SpecError(f'{where}: "{k}" is not valid Unicode (an unpaired surrogate)')
         return {k: rec[k] for k in PAIR_FIELDS}
     _check_message_list(rec["prompt"], where, "prompt")
     last = rec["prompt"][-1]["role"]
     if last != "user":
-        raise SpecError(f"{where}: prompt[{len(rec['prompt']) - 1}]: role {last!r}; a conversational prompt ends "
-                        "with a user message")
+        raise SpecError(
+            f"{where}: prompt[{len(rec['prompt']) - 1}]: role {last!r}; a conversational prompt ends "
+            "with a user message"
+        )
     for k in ("chosen", "rejected"):
         _check_message_list(rec[k], where, k)
         for j, m in enumerate(rec[k]):
@@ -180,7 +191,7 @@ def cut_text(text: str, max_chars: int, keep_end: bool = False) -> str:
     """The first `max_chars` characters of `text` (with `keep_end`, the last)."""
     if not keep_end:
         return text[:max_chars]
-    return text[max(0, len(text) - max_chars):]
+    return text[max(0, len(text) - max_chars) :]
 
 
 def _cut_field(value, max_chars: int, keep_end: bool):

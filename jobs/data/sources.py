@@ -41,9 +41,14 @@ def is_hub(path: str) -> bool:
     return str(path).startswith("hf:")
 
 
-def read_jsonl(path: str, key: str = "data.path", max_chars: int | None = None,
-               fields: dict | None = None, hf_token_env: str | None = None,
-               objective: str | None = None) -> list[dict]:
+def read_jsonl(
+    path: str,
+    key: str = "data.path",
+    max_chars: int | None = None,
+    fields: dict | None = None,
+    hf_token_env: str | None = None,
+    objective: str | None = None,
+) -> list[dict]:
     """The records of one data source, each checked for shape (after renaming `fields`, ours ->
     theirs); a problem is one SpecError naming `key`, the source and the line or row. A `.jsonl`
     (or any file `datasets` has no reader for) is read line by line; `.json`, `.parquet`, `.csv`,
@@ -55,8 +60,10 @@ def read_jsonl(path: str, key: str = "data.path", max_chars: int | None = None,
     checks = _SourceCheck(key, shown, objective)
     if is_hub(path) or os.path.isdir(path) or Path(path).suffix.lower() in DATASETS_SUFFIXES:
         rows = datasets_rows(str(path), key, hf_token_env)
-        records = [cut_record(checks.check(dict(row), f"{key}: {shown} row {i}", fields), max_chars)
-                   for i, row in enumerate(rows)]
+        records = [
+            cut_record(checks.check(dict(row), f"{key}: {shown} row {i}", fields), max_chars)
+            for i, row in enumerate(rows)
+        ]
     else:
         records = _read_lines(path, key, max_chars, fields, checks)
     if not records:
@@ -66,8 +73,12 @@ def read_jsonl(path: str, key: str = "data.path", max_chars: int | None = None,
 
 
 PREFERENCE_NAMES = "|".join(name for name in OBJECTIVE_KEYS if name != "sft")
-_DESCRIBED = {PAIR: "a pair", MESSAGES: "a chat (\"messages\") record", TEXT: "a text record",
-              PROMPT_COMPLETION: "a prompt/completion record"}
+_DESCRIBED = {
+    PAIR: "a pair",
+    MESSAGES: 'a chat ("messages") record',
+    TEXT: "a text record",
+    PROMPT_COMPLETION: "a prompt/completion record",
+}
 _KINDS = {PAIRS: "pairs", SFT: "SFT records"}
 
 
@@ -90,22 +101,28 @@ class _SourceCheck:
         if self.first is None:
             if self.objective is not None and kind != (PAIRS if self.pairs else SFT):
                 if self.pairs:
-                    raise SpecError(f"{where}: objective.name={self.objective} trains on pairs {{\"prompt\", "
-                                    f"\"chosen\", \"rejected\"}}; this is {_DESCRIBED[fmt]}")
+                    raise SpecError(
+                        f'{where}: objective.name={self.objective} trains on pairs {{"prompt", '
+                        f'"chosen", "rejected"}}; this is {_DESCRIBED[fmt]}'
+                    )
                 raise SpecError(f"{where}: pair records need a preference objective: objective.name={PREFERENCE_NAMES}")
             self.first = (kind, where)
         elif kind != self.first[0]:
-            raise SpecError(f"{where}: {_DESCRIBED[fmt]} among {_KINDS[self.first[0]]} (the first is "
-                            f"{self.first[1].removeprefix(self.key + ': ')}); one job's data is all pairs or "
-                            "all SFT records")
+            raise SpecError(
+                f"{where}: {_DESCRIBED[fmt]} among {_KINDS[self.first[0]]} (the first is "
+                f"{self.first[1].removeprefix(self.key + ': ')}); one job's data is all pairs or "
+                "all SFT records"
+            )
         if fmt == PAIR and rec["chosen"] != rec["rejected"]:
             self.some_pair_differs = True
         return rec
 
     def done(self) -> None:
         if self.first is not None and self.first[0] == PAIRS and not self.some_pair_differs:
-            raise SpecError(f"{self.key}: {self.shown}: chosen equals rejected in every pair: nothing to prefer "
-                            "(does data.fields name one column twice?)")
+            raise SpecError(
+                f"{self.key}: {self.shown}: chosen equals rejected in every pair: nothing to prefer "
+                "(does data.fields name one column twice?)"
+            )
 
 
 def read_records(spec: JobSpec, tokenizer) -> tuple[list[dict], list[dict]]:
@@ -114,12 +131,24 @@ def read_records(spec: JobSpec, tokenizer) -> tuple[list[dict], list[dict]]:
     d = spec.data
     records: list[dict] = []
     for i, p in enumerate(d.path):
-        records += read_jsonl(p, "data.path" if len(d.path) == 1 else f"data.path.{i}", max_chars=cut,
-                              fields=d.fields, hf_token_env=d.hf_token_env, objective=spec.objective.name)
+        records += read_jsonl(
+            p,
+            "data.path" if len(d.path) == 1 else f"data.path.{i}",
+            max_chars=cut,
+            fields=d.fields,
+            hf_token_env=d.hf_token_env,
+            objective=spec.objective.name,
+        )
     eval_records: list[dict] = []
     if d.eval_path:
-        eval_records = read_jsonl(d.eval_path, "data.eval_path", max_chars=cut, fields=d.fields,
-                                  hf_token_env=d.hf_token_env, objective=spec.objective.name)
+        eval_records = read_jsonl(
+            d.eval_path,
+            "data.eval_path",
+            max_chars=cut,
+            fields=d.fields,
+            hf_token_env=d.hf_token_env,
+            objective=spec.objective.name,
+        )
     elif d.eval_fraction > 0:
         order = list(range(len(records)))
         random.Random(spec.run.seed).shuffle(order)
@@ -130,8 +159,7 @@ def read_records(spec: JobSpec, tokenizer) -> tuple[list[dict], list[dict]]:
     return records, eval_records
 
 
-def _read_lines(path: str, key: str, max_chars: int | None, fields: dict | None,
-                checks: _SourceCheck) -> list[dict]:
+def _read_lines(path: str, key: str, max_chars: int | None, fields: dict | None, checks: _SourceCheck) -> list[dict]:
     records = []
     shown = one_line(str(path))
     problem = path_problem(path)
@@ -200,12 +228,12 @@ def _load_from_disk(path: str, key: str, shown: str):
     try:
         ds = datasets.load_from_disk(path)
     except FileNotFoundError:
-        raise SpecError(f"{key}: {shown} is a directory that is not a dataset "
-                        "(expected one written by Dataset.save_to_disk)") from None
+        raise SpecError(
+            f"{key}: {shown} is a directory that is not a dataset (expected one written by Dataset.save_to_disk)"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise SpecError(f"{key}: {shown}: a DatasetDict without a 'train' split "
-                            f"(has {', '.join(sorted(ds))})")
+            raise SpecError(f"{key}: {shown}: a DatasetDict without a 'train' split (has {', '.join(sorted(ds))})")
         ds = ds["train"]
     return ds
 

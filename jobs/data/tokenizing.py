@@ -55,35 +55,45 @@ def with_bos(ids: Sequence[int], bos: int | None) -> list[int]:
     return ids
 
 
-def tokenize_iter(records: Sequence[dict], tokenizer, max_seq_len: int, train_on: str = "assistant",
-                  model_name: str | None = None, chunk: int = 512) -> Iterable[Example | None]:
+def tokenize_iter(
+    records: Sequence[dict],
+    tokenizer,
+    max_seq_len: int,
+    train_on: str = "assistant",
+    model_name: str | None = None,
+    chunk: int = 512,
+) -> Iterable[Example | None]:
     """One Example per record (None where truncation leaves no label), in record order (see the
     module docstring for what each format becomes). Records are tokenized `chunk` at a time (one
     batched call of the fast tokenizer)."""
     cut = char_bound(tokenizer, max_seq_len)
     for start in range(0, len(records), chunk):
-        for seq, labels in _chunk_sequences(records[start:start + chunk], tokenizer, cut, train_on, model_name):
+        for seq, labels in _chunk_sequences(records[start : start + chunk], tokenizer, cut, train_on, model_name):
             seq, labels = seq[:max_seq_len], labels[:max_seq_len]
             ex = Example(tuple(seq[:-1]), tuple(labels[1:]))
             yield ex if ex.n_labels else None  # a prompt longer than max_seq_len leaves nothing to learn
 
 
-def tokenize(records: Sequence[dict], tokenizer, max_seq_len: int, train_on: str = "assistant",
-             model_name: str | None = None) -> list[Example]:
+def tokenize(
+    records: Sequence[dict], tokenizer, max_seq_len: int, train_on: str = "assistant", model_name: str | None = None
+) -> list[Example]:
     """The Examples of `records` that keep a label after truncation (see `tokenize_iter`)."""
     return [e for e in tokenize_iter(records, tokenizer, max_seq_len, train_on, model_name) if e is not None]
 
 
-def _chunk_sequences(part: Sequence[dict], tokenizer, cut: int, train_on: str,
-                     model_name: str | None) -> Iterator[tuple[list[int], list[int]]]:
+def _chunk_sequences(
+    part: Sequence[dict], tokenizer, cut: int, train_on: str, model_name: str | None
+) -> Iterator[tuple[list[int], list[int]]]:
     """(token ids, labels) of each record of `part`, in order, before truncation: texts cut to
     `cut` characters, then one batched tokenizer call per kind of text."""
     eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
     formats = [record_format(r) for r in part]
     chats = [i for i, f in enumerate(formats) if f == MESSAGES]
     rendered = {i: chat_spans(tokenizer, part[i]["messages"], train_on, model_name) for i in chats}
-    firsts = [(r["text"] if f == TEXT else r["prompt"])[:cut] if f != MESSAGES else ""
-              for r, f in zip(part, formats, strict=True)]
+    firsts = [
+        (r["text"] if f == TEXT else r["prompt"])[:cut] if f != MESSAGES else ""
+        for r, f in zip(part, formats, strict=True)
+    ]
     enc1 = _encode_many(tokenizer, firsts)["input_ids"]
     comps = [r["completion"][:cut] if f == PROMPT_COMPLETION else "" for r, f in zip(part, formats, strict=True)]
     enc2 = _encode_many(tokenizer, comps)["input_ids"]

@@ -7,7 +7,8 @@ at `queue add` (`tables.choose_plan_from_table`), apply the very same rule.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 # A strategy choice as one string, so that a table of estimates by choice is plain JSON (queue
 # admission stores one): "ddp", "fsdp" (reshard after forward) or "fsdp-keep" (layers stay gathered).
@@ -15,8 +16,9 @@ CHOICE_DDP, CHOICE_FSDP, CHOICE_FSDP_KEEP = "ddp", "fsdp", "fsdp-keep"
 CHOICES = {CHOICE_DDP: ("ddp", None), CHOICE_FSDP: ("fsdp", True), CHOICE_FSDP_KEEP: ("fsdp", False)}
 
 
-def strategy_choices(strategy: str, reshard_after_forward: Optional[bool], num_workers: int,
-                     quantization: str = "none") -> list[str]:
+def strategy_choices(
+    strategy: str, reshard_after_forward: bool | None, num_workers: int, quantization: str = "none"
+) -> list[str]:
     """The choices `resources.strategy` / `resources.fsdp_reshard_after_forward` leave, in the
     order the plan tries them: DDP first (nothing to gather: fastest), then FSDP keeping the
     layers gathered from forward to backward (no second all-gather), then FSDP resharding after
@@ -27,12 +29,13 @@ def strategy_choices(strategy: str, reshard_after_forward: Optional[bool], num_w
     bitsandbytes 0.50: the first forward fails with "'Parameter' object has no attribute 'CB'")."""
     if strategy == "ddp" or (strategy == "auto" and (num_workers < 2 or quantization == "int8")):
         return [CHOICE_DDP]
-    fsdp = {None: [CHOICE_FSDP_KEEP, CHOICE_FSDP], True: [CHOICE_FSDP],
-            False: [CHOICE_FSDP_KEEP]}[reshard_after_forward]
+    fsdp = {None: [CHOICE_FSDP_KEEP, CHOICE_FSDP], True: [CHOICE_FSDP], False: [CHOICE_FSDP_KEEP]}[
+        reshard_after_forward
+    ]
     return fsdp if strategy == "fsdp" else [CHOICE_DDP, *fsdp]
 
 
-def fixed_choice(strategy: str, reshard_after_forward: Optional[bool]) -> Optional[str]:
+def fixed_choice(strategy: str, reshard_after_forward: bool | None) -> str | None:
     """The choice `resources.strategy` / `resources.fsdp_reshard_after_forward` fix on their own:
     DDP, or FSDP with its resharding set; None where the plan decides (`auto`, or FSDP with the
     resharding left open)."""
@@ -43,12 +46,12 @@ def fixed_choice(strategy: str, reshard_after_forward: Optional[bool]) -> Option
     return CHOICE_FSDP if reshard_after_forward else CHOICE_FSDP_KEEP
 
 
-def strategy_str(strategy: str, reshard_after_forward: Optional[bool]) -> str:
-    """"ddp", "fsdp" or "fsdp (layers kept gathered)", as people read it."""
+def strategy_str(strategy: str, reshard_after_forward: bool | None) -> str:
+    """ "ddp", "fsdp" or "fsdp (layers kept gathered)", as people read it."""
     return "fsdp (layers kept gathered)" if strategy == "fsdp" and reshard_after_forward is False else strategy
 
 
-def checkpointing_str(every: Optional[int]) -> str:
+def checkpointing_str(every: int | None) -> str:
     """0 -> off, 1 -> on, k -> "every 2nd layer" (None: not decided)."""
     if every is None:
         return "-"
@@ -65,8 +68,9 @@ def checkpointing_candidates(num_layers: int) -> list[int]:
     return [0, *range(num_layers, 1, -1), 1]
 
 
-def choose_checkpointing_every(mode: Any, gib_of: Callable[[int], float], num_layers: int,
-                               budget_gib: Optional[float]) -> int:
+def choose_checkpointing_every(
+    mode: Any, gib_of: Callable[[int], float], num_layers: int, budget_gib: float | None
+) -> int:
     """The checkpointing rule, once: `mode` is `memory.gradient_checkpointing` (True, False or
     "auto"); `gib_of(k)` the estimated GiB with checkpointing every k-th layer (0 = off).
 
@@ -86,8 +90,9 @@ def choose_checkpointing_every(mode: Any, gib_of: Callable[[int], float], num_la
     return 1
 
 
-def choose_plan(choices: Sequence[str], mode: Any, gib_of: Callable[[str, int], float], num_layers: int,
-                budget_gib: Optional[float]) -> tuple[str, int]:
+def choose_plan(
+    choices: Sequence[str], mode: Any, gib_of: Callable[[str, int], float], num_layers: int, budget_gib: float | None
+) -> tuple[str, int]:
     """The strategy and checkpointing rule, once: (choice, checkpoint every k-th layer).
 
     `gib_of(choice, k)` is the estimated GiB per GPU. Each choice in order gets its checkpointing

@@ -21,14 +21,30 @@ Pure: a function of a model config object (or a `ModelShape`) and numbers; no I/
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from ..spec import DEFAULT_TARGET_MODULES
 from .replay import ReplayTensor, Walk
-from .shapes import (DTYPE_BYTES, FP32_BYTES, GIB, INDEX_BYTES, MIB, QUANTIZATIONS, ModelShape,
-                     base_param_shapes, count_base_params, count_lora_params, fsdp_unit_shapes, lora_param_shapes,
-                     lora_targets, model_shape, quantized_bytes, shard_bytes)
+from .shapes import (
+    DTYPE_BYTES,
+    FP32_BYTES,
+    GIB,
+    INDEX_BYTES,
+    MIB,
+    QUANTIZATIONS,
+    ModelShape,
+    base_param_shapes,
+    count_base_params,
+    count_lora_params,
+    fsdp_unit_shapes,
+    lora_param_shapes,
+    lora_targets,
+    model_shape,
+    quantized_bytes,
+    shard_bytes,
+)
 
 # CUDA context (driver, kernels of torch/cuBLAS/cuDNN loaded lazily) as seen by nvidia-smi on
 # an H100/H200 with torch 2.x; it is outside `torch.cuda.max_memory_allocated`.
@@ -45,15 +61,37 @@ ALLOCATOR_SLACK_FRACTION = 0.08
 # when no activation of the micro-step exists yet.
 TRANSIENT_COMPONENTS = ("logits_loss", "layer_backward", "reference_forward")
 BEFORE_FORWARD_COMPONENTS = ("reference_forward",)
-COMPONENT_ORDER = ("frozen_weights", "lora_weights", "lora_grads", "no_sync_grads", "optimizer_state",
-                   "ddp_buckets", "fsdp_gathered", "activations", "logits_loss", "layer_backward",
-                   "framework_overhead")
+COMPONENT_ORDER = (
+    "frozen_weights",
+    "lora_weights",
+    "lora_grads",
+    "no_sync_grads",
+    "optimizer_state",
+    "ddp_buckets",
+    "fsdp_gathered",
+    "activations",
+    "logits_loss",
+    "layer_backward",
+    "framework_overhead",
+)
 
 # Components a spec has only with a preference objective's reference (not in every estimate).
 REFERENCE_COMPONENTS = ("reference_adapter", "reference_forward")
-_TABLE_ORDER = ("frozen_weights", "lora_weights", "lora_grads", "no_sync_grads", "optimizer_state", "reference_adapter",
-                "ddp_buckets", "fsdp_gathered", "activations", "reference_forward", "logits_loss", "layer_backward",
-                "framework_overhead")
+_TABLE_ORDER = (
+    "frozen_weights",
+    "lora_weights",
+    "lora_grads",
+    "no_sync_grads",
+    "optimizer_state",
+    "reference_adapter",
+    "ddp_buckets",
+    "fsdp_gathered",
+    "activations",
+    "reference_forward",
+    "logits_loss",
+    "layer_backward",
+    "framework_overhead",
+)
 REFERENCES = ("adapter_off", "precomputed")
 
 STRATEGIES = ("ddp", "fsdp")
@@ -77,8 +115,9 @@ class MemoryEstimate:
     def peak_allocated_bytes(self) -> int:
         c = self.components
         static = sum(v for k, v in c.items() if k not in TRANSIENT_COMPONENTS + ("activations", "framework_overhead"))
-        during = c.get("activations", 0) + max((c.get(k, 0) for k in TRANSIENT_COMPONENTS
-                                                if k not in BEFORE_FORWARD_COMPONENTS), default=0)
+        during = c.get("activations", 0) + max(
+            (c.get(k, 0) for k in TRANSIENT_COMPONENTS if k not in BEFORE_FORWARD_COMPONENTS), default=0
+        )
         return static + max(during, *(c.get(k, 0) for k in BEFORE_FORWARD_COMPONENTS))
 
     @property
@@ -101,17 +140,35 @@ class MemoryEstimate:
         return rows
 
 
-def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpointing: bool,
-             base_dtype: str = "bf16", lora_r: int = 8,
-             lora_target_modules: Sequence[str] = DEFAULT_TARGET_MODULES, lora_dropout: float = 0.0,
-             optimizer: str = "adamw", momentum: float = 0.0, world_size: int = 1,
-             gradient_as_bucket_view: bool = True, attn_implementation: str = "sdpa",
-             checkpoint_every_n_layers: int = 1, label_fraction: float = 1.0,
-             loss_chunk_tokens: Optional[int] = None, packed: bool = False,
-             device: str = "cuda", lora_dora: bool = False, strategy: str = "ddp",
-             reshard_after_forward: bool = True, quantization: str = "none",
-             grad_accum_steps: int = 1, pairs: bool = False, reference: Optional[str] = None,
-             reference_adapter: bool = False) -> MemoryEstimate:
+def estimate(
+    config,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    gradient_checkpointing: bool,
+    base_dtype: str = "bf16",
+    lora_r: int = 8,
+    lora_target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
+    lora_dropout: float = 0.0,
+    optimizer: str = "adamw",
+    momentum: float = 0.0,
+    world_size: int = 1,
+    gradient_as_bucket_view: bool = True,
+    attn_implementation: str = "sdpa",
+    checkpoint_every_n_layers: int = 1,
+    label_fraction: float = 1.0,
+    loss_chunk_tokens: int | None = None,
+    packed: bool = False,
+    device: str = "cuda",
+    lora_dora: bool = False,
+    strategy: str = "ddp",
+    reshard_after_forward: bool = True,
+    quantization: str = "none",
+    grad_accum_steps: int = 1,
+    pairs: bool = False,
+    reference: str | None = None,
+    reference_adapter: bool = False,
+) -> MemoryEstimate:
     """Per-GPU memory of one micro-step of LoRA training, as named components in bytes.
 
     `config` is a transformers config (or a `ModelShape`). `base_dtype` is the dtype of the
@@ -148,24 +205,59 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     sharded and gathered with its layer under FSDP) that is active in that forward; without it
     the reference is the base with the adapter off, and holds nothing.
     """
-    _check_arguments(base_dtype=base_dtype, attn_implementation=attn_implementation, device=device,
-                     optimizer=optimizer, micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=world_size,
-                     checkpoint_every_n_layers=checkpoint_every_n_layers, strategy=strategy,
-                     quantization=quantization, label_fraction=label_fraction, grad_accum_steps=grad_accum_steps,
-                     pairs=pairs, reference=reference, reference_adapter=reference_adapter)
+    _check_arguments(
+        base_dtype=base_dtype,
+        attn_implementation=attn_implementation,
+        device=device,
+        optimizer=optimizer,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        world_size=world_size,
+        checkpoint_every_n_layers=checkpoint_every_n_layers,
+        strategy=strategy,
+        quantization=quantization,
+        label_fraction=label_fraction,
+        grad_accum_steps=grad_accum_steps,
+        pairs=pairs,
+        reference=reference,
+        reference_adapter=reference_adapter,
+    )
     shape = config if isinstance(config, ModelShape) else model_shape(config)
     rows = micro_batch_size * (2 if pairs else 1)
-    step = _Step(shape=shape, batch=rows, seq=seq_len, act_bytes=DTYPE_BYTES[base_dtype],
-                 autocast=base_dtype != "fp32", targets=lora_targets(shape, lora_target_modules), lora_r=lora_r,
-                 lora_dropout=lora_dropout, dora=lora_dora, attn=attn_implementation, device=device, packed=packed,
-                 pairs=pairs, reference_adapter=reference_adapter,
-                 mask=(packed or attn_implementation == "eager"
-                       or (shape.sliding_window is not None and seq_len >= shape.sliding_window)))
+    step = _Step(
+        shape=shape,
+        batch=rows,
+        seq=seq_len,
+        act_bytes=DTYPE_BYTES[base_dtype],
+        autocast=base_dtype != "fp32",
+        targets=lora_targets(shape, lora_target_modules),
+        lora_r=lora_r,
+        lora_dropout=lora_dropout,
+        dora=lora_dora,
+        attn=attn_implementation,
+        device=device,
+        packed=packed,
+        pairs=pairs,
+        reference_adapter=reference_adapter,
+        mask=(
+            packed
+            or attn_implementation == "eager"
+            or (shape.sliding_window is not None and seq_len >= shape.sliding_window)
+        ),
+    )
     fsdp = strategy == "fsdp"
     frozen = _frozen_base(step, world_size if fsdp else 1, quantization)
-    components, fsdp_layer = _static(step, frozen, optimizer=optimizer, momentum=momentum, world_size=world_size,
-                                     gradient_as_bucket_view=gradient_as_bucket_view, fsdp=fsdp,
-                                     reshard_after_forward=reshard_after_forward, grad_accum_steps=grad_accum_steps)
+    components, fsdp_layer = _static(
+        step,
+        frozen,
+        optimizer=optimizer,
+        momentum=momentum,
+        world_size=world_size,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        fsdp=fsdp,
+        reshard_after_forward=reshard_after_forward,
+        grad_accum_steps=grad_accum_steps,
+    )
     acts = _activations(step, gradient_checkpointing, checkpoint_every_n_layers)
     components["activations"] = acts.total_bytes
     loss = _loss_head(step, label_fraction, loss_chunk_tokens)
@@ -177,27 +269,51 @@ def estimate(config, *, micro_batch_size: int, seq_len: int, gradient_checkpoint
     details = {
         "params": count_base_params(shape),
         "lora_params": count_lora_params(shape, lora_r, step.targets, dora=lora_dora),
-        "label_tokens": loss.label_tokens, "logits_chunk_tokens": loss.chunk_tokens,
-        "strategy": strategy, "world_size": world_size, "quantization": quantization,
-        "grad_accum_steps": grad_accum_steps, "rows": step.batch, "pairs": pairs, "reference": reference,
+        "label_tokens": loss.label_tokens,
+        "logits_chunk_tokens": loss.chunk_tokens,
+        "strategy": strategy,
+        "world_size": world_size,
+        "quantization": quantization,
+        "grad_accum_steps": grad_accum_steps,
+        "rows": step.batch,
+        "pairs": pairs,
+        "reference": reference,
         "reshard_after_forward": reshard_after_forward if fsdp else None,
         # FSDP: one decoder layer's all-gathered parameters (frozen: packed bytes when quantized),
         # and every unit's (`_fsdp_gathered`).
         "fsdp_gathered_layer_bytes": fsdp_layer and {"frozen": fsdp_layer["frozen"], "lora": fsdp_layer["lora"]},
         "fsdp_unit_bytes": fsdp_layer and fsdp_layer["units"],
-        "frozen_layer_bytes": frozen.layer_bytes, "frozen_root_bytes": frozen.root_bytes,
-        "mask": step.mask, "checkpointed_layers": acts.checkpointed_layers,
-        "layer_saved_bytes": acts.layer_saved_bytes, "first_layer_saved_bytes": acts.first_layer_saved_bytes,
-        "decoder_saved_bytes": acts.decoder_saved_bytes, "held_mask_bytes": acts.held_mask_bytes,
+        "frozen_layer_bytes": frozen.layer_bytes,
+        "frozen_root_bytes": frozen.root_bytes,
+        "mask": step.mask,
+        "checkpointed_layers": acts.checkpointed_layers,
+        "layer_saved_bytes": acts.layer_saved_bytes,
+        "first_layer_saved_bytes": acts.first_layer_saved_bytes,
+        "decoder_saved_bytes": acts.decoder_saved_bytes,
+        "held_mask_bytes": acts.held_mask_bytes,
         "loss_saved_bytes": loss.saved_bytes,
     }
     return MemoryEstimate({k: int(v) for k, v in components.items()}, details)
 
 
-def _check_arguments(*, base_dtype: str, attn_implementation: str, device: str, optimizer: str,
-                     micro_batch_size: int, seq_len: int, world_size: int, checkpoint_every_n_layers: int,
-                     strategy: str, quantization: str, label_fraction: float, grad_accum_steps: int,
-                     pairs: bool, reference: Optional[str], reference_adapter: bool) -> None:
+def _check_arguments(
+    *,
+    base_dtype: str,
+    attn_implementation: str,
+    device: str,
+    optimizer: str,
+    micro_batch_size: int,
+    seq_len: int,
+    world_size: int,
+    checkpoint_every_n_layers: int,
+    strategy: str,
+    quantization: str,
+    label_fraction: float,
+    grad_accum_steps: int,
+    pairs: bool,
+    reference: str | None,
+    reference_adapter: bool,
+) -> None:
     """`estimate`'s arguments it cannot model raise ValueError (the spec adapter turns it into SpecError)."""
     if base_dtype not in DTYPE_BYTES:
         raise ValueError(f"memory estimate: base_dtype must be one of {sorted(DTYPE_BYTES)}, got {base_dtype!r}")
@@ -208,18 +324,22 @@ def _check_arguments(*, base_dtype: str, attn_implementation: str, device: str, 
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"memory estimate: optimizer must be adamw or sgd, got {optimizer!r}")
     if min(micro_batch_size, seq_len, world_size, checkpoint_every_n_layers, grad_accum_steps) < 1:
-        raise ValueError("memory estimate: micro_batch_size, seq_len, world_size, checkpoint_every_n_layers, "
-                         "grad_accum_steps must be >= 1")
+        raise ValueError(
+            "memory estimate: micro_batch_size, seq_len, world_size, checkpoint_every_n_layers, "
+            "grad_accum_steps must be >= 1"
+        )
     if strategy not in STRATEGIES:
         raise ValueError(f"memory estimate: strategy must be ddp or fsdp, got {strategy!r}")
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"memory estimate: quantization must be one of {', '.join(QUANTIZATIONS)}, "
-                         f"got {quantization!r}")
+        raise ValueError(
+            f"memory estimate: quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
     if not 0 < label_fraction <= 1:
         raise ValueError(f"memory estimate: label_fraction must be in (0, 1], got {label_fraction}")
     if reference is not None and (reference not in REFERENCES or not pairs):
-        raise ValueError(f"memory estimate: reference must be None or, with pairs, one of {', '.join(REFERENCES)}; "
-                         f"got {reference!r}")
+        raise ValueError(
+            f"memory estimate: reference must be None or, with pairs, one of {', '.join(REFERENCES)}; got {reference!r}"
+        )
     if reference_adapter and reference != "adapter_off":
         raise ValueError("memory estimate: reference_adapter needs reference='adapter_off'")
 
@@ -242,7 +362,7 @@ class _Step:
     attn: str
     device: str
     packed: bool
-    pairs: bool              # rows are a preference objective's chosen and rejected
+    pairs: bool  # rows are a preference objective's chosen and rejected
     reference_adapter: bool  # a frozen copy of the LoRA weights is the reference
 
     @property
@@ -250,9 +370,21 @@ class _Step:
         return self.batch * self.seq
 
     def walk(self) -> Walk:
-        return Walk(self.shape, batch=self.batch, seq=self.seq, act_bytes=self.act_bytes, autocast=self.autocast,
-                    targets=self.targets, r=self.lora_r, lora_dropout=self.lora_dropout, attn=self.attn,
-                    mask=self.mask, device=self.device, packed=self.packed, dora=self.dora)
+        return Walk(
+            self.shape,
+            batch=self.batch,
+            seq=self.seq,
+            act_bytes=self.act_bytes,
+            autocast=self.autocast,
+            targets=self.targets,
+            r=self.lora_r,
+            lora_dropout=self.lora_dropout,
+            attn=self.attn,
+            mask=self.mask,
+            device=self.device,
+            packed=self.packed,
+            dora=self.dora,
+        )
 
     def hidden_states(self, w: Walk, requires_grad: bool) -> ReplayTensor:
         """A new [batch, seq, hidden] tensor in `w`: a decoder layer's input."""
@@ -261,14 +393,15 @@ class _Step:
 
 # ---- static: weights, gradients, optimizer state ----------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Frozen:
     """The frozen base on one rank (sharded under FSDP), quantization constants included."""
 
-    layer_bytes: int           # every decoder layer's parameters
-    root_bytes: int            # embeddings, final norm, LM head
+    layer_bytes: int  # every decoder layer's parameters
+    root_bytes: int  # embeddings, final norm, LM head
     gathered_layer_bytes: int  # one decoder layer's parameters, all-gathered (FSDP)
-    largest_quantized: int     # elements of the largest quantized linear weight (0: not quantized)
+    largest_quantized: int  # elements of the largest quantized linear weight (0: not quantized)
 
 
 def _frozen_base(step: _Step, shard_world: int, quantization: str) -> _Frozen:
@@ -292,9 +425,18 @@ def _frozen_base(step: _Step, shard_world: int, quantization: str) -> _Frozen:
     return _Frozen(frozen["layer"], frozen["root"], gathered_layer, largest_quantized)
 
 
-def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, world_size: int,
-            gradient_as_bucket_view: bool, fsdp: bool, reshard_after_forward: bool,
-            grad_accum_steps: int) -> tuple[dict[str, int], Optional[dict[str, int]]]:
+def _static(
+    step: _Step,
+    frozen: _Frozen,
+    *,
+    optimizer: str,
+    momentum: float,
+    world_size: int,
+    gradient_as_bucket_view: bool,
+    fsdp: bool,
+    reshard_after_forward: bool,
+    grad_accum_steps: int,
+) -> tuple[dict[str, int], dict[str, int] | None]:
     """The components that live through the whole step, and (FSDP) one layer's gathered bytes."""
     shape, a = step.shape, step.act_bytes
     shard_world = world_size if fsdp else 1
@@ -308,15 +450,21 @@ def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, wo
         "lora_weights": lora_rank_bytes,
         "lora_grads": lora_rank_bytes,
         **({"reference_adapter": lora_rank_bytes} if step.reference_adapter else {}),
-        "no_sync_grads": _no_sync_grads(lora_bytes, lora_rank_bytes, world_size=world_size, fsdp=fsdp,
-                                        gradient_as_bucket_view=gradient_as_bucket_view,
-                                        grad_accum_steps=grad_accum_steps),
+        "no_sync_grads": _no_sync_grads(
+            lora_bytes,
+            lora_rank_bytes,
+            world_size=world_size,
+            fsdp=fsdp,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            grad_accum_steps=grad_accum_steps,
+        ),
         "optimizer_state": opt_states * lora_rank_bytes,
         "ddp_buckets": lora_bytes if world_size > 1 and not gradient_as_bucket_view and not fsdp else 0,
         "fsdp_gathered": 0,
     }
     if not fsdp:
         return components, None
+
     # An all-gathered parameter's storage is the whole padded dim 0 (world x the padded shard;
     # the parameter is a view of it), measured on 2 gloo ranks (tests/test_memory.py).
     # jobs.fsdp gathers in the compute dtype (MixedPrecisionPolicy(param_dtype=...)).
@@ -325,15 +473,28 @@ def _static(step: _Step, frozen: _Frozen, *, optimizer: str, momentum: float, wo
 
     others = fsdp_unit_shapes(shape)
     adapters = 2 if step.reference_adapter else 1  # the reference adapter lives in the layers too
-    units = {"embeddings": gathered(others["embeddings"]),
-             "layer": frozen.gathered_layer_bytes + adapters * gathered(lora_shapes), "head": gathered(others["head"])}
+    units = {
+        "embeddings": gathered(others["embeddings"]),
+        "layer": frozen.gathered_layer_bytes + adapters * gathered(lora_shapes),
+        "head": gathered(others["head"]),
+    }
     components["fsdp_gathered"] = _fsdp_gathered(units, shape.layers, reshard_after_forward, shape.tied_embeddings)
-    return components, {"frozen": frozen.gathered_layer_bytes, "lora": units["layer"] - frozen.gathered_layer_bytes,
-                        "units": units}
+    return components, {
+        "frozen": frozen.gathered_layer_bytes,
+        "lora": units["layer"] - frozen.gathered_layer_bytes,
+        "units": units,
+    }
 
 
-def _no_sync_grads(lora_bytes: int, lora_rank_bytes: int, *, world_size: int, fsdp: bool,
-                   gradient_as_bucket_view: bool, grad_accum_steps: int) -> int:
+def _no_sync_grads(
+    lora_bytes: int,
+    lora_rank_bytes: int,
+    *,
+    world_size: int,
+    fsdp: bool,
+    gradient_as_bucket_view: bool,
+    grad_accum_steps: int,
+) -> int:
     """What a window of `grad_accum_steps` > 1 micro-steps holds beyond `lora_grads` (and
     `ddp_buckets`), from its first no-sync backward into the last micro-step's backward: the
     gradients are set to None after each optimizer step (`zero_grad(set_to_none=True)`), so
@@ -387,12 +548,13 @@ def _fsdp_gathered(units: dict[str, int], layers: int, reshard_after_forward: bo
 
 # ---- activations: replay the forward ------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Activations:
-    total_bytes: int              # saved at the end of forward: decoder, final norm, held mask
-    decoder_saved_bytes: int      # the decoder layers' share of it
-    held_mask_bytes: int          # HF's [B, 1, S, S] mask kept by the checkpoint frames
-    layer_saved_bytes: int        # what one layer keeps when its input requires grad (a recomputed layer)
+    total_bytes: int  # saved at the end of forward: decoder, final norm, held mask
+    decoder_saved_bytes: int  # the decoder layers' share of it
+    held_mask_bytes: int  # HF's [B, 1, S, S] mask kept by the checkpoint frames
+    layer_saved_bytes: int  # what one layer keeps when its input requires grad (a recomputed layer)
     first_layer_saved_bytes: int  # what the first layer keeps on frozen embeddings (no checkpointing)
     checkpointed_layers: int
 
@@ -448,22 +610,28 @@ def _activations(step: _Step, gradient_checkpointing: bool, every: int) -> _Acti
     # The float/bool mask HF builds once ([B, 1, S, S]) stays referenced by the checkpoint frames.
     held_mask = checkpointed > 0 and step.mask and not step.packed
     mask_bytes = step.batch * step.seq * step.seq * (step.act_bytes if step.attn == "eager" else 1) if held_mask else 0
-    return _Activations(total_bytes=w.saved_bytes + repeated + mask_bytes, decoder_saved_bytes=decoder_bytes,
-                        held_mask_bytes=mask_bytes, layer_saved_bytes=_one_layer_saved(step, True),
-                        first_layer_saved_bytes=_one_layer_saved(step, False), checkpointed_layers=checkpointed)
+    return _Activations(
+        total_bytes=w.saved_bytes + repeated + mask_bytes,
+        decoder_saved_bytes=decoder_bytes,
+        held_mask_bytes=mask_bytes,
+        layer_saved_bytes=_one_layer_saved(step, True),
+        first_layer_saved_bytes=_one_layer_saved(step, False),
+        checkpointed_layers=checkpointed,
+    )
 
 
 # ---- transients: the loss head, one layer's backward ----------------------------------------------
 
+
 @dataclass(frozen=True)
 class _LossHead:
-    peak_bytes: int    # the `logits_loss` component
-    saved_bytes: int   # what it keeps from forward to backward
+    peak_bytes: int  # the `logits_loss` component
+    saved_bytes: int  # what it keeps from forward to backward
     label_tokens: int
     chunk_tokens: int  # label tokens per LM head + loss chunk
 
 
-def _loss_head(step: _Step, label_fraction: float, loss_chunk_tokens: Optional[int]) -> _LossHead:
+def _loss_head(step: _Step, label_fraction: float, loss_chunk_tokens: int | None) -> _LossHead:
     """`CausalLMLoss`, in one piece or in checkpointed chunks of `loss_chunk_tokens`. Pairs
     (`PreferenceLoss`): the same head with per-token log-probabilities, summed per row by an
     `index_add` that keeps its [T] row index and its [T] float64 source (the per-token
@@ -483,8 +651,12 @@ def _loss_head(step: _Step, label_fraction: float, loss_chunk_tokens: Optional[i
         saved = T * H * a + index_bytes
     else:
         saved = FP32_BYTES * T * V + index_bytes
-    return _LossHead(peak_bytes=logits_peak + index_bytes + (T * H * a if chunk < T else 0), saved_bytes=saved,
-                     label_tokens=T, chunk_tokens=chunk)
+    return _LossHead(
+        peak_bytes=logits_peak + index_bytes + (T * H * a if chunk < T else 0),
+        saved_bytes=saved,
+        label_tokens=T,
+        chunk_tokens=chunk,
+    )
 
 
 def _reference_forward(step: _Step, loss: _LossHead, largest_quantized: int) -> int:
@@ -550,5 +722,4 @@ def _framework_overhead(components: dict[str, int], device: str, world_size: int
     if device != "cuda":
         return 0
     allocated = MemoryEstimate(dict(components)).peak_allocated_bytes
-    return int(CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if world_size > 1 else 0)
-               + ALLOCATOR_SLACK_FRACTION * allocated)
+    return int(CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if world_size > 1 else 0) + ALLOCATOR_SLACK_FRACTION * allocated)

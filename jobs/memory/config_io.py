@@ -41,5 +41,6 @@ def config_from_spec(spec):
     except (OSError, ValueError) as e:
         key = "model.gguf_file" if m.gguf_file else "model.name"
         what = f"{m.name}/{m.gguf_file}" if m.gguf_file else m.name
-        raise SpecError(f"{key}: cannot read the model config of {what!r} for the memory estimate: "
-                        f"{str(e).splitlines()[0]}") from None
+        raise SpecError(
+            f"{key}: cannot read the model config of {what!r} for the memory estimate: {str(e).splitlines()[0]}"
+        ) from None

@@ -9,7 +9,6 @@ of one configuration, with whatever the caller leaves open decided as the plan d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from . import config_io
 from .choices import CHOICES, checkpointing_str, choose_plan, fixed_choice, strategy_choices, strategy_str
@@ -25,18 +24,18 @@ class MemoryPlan:
     `rayft estimate`, Tune's feasibility, queue admission and `rayft k8s render` report and
     judge it, so what is shown is what runs."""
 
-    strategy: str                   # "ddp": every worker holds the whole base; "fsdp": FSDP2 shards it
-    reshard_after_forward: Optional[bool]  # FSDP: free each layer's gathered weights after forward; None for DDP
-    quantization: str               # model.quantization: "none", "nf4" or "int8"
-    device: str                     # "cuda" or "cpu"
-    precision: str                  # the compute dtype: "bf16", "fp16" or "fp32"
-    micro_batch_size: int           # sequences per forward/backward on one worker
-    grad_accum_steps: int           # micro-steps per optimizer step on one worker
+    strategy: str  # "ddp": every worker holds the whole base; "fsdp": FSDP2 shards it
+    reshard_after_forward: bool | None  # FSDP: free each layer's gathered weights after forward; None for DDP
+    quantization: str  # model.quantization: "none", "nf4" or "int8"
+    device: str  # "cuda" or "cpu"
+    precision: str  # the compute dtype: "bf16", "fp16" or "fp32"
+    micro_batch_size: int  # sequences per forward/backward on one worker
+    grad_accum_steps: int  # micro-steps per optimizer step on one worker
     checkpoint_every_n_layers: int  # 0: no activation checkpointing; k: every k-th decoder layer
-    loss_chunk_tokens: int          # 0: the loss head in one piece; n: checkpointed chunks of n tokens
-    seq_len: int                    # the row length the estimate assumes (see `spec_seq_len`)
-    budget_gib: Optional[float]     # judged against: memory.budget_gib, else the GPU's memory, else none
-    estimate: MemoryEstimate        # per component, for exactly this plan
+    loss_chunk_tokens: int  # 0: the loss head in one piece; n: checkpointed chunks of n tokens
+    seq_len: int  # the row length the estimate assumes (see `spec_seq_len`)
+    budget_gib: float | None  # judged against: memory.budget_gib, else the GPU's memory, else none
+    estimate: MemoryEstimate  # per component, for exactly this plan
 
     @property
     def total_gib(self) -> float:
@@ -57,28 +56,39 @@ class MemoryPlan:
 
     @property
     def strategy_str(self) -> str:
-        """"ddp", "fsdp" or "fsdp (layers kept gathered)", as people read it."""
+        """ "ddp", "fsdp" or "fsdp (layers kept gathered)", as people read it."""
         return strategy_str(self.strategy, self.reshard_after_forward)
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy, "reshard_after_forward": self.reshard_after_forward,
-                "quantization": self.quantization, "device": self.device, "precision": self.precision,
-                "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
-                "checkpoint_every_n_layers": self.checkpoint_every_n_layers, "checkpointing": self.checkpointing,
-                "loss_chunk_tokens": self.loss_chunk_tokens, "seq_len": self.seq_len,
-                "budget_gib": self.budget_gib, "estimate_gib": self.total_gib, "fits": self.fits,
-                "components_gib": dict(self.estimate.table())}
+        return {
+            "strategy": self.strategy,
+            "reshard_after_forward": self.reshard_after_forward,
+            "quantization": self.quantization,
+            "device": self.device,
+            "precision": self.precision,
+            "micro_batch_size": self.micro_batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "checkpoint_every_n_layers": self.checkpoint_every_n_layers,
+            "checkpointing": self.checkpointing,
+            "loss_chunk_tokens": self.loss_chunk_tokens,
+            "seq_len": self.seq_len,
+            "budget_gib": self.budget_gib,
+            "estimate_gib": self.total_gib,
+            "fits": self.fits,
+            "components_gib": dict(self.estimate.table()),
+        }
 
 
-def plan_budget_gib(spec, device: str, gpu_memory_gib: Optional[float]) -> Optional[float]:
+def plan_budget_gib(spec, device: str, gpu_memory_gib: float | None) -> float | None:
     """The per-GPU memory a plan must fit: `memory.budget_gib`, else (on a GPU) the GPU's memory."""
     if spec.memory.budget_gib is not None:
         return float(spec.memory.budget_gib)
     return float(gpu_memory_gib) if device == "cuda" and gpu_memory_gib is not None else None
 
 
-def plan_for_spec(spec, *, device: str = "cuda", gpu_memory_gib: Optional[float] = None,
-                  micro_batch_size: Optional[int] = None, config=None) -> MemoryPlan:
+def plan_for_spec(
+    spec, *, device: str = "cuda", gpu_memory_gib: float | None = None, micro_batch_size: int | None = None, config=None
+) -> MemoryPlan:
     """The plan one worker of `spec` runs on `device` (a GPU of `gpu_memory_gib` GiB, when known).
 
     The strategy (and FSDP's resharding) and checkpointing follow `choose_plan` under
@@ -91,7 +101,7 @@ def plan_for_spec(spec, *, device: str = "cuda", gpu_memory_gib: Optional[float]
     return plan_from(SpecEstimator(spec, config, device, micro_batch_size=micro_batch_size), gpu_memory_gib)
 
 
-def plan_from(est: SpecEstimator, gpu_memory_gib: Optional[float]) -> MemoryPlan:
+def plan_from(est: SpecEstimator, gpu_memory_gib: float | None) -> MemoryPlan:
     """`plan_for_spec` over the estimates of `est` (its spec, device, micro-batch and quantization)."""
     spec, r = est.spec, est.spec.resources
     budget = plan_budget_gib(spec, est.device, gpu_memory_gib)
@@ -99,18 +109,34 @@ def plan_from(est: SpecEstimator, gpu_memory_gib: Optional[float]) -> MemoryPlan
     choice, every = choose_plan(choices, spec.memory.gradient_checkpointing, est.gib, est.num_layers, budget)
     strategy, reshard = CHOICES[choice]
     micro = est.micro_batch_size
-    return MemoryPlan(strategy=strategy, reshard_after_forward=reshard, quantization=est.quantization,
-                      device=est.device, precision=spec_precision(spec, est.device),
-                      micro_batch_size=micro, grad_accum_steps=spec_grad_accum_steps(spec, micro),
-                      checkpoint_every_n_layers=every, loss_chunk_tokens=int(spec.memory.loss_chunk_tokens or 0),
-                      seq_len=spec_seq_len(spec, est.device), budget_gib=budget, estimate=est.estimate(choice, every))
+    return MemoryPlan(
+        strategy=strategy,
+        reshard_after_forward=reshard,
+        quantization=est.quantization,
+        device=est.device,
+        precision=spec_precision(spec, est.device),
+        micro_batch_size=micro,
+        grad_accum_steps=spec_grad_accum_steps(spec, micro),
+        checkpoint_every_n_layers=every,
+        loss_chunk_tokens=int(spec.memory.loss_chunk_tokens or 0),
+        seq_len=spec_seq_len(spec, est.device),
+        budget_gib=budget,
+        estimate=est.estimate(choice, every),
+    )
 
 
-def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
-                      gradient_checkpointing: Optional[bool] = None, device: str = "cuda",
-                      config=None, checkpoint_every_n_layers: int = 1, strategy: Optional[str] = None,
-                      reshard_after_forward: Optional[bool] = None,
-                      quantization: Optional[str] = None) -> MemoryEstimate:
+def estimate_for_spec(
+    spec,
+    *,
+    micro_batch_size: int | None = None,
+    gradient_checkpointing: bool | None = None,
+    device: str = "cuda",
+    config=None,
+    checkpoint_every_n_layers: int = 1,
+    strategy: str | None = None,
+    reshard_after_forward: bool | None = None,
+    quantization: str | None = None,
+) -> MemoryEstimate:
     """`estimate` of one configuration, everything else taken from a JobSpec.
 
     The sequence length is `data.max_seq_len - 1`, the longest input `jobs.data` produces
@@ -136,9 +162,14 @@ def estimate_for_spec(spec, *, micro_batch_size: Optional[int] = None,
             reshard_after_forward = planned_reshard
     if reshard_after_forward is None:
         reshard_after_forward = r.fsdp_reshard_after_forward is not False
-    return estimate_of_spec(spec, config, device=device,
-                            micro_batch_size=micro_batch_size or spec.batch.micro_batch_size,
-                            gradient_checkpointing=bool(gradient_checkpointing),
-                            checkpoint_every_n_layers=checkpoint_every_n_layers, strategy=strategy,
-                            reshard_after_forward=bool(reshard_after_forward),
-                            quantization=quantization or spec.model.quantization)
+    return estimate_of_spec(
+        spec,
+        config,
+        device=device,
+        micro_batch_size=micro_batch_size or spec.batch.micro_batch_size,
+        gradient_checkpointing=bool(gradient_checkpointing),
+        checkpoint_every_n_layers=checkpoint_every_n_layers,
+        strategy=strategy,
+        reshard_after_forward=bool(reshard_after_forward),
+        quantization=quantization or spec.model.quantization,
+    )

@@ -41,9 +41,23 @@ class ReplayTensor:
 class Walk:
     """Replays the ops of a decoder layer and collects what autograd saves, by storage."""
 
-    def __init__(self, shape: ModelShape, *, batch: int, seq: int, act_bytes: int, autocast: bool,
-                 targets: set[str], r: int, lora_dropout: float, attn: str, mask: bool, device: str,
-                 packed: bool = False, dora: bool = False):
+    def __init__(
+        self,
+        shape: ModelShape,
+        *,
+        batch: int,
+        seq: int,
+        act_bytes: int,
+        autocast: bool,
+        targets: set[str],
+        r: int,
+        lora_dropout: float,
+        attn: str,
+        mask: bool,
+        device: str,
+        packed: bool = False,
+        dora: bool = False,
+    ):
         self.s, self.B, self.S, self.N = shape, batch, seq, batch * seq
         self.dora = dora
         self.a, self.autocast = act_bytes, autocast
@@ -91,8 +105,12 @@ class Walk:
         n, h = self.N, self.s.hidden
         if self.autocast and self.device == "cuda":
             if x.rg:
-                self.save(self.new(n * h * FP32_BYTES, True), self.new(n * FP32_BYTES, True),
-                          self.new(n * FP32_BYTES, True), self.new(h * FP32_BYTES, False))
+                self.save(
+                    self.new(n * h * FP32_BYTES, True),
+                    self.new(n * FP32_BYTES, True),
+                    self.new(n * FP32_BYTES, True),
+                    self.new(h * FP32_BYTES, False),
+                )
             return self.new(n * h * FP32_BYTES, x.rg)
         if x.rg:
             self.save(x, self.new(n * self.a, True), self.new(n * self.a, True))
@@ -138,10 +156,12 @@ class Walk:
         activation dtype). The eye-matrix pass that builds BA for the norm is freed before
         forward ends (a per-layer transient of in x in, not counted)."""
         n, a = self.N, self.a
-        self.save(self.new(n * fan_out * a, x.rg),  # base_result
-                  self.new(n * fan_out * a, True),  # lora_result
-                  self.new(fan_out * a, False),  # the detached weight norm
-                  self.new(fan_out * FP32_BYTES, True))  # s
+        self.save(
+            self.new(n * fan_out * a, x.rg),  # base_result
+            self.new(n * fan_out * a, True),  # lora_result
+            self.new(fan_out * a, False),  # the detached weight norm
+            self.new(fan_out * FP32_BYTES, True),
+        )  # s
         if x.rg:
             self.save(self.new(fan_out * FP32_BYTES, True))  # s - 1
 
@@ -231,4 +251,3 @@ class Walk:
 
     def final_norm(self, x: ReplayTensor) -> ReplayTensor:
         return self.layer_norm(x) if self.s.family == "gpt_neox" else self.rms_norm(x)
-

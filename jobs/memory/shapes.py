@@ -8,8 +8,8 @@ no I/O, no torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 GIB = 1024**3
 MIB = 1024**2
@@ -52,7 +52,7 @@ class ModelShape:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
     attention_dropout: float = 0.0
     rotary_dims: int = 0  # gpt_neox: rotary part of each head
     parallel_residual: bool = True  # gpt_neox
@@ -70,8 +70,15 @@ class ModelShape:
         h, i = self.hidden, self.intermediate
         if self.family == "gpt_neox":
             return {"query_key_value": (h, 3 * h), "dense": (h, h), "dense_h_to_4h": (h, i), "dense_4h_to_h": (i, h)}
-        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return {
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
 
 
 def model_shape(config) -> ModelShape:
@@ -79,10 +86,15 @@ def model_shape(config) -> ModelShape:
     mt = getattr(config, "model_type", None)
     h = config.hidden_size
     heads = config.num_attention_heads
-    common = dict(hidden=h, layers=config.num_hidden_layers, heads=heads, vocab=config.vocab_size,
-                  intermediate=config.intermediate_size,
-                  tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                  attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0))
+    common = dict(
+        hidden=h,
+        layers=config.num_hidden_layers,
+        heads=heads,
+        vocab=config.vocab_size,
+        intermediate=config.intermediate_size,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+    )
     if mt in LLAMA_FAMILY:
         kv = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or h // heads
@@ -90,17 +102,32 @@ def model_shape(config) -> ModelShape:
         if mt == "mistral" or (mt == "qwen2" and getattr(config, "use_sliding_window", False)):
             window = getattr(config, "sliding_window", None)
         bias = bool(getattr(config, "attention_bias", False))
-        return ModelShape(family="llama", kv_heads=kv, head_dim=head_dim, qkv_bias=bias or mt == "qwen2",
-                          o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)), sliding_window=window,
-                          **common)
+        return ModelShape(
+            family="llama",
+            kv_heads=kv,
+            head_dim=head_dim,
+            qkv_bias=bias or mt == "qwen2",
+            o_bias=bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            sliding_window=window,
+            **common,
+        )
     if mt == "gpt_neox":
         head_dim = h // heads
         pct = getattr(config, "rotary_pct", None)
         if pct is None:
             pct = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-        return ModelShape(family="gpt_neox", kv_heads=heads, head_dim=head_dim, qkv_bias=True, o_bias=True,
-                          mlp_bias=True, rotary_dims=int(head_dim * pct),
-                          parallel_residual=bool(getattr(config, "use_parallel_residual", True)), **common)
+        return ModelShape(
+            family="gpt_neox",
+            kv_heads=heads,
+            head_dim=head_dim,
+            qkv_bias=True,
+            o_bias=True,
+            mlp_bias=True,
+            rotary_dims=int(head_dim * pct),
+            parallel_residual=bool(getattr(config, "use_parallel_residual", True)),
+            **common,
+        )
     raise ValueError(f"memory estimate: unsupported model_type {mt!r} (supported: {', '.join(LLAMA_FAMILY)}, gpt_neox)")
 
 
@@ -109,8 +136,10 @@ def lora_targets(shape: ModelShape, target_modules: Iterable[str]) -> set[str]:
     targets = set(target_modules)
     unknown = targets - set(shape.linear_shapes())
     if unknown:
-        raise ValueError(f"memory estimate: lora target modules {sorted(unknown)} are not linear layers of a "
-                         f"{shape.family} decoder layer (known: {sorted(shape.linear_shapes())})")
+        raise ValueError(
+            f"memory estimate: lora target modules {sorted(unknown)} are not linear layers of a "
+            f"{shape.family} decoder layer (known: {sorted(shape.linear_shapes())})"
+        )
     return targets
 
 
@@ -128,8 +157,12 @@ def count_base_params(shape: ModelShape) -> dict[str, int]:
         per_layer += 2 * h  # two RMSNorm weights
         final_norm = h
     embed = shape.vocab * h
-    return {"embeddings": embed, "layers": per_layer * L, "final_norm": final_norm,
-            "lm_head": 0 if shape.tied_embeddings else embed}
+    return {
+        "embeddings": embed,
+        "layers": per_layer * L,
+        "final_norm": final_norm,
+        "lm_head": 0 if shape.tied_embeddings else embed,
+    }
 
 
 def count_lora_params(shape: ModelShape, r: int, target_modules: Iterable[str], dora: bool = False) -> int:
@@ -137,8 +170,7 @@ def count_lora_params(shape: ModelShape, r: int, target_modules: Iterable[str], 
     magnitude vector of `out` per adapted linear."""
     linears = shape.linear_shapes()
     targets = lora_targets(shape, target_modules)
-    return shape.layers * sum(r * (linears[t][0] + linears[t][1]) + (linears[t][1] if dora else 0)
-                              for t in targets)
+    return shape.layers * sum(r * (linears[t][0] + linears[t][1]) + (linears[t][1] if dora else 0) for t in targets)
 
 
 def base_param_shapes(shape: ModelShape) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -179,8 +211,9 @@ def fsdp_unit_shapes(shape: ModelShape) -> dict[str, list[tuple[int, ...]]]:
     return {"embeddings": root[:1], "head": root[1:]}
 
 
-def lora_param_shapes(shape: ModelShape, r: int, target_modules: Iterable[str],
-                      dora: bool = False) -> list[tuple[int, ...]]:
+def lora_param_shapes(
+    shape: ModelShape, r: int, target_modules: Iterable[str], dora: bool = False
+) -> list[tuple[int, ...]]:
     """One decoder layer's LoRA parameters: A [r, in] and B [out, r] per adapted linear (+ DoRA's
     magnitude [out])."""
     linears = shape.linear_shapes()
@@ -197,11 +230,14 @@ def quantized_bytes(numel: int, rows: int, quantization: str) -> tuple[tuple[int
     live beside the parameter (`quant_state` / `SCB`), so FSDP does not shard them."""
     if quantization == "nf4":
         blocks = -(-numel // NF4_BLOCK)
-        consts = (blocks                                         # uint8 absmax per 64 weights
-                  + -(-blocks // NF4_CONST_BLOCK) * FP32_BYTES   # fp32 absmax per 256 constants
-                  + FP32_BYTES                                   # offset (the constants' mean)
-                  + NF4_CODE_BYTES + NF4_CONST_CODE_BYTES)
-        return (-(-numel // 2), 1), 1, consts                    # Params4bit: [ceil(n/2), 1] uint8
+        consts = (
+            blocks  # uint8 absmax per 64 weights
+            + -(-blocks // NF4_CONST_BLOCK) * FP32_BYTES  # fp32 absmax per 256 constants
+            + FP32_BYTES  # offset (the constants' mean)
+            + NF4_CODE_BYTES
+            + NF4_CONST_CODE_BYTES
+        )
+        return (-(-numel // 2), 1), 1, consts  # Params4bit: [ceil(n/2), 1] uint8
     if quantization == "int8":
         return (rows, numel // rows), 1, rows * FP32_BYTES
     raise ValueError(f"memory estimate: quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")

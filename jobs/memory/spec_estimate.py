@@ -11,8 +11,6 @@ Pure: the model config comes in as an object (`config_io` reads it, at the entry
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ..errors import SpecError
 from ..spec import compute_precision
 from .choices import CHOICES
@@ -45,13 +43,25 @@ def spec_objective(spec) -> dict:
     (two rows each); DPO and IPO with `reference: adapter_off` run a reference forward, which with
     `model.adapter` is the starting adapter held frozen a second time (`jobs.preference`)."""
     reference = spec.objective.value("reference")
-    return {"pairs": spec.objective.is_preference, "reference": reference,
-            "reference_adapter": bool(spec.model.adapter) and reference == "adapter_off"}
+    return {
+        "pairs": spec.objective.is_preference,
+        "reference": reference,
+        "reference_adapter": bool(spec.model.adapter) and reference == "adapter_off",
+    }
 
 
-def estimate_of_spec(spec, config, *, device: str, micro_batch_size: int, gradient_checkpointing: bool,
-                     checkpoint_every_n_layers: int, strategy: str, reshard_after_forward: bool,
-                     quantization: str) -> MemoryEstimate:
+def estimate_of_spec(
+    spec,
+    config,
+    *,
+    device: str,
+    micro_batch_size: int,
+    gradient_checkpointing: bool,
+    checkpoint_every_n_layers: int,
+    strategy: str,
+    reshard_after_forward: bool,
+    quantization: str,
+) -> MemoryEstimate:
     """`estimate` of `spec` (with the model `config`) under the given choices.
 
     The accumulation is `spec_grad_accum_steps` at that micro-batch, the objective's terms
@@ -96,8 +106,9 @@ class SpecEstimator:
     (strategy choice of `choices.CHOICES`, checkpoint every k-th layer; 0 = off) and computed
     once each: the plan and the tables weigh the same choices, often more than once."""
 
-    def __init__(self, spec, config, device: str, *, micro_batch_size: Optional[int] = None,
-                 quantization: Optional[str] = None):
+    def __init__(
+        self, spec, config, device: str, *, micro_batch_size: int | None = None, quantization: str | None = None
+    ):
         self.spec, self.config, self.device = spec, config, device
         self.micro_batch_size = micro_batch_size or spec.batch.micro_batch_size
         self.quantization = quantization or spec.model.quantization
@@ -111,9 +122,16 @@ class SpecEstimator:
         if (choice, every) not in self._cache:
             strategy, reshard = CHOICES[choice]
             self._cache[choice, every] = estimate_of_spec(
-                self.spec, self.config, device=self.device, micro_batch_size=self.micro_batch_size,
-                gradient_checkpointing=every > 0, checkpoint_every_n_layers=max(1, every), strategy=strategy,
-                reshard_after_forward=reshard is not False, quantization=self.quantization)
+                self.spec,
+                self.config,
+                device=self.device,
+                micro_batch_size=self.micro_batch_size,
+                gradient_checkpointing=every > 0,
+                checkpoint_every_n_layers=max(1, every),
+                strategy=strategy,
+                reshard_after_forward=reshard is not False,
+                quantization=self.quantization,
+            )
         return self._cache[choice, every]
 
     def gib(self, choice: str, every: int) -> float:

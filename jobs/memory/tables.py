@@ -7,7 +7,7 @@ Every table asks the same `SpecEstimator` the plan asks, and applies the plan's 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from . import config_io
 from .choices import CHOICES, checkpointing_candidates, checkpointing_str, choose_plan, fixed_choice, strategy_choices
@@ -29,8 +29,7 @@ def plan_table(spec, *, device: str = "cuda", config=None) -> dict:
     return {"choices": choices, "gib": {choice: {k: est.gib(choice, k) for k in candidates} for choice in choices}}
 
 
-def choose_plan_from_table(table: dict, mode: Any, num_layers: int,
-                           budget_gib: Optional[float]) -> tuple[str, int, float]:
+def choose_plan_from_table(table: dict, mode: Any, num_layers: int, budget_gib: float | None) -> tuple[str, int, float]:
     """`choose_plan` over a stored `plan_table` (keys may have come back from JSON as strings):
     (choice, checkpoint every k-th layer, its estimated GiB)."""
     gib = {c: {int(k): float(v) for k, v in row.items()} for c, row in table["gib"].items()}
@@ -55,8 +54,13 @@ def strategy_table(spec, *, device: str = "cuda", config=None) -> list[dict]:
             if strategy == "fsdp" and (r.num_workers < 2 or quant == "int8"):
                 continue
             reshard = r.fsdp_reshard_after_forward if r.strategy != "ddp" else None
-            choice, every = choose_plan(strategy_choices(strategy, reshard, r.num_workers),
-                                        spec.memory.gradient_checkpointing, est.gib, est.num_layers, plan.budget_gib)
+            choice, every = choose_plan(
+                strategy_choices(strategy, reshard, r.num_workers),
+                spec.memory.gradient_checkpointing,
+                est.gib,
+                est.num_layers,
+                plan.budget_gib,
+            )
             rows.append(_strategy_row(est, choice, every, plan))
     return rows
 
@@ -65,17 +69,23 @@ def _strategy_row(est: SpecEstimator, choice: str, every: int, plan: MemoryPlan)
     e = est.estimate(choice, every)
     strategy, reshard = CHOICES[choice]
     budget = plan.budget_gib
-    return {"strategy": strategy, "reshard_after_forward": reshard, "quantization": est.quantization,
-            "num_workers": est.spec.resources.num_workers, "checkpoint_every_n_layers": every,
-            "checkpointing": checkpointing_str(every), "components": dict(e.components),
-            "total_bytes": e.total_bytes, "total_gib": e.total_gib,
-            "fits": None if budget is None else e.total_gib <= budget,
-            "chosen": (strategy, reshard, est.quantization, every) == (plan.strategy, plan.reshard_after_forward,
-                                                                        plan.quantization,
-                                                                        plan.checkpoint_every_n_layers)}
+    return {
+        "strategy": strategy,
+        "reshard_after_forward": reshard,
+        "quantization": est.quantization,
+        "num_workers": est.spec.resources.num_workers,
+        "checkpoint_every_n_layers": every,
+        "checkpointing": checkpointing_str(every),
+        "components": dict(e.components),
+        "total_bytes": e.total_bytes,
+        "total_gib": e.total_gib,
+        "fits": None if budget is None else e.total_gib <= budget,
+        "chosen": (strategy, reshard, est.quantization, every)
+        == (plan.strategy, plan.reshard_after_forward, plan.quantization, plan.checkpoint_every_n_layers),
+    }
 
 
-def feasible_pairs(spec, budget_gib: Optional[float] = None, *, device: Optional[str] = None) -> list[dict]:
+def feasible_pairs(spec, budget_gib: float | None = None, *, device: str | None = None) -> list[dict]:
     """Every (micro_batch_size, grad_accum_steps) that splits the global batch, checkpointing off and on.
 
     A pair needs micro_batch_size x grad_accum_steps x num_workers == global_batch_size.
@@ -88,8 +98,10 @@ def feasible_pairs(spec, budget_gib: Optional[float] = None, *, device: Optional
     r = spec.resources
     per_worker, rem = divmod(spec.batch.global_batch_size, r.num_workers)
     if rem:
-        raise ValueError(f"batch.global_batch_size={spec.batch.global_batch_size} is not divisible by "
-                         f"resources.num_workers={r.num_workers}")
+        raise ValueError(
+            f"batch.global_batch_size={spec.batch.global_batch_size} is not divisible by "
+            f"resources.num_workers={r.num_workers}"
+        )
     config = config_io.config_from_spec(spec)
     rows = []
     for mb in (d for d in range(1, per_worker + 1) if per_worker % d == 0):
@@ -97,13 +109,20 @@ def feasible_pairs(spec, budget_gib: Optional[float] = None, *, device: Optional
         choice = fixed_choice(r.strategy, r.fsdp_reshard_after_forward) or plan_from(est, None).choice
         for gc in (False, True):
             gib = est.gib(choice, int(gc))
-            rows.append({"micro_batch_size": mb, "grad_accum_steps": per_worker // mb,
-                         "gradient_checkpointing": gc, "estimate_gib": gib,
-                         "fits": budget is None or gib <= budget})
+            rows.append(
+                {
+                    "micro_batch_size": mb,
+                    "grad_accum_steps": per_worker // mb,
+                    "gradient_checkpointing": gc,
+                    "estimate_gib": gib,
+                    "fits": budget is None or gib <= budget,
+                }
+            )
     return rows
 
 
-def smallest_budget_gib(spec, *, device: Optional[str] = None) -> float:
+def smallest_budget_gib(spec, *, device: str | None = None) -> float:
     """The least memory the job can run in: micro-batch 1 with checkpointing."""
-    return estimate_for_spec(spec, micro_batch_size=1, gradient_checkpointing=True,
-                             device=device or spec.planned_device).total_gib
+    return estimate_for_spec(
+        spec, micro_batch_size=1, gradient_checkpointing=True, device=device or spec.planned_device
+    ).total_gib

@@ -94,18 +94,26 @@ class JobStatus:
     def to_dict(self) -> dict[str, Any]:
         """What `--json` prints. The id and state keep the names rayft's JSON has always used
         (`submission_id`, `status`), so scripts reading them keep working."""
-        return {"submission_id": self.id, "status": self.state, "message": self.message, "name": self.name,
-                "spec_hash": self.spec_hash, "start_time_s": self.start_time_s, "end_time_s": self.end_time_s,
-                "backend": self.backend, "details": dict(self.details)}
+        return {
+            "submission_id": self.id,
+            "status": self.state,
+            "message": self.message,
+            "name": self.name,
+            "spec_hash": self.spec_hash,
+            "start_time_s": self.start_time_s,
+            "end_time_s": self.end_time_s,
+            "backend": self.backend,
+            "details": dict(self.details),
+        }
 
 
 @runtime_checkable
 class Submission(Protocol):
     """A validated job, ready to send: made by `Backend.prepare`, taken by `Backend.submit`."""
 
-    spec: Any                   # the typed JobSpec, loaded once
+    spec: Any  # the typed JobSpec, loaded once
     spec_hash: str
-    submission_id: str          # deterministic: the same spec (and attempt) gets the same id
+    submission_id: str  # deterministic: the same spec (and attempt) gets the same id
     warnings: list[str]
 
     def summary(self) -> str:
@@ -136,8 +144,15 @@ class Backend(Protocol[SubmissionT]):
     def cli_flags(self) -> str:
         """The flags that name this backend again on the command line (for hints)."""
 
-    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: str | None = None,
-                attempt: int = 1, extra_metadata: dict | None = None) -> SubmissionT:
+    def prepare(
+        self,
+        spec_path: str,
+        overrides: list[str],
+        *,
+        working_dir: str | None = None,
+        attempt: int = 1,
+        extra_metadata: dict | None = None,
+    ) -> SubmissionT:
         """Load and validate the spec once; compute what `submit` sends. Sends nothing."""
 
     def submit(self, sub: SubmissionT) -> tuple[JobStatus, bool]:
@@ -168,7 +183,7 @@ class Backend(Protocol[SubmissionT]):
 def write_new_text(out: TextIO | None, seen: str, text: str) -> str:
     """Write what `text` adds to `seen` (all of it when the log was rotated); returns `text`."""
     out = out or sys.stdout
-    out.write(text[len(seen):] if text.startswith(seen) else text)
+    out.write(text[len(seen) :] if text.startswith(seen) else text)
     out.flush()
     return text
 
@@ -196,6 +211,7 @@ def sorted_by_start(rows: Iterable[JobStatus]) -> list[JobStatus]:
 #   admits_by_quota = True, with    the cluster's own queue admits (Kueue): jobs are created at once
 #   node_type -> a NodeType         and wait there; rayft only refuses what can never fit one node (KubeRay).
 # `ResourceBackend` and `QuotaBackend` name the two.
+
 
 @dataclass
 class Node:

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 class GpuPlan:
     """The memory plan a pod's workers run with on one GPU: what the rule holds against its memory."""
 
-    gib: float               # estimated GiB per GPU
-    checkpointing: str       # its gradient checkpointing, as `jobs.memory.checkpointing_str` says it
-    choice: str = "ddp"      # its strategy choice (`jobs.memory.CHOICES`: ddp, fsdp, fsdp-keep)
+    gib: float  # estimated GiB per GPU
+    checkpointing: str  # its gradient checkpointing, as `jobs.memory.checkpointing_str` says it
+    choice: str = "ddp"  # its strategy choice (`jobs.memory.CHOICES`: ddp, fsdp, fsdp-keep)
 
 
 def _no_plan(gpu_memory_gib: float) -> GpuPlan | None:
@@ -54,10 +54,10 @@ def _no_plan(gpu_memory_gib: float) -> GpuPlan | None:
 class PodAsk:
     """What one worker pod asks of the node it lands on. None: not judged by this caller."""
 
-    gpus: int                                   # 0: a CPU pod
+    gpus: int  # 0: a CPU pod
     cpus: float | None = None
-    accelerator_type: str | None = None      # resources.accelerator_type
-    budget_gib: float | None = None          # memory.budget_gib, held against the GPU's memory
+    accelerator_type: str | None = None  # resources.accelerator_type
+    budget_gib: float | None = None  # memory.budget_gib, held against the GPU's memory
     # The plan on a GPU of that many GiB (None: not known here, e.g. a hub model read offline).
     plan: Callable[[float], GpuPlan | None] = _no_plan
 
@@ -66,10 +66,10 @@ class PodAsk:
 class NodeOffer:
     """One node as the rule sees it."""
 
-    gpus: float                                 # GPUs of the node
-    cpus: float                                 # CPUs of the node
-    gpu_names: tuple[str, ...] = ()             # what `resources.accelerator_type` may call its GPU
-    gpu_memory_gib: float | None = None      # of one GPU (None: unknown)
+    gpus: float  # GPUs of the node
+    cpus: float  # CPUs of the node
+    gpu_names: tuple[str, ...] = ()  # what `resources.accelerator_type` may call its GPU
+    gpu_memory_gib: float | None = None  # of one GPU (None: unknown)
     # True: a placement holds each pod against the node's free GPUs and CPUs (Ray Jobs admission),
     # so its size is not judged here.
     sized_by_placement: bool = False
@@ -80,9 +80,9 @@ class Refusal:
     """Why a pod can never run on a node: the first failing fact (see the module) and its numbers."""
 
     fact: str
-    need: float = 0.0                           # the pod's GPUs / CPUs / budget / plan GiB
-    have: float = 0.0                           # the node's GPUs / CPUs / GPU memory
-    plan: GpuPlan | None = None              # for "plan": the plan that does not fit
+    need: float = 0.0  # the pod's GPUs / CPUs / budget / plan GiB
+    have: float = 0.0  # the node's GPUs / CPUs / GPU memory
+    plan: GpuPlan | None = None  # for "plan": the plan that does not fit
 
 
 def refusal(pod: PodAsk, node: NodeOffer) -> Refusal | None:

@@ -61,7 +61,7 @@ DEFAULT_EXCLUDES = [".git", ".venv", "outputs", ".rayft", "__pycache__", "*.egg-
 # requested by Ray Train itself. A fraction keeps it off nodes that have no CPU for jobs.
 DRIVER_NUM_CPUS = 0.5
 META_PREFIX = "rayft."
-ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")   # `ray job submit` reads them in this order
+ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")  # `ray job submit` reads them in this order
 HTTP_TIMEOUT_ENV = "RAYFT_HTTP_TIMEOUT_S"
 # Per request, and per socket operation (connect; then each read, so a long upload or log is not
 # cut off while bytes flow). A live Jobs API answers in well under a second; 30 s leaves room for
@@ -70,6 +70,7 @@ DEFAULT_HTTP_TIMEOUT_S = 30.0
 
 
 # ---- auth ------------------------------------------------------------------------------------
+
 
 def default_token_path() -> Path:
     return Path.home() / ".ray" / "auth_token"
@@ -118,11 +119,14 @@ def configure_auth() -> str | None:
 
 
 def auth_hint() -> str:
-    return ("set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH, or put the cluster's token in ~/.ray/auth_token "
-            "(with RAY_AUTH_MODE=token or unset)")
+    return (
+        "set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH, or put the cluster's token in ~/.ray/auth_token "
+        "(with RAY_AUTH_MODE=token or unset)"
+    )
 
 
 # ---- the working dir -------------------------------------------------------------------------
+
 
 @dataclass
 class UploadPlan:
@@ -206,8 +210,10 @@ def plan_upload(root: Path, excludes: list[str], limit_bytes: int | None = None)
             if p.is_symlink():
                 target = p.resolve()
                 if target != root and root not in target.parents:
-                    raise UserError(f"working dir {root}: {p.relative_to(root)} is a symlink to {target}, outside "
-                                    "the project; Ray would upload what it points to (exclude it in .rayignore)")
+                    raise UserError(
+                        f"working dir {root}: {p.relative_to(root)} is a symlink to {target}, outside "
+                        "the project; Ray would upload what it points to (exclude it in .rayignore)"
+                    )
             if p.is_dir():
                 walk(p, matchers)
             elif p.is_file():
@@ -225,7 +231,8 @@ def check_upload(plan: UploadPlan) -> None:
         raise UserError(
             f"working dir {plan.root}: would upload more than {plan.size_bytes / 2**20:.1f} MiB, over Ray's "
             f"limit of {plan.limit_bytes / 2**20:.1f} MiB for a runtime_env package; exclude large files "
-            "in .gitignore or .rayignore (data and models belong on shared storage)")
+            "in .gitignore or .rayignore (data and models belong on shared storage)"
+        )
 
 
 def find_project(working_dir: str | None) -> Path:
@@ -234,8 +241,10 @@ def find_project(working_dir: str | None) -> Path:
     if not wd.is_dir():
         raise UserError(f"--working-dir {wd}: not a directory")
     if not (wd / "jobs" / "finetune.py").is_file():
-        raise UserError(f"working dir {wd} is not the rayft project (no jobs/finetune.py there): run from the "
-                        "project root or pass --working-dir")
+        raise UserError(
+            f"working dir {wd} is not the rayft project (no jobs/finetune.py there): run from the "
+            "project root or pass --working-dir"
+        )
     return wd
 
 
@@ -254,6 +263,7 @@ def _cwd(path: Path) -> Iterator[None]:
 
 
 # ---- submissions -----------------------------------------------------------------------------
+
 
 def submission_id(name: str, spec_hash: str, attempt: int = 1) -> str:
     """Deterministic Ray submission id: the same spec (and attempt) always gets the same id."""
@@ -289,22 +299,33 @@ class RaySubmission:
     warnings: list[str] = field(default_factory=list)
 
     def submit_kwargs(self) -> dict:
-        return dict(entrypoint=self.entrypoint, submission_id=self.submission_id, runtime_env=self.runtime_env,
-                    metadata=self.metadata, entrypoint_num_cpus=self.entrypoint_num_cpus,
-                    entrypoint_num_gpus=0)
+        return dict(
+            entrypoint=self.entrypoint,
+            submission_id=self.submission_id,
+            runtime_env=self.runtime_env,
+            metadata=self.metadata,
+            entrypoint_num_cpus=self.entrypoint_num_cpus,
+            entrypoint_num_gpus=0,
+        )
 
     def summary(self) -> str:
         return f"{self.upload.files} files, {self.upload.size_bytes / 2**20:.2f} MiB"
 
     def describe(self) -> dict:
-        return {"submission_id": self.submission_id, "entrypoint": self.entrypoint,
-                "runtime_env": self.runtime_env, "metadata": self.metadata,
-                "entrypoint_num_cpus": self.entrypoint_num_cpus,
-                "upload_mib": round(self.upload.size_bytes / 2**20, 3), "upload_files": self.upload.files}
+        return {
+            "submission_id": self.submission_id,
+            "entrypoint": self.entrypoint,
+            "runtime_env": self.runtime_env,
+            "metadata": self.metadata,
+            "entrypoint_num_cpus": self.entrypoint_num_cpus,
+            "upload_mib": round(self.upload.size_bytes / 2**20, 3),
+            "upload_files": self.upload.files,
+        }
 
 
-def resolve_spec(spec_path: str, overrides: list[str], working_dir: Path, *,
-                 address: str | None = None) -> tuple[JobSpec, str, list[str], list[str]]:
+def resolve_spec(
+    spec_path: str, overrides: list[str], working_dir: Path, *, address: str | None = None
+) -> tuple[JobSpec, str, list[str], list[str]]:
     """Load and validate the spec, once, as the job will see it; returns (spec, spec path
     relative to the working dir, overrides for the entrypoint, warnings). Relative paths
     resolve in the working dir; `preflight` reads the data files."""
@@ -314,8 +335,10 @@ def resolve_spec(spec_path: str, overrides: list[str], working_dir: Path, *,
     if not p.is_file():
         raise SpecError(f"{spec_path}: spec file not found")
     if not _inside(p, working_dir):
-        raise SpecError(f"{spec_path}: the spec is outside the working dir {working_dir}, so the job could not "
-                        "read it; move it into the project")
+        raise SpecError(
+            f"{spec_path}: the spec is outside the working dir {working_dir}, so the job could not "
+            "read it; move it into the project"
+        )
     rel = str(p.relative_to(working_dir))
     overrides = list(overrides)
     warnings: list[str] = []
@@ -325,8 +348,10 @@ def resolve_spec(spec_path: str, overrides: list[str], working_dir: Path, *,
         for i, d in enumerate(spec.data.path + ([spec.data.eval_path] if spec.data.eval_path else [])):
             if not Path(d).is_absolute() and not _inside(Path(d).resolve(), working_dir):
                 key = "data.eval_path" if i == len(spec.data.path) else "data.path"
-                raise SpecError(f"{spec_path}: {key}: {d} is outside the working dir {working_dir}; it would not be "
-                                "uploaded (use a path inside the project or an absolute path on shared storage)")
+                raise SpecError(
+                    f"{spec_path}: {key}: {d} is outside the working dir {working_dir}; it would not be "
+                    "uploaded (use a path inside the project or an absolute path on shared storage)"
+                )
         if not Path(spec.run.output_dir).is_absolute():
             if is_loopback(address):
                 # A local cluster: write where `rayft run` would, not into Ray's copy of the project.
@@ -335,15 +360,25 @@ def resolve_spec(spec_path: str, overrides: list[str], working_dir: Path, *,
                 overrides.append(out)
                 spec = validate(apply_overrides(spec.to_dict(), [out]), rel)
             elif address is not None:
-                warnings.append(f"run.output_dir={spec.run.output_dir} is relative: the job writes it inside Ray's "
-                                "temporary copy of the working dir on the cluster; set an absolute path on shared "
-                                "storage to keep the adapter")
+                warnings.append(
+                    f"run.output_dir={spec.run.output_dir} is relative: the job writes it inside Ray's "
+                    "temporary copy of the working dir on the cluster; set an absolute path on shared "
+                    "storage to keep the adapter"
+                )
     return spec, rel, overrides, warnings
 
 
-def build_submission(spec_path: str, overrides: list[str], *, address: str | None = None,
-                     working_dir: str | None = None, attempt: int = 1, extra_metadata: dict | None = None,
-                     excludes: list[str] | None = None, driver_num_cpus: float = DRIVER_NUM_CPUS) -> RaySubmission:
+def build_submission(
+    spec_path: str,
+    overrides: list[str],
+    *,
+    address: str | None = None,
+    working_dir: str | None = None,
+    attempt: int = 1,
+    extra_metadata: dict | None = None,
+    excludes: list[str] | None = None,
+    driver_num_cpus: float = DRIVER_NUM_CPUS,
+) -> RaySubmission:
     """Validate and prepare one submission; raises a `UserError` (nothing sent) on any mistake."""
     wd = find_project(working_dir)
     spec, rel, overrides, warnings = resolve_spec(spec_path, overrides, wd, address=address)
@@ -352,20 +387,32 @@ def build_submission(spec_path: str, overrides: list[str], *, address: str | Non
     check_upload(plan)
     h = spec.spec_hash()
     sid = submission_id(spec.name, h, attempt)
-    metadata = {f"{META_PREFIX}name": spec.name, f"{META_PREFIX}spec_hash": h, f"{META_PREFIX}spec": rel,
-                f"{META_PREFIX}attempt": str(attempt),
-                f"{META_PREFIX}micro_batch_size": str(spec.batch.micro_batch_size),
-                f"{META_PREFIX}grad_accum_steps": str(spec.grad_accum_steps)}
+    metadata = {
+        f"{META_PREFIX}name": spec.name,
+        f"{META_PREFIX}spec_hash": h,
+        f"{META_PREFIX}spec": rel,
+        f"{META_PREFIX}attempt": str(attempt),
+        f"{META_PREFIX}micro_batch_size": str(spec.batch.micro_batch_size),
+        f"{META_PREFIX}grad_accum_steps": str(spec.grad_accum_steps),
+    }
     metadata.update({f"{META_PREFIX}{k}": str(v) for k, v in (extra_metadata or {}).items()})
     return RaySubmission(
-        spec=spec, spec_hash=h, submission_id=sid,
+        spec=spec,
+        spec_hash=h,
+        submission_id=sid,
         entrypoint=shlex.join([*ENTRYPOINT, rel, *overrides]),
         runtime_env={"working_dir": str(wd), "excludes": excludes},
-        metadata=metadata, entrypoint_num_cpus=driver_num_cpus, overrides=overrides, spec_rel=rel,
-        upload=plan, warnings=warnings)
+        metadata=metadata,
+        entrypoint_num_cpus=driver_num_cpus,
+        overrides=overrides,
+        spec_rel=rel,
+        upload=plan,
+        warnings=warnings,
+    )
 
 
 # ---- the client ------------------------------------------------------------------------------
+
 
 def http_timeout_s(timeout_s: float | None = None, flag: str = "--timeout-s") -> float:
     """The network timeout in seconds: `timeout_s` (the CLI flag), else $RAYFT_HTTP_TIMEOUT_S,
@@ -393,8 +440,9 @@ def check_address(url: str, where: str = "--address") -> None:
 
     p = urlparse(url)
     if p.scheme not in ("http", "https"):
-        raise UserError(f"{where} {url}: the Ray Jobs API address is an http:// or https:// URL "
-                        "(e.g. http://127.0.0.1:8265)")
+        raise UserError(
+            f"{where} {url}: the Ray Jobs API address is an http:// or https:// URL (e.g. http://127.0.0.1:8265)"
+        )
     try:
         port = p.port
     except ValueError:
@@ -428,21 +476,31 @@ def resolve_address(address: str | None) -> str | None:
 
 
 def _seconds(ms: int | None) -> float | None:
-    return None if not ms else ms / 1000.0        # Ray reports milliseconds since the epoch
+    return None if not ms else ms / 1000.0  # Ray reports milliseconds since the epoch
 
 
 def to_status(info) -> JobStatus:
     """A Ray `JobDetails` as a `JobStatus` (rayft's metadata unpacked into it)."""
     md = info.metadata or {}
     return JobStatus(
-        id=info.submission_id or info.job_id, state=job_state(info.status), message=info.message or "",
-        name=md.get(f"{META_PREFIX}name", ""), spec_hash=md.get(f"{META_PREFIX}spec_hash", ""),
-        start_time_s=_seconds(info.start_time), end_time_s=_seconds(info.end_time), backend="ray",
-        details={"attempt": md.get(f"{META_PREFIX}attempt", ""),
-                 "micro_batch_size": md.get(f"{META_PREFIX}micro_batch_size", ""),
-                 "grad_accum_steps": md.get(f"{META_PREFIX}grad_accum_steps", ""),
-                 "entrypoint": info.entrypoint, "driver_exit_code": getattr(info, "driver_exit_code", None),
-                 "metadata": dict(md), "runtime_env": dict(info.runtime_env or {})})
+        id=info.submission_id or info.job_id,
+        state=job_state(info.status),
+        message=info.message or "",
+        name=md.get(f"{META_PREFIX}name", ""),
+        spec_hash=md.get(f"{META_PREFIX}spec_hash", ""),
+        start_time_s=_seconds(info.start_time),
+        end_time_s=_seconds(info.end_time),
+        backend="ray",
+        details={
+            "attempt": md.get(f"{META_PREFIX}attempt", ""),
+            "micro_batch_size": md.get(f"{META_PREFIX}micro_batch_size", ""),
+            "grad_accum_steps": md.get(f"{META_PREFIX}grad_accum_steps", ""),
+            "entrypoint": info.entrypoint,
+            "driver_exit_code": getattr(info, "driver_exit_code", None),
+            "metadata": dict(md),
+            "runtime_env": dict(info.runtime_env or {}),
+        },
+    )
 
 
 def is_rayft_job(info) -> bool:
@@ -484,26 +542,31 @@ class RayJobsBackend:
             raise
         except AuthenticationError as e:
             text = str(e)
-            if text.startswith("Authentication failed"):          # HTTP 403
+            if text.startswith("Authentication failed"):  # HTTP 403
                 raise ClusterAuthError(
                     f"the Ray cluster at {self.address} rejected the auth token"
                     f"{f' (from {self.token_source})' if self.token_source else ''}: it is not this cluster's "
-                    f"token; {auth_hint()}") from None
-            if text.startswith("Authentication required"):        # HTTP 401
+                    f"token; {auth_hint()}"
+                ) from None
+            if text.startswith("Authentication required"):  # HTTP 401
                 raise ClusterAuthError(
                     f"the Ray cluster at {self.address} requires an auth token and none was sent "
-                    f"(RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset)')}); {auth_hint()}") from None
-            raise ClusterAuthError(f"auth token: {first_line(text).split('. ')[0]}") from None   # the token loader
-        except requests.exceptions.Timeout as e:           # ConnectTimeout included: no answer in time
+                    f"(RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE', '(unset)')}); {auth_hint()}"
+                ) from None
+            raise ClusterAuthError(f"auth token: {first_line(text).split('. ')[0]}") from None  # the token loader
+        except requests.exceptions.Timeout as e:  # ConnectTimeout included: no answer in time
             raise ClusterUnreachable(
                 f"no answer from the Ray Jobs API at {self.address} within {self.timeout_s:g} s "
                 f"({type(e).__name__}); is the cluster up and is this its dashboard address? "
-                f"(--timeout-s or ${HTTP_TIMEOUT_ENV} sets the limit)") from None
-        except requests.exceptions.InvalidURL as e:       # check_address lets none through; kept as a guard
+                f"(--timeout-s or ${HTTP_TIMEOUT_ENV} sets the limit)"
+            ) from None
+        except requests.exceptions.InvalidURL as e:  # check_address lets none through; kept as a guard
             raise UserError(f"--address {self.address}: not a valid URL ({first_line(e, 160)})") from None
         except (ConnectionError, requests.exceptions.ConnectionError) as e:
-            raise ClusterUnreachable(f"cannot reach the Ray Jobs API at {self.address} ({first_line(e, 160)}); "
-                                     "is the cluster up and is this its dashboard address?") from None
+            raise ClusterUnreachable(
+                f"cannot reach the Ray Jobs API at {self.address} ({first_line(e, 160)}); "
+                "is the cluster up and is this its dashboard address?"
+            ) from None
         except RuntimeError as e:
             raise ClusterError(f"{what}: {first_line(e)}") from None
 
@@ -513,8 +576,10 @@ class RayJobsBackend:
             import logging
 
             if self.address is None:
-                raise UserError("no cluster: pass --address http://HOST:8265 (the Ray dashboard / Jobs API URL), "
-                                "or set RAY_API_SERVER_ADDRESS")
+                raise UserError(
+                    "no cluster: pass --address http://HOST:8265 (the Ray dashboard / Jobs API URL), "
+                    "or set RAY_API_SERVER_ADDRESS"
+                )
             self.token_source = configure_auth()
             # Ray's packaging logs every .gitignore it honors at INFO and its own default excludes
             # at WARNING; rayft reports what it uploads itself. (Set after `import ray`, which
@@ -552,10 +617,23 @@ class RayJobsBackend:
             raise JobNotFound(f"no job {sid!r} on the Ray cluster at {self.address} (`rayft list` shows its jobs)")
         return info
 
-    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: str | None = None,
-                attempt: int = 1, extra_metadata: dict | None = None) -> RaySubmission:
-        return build_submission(spec_path, overrides, address=self.address, working_dir=working_dir,
-                                attempt=attempt, extra_metadata=extra_metadata)
+    def prepare(
+        self,
+        spec_path: str,
+        overrides: list[str],
+        *,
+        working_dir: str | None = None,
+        attempt: int = 1,
+        extra_metadata: dict | None = None,
+    ) -> RaySubmission:
+        return build_submission(
+            spec_path,
+            overrides,
+            address=self.address,
+            working_dir=working_dir,
+            attempt=attempt,
+            extra_metadata=extra_metadata,
+        )
 
     def submit(self, sub: RaySubmission) -> tuple[JobStatus, bool]:
         """Submit unless a job with that submission id exists: (its status, created)."""
@@ -634,7 +712,7 @@ def _timed_client_class():
 
     class TimedJobSubmissionClient(JobSubmissionClient):
         def __init__(self, address: str, *, timeout_s: float, **kw: Any):
-            self._rayft_timeout_s = timeout_s      # set before the constructor's version check
+            self._rayft_timeout_s = timeout_s  # set before the constructor's version check
             super().__init__(address, **kw)
 
         def _do_request(self, method: str, endpoint: str, **kwargs: Any):
@@ -648,7 +726,7 @@ def cluster_view_from_api(nodes_json: dict, status_json: dict) -> ClusterView:
     """From the dashboard's `/api/v0/nodes` (totals, accelerator types) and `/api/cluster_status`
     (per-node usage, refreshed by the autoscaler monitor every few seconds)."""
     data = (status_json or {}).get("data") or {}
-    report = ((data.get("clusterStatus") or {}).get("loadMetricsReport") or {})
+    report = (data.get("clusterStatus") or {}).get("loadMetricsReport") or {}
     usage = report.get("usageByNode") or {}
     out = []
     for n in ((nodes_json.get("data") or {}).get("result") or {}).get("result") or []:
@@ -659,6 +737,14 @@ def cluster_view_from_api(nodes_json: dict, status_json: dict) -> ClusterView:
         accel = next((k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")), None)
         accel = accel or (n.get("labels") or {}).get("ray.io/accelerator-type")
         cpu, gpu = float(res.get("CPU", 0)), float(res.get("GPU", 0))
-        out.append(Node(n["node_id"], cpu, cpu - float((used.get("CPU") or [0])[0]),
-                        gpu, gpu - float((used.get("GPU") or [0])[0]), accel))
+        out.append(
+            Node(
+                n["node_id"],
+                cpu,
+                cpu - float((used.get("CPU") or [0])[0]),
+                gpu,
+                gpu - float((used.get("GPU") or [0])[0]),
+                accel,
+            )
+        )
     return ClusterView(out, usage_known=bool(usage))

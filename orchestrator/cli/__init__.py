@@ -26,9 +26,14 @@ import sys
 from jobs.errors import RayftError, UserError
 
 EXIT_INTERRUPTED = 130
-COMMAND_MODULES: tuple[str, ...] = ("orchestrator.cli.run", "orchestrator.cli.k8s", "orchestrator.cli.tune",
-                                    "orchestrator.cli.jobs", "orchestrator.cli.queue",
-                                    "orchestrator.cli.export")
+COMMAND_MODULES: tuple[str, ...] = (
+    "orchestrator.cli.run",
+    "orchestrator.cli.k8s",
+    "orchestrator.cli.tune",
+    "orchestrator.cli.jobs",
+    "orchestrator.cli.queue",
+    "orchestrator.cli.export",
+)
 
 
 class Parser(argparse.ArgumentParser):

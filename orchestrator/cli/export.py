@@ -51,8 +51,11 @@ def _lines(interactive: bool):
 def register(sub) -> None:
     ex = sub.add_parser("export", help="export a finished run's adapter, or merge it into its base (--merge)")
     ex.add_argument("output_dir", help="the run's output directory (run.output_dir)")
-    ex.add_argument("--merge", action="store_true",
-                    help="merge the adapter into the base: a standalone Hugging Face model directory")
+    ex.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge the adapter into the base: a standalone Hugging Face model directory",
+    )
     ex.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32", help="dtype of the merged weights")
     ex.add_argument("--to", help="target directory (default: <output_dir>/merged or <output_dir>/adapter-export)")
     ex.set_defaults(fn=cmd_export)

@@ -9,20 +9,37 @@ def cmd_render(args) -> int:
     from orchestrator.backends.kuberay.render import load_spec_for_k8s, render_yaml
 
     k = load_spec_for_k8s(args.spec, args.overrides, args.kind)
-    print(render_yaml(k.spec, queue=args.queue, image=args.image, overlay=args.overlay, spec_path=args.spec,
-                      kind=k.kind, spec_text=k.spec_text, entrypoint_overrides=k.entrypoint_overrides,
-                      concurrent_trials=k.concurrent_trials), end="")
+    print(
+        render_yaml(
+            k.spec,
+            queue=args.queue,
+            image=args.image,
+            overlay=args.overlay,
+            spec_path=args.spec,
+            kind=k.kind,
+            spec_text=k.spec_text,
+            entrypoint_overrides=k.entrypoint_overrides,
+            concurrent_trials=k.concurrent_trials,
+        ),
+        end="",
+    )
     return 0
 
 
 def add_k8s_target_args(p) -> None:
     """Arguments shared by `k8s render` and `rayft submit --backend kuberay`."""
     p.add_argument("--queue", help="kuberay: Kueue LocalQueue name (default: rayft, the overlays' LocalQueue)")
-    p.add_argument("--image", help="kuberay: container image with rayft installed, REPO:TAG (pulled Always) or "
-                                   "REPO@sha256:DIGEST (pulled IfNotPresent) (default: the overlay's node type)")
-    p.add_argument("--overlay", default="gpu",
-                   help="kuberay: k8s/overlays/NAME whose node type the job must fit and whose GPU label, "
-                        "tolerations and flavour it uses: gpu, gke, eks, onprem, dev-cpu (default gpu)")
+    p.add_argument(
+        "--image",
+        help="kuberay: container image with rayft installed, REPO:TAG (pulled Always) or "
+        "REPO@sha256:DIGEST (pulled IfNotPresent) (default: the overlay's node type)",
+    )
+    p.add_argument(
+        "--overlay",
+        default="gpu",
+        help="kuberay: k8s/overlays/NAME whose node type the job must fit and whose GPU label, "
+        "tolerations and flavour it uses: gpu, gke, eks, onprem, dev-cpu (default gpu)",
+    )
 
 
 def register(sub) -> None:
@@ -31,7 +48,11 @@ def register(sub) -> None:
     render = ksub.add_parser("render", help="print the RayJob (+ spec ConfigMap) for a job spec as YAML")
     render.add_argument("spec")
     render.add_argument("overrides", nargs="*", metavar="section.field=value")
-    render.add_argument("--kind", choices=("finetune", "tune"), default="finetune",
-                        help="a fine-tune (python -m jobs.finetune) or a search (rayft tune: a search spec)")
+    render.add_argument(
+        "--kind",
+        choices=("finetune", "tune"),
+        default="finetune",
+        help="a fine-tune (python -m jobs.finetune) or a search (rayft tune: a search spec)",
+    )
     add_k8s_target_args(render)
     render.set_defaults(fn=cmd_render)

@@ -43,4 +43,3 @@ def fmt_time(epoch_s: float | None) -> str:
     if not epoch_s:
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch_s))
-

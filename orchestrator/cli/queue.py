@@ -38,13 +38,21 @@ def cmd_queue_add(args) -> int:
     q = _queue(args)
     ids = []
     for spec in specs:
-        job_id, created = enqueue(q, spec, overrides, priority=args.priority, max_retries=args.max_retries,
-                                  working_dir=args.working_dir, backend=args.backend)
+        job_id, created = enqueue(
+            q,
+            spec,
+            overrides,
+            priority=args.priority,
+            max_retries=args.max_retries,
+            working_dir=args.working_dir,
+            backend=args.backend,
+        )
         row = q.job(job_id)
         ids.append(job_id)
         if created:
-            say(f"queued #{job_id} {row['name']} (spec hash {row['spec_hash']}, priority {row['priority']}) "
-                f"in {q.path}")
+            say(
+                f"queued #{job_id} {row['name']} (spec hash {row['spec_hash']}, priority {row['priority']}) in {q.path}"
+            )
         else:
             from orchestrator.queue.store import RETRYABLE
 
@@ -66,8 +74,12 @@ def cmd_queue_run(args) -> int:
         raise UserError(f"--poll {args.poll}: must be a positive, finite number of seconds")
     if not 0 <= args.backoff < float("inf"):
         raise UserError(f"--backoff {args.backoff}: must be a finite number of seconds, 0 or more")
-    cfg = DriverConfig(max_concurrency=args.max_concurrency, poll_s=args.poll, backoff_s=args.backoff,
-                       gpu_memory=parse_gpu_memory(args.gpu_memory))
+    cfg = DriverConfig(
+        max_concurrency=args.max_concurrency,
+        poll_s=args.poll,
+        backoff_s=args.backoff,
+        gpu_memory=parse_gpu_memory(args.gpu_memory),
+    )
     backend = backend_from_args(args)
     if args.backend == "kuberay":
         _ = cast(QuotaBackend, backend).node_type  # a wrong --overlay: one line now, before the driver starts
@@ -76,7 +88,7 @@ def cmd_queue_run(args) -> int:
 
 
 def cmd_queue_status(args) -> int:
-    q = _queue(args, readonly=True)          # reading needs no write access to the file or its directory
+    q = _queue(args, readonly=True)  # reading needs no write access to the file or its directory
     if not q.exists:
         say(f"no queue at {q.path} yet (`rayft queue add` creates it)")
     rows = q.jobs()
@@ -100,12 +112,24 @@ def cmd_queue_status(args) -> int:
             return "QUEUED (cluster)"
         return r["state"]
 
-    table(f"rayft queue {q.path}",
-          ["#", "name", "prio", "state", "attempt", "submission id", "micro x accum", "change", "detail / message"],
-          [[r["id"], r["name"], r["priority"], state(r), r["attempt"], r["submission_id"] or "-",
-            f"{r['micro_batch_size']} x {r['grad_accum_steps']}", r["change_note"] or "-",
-            (r["message"] if r["state"] in RETRYABLE and r["message"] else r["status_detail"]) or "-"]
-           for r in rows])
+    table(
+        f"rayft queue {q.path}",
+        ["#", "name", "prio", "state", "attempt", "submission id", "micro x accum", "change", "detail / message"],
+        [
+            [
+                r["id"],
+                r["name"],
+                r["priority"],
+                state(r),
+                r["attempt"],
+                r["submission_id"] or "-",
+                f"{r['micro_batch_size']} x {r['grad_accum_steps']}",
+                r["change_note"] or "-",
+                (r["message"] if r["state"] in RETRYABLE and r["message"] else r["status_detail"]) or "-",
+            ]
+            for r in rows
+        ],
+    )
     return 0
 
 
@@ -128,6 +152,7 @@ def cmd_queue_retry(args) -> int:
 
 # ---- wiring ----------------------------------------------------------------------------------
 
+
 def _add_db(p) -> None:
     p.add_argument("--db", help="queue database (default $RAYFT_QUEUE_DB or ~/.rayft/queue.db)")
 
@@ -136,10 +161,14 @@ def _add_backend(p) -> None:
     """`--backend` and the KubeRay target, as `rayft submit` takes them."""
     from .k8s import add_k8s_target_args
 
-    p.add_argument("--backend", choices=tuple(BACKENDS), default="ray",
-                   help="ray: the Ray Jobs API at --jobs-api, admitted when the cluster has free resources; "
-                        "kuberay: one RayJob per job through the Kubernetes API (~/.kube/config or in-cluster), "
-                        "admitted by Kueue's quota")
+    p.add_argument(
+        "--backend",
+        choices=tuple(BACKENDS),
+        default="ray",
+        help="ray: the Ray Jobs API at --jobs-api, admitted when the cluster has free resources; "
+        "kuberay: one RayJob per job through the Kubernetes API (~/.kube/config or in-cluster), "
+        "admitted by Kueue's quota",
+    )
     p.add_argument("--namespace", help="--backend kuberay: namespace (default $RAYFT_K8S_NAMESPACE or rayft)")
     add_k8s_target_args(p)
 
@@ -152,9 +181,13 @@ def register(sub) -> None:
     add.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
     add.add_argument("--max-retries", type=int, default=2, help="retries of a failed job, with backoff (default 2)")
     add.add_argument("--working-dir", help="the project directory (default: the current directory)")
-    add.add_argument("--backend", choices=tuple(BACKENDS), default="ray",
-                     help="validate as this backend submits: ray reads the data files here (they are uploaded); "
-                          "kuberay does not (they resolve inside the image or on the data volume)")
+    add.add_argument(
+        "--backend",
+        choices=tuple(BACKENDS),
+        default="ray",
+        help="validate as this backend submits: ray reads the data files here (they are uploaded); "
+        "kuberay does not (they resolve inside the image or on the data volume)",
+    )
     _add_db(add)
     add.set_defaults(fn=cmd_queue_add, overrides=[])
 
@@ -167,9 +200,14 @@ def register(sub) -> None:
     run.add_argument("--max-concurrency", type=int, help="at most N jobs on the cluster at once")
     run.add_argument("--poll", type=float, default=2.0, help="seconds between passes (default 2)")
     run.add_argument("--backoff", type=float, default=30.0, help="first retry delay in seconds, doubling (default 30)")
-    run.add_argument("--gpu-memory", action="append", default=[], metavar="TYPE=GiB",
-                     help="GPU memory by Ray accelerator_type, overriding the built-in table (kuberay: the node "
-                          "type's gpuMemoryGiB); `default=GiB` for GPUs without a type (repeatable)")
+    run.add_argument(
+        "--gpu-memory",
+        action="append",
+        default=[],
+        metavar="TYPE=GiB",
+        help="GPU memory by Ray accelerator_type, overriding the built-in table (kuberay: the node "
+        "type's gpuMemoryGiB); `default=GiB` for GPUs without a type (repeatable)",
+    )
     run.set_defaults(fn=cmd_queue_run)
 
     st = qs.add_parser("status", help="the queue as a table")

@@ -10,8 +10,8 @@ from jobs.outputs import format_step
 from . import Parser
 from .output import console
 
-
 # ---- rayft run -------------------------------------------------------------------------------
+
 
 def cmd_run(args) -> int:
     from jobs.finetune import prepare, run
@@ -35,9 +35,14 @@ class _Progress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tok_s]} tok/s"),
-            TimeRemainingColumn(), console=self.console, disable=not self.console.is_terminal,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tok_s]} tok/s"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self.console.is_terminal,
         )
         self.progress.__enter__()
         return self
@@ -48,8 +53,9 @@ class _Progress:
             loss += f" acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:.3g}"
         fields = dict(loss=loss, tok_s=f"{rec['tokens_per_s']:.0f}")
         if self.task is None:
-            self.task = self.progress.add_task(self.spec.name, total=rec.get("total_steps"),
-                                               completed=rec["step"] - 1, **fields)
+            self.task = self.progress.add_task(
+                self.spec.name, total=rec.get("total_steps"), completed=rec["step"] - 1, **fields
+            )
         self.progress.update(self.task, completed=rec["step"], **fields)
         if not self.console.is_terminal:
             print(format_step(rec), file=sys.stderr, flush=True)
@@ -69,21 +75,44 @@ def _summary_table(summary: dict, spec) -> None:
 
     t = Table(title=f"rayft run {spec.name}", show_header=False)
     rows = [
-        ("steps", f"{summary['steps']} (resumed from {summary['resumed_from_step']})" if summary["resumed_from_step"]
-         else str(summary["steps"])),
+        (
+            "steps",
+            f"{summary['steps']} (resumed from {summary['resumed_from_step']})"
+            if summary["resumed_from_step"]
+            else str(summary["steps"]),
+        ),
         ("loss first -> final", f"{_num(summary['first_loss'], '.4f')} -> {_num(summary['final_loss'], '.4f')}"),
         ("eval loss", "-" if summary["eval_loss"] is None else f"{summary['eval_loss']:.4f}"),
-        *([("eval preference (held out)", f"accuracy {summary['eval_rewards/accuracies']:.1%}, margin "
-                                           f"{summary['eval_rewards/margins']:.4f} ({summary['objective']})")]
-          if "eval_rewards/accuracies" in summary else []),
-        ("global batch", f"{summary['global_batch_size']}{' pairs' if summary.get('objective', 'sft') != 'sft' else ''} "
-                         f"= {summary['num_workers']} workers x "
-                         f"{summary['grad_accum_steps']} accum x {summary['micro_batch_size']} micro"),
+        *(
+            [
+                (
+                    "eval preference (held out)",
+                    f"accuracy {summary['eval_rewards/accuracies']:.1%}, margin "
+                    f"{summary['eval_rewards/margins']:.4f} ({summary['objective']})",
+                )
+            ]
+            if "eval_rewards/accuracies" in summary
+            else []
+        ),
+        (
+            "global batch",
+            f"{summary['global_batch_size']}{' pairs' if summary.get('objective', 'sft') != 'sft' else ''} "
+            f"= {summary['num_workers']} workers x "
+            f"{summary['grad_accum_steps']} accum x {summary['micro_batch_size']} micro",
+        ),
         ("effective lr", f"{summary['effective_lr']:.3g}"),
-        ("precision / checkpointing", f"{summary['precision']} / {checkpointing_str(summary['checkpoint_every_n_layers'])}"),
+        (
+            "precision / checkpointing",
+            f"{summary['precision']} / {checkpointing_str(summary['checkpoint_every_n_layers'])}",
+        ),
         ("tokens/s (mean)", f"{summary['mean_tokens_per_s']:.0f}" if summary["mean_tokens_per_s"] else "-"),
-        ("peak memory / estimate", f"{_num(summary['peak_mem_gib'], '.2f')} GiB / {summary['estimate_gib']:.2f} GiB"
-         + (" (CPU: whole-process RSS vs training tensors)" if summary.get("peak_mem_kind") == "cpu_max_rss" else "")),
+        (
+            "peak memory / estimate",
+            f"{_num(summary['peak_mem_gib'], '.2f')} GiB / {summary['estimate_gib']:.2f} GiB"
+            + (
+                " (CPU: whole-process RSS vs training tensors)" if summary.get("peak_mem_kind") == "cpu_max_rss" else ""
+            ),
+        ),
         ("skipped steps (fp16)", str(summary["skipped_steps"])),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
         ("adapter", summary["adapter_dir"]),
@@ -94,6 +123,7 @@ def _summary_table(summary: dict, spec) -> None:
 
 
 # ---- rayft eval ------------------------------------------------------------------------------
+
 
 def cmd_eval(args) -> int:
     from rich.table import Table
@@ -114,8 +144,10 @@ def cmd_eval(args) -> int:
         t.add_row(f"base + adapter ({result['adapter_dir']})", f"{result['adapter_exact_match']:.1%}")
     console().print(t)
     for ex in result["examples"][:3]:
-        console().print(f"  want {ex['reference']!r}  base {ex['base']!r}" +
-                         (f"  adapter {ex['adapter']!r}" if "adapter" in ex else ""))
+        console().print(
+            f"  want {ex['reference']!r}  base {ex['base']!r}"
+            + (f"  adapter {ex['adapter']!r}" if "adapter" in ex else "")
+        )
     return 0
 
 
@@ -131,26 +163,39 @@ def _preference_table(result: dict, spec) -> None:
     if not out.is_terminal:
         out.width = max(out.width, 120)
     dropped = sum(result["dropped"].values())
-    t = Table(title=f"rayft eval {spec.name}: {result['pairs']} held-out pairs" +
-              (f" ({dropped} dropped)" if dropped else "") + f", {result['objective']} beta {result['beta']:g}")
+    t = Table(
+        title=f"rayft eval {spec.name}: {result['pairs']} held-out pairs"
+        + (f" ({dropped} dropped)" if dropped else "")
+        + f", {result['objective']} beta {result['beta']:g}"
+    )
     for name in ("model", "exact match", "pref. accuracy", "mean margin", "rewards/accuracies", "rewards/margins"):
         t.add_column(name, justify="left" if name == "model" else "right")
     for row in result["models"]:
-        t.add_row(ROLES[row["model"]], f"{row['exact_match']:.1%}", f"{row['preference_accuracy']:.1%}",
-                  f"{row['mean_margin']:+.3f}", "-" if "rewards/accuracies" not in row else f"{row['rewards/accuracies']:.1%}",
-                  "-" if "rewards/margins" not in row else f"{row['rewards/margins']:+.4f}")
+        t.add_row(
+            ROLES[row["model"]],
+            f"{row['exact_match']:.1%}",
+            f"{row['preference_accuracy']:.1%}",
+            f"{row['mean_margin']:+.3f}",
+            "-" if "rewards/accuracies" not in row else f"{row['rewards/accuracies']:.1%}",
+            "-" if "rewards/margins" not in row else f"{row['rewards/margins']:+.4f}",
+        )
     out.print(t)
     for row in result["models"][1:]:
         out.print(f"  {ROLES[row['model']]}: {row['adapter_dir']}")
     if result.get("reference"):
-        out.print(f"  rewards against the reference: {ROLES[result['reference']]} (beta {result['beta']:g}); "
-                  "margins in nats of summed response log-probability")
+        out.print(
+            f"  rewards against the reference: {ROLES[result['reference']]} (beta {result['beta']:g}); "
+            "margins in nats of summed response log-probability"
+        )
     for ex in result["examples"][:3]:
-        out.print(f"  want {ex['chosen']!r} (not {ex['rejected']!r})  " +
-                  "  ".join(f"{role} {ex[role]!r}" for role in ROLES if role in ex))
+        out.print(
+            f"  want {ex['chosen']!r} (not {ex['rejected']!r})  "
+            + "  ".join(f"{role} {ex[role]!r}" for role in ROLES if role in ex)
+        )
 
 
 # ---- rayft spec ------------------------------------------------------------------------------
+
 
 def cmd_spec(args) -> int:
     from jobs.spec import json_schema, load_spec
@@ -170,8 +215,11 @@ def register(sub) -> None:
     add_run_arguments(run)  # the same arguments as `python -m jobs.finetune`, the ray job submit entrypoint
     run.set_defaults(fn=cmd_run)
 
-    ev = sub.add_parser("eval", help="exact match on data.eval_path, base model vs base + adapter (preference "
-                        "specs: also preference accuracy and margins on held-out pairs)")
+    ev = sub.add_parser(
+        "eval",
+        help="exact match on data.eval_path, base model vs base + adapter (preference "
+        "specs: also preference accuracy and margins on held-out pairs)",
+    )
     ev.add_argument("spec")
     ev.add_argument("overrides", nargs="*", metavar="section.field=value")
     ev.add_argument("--adapter", help="adapter directory (default: <run.output_dir>/adapter)")

@@ -28,17 +28,26 @@ def register(sub) -> None:
     est.add_argument("spec", help="job spec (or search spec) YAML")
     est.add_argument("overrides", nargs="*", metavar="section.field=value")
     est.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    est.add_argument("--device", choices=("cpu", "cuda"),
-                     help="estimate for this device (default: cuda with resources.use_gpu, else cpu)")
+    est.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="estimate for this device (default: cuda with resources.use_gpu, else cpu)",
+    )
     est.set_defaults(fn=cmd_estimate)
 
-    tn = sub.add_parser("tune", help="search accumulation steps, LR scaling and a preference objective's beta under a "
-                                     "memory budget (Ray Tune)")
+    tn = sub.add_parser(
+        "tune",
+        help="search accumulation steps, LR scaling and a preference objective's beta under a memory budget (Ray Tune)",
+    )
     tn.add_argument("spec", help="search spec YAML: a job spec plus a `search` section")
     tn.add_argument("overrides", nargs="*", metavar="section.field=value")
     g = tn.add_mutually_exclusive_group()
-    g.add_argument("--resume", action="store_true", default=None,
-                   help="resume the interrupted search in run.output_dir (the default when there is one)")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        default=None,
+        help="resume the interrupted search in run.output_dir (the default when there is one)",
+    )
     g.add_argument("--fresh", action="store_true", help="start over; a previous search is moved aside")
     tn.add_argument("--plan", action="store_true", help="print the plan (feasible, infeasible, skipped) and exit")
     tn.add_argument("--address", help="Ray cluster address (default: an embedded local Ray)")
@@ -47,6 +56,7 @@ def register(sub) -> None:
 
 
 # ---- estimate ----------------------------------------------------------------------------
+
 
 def _load_any(path: str, overrides: list[str]):
     """A job spec, or a search spec's job part with the search budget as its memory.budget_gib
@@ -79,25 +89,37 @@ def estimate_report(spec, budget, device: str, where: str) -> dict:
         pairs = memory.feasible_pairs(spec, budget, device=device)
         for row in pairs:
             row["estimate_bytes"] = memory.estimate_for_spec(
-                spec, micro_batch_size=row["micro_batch_size"], gradient_checkpointing=row["gradient_checkpointing"],
-                device=device, config=config).total_bytes
+                spec,
+                micro_batch_size=row["micro_batch_size"],
+                gradient_checkpointing=row["gradient_checkpointing"],
+                device=device,
+                config=config,
+            ).total_bytes
         smallest = memory.smallest_budget_gib(spec, device=device)
         strategies = memory.strategy_table(spec, device=device, config=config)
     except ValueError as e:  # SpecError included: the field it names, prefixed with the spec's path
         raise SpecError(f"{where}: {e}") from None
     chosen = plan.estimate
     return {
-        "name": spec.name, "model": spec.model.name, "device": device,
-        "precision": plan.precision, "seq_len": plan.seq_len,
-        "num_workers": spec.resources.num_workers, "global_batch_size": spec.batch.global_batch_size,
-        "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": spec.grad_accum_steps,
+        "name": spec.name,
+        "model": spec.model.name,
+        "device": device,
+        "precision": plan.precision,
+        "seq_len": plan.seq_len,
+        "num_workers": spec.resources.num_workers,
+        "global_batch_size": spec.batch.global_batch_size,
+        "micro_batch_size": plan.micro_batch_size,
+        "grad_accum_steps": spec.grad_accum_steps,
         "gradient_checkpointing": spec.memory.gradient_checkpointing,
         "checkpointing_used": plan.checkpoint_every_n_layers > 0,
         "checkpoint_every_n_layers": plan.checkpoint_every_n_layers,
-        "strategy": plan.strategy, "reshard_after_forward": plan.reshard_after_forward,
+        "strategy": plan.strategy,
+        "reshard_after_forward": plan.reshard_after_forward,
         "quantization": plan.quantization,
         "budget_gib": budget,
-        "components": dict(chosen.components), "total_bytes": chosen.total_bytes, "total_gib": chosen.total_gib,
+        "components": dict(chosen.components),
+        "total_bytes": chosen.total_bytes,
+        "total_gib": chosen.total_gib,
         "fits": None if budget is None else plan.fits,
         "by_checkpointing": {
             "off": {"components": dict(off.components), "total_bytes": off.total_bytes, "total_gib": off.total_gib},
@@ -130,9 +152,12 @@ def cmd_estimate(args) -> int:
     # Headings as lines, not table titles: rich folds a title to the table's width.
     packed = " (packed rows)" if spec.data.packing else ""
     quant = "" if rep["quantization"] == "none" else f", {rep['quantization']} base"
-    con.print(f"[bold]{spec.name}[/]: {spec.model.name}, micro-batch {rep['micro_batch_size']} "
-              f"x seq {rep['seq_len']}{packed}, "
-              f"{rep['num_workers']} worker(s), {rep['precision']}{quant} on {device}", soft_wrap=True)
+    con.print(
+        f"[bold]{spec.name}[/]: {spec.model.name}, micro-batch {rep['micro_batch_size']} "
+        f"x seq {rep['seq_len']}{packed}, "
+        f"{rep['num_workers']} worker(s), {rep['precision']}{quant} on {device}",
+        soft_wrap=True,
+    )
     t = Table()
     t.add_column("component")
     t.add_column("checkpointing off", justify="right")
@@ -144,16 +169,20 @@ def cmd_estimate(args) -> int:
     con.print(t)
     used = checkpointing_str(rep["checkpoint_every_n_layers"])
     _print_strategies(con, rep, budget)
-    line = (f"total {gib_str(rep['total_gib'])} ({strategy_str(rep['strategy'], rep['reshard_after_forward'])}, "
-            f"checkpointing {used}, memory.gradient_checkpointing={rep['gradient_checkpointing']})")
+    line = (
+        f"total {gib_str(rep['total_gib'])} ({strategy_str(rep['strategy'], rep['reshard_after_forward'])}, "
+        f"checkpointing {used}, memory.gradient_checkpointing={rep['gradient_checkpointing']})"
+    )
     if budget is None:
         con.print(f"{line}; no memory.budget_gib set", soft_wrap=True)
     else:
         verdict = "[green]fits[/]" if rep["fits"] else "[red]exceeds[/]"
         con.print(f"{line} {verdict} the budget of {gib_str(budget)}", soft_wrap=True)
-    con.print(f"[bold](micro_batch_size, grad_accum_steps) pairs for global batch {rep['global_batch_size']} over "
-              f"{rep['num_workers']} worker(s)[/]" + ("" if budget is None else f", budget {gib_str(budget)}"),
-              soft_wrap=True)
+    con.print(
+        f"[bold](micro_batch_size, grad_accum_steps) pairs for global batch {rep['global_batch_size']} over "
+        f"{rep['num_workers']} worker(s)[/]" + ("" if budget is None else f", budget {gib_str(budget)}"),
+        soft_wrap=True,
+    )
     p = Table()
     for col in ("micro", "accum", "checkpointing off", "checkpointing on"):
         p.add_column(col, justify="right")
@@ -168,8 +197,9 @@ def cmd_estimate(args) -> int:
             cells.append(gib_str(x["estimate_bytes"] / 1024**3) + mark)
         p.add_row(str(mb), str(r["accum"]), *cells)
     con.print(p)
-    con.print(f"smallest budget (micro-batch 1, checkpointing on): {gib_str(rep['smallest_budget_gib'])}",
-              soft_wrap=True)
+    con.print(
+        f"smallest budget (micro-batch 1, checkpointing on): {gib_str(rep['smallest_budget_gib'])}", soft_wrap=True
+    )
     return 0
 
 
@@ -181,20 +211,30 @@ def _print_strategies(con, rep: dict, budget) -> None:
     from jobs.memory import strategy_str
     from tune.plan import gib_str
 
-    con.print(f"[bold]per GPU by strategy, {rep['num_workers']} worker(s)[/]"
-              + ("" if budget is None else f", budget {gib_str(budget)}"), soft_wrap=True)
+    con.print(
+        f"[bold]per GPU by strategy, {rep['num_workers']} worker(s)[/]"
+        + ("" if budget is None else f", budget {gib_str(budget)}"),
+        soft_wrap=True,
+    )
     t = Table()
     for col in ("strategy", "base", "checkpointing", "per GPU", "budget", "plan"):
         t.add_column(col, justify="right" if col == "per GPU" else "left")
     for r in rep["strategies"]:
         verdict = "-" if r["fits"] is None else ("[green]fits[/]" if r["fits"] else "[red]exceeds[/]")
         base = rep["precision"] if r["quantization"] == "none" else r["quantization"]
-        t.add_row(strategy_str(r["strategy"], r["reshard_after_forward"]), base, r["checkpointing"],
-                  gib_str(r["total_gib"]), verdict, "chosen" if r["chosen"] else "")
+        t.add_row(
+            strategy_str(r["strategy"], r["reshard_after_forward"]),
+            base,
+            r["checkpointing"],
+            gib_str(r["total_gib"]),
+            verdict,
+            "chosen" if r["chosen"] else "",
+        )
     con.print(t)
 
 
 # ---- tune --------------------------------------------------------------------------------
+
 
 def cmd_tune(args) -> int:
     from jobs.finetune import preflight
@@ -221,8 +261,9 @@ def cmd_tune(args) -> int:
         if moved:
             print(f"--fresh: the previous search was moved to {moved}", file=sys.stderr)
     _print_plan(plan)
-    outcome = run_search(spec, raw, plan, resume=resume, address=args.address, num_cpus=args.num_cpus,
-                         spec_path=args.spec)
+    outcome = run_search(
+        spec, raw, plan, resume=resume, address=args.address, num_cpus=args.num_cpus, spec_path=args.spec
+    )
     from rich.console import Console
 
     from orchestrator.cli import EXIT_INTERRUPTED
@@ -244,8 +285,10 @@ def cmd_tune(args) -> int:
         say("no trial finished, so there is no best.yaml (see results.csv for why)")
         return 1
     b = outcome.best
-    con.print(f"best: trial {b['trial_id']}: micro {b['micro_batch_size']} x accum {b['grad_accum_steps']}, "
-              f"lr {b['base_lr']:.3g} ({b['lr_scaling']}), {_best_value(plan, b)} -> {outcome.files['best']}")
+    con.print(
+        f"best: trial {b['trial_id']}: micro {b['micro_batch_size']} x accum {b['grad_accum_steps']}, "
+        f"lr {b['base_lr']:.3g} ({b['lr_scaling']}), {_best_value(plan, b)} -> {outcome.files['best']}"
+    )
     return 0
 
 
@@ -264,16 +307,21 @@ def _print_plan(plan) -> None:
 
     out = sys.stderr
     best = "" if plan.metric == "eval_loss" else f"; trials compared on {plan.metric} ({plan.mode})"
-    print(f"plan: budget {gib_str(plan.budget_gib)} on {plan.device}; {plan.samples_per_trial} samples per trial, "
-          f"eval every {plan.eval_every_samples} samples{best}", file=out)
+    print(
+        f"plan: budget {gib_str(plan.budget_gib)} on {plan.device}; {plan.samples_per_trial} samples per trial, "
+        f"eval every {plan.eval_every_samples} samples{best}",
+        file=out,
+    )
     for p in plan.points:
         est = "-" if p.estimate_gib is None else gib_str(p.estimate_gib)
         ck = checkpointing_str(p.checkpoint_every_n_layers)
         beta = "" if p.beta is None else f"beta {p.beta:<6g}, "
-        print(f"  {p.status:10} micro {p.micro_batch_size or '-':>3} x accum {p.grad_accum_steps:>3} = global "
-              f"{p.global_batch_size:>4}, lr_scaling {p.lr_scaling:6}, {beta}{p.strategy or '-'}, checkpointing {ck}, "
-              f"estimate {est}"
-              + (f"  ({p.reason})" if p.reason else ""), file=out)
+        print(
+            f"  {p.status:10} micro {p.micro_batch_size or '-':>3} x accum {p.grad_accum_steps:>3} = global "
+            f"{p.global_batch_size:>4}, lr_scaling {p.lr_scaling:6}, {beta}{p.strategy or '-'}, checkpointing {ck}, "
+            f"estimate {est}" + (f"  ({p.reason})" if p.reason else ""),
+            file=out,
+        )
     for n in plan.notes:
         print(f"  note: {n}", file=out)
     out.flush()

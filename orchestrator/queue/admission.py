@@ -41,13 +41,35 @@ from orchestrator.backends.ray_jobs import DRIVER_NUM_CPUS
 # GiB of memory per GPU by Ray `accelerator_type` (ray.util.accelerators). Where one name covers
 # two sizes (V100 16/32 GB, A100 40/80 GB) the smaller is used; `--gpu-memory TYPE=GiB` overrides.
 GPU_MEMORY_GIB: dict[str, float] = {
-    "K80": 12, "P4": 8, "P100": 16, "V100": 16, "T4": 16, "A10G": 24, "L4": 24, "L40S": 48,
-    "A100": 40, "A100-40G": 40, "A100-80G": 80, "H100": 80, "H200": 141, "H20": 96,
-    "B200": 180, "B300": 288, "GB200": 186, "GB300": 288, "RTX-PRO-6000": 96,
-    "AMD-Instinct-MI210": 64, "AMD-Instinct-MI250X": 64, "AMD-Instinct-MI250X-MI250": 64,
-    "AMD-Instinct-MI300X-OAM": 192, "AMD-Instinct-MI300X-HF": 192, "AMD-Instinct-MI325X-OAM": 256,
-    "AMD-Instinct-MI350X-OAM": 288, "AMD-Instinct-MI355X-OAM": 288,
-    "Intel-GPU-Max-1550": 128, "Intel-GPU-Max-1100": 48,
+    "K80": 12,
+    "P4": 8,
+    "P100": 16,
+    "V100": 16,
+    "T4": 16,
+    "A10G": 24,
+    "L4": 24,
+    "L40S": 48,
+    "A100": 40,
+    "A100-40G": 40,
+    "A100-80G": 80,
+    "H100": 80,
+    "H200": 141,
+    "H20": 96,
+    "B200": 180,
+    "B300": 288,
+    "GB200": 186,
+    "GB300": 288,
+    "RTX-PRO-6000": 96,
+    "AMD-Instinct-MI210": 64,
+    "AMD-Instinct-MI250X": 64,
+    "AMD-Instinct-MI250X-MI250": 64,
+    "AMD-Instinct-MI300X-OAM": 192,
+    "AMD-Instinct-MI300X-HF": 192,
+    "AMD-Instinct-MI325X-OAM": 256,
+    "AMD-Instinct-MI350X-OAM": 288,
+    "AMD-Instinct-MI355X-OAM": 288,
+    "Intel-GPU-Max-1550": 128,
+    "Intel-GPU-Max-1100": 48,
 }
 
 
@@ -69,11 +91,11 @@ class Demand:
     accelerator_type: str | None = None
     driver_cpus: float = DRIVER_NUM_CPUS
     gib_by_every: dict[int, float] | None = None
-    gc_mode: str = "auto"                 # memory.gradient_checkpointing: "true", "false" or "auto"
-    budget_gib: float | None = None    # memory.budget_gib
-    num_layers: int = 1                   # decoder layers of the model (the checkpointing candidates)
-    plan_table: dict | None = None     # jobs.memory.plan_table: estimates by strategy and checkpointing
-    gpus_per_worker: int = 1              # resources.gpus_per_worker: GPUs of one worker pod, on one node
+    gc_mode: str = "auto"  # memory.gradient_checkpointing: "true", "false" or "auto"
+    budget_gib: float | None = None  # memory.budget_gib
+    num_layers: int = 1  # decoder layers of the model (the checkpointing candidates)
+    plan_table: dict | None = None  # jobs.memory.plan_table: estimates by strategy and checkpointing
+    gpus_per_worker: int = 1  # resources.gpus_per_worker: GPUs of one worker pod, on one node
 
     @property
     def cpus(self) -> float:
@@ -148,9 +170,16 @@ class Demand:
         """The demand of a validated JobSpec; for a GPU job this runs the memory model (once per
         checkpointing choice), which is why the queue stores the result instead of the spec."""
         r = spec.resources
-        d = cls(r.num_workers, r.cpus_per_worker, r.use_gpu, r.accelerator_type, driver_cpus,
-                gc_mode=str(spec.memory.gradient_checkpointing).lower(), budget_gib=spec.memory.budget_gib,
-                gpus_per_worker=r.gpus_per_worker if r.use_gpu else 1)
+        d = cls(
+            r.num_workers,
+            r.cpus_per_worker,
+            r.use_gpu,
+            r.accelerator_type,
+            driver_cpus,
+            gc_mode=str(spec.memory.gradient_checkpointing).lower(),
+            budget_gib=spec.memory.budget_gib,
+            gpus_per_worker=r.gpus_per_worker if r.use_gpu else 1,
+        )
         if r.use_gpu:
             from jobs.memory import config_from_spec, model_shape, plan_table
 
@@ -184,8 +213,13 @@ def _ray_gpu_memory_gib(accel: str | None, overrides: dict[str, float]) -> float
 
 def _ray_node_offer(n: Node, gpu_memory: dict[str, float]) -> NodeOffer:
     """A Ray node as the node-fit rule sees it: its size is the placement's, against its free resources."""
-    return NodeOffer(gpus=n.gpu_total, cpus=n.cpu_total, gpu_names=(n.accelerator_type or "",),
-                     gpu_memory_gib=_ray_gpu_memory_gib(n.accelerator_type, gpu_memory), sized_by_placement=True)
+    return NodeOffer(
+        gpus=n.gpu_total,
+        cpus=n.cpu_total,
+        gpu_names=(n.accelerator_type or "",),
+        gpu_memory_gib=_ray_gpu_memory_gib(n.accelerator_type, gpu_memory),
+        sized_by_placement=True,
+    )
 
 
 def _ray_node_ok(demand: Demand, n: Node, gpu_memory: dict[str, float]) -> tuple[bool, str]:
@@ -199,11 +233,15 @@ def _ray_node_ok(demand: Demand, n: Node, gpu_memory: dict[str, float]) -> tuple
     if r.fact == "accelerator":
         return False, f"accelerator_type {n.accelerator_type or 'unknown'} is not {demand.accelerator_type}"
     if r.fact == "memory-unknown":
-        return False, (f"GPU memory of accelerator_type {n.accelerator_type or '(none)'} is unknown: pass "
-                       f"--gpu-memory {n.accelerator_type or 'default'}=GiB")
+        return False, (
+            f"GPU memory of accelerator_type {n.accelerator_type or '(none)'} is unknown: pass "
+            f"--gpu-memory {n.accelerator_type or 'default'}=GiB"
+        )
     if r.fact == "plan" and r.plan is not None:
-        return False, (f"needs {r.need:.1f} GiB per GPU, {n.accelerator_type} has {r.have:g} GiB "
-                       f"({r.plan.choice}, gradient checkpointing {r.plan.checkpointing})")
+        return False, (
+            f"needs {r.need:.1f} GiB per GPU, {n.accelerator_type} has {r.have:g} GiB "
+            f"({r.plan.choice}, gradient checkpointing {r.plan.checkpointing})"
+        )
     return False, ""
 
 
@@ -218,8 +256,9 @@ class Placement:
     free_after: dict[str, tuple[float, float]] | None = None
 
 
-def _first_fit(demand: Demand, nodes: list[Node], allowed: dict[str, bool],
-               free: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]] | None:
+def _first_fit(
+    demand: Demand, nodes: list[Node], allowed: dict[str, bool], free: dict[str, tuple[float, float]]
+) -> dict[str, tuple[float, float]] | None:
     """`free` after placing the job's worker pods first-fit (all of a pod's GPUs and CPUs on one
     allowed node) and then the driver's CPU share anywhere; None when they do not all fit."""
     pod_gpus = demand.pod_gpus
@@ -234,7 +273,7 @@ def _first_fit(demand: Demand, nodes: list[Node], allowed: dict[str, bool],
         else:
             return None
     rest = demand.driver_cpus
-    for n in nodes:                      # the driver's share, wherever CPUs are left
+    for n in nodes:  # the driver's share, wherever CPUs are left
         c, g = free[n.node_id]
         take = min(max(c, 0.0), rest)
         free[n.node_id] = (c - take, g)
@@ -249,8 +288,10 @@ def _never_why(demand: Demand, view: ClusterView, reasons: list[str]) -> str:
     if demand.use_gpu and view.gpu_total < 1:
         why = "the cluster has no GPUs"
     elif pod_gpus > 1 and most_gpus < pod_gpus and not reasons:
-        why = (f"resources.gpus_per_worker={pod_gpus} needs {pod_gpus} GPUs on one node, the largest node "
-               f"has {most_gpus:g}")
+        why = (
+            f"resources.gpus_per_worker={pod_gpus} needs {pod_gpus} GPUs on one node, the largest node "
+            f"has {most_gpus:g}"
+        )
     elif reasons and demand.use_gpu:
         why = "; ".join(reasons)
     else:
@@ -258,8 +299,12 @@ def _never_why(demand: Demand, view: ClusterView, reasons: list[str]) -> str:
     return f"can never fit this cluster ({view.cpu_total:g} CPUs, {view.gpu_total:g} GPUs): {why}"
 
 
-def place(demand: Demand, view: ClusterView, gpu_memory: dict[str, float] | None = None,
-          held: tuple[float, float] | None = None) -> Placement:
+def place(
+    demand: Demand,
+    view: ClusterView,
+    gpu_memory: dict[str, float] | None = None,
+    held: tuple[float, float] | None = None,
+) -> Placement:
     """Where `demand` would go on a Ray cluster now; `view` is not changed (`reserve` takes it off).
 
     Worker pods (`gpus_per_worker` workers each, all of a pod's GPUs and CPUs on one node) are
@@ -283,15 +328,22 @@ def place(demand: Demand, view: ClusterView, gpu_memory: dict[str, float] | None
         now = now and demand.cpus <= cpu_free + 1e-9 and demand.gpus <= gpu_free + 1e-9
     if not now:
         pod_gpus = demand.pod_gpus
-        what = f"{demand.cpus:g} CPUs" + (f" and {demand.gpus:g} GPUs" if demand.gpus else "") \
+        what = (
+            f"{demand.cpus:g} CPUs"
+            + (f" and {demand.gpus:g} GPUs" if demand.gpus else "")
             + (f" ({pod_gpus} GPUs on one node per worker pod)" if pod_gpus > 1 else "")
+        )
         have = f"{max(cpu_free, 0):g} CPUs" + (f" and {max(gpu_free, 0):g} GPUs" if demand.gpus else "") + " free"
         return Placement(False, True, f"waiting for resources: needs {what}, {have}")
     return Placement(True, True, "", placed)
 
 
-def reserve(demand: Demand, view: ClusterView, gpu_memory: dict[str, float] | None = None,
-            held: tuple[float, float] | None = None) -> tuple[bool, bool, str]:
+def reserve(
+    demand: Demand,
+    view: ClusterView,
+    gpu_memory: dict[str, float] | None = None,
+    held: tuple[float, float] | None = None,
+) -> tuple[bool, bool, str]:
     """(fits now, could ever fit this cluster, why not) of `place`; when the job fits now, its
     placement is taken off `view`'s free resources, so the next job of the same admission pass
     sees what is left."""
@@ -307,14 +359,20 @@ def _node_type_why(demand: Demand, node, r: Refusal) -> str:
     if r.fact == "no-gpus":
         return "it has no GPUs"
     if r.fact == "gpus":
-        return (f"resources.gpus_per_worker={demand.pod_gpus} needs {demand.pod_gpus} GPUs on one node, "
-                f"it has {node.gpus_per_node}")
+        return (
+            f"resources.gpus_per_worker={demand.pod_gpus} needs {demand.pod_gpus} GPUs on one node, "
+            f"it has {node.gpus_per_node}"
+        )
     if r.fact == "accelerator":
-        return f"resources.accelerator_type {demand.accelerator_type} is not its " \
-               f"{node.ray_accelerator_type or node.gpu_product}"
+        return (
+            f"resources.accelerator_type {demand.accelerator_type} is not its "
+            f"{node.ray_accelerator_type or node.gpu_product}"
+        )
     if r.fact == "memory-unknown":
-        return (f"its GPU memory is unknown: set gpuMemoryGiB in the node type or pass "
-                f"--gpu-memory {node.ray_accelerator_type or 'default'}=GiB")
+        return (
+            f"its GPU memory is unknown: set gpuMemoryGiB in the node type or pass "
+            f"--gpu-memory {node.ray_accelerator_type or 'default'}=GiB"
+        )
     if r.fact == "budget":
         return f"memory.budget_gib={r.need:g} GiB per GPU exceeds its {r.have:g} GiB"
     checkpointing = r.plan.checkpointing if r.plan is not None else "-"
@@ -347,8 +405,14 @@ def fit_node_type(demand: Demand, node, gpu_memory: dict[str, float] | None = No
         why = f"resources.num_workers={demand.num_workers}: {quota}"
     else:
         return True, True, ""
-    return False, False, (f"can never fit node type {node.overlay}/{node.name} "
-                          f"({node.gpus_per_node} x {node.gpu_product or 'no GPU'}): {why}")
+    return (
+        False,
+        False,
+        (
+            f"can never fit node type {node.overlay}/{node.name} "
+            f"({node.gpus_per_node} x {node.gpu_product or 'no GPU'}): {why}"
+        ),
+    )
 
 
 def parse_gpu_memory(items: list[str]) -> dict[str, float]:

@@ -69,22 +69,42 @@ def load_queued_spec(spec_path: str, overrides: list[str], working_dir: Path, ba
     if not p.is_file():
         raise SpecError(f"{spec_path}: spec file not found")
     if not p.is_relative_to(Path(working_dir).resolve()):
-        raise SpecError(f"{spec_path}: the spec is outside the working dir {working_dir}, where the queue's "
-                        "driver reads it; move it into the project")
+        raise SpecError(
+            f"{spec_path}: the spec is outside the working dir {working_dir}, where the queue's "
+            "driver reads it; move it into the project"
+        )
     return load_spec_for_k8s(str(p), list(overrides)).spec, str(p.relative_to(Path(working_dir).resolve()))
 
 
-def enqueue(queue: Queue, spec_path: str, overrides: list[str], *, priority: int = 0, max_retries: int = 2,
-            working_dir: str | None = None, backend: str = "ray") -> tuple[int, bool]:
+def enqueue(
+    queue: Queue,
+    spec_path: str,
+    overrides: list[str],
+    *,
+    priority: int = 0,
+    max_retries: int = 2,
+    working_dir: str | None = None,
+    backend: str = "ray",
+) -> tuple[int, bool]:
     """`rayft queue add` of one spec: validate it (as `backend` will submit it, relative paths in
     the working dir), estimate its demand, store it. Returns (id, created); the same spec twice is
     one job."""
     wd = find_project(working_dir)
     spec, rel = load_queued_spec(spec_path, overrides, wd, backend)
-    return queue.add(NewJob(
-        name=spec.name, working_dir=str(wd), spec_path=rel, overrides=tuple(overrides), spec_hash=spec.spec_hash(),
-        micro_batch_size=spec.batch.micro_batch_size, grad_accum_steps=spec.grad_accum_steps,
-        demand_json=Demand.from_spec(spec).to_json(), priority=priority, max_retries=max_retries))
+    return queue.add(
+        NewJob(
+            name=spec.name,
+            working_dir=str(wd),
+            spec_path=rel,
+            overrides=tuple(overrides),
+            spec_hash=spec.spec_hash(),
+            micro_batch_size=spec.batch.micro_batch_size,
+            grad_accum_steps=spec.grad_accum_steps,
+            demand_json=Demand.from_spec(spec).to_json(),
+            priority=priority,
+            max_retries=max_retries,
+        )
+    )
 
 
 @dataclass
@@ -159,15 +179,23 @@ class Driver:
             info = self.backend.info(job["submission_id"])
             with self.q.txn() as c:
                 if info is not None:
-                    n = c.execute("UPDATE jobs SET state='RUNNING' WHERE id=? AND state='SUBMITTING' AND "
-                                  "submission_id=?", (job["id"], job["submission_id"])).rowcount
+                    n = c.execute(
+                        "UPDATE jobs SET state='RUNNING' WHERE id=? AND state='SUBMITTING' AND submission_id=?",
+                        (job["id"], job["submission_id"]),
+                    ).rowcount
                     if n:
-                        self.q.event(c, job["id"], "running", f"{job['submission_id']} (found on the cluster "
-                                     "after a driver restart)")
+                        self.q.event(
+                            c,
+                            job["id"],
+                            "running",
+                            f"{job['submission_id']} (found on the cluster after a driver restart)",
+                        )
                 else:  # never reached the cluster: admit it again, with the same id
-                    n = c.execute("UPDATE jobs SET state='QUEUED', attempt=attempt-1 WHERE id=? AND "
-                                  "state='SUBMITTING' AND submission_id=?",
-                                  (job["id"], job["submission_id"])).rowcount
+                    n = c.execute(
+                        "UPDATE jobs SET state='QUEUED', attempt=attempt-1 WHERE id=? AND "
+                        "state='SUBMITTING' AND submission_id=?",
+                        (job["id"], job["submission_id"]),
+                    ).rowcount
                     if n:
                         c.execute("DELETE FROM attempts WHERE job_id=? AND attempt=?", (job["id"], job["attempt"]))
                         self.q.event(c, job["id"], "requeued", f"{job['submission_id']} never reached the cluster")
@@ -186,7 +214,7 @@ class Driver:
                 if st.state == FAILED:
                     try:
                         logs = self.backend.logs(job["submission_id"])[-200_000:]
-                    except RayftError:     # the logs only sharpen the verdict (out of memory?)
+                    except RayftError:  # the logs only sharpen the verdict (out of memory?)
                         logs = ""
                 self.ended(job, st.state, st.message, logs)
             else:
@@ -212,8 +240,10 @@ class Driver:
             else:
                 m2, a2 = micro // 2, accum * 2
                 changes = json.loads(job["changes"]) + [f"batch.micro_batch_size={m2}", f"batch.grad_accum_steps={a2}"]
-                note = (f"out of memory at attempt {job['attempt']}: micro_batch_size {micro} -> {m2}, "
-                        f"grad_accum_steps {accum} -> {a2} (global batch unchanged)")
+                note = (
+                    f"out of memory at attempt {job['attempt']}: micro_batch_size {micro} -> {m2}, "
+                    f"grad_accum_steps {accum} -> {a2} (global batch unchanged)"
+                )
                 new_state, oom_retried, micro, accum = "QUEUED", 1, m2, a2
                 d = Demand.from_json(job["demand"])
                 if d.use_gpu:
@@ -230,13 +260,30 @@ class Driver:
                 "UPDATE jobs SET state=?, message=?, change_note=?, changes=COALESCE(?, changes), "
                 "micro_batch_size=?, grad_accum_steps=?, retries=?, oom_retried=?, not_before=?, demand=?, "
                 "status_detail=?, ended_at=? WHERE id=? AND state=? AND submission_id=?",
-                (new_state, first, note, json.dumps(changes) if changes is not None else None, micro, accum,
-                 retries, oom_retried, not_before, demand, status, now if new_state in DONE else None,
-                 job["id"], from_state, job["submission_id"])).rowcount
+                (
+                    new_state,
+                    first,
+                    note,
+                    json.dumps(changes) if changes is not None else None,
+                    micro,
+                    accum,
+                    retries,
+                    oom_retried,
+                    not_before,
+                    demand,
+                    status,
+                    now if new_state in DONE else None,
+                    job["id"],
+                    from_state,
+                    job["submission_id"],
+                ),
+            ).rowcount
             if not n:
                 return
-            c.execute("UPDATE attempts SET status=?, message=?, ended_at=? WHERE job_id=? AND attempt=?",
-                      (status, first, now, job["id"], job["attempt"]))
+            c.execute(
+                "UPDATE attempts SET status=?, message=?, ended_at=? WHERE job_id=? AND attempt=?",
+                (status, first, now, job["id"], job["attempt"]),
+            )
             self.q.event(c, job["id"], "attempt_ended", f"{job['submission_id']}: {detail}")
             if new_state in DONE:
                 self.q.event(c, job["id"], "ended", new_state)
@@ -244,22 +291,28 @@ class Driver:
                 self.q.event(c, job["id"], "oom_retry", note)
             else:
                 self.q.event(c, job["id"], "retry", detail)
-        self.log(job, f"{job['submission_id']} {detail}" + (f": {first}" if first and new_state in DONE
-                                                           and status != SUCCEEDED else ""))
+        self.log(
+            job,
+            f"{job['submission_id']} {detail}"
+            + (f": {first}" if first and new_state in DONE and status != SUCCEEDED else ""),
+        )
 
     def _demand_for(self, job: sqlite3.Row, changes: list[str]) -> Demand | None:
         try:
             wd = Path(job["working_dir"])
-            spec, _ = load_queued_spec(str(wd / job["spec_path"]), json.loads(job["overrides"]) + changes, wd,
-                                       self.backend_name)
+            spec, _ = load_queued_spec(
+                str(wd / job["spec_path"]), json.loads(job["overrides"]) + changes, wd, self.backend_name
+            )
             return Demand.from_spec(spec)
         except UserError:
             return None
 
     def _fail(self, job: sqlite3.Row, message: str) -> None:
         with self.q.txn() as c:
-            n = c.execute("UPDATE jobs SET state='FAILED', message=?, ended_at=? WHERE id=? AND state='QUEUED'",
-                          (message[:300], time.time(), job["id"])).rowcount
+            n = c.execute(
+                "UPDATE jobs SET state='FAILED', message=?, ended_at=? WHERE id=? AND state='QUEUED'",
+                (message[:300], time.time(), job["id"]),
+            ).rowcount
             if n:
                 self.q.event(c, job["id"], "ended", f"FAILED: {message[:300]}")
         self.log(job, f"FAILED before submission: {message}")
@@ -302,10 +355,10 @@ class Driver:
                 break
             if not ever:
                 self._reason(job, why)
-                continue                  # skip it: it would block the queue forever
+                continue  # skip it: it would block the queue forever
             if not ok:
                 self._reason(job, why)
-                break                     # strict priority: lower ones do not overtake it
+                break  # strict priority: lower ones do not overtake it
             if self.submit(job):
                 admitted += 1
                 held_res = (held_res[0] + demand.cpus, held_res[1] + demand.gpus)
@@ -321,49 +374,75 @@ class Driver:
             # an absolute run.output_dir): has the file changed since `queue add`?
             spec, _ = load_queued_spec(str(Path(wd) / job["spec_path"]), overrides, Path(wd), self.backend_name)
             if spec.spec_hash() != job["spec_hash"]:
-                self._fail(job, f"{job['spec_path']} changed since it was queued (spec hash {job['spec_hash']} -> "
-                                f"{spec.spec_hash()}); add it again")
+                self._fail(
+                    job,
+                    f"{job['spec_path']} changed since it was queued (spec hash {job['spec_hash']} -> "
+                    f"{spec.spec_hash()}); add it again",
+                )
                 return False
-            sub = self.backend.prepare(str(Path(wd) / job["spec_path"]), overrides + changes, working_dir=wd,
-                                       attempt=attempt,
-                                       extra_metadata={"queue_job": job["id"], "queue_spec_hash": job["spec_hash"]})
+            sub = self.backend.prepare(
+                str(Path(wd) / job["spec_path"]),
+                overrides + changes,
+                working_dir=wd,
+                attempt=attempt,
+                extra_metadata={"queue_job": job["id"], "queue_spec_hash": job["spec_hash"]},
+            )
         except UserError as e:
             self._fail(job, str(e))
             return False
         with self.q.txn() as c:
-            n = c.execute("UPDATE jobs SET state='SUBMITTING', attempt=?, submission_id=?, status_detail='', "
-                          "not_before=0 WHERE id=? AND state='QUEUED'",
-                          (attempt, sub.submission_id, job["id"])).rowcount
+            n = c.execute(
+                "UPDATE jobs SET state='SUBMITTING', attempt=?, submission_id=?, status_detail='', "
+                "not_before=0 WHERE id=? AND state='QUEUED'",
+                (attempt, sub.submission_id, job["id"]),
+            ).rowcount
             if not n:
                 return False
-            c.execute("INSERT OR REPLACE INTO attempts (job_id, attempt, submission_id, micro_batch_size, "
-                      "grad_accum_steps, submitted_at) VALUES (?, ?, ?, ?, ?, ?)",
-                      (job["id"], attempt, sub.submission_id, sub.spec.batch.micro_batch_size,
-                       sub.spec.grad_accum_steps, time.time()))
+            c.execute(
+                "INSERT OR REPLACE INTO attempts (job_id, attempt, submission_id, micro_batch_size, "
+                "grad_accum_steps, submitted_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    job["id"],
+                    attempt,
+                    sub.submission_id,
+                    sub.spec.batch.micro_batch_size,
+                    sub.spec.grad_accum_steps,
+                    time.time(),
+                ),
+            )
             self.q.event(c, job["id"], "submitting", sub.submission_id)
         try:
             _, created = self.backend.submit(sub)
         except (ClusterUnreachable, ClusterAuthError):
-            raise                      # not this job's fault: the pass fails, the row stays SUBMITTING
-        except ClusterError as e:      # the cluster refused this submission: a failed attempt
+            raise  # not this job's fault: the pass fails, the row stays SUBMITTING
+        except ClusterError as e:  # the cluster refused this submission: a failed attempt
             if self.backend.info(sub.submission_id) is None:
                 self.ended(self.q.job(job["id"]), FAILED, f"submission refused: {e}", "", from_state="SUBMITTING")
                 return False
             created = False
         if os.environ.get("RAYFT_QUEUE_FAULT") == "kill_after_submit":
-            os.kill(os.getpid(), signal.SIGKILL)   # test hook: die between "submitted" and "recorded"
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die between "submitted" and "recorded"
         with self.q.txn() as c:
-            n = c.execute("UPDATE jobs SET state='RUNNING' WHERE id=? AND state='SUBMITTING' AND submission_id=?",
-                          (job["id"], sub.submission_id)).rowcount
+            n = c.execute(
+                "UPDATE jobs SET state='RUNNING' WHERE id=? AND state='SUBMITTING' AND submission_id=?",
+                (job["id"], sub.submission_id),
+            ).rowcount
             if n:
-                self.q.event(c, job["id"], "running", sub.submission_id if created else
-                             f"{sub.submission_id} (already on the cluster)")
+                self.q.event(
+                    c,
+                    job["id"],
+                    "running",
+                    sub.submission_id if created else f"{sub.submission_id} (already on the cluster)",
+                )
         if not n and self.q.job(job["id"])["state"] == "CANCELED":
-            self.backend.stop(sub.submission_id)      # canceled while it was being submitted
+            self.backend.stop(sub.submission_id)  # canceled while it was being submitted
             return False
-        self.log(job, f"submitted {sub.submission_id} (attempt {attempt}, micro_batch_size "
-                      f"{sub.spec.batch.micro_batch_size} x grad_accum_steps {sub.spec.grad_accum_steps})"
-                      + ("" if created else ": already on the cluster, tracking it"))
+        self.log(
+            job,
+            f"submitted {sub.submission_id} (attempt {attempt}, micro_batch_size "
+            f"{sub.spec.batch.micro_batch_size} x grad_accum_steps {sub.spec.grad_accum_steps})"
+            + ("" if created else ": already on the cluster, tracking it"),
+        )
         return True
 
     def unschedulable_only(self) -> bool:
@@ -373,8 +452,7 @@ class Driver:
         queued = self.q.jobs(("QUEUED",))
         return bool(queued) and all(j["status_detail"].startswith("can never fit") for j in queued)
 
-    def run(self, *, once: bool = False, forever: bool = False,
-            should_stop: Callable[[], bool] = lambda: False) -> int:
+    def run(self, *, once: bool = False, forever: bool = False, should_stop: Callable[[], bool] = lambda: False) -> int:
         """Drive the queue: one pass (`once`), until every job has ended (default), or `forever`."""
         self.lock()
         first = True
@@ -383,7 +461,7 @@ class Driver:
                 self.step()
             except RayftError as e:
                 if first or once:
-                    raise          # a wrong address or token: say so and stop
+                    raise  # a wrong address or token: say so and stop
                 self.cfg.log(f"{time.strftime('%H:%M:%S')} pass failed, retrying in {self.cfg.poll_s:g} s: {e}")
             first = False
             if once or should_stop():

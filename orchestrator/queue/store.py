@@ -48,12 +48,12 @@ class NewJob:
 
     name: str
     working_dir: str
-    spec_path: str              # relative to working_dir
+    spec_path: str  # relative to working_dir
     overrides: tuple[str, ...]  # as given to `queue add`
-    spec_hash: str              # of spec file + overrides
+    spec_hash: str  # of spec file + overrides
     micro_batch_size: int
     grad_accum_steps: int
-    demand_json: str            # admission.Demand.to_json()
+    demand_json: str  # admission.Demand.to_json()
     priority: int = 0
     max_retries: int = 2
 
@@ -106,7 +106,6 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
-
 OUR_TABLES = {"jobs", "attempts", "events"}
 
 
@@ -142,8 +141,10 @@ class Queue:
         return self.path.is_file()
 
     def _refuse_unusable(self, why: str) -> UserError:
-        return UserError(f"queue database {self.path}: {why}; rayft did not change it -- move it aside "
-                         f"(mv {self.path} {self.path}.bad) to start a new queue, or pass --db another file")
+        return UserError(
+            f"queue database {self.path}: {why}; rayft did not change it -- move it aside "
+            f"(mv {self.path} {self.path}.bad) to start a new queue, or pass --db another file"
+        )
 
     def _open(self) -> sqlite3.Connection:
         path = self.path
@@ -157,17 +158,19 @@ class Queue:
             if path.parent.exists():
                 raise UserError(f"--db {path}: {path.parent} is not a directory")
             missing = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
-            for d in reversed(missing):              # each directory rayft creates: 0700
+            for d in reversed(missing):  # each directory rayft creates: 0700
                 d.mkdir(mode=0o700, exist_ok=True)
-                d.chmod(0o700)                       # mkdir's mode is masked by the umask
-        for p in ([path] if path.exists() else []) + [path.parent]:     # WAL writes files beside it
+                d.chmod(0o700)  # mkdir's mode is masked by the umask
+        for p in ([path] if path.exists() else []) + [path.parent]:  # WAL writes files beside it
             if not os.access(p, os.W_OK):
-                raise UserError(f"queue database {path}: {p} is read-only for this user; `rayft queue status` "
-                                "can read it, changing the queue needs write access to the file and its directory")
+                raise UserError(
+                    f"queue database {path}: {p} is read-only for this user; `rayft queue status` "
+                    "can read it, changing the queue needs write access to the file and its directory"
+                )
         if not path.exists():
-            try:                                      # created 0600 before SQLite writes a byte into it
+            try:  # created 0600 before SQLite writes a byte into it
                 os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            except FileExistsError:                   # another `queue add` created it just now
+            except FileExistsError:  # another `queue add` created it just now
                 pass
         db = self._check(sqlite3.connect(str(path), timeout=30, isolation_level=None))
         try:
@@ -215,8 +218,7 @@ class Queue:
         if tables and not OUR_TABLES <= tables:
             db.close()
             shown = ", ".join(sorted(tables)[:5])
-            raise self._refuse_unusable(f"a SQLite database of something else (tables: {shown}), "
-                                        "not a rayft queue")
+            raise self._refuse_unusable(f"a SQLite database of something else (tables: {shown}), not a rayft queue")
         return db
 
     @contextlib.contextmanager
@@ -230,13 +232,14 @@ class Queue:
         self.db.execute("COMMIT")
 
     def event(self, c: sqlite3.Connection, job_id: int, kind: str, detail: str = "") -> None:
-        c.execute("INSERT INTO events (job_id, at, kind, detail) VALUES (?, ?, ?, ?)",
-                  (job_id, time.time(), kind, detail))
+        c.execute(
+            "INSERT INTO events (job_id, at, kind, detail) VALUES (?, ?, ?, ?)", (job_id, time.time(), kind, detail)
+        )
 
     # -- reading --
     def jobs(self, states: tuple[str, ...] | None = None) -> list[sqlite3.Row]:
         if self.readonly and (not self.exists or (self.db is not None and not self._has_tables)):
-            return []                     # no file, or an empty one: an empty queue (nothing created)
+            return []  # no file, or an empty one: an empty queue (nothing created)
         if states:
             q = f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(states))}) ORDER BY id"
             return list(self.db.execute(q, states))
@@ -261,17 +264,30 @@ class Queue:
         """Queue one validated job. The same spec (name + hash + working dir) is one job: adding it
         again returns the existing entry. Returns (id, created)."""
         with self.txn() as c:
-            row = c.execute("SELECT id FROM jobs WHERE name = ? AND spec_hash = ? AND working_dir = ?",
-                            (job.name, job.spec_hash, job.working_dir)).fetchone()
+            row = c.execute(
+                "SELECT id FROM jobs WHERE name = ? AND spec_hash = ? AND working_dir = ?",
+                (job.name, job.spec_hash, job.working_dir),
+            ).fetchone()
             if row is not None:
                 return int(row["id"]), False
             cur = c.execute(
                 "INSERT INTO jobs (name, working_dir, spec_path, overrides, spec_hash, priority, state, "
                 "micro_batch_size, grad_accum_steps, demand, max_retries, added_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, 'QUEUED', ?, ?, ?, ?, ?)",
-                (job.name, job.working_dir, job.spec_path, json.dumps(list(job.overrides)), job.spec_hash,
-                 job.priority, job.micro_batch_size, job.grad_accum_steps, job.demand_json, job.max_retries,
-                 time.time()))
+                (
+                    job.name,
+                    job.working_dir,
+                    job.spec_path,
+                    json.dumps(list(job.overrides)),
+                    job.spec_hash,
+                    job.priority,
+                    job.micro_batch_size,
+                    job.grad_accum_steps,
+                    job.demand_json,
+                    job.max_retries,
+                    time.time(),
+                ),
+            )
             job_id = cur.lastrowid
             assert job_id is not None  # set by the INSERT above
             self.event(c, job_id, "queued", f"priority {job.priority}, spec {job.spec_path}, hash {job.spec_hash}")
@@ -283,8 +299,11 @@ class Queue:
         if row["state"] not in RETRYABLE:
             raise UserError(f"job #{job_id} is {row['state']}: only a FAILED, STOPPED or CANCELED job can be retried")
         with self.txn() as c:
-            n = c.execute("UPDATE jobs SET state='QUEUED', retries=0, not_before=0, status_detail='', message='', "
-                          "ended_at=NULL WHERE id=? AND state=?", (job_id, row["state"])).rowcount
+            n = c.execute(
+                "UPDATE jobs SET state='QUEUED', retries=0, not_before=0, status_detail='', message='', "
+                "ended_at=NULL WHERE id=? AND state=?",
+                (job_id, row["state"]),
+            ).rowcount
             if n:
                 self.event(c, job_id, "requeued", f"by hand after {row['state']}")
         return self.job(job_id)["state"]
@@ -299,11 +318,15 @@ class Queue:
                 raise UserError(f"job #{job_id} is {row['state']} on the cluster: pass --address to stop it")
             stop(row["submission_id"])
         with self.txn() as c:
-            n = c.execute("UPDATE jobs SET state='CANCELED', ended_at=?, message='canceled by hand' "
-                          "WHERE id=? AND state=?", (time.time(), job_id, row["state"])).rowcount
+            n = c.execute(
+                "UPDATE jobs SET state='CANCELED', ended_at=?, message='canceled by hand' WHERE id=? AND state=?",
+                (time.time(), job_id, row["state"]),
+            ).rowcount
             if n:
                 if row["state"] in ACTIVE:
-                    c.execute("UPDATE attempts SET status='STOPPED', ended_at=? WHERE job_id=? AND attempt=?",
-                              (time.time(), job_id, row["attempt"]))
+                    c.execute(
+                        "UPDATE attempts SET status='STOPPED', ended_at=? WHERE job_id=? AND attempt=?",
+                        (time.time(), job_id, row["attempt"]),
+                    )
                 self.event(c, job_id, "ended", "CANCELED")
         return "CANCELED" if n else self.job(job_id)["state"]

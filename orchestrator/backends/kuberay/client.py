@@ -64,7 +64,7 @@ MANAGED_BY = "app.kubernetes.io/managed-by=rayft"
 ANN_ATTEMPT = "rayft.io/attempt"
 ANN_MICRO_BATCH = "rayft.io/micro-batch-size"
 ANN_GRAD_ACCUM = "rayft.io/grad-accum-steps"
-ANN_EXTRA = "rayft.io/"                  # + key, for `prepare(extra_metadata=...)` (the queue's job id)
+ANN_EXTRA = "rayft.io/"  # + key, for `prepare(extra_metadata=...)` (the queue's job id)
 
 
 def attempt_name(name: str, attempt: int) -> str:
@@ -92,6 +92,7 @@ def _renamed(objs: list[Obj], old: str, new: str) -> list[Obj]:
         if isinstance(node, list):
             return [walk(v) for v in node]
         return swap.get(node, node) if isinstance(node, str) else node
+
     return [walk(o) for o in objs]
 
 
@@ -117,7 +118,7 @@ def job_state(obj: Obj) -> str:
         return QUEUED
     if ds in ("Running", "Retrying"):
         return js if js in (PENDING, *FINAL) else RUNNING
-    return PENDING                       # New, Initializing, Waiting, and whatever a newer KubeRay adds
+    return PENDING  # New, Initializing, Waiting, and whatever a newer KubeRay adds
 
 
 def _epoch_s(stamp: str | None) -> float | None:
@@ -139,16 +140,29 @@ def to_status(obj: Obj, namespace: str) -> JobStatus:
     if state == QUEUED and not message:
         message = "suspended: waiting for Kueue to admit it (quota)"
     return JobStatus(
-        id=meta["name"], state=state, message=message,
-        name=meta["name"], spec_hash=ann.get(ANN_SPEC_HASH, ""),
-        start_time_s=_epoch_s(st.get("startTime")), end_time_s=_epoch_s(st.get("endTime")), backend="kuberay",
-        details={"namespace": namespace, "job": (meta.get("labels") or {}).get("rayft.io/job", ""),
-                 "deployment_status": st.get("jobDeploymentStatus") or "", "job_status": st.get("jobStatus") or "",
-                 "ray_cluster": st.get("rayClusterName") or "", "dashboard_url": st.get("dashboardURL") or "",
-                 "failed": st.get("failed") or 0, "memory_estimate_gib": ann.get(ANN_ESTIMATE, ""),
-                 "attempt": ann.get(ANN_ATTEMPT, "1"), "micro_batch_size": ann.get(ANN_MICRO_BATCH, ""),
-                 "grad_accum_steps": ann.get(ANN_GRAD_ACCUM, ""),
-                 "gradient_checkpointing": ann.get(ANN_CHECKPOINTING, "")})
+        id=meta["name"],
+        state=state,
+        message=message,
+        name=meta["name"],
+        spec_hash=ann.get(ANN_SPEC_HASH, ""),
+        start_time_s=_epoch_s(st.get("startTime")),
+        end_time_s=_epoch_s(st.get("endTime")),
+        backend="kuberay",
+        details={
+            "namespace": namespace,
+            "job": (meta.get("labels") or {}).get("rayft.io/job", ""),
+            "deployment_status": st.get("jobDeploymentStatus") or "",
+            "job_status": st.get("jobStatus") or "",
+            "ray_cluster": st.get("rayClusterName") or "",
+            "dashboard_url": st.get("dashboardURL") or "",
+            "failed": st.get("failed") or 0,
+            "memory_estimate_gib": ann.get(ANN_ESTIMATE, ""),
+            "attempt": ann.get(ANN_ATTEMPT, "1"),
+            "micro_batch_size": ann.get(ANN_MICRO_BATCH, ""),
+            "grad_accum_steps": ann.get(ANN_GRAD_ACCUM, ""),
+            "gradient_checkpointing": ann.get(ANN_CHECKPOINTING, ""),
+        },
+    )
 
 
 @dataclass
@@ -192,10 +206,17 @@ class KubeRayBackend:
     # and checks only that a job fits one node of `node_type` (orchestrator.queue.admission).
     admits_by_quota = True
 
-    def __init__(self, namespace: str | None = None, *, api_client: Any = None,
-                 overlay: str | Path = DEFAULT_OVERLAY, queue: str | None = None,
-                 image: str | None = None, context: str | None = None,
-                 timeout_s: float | None = None):
+    def __init__(
+        self,
+        namespace: str | None = None,
+        *,
+        api_client: Any = None,
+        overlay: str | Path = DEFAULT_OVERLAY,
+        queue: str | None = None,
+        image: str | None = None,
+        context: str | None = None,
+        timeout_s: float | None = None,
+    ):
         self.timeout_s = http_timeout_s(timeout_s)
         self.namespace = namespace or os.environ.get("RAYFT_K8S_NAMESPACE") or DEFAULT_NAMESPACE
         self.overlay, self.queue, self.image, self.context = overlay, queue, image, context
@@ -282,16 +303,18 @@ class KubeRayBackend:
                     pass
             text = first_line(f"kuberay: {what}: HTTP {e.status}: {msg}")
             raise (ClusterAuthError if e.status in (401, 403) else KubeRayError)(text) from None
-        except HTTPError as e:              # no answer: connection refused, DNS, TLS, a timeout
+        except HTTPError as e:  # no answer: connection refused, DNS, TLS, a timeout
             reason = getattr(e, "reason", None)
             # (urllib3's NewConnectionError -- refused, no route -- subclasses its timeout class)
             if any(isinstance(x, Urllib3Timeout) and not isinstance(x, NewConnectionError) for x in (e, reason)):
                 raise ClusterUnreachable(
                     f"kuberay: {what}: no answer from the Kubernetes API at {self.api_host} within "
-                    f"{self.timeout_s:g} s (--timeout-s or $RAYFT_HTTP_TIMEOUT_S sets the limit)") from None
+                    f"{self.timeout_s:g} s (--timeout-s or $RAYFT_HTTP_TIMEOUT_S sets the limit)"
+                ) from None
             why = first_line(reason or e, 200)
-            raise ClusterUnreachable(f"kuberay: {what}: cannot reach the Kubernetes API at {self.api_host} "
-                                     f"({why})") from None
+            raise ClusterUnreachable(
+                f"kuberay: {what}: cannot reach the Kubernetes API at {self.api_host} ({why})"
+            ) from None
 
     def _not_found(self, name: str) -> str:
         return f"kuberay: no RayJob {name} in namespace {self.namespace}"
@@ -299,8 +322,8 @@ class KubeRayBackend:
     def _get_rayjob(self, name: str) -> Obj:
         with self._api(f"get RayJob {name}", missing=self._not_found(name)):
             return self._custom().get_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, name,
-                _request_timeout=self._timeout)
+                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, name, _request_timeout=self._timeout
+            )
 
     # -- the interface --
     def render(self, spec: JobSpec, **kw: Any) -> list[Obj]:
@@ -313,8 +336,15 @@ class KubeRayBackend:
         """Render a typed spec (refused when it does not fit the overlay's node type)."""
         return KubeRaySubmission(spec, self.render(spec, spec_path=spec_path))
 
-    def prepare(self, spec_path: str, overrides: list[str], *, working_dir: str | None = None,
-                attempt: int = 1, extra_metadata: dict | None = None) -> KubeRaySubmission:
+    def prepare(
+        self,
+        spec_path: str,
+        overrides: list[str],
+        *,
+        working_dir: str | None = None,
+        attempt: int = 1,
+        extra_metadata: dict | None = None,
+    ) -> KubeRaySubmission:
         """Render the spec as attempt `attempt` (a RayJob of its own, `attempt_name`), annotated
         with the attempt, the batch split it runs (what an out-of-memory retry changes) and
         `extra_metadata` as `rayft.io/<key>` (the queue's job id)."""
@@ -324,18 +354,29 @@ class KubeRayBackend:
         sub = self.prepare_spec(spec, spec_path=spec_path)
         if attempt > 1:
             sub.objects = _renamed(sub.objects, sub.submission_id, attempt_name(sub.submission_id, attempt))
-        extra = {ANN_ATTEMPT: str(attempt), ANN_MICRO_BATCH: str(spec.batch.micro_batch_size),
-                 ANN_GRAD_ACCUM: str(spec.grad_accum_steps),
-                 **{f"{ANN_EXTRA}{k.replace('_', '-')}": str(v) for k, v in (extra_metadata or {}).items()}}
+        extra = {
+            ANN_ATTEMPT: str(attempt),
+            ANN_MICRO_BATCH: str(spec.batch.micro_batch_size),
+            ANN_GRAD_ACCUM: str(spec.grad_accum_steps),
+            **{f"{ANN_EXTRA}{k.replace('_', '-')}": str(v) for k, v in (extra_metadata or {}).items()},
+        }
         for obj in sub.objects:
             obj["metadata"]["annotations"].update(extra)
         if working_dir:
-            sub.warnings.append(f"--working-dir {working_dir} is not uploaded: a RayJob runs the project inside "
-                                "its image (k8s/image/Dockerfile)")
+            sub.warnings.append(
+                f"--working-dir {working_dir} is not uploaded: a RayJob runs the project inside "
+                "its image (k8s/image/Dockerfile)"
+            )
         return sub
 
-    def _create_or_match(self, kind: str, name: str, create: Callable[[], Any], read: Callable[[], Any],
-                         differs: Callable[[Any], str | None]) -> tuple[Any, Any]:
+    def _create_or_match(
+        self,
+        kind: str,
+        name: str,
+        create: Callable[[], Any],
+        read: Callable[[], Any],
+        differs: Callable[[Any], str | None],
+    ) -> tuple[Any, Any]:
         """Create one object: (what the create returned, None). When one of that name exists
         already (409 AlreadyExists: the same job's, from a submission killed half-way or repeated),
         `read` it and return (None, it) if it is the same -- `differs(it)` says nothing -- and refuse
@@ -385,20 +426,33 @@ class KubeRayBackend:
 
         body = client.V1ConfigMap.from_dict(cm) if hasattr(client.V1ConfigMap, "from_dict") else cm
         self._create_or_match(
-            "ConfigMap", cm_name, lambda: core.create_namespaced_config_map(self.namespace, body, _request_timeout=t),
+            "ConfigMap",
+            cm_name,
+            lambda: core.create_namespaced_config_map(self.namespace, body, _request_timeout=t),
             lambda: core.read_namespaced_config_map(cm_name, self.namespace, _request_timeout=t),
-            lambda have: None if hash_of(have) == h else
-            f"kuberay: ConfigMap {cm_name} exists with spec hash {hash_of(have)}, not {h}")
+            lambda have: (
+                None
+                if hash_of(have) == h
+                else f"kuberay: ConfigMap {cm_name} exists with spec hash {hash_of(have)}, not {h}"
+            ),
+        )
         for pdb in rest:
             self._create_budget(policy, pdb)
         created, have = self._create_or_match(
-            "RayJob", name, lambda: custom.create_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, rj, _request_timeout=t),
+            "RayJob",
+            name,
+            lambda: custom.create_namespaced_custom_object(
+                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, rj, _request_timeout=t
+            ),
             lambda: self._get_rayjob(name),
-            lambda have: None if hash_of(have) == h else
-            f"kuberay: RayJob {name} exists with spec hash {hash_of(have)}, not {h}; "
-            f"`rayft stop {name} {self.cli_flags}` first")
-        if created is None:                               # AlreadyExists: the same job
+            lambda have: (
+                None
+                if hash_of(have) == h
+                else f"kuberay: RayJob {name} exists with spec hash {hash_of(have)}, not {h}; "
+                f"`rayft stop {name} {self.cli_flags}` first"
+            ),
+        )
+        if created is None:  # AlreadyExists: the same job
             return to_status(have, self.namespace), False
         self._owned_by(created, name, cm_name, [p["metadata"]["name"] for p in rest])
         return to_status(created if isinstance(created, dict) else rj, self.namespace), True
@@ -406,10 +460,12 @@ class KubeRayBackend:
     def _create_budget(self, policy: Any, pdb: Obj) -> None:
         name, t = pdb["metadata"]["name"], self._timeout
         self._create_or_match(
-            "PodDisruptionBudget", name,
+            "PodDisruptionBudget",
+            name,
             lambda: policy.create_namespaced_pod_disruption_budget(self.namespace, pdb, _request_timeout=t),
             lambda: policy.read_namespaced_pod_disruption_budget(name, self.namespace, _request_timeout=t),
-            lambda have: self._budget_differs(pdb, have))
+            lambda have: self._budget_differs(pdb, have),
+        )
 
     def _budget_differs(self, want: Obj, have: Any) -> str | None:
         """Why an existing PodDisruptionBudget is not the one rendered: every field of the rendered
@@ -419,8 +475,10 @@ class KubeRayBackend:
         got = {k: have_spec.get(k) for k in want_spec}
         if got == want_spec:
             return None
-        return (f"kuberay: PodDisruptionBudget {want['metadata']['name']} exists with spec "
-                f"{json.dumps(got, sort_keys=True)}, not {json.dumps(want_spec, sort_keys=True)}")
+        return (
+            f"kuberay: PodDisruptionBudget {want['metadata']['name']} exists with spec "
+            f"{json.dumps(got, sort_keys=True)}, not {json.dumps(want_spec, sort_keys=True)}"
+        )
 
     def _owned_by(self, created: Any, name: str, cm_name: str, pdb_names: list[str]) -> None:
         """Let the ConfigMap and the budgets go with the RayJob (garbage collection by owner
@@ -431,14 +489,22 @@ class KubeRayBackend:
         uid = (created.get("metadata") or {}).get("uid") if isinstance(created, dict) else None
         if not uid:
             return
-        owner = [{"apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}", "kind": "RayJob", "name": name,
-                  "uid": uid, "blockOwnerDeletion": False}]
+        owner = [
+            {
+                "apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}",
+                "kind": "RayJob",
+                "name": name,
+                "uid": uid,
+                "blockOwnerDeletion": False,
+            }
+        ]
         patch = [{"op": "add", "path": "/metadata/ownerReferences", "value": owner}]
         try:
             self._core().patch_namespaced_config_map(cm_name, self.namespace, patch, _request_timeout=self._timeout)
             for pdb_name in pdb_names:
                 client.PolicyV1Api(self.api_client).patch_namespaced_pod_disruption_budget(
-                    pdb_name, self.namespace, patch, _request_timeout=self._timeout)
+                    pdb_name, self.namespace, patch, _request_timeout=self._timeout
+                )
         except ApiException:
             pass
 
@@ -465,8 +531,12 @@ class KubeRayBackend:
 
         def newest(selector: str):
             with self._api(f"list pods ({selector})"):
-                pods = core.list_namespaced_pod(self.namespace, label_selector=selector,
-                                                _request_timeout=self._timeout).items or []
+                pods = (
+                    core.list_namespaced_pod(
+                        self.namespace, label_selector=selector, _request_timeout=self._timeout
+                    ).items
+                    or []
+                )
             pods = [p for p in pods if p.metadata is not None]
             return max(pods, key=lambda p: str(p.metadata.creation_timestamp or "")) if pods else None
 
@@ -484,10 +554,14 @@ class KubeRayBackend:
             kw["container"] = container
         with self._api(f"log of pod {pod.metadata.name}"):
             try:
-                return core.read_namespaced_pod_log(pod.metadata.name, self.namespace, **kw,
-                                                    _request_timeout=self._timeout) or ""
+                return (
+                    core.read_namespaced_pod_log(
+                        pod.metadata.name, self.namespace, **kw, _request_timeout=self._timeout
+                    )
+                    or ""
+                )
             except ApiException as e:
-                if e.status not in (400, 404):   # 400: container not started yet; 404: pod gone
+                if e.status not in (400, 404):  # 400: container not started yet; 404: pod gone
                     raise
         return f"(no log from pod {pod.metadata.name} yet: {job_state(obj)})\n"
 
@@ -513,8 +587,14 @@ class KubeRayBackend:
         opts = client.V1DeleteOptions(propagation_policy="Background")
         with self._api(f"delete RayJob {name}", missing=self._not_found(name)):
             self._custom().delete_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL, name, body=opts,
-                _request_timeout=self._timeout)
+                RAY_GROUP,
+                RAY_VERSION_API,
+                self.namespace,
+                RAYJOB_PLURAL,
+                name,
+                body=opts,
+                _request_timeout=self._timeout,
+            )
         cm_name = spec_configmap_name(name)
         with self._api(f"delete ConfigMap {cm_name}"):
             try:
@@ -525,9 +605,10 @@ class KubeRayBackend:
         with self._api(f"delete PodDisruptionBudget {name}"):  # render names it after the RayJob
             try:
                 client.PolicyV1Api(self.api_client).delete_namespaced_pod_disruption_budget(
-                    name, self.namespace, _request_timeout=self._timeout)
+                    name, self.namespace, _request_timeout=self._timeout
+                )
             except ApiException as e:
-                if e.status != 404:                       # none: a job rendered before budgets existed
+                if e.status != 404:  # none: a job rendered before budgets existed
                     raise
         return True
 
@@ -535,6 +616,11 @@ class KubeRayBackend:
         """rayft's RayJobs in the namespace (`all_jobs`: every RayJob there), oldest first."""
         with self._api("list RayJobs"):
             got = self._custom().list_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION_API, self.namespace, RAYJOB_PLURAL,
-                **({} if all_jobs else {"label_selector": MANAGED_BY}), _request_timeout=self._timeout)
+                RAY_GROUP,
+                RAY_VERSION_API,
+                self.namespace,
+                RAYJOB_PLURAL,
+                **({} if all_jobs else {"label_selector": MANAGED_BY}),
+                _request_timeout=self._timeout,
+            )
         return sorted_by_start(to_status(o, self.namespace) for o in got.get("items") or [])

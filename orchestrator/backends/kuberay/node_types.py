@@ -67,23 +67,23 @@ class NodeType:
     gpus_per_node: int
     gpu_memory_gib: float
     cpus_per_node: float
-    worker_memory_gib: float              # host memory per GPU worker: a pod of N GPUs gets N times it
+    worker_memory_gib: float  # host memory per GPU worker: a pod of N GPUs gets N times it
     head_cpu: float
     head_memory_gib: float
     image: str
-    head_ephemeral_gib: float = 20.0      # ephemeral-storage of the head pod (Ray's /tmp/ray)
-    worker_ephemeral_gib: float = 50.0    # ... per GPU worker (logs, spilled objects), N times in a pod of N
-    flavour: str = "gfd"                  # gfd, gke, eks or custom: which GPU label the nodes carry
+    head_ephemeral_gib: float = 20.0  # ephemeral-storage of the head pod (Ray's /tmp/ray)
+    worker_ephemeral_gib: float = 50.0  # ... per GPU worker (logs, spilled objects), N times in a pod of N
+    flavour: str = "gfd"  # gfd, gke, eks or custom: which GPU label the nodes carry
     gpu_label_key: str = GPU_LABEL_KEYS["gfd"]
-    gpu_label_value: str = ""             # "" with GPUs: gpu_product (GFD's value)
-    gpu_tolerations: tuple = DEFAULT_GPU_TOLERATIONS   # taints of the GPU nodes, tolerated by GPU pods
-    storage_class: str = ""               # of the rayft-data PVC ("" = the cluster's default)
-    access_mode: str = "ReadWriteMany"    # of the rayft-data PVC
-    cluster_gpus: int = 0                 # GPUs of all nodes of this type (0: one node's)
+    gpu_label_value: str = ""  # "" with GPUs: gpu_product (GFD's value)
+    gpu_tolerations: tuple = DEFAULT_GPU_TOLERATIONS  # taints of the GPU nodes, tolerated by GPU pods
+    storage_class: str = ""  # of the rayft-data PVC ("" = the cluster's default)
+    access_mode: str = "ReadWriteMany"  # of the rayft-data PVC
+    cluster_gpus: int = 0  # GPUs of all nodes of this type (0: one node's)
     # GPUs the Kueue ClusterQueue hands out to RayJobs (nominalQuota of nvidia.com/gpu; 0: not
     # known, not checked). A job asking more is never admitted: its RayJob would wait suspended.
     job_quota_gpus: int = 0
-    source: str = ""                      # the file this node type was read from (for messages)
+    source: str = ""  # the file this node type was read from (for messages)
 
     def gpus_refusal(self, gpus: float) -> str:
         """Why a job holding `gpus` GPUs in total can never be admitted on this node type's
@@ -92,18 +92,26 @@ class NodeType:
         RayJob is not refused there: it stays suspended forever."""
         where = f" in {self.source}" if self.source else ""
         if self.job_quota_gpus and gpus > self.job_quota_gpus:
-            return (f"{gpus:g} GPUs exceed the {self.job_quota_gpus} GPUs the Kueue ClusterQueue of overlay "
-                    f"{self.overlay} hands out to RayJobs (jobQuotaGpus{where}); Kueue would keep it suspended forever")
+            return (
+                f"{gpus:g} GPUs exceed the {self.job_quota_gpus} GPUs the Kueue ClusterQueue of overlay "
+                f"{self.overlay} hands out to RayJobs (jobQuotaGpus{where}); Kueue would keep it suspended forever"
+            )
         if self.cluster_gpus and gpus > self.cluster_gpus:
-            return (f"{gpus:g} GPUs exceed the {self.cluster_gpus} GPUs of overlay {self.overlay}'s cluster "
-                    f"(clusterGpus{where})")
+            return (
+                f"{gpus:g} GPUs exceed the {self.cluster_gpus} GPUs of overlay {self.overlay}'s cluster "
+                f"(clusterGpus{where})"
+            )
         return ""
 
     def offer(self, gpu_memory_gib: float | None) -> NodeOffer:
         """One node of this type as the node-fit rule sees it, its GPU holding `gpu_memory_gib`
         (render: gpuMemoryGiB as written; admission: after `--gpu-memory`, None when unknown)."""
-        return NodeOffer(gpus=self.gpus_per_node, cpus=self.cpus_per_node,
-                         gpu_names=(self.ray_accelerator_type, self.gpu_product), gpu_memory_gib=gpu_memory_gib)
+        return NodeOffer(
+            gpus=self.gpus_per_node,
+            cpus=self.cpus_per_node,
+            gpu_names=(self.ray_accelerator_type, self.gpu_product),
+            gpu_memory_gib=gpu_memory_gib,
+        )
 
     def gpu_selector(self) -> dict:
         """The nodeSelector of a GPU pod on this node type ({} when there is nothing to select)."""
@@ -159,9 +167,13 @@ def _flavour_fields(d: Obj, where: str) -> Obj:
     if mode not in ("ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"):
         raise UserError(f"{where}: data.accessMode {mode!r}: expected ReadWriteMany or ReadWriteOnce")
     return {
-        "flavour": flavour, "gpu_label_key": key, "gpu_label_value": str(d.get("gpuLabelValue") or ""),
-        "gpu_tolerations": tolerations, "storage_class": str(d.get("storageClassName") or ""),
-        "access_mode": mode, "cluster_gpus": _count(d, "clusterGpus", where),
+        "flavour": flavour,
+        "gpu_label_key": key,
+        "gpu_label_value": str(d.get("gpuLabelValue") or ""),
+        "gpu_tolerations": tolerations,
+        "storage_class": str(d.get("storageClassName") or ""),
+        "access_mode": mode,
+        "cluster_gpus": _count(d, "clusterGpus", where),
         "job_quota_gpus": _count(d, "jobQuotaGpus", where),
     }
 
@@ -200,10 +212,12 @@ def load_node_type(overlay: str | Path = DEFAULT_OVERLAY) -> NodeType:
     for f in (base / "node-type" / "node-type.yaml", base / "node-type.yaml"):
         if f.is_file():
             for doc in yaml.safe_load_all(f.read_text()):
-                if isinstance(doc, dict) and doc.get("kind") == "ConfigMap" and \
-                        (doc.get("metadata") or {}).get("name") == "rayft-node-type":
+                if (
+                    isinstance(doc, dict)
+                    and doc.get("kind") == "ConfigMap"
+                    and (doc.get("metadata") or {}).get("name") == "rayft-node-type"
+                ):
                     return NodeType.from_configmap(doc, base.name, source=_shown(f))
             raise UserError(f"{f}: no ConfigMap rayft-node-type in it")
     known = ", ".join(overlays()) or "none found"
     raise UserError(f"--overlay {overlay}: no node type (node-type/node-type.yaml) there; overlays: {known}")
-

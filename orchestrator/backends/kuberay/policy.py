@@ -43,8 +43,10 @@ RESTRICTED_CAPS_ADD = {"NET_BIND_SERVICE"}
 SHM_FRACTION = 0.3
 # An image reference: [registry[:port]/]path[:tag][@sha256:digest]. A digest names one image for
 # ever; a tag may be pushed again, so a node that has it cached would keep running the old one.
-IMAGE_REF = re.compile(r"(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+|/)[a-z0-9]+)*"
-                       r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?")
+IMAGE_REF = re.compile(
+    r"(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+|/)[a-z0-9]+)*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?"
+)
 
 
 def pull_policy(image: str) -> str:
@@ -80,13 +82,26 @@ def pod_disruption_budget(name: str, match_labels: dict[str, str]) -> Obj:
         },
     }
 
-DATA_MOUNT = "/mnt/rayft"                # every Ray pod mounts the data volume (PVC rayft-data) here
+
+DATA_MOUNT = "/mnt/rayft"  # every Ray pod mounts the data volume (PVC rayft-data) here
 # The hub's downloads and rayft's cache (jobs.model) on the data volume, in every Ray container:
 # in the container layer a large model fills the node's disk and the pod is evicted.
 CACHE_ENV = {"HF_HOME": f"{DATA_MOUNT}/cache/huggingface", "RAYFT_CACHE": f"{DATA_MOUNT}/cache/rayft"}
 _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)")
-_QUANTITY_UNITS = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
-                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+_QUANTITY_UNITS = {
+    "": 1,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+}
 
 
 def shm_gib(memory_gib: float) -> float:
@@ -149,8 +164,8 @@ def _shm_violations(where: str, pod: Obj) -> list[str]:
     """/dev/shm of the Ray container: a memory emptyDir >= SHM_FRACTION of its memory limit."""
     containers = pod.get("containers") or []
     if not containers:
-        return []                       # `_restricted` reports the missing container
-    c = containers[0]                   # KubeRay: the Ray container is the first one
+        return []  # `_restricted` reports the missing container
+    c = containers[0]  # KubeRay: the Ray container is the first one
     w = f"{where}: container {c.get('name', '?')}"
     mem = quantity_bytes(((c.get("resources") or {}).get("limits") or {}).get("memory"))
     if mem is None:
@@ -162,8 +177,10 @@ def _shm_violations(where: str, pod: Obj) -> list[str]:
         return [f"{w}: /dev/shm must be a memory emptyDir (Ray's object store lives there; the default is 64 MiB)"]
     size = quantity_bytes(ed.get("sizeLimit"))
     if size is None or size < SHM_FRACTION * mem:
-        return [f"{w}: /dev/shm sizeLimit {ed.get('sizeLimit')} is below {SHM_FRACTION:.0%} of the memory limit "
-                f"{c['resources']['limits']['memory']} (Ray's object store would fall back to /tmp)"]
+        return [
+            f"{w}: /dev/shm sizeLimit {ed.get('sizeLimit')} is below {SHM_FRACTION:.0%} of the memory limit "
+            f"{c['resources']['limits']['memory']} (Ray's object store would fall back to /tmp)"
+        ]
     return []
 
 
@@ -177,8 +194,10 @@ def _storage_violations(where: str, pod: Obj, ray: bool) -> list[str]:
         req = quantity_bytes((res.get("requests") or {}).get("ephemeral-storage"))
         lim = quantity_bytes((res.get("limits") or {}).get("ephemeral-storage"))
         if req is None or lim is None:
-            bad.append(f"{w}: resources.requests and limits of ephemeral-storage must be set "
-                       "(unbounded writes to the container layer get pods evicted for disk pressure)")
+            bad.append(
+                f"{w}: resources.requests and limits of ephemeral-storage must be set "
+                "(unbounded writes to the container layer get pods evicted for disk pressure)"
+            )
         elif req > lim:
             bad.append(f"{w}: ephemeral-storage request is above its limit")
     if ray and pod.get("containers"):
@@ -190,8 +209,10 @@ def _storage_violations(where: str, pod: Obj, ray: bool) -> list[str]:
         env = {e.get("name"): e.get("value") for e in c.get("env") or []}
         for k in CACHE_ENV:
             if not str(env.get(k) or "").startswith(f"{DATA_MOUNT}/cache/"):
-                bad.append(f"{w}: env {k} must point under {DATA_MOUNT}/cache/ (downloads on the data volume, "
-                           "not the container layer)")
+                bad.append(
+                    f"{w}: env {k} must point under {DATA_MOUNT}/cache/ (downloads on the data volume, "
+                    "not the container layer)"
+                )
     return bad
 
 
@@ -201,8 +222,10 @@ def _image_violations(where: str, pod: Obj) -> list[str]:
     for c in (pod.get("containers") or []) + (pod.get("initContainers") or []):
         image = str(c.get("image") or "")
         if "@sha256:" not in image and c.get("imagePullPolicy") in ("IfNotPresent", "Never"):
-            bad.append(f"{where}: container {c.get('name', '?')}: image {image} by tag with imagePullPolicy "
-                       f"{c['imagePullPolicy']} (use Always, or the image by digest: REPO@sha256:...)")
+            bad.append(
+                f"{where}: container {c.get('name', '?')}: image {image} by tag with imagePullPolicy "
+                f"{c['imagePullPolicy']} (use Always, or the image by digest: REPO@sha256:...)"
+            )
     return bad
 
 
@@ -212,8 +235,9 @@ def _disruption_violations(where: str, template: Obj) -> list[str]:
     ann = (template.get("metadata") or {}).get("annotations") or {}
     for k, v in NO_DISRUPT.items():
         if ann.get(k) != v:
-            bad.append(f"{where}: pod annotation {k}: \"{v}\" is missing (node consolidation would evict "
-                       "a training pod mid-run)")
+            bad.append(
+                f'{where}: pod annotation {k}: "{v}" is missing (node consolidation would evict a training pod mid-run)'
+            )
     if not (template.get("spec") or {}).get("priorityClassName"):
         bad.append(f"{where}: spec.priorityClassName must be set (e.g. {PRIORITY_CLASS})")
     return bad
@@ -221,8 +245,9 @@ def _disruption_violations(where: str, template: Obj) -> list[str]:
 
 def _ray_pod_templates(o: Obj) -> Iterator[tuple[str, Obj]]:
     kind, spec, oid = o.get("kind", ""), o.get("spec") or {}, _oid(o)
-    rc = {"RayCluster": spec, "RayJob": spec.get("rayClusterSpec"),
-          "RayService": spec.get("rayClusterConfig")}.get(kind)
+    rc = {"RayCluster": spec, "RayJob": spec.get("rayClusterSpec"), "RayService": spec.get("rayClusterConfig")}.get(
+        kind
+    )
     if not rc:
         return
     yield f"{oid} head", (rc.get("headGroupSpec") or {}).get("template") or {}
@@ -279,15 +304,20 @@ def _env_violations(where: str, pod: Obj) -> list[str]:
     for c in (pod.get("containers") or []) + (pod.get("initContainers") or []):
         for e in c.get("env") or []:
             if SECRET_NAME.search(e.get("name", "")) and e.get("value"):
-                bad.append(f"{where}: container {c.get('name')}: env {e['name']} has an inline value "
-                           "(use valueFrom.secretKeyRef)")
+                bad.append(
+                    f"{where}: container {c.get('name')}: env {e['name']} has an inline value "
+                    "(use valueFrom.secretKeyRef)"
+                )
     return bad
 
 
 def _exposes_ray_ports(ports: list[Obj] | None) -> bool:
     for p in ports or []:
-        if p.get("port") in RAY_PORTS or p.get("targetPort") in RAY_PORTS or \
-                p.get("targetPort") in ("dashboard", "client"):
+        if (
+            p.get("port") in RAY_PORTS
+            or p.get("targetPort") in RAY_PORTS
+            or p.get("targetPort") in ("dashboard", "client")
+        ):
             return True
     return False
 
@@ -351,20 +381,28 @@ def _pdb_violations(objs: list[Obj]) -> list[str]:
     for o in ray:
         for where, template in _ray_pod_templates(o):
             labels = _pod_labels(template)
-            cover = [p for p in pdbs if _ns(p) == _ns(o) and selector_matches((p.get("spec") or {}).get("selector"),
-                                                                               labels)]
+            cover = [
+                p for p in pdbs if _ns(p) == _ns(o) and selector_matches((p.get("spec") or {}).get("selector"), labels)
+            ]
             if not any(_zero_unavailable(p) for p in cover):
                 names = ", ".join(_oid(p) for p in cover)
-                bad.append(f"{where}: no PodDisruptionBudget with maxUnavailable: 0 selects these pods (labels "
-                           f"{labels or '{}'}){f'; {names} allows evictions' if names else ''} (a node drain would "
-                           "evict a training pod mid-run)")
+                bad.append(
+                    f"{where}: no PodDisruptionBudget with maxUnavailable: 0 selects these pods (labels "
+                    f"{labels or '{}'}){f'; {names} allows evictions' if names else ''} (a node drain would "
+                    "evict a training pod mid-run)"
+                )
     for p in pdbs:
         sel = (p.get("spec") or {}).get("selector")
-        owners = [o for o in ray if _ns(o) == _ns(p)
-                  and any(selector_matches(sel, _pod_labels(t)) for _, t in _ray_pod_templates(o))]
+        owners = [
+            o
+            for o in ray
+            if _ns(o) == _ns(p) and any(selector_matches(sel, _pod_labels(t)) for _, t in _ray_pod_templates(o))
+        ]
         if len(owners) > 1:
-            bad.append(f"{_oid(p)}: selects the pods of {len(owners)} Ray objects "
-                       f"({', '.join(_oid(o) for o in owners)}): one budget per Ray cluster")
+            bad.append(
+                f"{_oid(p)}: selects the pods of {len(owners)} Ray objects "
+                f"({', '.join(_oid(o) for o in owners)}): one budget per Ray cluster"
+            )
         for o in owners:
             sub = (o.get("spec") or {}).get("submitterPodTemplate") if o.get("kind") == "RayJob" else None
             if sub and selector_matches(sel, _pod_labels(sub)):
@@ -382,8 +420,12 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
             extra = []
             if kind == "RayCluster" and where.endswith(" head") and spec.get("enableInTreeAutoscaling"):
                 # KubeRay adds the autoscaler sidecar to the head pod with this securityContext.
-                extra.append(("autoscaler sidecar",
-                              {"securityContext": (spec.get("autoscalerOptions") or {}).get("securityContext")}))
+                extra.append(
+                    (
+                        "autoscaler sidecar",
+                        {"securityContext": (spec.get("autoscalerOptions") or {}).get("securityContext")},
+                    )
+                )
             bad += _restricted(where, pod, extra)
             bad += _image_violations(where, pod)
             bad += _env_violations(where, pod)
@@ -405,7 +447,7 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
             for k, v in (o.get("data") or {}).items():
                 if SECRET_NAME.search(k) and v and not k.endswith((".yaml", ".yml", ".json")):
                     bad.append(f"{oid}: data.{k} looks like a secret in a ConfigMap")
-        for _, s in secrets.walk_strings(o):    # jobs.secrets: the one scanner (the spec uses it too)
+        for _, s in secrets.walk_strings(o):  # jobs.secrets: the one scanner (the spec uses it too)
             found = secrets.describe(s)
             if found:
                 bad.append(f"{oid}: contains what looks like a credential: {found}")
@@ -418,7 +460,7 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
                 bad.append(f"{oid}: externalIPs expose Ray port 8265/10001")
         if kind == "Ingress":
             for rule in spec.get("rules") or []:
-                for p in ((rule.get("http") or {}).get("paths") or []):
+                for p in (rule.get("http") or {}).get("paths") or []:
                     port = (((p.get("backend") or {}).get("service") or {}).get("port") or {}).get("number")
                     if port in RAY_PORTS:
                         bad.append(f"{oid}: routes outside traffic to Ray port {port}")
@@ -432,8 +474,10 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
             if isinstance(spec.get("activeDeadlineSeconds"), int) and spec["activeDeadlineSeconds"] <= 0:
                 bad.append(f"{oid}: spec.activeDeadlineSeconds must be positive")
             if SHELL_OPERATORS.search(spec.get("entrypoint") or ""):
-                bad.append(f"{oid}: spec.entrypoint must be one plain command (KubeRay pastes it into the "
-                           "submitter's bash line: &&, ;, | and redirections would run in the submitter)")
+                bad.append(
+                    f"{oid}: spec.entrypoint must be one plain command (KubeRay pastes it into the "
+                    "submitter's bash line: &&, ;, | and redirections would run in the submitter)"
+                )
             if spec.get("submissionMode", "K8sJobMode") == "K8sJobMode" and not spec.get("submitterPodTemplate"):
                 bad.append(f"{oid}: spec.submitterPodTemplate must be set (the default submitter is not restricted)")
             if not ((o.get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL):
@@ -441,13 +485,17 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
             elif spec.get("shutdownAfterJobFinishes") is not True:
                 bad.append(f"{oid}: Kueue-managed RayJobs need spec.shutdownAfterJobFinishes: true")
             if spec.get("shutdownAfterJobFinishes") is True and spec.get("ttlSecondsAfterFinished", 0) != 0:
-                bad.append(f"{oid}: spec.ttlSecondsAfterFinished must be 0 (Kueue releases the quota when the job "
-                           f"finishes; a cluster kept {spec['ttlSecondsAfterFinished']}s holds GPUs the quota counts "
-                           "as free)")
+                bad.append(
+                    f"{oid}: spec.ttlSecondsAfterFinished must be 0 (Kueue releases the quota when the job "
+                    f"finishes; a cluster kept {spec['ttlSecondsAfterFinished']}s holds GPUs the quota counts "
+                    "as free)"
+                )
             pre = spec.get("preRunningDeadlineSeconds")
             if not isinstance(pre, int) or isinstance(pre, bool) or pre <= 0:
-                bad.append(f"{oid}: spec.preRunningDeadlineSeconds must be set (a job whose pods cannot start "
-                           "would hold its quota until activeDeadlineSeconds)")
+                bad.append(
+                    f"{oid}: spec.preRunningDeadlineSeconds must be set (a job whose pods cannot start "
+                    "would hold its quota until activeDeadlineSeconds)"
+                )
             elif isinstance(spec.get("activeDeadlineSeconds"), int) and pre >= spec["activeDeadlineSeconds"]:
                 bad.append(f"{oid}: spec.preRunningDeadlineSeconds {pre} must be below activeDeadlineSeconds")
             if spec.get("clusterSelector"):

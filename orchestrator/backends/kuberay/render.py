@@ -66,15 +66,15 @@ from .policy import (
 )
 
 RAY_VERSION = "2.60.0"
-DEFAULT_QUEUE = "rayft"                  # the LocalQueue in k8s/base/kueue.yaml
-DEFAULT_NAMESPACE = "rayft"              # the namespace the overlays install into
-PVC_NAME = "rayft-data"                  # k8s/base/pvc.yaml
-DATA_MOUNT = "/mnt/rayft"                # where every Ray pod mounts the PVC
-SPEC_MOUNT = "/home/ray/rayft-spec"      # where every Ray pod mounts the job's spec ConfigMap
-WORKDIR = "/home/ray/rayft"              # the repository inside the rayft image (k8s/image/Dockerfile)
-HF_SECRET = "rayft-hf-token"             # Secret holding the hub token (created by hand), key `token`
+DEFAULT_QUEUE = "rayft"  # the LocalQueue in k8s/base/kueue.yaml
+DEFAULT_NAMESPACE = "rayft"  # the namespace the overlays install into
+PVC_NAME = "rayft-data"  # k8s/base/pvc.yaml
+DATA_MOUNT = "/mnt/rayft"  # where every Ray pod mounts the PVC
+SPEC_MOUNT = "/home/ray/rayft-spec"  # where every Ray pod mounts the job's spec ConfigMap
+WORKDIR = "/home/ray/rayft"  # the repository inside the rayft image (k8s/image/Dockerfile)
+HF_SECRET = "rayft-hf-token"  # Secret holding the hub token (created by hand), key `token`
 HF_SECRET_KEY = "token"
-MAX_RAYJOB_NAME = 47                     # KubeRay: RayJob names are DNS-1035 labels of <= 47 chars
+MAX_RAYJOB_NAME = 47  # KubeRay: RayJob names are DNS-1035 labels of <= 47 chars
 RAY_GROUP, RAY_VERSION_API, RAYJOB_PLURAL = "ray.io", "v1", "rayjobs"
 # Past this without reaching Running (nodes scaled up, image pulled, pods ready), KubeRay fails
 # the RayJob and deletes its cluster, so a job whose workers cannot be placed does not hold
@@ -83,15 +83,14 @@ PRE_RUNNING_DEADLINE_S = 1800
 
 # The driver and every Ray worker start in a copy of the repository inside the image (uploaded by
 # the submitter, which runs the same image), so the examples' relative data paths resolve.
-RUNTIME_ENV_YAML = (f"working_dir: {WORKDIR}\n"
-                    "excludes: [\"outputs/\", \".git/\", \"*.egg-info/\", \"__pycache__/\"]\n")
+RUNTIME_ENV_YAML = f'working_dir: {WORKDIR}\nexcludes: ["outputs/", ".git/", "*.egg-info/", "__pycache__/"]\n'
 
 ANN_SPEC_HASH = "rayft.io/spec-hash"
 ANN_SPEC_SOURCE = "rayft.io/spec-source"
-ANN_ESTIMATE = "rayft.io/memory-estimate-gib"             # the plan's estimate, 2 decimals, for people
-ANN_ESTIMATE_BYTES = "rayft.io/memory-estimate-bytes"     # ... exactly, for programs
-ANN_CHECKPOINTING = "rayft.io/gradient-checkpointing"     # the plan's: off, on, every 2nd layer, ...
-ANN_STRATEGY = "rayft.io/strategy"                         # the plan's: ddp, fsdp, fsdp-keep (layers kept gathered)
+ANN_ESTIMATE = "rayft.io/memory-estimate-gib"  # the plan's estimate, 2 decimals, for people
+ANN_ESTIMATE_BYTES = "rayft.io/memory-estimate-bytes"  # ... exactly, for programs
+ANN_CHECKPOINTING = "rayft.io/gradient-checkpointing"  # the plan's: off, on, every 2nd layer, ...
+ANN_STRATEGY = "rayft.io/strategy"  # the plan's: ddp, fsdp, fsdp-keep (layers kept gathered)
 ANN_ESTIMATE_ERROR = "rayft.io/memory-estimate-error"
 ANN_NODE_TYPE = "rayft.io/node-type"
 ANN_GPU_MEMORY = "rayft.io/gpu-memory-gib"
@@ -104,6 +103,7 @@ if TYPE_CHECKING:
 
 # ---- the job's kind ------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Kind:
     """What the job's kind decides: its command, how long it may run, how often KubeRay retries it,
@@ -111,7 +111,7 @@ class _Kind:
 
     command: tuple[str, ...]
     active_deadline_s: int
-    backoff_limit: int            # a fine-tune's retry resumes from its checkpoint; a search's does not
+    backoff_limit: int  # a fine-tune's retry resumes from its checkpoint; a search's does not
     searches: bool
 
 
@@ -130,16 +130,17 @@ def _kind(kind: str) -> _Kind:
 
 # ---- the spec, as Kubernetes jobs read it ----------------------------------------------------
 
+
 @dataclass
 class K8sSpec:
     """A spec loaded for Kubernetes: data paths are not checked here (they resolve inside the
     image / on the PVC), and a search spec keeps its own text for the ConfigMap."""
 
-    spec: JobSpec                      # the job (for a search: its base job)
-    kind: str                          # "finetune" or "tune"
-    spec_text: str | None = None    # a search's YAML as written (None: render writes the spec)
-    entrypoint_overrides: tuple[str, ...] = ()   # a search's overrides travel on the command line
-    concurrent_trials: int = 1         # a search's `search.max_concurrent_trials`
+    spec: JobSpec  # the job (for a search: its base job)
+    kind: str  # "finetune" or "tune"
+    spec_text: str | None = None  # a search's YAML as written (None: render writes the spec)
+    entrypoint_overrides: tuple[str, ...] = ()  # a search's overrides travel on the command line
+    concurrent_trials: int = 1  # a search's `search.max_concurrent_trials`
 
 
 def load_spec_for_k8s(spec_path: str, overrides: Sequence[str], kind: str = "finetune") -> K8sSpec:
@@ -152,12 +153,18 @@ def load_spec_for_k8s(spec_path: str, overrides: Sequence[str], kind: str = "fin
         search = load_search_spec(spec_path, list(overrides), files=False)
         # render sets run.output_dir on the command line itself (from the spec, overrides applied).
         words = tuple(o for o in overrides if not o.startswith("run.output_dir="))
-        return K8sSpec(search.job(), kind, spec_text=Path(spec_path).read_text(), entrypoint_overrides=words,
-                       concurrent_trials=search.search.max_concurrent_trials or 1)
+        return K8sSpec(
+            search.job(),
+            kind,
+            spec_text=Path(spec_path).read_text(),
+            entrypoint_overrides=words,
+            concurrent_trials=search.search.max_concurrent_trials or 1,
+        )
     return K8sSpec(load_spec(spec_path, list(overrides), files=False), kind)
 
 
 # ---- names -------------------------------------------------------------------------------------
+
 
 def job_name(spec: JobSpec) -> str:
     """Deterministic RayJob name: <spec.name>-<spec hash>, a DNS-1035 label of <= 47 characters."""
@@ -173,11 +180,12 @@ def spec_configmap_name(name: str) -> str:
 
 # ---- pieces of pod templates ---------------------------------------------------------------------
 
+
 def _pod_security() -> Obj:
     return {
         "runAsNonRoot": True,
-        "runAsUser": 1000,       # `ray` in the rayproject/ray images
-        "runAsGroup": 100,       # `users`
+        "runAsUser": 1000,  # `ray` in the rayproject/ray images
+        "runAsGroup": 100,  # `users`
         "fsGroup": 100,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
@@ -206,10 +214,12 @@ def _env(spec: JobSpec) -> list[Obj]:
     # would fill the node's disk and get the pod evicted; on the volume it is downloaded once.
     env: list[Obj] = [{"name": k, "value": v} for k, v in CACHE_ENV.items()]
     if spec.model.hf_token_env:
-        env.append({
-            "name": spec.model.hf_token_env,
-            "valueFrom": {"secretKeyRef": {"name": HF_SECRET, "key": HF_SECRET_KEY, "optional": True}},
-        })
+        env.append(
+            {
+                "name": spec.model.hf_token_env,
+                "valueFrom": {"secretKeyRef": {"name": HF_SECRET, "key": HF_SECRET_KEY, "optional": True}},
+            }
+        )
     return env
 
 
@@ -242,6 +252,7 @@ def _shm(memory_gib: float) -> float:
 
 # ---- the memory plan -----------------------------------------------------------------------------
 
+
 def memory_plan_or_why(spec: JobSpec, node: NodeType, use_gpu: bool) -> tuple[MemoryPlan | None, str | None]:
     """(plan, None): `jobs.memory.plan_for_spec` for one worker on this node type's GPU (its CPU
     when the job has no GPU); or (None, why not) when the model's shape cannot be read here (e.g. a
@@ -259,26 +270,31 @@ def memory_plan_or_why(spec: JobSpec, node: NodeType, use_gpu: bool) -> tuple[Me
 
 # ---- what one job asks of the cluster --------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Pods:
     """The job's worker pods. Ray Train runs one worker per GPU; a worker pod holds
     `gpus_per_worker` of them (workers that share a pod share NVLink and /dev/shm). CPU jobs: one
     worker per pod. num_workers is a multiple of gpus_per_worker (jobs.spec checks it)."""
 
-    per_pod: int          # Ray Train workers in one pod
-    gpus: int             # GPUs of one worker pod (0: a CPU job)
-    cpus: float           # CPUs of one worker pod: its workers' and Ray Train's coordinator / trial
-    trials: int           # trials at once (a search), else 1
-    count: int            # worker pods of the whole job
+    per_pod: int  # Ray Train workers in one pod
+    gpus: int  # GPUs of one worker pod (0: a CPU job)
+    cpus: float  # CPUs of one worker pod: its workers' and Ray Train's coordinator / trial
+    trials: int  # trials at once (a search), else 1
+    count: int  # worker pods of the whole job
 
     @classmethod
     def of(cls, spec: JobSpec, kind: _Kind, concurrent_trials: int) -> _Pods:
         res = spec.resources
         per_pod = res.gpus_per_worker if res.use_gpu else 1
         trials = max(1, concurrent_trials) if kind.searches else 1
-        return cls(per_pod=per_pod, gpus=per_pod if res.use_gpu else 0,
-                   cpus=math.ceil(res.cpus_per_worker * per_pod) + 1, trials=trials,
-                   count=res.num_workers // per_pod * trials)
+        return cls(
+            per_pod=per_pod,
+            gpus=per_pod if res.use_gpu else 0,
+            cpus=math.ceil(res.cpus_per_worker * per_pod) + 1,
+            trials=trials,
+            count=res.num_workers // per_pod * trials,
+        )
 
 
 def _refuse_unfit(spec: JobSpec, node: NodeType, where: str, pods: _Pods, plan: MemoryPlan | None) -> None:
@@ -286,35 +302,47 @@ def _refuse_unfit(spec: JobSpec, node: NodeType, where: str, pods: _Pods, plan: 
     rule (`node_fit.refusal`, the one queue admission applies) said as the spec's fields."""
     res = spec.resources
     on_gpu = None if plan is None else GpuPlan(plan.total_gib, plan.checkpointing, plan.choice)
-    pod = PodAsk(gpus=pods.gpus, cpus=pods.cpus, accelerator_type=res.accelerator_type,
-                 budget_gib=spec.memory.budget_gib, plan=lambda gib: on_gpu)   # made for this node type's GPU
-    r = refusal(pod, node.offer(node.gpu_memory_gib))     # gpuMemoryGiB as written: 0 (unset) holds nothing
+    pod = PodAsk(
+        gpus=pods.gpus,
+        cpus=pods.cpus,
+        accelerator_type=res.accelerator_type,
+        budget_gib=spec.memory.budget_gib,
+        plan=lambda gib: on_gpu,
+    )  # made for this node type's GPU
+    r = refusal(pod, node.offer(node.gpu_memory_gib))  # gpuMemoryGiB as written: 0 (unset) holds nothing
     if r is None:
         return
     desc = f"overlay {node.overlay}'s node type {node.name}"
     if r.fact in ("no-gpus", "gpus"):
-        what = (f"resources.gpus_per_worker={res.gpus_per_worker} asks for {pods.gpus} GPUs per worker pod"
-                if res.gpus_per_worker > 1 else f"resources asks for {pods.gpus} GPU(s) per worker")
+        what = (
+            f"resources.gpus_per_worker={res.gpus_per_worker} asks for {pods.gpus} GPUs per worker pod"
+            if res.gpus_per_worker > 1
+            else f"resources asks for {pods.gpus} GPU(s) per worker"
+        )
         raise SpecError(f"{where}: {what} but {desc} has {node.gpus_per_node} GPU(s) per node")
     if r.fact == "cpus":
         per = f" x gpus_per_worker={res.gpus_per_worker}" if res.gpus_per_worker > 1 else ""
         raise SpecError(
             f"{where}: resources.cpus_per_worker={res.cpus_per_worker}{per} needs {_cpu(pods.cpus)} CPUs per "
-            f"worker pod but {desc} has {_cpu(node.cpus_per_node)} CPUs per node")
+            f"worker pod but {desc} has {_cpu(node.cpus_per_node)} CPUs per node"
+        )
     if r.fact == "accelerator":
         raise SpecError(
             f"{where}: resources.accelerator_type={res.accelerator_type} but {desc} has "
-            f"{node.ray_accelerator_type or 'unknown'} GPUs ({node.gpu_product}); pick an overlay for that GPU")
+            f"{node.ray_accelerator_type or 'unknown'} GPUs ({node.gpu_product}); pick an overlay for that GPU"
+        )
     cap = r.have
     if r.fact == "budget":
         raise SpecError(
             f"{where}: memory.budget_gib={spec.memory.budget_gib:g} GiB per GPU exceeds the "
-            f"{cap:g} GiB of one {node.gpu_product} GPU ({desc})")
-    assert r.fact == "plan" and r.plan is not None, r      # the offer's memory is always known here
+            f"{cap:g} GiB of one {node.gpu_product} GPU ({desc})"
+        )
+    assert r.fact == "plan" and r.plan is not None, r  # the offer's memory is always known here
     raise SpecError(
         f"{where}: the memory estimate is {r.need:.1f} GiB per GPU (gradient checkpointing "
         f"{r.plan.checkpointing}), more than the {cap:g} GiB of one {node.gpu_product} GPU ({desc}); lower "
-        f"batch.micro_batch_size or data.max_seq_len, or turn on memory.gradient_checkpointing")
+        f"batch.micro_batch_size or data.max_seq_len, or turn on memory.gradient_checkpointing"
+    )
 
 
 def _refuse_over_quota(spec: JobSpec, node: NodeType, where: str, pods: _Pods, kind: _Kind) -> None:
@@ -324,15 +352,18 @@ def _refuse_over_quota(spec: JobSpec, node: NodeType, where: str, pods: _Pods, k
     refusal_text = node.gpus_refusal(res.num_workers * pods.trials) if pods.gpus else ""
     if refusal_text:
         asks = f"resources.num_workers={res.num_workers}" + (
-            f" x search.max_concurrent_trials={pods.trials}" if kind.searches else "")
+            f" x search.max_concurrent_trials={pods.trials}" if kind.searches else ""
+        )
         raise SpecError(f"{where}: {asks}: {refusal_text}")
 
 
 def _refuse_words(where: str, entrypoint_overrides: Sequence[str]) -> None:
     for word in entrypoint_overrides:
         if not SHELL_SAFE.fullmatch(word):
-            raise SpecError(f"{where}: override {word!r}: on Kubernetes overrides travel on the RayJob's command "
-                            "line and must be plain words (letters, digits, / . _ - = , : {{}})")
+            raise SpecError(
+                f"{where}: override {word!r}: on Kubernetes overrides travel on the RayJob's command "
+                "line and must be plain words (letters, digits, / . _ - = , : {{}})"
+            )
 
 
 def _entrypoint(spec: JobSpec, kind: _Kind, where: str, entrypoint_overrides: Sequence[str]) -> str:
@@ -341,14 +372,17 @@ def _entrypoint(spec: JobSpec, kind: _Kind, where: str, entrypoint_overrides: Se
     directory comes from the runtime env instead of a `cd`."""
     out_dir = spec.run.output_dir
     if not out_dir.startswith("/"):
-        out_dir = f"{DATA_MOUNT}/{out_dir}"            # outputs/{name} -> /mnt/rayft/outputs/{name}
+        out_dir = f"{DATA_MOUNT}/{out_dir}"  # outputs/{name} -> /mnt/rayft/outputs/{name}
     if not SHELL_SAFE.fullmatch(out_dir):
-        raise SpecError(f"{where}: run.output_dir={spec.run.output_dir!r}: on Kubernetes it must be a plain "
-                        "path (letters, digits, / . _ - {name})")
+        raise SpecError(
+            f"{where}: run.output_dir={spec.run.output_dir!r}: on Kubernetes it must be a plain "
+            "path (letters, digits, / . _ - {name})"
+        )
     return " ".join([*kind.command, f"{SPEC_MOUNT}/spec.yaml", f"run.output_dir={out_dir}", *entrypoint_overrides])
 
 
 # ---- metadata --------------------------------------------------------------------------------------
+
 
 def _labels(spec: JobSpec, kind: str) -> dict[str, str]:
     return {
@@ -360,8 +394,9 @@ def _labels(spec: JobSpec, kind: str) -> dict[str, str]:
     }
 
 
-def _annotations(spec: JobSpec, node: NodeType, pods: _Pods, plan: MemoryPlan | None,
-                 plan_error: str | None, spec_path: str | None) -> dict[str, str]:
+def _annotations(
+    spec: JobSpec, node: NodeType, pods: _Pods, plan: MemoryPlan | None, plan_error: str | None, spec_path: str | None
+) -> dict[str, str]:
     """The spec hash, the node type, and the plan's numbers that queue admission and the training
     loop use (estimate, checkpointing, strategy), or why there is no plan."""
     ann = {
@@ -391,14 +426,18 @@ class _Meta:
     namespace: str | None
 
     def of(self, obj_name: str, extra_labels: dict | None = None) -> Obj:
-        m: Obj = {"name": obj_name, "labels": {**self.labels, **(extra_labels or {})},
-                  "annotations": dict(self.annotations)}
+        m: Obj = {
+            "name": obj_name,
+            "labels": {**self.labels, **(extra_labels or {})},
+            "annotations": dict(self.annotations),
+        }
         if self.namespace:
             m["namespace"] = self.namespace
         return m
 
 
 # ---- the Ray pods ----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class _Container:
@@ -429,20 +468,22 @@ def _head_group(node: NodeType, c: _Container) -> Obj:
                 "priorityClassName": PRIORITY_CLASS,
                 "automountServiceAccountToken": False,
                 "securityContext": _pod_security(),
-                "containers": [{
-                    "name": "ray-head",
-                    "image": c.image,
-                    "imagePullPolicy": c.pull,
-                    "ports": [
-                        {"containerPort": 6379, "name": "gcs-server"},
-                        {"containerPort": 8265, "name": "dashboard"},
-                        {"containerPort": 10001, "name": "client"},
-                    ],
-                    "env": c.env,
-                    "resources": {"requests": dict(sized), "limits": dict(sized)},
-                    "securityContext": _container_security(),
-                    "volumeMounts": _mounts(),
-                }],
+                "containers": [
+                    {
+                        "name": "ray-head",
+                        "image": c.image,
+                        "imagePullPolicy": c.pull,
+                        "ports": [
+                            {"containerPort": 6379, "name": "gcs-server"},
+                            {"containerPort": 8265, "name": "dashboard"},
+                            {"containerPort": 10001, "name": "client"},
+                        ],
+                        "env": c.env,
+                        "resources": {"requests": dict(sized), "limits": dict(sized)},
+                        "securityContext": _container_security(),
+                        "volumeMounts": _mounts(),
+                    }
+                ],
                 "volumes": _volumes(c.cm_name, _shm(head_mem)),
             },
         },
@@ -453,8 +494,11 @@ def _worker_pod_spec(node: NodeType, c: _Container, pods: _Pods) -> Obj:
     """A worker pod: the node type's worker memory and ephemeral storage are per GPU worker, so a
     pod of N GPUs gets N times both (and /dev/shm follows its memory)."""
     worker_mem = node.worker_memory_gib * pods.per_pod
-    worker_res: Obj = {"cpu": _cpu(pods.cpus), "memory": _gib(worker_mem),
-                       **_storage(node.worker_ephemeral_gib * pods.per_pod)}
+    worker_res: Obj = {
+        "cpu": _cpu(pods.cpus),
+        "memory": _gib(worker_mem),
+        **_storage(node.worker_ephemeral_gib * pods.per_pod),
+    }
     spec: Obj = {
         "priorityClassName": PRIORITY_CLASS,
         "automountServiceAccountToken": False,
@@ -466,30 +510,34 @@ def _worker_pod_spec(node: NodeType, c: _Container, pods: _Pods) -> Obj:
         spec["tolerations"] = [dict(t) for t in node.gpu_tolerations]
         if node.gpu_selector():
             spec["nodeSelector"] = node.gpu_selector()
-    spec["containers"] = [{
-        "name": "ray-worker",
-        "image": c.image,
-        "imagePullPolicy": c.pull,
-        "env": c.env,
-        "resources": {"requests": dict(worker_res), "limits": dict(worker_res)},
-        "securityContext": _container_security(),
-        "volumeMounts": _mounts(),
-    }]
+    spec["containers"] = [
+        {
+            "name": "ray-worker",
+            "image": c.image,
+            "imagePullPolicy": c.pull,
+            "env": c.env,
+            "resources": {"requests": dict(worker_res), "limits": dict(worker_res)},
+            "securityContext": _container_security(),
+            "volumeMounts": _mounts(),
+        }
+    ]
     spec["volumes"] = _volumes(c.cm_name, _shm(worker_mem))
     return spec
 
 
 def _worker_groups(node: NodeType, c: _Container, pods: _Pods) -> list[Obj]:
-    return [{
-        "groupName": "gpu" if pods.gpus else "cpu",
-        "replicas": pods.count,
-        "minReplicas": pods.count,
-        "maxReplicas": pods.count,
-        # KubeRay would derive num-gpus from the limit too; written out, the Ray node's GPU count
-        # is visible in the manifest and cannot drift from the pod's.
-        "rayStartParams": {"num-gpus": str(pods.gpus)} if pods.gpus else {},
-        "template": {"metadata": c.pod_metadata(), "spec": _worker_pod_spec(node, c, pods)},
-    }]
+    return [
+        {
+            "groupName": "gpu" if pods.gpus else "cpu",
+            "replicas": pods.count,
+            "minReplicas": pods.count,
+            "maxReplicas": pods.count,
+            # KubeRay would derive num-gpus from the limit too; written out, the Ray node's GPU count
+            # is visible in the manifest and cannot drift from the pod's.
+            "rayStartParams": {"num-gpus": str(pods.gpus)} if pods.gpus else {},
+            "template": {"metadata": c.pod_metadata(), "spec": _worker_pod_spec(node, c, pods)},
+        }
+    ]
 
 
 def _submitter(c: _Container) -> Obj:
@@ -500,31 +548,35 @@ def _submitter(c: _Container) -> Obj:
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
             "securityContext": {k: v for k, v in _pod_security().items() if k != "fsGroup"},
-            "containers": [{
-                "name": "ray-job-submitter",
-                "image": c.image,
-                "imagePullPolicy": c.pull,
-                "resources": {"requests": {"cpu": "200m", "memory": "512Mi", **_storage(1)},
-                              "limits": {"cpu": "1", "memory": "1Gi", **_storage(1)}},
-                "securityContext": _container_security(),
-            }],
+            "containers": [
+                {
+                    "name": "ray-job-submitter",
+                    "image": c.image,
+                    "imagePullPolicy": c.pull,
+                    "resources": {
+                        "requests": {"cpu": "200m", "memory": "512Mi", **_storage(1)},
+                        "limits": {"cpu": "1", "memory": "1Gi", **_storage(1)},
+                    },
+                    "securityContext": _container_security(),
+                }
+            ],
         },
     }
 
 
 # ---- the objects -----------------------------------------------------------------------------------
 
-def _rayjob(name: str, kind: _Kind, entrypoint: str, node: NodeType, c: _Container, pods: _Pods,
-            metadata: Obj) -> Obj:
+
+def _rayjob(name: str, kind: _Kind, entrypoint: str, node: NodeType, c: _Container, pods: _Pods, metadata: Obj) -> Obj:
     return {
         "apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}",
         "kind": "RayJob",
         "metadata": metadata,
         "spec": {
             "entrypoint": entrypoint,
-            "jobId": name,                                  # the Ray submission id: deterministic
+            "jobId": name,  # the Ray submission id: deterministic
             "submissionMode": "K8sJobMode",
-            "shutdownAfterJobFinishes": True,               # Kueue needs it; frees the GPUs
+            "shutdownAfterJobFinishes": True,  # Kueue needs it; frees the GPUs
             # 0: the cluster goes when the job ends, the moment Kueue hands the quota back (Kueue
             # counts a Complete/Failed RayJob as finished). Outputs and metrics.jsonl are on the
             # data volume; the submitter Job (driver log) stays until the RayJob is deleted.
@@ -546,11 +598,19 @@ def _rayjob(name: str, kind: _Kind, entrypoint: str, node: NodeType, c: _Contain
     }
 
 
-def render(spec: JobSpec, *, queue: str | None = None, image: str | None = None,
-           overlay: str | Path = DEFAULT_OVERLAY, spec_path: str | None = None,
-           kind: str = "finetune", spec_text: str | None = None,
-           namespace: str | None = None, entrypoint_overrides: Sequence[str] = (),
-           concurrent_trials: int = 1) -> list[Obj]:
+def render(
+    spec: JobSpec,
+    *,
+    queue: str | None = None,
+    image: str | None = None,
+    overlay: str | Path = DEFAULT_OVERLAY,
+    spec_path: str | None = None,
+    kind: str = "finetune",
+    spec_text: str | None = None,
+    namespace: str | None = None,
+    entrypoint_overrides: Sequence[str] = (),
+    concurrent_trials: int = 1,
+) -> list[Obj]:
     """[ConfigMap, RayJob, PodDisruptionBudget] for one job spec; raises SpecError when it cannot
     fit the node type.
 
@@ -586,8 +646,9 @@ def render(spec: JobSpec, *, queue: str | None = None, image: str | None = None,
         "data": {"spec.yaml": spec_text if spec_text is not None else spec.to_yaml()},
     }
     entrypoint = _entrypoint(spec, job_kind, where, entrypoint_overrides)
-    c = _Container(image, pull_policy(image), _env(spec), spec_configmap_name(name),
-                   {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name})
+    c = _Container(
+        image, pull_policy(image), _env(spec), spec_configmap_name(name), {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name}
+    )
     rayjob = _rayjob(name, job_kind, entrypoint, node, c, pods, meta.of(name, {QUEUE_LABEL: queue or DEFAULT_QUEUE}))
     pdb = pod_disruption_budget(name, {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name})
     pdb["metadata"] = {**meta.of(name), **{k: v for k, v in pdb["metadata"].items() if k != "name"}}
@@ -596,8 +657,9 @@ def render(spec: JobSpec, *, queue: str | None = None, image: str | None = None,
     if bad:
         # What the user passes reaches the manifests outside the spec too (--image, --queue, the
         # overlay's node type, the spec's path): refused as input, one line, nothing rendered.
-        raise SpecError(f"{where}: the rendered manifests would break rayft's policy: "
-                        + "; ".join(bad).replace("\n", " "))
+        raise SpecError(
+            f"{where}: the rendered manifests would break rayft's policy: " + "; ".join(bad).replace("\n", " ")
+        )
     return objs
 
 
@@ -621,8 +683,7 @@ _Dumper.add_representer(str, _str_representer)
 
 def to_yaml(objs: Iterable[Obj], header: str | None = None) -> str:
     """Multi-document YAML, in order (the ConfigMap before the RayJob that mounts it, then its PDB)."""
-    docs = [yaml.dump(o, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
-            for o in objs]
+    docs = [yaml.dump(o, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100) for o in objs]
     text = "---\n".join(docs)
     if header:
         text = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + "---\n" + text
@@ -634,11 +695,13 @@ def render_yaml(spec: JobSpec, **kw: Any) -> str:
     objs = render(spec, **kw)
     rj = objs[1]
     ann = rj["metadata"]["annotations"]
-    head = (f"rayft k8s render: job {spec.name} as RayJob {rj['metadata']['name']} "
-            f"(node type {ann[ANN_NODE_TYPE]}, memory estimate {ann[ANN_ESTIMATE]} GiB"
-            + (f" of {ann[ANN_GPU_MEMORY]} GiB per GPU" if ANN_GPU_MEMORY in ann else "")
-            + (f", strategy {ann[ANN_STRATEGY]}" if ANN_STRATEGY in ann else "")
-            + (f", gradient checkpointing {ann[ANN_CHECKPOINTING]}" if ANN_CHECKPOINTING in ann else "") + ")\n"
-            "apply with: kubectl apply -n rayft -f -")
+    head = (
+        f"rayft k8s render: job {spec.name} as RayJob {rj['metadata']['name']} "
+        f"(node type {ann[ANN_NODE_TYPE]}, memory estimate {ann[ANN_ESTIMATE]} GiB"
+        + (f" of {ann[ANN_GPU_MEMORY]} GiB per GPU" if ANN_GPU_MEMORY in ann else "")
+        + (f", strategy {ann[ANN_STRATEGY]}" if ANN_STRATEGY in ann else "")
+        + (f", gradient checkpointing {ann[ANN_CHECKPOINTING]}" if ANN_CHECKPOINTING in ann else "")
+        + ")\n"
+        "apply with: kubectl apply -n rayft -f -"
+    )
     return to_yaml(objs, header=head)
-
