@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # The hypothesis profile tests/conftest.py loads: "ci" (150 derandomized cases per fuzz test) or "long".
 PYTEST := RAYFT_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
 
-.PHONY: install demo demo-real test test-fast test-all clean
+.PHONY: install demo demo-real lint test test-fast test-all clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,7 +39,15 @@ demo-dpo: install
 	$(BIN)/rayft run examples/smollm2-dpo.yaml
 	$(BIN)/rayft eval examples/smollm2-dpo.yaml
 
-test: install
+# Lint, format and types (configured in pyproject.toml): ruff's rules and layout on the whole tree,
+# mypy on jobs, tune and orchestrator. `ruff format` and `ruff check --fix` repair most findings.
+LINT_PATHS := jobs tune orchestrator bench tests examples
+lint: install
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy
+
+test: install lint
 	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install

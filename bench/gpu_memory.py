@@ -321,7 +321,8 @@ def _fmt(r: dict) -> str:
     m = f"{r['measured_gib']:9.3f}" if r["measured_gib"] is not None else f"{'-':>9}"
     e = f"{r['rel_err']:+8.1%}" if r["rel_err"] is not None else f"{'-':>8}"
     return (
-        f"{r['shape']:10} {r['seq_len']:5d} {r['micro_batch_size']:3d} {'on' if r['gradient_checkpointing'] else 'off':>3}"
+        f"{r['shape']:10} {r['seq_len']:5d} {r['micro_batch_size']:3d}"
+        f" {'on' if r['gradient_checkpointing'] else 'off':>3}"
         f" {m} {r['estimate_gib']:9.3f} {e}  {r['status']}"
     )
 

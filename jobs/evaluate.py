@@ -54,7 +54,7 @@ def prompt_of(rec: dict, tokenizer, model_name: str) -> tuple:
 
 
 def exact_match(preds: list[str], refs: list[str]) -> float:
-    return sum(p.strip() == r.strip() for p, r in zip(preds, refs)) / max(1, len(refs))
+    return sum(p.strip() == r.strip() for p, r in zip(preds, refs, strict=True)) / max(1, len(refs))
 
 
 def evaluate(spec: JobSpec, adapter_dir: Path | None = None, max_new_tokens: int = 16) -> dict:
@@ -91,7 +91,7 @@ def _evaluate_sft(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict
     if not records:
         raise SpecError(f"data.eval_path: {spec.data.eval_path} has no chat or prompt/completion records")
     model, tok = load_base_model(spec, "fp32")
-    prompts, refs, shown = zip(*(prompt_of(r, tok, spec.model.name) for r in records))
+    prompts, refs, shown = (list(c) for c in zip(*(prompt_of(r, tok, spec.model.name) for r in records), strict=True))
     model.eval()
     result: dict = {"records": len(records)}
     t0 = time.perf_counter()
@@ -110,6 +110,6 @@ def _evaluate_sft(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict
     result["eval_time_s"] = time.perf_counter() - t0
     result["examples"] = [
         {"prompt_tail": p[-60:], "reference": r, "base": b, **({"adapter": a} if preds else {})}
-        for p, r, b, a in zip(shown, refs, base_preds, preds or base_preds)
+        for p, r, b, a in zip(shown, refs, base_preds, preds or base_preds, strict=True)
     ][:8]
     return result

@@ -44,6 +44,8 @@ ROLES = {"base": "base", "start": "starting adapter", "adapter": "trained adapte
 
 def held_out_pairs(spec: JobSpec, tokenizer) -> tuple[list[Pair], list[dict], dict[str, int], int]:
     """(the held-out `Pair`s, the record each came from, pairs dropped by reason, records read)."""
+    if spec.data.eval_path is None:
+        raise SpecError("data.eval_path: not set; rayft eval of a preference spec scores its held-out pairs")
     records = read_jsonl(
         spec.data.eval_path,
         "data.eval_path",
@@ -53,7 +55,8 @@ def held_out_pairs(spec: JobSpec, tokenizer) -> tuple[list[Pair], list[dict], di
         objective=spec.objective.name,
     )
     pairs, kept, dropped = [], [], {DROP_EMPTY: 0, DROP_IDENTICAL: 0}
-    for rec, x in zip(records, tokenize_pairs_iter(records, tokenizer, spec.data.max_seq_len, spec.model.name)):
+    tokenized = tokenize_pairs_iter(records, tokenizer, spec.data.max_seq_len, spec.model.name)
+    for rec, x in zip(records, tokenized, strict=True):
         if isinstance(x, Pair):
             pairs.append(x)
             kept.append(rec)
@@ -128,9 +131,10 @@ def evaluate_preference(
     rows, logps, preds = [], {}, {}
     for role in ROLES:
         if role != "base":
-            if not adapters[role]:
+            path = adapters[role]
+            if not path:
                 continue
-            model = _with_adapter(model, adapters[role], role, spec.model.name)
+            model = _with_adapter(model, path, role, spec.model.name)
         preds[role] = generate(model, tok, prompts, max_new_tokens)
         logps[role] = pair_logps(model, pairs, tok.pad_token_id, spec.batch.micro_batch_size)
         row = {"model": role, "exact_match": exact_match(preds[role], refs), **preference_numbers(*logps[role])}
@@ -160,7 +164,7 @@ def evaluate_preference(
             "rejected": response_text(r["rejected"]),
             **{role: preds[role][i] for role in preds},
         }
-        for i, (p, c, r) in enumerate(zip(prompts, refs, records))
+        for i, (p, c, r) in enumerate(zip(prompts, refs, records, strict=True))
     ][:8]
     return result
 

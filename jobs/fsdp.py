@@ -23,14 +23,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 
+def causal_lm(model: nn.Module) -> Any:
+    """The HF causal LM under a PEFT wrapper (or the model itself); typed Any: transformers' and
+    PEFT's attributes are not typed."""
+    m: Any = model
+    return m.get_base_model() if hasattr(m, "get_base_model") else m
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a (PEFT-wrapped) HF causal LM: the units FSDP shards one by one."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = causal_lm(model)
     layers = getattr(base.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
         from .errors import SpecError
@@ -86,7 +94,7 @@ class Units:
 def units(model: nn.Module) -> Units:
     """The units of a (PEFT-wrapped) HF causal LM: its input embeddings, decoder layers, and
     the rest of its decoder stack with parameters (the final norm) beside the LM head."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = causal_lm(model)
     layers = decoder_layers(model)
     embed, head = base.get_input_embeddings(), base.get_output_embeddings()
     norms = tuple(
@@ -142,7 +150,7 @@ def is_fsdp(module: nn.Module) -> bool:
 def gradient_sync(module: nn.Module, sync: bool) -> Iterator[None]:
     """The micro-step's gate: gradients are reduce-scattered only when `sync` (the last
     micro-step of a window); otherwise they accumulate unsharded on this rank."""
-    module.set_requires_gradient_sync(sync)
+    cast(Any, module).set_requires_gradient_sync(sync)  # an FSDPModule (fully_shard mixes it in)
     yield
 
 

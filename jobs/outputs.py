@@ -269,9 +269,9 @@ def plot_loss(
         return None
     train, evals = loss_points(records)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*zip(*train), label=train_label)
+    ax.plot(*zip(*train, strict=True), label=train_label)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -7,6 +7,7 @@ at `queue add` (`tables.choose_plan_from_table`), apply the very same rule.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -101,7 +102,7 @@ def choose_plan(
     not fit). So `auto` runs DDP when DDP fits, else FSDP, keeping layers gathered only when that
     fits too. Queue admission applies this same function to the estimates it stored at `queue add`."""
     for choice in choices:
-        every = choose_checkpointing_every(mode, lambda k: gib_of(choice, k), num_layers, budget_gib)
+        every = choose_checkpointing_every(mode, functools.partial(gib_of, choice), num_layers, budget_gib)
         if budget_gib is None or gib_of(choice, every) <= budget_gib:
             return choice, every
     return choice, every

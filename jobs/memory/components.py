@@ -436,7 +436,7 @@ def _static(
     fsdp: bool,
     reshard_after_forward: bool,
     grad_accum_steps: int,
-) -> tuple[dict[str, int], dict[str, int] | None]:
+) -> tuple[dict[str, int], dict[str, Any] | None]:
     """The components that live through the whole step, and (FSDP) one layer's gathered bytes."""
     shape, a = step.shape, step.act_bytes
     shard_world = world_size if fsdp else 1
@@ -596,7 +596,7 @@ def _activations(step: _Step, gradient_checkpointing: bool, every: int) -> _Acti
             # torch.utils.checkpoint keeps the layer's arguments: the hidden states, RoPE cos/sin,
             # position ids (and the mask, below); everything else is recomputed in backward.
             w.save(x, w.cos, w.sin, w.position_ids)
-            if step.packed:
+            if w.bias is not None:  # packed rows
                 w.save(w.bias)
             x = w.new(x.nbytes, True)
             checkpointed += 1
@@ -699,8 +699,8 @@ def _layer_backward(step: _Step, acts: _Activations, every: int, largest_quantiz
     Measured on CPU with a live-storage tracker over forward + backward
     (tests/test_memory.py::test_peak_*)."""
     N, L, a = step.tokens, step.shape.layers, step.act_bytes
-    H, I = step.shape.hidden, step.shape.intermediate
-    mlp_point = N * (I * a + 5 * H * a) if step.autocast else N * I * (FP32_BYTES + a)
+    H, inter = step.shape.hidden, step.shape.intermediate
+    mlp_point = N * (inter * a + 5 * H * a) if step.autocast else N * inter * (FP32_BYTES + a)
     norm_point = N * 5 * H * FP32_BYTES
     plain_point = max(mlp_point, norm_point) if acts.checkpointed_layers < L else 0
     if acts.checkpointed_layers:
@@ -708,7 +708,7 @@ def _layer_backward(step: _Step, acts: _Activations, every: int, largest_quantiz
         # freed; earlier checkpointed layers find even less alive.
         last = (L - 1) // every * every
         freed = (L - 1 - last) * acts.layer_saved_bytes
-        recomputed_point = N * (I * a + 3 * H * a) if step.autocast else mlp_point
+        recomputed_point = N * (inter * a + 3 * H * a) if step.autocast else mlp_point
         widest = max(plain_point, acts.layer_saved_bytes + recomputed_point - freed)
     else:
         widest = plain_point

@@ -183,7 +183,7 @@ class Walk:
             out = self.new(N * s.q_dim * a, any_rg)
             if any_rg:
                 self.save(q, k, v, out, self.new(B * s.heads * S * FP32_BYTES, True))  # + log-sum-exp
-                if self.packed:
+                if self.bias is not None:  # packed rows
                     self.save(self.bias)  # the shared bias: one storage however many layers save it
                 elif self.mask:
                     # Bool mask -> float bias (one per call), padded to 16 columns for CUDA mem-efficient.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from jobs.outputs import format_step
 
@@ -51,7 +52,7 @@ class _Progress:
         loss = f"{rec['loss']:.4f}"
         if "rewards/accuracies" in rec:  # a preference objective: TRL's reward accuracy and margin beside it
             loss += f" acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:.3g}"
-        fields = dict(loss=loss, tok_s=f"{rec['tokens_per_s']:.0f}")
+        fields: dict[str, Any] = dict(loss=loss, tok_s=f"{rec['tokens_per_s']:.0f}")
         if self.task is None:
             self.task = self.progress.add_task(
                 self.spec.name, total=rec.get("total_steps"), completed=rec["step"] - 1, **fields
