@@ -155,6 +155,26 @@ def test_cpu_overhead_quick_writes_ratio(tmp_path):
     assert "rayft / plain" in proc.stdout
 
 
+def test_preference_reference_quick_compares_the_two_references_on_the_same_losses(tmp_path):
+    """bench/preference_reference.py --quick: DPO steps with the reference forward in the step
+    (adapter_off) and with precomputed log-probabilities; the same per-step losses (the reference
+    is the same numbers either way), a precompute pass timed only for the precomputed variant,
+    and the speed-up the ratio of the two medians."""
+    proc = _run("preference_reference.py", "--quick", "--out", str(tmp_path))
+    result = _only_json(tmp_path)
+    assert result["benchmark"] == "preference-reference" and result["config"]["quick"] is True
+    rows = result["rows"]
+    assert set(rows) == {"adapter_off", "precomputed"}
+    assert rows["adapter_off"]["precompute_s"] is None
+    assert len(rows["precomputed"]["precompute_s"]) == 1 and rows["precomputed"]["precompute_s"][0] > 0
+    assert result["max_rel_loss_diff"] < 1e-5
+    assert math.isclose(
+        result["speedup_cpu_precomputed_vs_adapter_off"],
+        rows["adapter_off"]["cpu_s_per_step_median"] / rows["precomputed"]["cpu_s_per_step_median"],
+    )
+    assert "precomputed:" in proc.stdout
+
+
 @pytest.mark.slow  # the compiled variant compiles for ~40 s
 def test_cpu_loop_options_quick_compares_layouts_on_the_same_math(tmp_path):
     proc = _run("cpu_loop_options.py", "--quick", "--out", str(tmp_path), timeout=600)
