@@ -82,10 +82,25 @@ def init_ray(address: str | None, num_cpus: int, log_to_driver: bool = True) -> 
     _condense_worker_tracebacks()
 
 
+# Lines of Ray's own that are not about the run and that a user cannot act on, dropped from the
+# console (they stay in Ray's log files). Each is matched by all of its parts.
+RAY_NOISE = (
+    # Ray Train v2 starts its PreemptionWatcher actor with max_restarts=-1 and its arguments in the
+    # object store, and the core worker logs that combination at error level every run
+    # (ray-project/ray#53727): the watcher works; nothing is wrong.
+    ("core_worker.cc", "Actor with class name: 'PreemptionWatcher'", "max_restarts > 0"),
+)
+
+
+def is_ray_noise(line: str) -> bool:
+    return any(all(part in line for part in parts) for parts in RAY_NOISE)
+
+
 class _TracebackFilter:
     """Ray prints the tracebacks its workers and Train controller log (a crashed peer, a failed
     shutdown after a lost node) on this console, next to rayft's own one-line verdict. Each one is
-    cut to the exception line here; the whole traceback stays in Ray's log files on the node."""
+    cut to the exception line here; the whole traceback stays in Ray's log files on the node.
+    Known noise (`RAY_NOISE`) is dropped."""
 
     def __init__(self, print_batch: Callable[[dict], None]):
         self.print_batch = print_batch
@@ -98,6 +113,8 @@ class _TracebackFilter:
                 self.inside[key] = True
             elif self.inside.get(key) and line[:1].isspace():
                 pass  # a frame or its source line
+            elif is_ray_noise(line):
+                self.inside[key] = False
             else:
                 self.inside[key] = False
                 kept.append(line)

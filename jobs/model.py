@@ -141,6 +141,18 @@ def _load_device(spec: JobSpec):
     return "cpu"
 
 
+# bitsandbytes' CPU backend warns at import that an optional kernel package is missing.
+BITSANDBYTES_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+def quiet_unused_bitsandbytes(quantizing: bool) -> None:
+    """PEFT imports bitsandbytes whenever it is installed (the `qlora` extra is part of the dev
+    install), and on CPU bitsandbytes then warns "Failed to load CPU gemm_4bit_forward from
+    kernels-community" -- about kernels only a quantized base uses. Without quantization that line
+    is noise on the first screen, so its logger shows errors only; with quantization it stays."""
+    logging.getLogger(BITSANDBYTES_CPU_LOGGER).setLevel(logging.WARNING if quantizing else logging.ERROR)
+
+
 def load_base_model(spec: JobSpec, precision: str, *, quantized: bool = True):
     """Returns (model, tokenizer) with the base weights frozen, in eval-free train mode.
 
@@ -157,6 +169,7 @@ def load_base_model(spec: JobSpec, precision: str, *, quantized: bool = True):
     dtype = base_dtype(precision)
     m = spec.model
     qcfg = quantization_config(m.quantization, precision) if quantized else None
+    quiet_unused_bitsandbytes(qcfg is not None)
     quant = dict(quantization_config=qcfg, device_map={"": _load_device(spec)}) if qcfg is not None else {}
     model: PreTrainedModel
     if m.name == "tiny-llama":

@@ -195,3 +195,22 @@ def test_a_worker_that_stopped_answering_is_a_lost_node_only_when_ray_marks_the_
         f"lost node {a} (10.0.0.7), which held training worker rank 1 "
         "(health check failed due to missing too many heartbeats)"
     )
+
+
+def test_ray_trains_preemption_watcher_line_is_dropped_and_other_core_worker_errors_are_not():
+    """The one known-noise line (Ray Train's PreemptionWatcher, ray-project/ray#53727) is dropped
+    from the console; a core worker error about any other actor, or the same words elsewhere, stay."""
+    from jobs.launch import _TracebackFilter
+
+    noise = (
+        "[2026-12-02 02:18:20,075 E 20735 20795] core_worker.cc:2465: Actor with class name: "
+        "'PreemptionWatcher' and ID: '6846c3' has constructor arguments in the object store and "
+        "max_restarts > 0. If the arguments in the object store go out of scope or are lost, the actor "
+        "restart will fail."
+    )
+    other = noise.replace("PreemptionWatcher", "MyActor")
+    printed: list[list[str]] = []
+    f = _TracebackFilter(lambda data: printed.append(data["lines"]))
+    f({"pid": 1, "is_err": True, "lines": [noise, other, "rayft line"]})
+    f({"pid": 1, "is_err": True, "lines": [noise]})  # nothing left: nothing printed
+    assert printed == [[other, "rayft line"]]

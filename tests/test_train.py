@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,22 @@ from jobs.context import LocalContext
 from jobs.loop import train
 from jobs.outputs import read_metrics
 from jobs.spec import load_spec
+
+
+# What `make demo`'s console may show: rayft's lines and Ray's token-auth notice, nothing else (no
+# Ray-internal error lines, no library notices about code the run does not use).
+DEMO_CONSOLE = [
+    re.compile(r"\tWARNING authentication_token_setup\.py:\d+ -- Token authentication is enabled"),
+    re.compile(r"^step \d+/\d+ loss "),  # the progress line per step (no terminal: one line each)
+    re.compile(r"^\(RayTrainWorker pid=\d+\) job tiny-lora: \d+ steps, global batch "),
+    re.compile(r"^\s*rayft run tiny-lora\s*$|^[┌│├└]"),  # the summary table
+]
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def unexpected_console_lines(text: str) -> list[str]:
+    lines = (ANSI.sub("", line) for line in text.splitlines())
+    return [line for line in lines if line.strip() and not any(p.search(line) for p in DEMO_CONSOLE)]
 
 
 def _run_local(tmp: Path, *overrides: str) -> tuple[dict, list[dict]]:
@@ -129,6 +146,9 @@ def test_rayft_run_two_workers_matches_single_process_and_pins_loss(tmp_path, mo
     # depends on the init, the data order and the loss normalization.
     assert records[0]["loss"] == pytest.approx(6.8577, abs=2e-3)
     assert "rayft run tiny-lora" in p.stderr  # the summary table
+    # The first screen: only rayft's lines (no Ray Train PreemptionWatcher error line, no
+    # bitsandbytes missing-kernel notice in a run that quantizes nothing).
+    assert unexpected_console_lines(p.stdout + p.stderr) == []
 
     local = tmp_path / "local"
     spec = load_spec(
