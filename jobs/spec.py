@@ -100,6 +100,78 @@ class ModelSpec(_Section):
         return env_var_name(v)
 
 
+_TRAIN_ON = Literal["assistant", "last_assistant"]
+# A mixture source's name becomes part of metric keys (`samples/NAME`): MLflow and TensorBoard take these.
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# What a mixture source's name defaults to: its file's stem (a hub dataset: NAME[_SPLIT]), cut to these.
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+# `data.path` as `JobSpec` holds it for a mixture (`DataSpec._path_or_mix`): not a value YAML can hold.
+_NO_PATH = object()
+
+
+class MixSource(_Section):
+    """One source of a weighted mixture (`data.mix`): its own cache entry, its own epochs."""
+
+    path: str
+    """One data source, in any form `data.path` takes (a file, a `save_to_disk` directory, `hf:ORG/NAME[:SPLIT]`)."""
+    weight: float = Field(gt=0)
+    """Sampling weight (positive, finite; normalized over the sources): each global batch takes
+    this source's share of its samples by the rule in docs/training.md (mixtures)."""
+    name: str | None = None
+    """The source's name in the logged metrics (`samples/NAME`, `label_tokens/NAME`, `epoch/NAME`,
+    `eval_loss/NAME`); default: the file's stem (a hub dataset: its NAME). Letters, digits, `_`, `.`, `-`."""
+    fields: dict[str, str] | None = None
+    """As `data.fields`, for this source only (default: `data.fields`)."""
+    train_on: _TRAIN_ON | None = None
+    """As `data.train_on`, for this source only (default: `data.train_on`)."""
+    eval_path: str | None = None
+    """This source's held-out set (same forms as `path`); when absent, `data.eval_fraction` of the
+    source is held out. Its loss is logged as `eval_loss/NAME`."""
+
+    @field_validator("fields")
+    @classmethod
+    def _our_fields(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return None if v is None else our_fields(v)
+
+    @field_validator("name")
+    @classmethod
+    def _metric_name(cls, v: str | None) -> str | None:
+        if v is not None and not SOURCE_NAME.fullmatch(v):
+            raise ValueError(
+                f"{one_line(repr(v))[:70]} is not a source name (1 to 64 letters, digits, '_', '.' or '-': "
+                "it becomes part of metric names)"
+            )
+        return v
+
+    @property
+    def shown_name(self) -> str:
+        """`name`, or what it defaults to: the stem of `path` (`hf:ORG/NAME:SPLIT` -> `NAME_SPLIT`)."""
+        if self.name:
+            return self.name
+        p = self.path
+        stem = p[3:].rsplit("/", 1)[-1].replace(":", "_") if p.startswith("hf:") else Path(p.rstrip("/")).stem
+        return _NAME_UNSAFE.sub("_", stem).strip("_")[:64] or "source"
+
+
+def our_fields(v: dict[str, str]) -> dict[str, str]:
+    """`data.fields` (or a source's): every key one of our field names, every column named."""
+    ours = ("text", "prompt", "completion", "messages", "chosen", "rejected")
+    for k, col in v.items():
+        if k not in ours:
+            raise ValueError(f"{one_line(repr(k))[:60]} is not one of our fields ({', '.join(ours)})")
+        if not col:
+            raise ValueError(f"{k}: names an empty column")
+    return v
+
+
+def same_source(a: str, b: str) -> bool:
+    """Do two source strings name one source? Hub ids as written, paths after normalization
+    (`./a.jsonl` is `a.jsonl`); `check_files` compares resolved paths too (links, `..`)."""
+    if a.startswith("hf:") or b.startswith("hf:"):
+        return a == b
+    return os.path.normpath(a) == os.path.normpath(b)
+
+
 class DataSpec(_Section):
     path: list[str]
     """Data source(s): JSONL, JSON, Parquet or CSV files, a `Dataset.save_to_disk` directory, or a
@@ -107,19 +179,28 @@ class DataSpec(_Section):
     `{"prompt": ..., "completion": ...}` (loss on the completion) or `{"messages": [{"role",
     "content"}, ...]}` (the model's chat template; loss on assistant turns); for a preference
     objective, pairs `{"prompt", "chosen", "rejected"}` (strings, or TRL's conversational form:
-    a list of messages for the prompt and assistant message(s) for each response)."""
+    a list of messages for the prompt and assistant message(s) for each response). Several
+    sources are concatenated; for a weighted mixture give `mix` instead (then `path` is `[]`)."""
+    mix: list[MixSource] | None = None
+    """A weighted mixture, instead of `path`: `[{path, weight, name?, fields?, train_on?,
+    eval_path?}, ...]`. Each global batch draws its samples from the sources by weight
+    (deterministic in `run.seed` and the step, independent of the split); each source is
+    tokenized into its own cache entry and has its own epochs (a small source repeats, a large
+    one does not run out first). The rule: docs/training.md (mixtures)."""
     eval_path: str | None = None
-    """Held-out source (same forms as `path`) for eval loss; when absent, `eval_fraction` of `path` is held out."""
+    """Held-out source (same forms as `path`) for eval loss; when absent, `eval_fraction` of `path` is
+    held out. With `mix`, each source names its own (`mix[i].eval_path`)."""
     fields: dict[str, str] = Field(default_factory=dict)
     """Our field name -> the user's column name, e.g. `{prompt: question, completion: answer}`,
     `{messages: conversations}` or `{chosen: good, rejected: bad}`; the data is read as if the
     columns had our names."""
-    train_on: Literal["assistant", "last_assistant"] = "assistant"
+    train_on: _TRAIN_ON = "assistant"
     """Chat records: loss on every assistant turn, or only on the last one."""
     hf_token_env: str | None = None
     """Name of the environment variable holding the hub token for an `hf:` source (never the token)."""
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    """Fraction of the training records held out for evaluation (deterministic by `run.seed`)."""
+    """Fraction of the training records held out for evaluation (deterministic by `run.seed`); with
+    `mix`, of every source that names no `eval_path` of its own."""
     max_seq_len: int = Field(256, gt=1, le=1 << 20)
     """Truncation length in tokens (BOS and EOS included)."""
     group_by_length: bool = True
@@ -136,9 +217,24 @@ class DataSpec(_Section):
     `<parent of run.output_dir>/.rayft-data`, so runs written next to each other share it. A
     search puts its trials' cache in its own output dir."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _path_or_mix(cls, v: Any) -> Any:
+        """`path` or `mix`, never both. A mixture's `path` is `[]` (how a validated mixture spec is
+        written out, so it reads back); without either, `path` is the missing key."""
+        if not isinstance(v, dict) or v.get("mix") is None:
+            return v
+        if v.get("path") not in (None, []):
+            raise ValueError(
+                "give data.path (one or more sources, concatenated) or data.mix (a weighted mixture), not both"
+            )
+        return {**v, "path": _NO_PATH}
+
     @field_validator("path", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
+        if v is _NO_PATH:
+            return []
         if isinstance(v, str):
             return [v]
         if isinstance(v, list) and not v:
@@ -148,13 +244,67 @@ class DataSpec(_Section):
     @field_validator("fields")
     @classmethod
     def _our_fields(cls, v: dict[str, str]) -> dict[str, str]:
-        ours = ("text", "prompt", "completion", "messages", "chosen", "rejected")
-        for k, col in v.items():
-            if k not in ours:
-                raise ValueError(f"{one_line(repr(k))[:60]} is not one of our fields ({', '.join(ours)})")
-            if not col:
-                raise ValueError(f"{k}: names an empty column")
+        return our_fields(v)
+
+    @field_validator("mix")
+    @classmethod
+    def _some_source(cls, v: list[MixSource] | None) -> list[MixSource] | None:
+        if v is not None and not v:
+            raise ValueError("must name at least one source ({path, weight})")
         return v
+
+    def mixture_problem(self) -> str | None:
+        """What makes `mix` unusable as a whole, as `key: reason` (None: nothing): a source listed
+        twice, two sources of one name (names key the metrics), `eval_path` beside `mix`."""
+        if self.mix is None:
+            return None
+        if self.eval_path is not None:
+            return (
+                "data.eval_path: not used with data.mix: each source names its own held-out set "
+                "(data.mix.N.eval_path), or data.eval_fraction holds out part of every source"
+            )
+        for i, src in enumerate(self.mix):
+            for j in range(i):
+                if same_source(self.mix[j].path, src.path):
+                    return (
+                        f"data.mix.{i}.path: {one_line(src.path)} is listed twice (also data.mix.{j}.path); "
+                        "give each source once, with its weight"
+                    )
+                if self.mix[j].shown_name == src.shown_name:
+                    return (
+                        f"data.mix.{i}: two sources are named {src.shown_name!r} (data.mix.{j} too); "
+                        "set data.mix.N.name to tell them apart in the metrics"
+                    )
+        return None
+
+    def source_files(self) -> list[tuple[str, str]]:
+        """(spec key, source) of every data source this spec reads, training and held-out, in
+        order: `data.path[.i]`, `data.eval_path`, or per mixture source `data.mix.i.path` and
+        `data.mix.i.eval_path`. What is checked, resolved and hashed goes through here."""
+        if self.mix is None:
+            out = [("data.path" if len(self.path) == 1 else f"data.path.{i}", p) for i, p in enumerate(self.path)]
+            return out + ([("data.eval_path", self.eval_path)] if self.eval_path else [])
+        out = []
+        for i, src in enumerate(self.mix):
+            out.append((f"data.mix.{i}.path", src.path))
+            if src.eval_path:
+                out.append((f"data.mix.{i}.eval_path", src.eval_path))
+        return out
+
+    def of_source(self, i: int) -> DataSpec:
+        """Mixture source `i` as the one-source data section it is tokenized by: its path, held-out
+        set, fields and train_on (its own, else this section's), every other key this section's."""
+        assert self.mix is not None
+        src = self.mix[i]
+        return self.model_copy(
+            update={
+                "path": [src.path],
+                "mix": None,
+                "eval_path": src.eval_path,
+                "fields": self.fields if src.fields is None else src.fields,
+                "train_on": self.train_on if src.train_on is None else src.train_on,
+            }
+        )
 
     @field_validator("hf_token_env")
     @classmethod
@@ -510,6 +660,9 @@ class JobSpec(BaseModel):
                 f"data.packing is not available with objective.name={self.objective.name} (a pair's "
                 "chosen and rejected rows are padded side by side); set data.packing=false"
             )
+        problem = self.data.mixture_problem()
+        if problem:
+            raise ValueError(problem)
         if r.gpus_per_worker > 1 and not r.use_gpu:
             raise ValueError(f"resources.gpus_per_worker={r.gpus_per_worker} needs resources.use_gpu=true")
         if r.num_workers % r.gpus_per_worker:
@@ -549,6 +702,15 @@ class JobSpec(BaseModel):
     @property
     def output_path(self) -> Path:
         return Path(self.run.output_dir.replace("{name}", self.name))
+
+    @property
+    def is_mixture(self) -> bool:
+        return self.data.mix is not None
+
+    def for_source(self, i: int) -> JobSpec:
+        """This spec with mixture source `i` as its only data (`DataSpec.of_source`): how that
+        source is read, checked and tokenized into its own cache entry."""
+        return self.model_copy(update={"data": self.data.of_source(i)})
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
@@ -618,15 +780,22 @@ def check_files(spec: JobSpec, where: str = "spec") -> None:
     """The data files must be readable regular files where the job starts (paths are relative
     to the current directory), and a local model directory must hold a model."""
     where = one_line(where)
-    for i, p in enumerate(spec.data.path):
+    for key, p in spec.data.source_files():
         problem = None if p.startswith("hf:") or os.path.isdir(p) else path_problem(p)  # read by `datasets`
         if problem:
-            key = "data.path" if len(spec.data.path) == 1 else f"data.path.{i}"
             raise SpecError(f"{where}: {key}: {problem}")
-    if spec.data.eval_path and not (spec.data.eval_path.startswith("hf:") or os.path.isdir(spec.data.eval_path)):
-        problem = path_problem(spec.data.eval_path)
-        if problem:
-            raise SpecError(f"{where}: data.eval_path: {problem}")
+    if spec.data.mix is not None:
+        seen: dict[Path, int] = {}
+        for i, src in enumerate(spec.data.mix):
+            if src.path.startswith("hf:"):
+                continue
+            real = Path(src.path).resolve()
+            if real in seen:
+                raise SpecError(
+                    f"{where}: data.mix.{i}.path: {one_line(src.path)} is the source data.mix.{seen[real]}.path "
+                    "names too; give each source once, with its weight"
+                )
+            seen[real] = i
     check_model_dir(spec, where)
     if spec.model.adapter:
         problem = path_problem(Path(spec.model.adapter) / "adapter_config.json")
@@ -709,6 +878,10 @@ def absolutize(spec: JobSpec) -> JobSpec:
     d["data"]["path"] = [p if p.startswith("hf:") else str(Path(p).resolve()) for p in spec.data.path]
     if spec.data.eval_path and not spec.data.eval_path.startswith("hf:"):
         d["data"]["eval_path"] = str(Path(spec.data.eval_path).resolve())
+    for src in d["data"]["mix"] or []:
+        for key in ("path", "eval_path"):
+            if src[key] and not src[key].startswith("hf:"):
+                src[key] = str(Path(src[key]).resolve())
     if spec.model.name != "tiny-llama" and not spec.model.name.startswith("pkg:") and Path(spec.model.name).exists():
         d["model"]["name"] = str(Path(spec.model.name).resolve())
     if spec.model.adapter:

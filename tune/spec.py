@@ -171,7 +171,8 @@ class SearchSpec(JobSpec):
                 "search.micro_batch_size: only for search.mode=fixed_micro_batch (in fixed_global_batch "
                 "mode the micro-batch is derived: global / (accumulation x workers))"
             )
-        if not self.data.eval_path and self.data.eval_fraction <= 0:
+        held_out = self.data.eval_path or any(src.eval_path for src in self.data.mix or [])
+        if not held_out and self.data.eval_fraction <= 0:
             raise ValueError(
                 "data.eval_path: the search compares trials on eval loss: set data.eval_path or data.eval_fraction"
             )

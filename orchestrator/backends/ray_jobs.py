@@ -345,9 +345,8 @@ def resolve_spec(
     with _cwd(working_dir):
         spec = load_spec(rel, overrides)
         preflight(spec)
-        for i, d in enumerate(spec.data.path + ([spec.data.eval_path] if spec.data.eval_path else [])):
+        for key, d in spec.data.source_files():
             if not Path(d).is_absolute() and not _inside(Path(d).resolve(), working_dir):
-                key = "data.eval_path" if i == len(spec.data.path) else "data.path"
                 raise SpecError(
                     f"{spec_path}: {key}: {d} is outside the working dir {working_dir}; it would not be "
                     "uploaded (use a path inside the project or an absolute path on shared storage)"
