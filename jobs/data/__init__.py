@@ -16,6 +16,8 @@ One module per role, each importing only those above it:
     batches     `GlobalBatches` (step k -> its samples, independent of the split), `split_window`,
                 `collate` (with packing), `collate_pairs`, label/input counts, `total_steps`,
                 `eval_shard`
+    mixture     weighted mixtures (`data.mix`): `Concatenated` sources, `MixtureBatches` (step k ->
+                its samples drawn by weight, each source with its own epochs), per-source metrics
 
 Callers import from `jobs.data`; the names below are the package's interface.
 """
@@ -47,6 +49,7 @@ from .cache import (
     tokenizer_hash,
 )
 from .chat import chat_pair_texts, chat_prompt_ids, chat_spans
+from .mixture import Concatenated, MixtureBatches, Sampler, SourcePart, batches_for, step_metrics
 from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs, tokenize_pairs_iter, truncate_pair
 from .records import (
     OUR_FIELDS,
@@ -67,6 +70,7 @@ from .tokenizing import IGNORE, Example, encode_prompt, tokenize, tokenize_iter
 
 __all__ = [
     "CACHE_FORMAT",
+    "Concatenated",
     "DATASETS_SUFFIXES",
     "DROP_EMPTY",
     "DROP_IDENTICAL",
@@ -77,13 +81,17 @@ __all__ = [
     "PAIRS",
     "ROLES",
     "SFT",
+    "Sampler",
+    "SourcePart",
     "TEXT_FIELDS",
     "Dataset",
     "Example",
     "GlobalBatches",
+    "MixtureBatches",
     "Pair",
     "TokenizedPairs",
     "TokenizedSplit",
+    "batches_for",
     "cache_key",
     "char_bound",
     "chat_pair_texts",
@@ -111,6 +119,7 @@ __all__ = [
     "record_kind",
     "source_hash",
     "split_window",
+    "step_metrics",
     "tokenize",
     "tokenize_iter",
     "tokenize_pairs",
