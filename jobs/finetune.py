@@ -25,8 +25,9 @@ def preflight(spec) -> None:
     # checked before (same content hash) is not read again.
     n_train = count_checked_records(spec)
     if n_train < spec.batch.global_batch_size:  # tokenizing can only drop records, never add any
+        key = "data.mix" if spec.is_mixture else "data.path"
         raise SpecError(
-            f"data.path: {n_train} training records, fewer than batch.global_batch_size={spec.batch.global_batch_size}"
+            f"{key}: {n_train} training records, fewer than batch.global_batch_size={spec.batch.global_batch_size}"
         )
     if spec.data.packing:
         from .memory import config_from_spec

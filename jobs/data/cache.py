@@ -21,12 +21,13 @@ run tokenizes nothing and holds only the pages it touches (`TokenizedSplit`, `To
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,10 @@ import numpy as np
 from ..cache import build_once
 from ..errors import SpecError
 from ..spec import JobSpec, one_line, path_problem
+from .mixture import Concatenated, SourcePart
 from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter
-from .records import PAIR_FIELDS, PAIRS, SFT
-from .sources import datasets_rows, is_hub, read_jsonl, read_records
+from .records import PAIR_FIELDS, PAIRS, SFT, record_kind
+from .sources import datasets_rows, first_record_format, is_hub, read_jsonl, read_records
 from .tokenizing import Example, tokenize_iter
 
 CACHE_FORMAT = 1  # bump when the cache's files or the tokenization change meaning
@@ -84,10 +86,11 @@ def source_hash(path: str, hf_token_env: str | None = None) -> str:
 
 
 def content_hash(spec: JobSpec) -> str:
-    """One hash of everything `data.path` and `data.eval_path` hold: it changes exactly when the
-    data under the same paths changes (the checkpoint's resume key records it)."""
+    """One hash of everything `data.path` and `data.eval_path` hold (a mixture: every source's
+    path and eval_path, in order): it changes exactly when the data under the same paths changes
+    (the checkpoint's resume key records it)."""
     h = hashlib.sha256()
-    for p in list(spec.data.path) + ([spec.data.eval_path] if spec.data.eval_path else []):
+    for _, p in spec.data.source_files():
         try:
             h.update(source_hash(p, spec.data.hf_token_env).encode() + b"\0")
         except OSError as e:
@@ -261,6 +264,7 @@ class Dataset:
     kind: str = SFT  # `SFT`: `train`/`eval` hold Examples; `PAIRS`: they hold Pairs
     dropped_empty: int = 0  # pairs with an empty prompt or response
     dropped_identical: int = 0  # pairs whose responses are identical after tokenization and truncation
+    sources: list[SourcePart] = field(default_factory=list)  # a mixture's sources (`data.mix`); [] for one
 
 
 def count_checked_records(spec: JobSpec) -> int:
@@ -269,7 +273,15 @@ def count_checked_records(spec: JobSpec) -> int:
     is created. A success is remembered in an existing cache root (`checked-<hash>.json`, keyed
     by the content hash, `data.fields` and the kind of data), so a later start on the same data
     skips the pass. The records are checked against the objective too: pairs for a preference
-    objective, SFT records otherwise (`jobs.data.sources.read_jsonl`)."""
+    objective, SFT records otherwise (`jobs.data.sources.read_jsonl`). A mixture's sources are
+    checked one by one (each remembered on its own), after `check_mixture_kinds`."""
+    if spec.data.mix is not None:
+        check_mixture_kinds(spec)
+        total = 0
+        for i in range(len(spec.data.mix)):
+            with source_keys(i):
+                total += count_checked_records(spec.for_source(i))
+        return total
     d = spec.data
     memo: Path | None = None
     try:
@@ -315,12 +327,104 @@ def count_checked_records(spec: JobSpec) -> int:
     return n_train
 
 
+_KINDS_SHOWN = {PAIRS: "pairs", SFT: "SFT records"}
+
+
+def check_mixture_kinds(spec: JobSpec) -> None:
+    """Every source of a mixture holds the one kind of record its objective trains on (pairs for a
+    preference objective, SFT records otherwise), judged by each source's first record; a source
+    of the other kind is one SpecError naming it, a source of the right kind, and the objective."""
+    assert spec.data.mix is not None
+    pairs, want = spec.objective.is_preference, data_kind(spec)
+    kinds = []
+    for i in range(len(spec.data.mix)):
+        sub = spec.for_source(i).data
+        with source_keys(i):
+            fmt = first_record_format(sub.path[0], "data.path", sub.fields, sub.hf_token_env, pairs)
+        kinds.append(record_kind(fmt))
+    for i, kind in enumerate(kinds):
+        if kind == want:
+            continue
+        other = next((j for j, k in enumerate(kinds) if k == want), None)
+        beside = f" and data.mix.{other}.path {_KINDS_SHOWN[want]}" if other is not None else ""
+        raise SpecError(
+            f"data.mix.{i}.path: {one_line(spec.data.mix[i].path)} holds {_KINDS_SHOWN[kind]}{beside}: every "
+            f"source of a mixture holds the records objective.name={spec.objective.name} trains on "
+            f"({_KINDS_SHOWN[want]})"
+        )
+
+
+@contextlib.contextmanager
+def source_keys(i: int) -> Iterator[None]:
+    """Within it, a SpecError about `data.path` / `data.eval_path` (how a mixture source is read:
+    `JobSpec.for_source`) names the source's own keys, `data.mix.I.path` / `data.mix.I.eval_path`."""
+    try:
+        yield
+    except SpecError as e:
+        text = str(e)
+        for ours in ("data.path", "data.eval_path"):
+            if text.startswith(ours):
+                raise SpecError(f"data.mix.{i}.{ours.removeprefix('data.')}{text[len(ours) :]}") from None
+        raise
+
+
 def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
     """The spec's data, tokenized once into the shared cache (`data_cache_dir`) and memory-mapped.
 
     The first process to need a cache entry reads and tokenizes the data under a lock and
     publishes the entry by atomic rename (`jobs.cache.build_once`); every other process, now or
-    in a later run, maps the published files. Bad data raises a SpecError and leaves no entry."""
+    in a later run, maps the published files. Bad data raises a SpecError and leaves no entry.
+    A mixture (`data.mix`) is each source's own entry (`load_mixture`)."""
+    if spec.data.mix is not None:
+        data = load_mixture(spec, tokenizer)
+    else:
+        data = load_entry(spec, tokenizer)
+    if len(data.train) < spec.batch.global_batch_size:
+        key = "data.mix" if spec.data.mix is not None else "data.path"
+        raise SpecError(
+            f"{key}: {len(data.train)} usable training records, fewer than "
+            f"batch.global_batch_size={spec.batch.global_batch_size}"
+        )
+    return data
+
+
+def load_mixture(spec: JobSpec, tokenizer) -> Dataset:
+    """A mixture: each source tokenized into its own entry (`JobSpec.for_source`: the key of a
+    source is the key it has as a job's only data, so adding a source to a mixture tokenizes only
+    that one, and a mixture shares entries with one-source runs), then the entries side by side
+    (`Concatenated`, nothing copied), `sources` saying where each one lies."""
+    assert spec.data.mix is not None
+    entries = []
+    for i in range(len(spec.data.mix)):
+        with source_keys(i):
+            entries.append(load_entry(spec.for_source(i), tokenizer))
+    parts, train_at, eval_at = [], 0, 0
+    for src, e in zip(spec.data.mix, entries, strict=True):
+        if not len(e.train):
+            raise SpecError(
+                f"data.mix: source {src.shown_name!r} ({one_line(src.path)}) has no usable training records"
+            )
+        parts.append(
+            SourcePart(src.shown_name, src.weight, train_at, len(e.train), eval_at, len(e.eval), e.cache_dir, e.dropped)
+        )
+        train_at, eval_at = train_at + len(e.train), eval_at + len(e.eval)
+    names = "\0".join(e.cache_dir.name for e in entries if e.cache_dir is not None)
+    return Dataset(
+        Concatenated([e.train for e in entries]),
+        Concatenated([e.eval for e in entries]),
+        dropped=sum(e.dropped for e in entries),
+        content_hash=content_hash(spec),
+        # Named by its sources' entries (in order): what a precomputed reference beside it is keyed by.
+        cache_dir=data_cache_dir(spec, "mix-" + hashlib.sha256(names.encode()).hexdigest()[:24]),
+        kind=entries[0].kind,
+        dropped_empty=sum(e.dropped_empty for e in entries),
+        dropped_identical=sum(e.dropped_identical for e in entries),
+        sources=parts,
+    )
+
+
+def load_entry(spec: JobSpec, tokenizer) -> Dataset:
+    """The one cache entry of a spec's `data.path` (built if missing), memory-mapped."""
     h = content_hash(spec)
     final = data_cache_dir(spec, cache_key(spec, tokenizer))
     try:
@@ -332,11 +436,6 @@ def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
     split = TokenizedPairs if meta.get("kind") == PAIRS else TokenizedSplit
     train = split(final, "train", meta["train"]["n"], meta["train"]["n_tokens"])
     evals = split(final, "eval", meta["eval"]["n"], meta["eval"]["n_tokens"])
-    if len(train) < spec.batch.global_batch_size:
-        raise SpecError(
-            f"data.path: {len(train)} usable training records, fewer than "
-            f"batch.global_batch_size={spec.batch.global_batch_size}"
-        )
     return Dataset(
         train,
         evals,

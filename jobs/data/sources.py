@@ -125,6 +125,32 @@ class _SourceCheck:
             )
 
 
+def first_record_format(path: str, key: str, fields: dict | None, hf_token_env: str | None, pairs: bool) -> str | None:
+    """The format (`records.record_format`) of a source's first record, read and checked as a job
+    reads it (`pairs`: a preference job), without reading the rest: how a mixture's sources are
+    compared before each is read whole. A source without records is refused as `read_jsonl` does."""
+    shown = one_line(str(path))
+    if is_hub(path) or os.path.isdir(path) or Path(path).suffix.lower() in DATASETS_SUFFIXES:
+        rows = datasets_rows(str(path), key, hf_token_env)
+        if not len(rows):
+            raise SpecError(f"{key}: {shown}: no records")
+        return record_format(check_record(dict(rows[0]), f"{key}: {shown} row 0", fields, pairs), pairs)
+    problem = path_problem(path)
+    if problem:
+        raise SpecError(f"{key}: {problem}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    where = f"{key}: {shown} line {i}"
+                    return record_format(check_record(_json_value(line, where), where, fields, pairs), pairs)
+    except UnicodeDecodeError:
+        raise SpecError(f"{key}: {shown}: not UTF-8 text") from None
+    except OSError as e:
+        raise SpecError(f"{key}: {shown}: cannot be read ({e.strerror or e})") from None
+    raise SpecError(f"{key}: {shown}: no records")
+
+
 def read_records(spec: JobSpec, tokenizer) -> tuple[list[dict], list[dict]]:
     """(training records, held-out records) of the spec, texts cut to what max_seq_len can use."""
     cut = char_bound(tokenizer, spec.data.max_seq_len)
@@ -180,15 +206,18 @@ def _read_lines(path: str, key: str, max_chars: int | None, fields: dict | None,
 
 
 def _parse_record(line: str, where: str, fields: dict | None, checks: _SourceCheck) -> dict:
+    return checks.check(_json_value(line, where), where, fields)
+
+
+def _json_value(line: str, where: str):
     try:
-        rec = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as e:
         raise SpecError(f"{where}: not valid JSON ({e.msg})") from None
     except RecursionError:
         raise SpecError(f"{where}: nested too deeply to be a record") from None
     except ValueError as e:  # e.g. an integer longer than Python converts
         raise SpecError(f"{where}: not a usable JSON value ({one_line(str(e))[:100]})") from None
-    return checks.check(rec, where, fields)
 
 
 def datasets_rows(path: str, key: str, hf_token_env: str | None):
