@@ -81,7 +81,11 @@ RESUME_KEYS = (
     "objective.beta",
     "objective.simpo_gamma",
     "objective.label_smoothing",
+    "data.mix",
 )
+# Of a mixture (`data.mix`), what decides the samples of step k: each source's path, weight, fields
+# and train_on, in order (its name and held-out set do not).
+MIX_RESUME_KEYS = ("path", "weight", "fields", "train_on")
 # Not a spec field: the sha256 of what the data sources hold (`jobs.data.content_hash`), so data
 # that changed under the same path refuses a resume (the batches of step k would differ).
 DATA_HASH_KEY = "data.content_sha256"
@@ -361,6 +365,8 @@ def resume_key(spec: JobSpec) -> dict:
         for part in key.split("."):
             node = node[part]
         out[key] = node
+    if out["data.mix"] is not None:
+        out["data.mix"] = [{k: src[k] for k in MIX_RESUME_KEYS} for src in out["data.mix"]]
     from .data import content_hash
 
     out[DATA_HASH_KEY] = content_hash(spec)

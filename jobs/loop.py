@@ -50,8 +50,9 @@ from .context import Context
 from .data import (
     Dataset,
     Example,
-    GlobalBatches,
     Pair,
+    Sampler,
+    batches_for,
     collate,
     collate_pairs,
     count_inputs,
@@ -59,6 +60,7 @@ from .data import (
     equal_micro_batches,
     load_dataset,
     split_window,
+    step_metrics,
     total_steps,
 )
 from .early_stopping import EarlyStopping
@@ -321,6 +323,44 @@ def held_out_pairs(
     return values[0], {f"eval_{k}": v for k, v in zip(obj.stat_names, values[1:], strict=True)}
 
 
+@torch.no_grad()
+def held_out_by_source(engine: Engine, job: Job, spec: JobSpec, ctx: Context) -> tuple[float | None, dict]:
+    """A mixture's held-out loss: per source with a held-out split (`eval_loss/NAME`) and over all
+    of them (`eval_loss`: token-weighted for SFT, the mean over pairs for a preference objective,
+    with its statistics as `held_out_pairs` names them), from one pass over each source's split
+    (sharded over ranks as `held_out_loss` is) and one all-reduce."""
+    parts = [p for p in job.data.sources if p.n_eval]
+    if not parts:
+        return None, {}
+    module, obj, pairs = engine.unwrapped, job.objective, job.objective.is_preference
+    width = 2 + (len(obj.stat_names) if pairs else 0)  # [loss sum, *statistic sums, denominator]
+    sums = torch.zeros(len(parts), width, device=engine.device, dtype=torch.float64)
+    layout, pad_id = layout_args(spec, engine.device), job.tokenizer.pad_token_id
+    module.eval()
+    for row, part in enumerate(parts):
+        for idx, counted in equal_micro_batches(part.n_eval, ctx.rank, ctx.world_size, spec.batch.micro_batch_size):
+            at = [part.eval_offset + i for i in idx]
+            if pairs:
+                with engine.autocast():
+                    summed, stats = module(**to_device(pair_batch(job, "eval", at), engine.device))
+                got, n = torch.cat([summed.double().view(1), stats]), len(at)
+            else:
+                batch = [cast(Example, job.data.eval[i]) for i in at]
+                with engine.autocast():
+                    got = module(**to_device(collate(batch, pad_id, **layout), engine.device)).double().view(1)
+                n = sum(e.n_labels for e in batch)
+            if counted:
+                sums[row, :-1] += got
+                sums[row, -1] += n
+    module.train()
+    totals = all_reduce_sum(sums, ctx.world_size).tolist()
+    whole = [sum(col) for col in zip(*totals, strict=True)]
+    out = {f"eval_loss/{p.name}": t[0] / t[-1] for p, t in zip(parts, totals, strict=True)}
+    if pairs:
+        out.update({f"eval_{k}": v / whole[-1] for k, v in zip(obj.stat_names, whole[1:-1], strict=True)})
+    return whole[0] / whole[-1], out
+
+
 def memory_plan(spec: JobSpec, device: torch.device) -> MemoryPlan:
     """The plan this worker runs: `jobs.memory.plan_for_spec` judged against `memory.budget_gib`,
     else the memory of this worker's GPU (the one input only the worker can see)."""
@@ -341,7 +381,7 @@ class Job:
     plan: MemoryPlan
     precision: str
     data: Dataset
-    batches: GlobalBatches
+    batches: Sampler  # `GlobalBatches`, or `MixtureBatches` for a mixture (`data.mix`)
     steps: int  # optimizer steps of the whole run
     scaler: torch.amp.GradScaler
     resume_key: dict  # what a checkpoint of this run must match to be resumed (taken once, at the start)
@@ -398,7 +438,7 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
         plan,
         precision,
         data,
-        GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed),
+        batches_for(spec, data),
         total_steps(spec, len(data.train)),
         torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"),
         ckpt.resume_key(spec),
@@ -571,7 +611,9 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
         done = step + 1
         evaluated = bool(spec.run.eval_every and done % spec.run.eval_every == 0) or done == job.steps
         if evaluated:
-            if job.objective.is_preference:
+            if job.data.sources:  # a mixture: per source, and the whole from the same sums
+                pos.eval_loss, pos.eval_stats = held_out_by_source(engine, job, spec, ctx)
+            elif job.objective.is_preference:
                 pos.eval_loss, pos.eval_stats = held_out_pairs(engine, job, rank, world, spec.batch.micro_batch_size)
             else:
                 pos.eval_loss = held_out_loss(
@@ -602,6 +644,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             "skipped": skipped,
             "eval_loss": pos.eval_loss,
             "evaluated": evaluated,
+            **step_metrics(job.batches, job.data, step),
             **stats,
             **pos.eval_stats,
         }
