@@ -17,6 +17,9 @@ and, for a preference objective, that the entry holds pairs (an SFT entry's key 
 before pairs existed, so existing SFT entries stay valid). One process builds an entry
 (`jobs.cache.build_once`: a lock, an atomic rename); a restart, a resume, a Tune trial or a later
 run tokenizes nothing and holds only the pages it touches (`TokenizedSplit`, `TokenizedPairs`).
+
+A mixture (`data.mix`) has no entry of its own: each source is the entry it would be as a job's
+only data (`load_mixture`), and the mixture is those entries side by side (`jobs.data.mixture`).
 """
 
 from __future__ import annotations

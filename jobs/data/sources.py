@@ -1,4 +1,4 @@
-"""Data sources (`data.path`, `data.eval_path`): reading their rows as checked records.
+"""Data sources (`data.path`, `data.eval_path`, a mixture's sources): reading their rows as checked records.
 
 A `.jsonl` file (or any file `datasets` has no reader for) is read line by line, each line
 checked as it is read; JSON, Parquet and CSV files, a `Dataset.save_to_disk` directory and a hub
@@ -8,7 +8,8 @@ cache). Every problem is one SpecError naming the spec key, the source and the l
 Across a source's records (`_SourceCheck`, as they are read, before any cut): one kind only (pairs
 or SFT records, `records.record_kind`); with the job's objective given, the kind it trains on (so
 a job's sources agree too); and not every pair with chosen == rejected (nothing to prefer: most
-often a `data.fields` mapping that names one column twice).
+often a `data.fields` mapping that names one column twice). `first_record_format` reads only a
+source's first record: how a mixture's sources are compared before any is read whole.
 """
 
 from __future__ import annotations
