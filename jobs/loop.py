@@ -5,7 +5,7 @@ Reads top to bottom in `train()`. The two pieces tests poke at directly are
 `optimizer_step()` (unscale, clip, step, update). The invariants:
 
 * The samples of optimizer step k do not depend on workers x accumulation x micro-batch
-  (`jobs.data.GlobalBatches`).
+  (`jobs.data.GlobalBatches`; for a weighted mixture, `jobs.data.MixtureBatches`).
 * The gradient is the mean over *all label tokens of the whole global batch*. Every rank
   knows the whole global batch (the sampler is deterministic and each rank holds the
   tokenized data), so the window's label-token count T is computed locally, without any
