@@ -350,12 +350,18 @@ class RunSpec(_Section):
 # The keys each objective reads; a key set for an objective that does not read it is refused.
 OBJECTIVE_KEYS = {
     "sft": (),
-    "dpo": ("beta", "label_smoothing", "reference"),
+    "dpo": ("beta", "label_smoothing", "rpo_alpha", "reference"),
     "ipo": ("beta", "reference"),
     "simpo": ("beta", "simpo_gamma"),
     "orpo": ("beta",),
 }
-OBJECTIVE_DEFAULTS = {"beta": 0.1, "simpo_gamma": 0.5, "label_smoothing": 0.0, "reference": "adapter_off"}
+OBJECTIVE_DEFAULTS = {
+    "beta": 0.1,
+    "simpo_gamma": 0.5,
+    "label_smoothing": 0.0,
+    "rpo_alpha": 0.0,
+    "reference": "adapter_off",
+}
 
 
 class ObjectiveSpec(_Section):
@@ -370,6 +376,10 @@ class ObjectiveSpec(_Section):
     """SimPO only: the target reward margin gamma. Default 0.5."""
     label_smoothing: float | None = Field(None, ge=0, lt=0.5)
     """DPO only: the assumed probability that a pair's preference label is flipped (cDPO). Default 0."""
+    rpo_alpha: float | None = Field(None, ge=0, le=1000)
+    """DPO only: the weight of the chosen response's per-token NLL added to each pair's loss (RPO,
+    Pang et al. 2024; TRL's `rpo_alpha`). It keeps the chosen response likely while the margin
+    grows (plain DPO lowers both). Default 0 (plain DPO)."""
     reference: Literal["adapter_off", "precomputed"] | None = None
     """DPO/IPO only: `adapter_off` runs the reference forward in every step (the base with the
     adapter off, or the frozen starting adapter `model.adapter`), no extra weights held;

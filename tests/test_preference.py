@@ -41,7 +41,8 @@ from jobs.spec import JobSpec, load_spec
 
 PAIRS = ROOT / "examples" / "data" / "tiny-pairs.jsonl"
 PAIRS_EVAL = ROOT / "examples" / "data" / "tiny-pairs-eval.jsonl"
-OBJECTIVES = ["dpo", "ipo", "simpo", "orpo"]
+# "rpo": DPO with objective.rpo_alpha (the chosen response's NLL added per pair)
+OBJECTIVES = ["dpo", "ipo", "simpo", "orpo", "rpo"]
 # (workers, micro_batch_size) for a global batch of 8 pairs
 SPLITS = [(1, 8), (2, 2), (4, 1)]
 SPLIT_IDS = [f"W{w}xN{8 // (w * m)}xm{m}" for w, m in SPLITS]
@@ -63,6 +64,8 @@ def objective_overrides(name: str) -> tuple:
     # SimPO's beta as in its paper (2.0); IPO's default 0.1 (its target margin 1 / (2 beta) = 5 keeps
     # the gradient's per-pair weights 2 (h - 5) well away from 0, where fp32 noise in h would show).
     beta = {"simpo": "2.0", "ipo": "0.1"}.get(name, "0.5")
+    if name == "rpo":
+        return ("objective.name=dpo", f"objective.beta={beta}", "objective.rpo_alpha=1.0")
     return (f"objective.name={name}", f"objective.beta={beta}")
 
 
@@ -105,12 +108,14 @@ def _seq_logp(model, prompt, response) -> torch.Tensor:
     return logp[at, targets[at]].double().sum()
 
 
-def _formula(name: str, beta: float, pw, pl, nw: int, nl: int, rw=None, rl=None, eps: float = 0.0, gamma=0.5):
+def _formula(
+    name: str, beta: float, pw, pl, nw: int, nl: int, rw=None, rl=None, eps: float = 0.0, gamma=0.5, alpha: float = 0.0
+):
     if name in ("dpo", "ipo"):
         h = (pw - rw) - (pl - rl)
         if name == "ipo":
             return (h - 1 / (2 * beta)) ** 2
-        return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+        return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h) + alpha * (-pw / nw)
     aw, al = pw / nw, pl / nl
     if name == "simpo":
         return -F.logsigmoid(beta * (aw - al) - gamma)
@@ -150,6 +155,7 @@ def independent_grads(spec: JobSpec, precision: str = "fp32") -> tuple[dict, flo
                 rl,
                 obj.label_smoothing or 0.0,
                 obj.simpo_gamma,
+                obj.rpo_alpha or 0.0,
             )
         )
     loss = torch.stack(losses).mean()
