@@ -16,6 +16,9 @@ One module per role, each importing only those above it:
     batches     `GlobalBatches` (step k -> its samples, independent of the split), `split_window`,
                 `collate` (with packing), `collate_pairs`, label/input counts, `total_steps`,
                 `eval_shard`
+    preview     `data_preview`: the first samples as the loss sees them and the set's statistics,
+                tokenized by the cache's own functions in memory (`rayft data preview`; import it
+                from `jobs.data.preview`)
 
 Callers import from `jobs.data`; the names below are the package's interface.
 """
