@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from gradtools import ROOT, build_engine, final_adapter, reference_grads, rel_err, spawn, tiny_spec, window_inputs
+
 from jobs import checkpoint as ckpt
 from jobs import fsdp
 from jobs.loop import Engine, optimizer_step, train_window
@@ -82,7 +82,7 @@ def test_sharded_accumulated_gradient_equals_big_batch(micro, tmp_path):
     ref = reference_grads(spec)
     ref_norm = sum(float(g.double().pow(2).sum()) for g in ref.values()) ** 0.5
     for (gc, reshard), (got, local, norm, clipped_norm, clipped), (_, other_local, *_) in zip(
-        CONFIGS, results, per_rank[1][0]
+        CONFIGS, results, per_rank[1][0], strict=True
     ):
         where = f"checkpointing={gc} reshard_after_forward={reshard}"
         assert len(got) == len(ref) > 0
@@ -117,7 +117,7 @@ def test_dora_and_bf16_under_fsdp(tmp_path):
     same global batch under bf16 autocast in one process: measured 2.6e-3 on this data (bf16
     keeps 8 bits of mantissa); a missed or doubled reduction would be off by tens of percent."""
     per_rank = spawn(_variant_grads, 2, tmp_path)
-    for (overrides, precision, bound), got in zip(VARIANTS, per_rank[0]):
+    for (overrides, precision, bound), got in zip(VARIANTS, per_rank[0], strict=True):
         spec = tiny_spec("resources.num_workers=2", "batch.micro_batch_size=2", *overrides)
         ref = reference_grads(spec, precision=precision)
         if overrides:
@@ -227,11 +227,11 @@ RUN = [
 
 
 def _train(rank: int, world: int, strategy: str, out: str) -> dict:
+    import os
+
     from jobs.context import LocalContext
     from jobs.loop import train
     from jobs.spec import absolutize, load_spec
-
-    import os
 
     os.chdir(ROOT)
     spec = absolutize(

@@ -55,7 +55,7 @@ PAIRS = [  # (pi_w, pi_l, n_w, n_l, ref_w, ref_l): summed log-probs and response
 
 
 def tensors():
-    cols = list(zip(*PAIRS))
+    cols = list(zip(*PAIRS, strict=True))
     return [torch.tensor(c, dtype=torch.float64) for c in cols]
 
 
@@ -104,8 +104,8 @@ def test_each_objective_matches_its_formula_pair_by_pair(name, kw, beta):
         rejected = [beta * p[1] / p[3] for p in PAIRS]
     assert stats["rewards/chosen"].tolist() == pytest.approx(chosen)
     assert stats["rewards/rejected"].tolist() == pytest.approx(rejected)
-    assert stats["rewards/margins"].tolist() == pytest.approx([c - r for c, r in zip(chosen, rejected)])
-    assert stats["rewards/accuracies"].tolist() == [float(c > r) for c, r in zip(chosen, rejected)]
+    assert stats["rewards/margins"].tolist() == pytest.approx([c - r for c, r in zip(chosen, rejected, strict=True)])
+    assert stats["rewards/accuracies"].tolist() == [float(c > r) for c, r in zip(chosen, rejected, strict=True)]
     assert 0 < sum(stats["rewards/accuracies"].tolist()) < len(PAIRS)  # the data has both outcomes
     if kw.get("rpo_alpha"):
         assert stats["nll_loss"].tolist() == pytest.approx([-p[0] / p[2] for p in PAIRS])

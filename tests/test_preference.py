@@ -29,11 +29,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gradtools import ROOT, grads, perturb_lora_b, rel_err, spawn
 from torch import nn
 
-from gradtools import ROOT, grads, perturb_lora_b, rel_err, spawn
 from jobs.data import GlobalBatches, collate_pairs, load_dataset, split_window
-from jobs.loop import Engine, make_optimizer, optimizer_step, train_window
+from jobs.loop import Engine, train_window
 from jobs.model import add_lora, enable_checkpointing, load_base_model
 from jobs.objectives import Objective
 from jobs.preference import REFERENCE_ADAPTER, PreferenceLoss
@@ -331,7 +331,7 @@ def test_precomputed_runs_train_the_same_steps_and_reuse_the_stored_values(tmp_p
     # The reference log-probs are sums over ~30 tokens (~200 nats) computed in micro-batches of
     # other shapes (other padding) than the step's, so they agree to fp32 rounding: ~1e-7 of 200
     # nats, times beta, in the rewards (absolute); the loss and gradient norm to 1e-5 relative.
-    for a, b in zip(live, pre):
+    for a, b in zip(live, pre, strict=True):
         for key in ("loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
         for key in ("rewards/chosen", "rewards/margins"):
@@ -344,7 +344,8 @@ def test_the_starting_adapter_is_the_dpo_reference(tmp_path):
     """SFT, then DPO from its adapter: the policy starts equal to its reference, so the first
     step's loss is log 2 on every pair and every reward is 0; the base with the adapter off would
     be another reference."""
-    from jobs.spec import absolutize, load_spec as load
+    from jobs.spec import absolutize
+    from jobs.spec import load_spec as load
 
     sft_out = tmp_path / "sft"
     sft = absolutize(
