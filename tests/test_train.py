@@ -18,7 +18,6 @@ from jobs.loop import train
 from jobs.outputs import read_metrics
 from jobs.spec import load_spec
 
-
 # What `make demo`'s console may show: rayft's lines and Ray's token-auth notice, nothing else (no
 # Ray-internal error lines, no library notices about code the run does not use).
 DEMO_CONSOLE = [
