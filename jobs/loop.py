@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ckpt
-from . import fsdp
+from . import fsdp, runlock
 from .context import Context
 from .data import (
     Dataset,
@@ -72,6 +72,7 @@ from .outputs import (
     SUMMARY,
     MetricsLog,
     append_event,
+    check_output_dir,
     claim_output_dir,
     plot_loss,
     read_metrics,
@@ -529,10 +530,26 @@ def step_values(job: Job, sums: torch.Tensor, window: Window) -> tuple[float, di
     return values[0] / window.denominator, stats if job.objective.is_preference else {}
 
 
-def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
-    """Run the job described by `spec` on this rank. Returns the summary (rank 0; {} elsewhere)."""
+def train(spec: JobSpec, ctx: Context, *, resume: bool = True, run_token: str | None = None) -> dict:
+    """Run the job described by `spec` on this rank. Returns the summary (rank 0; {} elsewhere).
+
+    Rank 0 holds the output dir's lock for the run (`jobs.runlock`) unless the driver whose
+    token is `run_token` holds it already."""
+    if not ctx.is_main:
+        return _train(spec, ctx, resume=resume)
+    # before the model loads: a directory rayft may not write, or another run's, is refused first
+    check_output_dir(spec.output_path, beside_others=True)
+    locked = runlock.acquire(spec.output_path, ours=run_token)
+    try:
+        return _train(spec, ctx, resume=resume)
+    finally:
+        if locked:
+            runlock.release(spec.output_path)
+
+
+def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
     out, rank, world, device = spec.output_path, ctx.rank, ctx.world_size, ctx.device
-    if ctx.is_main:  # before the model loads: a directory rayft may not write is refused first
+    if ctx.is_main:
         claim_output_dir(out, beside_others=True, name=spec.name)
     job = set_up(spec, ctx)
     engine = make_engine(spec, ctx, job)

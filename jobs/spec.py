@@ -21,10 +21,18 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from . import secrets
 from .errors import SpecError
@@ -53,11 +61,33 @@ def env_var_name(v: str | None) -> str | None:
     return v
 
 
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field's type takes a boolean: `bool` somewhere in it (`bool | Literal["auto"]`)."""
+    if annotation is bool:
+        return True
+    return any(_admits_bool(a) for a in get_args(annotation) if not isinstance(a, (int, str, float)))
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: no float field takes NaN or infinity (`.inf` lr trains NaN silently).
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """A boolean is never a number here: pydantic's lax mode reads `lora.r=true` as r=1."""
+        if isinstance(v, bool) and info.field_name is not None:
+            field = cls.model_fields[info.field_name]
+            if not _admits_bool(field.annotation):
+                raise ValueError(f"must be {_kind(field.annotation)}, not a boolean (got {v!r})")
+        return v
+
+
+def _kind(annotation: Any) -> str:
+    text = str(annotation)
+    return "an integer" if "int" in text else "a number" if "float" in text else "a value of its type"
 
 
 class ModelSpec(_Section):
@@ -656,7 +686,11 @@ def check_model_dir(spec: JobSpec, where: str = "spec") -> None:
     except SpecError as e:
         raise SpecError(f"{where}: {e}") from None
     shown = one_line(m.name if m.name == str(directory) else f"{m.name} ({directory})")
-    local = m.name.startswith(("pkg:", ".", "/")) or directory.exists()
+    try:
+        exists = directory.exists()
+    except OSError as e:  # a name component too long for the file system, ...
+        raise SpecError(f"{where}: model.name: {shown}: {e.strerror or e}") from None
+    local = m.name.startswith(("pkg:", ".", "/")) or exists
     if not local:
         return
     if not directory.is_dir():
