@@ -49,14 +49,15 @@ from . import fsdp
 from .context import Context
 from .data import (
     Dataset,
-    Example,
     GlobalBatches,
-    Pair,
-    collate,
-    collate_pairs,
+    TokenizedPairs,
+    TokenizedSplit,
+    collate_at,
+    collate_pairs_at,
     count_inputs,
     count_labels,
     equal_micro_batches,
+    group_by_length,
     load_dataset,
     split_window,
     total_steps,
@@ -276,7 +277,13 @@ def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def held_out_loss(
-    engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int, layout: dict | None = None
+    engine: Engine,
+    examples: TokenizedSplit,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    pad_id: int,
+    layout: dict | None = None,
 ) -> float | None:
     """Token-weighted mean loss over the held-out set, sharded over ranks."""
     if not examples:
@@ -287,12 +294,11 @@ def held_out_loss(
     sums = torch.zeros(2, device=engine.device, dtype=torch.float64)
     # Equal forward counts on every rank: under FSDP each forward is a collective.
     for idx, counted in equal_micro_batches(len(examples), rank, world_size, micro_batch_size):
-        batch = [examples[i] for i in idx]
         with engine.autocast():
-            s = module(**to_device(collate(batch, pad_id, **layout), engine.device))
+            s = module(**to_device(collate_at(examples, idx, pad_id, **layout), engine.device))
         if counted:
             sums[0] += s.double()
-            sums[1] += sum(e.n_labels for e in batch)
+            sums[1] += count_labels(examples, idx)
     module.train()
     all_reduce_sum(sums, world_size)
     return (sums[0] / sums[1]).item()
@@ -488,35 +494,36 @@ class Window:
     n_inputs: int  # input tokens computed
 
 
-def pair_batch(job: Job, split: str, indices: Sequence[int]) -> dict:
-    """`collate_pairs` of the pairs `indices` of `split`, with their precomputed reference
+def pair_batch(job: Job, split: str, indices: Sequence[int] | np.ndarray) -> dict:
+    """`collate_pairs_at` of the pairs `indices` of `split`, with their precomputed reference
     log-probabilities (chosen rows, then rejected rows) when the run has them."""
     # A preference run's samples are Pairs (`Dataset.kind`).
-    pairs = cast(Sequence[Pair], job.data.train if split == "train" else job.data.eval)
+    pairs = cast(TokenizedPairs, job.data.train if split == "train" else job.data.eval)
     pin = job.device is not None and job.device.type == "cuda"
-    batch = collate_pairs([pairs[i] for i in indices], job.tokenizer.pad_token_id, pin_memory=pin)
+    batch = collate_pairs_at(pairs, indices, job.tokenizer.pad_token_id, pin_memory=pin)
     if job.reference is not None:
-        ref = job.reference[split][list(indices)]
+        ref = job.reference[split][np.asarray(indices, dtype=np.int64)]
         batch["ref_logps"] = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]))
     return batch
 
 
 def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> Window:
-    """This rank's micro-batches of global batch `step`, with the window's counts."""
-    indices = job.batches.indices(step)
+    """This rank's micro-batches of global batch `step`, with the window's counts: numpy over the
+    cache's per-sample arrays and array copies from its tokens (`jobs.data.batches`)."""
+    indices = job.batches.index_array(step)
     train = job.data.train
     if spec.data.group_by_length:
         # Same samples, grouped so each micro-batch pads little (measured on the demo data:
         # 48% of computed tokens were padding, 11% grouped).
-        indices = sorted(indices, key=lambda i: (train[i].length, i))  # a Pair: its longer row
+        indices = group_by_length(train, indices)  # a Pair: by its longer row
     mine = split_window(indices, ctx.rank, ctx.world_size, spec.batch.micro_batch_size, spec.grad_accum_steps)
     n_labels, n_inputs = count_labels(train, indices), count_inputs(train, indices)
     if job.objective.is_preference:
         return Window([pair_batch(job, "train", mb) for mb in mine], len(indices), n_labels, n_inputs)
     layout = layout_args(spec, ctx.device)
     pad_id, pin = job.tokenizer.pad_token_id, ctx.device.type == "cuda"
-    examples = cast(Sequence[Example], train)  # an SFT run's samples are Examples (`Dataset.kind`)
-    micro = [collate([examples[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
+    examples = cast(TokenizedSplit, train)  # an SFT run's samples are Examples (`Dataset.kind`)
+    micro = [collate_at(examples, mb, pad_id, pin_memory=pin, **layout) for mb in mine]
     return Window(micro, n_labels, n_labels, n_inputs)
 
 
@@ -576,7 +583,7 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
             else:
                 pos.eval_loss = held_out_loss(
                     engine,
-                    job.data.eval,
+                    cast(TokenizedSplit, job.data.eval),
                     rank,
                     world,
                     spec.batch.micro_batch_size,
