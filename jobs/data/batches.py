@@ -161,7 +161,7 @@ def collate_at(
     if packed:
         length = -(-length // row_multiple) * row_multiple
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long, pin_memory=pin_memory)
-    targets = np.full(len(rows) * length, IGNORE, dtype=np.int64)
+    targets = np.full(len(rows) * length, IGNORE, dtype=np.int32)
     src, dst, n = split.offsets[idx[order]], row_of * length + at, lengths[order]
     _copy_segments(input_ids.view(-1).numpy(), split.ids, src, dst, n)
     _copy_segments(targets, split.targets, src, dst, n)
@@ -208,7 +208,7 @@ def collate_pairs_at(
     row = np.arange(2 * m, dtype=np.int64) * length
     input_ids = torch.full((2 * m, length), pad_id, dtype=torch.long, pin_memory=pin_memory)
     flat = input_ids.view(-1).numpy()
-    targets = np.full(2 * m * length, IGNORE, dtype=np.int64)
+    targets = np.full(2 * m * length, IGNORE, dtype=np.int32)
     _copy_segments(flat, pairs.ids["prompt"], np.concatenate([start["prompt"]] * 2), row, prompt)
     for f, rows in (("chosen", row[:m]), ("rejected", row[m:])):
         # input: P + response[:-1]; targets: the response, from the prompt's last position on
@@ -228,10 +228,11 @@ def _tensor(a: np.ndarray, pin_memory: bool) -> torch.Tensor:
 
 
 def _labels(targets: np.ndarray, pin_memory: bool) -> dict[str, torch.Tensor]:
-    """`label_pos` (the flat positions whose target is not IGNORE, ascending) and `label_ids`
-    (those targets), int64."""
+    """`label_pos` (the flat positions of `targets`, the int32 [rows * length] label layout,
+    that are not IGNORE, ascending) and `label_ids` (those targets), both int64 tensors."""
     label_pos = np.flatnonzero(targets != IGNORE)
-    return {"label_pos": _tensor(label_pos, pin_memory), "label_ids": _tensor(targets[label_pos], pin_memory)}
+    label_ids = targets[label_pos].astype(np.int64)
+    return {"label_pos": _tensor(label_pos, pin_memory), "label_ids": _tensor(label_ids, pin_memory)}
 
 
 def _copy_segments(
