@@ -18,9 +18,12 @@ variant of "after" is in each row's detail).
 * after: `jobs.loop.micro_batches_of` itself (a stand-in context and job around the real split).
 * wait: `jobs.prefetch.Prefetch` over `micro_batches_of`, as `jobs.loop.train` runs it; the
   training thread takes each step's window (`get`, timed: the wait) and then "computes" for
-  `--compute-ms` (a sleep: a GPU step's training thread waiting on the device). The first step
-  has nothing to overlap with and is reported apart. `wait_ms_gil_held` in the detail is the same
-  with the compute a Python busy loop that holds the GIL (the worst case for a thread).
+  `--compute-ms`, busy with the GIL released (`busy`: a loop of `time.sleep(0)`, as a training
+  thread in torch ops or spinning in a device sync is). The first step has nothing to overlap
+  with and is reported apart. The detail has the same with the compute a sleep
+  (`wait_sleep_compute`: on this VM the first instructions after 100 ms idle cost 0.1 to 0.3 ms,
+  which it counts as waiting) and a Python loop that holds the GIL (`wait_gil_held_compute`: the
+  worst case for a thread).
 
 Data: a cache split written by the real writer (`jobs.data.cache._SplitWriter`) and memory-mapped
 (`TokenizedSplit.open`): 2 x seqs examples, input lengths uniform in [3/4 seq_len, seq_len], the
@@ -288,6 +291,15 @@ def timed(fn: Callable[[int], object], steps: range) -> dict:
     return {"cpu_ms": statistics.median(cpu), "wall_ms": statistics.median(wall), "n": len(cpu)}
 
 
+def busy(seconds: float) -> None:
+    """Busy for `seconds` with the GIL released most of the time (`time.sleep(0)` in a loop), as a
+    training thread in torch ops or spinning in a device sync is: the CPU never idles, so the wait
+    after it is not the wake-up of an idle CPU."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        time.sleep(0)
+
+
 def spin(seconds: float) -> None:
     """A busy loop in Python: the GIL is held throughout, except at the interpreter's switches."""
     end = time.perf_counter() + seconds
@@ -326,6 +338,7 @@ def measure(seqs: int, seq_len: int, args, workdir: Path) -> tuple[dict, dict]:
     after_packed = timed(lambda k: micro_batches_of(packed[0], ctx, job, k), steps)
     wait_steps = range(0, args.wait_steps)
     build = lambda k: micro_batches_of(spec, ctx, job, k)  # noqa: E731
+    computing = waits(build, wait_steps, args.compute_ms / 1e3, busy)
     slept = waits(build, wait_steps, args.compute_ms / 1e3, time.sleep)
     held = waits(build, wait_steps, args.compute_ms / 1e3, spin)
     row = {
@@ -333,7 +346,7 @@ def measure(seqs: int, seq_len: int, args, workdir: Path) -> tuple[dict, dict]:
         "seq_len": seq_len,
         "host_ms_before": round(before["cpu_ms"], 3),
         "host_ms_after": round(after["cpu_ms"], 3),
-        "wait_ms": round(slept["mean_ms"], 3),
+        "wait_ms": round(computing["mean_ms"], 3),
     }
     detail = {
         "seqs": seqs,
@@ -343,13 +356,14 @@ def measure(seqs: int, seq_len: int, args, workdir: Path) -> tuple[dict, dict]:
         "before": before,
         "after": after,
         "after_packed": after_packed,
+        "wait_busy_compute": computing,
         "wait_sleep_compute": slept,
-        "wait_ms_gil_held": held,
+        "wait_gil_held_compute": held,
     }
     print(
         f"{seqs:5d} x {seq_len:<5d} before {before['cpu_ms']:9.2f} ms  after {after['cpu_ms']:7.2f} ms "
-        f"(packed {after_packed['cpu_ms']:6.2f})  wait {slept['mean_ms']:6.3f} ms (max {slept['max_ms']:.3f}; "
-        f"GIL-held compute {held['mean_ms']:.3f}); load {os.getloadavg()[0]:.2f}",
+        f"(packed {after_packed['cpu_ms']:6.2f})  wait {computing['mean_ms']:6.3f} ms (max {computing['max_ms']:.3f}; "
+        f"sleep {slept['mean_ms']:.3f}, GIL held {held['mean_ms']:.3f}); load {os.getloadavg()[0]:.2f}",
         flush=True,
     )
     return row, detail
@@ -392,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
             "host_ms_before": "median CPU ms per optimizer step of before_micro_batches_of (rank 0 of 8)",
             "host_ms_after": "median CPU ms per optimizer step of jobs.loop.micro_batches_of (rank 0 of 8)",
             "wait_ms": f"mean wall ms the training thread waits in Prefetch.get per step (after the first), "
-            f"computing {args.compute_ms:g} ms per step (time.sleep)",
+            f"computing {args.compute_ms:g} ms per step, busy with the GIL released (bench.host_path.busy); the "
+            "detail has the same with the compute a sleep (wait_sleep_compute: it adds an idle CPU's wake-up) "
+            "and a Python loop holding the GIL (wait_gil_held_compute: the worst case for a thread)",
             "work": "global batch indices, length grouping and label/input counts over the whole global batch, "
             f"rank 0's split, collation of rank 0's micro-batches (micro-batch {MICRO}, packing off)",
             "data": "2 x seqs examples written by jobs.data.cache._SplitWriter and memory-mapped; input lengths "

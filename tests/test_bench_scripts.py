@@ -191,7 +191,7 @@ def test_host_path_quick_writes_one_row_per_global_batch(tmp_path):
     assert result["met"] == {"host_ms_after_at_512x2048": None, "wait_ms": None}  # not the goal's shape, compute
     assert result["config"]["ranks"] == 8 and result["threads_left"] == []
     for d in result["detail"]:
-        assert d["wait_sleep_compute"]["n"] == 3 and d["rank0_micro_batches"] * 8 * 8 == d["seqs"]
+        assert d["wait_busy_compute"]["n"] == 3 and d["rank0_micro_batches"] * 8 * 8 == d["seqs"]
     assert "before ms" in proc.stdout
 
 
