@@ -34,6 +34,7 @@ time at random; wall medians are in the detail), torch on one thread.
 
     python bench/host_path.py                     # writes bench/results/host-path-<date>.json
     python bench/host_path.py --quick --out /tmp  # seconds: checks the script
+    python bench/host_path.py --device cuda       # on a GPU machine: the pinned path the loop runs there
 """
 
 from __future__ import annotations
@@ -248,8 +249,9 @@ def write_split(directory: Path, n: int, seq_len: int, seed: int = 0) -> Tokeniz
     return TokenizedSplit.open(directory, "train", meta["n_tokens"])
 
 
-def stand_ins(split: TokenizedSplit, seqs: int, seq_len: int, packing: bool):
-    """(spec, ctx, job) for `micro_batches_of`: rank 0 of RANKS, micro-batch MICRO, on CPU."""
+def stand_ins(split: TokenizedSplit, seqs: int, seq_len: int, packing: bool, device: str = "cpu"):
+    """(spec, ctx, job) for `micro_batches_of`: rank 0 of RANKS, micro-batch MICRO, on `device`
+    (cuda: pinned tensors and packed rows aligned to 16, as the loop does there)."""
     spec = load_spec(
         data={
             "name": "host-path",
@@ -259,7 +261,7 @@ def stand_ins(split: TokenizedSplit, seqs: int, seq_len: int, packing: bool):
         },
         files=False,
     )
-    ctx = SimpleNamespace(rank=0, world_size=RANKS, device=torch.device("cpu"))
+    ctx = SimpleNamespace(rank=0, world_size=RANKS, device=torch.device(device))
     job = SimpleNamespace(
         batches=GlobalBatches(len(split), seqs, seed=0),
         before_batches=BeforeGlobalBatches(len(split), seqs, seed=0),
@@ -325,8 +327,8 @@ def measure(seqs: int, seq_len: int, args, workdir: Path) -> tuple[dict, dict]:
     directory = workdir / f"{seqs}x{seq_len}"
     directory.mkdir()
     split = write_split(directory, 2 * seqs, seq_len)
-    spec, ctx, job = stand_ins(split, seqs, seq_len, packing=False)
-    packed = stand_ins(split, seqs, seq_len, packing=True)
+    spec, ctx, job = stand_ins(split, seqs, seq_len, packing=False, device=args.device)
+    packed = stand_ins(split, seqs, seq_len, packing=True, device=args.device)
     reps = args.reps if seqs * seq_len < 2**22 else args.big_reps
     warm, steps = 0, range(1, 1 + reps)
     for s in (spec, packed[0]):  # untimed, and the check that both sides build the same batches
@@ -380,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-reps", type=int, default=3, help="timed steps per side for the largest shapes")
     ap.add_argument("--wait-steps", type=int, default=12, help="steps under prefetch (the first one apart)")
     ap.add_argument("--compute-ms", type=float, default=GOAL_COMPUTE_MS, help="the dummy compute per step")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine: pinned batches, as the loop")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     shapes = QUICK_SHAPES if args.quick else SHAPES
@@ -424,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             "big_reps": args.big_reps,
             "wait_steps": args.wait_steps,
             "torch_threads": 1,
+            "device": args.device,
             "quick": args.quick,
         },
         "goals": {
@@ -446,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"host-path-{today}.json"
+    path = args.out / f"host-path-{today}{'' if args.device == 'cpu' else '-' + args.device}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{'seqs x seq_len':>15} {'before ms':>10} {'after ms':>9} {'wait ms':>8}")
     for r in rows:
