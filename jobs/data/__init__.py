@@ -14,8 +14,9 @@ One module per role, each importing only those above it:
                 `TokenizedPairs`, and `load_dataset`, which builds an entry once and memory-maps
                 it everywhere
     batches     `GlobalBatches` (step k -> its samples, independent of the split), `split_window`,
-                `collate` (with packing), `collate_pairs`, label/input counts, `total_steps`,
-                `eval_shard`
+                `group_by_length`, label/input counts (`sample_counts`), `collate_at` (with
+                packing) and `collate_pairs_at` (array copies from the cache's splits; `collate`,
+                `collate_pairs` for lists), `total_steps`, `eval_shard`
     preview     `data_preview`: the first samples as the loss sees them and the set's statistics,
                 tokenized by the cache's own functions in memory (`rayft data preview`; import it
                 from `jobs.data.preview`)
@@ -26,12 +27,16 @@ Callers import from `jobs.data`; the names below are the package's interface.
 from .batches import (
     GlobalBatches,
     collate,
+    collate_at,
     collate_pairs,
+    collate_pairs_at,
     count_inputs,
     count_labels,
     equal_micro_batches,
     eval_shard,
+    group_by_length,
     pack_rows,
+    sample_counts,
     split_window,
     total_steps,
 )
@@ -94,7 +99,9 @@ __all__ = [
     "chat_spans",
     "check_record",
     "collate",
+    "collate_at",
     "collate_pairs",
+    "collate_pairs_at",
     "content_hash",
     "count_checked_records",
     "count_inputs",
@@ -104,6 +111,7 @@ __all__ = [
     "encode_prompt",
     "equal_micro_batches",
     "eval_shard",
+    "group_by_length",
     "is_hub",
     "load_dataset",
     "longest_token_chars",
@@ -112,6 +120,7 @@ __all__ = [
     "read_records",
     "record_format",
     "record_kind",
+    "sample_counts",
     "source_hash",
     "split_window",
     "tokenize",

@@ -1,15 +1,21 @@
 """The tokenized cache: one build per (data, tokenizer, settings), memory-mapped by every worker.
 
 An entry is a directory `data_cache_dir(spec, cache_key(spec, tokenizer))` holding, per split
-(`train`, `eval`), the flat int32 token arrays `<split>.input_ids.bin` and `<split>.targets.bin`
-and the int64 offsets `<split>.offsets.npy` (example i is `[offsets[i], offsets[i+1])`), and a
-`meta.json` (content hash, record counts, dropped records, each split's `n` and `n_tokens`).
-An entry of preference pairs (`meta.json`'s `"kind": "pairs"`) holds instead, per split and per
-field F in (`prompt`, `chosen`, `rejected`), the flat int32 ids `<split>.F.bin` and their int64
-offsets `<split>.F.offsets.npy` (`TokenizedPairs`), and its `meta.json` counts the pairs dropped
-for an empty response and for identical responses apart. `CACHE_FORMAT` is part of the key: bump
-it when these files or the tokenization change meaning, and every existing entry is left alone
-(a new key), never misread.
+(`train`, `eval`), the flat int32 token arrays `<split>.input_ids.bin` and `<split>.targets.bin`,
+the int64 offsets `<split>.offsets.npy` (example i is `[offsets[i], offsets[i+1])`), and the
+per-example int32 counts `<split>.lengths.npy` (input tokens) and `<split>.label_tokens.npy`
+(targets that are not IGNORE), and a `meta.json` (content hash, record counts, dropped records,
+each split's `n` and `n_tokens`). An entry of preference pairs (`meta.json`'s `"kind": "pairs"`)
+holds instead, per split and per field F in (`prompt`, `chosen`, `rejected`), the flat int32 ids
+`<split>.F.bin` and their int64 offsets `<split>.F.offsets.npy`, and per pair the int32
+`<split>.lengths.npy` (its longer row's input length), `<split>.label_tokens.npy` (both responses)
+and `<split>.input_tokens.npy` (both rows' inputs) (`TokenizedPairs`); its `meta.json` counts the
+pairs dropped for an empty response and for identical responses apart. The counts are written
+with the tokens, so the step's host work (length grouping, the window's label and input counts,
+collation: `jobs.data.batches`) reads arrays and never turns a sample into Python objects.
+`CACHE_FORMAT` is part of the key: bump it when these files or the tokenization change meaning,
+and every existing entry is left alone (a new key: the entry is built again), never misread.
+(Format 2 added the per-sample count arrays.)
 
 The key covers what decides the tokens: the data's content (`content_hash`), the tokenizer and
 its chat template (`tokenizer_hash`), `max_seq_len`, the fields, `train_on`, the held-out split
@@ -38,9 +44,9 @@ from ..spec import JobSpec, one_line, path_problem
 from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter
 from .records import PAIR_FIELDS, PAIRS, SFT
 from .sources import datasets_rows, is_hub, read_jsonl, read_records
-from .tokenizing import Example, tokenize_iter
+from .tokenizing import IGNORE, Example, tokenize_iter
 
-CACHE_FORMAT = 1  # bump when the cache's files or the tokenization change meaning
+CACHE_FORMAT = 2  # bump when the cache's files or the tokenization change meaning
 
 
 # ---- content hashes and the key ---------------------------------------------------------------
@@ -140,19 +146,38 @@ def data_cache_dir(spec: JobSpec, key: str) -> Path:
 
 
 class TokenizedSplit(Sequence):
-    """Examples stored as flat int32 arrays (`input_ids.bin`, `targets.bin`) and int64 offsets,
-    memory-mapped read-only: an index costs only the pages of the examples it touches."""
+    """Examples stored as flat int32 arrays (`ids`, `targets`), int64 `offsets` and per-example
+    int32 counts (`lengths`: input tokens, also the length a padded row needs; `label_tokens`),
+    memory-mapped read-only (`open`): an index costs only the pages of the examples it touches.
+    `of(examples)` holds the same arrays in memory. `jobs.data.batches` reads the arrays;
+    indexing gives an `Example` (tuples of ints), for tests and small tools."""
 
-    def __init__(self, directory: Path, name: str, n: int, n_tokens: int):
-        self.n = n
-        self.offsets = np.load(directory / f"{name}.offsets.npy", mmap_mode="r")
-        self.ids: np.ndarray
-        self.targets: np.ndarray
-        if n_tokens:
-            self.ids = np.memmap(directory / f"{name}.input_ids.bin", dtype=np.int32, mode="r", shape=(n_tokens,))
-            self.targets = np.memmap(directory / f"{name}.targets.bin", dtype=np.int32, mode="r", shape=(n_tokens,))
-        else:
-            self.ids = self.targets = np.zeros(0, dtype=np.int32)
+    def __init__(
+        self, ids: np.ndarray, targets: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, label_tokens: np.ndarray
+    ):
+        self.ids, self.targets, self.offsets = ids, targets, offsets
+        self.lengths, self.label_tokens = lengths, label_tokens
+        self.n = len(lengths)
+
+    @property
+    def input_tokens(self) -> np.ndarray:
+        """Input tokens per example (the model runs on each: its length)."""
+        return self.lengths
+
+    @classmethod
+    def open(cls, directory: Path, name: str, n_tokens: int) -> TokenizedSplit:
+        """Split `name` of the entry at `directory` (the files `_SplitWriter` wrote), memory-mapped."""
+        ids, targets = (_tokens(directory / f"{name}.{f}.bin", n_tokens) for f in ("input_ids", "targets"))
+        return cls(ids, targets, *(np.load(directory / f"{name}.{f}.npy", mmap_mode="r") for f in _SPLIT_ARRAYS))
+
+    @classmethod
+    def of(cls, examples: Sequence[Example]) -> TokenizedSplit:
+        """`examples` in memory, laid out as an entry's split is."""
+        lengths = np.fromiter((len(e.input_ids) for e in examples), dtype=np.int32, count=len(examples))
+        offsets = np.zeros(len(examples) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids, targets = (_concat([getattr(e, f) for e in examples]) for f in ("input_ids", "targets"))
+        return cls(ids, targets, offsets, lengths, _segment_counts(targets != IGNORE, offsets))
 
     def __len__(self) -> int:
         return self.n
@@ -171,41 +196,91 @@ class TokenizedSplit(Sequence):
         return list(self) + list(other)
 
 
+_SPLIT_ARRAYS = ("offsets", "lengths", "label_tokens")  # an SFT split's .npy files, in `TokenizedSplit`'s order
+_PAIR_ARRAYS = ("lengths", "label_tokens", "input_tokens")  # a pair split's per-pair .npy files
+
+
+def _tokens(path: Path, n_tokens: int) -> np.ndarray:
+    """A flat int32 token file, memory-mapped read-only (an empty one cannot be mapped)."""
+    return np.memmap(path, dtype=np.int32, mode="r", shape=(n_tokens,)) if n_tokens else np.zeros(0, dtype=np.int32)
+
+
+def _concat(seqs: Sequence[Sequence[int]]) -> np.ndarray:
+    """The token sequences `seqs` end to end, as one flat int32 array."""
+    return np.concatenate([np.asarray(x, dtype=np.int32) for x in seqs]) if seqs else np.zeros(0, dtype=np.int32)
+
+
+def _segment_counts(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """int32 count of the true `flags` in each segment `[offsets[i], offsets[i+1])`."""
+    at = np.zeros(len(flags) + 1, dtype=np.int64)
+    np.cumsum(flags, out=at[1:])
+    return (at[offsets[1:]] - at[offsets[:-1]]).astype(np.int32)
+
+
 class _SplitWriter:
-    """Writes one split's files (the layout `TokenizedSplit` reads), one example at a time."""
+    """Writes one split's files (the layout `TokenizedSplit.open` reads), one example at a time."""
 
     def __init__(self, directory: Path, name: str):
         self.directory, self.name = directory, name
         self.f_ids = open(directory / f"{name}.input_ids.bin", "wb")
         self.f_targets = open(directory / f"{name}.targets.bin", "wb")
         self.offsets = [0]
+        self.label_tokens: list[int] = []
 
     def add(self, ex: Example) -> None:
+        targets = np.asarray(ex.targets, dtype=np.int32)
         self.f_ids.write(np.asarray(ex.input_ids, dtype=np.int32).tobytes())
-        self.f_targets.write(np.asarray(ex.targets, dtype=np.int32).tobytes())
+        self.f_targets.write(targets.tobytes())
         self.offsets.append(self.offsets[-1] + len(ex.input_ids))
+        self.label_tokens.append(int(np.count_nonzero(targets != IGNORE)))
 
     def close(self) -> dict:
         self.f_ids.close()
         self.f_targets.close()
-        np.save(self.directory / f"{self.name}.offsets.npy", np.asarray(self.offsets, dtype=np.int64))
+        offsets = np.asarray(self.offsets, dtype=np.int64)
+        arrays: list[np.ndarray] = [offsets, np.diff(offsets).astype(np.int32)]
+        arrays.append(np.asarray(self.label_tokens, dtype=np.int32))
+        for f, a in zip(_SPLIT_ARRAYS, arrays, strict=True):
+            np.save(self.directory / f"{self.name}.{f}.npy", a)
         return {"n": len(self.offsets) - 1, "n_tokens": self.offsets[-1]}
 
 
 class TokenizedPairs(Sequence):
     """Pairs stored per field (prompt, chosen, rejected) as a flat int32 array and int64 offsets,
-    memory-mapped read-only: reading pair i re-tokenizes nothing and touches only its pages."""
+    with per-pair int32 counts (`lengths`: the longer row's input length, what a padded row
+    needs; `label_tokens`: both responses; `input_tokens`: both rows' inputs), memory-mapped
+    read-only (`open`) or in memory (`of`): reading pair i re-tokenizes nothing and touches only
+    its pages. `jobs.data.batches.collate_pairs_at` reads the arrays; indexing gives a `Pair`."""
 
-    def __init__(self, directory: Path, name: str, n: int, n_tokens: dict[str, int]):
-        self.n = n
-        self.offsets, self.ids = {}, {}
+    def __init__(
+        self,
+        ids: dict[str, np.ndarray],
+        offsets: dict[str, np.ndarray],
+        lengths: np.ndarray,
+        label_tokens: np.ndarray,
+        input_tokens: np.ndarray,
+    ):
+        self.ids, self.offsets = ids, offsets
+        self.lengths, self.label_tokens, self.input_tokens = lengths, label_tokens, input_tokens
+        self.n = len(lengths)
+
+    @classmethod
+    def open(cls, directory: Path, name: str, n_tokens: dict[str, int]) -> TokenizedPairs:
+        """Split `name` of the pairs entry at `directory` (the files `_PairWriter` wrote), memory-mapped."""
+        ids = {f: _tokens(directory / f"{name}.{f}.bin", n_tokens[f]) for f in PAIR_FIELDS}
+        offsets = {f: np.load(directory / f"{name}.{f}.offsets.npy", mmap_mode="r") for f in PAIR_FIELDS}
+        return cls(ids, offsets, *(np.load(directory / f"{name}.{f}.npy", mmap_mode="r") for f in _PAIR_ARRAYS))
+
+    @classmethod
+    def of(cls, pairs: Sequence[Pair]) -> TokenizedPairs:
+        """`pairs` in memory, laid out as an entry's split is."""
+        ids, offsets = {}, {}
         for f in PAIR_FIELDS:
-            self.offsets[f] = np.load(directory / f"{name}.{f}.offsets.npy", mmap_mode="r")
-            self.ids[f] = (
-                np.memmap(directory / f"{name}.{f}.bin", dtype=np.int32, mode="r", shape=(n_tokens[f],))
-                if n_tokens[f]
-                else np.zeros(0, dtype=np.int32)
-            )
+            lens = np.fromiter((len(getattr(p, f)) for p in pairs), dtype=np.int64, count=len(pairs))
+            offsets[f] = np.zeros(len(pairs) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offsets[f][1:])
+            ids[f] = _concat([getattr(p, f) for p in pairs])
+        return cls(ids, offsets, *_pair_counts(offsets))
 
     def __len__(self) -> int:
         return self.n
@@ -227,8 +302,15 @@ class TokenizedPairs(Sequence):
         return list(self) + list(other)
 
 
+def _pair_counts(offsets: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per pair, from each field's offsets: (`Pair.length`, `Pair.n_labels`, `Pair.n_inputs`), int32."""
+    p, c, r = (np.diff(offsets[f]) for f in PAIR_FIELDS)
+    counts = (p + np.maximum(c, r) - 1, c + r, 2 * p + c + r - 2)
+    return tuple(x.astype(np.int32) for x in counts)  # type: ignore[return-value]
+
+
 class _PairWriter:
-    """Writes one split's pair files (the layout `TokenizedPairs` reads), one pair at a time."""
+    """Writes one split's pair files (the layout `TokenizedPairs.open` reads), one pair at a time."""
 
     def __init__(self, directory: Path, name: str):
         self.directory, self.name = directory, name
@@ -242,9 +324,12 @@ class _PairWriter:
             self.offsets[f].append(self.offsets[f][-1] + len(ids))
 
     def close(self) -> dict:
+        offsets = {f: np.asarray(self.offsets[f], dtype=np.int64) for f in PAIR_FIELDS}
         for f in PAIR_FIELDS:
             self.files[f].close()
-            np.save(self.directory / f"{self.name}.{f}.offsets.npy", np.asarray(self.offsets[f], dtype=np.int64))
+            np.save(self.directory / f"{self.name}.{f}.offsets.npy", offsets[f])
+        for f, a in zip(_PAIR_ARRAYS, _pair_counts(offsets), strict=True):
+            np.save(self.directory / f"{self.name}.{f}.npy", a)
         return {"n": len(self.offsets["prompt"]) - 1, "n_tokens": {f: self.offsets[f][-1] for f in PAIR_FIELDS}}
 
 
@@ -253,8 +338,8 @@ class _PairWriter:
 
 @dataclass
 class Dataset:
-    train: Sequence[Example | Pair]
-    eval: Sequence[Example | Pair]
+    train: TokenizedSplit | TokenizedPairs  # memory-mapped from the cache entry
+    eval: TokenizedSplit | TokenizedPairs
     dropped: int  # records with no label token left after truncation (pairs: the two counts below)
     content_hash: str = ""  # `content_hash(spec)`: what the checkpoint's resume key records
     cache_dir: Path | None = None
@@ -330,8 +415,8 @@ def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
         raise
     meta = json.loads((final / "meta.json").read_text())
     split = TokenizedPairs if meta.get("kind") == PAIRS else TokenizedSplit
-    train = split(final, "train", meta["train"]["n"], meta["train"]["n_tokens"])
-    evals = split(final, "eval", meta["eval"]["n"], meta["eval"]["n_tokens"])
+    train = split.open(final, "train", meta["train"]["n_tokens"])
+    evals = split.open(final, "eval", meta["eval"]["n_tokens"])
     if len(train) < spec.batch.global_batch_size:
         raise SpecError(
             f"data.path: {len(train)} usable training records, fewer than "
