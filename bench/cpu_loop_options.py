@@ -24,7 +24,7 @@ micro-batch 8, one process). Only the layout of each micro-batch changes:
 Each variant is `jobs.loop.train(spec, LocalContext)`, timed as the interval between
 consecutive `Context.progress` calls after the warmup steps (CPU time of the process, the
 headline on a shared machine, and wall). Variants alternate over `--repeats`
-(order reversed every other repeat). `collate` is wrapped to count the positions each layout
+(order reversed every other repeat). `collate_at` is wrapped to count the positions each layout
 computes. tok_s counts real input tokens (no padding), the same for every layout, so it is
 directly comparable. The losses of every step must agree across layouts (same samples, same
 math): the max difference is recorded.
@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 import jobs.loop as loop  # noqa: E402
 from jobs.context import LocalContext  # noqa: E402
-from jobs.data import collate  # noqa: E402
+from jobs.data import collate_at  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
 
 VARIANTS = {  # name -> (group_by_length, packing, HF attention mask on padded batches, model.compile)
@@ -88,9 +88,8 @@ def make_spec(args, out: Path, group: bool, packing: bool, compile_layers: bool)
     )
 
 
-def with_hf_mask(batch: dict, examples) -> dict:
+def with_hf_mask(batch: dict, lengths: list[int]) -> dict:
     """The previous layout: an attention mask of the real tokens on every padded batch."""
-    lengths = [len(e.input_ids) for e in examples]
     if min(lengths) == max(lengths):
         return batch
     mask = torch.zeros_like(batch["input_ids"])
@@ -104,15 +103,15 @@ def run_variant(args, name: str, workdir: Path, rep: int) -> dict:
     spec = make_spec(args, workdir / f"{name}-{rep}", group, packing, compile_layers)
     computed = []
 
-    def counting_collate(examples, pad_id, pin_memory=False, **kw):
-        batch = collate(examples, pad_id, pin_memory, **kw)
+    def counting_collate(split, indices, pad_id, pin_memory=False, **kw):
+        batch = collate_at(split, indices, pad_id, pin_memory, **kw)
         if hf_mask:
-            batch = with_hf_mask(batch, examples)
+            batch = with_hf_mask(batch, [int(split.lengths[i]) for i in indices])
         computed.append(batch["input_ids"].numel())
         return batch
 
     ends: list[tuple[float, float]] = []
-    loop.collate, original = counting_collate, loop.collate
+    loop.collate_at, original = counting_collate, loop.collate_at
     try:
         loop.train(
             spec,
@@ -120,7 +119,7 @@ def run_variant(args, name: str, workdir: Path, rep: int) -> dict:
             resume=False,
         )
     finally:
-        loop.collate = original
+        loop.collate_at = original
     records = [json.loads(x) for x in (spec.output_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
     pairs = list(zip(ends[args.warmup - 1 :], ends[args.warmup :], strict=False))  # consecutive ends
     timed = records[args.warmup :]

@@ -13,13 +13,14 @@ What each side includes, per optimizer step
 * rayft: `jobs.loop.train(spec, LocalContext)`, the real loop, timed as the interval between
   consecutive `Context.progress` calls (one per optimizer step, after the warmup steps). So one
   step is everything `train()` does per step: the lr schedule and setting it, the sampler
-  (`GlobalBatches.indices`), counting label/input tokens, `split_window`, `collate` of every
-  micro-batch, the fault-injection hook, `train_window` (forward + backward of all micro-batches),
-  `optimizer_step` (GradScaler calls, grad-norm clipping, AdamW, zero_grad), the step's
-  single `.item()` of the loss and of the grad norm, peak-memory reading, the metrics record,
-  its line in metrics.jsonl (flushed) and the progress callback. Model building, data loading,
-  and the end of the run (checkpoint, adapter, plot, summary) are outside the timed steps;
-  `train_wall_s` reports the whole call.
+  (`GlobalBatches.index_array`), counting label/input tokens, `split_window`, `collate_at` of
+  every micro-batch (these on `jobs.prefetch.Prefetch`'s thread, one step ahead: CPU time counts
+  every thread of the process, so they are in the figure), the fault-injection hook,
+  `train_window` (forward + backward of all micro-batches), `optimizer_step` (GradScaler calls,
+  grad-norm clipping, AdamW, zero_grad), the step's single `.item()` of the loss and of the grad
+  norm, peak-memory reading, the metrics record, its line in metrics.jsonl (flushed) and the
+  progress callback. Model building, data loading, and the end of the run (checkpoint, adapter,
+  plot, summary) are outside the timed steps; `train_wall_s` reports the whole call.
 * plain: a hand-written loop over the *same micro-batches, collated beforehand* (outside the
   timing): for each micro-batch forward, `(summed_loss * (1 / label_tokens)).backward()`, then
   `clip_grad_norm_(params, 1.0)`, `optimizer.step()`, `zero_grad(set_to_none=True)`, and one
@@ -60,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jobs.context import LocalContext  # noqa: E402
-from jobs.data import GlobalBatches, collate, count_inputs, count_labels, load_dataset, split_window  # noqa: E402
+from jobs.data import GlobalBatches, collate_at, count_inputs, count_labels, load_dataset, split_window  # noqa: E402
 from jobs.loop import CausalLMLoss, train  # noqa: E402
 from jobs.model import add_lora, load_base_model  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
@@ -141,10 +142,10 @@ class PlainLoop:
         self.data, self.batches, self.pad_id = data, batches, tok.pad_token_id
         self.windows = []
         for step in range(args.warmup + args.steps):
-            idx = batches.indices(step)
+            idx = batches.index_array(step)
             mbs = split_window(idx, 0, 1, spec.batch.micro_batch_size, spec.grad_accum_steps)
             self.windows.append(
-                ([collate([data.train[i] for i in mb], tok.pad_token_id) for mb in mbs], count_labels(data.train, idx))
+                ([collate_at(data.train, mb, tok.pad_token_id) for mb in mbs], count_labels(data.train, idx))
             )
 
     def host_work(self, repeats: int = 5) -> list[float]:
@@ -155,11 +156,11 @@ class PlainLoop:
         for _ in range(repeats):
             t = time.process_time()
             for step in range(n):
-                idx = self.batches.indices(step)
+                idx = self.batches.index_array(step)
                 count_labels(self.data.train, idx)
                 count_inputs(self.data.train, idx)
                 mbs = split_window(idx, 0, 1, spec.batch.micro_batch_size, spec.grad_accum_steps)
-                [collate([self.data.train[i] for i in mb], self.pad_id) for mb in mbs]
+                [collate_at(self.data.train, mb, self.pad_id) for mb in mbs]
             out.append((time.process_time() - t) / n)
         return out
 
@@ -379,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             "AdamW step, zero_grad(set_to_none=True), one .item()",
             "bare": "plain without clip_grad_norm_",
             "rayft_host_data": "CPU time per step of the data work only train() does per step (sampler indices, "
-            "label/input token counts, split_window, collate of every micro-batch), measured "
-            "alone: the part of rayft's overhead that does not depend on noise",
+            "label/input token counts, split_window, collate_at of every micro-batch), measured "
+            "alone: the part of rayft's overhead that does not depend on noise (in train() it runs on "
+            "the prefetch thread, one step ahead)",
             "clocks": "cpu: time.process_time() of this process per step (the headline: a shared machine "
             "runs other work, which inflates wall time at random); wall: time.perf_counter()",
             "statistic": "median seconds per optimizer step over all timed steps of all repeats; loops alternate "

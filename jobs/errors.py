@@ -23,6 +23,24 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+# An error line shows at most this much of any one word (a path, a value it quotes): a 100,000-
+# character value is cut to its head and tail, the reason around it stays whole.
+MAX_WORD_CHARS = 200
+_LONG_WORD = re.compile(rf"\S{{{MAX_WORD_CHARS + 1},}}")
+
+
+def error_line(err: BaseException | str) -> str:
+    """The one line an error is printed as (`rayft: error: ...`): line breaks escaped, and every
+    word longer than MAX_WORD_CHARS cut in the middle, saying how long it was. The one rule for
+    every message rayft prints about a failure, whichever value it quotes."""
+    text = str(err).replace("\r", "\\r").replace("\n", "\\n")
+
+    def cut(m: re.Match) -> str:
+        w = m.group(0)
+        return f"{w[:120]}...({len(w)} characters)...{w[-40:]}"
+
+    return _LONG_WORD.sub(cut, text)
+
 
 class RayftError(Exception):
     """Base of every error rayft reports as one line."""

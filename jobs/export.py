@@ -16,7 +16,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -46,11 +45,16 @@ def finished_adapter(output_dir: Path) -> Path:
 
 
 def base_of(adapter_dir: Path) -> str:
-    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
-    base = cfg.get("base_model_name_or_path")
-    if not base:
-        raise UserError(f"{adapter_dir}/adapter_config.json: names no base model (base_model_name_or_path)")
-    return base
+    """The base `adapter_dir` names, after the whole directory is checked (`jobs.adapter_check`:
+    its config against the base's shapes, before any weight is allocated)."""
+    from .adapter_check import check_adapter
+
+    return check_adapter(Path(adapter_dir))
+
+
+def _cannot_load(what: Path | str, e: Exception) -> UserError:
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return UserError(f"{what}: cannot be loaded ({first})")
 
 
 def _target(output_dir: Path, to: Path | None, merge: bool) -> Path:
@@ -114,8 +118,13 @@ def load_adapted(adapter_dir: Path, dtype: torch.dtype = torch.float32):
         base_model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     except OSError as e:
         raise UserError(f"{adapter_dir}: cannot load its base model {base!r}: {str(e).splitlines()[0]}") from None
-    model = PeftModel.from_pretrained(base_model, str(adapter_dir))
-    tok = AutoTokenizer.from_pretrained(str(adapter_dir))
+    except (ValueError, RuntimeError, KeyError, TypeError) as e:  # checked above; what remains is damage
+        raise _cannot_load(base, e) from None
+    try:
+        model = PeftModel.from_pretrained(base_model, str(adapter_dir))
+        tok = AutoTokenizer.from_pretrained(str(adapter_dir))
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise _cannot_load(adapter_dir, e) from None
     model.eval()
     return model, tok
 
@@ -157,10 +166,17 @@ def load_for_generation(path: Path):
     if (path / "adapter_config.json").is_file():
         return load_adapted(path)
     if (path / "config.json").is_file():
+        from .adapter_check import check_model_dir
+
         _quiet()
-        model = AutoModelForCausalLM.from_pretrained(str(path))
+        check_model_dir(path)  # config against weights' shapes, before anything is allocated
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path))
+            tok = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
+            raise _cannot_load(path, e) from None
         model.eval()
-        return model, AutoTokenizer.from_pretrained(str(path))
+        return model, tok
     return load_adapted(finished_adapter(path))
 
 

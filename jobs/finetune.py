@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from . import secrets
 from .errors import SpecError
 from .spec import absolutize, load_spec
 
@@ -20,7 +21,9 @@ from .spec import absolutize, load_spec
 def preflight(spec) -> None:
     """Checks that need the data files but not the model weights: run before anything is created."""
     from .data import count_checked_records
+    from .outputs import check_write_places
 
+    check_write_places(spec)  # the data cache (written next) and an MLflow file store: not a system dir, writable
     # Every record is parsed and checked, the texts not kept (the memory of one record); data
     # checked before (same content hash) is not read again.
     n_train = count_checked_records(spec)
@@ -77,8 +80,11 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
 
     Invariant: a refused spec creates nothing. The output directory is checked (new, empty or
     rayft's own; see `jobs.outputs.output_dir_problem`) before --fresh moves anything, and
-    created and claimed only after every check has passed."""
+    created and claimed only after every check has passed. The run's lock (`jobs.runlock`) is
+    taken before checkpoints are read or set aside, and is held on return: the caller runs the
+    job, then calls `jobs.runlock.release(spec.output_path)`."""
     from . import checkpoint as ckpt
+    from . import runlock
     from .outputs import check_output_dir, claim_output_dir, set_aside
 
     spec = load_spec(spec_path, overrides)
@@ -86,14 +92,19 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     preflight(spec)
     check_output_dir(spec.run.output_dir.replace("{name}", spec.name))
     spec = absolutize(spec)
-    newest = None if fresh else ckpt.resumable(spec.output_path / "checkpoints")
-    if newest is not None:  # refuse a resume that cannot be exact, before anything starts
-        ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
-    if fresh:
-        moved = set_aside(spec.output_path / "checkpoints")
-        if moved:
-            logging.getLogger("rayft").warning("--fresh: previous checkpoints moved to %s", moved)
-    claim_output_dir(spec.output_path, name=spec.name)
+    runlock.acquire(spec.output_path)  # a second run into this directory is refused here
+    try:
+        newest = None if fresh else ckpt.resumable(spec.output_path / "checkpoints")
+        if newest is not None:  # refuse a resume that cannot be exact, before anything starts
+            ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
+        if fresh:
+            moved = set_aside(spec.output_path / "checkpoints")
+            if moved:
+                logging.getLogger("rayft").warning("--fresh: previous checkpoints moved to %s", moved)
+        claim_output_dir(spec.output_path, name=spec.name)
+    except BaseException:
+        runlock.release(spec.output_path)
+        raise
     return spec
 
 
@@ -141,24 +152,33 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The `ray job submit` entrypoint: the same preparation and run as `rayft run`, printing one
     plain line per optimizer step and summary.json at the end."""
-    from .errors import RayftError
-    from .outputs import format_step
-
     ap = argparse.ArgumentParser(prog="python -m jobs.finetune", description=__doc__.splitlines()[0])
     add_run_arguments(ap)
-    args = parse_with_overrides(ap, argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    with secrets.redacted_output():  # as `rayft`: no line printed shows a credential
+        return _main(ap, argv)
+
+
+def _main(ap: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    from . import runlock
+    from .errors import RayftError, error_line
+    from .outputs import format_step
+
+    args = parse_with_overrides(ap, argv)
     try:
         spec = prepare(args.spec, args.overrides, args.fresh, local=args.local)
-        summary = run(
-            spec,
-            local=args.local,
-            address=args.address,
-            fresh=args.fresh,
-            on_progress=lambda rec: print(format_step(rec), flush=True),
-        )
+        try:
+            summary = run(
+                spec,
+                local=args.local,
+                address=args.address,
+                fresh=args.fresh,
+                on_progress=lambda rec: print(format_step(rec), flush=True),
+            )
+        finally:
+            runlock.release(spec.output_path)
     except RayftError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_line(e)}", file=sys.stderr)
         return e.exit_code
     if summary:
         print(json.dumps(summary, indent=2))

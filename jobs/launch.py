@@ -15,6 +15,7 @@ from pathlib import Path
 
 import ray
 
+from . import runlock
 from .errors import NodeLost, unreachable_workers, worker_error
 from .spec import JobSpec
 
@@ -47,7 +48,7 @@ def train_worker(config: dict) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     spec = JobSpec.model_validate(config["spec"])
-    train(spec, RayContext(config.get("progress")), resume=config["resume"])
+    train(spec, RayContext(config.get("progress")), resume=config["resume"], run_token=config.get("run_token"))
 
 
 def init_ray(address: str | None, num_cpus: int, log_to_driver: bool = True) -> None:
@@ -166,7 +167,13 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks
     r = spec.resources
     return TorchTrainer(
         train_worker,
-        train_loop_config={"spec": spec.to_dict(), "progress": progress, "resume": resume},
+        train_loop_config={
+            "spec": spec.to_dict(),
+            "progress": progress,
+            "resume": resume,
+            # the driver's hold on the output dir's lock: rank 0 then knows the holder (jobs.runlock)
+            "run_token": runlock.held_token(spec.output_path),
+        },
         scaling_config=ScalingConfig(
             num_workers=r.num_workers,
             use_gpu=r.use_gpu,

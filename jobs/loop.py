@@ -23,6 +23,13 @@ Reads top to bottom in `train()`. The two pieces tests poke at directly are
 
 No `.item()` inside the window: scalars are read once per optimizer step (and transformers'
 own per-forward sync is turned off where the model loads: `jobs.model.skip_packed_sequence_detection`).
+
+The host work of a step (`micro_batches_of`: the global batch's indices, length grouping, the
+window's counts, a mixture's per-source counts, this rank's split and collation) is numpy over
+the cache's arrays (a mixture's sources side by side have the same ones), and it runs
+one step ahead on a background thread (`jobs.prefetch.Prefetch`) while the current step
+computes. It is a pure function of the step, so the thread changes when it runs, never what
+the step trains on; an exception in it is raised in the training thread at the step it belongs to.
 """
 
 from __future__ import annotations
@@ -45,19 +52,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ckpt
-from . import fsdp
+from . import fsdp, runlock
 from .context import Context
 from .data import (
+    Concatenated,
     Dataset,
-    Example,
-    Pair,
     Sampler,
+    TokenizedPairs,
+    TokenizedSplit,
     batches_for,
-    collate,
-    collate_pairs,
+    collate_at,
+    collate_pairs_at,
     count_inputs,
     count_labels,
     equal_micro_batches,
+    group_by_length,
     load_dataset,
     split_window,
     step_metrics,
@@ -74,12 +83,14 @@ from .outputs import (
     SUMMARY,
     MetricsLog,
     append_event,
+    check_output_dir,
     claim_output_dir,
     plot_loss,
     read_metrics,
     write_json_atomic,
 )
 from .preference import REFERENCE_ADAPTER, PreferenceLoss, precomputed_reference
+from .prefetch import Prefetch
 from .spec import JobSpec, compute_precision
 from .tracking import open_trackers
 
@@ -278,7 +289,13 @@ def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def held_out_loss(
-    engine: Engine, examples, rank: int, world_size: int, micro_batch_size: int, pad_id: int, layout: dict | None = None
+    engine: Engine,
+    examples: TokenizedSplit,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    pad_id: int,
+    layout: dict | None = None,
 ) -> float | None:
     """Token-weighted mean loss over the held-out set, sharded over ranks."""
     if not examples:
@@ -289,12 +306,11 @@ def held_out_loss(
     sums = torch.zeros(2, device=engine.device, dtype=torch.float64)
     # Equal forward counts on every rank: under FSDP each forward is a collective.
     for idx, counted in equal_micro_batches(len(examples), rank, world_size, micro_batch_size):
-        batch = [examples[i] for i in idx]
         with engine.autocast():
-            s = module(**to_device(collate(batch, pad_id, **layout), engine.device))
+            s = module(**to_device(collate_at(examples, idx, pad_id, **layout), engine.device))
         if counted:
             sums[0] += s.double()
-            sums[1] += sum(e.n_labels for e in batch)
+            sums[1] += count_labels(examples, idx)
     module.train()
     all_reduce_sum(sums, world_size)
     return (sums[0] / sums[1]).item()
@@ -336,19 +352,19 @@ def held_out_by_source(engine: Engine, job: Job, spec: JobSpec, ctx: Context) ->
     width = 2 + (len(obj.stat_names) if pairs else 0)  # [loss sum, *statistic sums, denominator]
     sums = torch.zeros(len(parts), width, device=engine.device, dtype=torch.float64)
     layout, pad_id = layout_args(spec, engine.device), job.tokenizer.pad_token_id
+    evals = cast(TokenizedSplit | Concatenated, job.data.eval)  # an SFT run's samples are Examples
     module.eval()
     for row, part in enumerate(parts):
         for idx, counted in equal_micro_batches(part.n_eval, ctx.rank, ctx.world_size, spec.batch.micro_batch_size):
-            at = [part.eval_offset + i for i in idx]
+            at = part.eval_offset + np.asarray(idx, dtype=np.int64)  # into the sources side by side
             if pairs:
                 with engine.autocast():
                     summed, stats = module(**to_device(pair_batch(job, "eval", at), engine.device))
                 got, n = torch.cat([summed.double().view(1), stats]), len(at)
             else:
-                batch = [cast(Example, job.data.eval[i]) for i in at]
                 with engine.autocast():
-                    got = module(**to_device(collate(batch, pad_id, **layout), engine.device)).double().view(1)
-                n = sum(e.n_labels for e in batch)
+                    got = module(**to_device(collate_at(evals, at, pad_id, **layout), engine.device)).double().view(1)
+                n = count_labels(evals, at)
             if counted:
                 sums[row, :-1] += got
                 sums[row, -1] += n
@@ -526,38 +542,42 @@ class Window:
     denominator: int  # what the step's loss is a mean over: label tokens (SFT) or pairs
     n_labels: int  # label tokens (for pairs: the tokens of both responses)
     n_inputs: int  # input tokens computed
+    per_source: dict[str, float] = field(default_factory=dict)  # a mixture's `step_metrics`; {} for one source
 
 
-def pair_batch(job: Job, split: str, indices: Sequence[int]) -> dict:
-    """`collate_pairs` of the pairs `indices` of `split`, with their precomputed reference
+def pair_batch(job: Job, split: str, indices: Sequence[int] | np.ndarray) -> dict:
+    """`collate_pairs_at` of the pairs `indices` of `split`, with their precomputed reference
     log-probabilities (chosen rows, then rejected rows) when the run has them."""
     # A preference run's samples are Pairs (`Dataset.kind`).
-    pairs = cast(Sequence[Pair], job.data.train if split == "train" else job.data.eval)
+    pairs = cast(TokenizedPairs | Concatenated, job.data.train if split == "train" else job.data.eval)
     pin = job.device is not None and job.device.type == "cuda"
-    batch = collate_pairs([pairs[i] for i in indices], job.tokenizer.pad_token_id, pin_memory=pin)
+    batch = collate_pairs_at(pairs, indices, job.tokenizer.pad_token_id, pin_memory=pin)
     if job.reference is not None:
-        ref = job.reference[split][list(indices)]
+        ref = job.reference[split][np.asarray(indices, dtype=np.int64)]
         batch["ref_logps"] = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]))
     return batch
 
 
 def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> Window:
-    """This rank's micro-batches of global batch `step`, with the window's counts."""
-    indices = job.batches.indices(step)
+    """This rank's micro-batches of global batch `step`, with the window's counts: numpy over the
+    cache's per-sample arrays and array copies from its tokens (`jobs.data.batches`). A pure
+    function of `step`, so it may run ahead, on `Prefetch`'s thread."""
+    indices = job.batches.index_array(step)
     train = job.data.train
     if spec.data.group_by_length:
         # Same samples, grouped so each micro-batch pads little (measured on the demo data:
         # 48% of computed tokens were padding, 11% grouped).
-        indices = sorted(indices, key=lambda i: (train[i].length, i))  # a Pair: its longer row
+        indices = group_by_length(train, indices)  # a Pair: by its longer row
     mine = split_window(indices, ctx.rank, ctx.world_size, spec.batch.micro_batch_size, spec.grad_accum_steps)
     n_labels, n_inputs = count_labels(train, indices), count_inputs(train, indices)
+    per_source = step_metrics(job.batches, job.data, step, indices)
     if job.objective.is_preference:
-        return Window([pair_batch(job, "train", mb) for mb in mine], len(indices), n_labels, n_inputs)
+        return Window([pair_batch(job, "train", mb) for mb in mine], len(indices), n_labels, n_inputs, per_source)
     layout = layout_args(spec, ctx.device)
     pad_id, pin = job.tokenizer.pad_token_id, ctx.device.type == "cuda"
-    examples = cast(Sequence[Example], train)  # an SFT run's samples are Examples (`Dataset.kind`)
-    micro = [collate([examples[i] for i in mb], pad_id, pin_memory=pin, **layout) for mb in mine]
-    return Window(micro, n_labels, n_labels, n_inputs)
+    examples = cast(TokenizedSplit | Concatenated, train)  # an SFT run's samples are Examples (`Dataset.kind`)
+    micro = [collate_at(examples, mb, pad_id, pin_memory=pin, **layout) for mb in mine]
+    return Window(micro, n_labels, n_labels, n_inputs, per_source)
 
 
 def step_values(job: Job, sums: torch.Tensor, window: Window) -> tuple[float, dict]:
@@ -569,10 +589,26 @@ def step_values(job: Job, sums: torch.Tensor, window: Window) -> tuple[float, di
     return values[0] / window.denominator, stats if job.objective.is_preference else {}
 
 
-def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
-    """Run the job described by `spec` on this rank. Returns the summary (rank 0; {} elsewhere)."""
+def train(spec: JobSpec, ctx: Context, *, resume: bool = True, run_token: str | None = None) -> dict:
+    """Run the job described by `spec` on this rank. Returns the summary (rank 0; {} elsewhere).
+
+    Rank 0 holds the output dir's lock for the run (`jobs.runlock`) unless the driver whose
+    token is `run_token` holds it already."""
+    if not ctx.is_main:
+        return _train(spec, ctx, resume=resume)
+    # before the model loads: a directory rayft may not write, or another run's, is refused first
+    check_output_dir(spec.output_path, beside_others=True)
+    locked = runlock.acquire(spec.output_path, ours=run_token)
+    try:
+        return _train(spec, ctx, resume=resume)
+    finally:
+        if locked:
+            runlock.release(spec.output_path)
+
+
+def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
     out, rank, world, device = spec.output_path, ctx.rank, ctx.world_size, ctx.device
-    if ctx.is_main:  # before the model loads: a directory rayft may not write is refused first
+    if ctx.is_main:
         claim_output_dir(out, beside_others=True, name=spec.name)
     job = set_up(spec, ctx)
     engine = make_engine(spec, ctx, job)
@@ -587,82 +623,86 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True) -> dict:
     faults, last = from_env(), {}
     stopper = EarlyStopping.of(spec, pos.early_stopping)
     run_tokens, run_step_s, run_start = 0, 0.0, time.perf_counter()
-    for step in range(pos.step, pos.step if stopper.stopped else job.steps):
-        t0 = time.perf_counter()
-        lr = lr_at(step, job.steps, spec)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
-        window = micro_batches_of(spec, ctx, job, step)
-        n_labels, n_inputs = window.n_labels, window.n_inputs
-        faults.at_step(step, rank, spec.batch.micro_batch_size)
+    steps = range(pos.step, pos.step if stopper.stopped else job.steps)
+    with Prefetch(lambda k: micro_batches_of(spec, ctx, job, k), steps) as ahead:  # builds step k+1 during k
+        for step in steps:
+            t0 = time.perf_counter()
+            lr = lr_at(step, job.steps, spec)
+            for group in engine.optimizer.param_groups:
+                group["lr"] = lr
+            window = ahead.get(step)  # waits only if the background build is not done yet
+            n_labels, n_inputs = window.n_labels, window.n_inputs
+            faults.at_step(step, rank, spec.batch.micro_batch_size)
 
-        sums = train_window(engine, window.micro_batches, window.denominator)
-        grad_norm, scale_before = optimizer_step(engine, spec.optim.max_grad_norm)
+            sums = train_window(engine, window.micro_batches, window.denominator)
+            grad_norm, scale_before = optimizer_step(engine, spec.optim.max_grad_norm)
 
-        # One small all-reduce for logging; then the only host reads of the step.
-        loss, stats = step_values(job, all_reduce_sum(sums, world), window)
-        skipped = scale_before is not None and job.scaler.get_scale() < scale_before
-        norm = float(grad_norm.item())
-        stop_if_not_finite(spec, step + 1, loss, norm, skipped)
-        pos.skipped_steps += int(skipped)
-        pos.tokens_seen += n_inputs
-        dt = time.perf_counter() - t0
-        run_tokens, run_step_s = run_tokens + n_inputs, run_step_s + dt
-        done = step + 1
-        evaluated = bool(spec.run.eval_every and done % spec.run.eval_every == 0) or done == job.steps
-        if evaluated:
-            if job.data.sources:  # a mixture: per source, and the whole from the same sums
-                pos.eval_loss, pos.eval_stats = held_out_by_source(engine, job, spec, ctx)
-            elif job.objective.is_preference:
-                pos.eval_loss, pos.eval_stats = held_out_pairs(engine, job, rank, world, spec.batch.micro_batch_size)
-            else:
-                pos.eval_loss = held_out_loss(
-                    engine,
-                    job.data.eval,
-                    rank,
-                    world,
-                    spec.batch.micro_batch_size,
-                    job.tokenizer.pad_token_id,
-                    layout_args(spec, device),
-                )
-            stopper.judge(done, pos.eval_loss, lambda: fsdp.full_adapter(job.model), out, ctx.is_main)
-        peak, peak_kind = peak_memory_bytes(device)
-        last = {
-            "step": done,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": norm,
-            "tokens": n_inputs,
-            "tokens_seen": pos.tokens_seen,
-            "label_tokens": n_labels,
-            "tokens_per_s": n_inputs / dt,
-            "step_time_s": dt,
-            "epoch": job.batches.epoch_of(done),
-            "peak_mem_gib": peak / GIB,
-            "peak_mem_kind": peak_kind,
-            "estimate_gib": job.plan.total_gib,
-            "skipped": skipped,
-            "eval_loss": pos.eval_loss,
-            "evaluated": evaluated,
-            **step_metrics(job.batches, job.data, step),
-            **stats,
-            **pos.eval_stats,
-        }
-        if ctx.is_main:
-            if step == pos.step:  # the first step of this run
-                append_event(out, "first_step", step=done)
-            assert metrics_log is not None  # made on the main rank
-            metrics_log.write(last)
-            trackers.log_step(last)
-            ctx.progress(dict(last, total_steps=job.steps))
+            # One small all-reduce for logging; then the only host reads of the step.
+            loss, stats = step_values(job, all_reduce_sum(sums, world), window)
+            skipped = scale_before is not None and job.scaler.get_scale() < scale_before
+            norm = float(grad_norm.item())
+            stop_if_not_finite(spec, step + 1, loss, norm, skipped)
+            pos.skipped_steps += int(skipped)
+            pos.tokens_seen += n_inputs
+            dt = time.perf_counter() - t0
+            run_tokens, run_step_s = run_tokens + n_inputs, run_step_s + dt
+            done = step + 1
+            evaluated = bool(spec.run.eval_every and done % spec.run.eval_every == 0) or done == job.steps
+            if evaluated:
+                if job.data.sources:  # a mixture: per source, and the whole from the same sums
+                    pos.eval_loss, pos.eval_stats = held_out_by_source(engine, job, spec, ctx)
+                elif job.objective.is_preference:
+                    pos.eval_loss, pos.eval_stats = held_out_pairs(
+                        engine, job, rank, world, spec.batch.micro_batch_size
+                    )
+                else:
+                    pos.eval_loss = held_out_loss(
+                        engine,
+                        cast(TokenizedSplit, job.data.eval),
+                        rank,
+                        world,
+                        spec.batch.micro_batch_size,
+                        job.tokenizer.pad_token_id,
+                        layout_args(spec, device),
+                    )
+                stopper.judge(done, pos.eval_loss, lambda: fsdp.full_adapter(job.model), out, ctx.is_main)
+            peak, peak_kind = peak_memory_bytes(device)
+            last = {
+                "step": done,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": norm,
+                "tokens": n_inputs,
+                "tokens_seen": pos.tokens_seen,
+                "label_tokens": n_labels,
+                "tokens_per_s": n_inputs / dt,
+                "step_time_s": dt,
+                "epoch": job.batches.epoch_of(done),
+                "peak_mem_gib": peak / GIB,
+                "peak_mem_kind": peak_kind,
+                "estimate_gib": job.plan.total_gib,
+                "skipped": skipped,
+                "eval_loss": pos.eval_loss,
+                "evaluated": evaluated,
+                **window.per_source,
+                **stats,
+                **pos.eval_stats,
+            }
+            if ctx.is_main:
+                if step == pos.step:  # the first step of this run
+                    append_event(out, "first_step", step=done)
+                assert metrics_log is not None  # made on the main rank
+                metrics_log.write(last)
+                trackers.log_step(last)
+                ctx.progress(dict(last, total_steps=job.steps))
 
-        every = spec.run.checkpoint_every
-        if (every and done % every == 0) or done == job.steps or stopper.stopped:
-            save_checkpoint(spec, ctx, job, engine, pos, done, last, stopper)
-            trackers.checkpointed(done)
-            stopper.checkpointed(out if ctx.is_main else None)
-        if stopper.stopped:
-            break
+            every = spec.run.checkpoint_every
+            if (every and done % every == 0) or done == job.steps or stopper.stopped:
+                save_checkpoint(spec, ctx, job, engine, pos, done, last, stopper)
+                trackers.checkpointed(done)
+                stopper.checkpointed(out if ctx.is_main else None)
+            if stopper.stopped:
+                break
 
     adapter = fsdp.full_adapter(job.model)  # every rank: under FSDP the shards are gathered to rank 0
     summary = {}

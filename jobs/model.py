@@ -262,13 +262,48 @@ def _no_cpu_weight_repacking(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def _gguf_cache_dir(directory: Path, gguf_file: str) -> Path:
+    """Where `_gguf_cache` keeps the de-quantized copy of `directory / gguf_file`."""
+    path = directory / gguf_file
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return _cache_root() / "gguf" / f"{path.stem}-{key}"
+
+
+def load_tokenizer(spec: JobSpec):
+    """The tokenizer `load_base_model` returns for `spec`, without loading weights and without
+    writing anything: a GGUF base's tokenizer comes from its de-quantized copy when one exists
+    (what a job loads), else straight from the GGUF file (what that copy is saved from).
+    `rayft data preview` tokenizes with it, so it shows what the job trains on."""
+    from transformers import AutoTokenizer
+
+    m = spec.model
+    if m.name == "tiny-llama":
+        return byte_tokenizer()
+    try:
+        if m.gguf_file:
+            directory = Path(resolve_model_dir(m.name))
+            cached = _gguf_cache_dir(directory, m.gguf_file)
+            if cached.is_dir():
+                tokenizer = AutoTokenizer.from_pretrained(cached)
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=m.gguf_file)
+        else:
+            token = os.environ.get(m.hf_token_env) if m.hf_token_env else None
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(m.name), token=token)
+    except OSError as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise SpecError(f"model.name: cannot load the tokenizer of {m.name!r}: {first}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def _gguf_cache(directory: Path, gguf_file: str) -> Path:
     """De-quantize a GGUF once and keep it as safetensors; later loads skip the slow path.
     Workers that start together on one machine de-quantize it once (`build_once`)."""
     path = directory / gguf_file
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    cache = _cache_root() / "gguf" / f"{path.stem}-{key}"
+    cache = _gguf_cache_dir(directory, gguf_file)
 
     def dequantize(tmp: Path) -> None:
         from safetensors.torch import save_model

@@ -17,7 +17,9 @@ how the global batch is split into workers x accumulation x micro-batch.
 The definitions (docs/training.md writes them out):
 
 * DPO (Rafailov et al. 2023; label smoothing as in cDPO / TRL's `sigmoid` loss):
-  h = (pi_w - ref_w) - (pi_l - ref_l);  loss = -(1 - eps) log s(beta h) - eps log s(-beta h).
+  h = (pi_w - ref_w) - (pi_l - ref_l);  loss = -(1 - eps) log s(beta h) - eps log s(-beta h);
+  with `rpo_alpha` alpha > 0 (RPO, Pang et al. 2024) plus alpha (-pi_w / n_w), the chosen
+  response's per-token NLL, per pair (TRL averages it over the batch's chosen tokens).
 * IPO (Azar et al. 2023, eq. 17): loss = (h - 1 / (2 beta))^2, h from *summed* log-probs as in
   the paper (TRL's `ipo` averages them over tokens instead).
 * SimPO (Meng et al. 2024): a = pi / n (length-normalized);
@@ -64,11 +66,19 @@ class Objective:
     simpo_gamma: float | None = None
     label_smoothing: float | None = None
     reference: str | None = None  # "adapter_off" | "precomputed" for DPO/IPO, else None
+    rpo_alpha: float | None = None  # DPO only: the weight of the chosen NLL (0: plain DPO)
 
     @classmethod
     def of(cls, spec) -> Objective:
         o = spec.objective
-        return cls(o.name, o.value("beta"), o.value("simpo_gamma"), o.value("label_smoothing"), o.value("reference"))
+        return cls(
+            o.name,
+            o.value("beta"),
+            o.value("simpo_gamma"),
+            o.value("label_smoothing"),
+            o.value("reference"),
+            o.value("rpo_alpha"),
+        )
 
     @property
     def is_preference(self) -> bool:
@@ -79,8 +89,15 @@ class Objective:
         return self.name in WITH_REFERENCE
 
     @property
+    def with_nll(self) -> bool:
+        """DPO with an NLL term on the chosen response (RPO)."""
+        return self.name == "dpo" and bool(self.rpo_alpha)
+
+    @property
     def stat_names(self) -> tuple[str, ...]:
-        return STATS + (ORPO_STATS if self.name == "orpo" else ())
+        if self.name == "orpo":
+            return STATS + ORPO_STATS
+        return STATS + (("nll_loss",) if self.with_nll else ())
 
 
 def log1m_exp(a: torch.Tensor) -> torch.Tensor:
@@ -113,6 +130,10 @@ def pair_losses(
             loss = (h - 1 / (2 * beta)) ** 2
         reward_w, reward_l = beta * (pi_w - ref_w), beta * (pi_l - ref_l)
         extra: dict[str, torch.Tensor] = {}
+        if obj.with_nll:
+            nll = -pi_w / n_w
+            loss = loss + float(obj.rpo_alpha or 0.0) * nll
+            extra = {"nll_loss": nll}
     else:
         a_w, a_l = pi_w / n_w, pi_l / n_l
         reward_w, reward_l = beta * a_w, beta * a_l

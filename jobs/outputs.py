@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecError
+from .runlock import LOCK_FILE
 from .spec import one_line
 
 METRICS = "metrics.jsonl"
@@ -179,15 +180,10 @@ def output_dir_problem(path: str | Path, *, beside_others: bool = False) -> str 
     text = str(path)
     if not text.strip():
         return "is empty: name a directory for the run's files (e.g. outputs/{name})"
-    resolved = Path(os.path.abspath(text))
-    try:
-        resolved = Path(text).resolve()
-    except (OSError, RuntimeError):
-        pass  # a symlink loop: judged by its own name below, and refused when it is not a directory
-    home = Path(os.path.expanduser("~")).resolve()
-    if str(resolved) in SYSTEM_DIRS or resolved == home or any(resolved.is_relative_to(t) for t in SYSTEM_TREES):
-        where = "your home directory" if resolved == home else "a system directory or inside one"
-        return f"is {where} ({resolved}); rayft writes only into a directory of its own: name a new one"
+    problem = place_problem(text)
+    if problem:
+        return problem
+    resolved = _resolved(text)
     if not os.path.lexists(resolved) and not os.path.lexists(text):
         return None
     if not resolved.is_dir():
@@ -196,6 +192,7 @@ def output_dir_problem(path: str | Path, *, beside_others: bool = False) -> str 
         names = [p.name for p in resolved.iterdir()]
     except OSError as e:
         return f"cannot be listed ({e.strerror or e})"
+    names = [n for n in names if n != LOCK_FILE]  # the run lock alone: a claim cut short
     if not names or RUN_MARKER in names or _made_by_old_rayft(names):
         return None
     if beside_others and not any(n in RUN_FILES and n != "checkpoints" for n in names):
@@ -204,6 +201,76 @@ def output_dir_problem(path: str | Path, *, beside_others: bool = False) -> str 
         f"is not empty and was not made by rayft (no {RUN_MARKER} in it): rayft writes only into a new "
         "or empty directory or one of its own runs; name another run.output_dir"
     )
+
+
+# The longest file name most file systems take (ext4, XFS, NFS: 255 bytes).
+MAX_NAME_BYTES = 255
+
+
+def _resolved(text: str) -> Path:
+    try:
+        return Path(text).resolve()
+    except (OSError, RuntimeError):  # a symlink loop: judged by its own name
+        return Path(os.path.abspath(text))
+
+
+def place_problem(path: str | Path) -> str | None:
+    """Why rayft may never write at or below `path`, or None: a name component longer than the
+    file system takes; `/`, a system directory or anything inside a system tree (after following
+    symbolic links); `$HOME` itself. The rule for every place rayft writes (the output dir, the
+    data cache, an MLflow file store). Only reads."""
+    text = str(path)
+    long = next((c for c in Path(text).parts if len(os.fsencode(c)) > MAX_NAME_BYTES), None)
+    if long is not None:
+        return (
+            f"has a name component of {len(os.fsencode(long))} bytes ({long[:40]}...); file systems take at most "
+            f"{MAX_NAME_BYTES}"
+        )
+    resolved = _resolved(text)
+    home = Path(os.path.expanduser("~")).resolve()
+    if str(resolved) in SYSTEM_DIRS or resolved == home or any(resolved.is_relative_to(t) for t in SYSTEM_TREES):
+        where = "your home directory" if resolved == home else "a system directory or inside one"
+        return f"is {where} ({resolved}); rayft writes only into a directory of its own: name a new one"
+    return None
+
+
+def writable_problem(path: str | Path) -> str | None:
+    """Why this user cannot create files in directory `path` (made when missing), or None: the
+    directory, or its nearest existing parent, is not a writable directory."""
+    p = _resolved(str(path))
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a directory"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable by this user"
+    return None
+
+
+def check_write_places(spec) -> None:
+    """Every place a run writes besides its output dir, refused in one line before anything is
+    written: the data cache (`data.cache_dir`, default beside the output dir) and an MLflow
+    `file:` or `sqlite:` store (`run.mlflow_tracking_uri`). The output dir itself has
+    `check_output_dir`."""
+    from urllib.parse import urlparse
+
+    out = spec.run.output_dir.replace("{name}", spec.name)
+    cache = spec.data.cache_dir or str(Path(out).parent / ".rayft-data")
+    field = "data.cache_dir" if spec.data.cache_dir else "data.cache_dir (default, beside run.output_dir)"
+    # a default cache beside an output dir that is refused itself: `check_output_dir` says why
+    problem = (
+        None if not spec.data.cache_dir and output_dir_problem(out) else place_problem(cache) or writable_problem(cache)
+    )
+    if problem:
+        raise SpecError(f"{field}={one_line(cache)}: {one_line(problem)}")
+    uri = spec.run.mlflow_tracking_uri
+    if "mlflow" in spec.run.trackers and uri and urlparse(uri).scheme in ("file", "sqlite"):
+        where = urlparse(uri).path or uri
+        problem = place_problem(where) or writable_problem(
+            where if urlparse(uri).scheme == "file" else Path(where).parent
+        )
+        if problem:
+            raise SpecError(f"run.mlflow_tracking_uri={one_line(uri)}: {one_line(problem)}")
 
 
 def _made_by_old_rayft(names: list[str]) -> bool:

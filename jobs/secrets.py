@@ -8,7 +8,12 @@ holds one (`model.hf_token_env`). This module decides what "looks like a credent
   OpenAI-style `sk-`, Slack) and JSON Web Tokens, found anywhere inside a value, with any text
   before (after a non-alphanumeric character) or after them;
 * `Bearer <token>` (an HTTP Authorization value pasted whole);
-* a URL that carries a password: `scheme://user:password@host`.
+* a URL that carries a password: `scheme://user:password@host`, or a credential in its query
+  (`?token=...`, `&password=...`, `access_token`, `api_key`, `secret`).
+
+`redact` is the one redaction of everything rayft prints: `RedactingStream` applies it to every
+line that reaches stdout or stderr while a command runs, and `RedactingFilter` to every log
+record, whatever the line's source (a CLI flag, the environment, the spec, a cluster's answer).
 
 Invariants: `find_tokens` never reports a match shorter than its pattern's minimum (so
 "hf_hub_download", "sk-learn", "Bearer" alone, a plain https URL, "ghp_x" pass), and nothing
@@ -18,7 +23,10 @@ characters (`shown`, `redact`): an error message may say *what* it found, never 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -49,6 +57,10 @@ PREFIXED: tuple[tuple[str, str], ...] = (
 CONTEXTUAL: tuple[tuple[str, str], ...] = (
     ("Bearer token", r"(?i:\bbearer)\s+[A-Za-z0-9._~+/=-]{16,}"),
     ("password in a URL", r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:]+:[^\s/?#@]+@"),
+    (
+        "credential in a URL query",
+        r"[?&](?i:token|access_token|auth_token|password|passwd|api_?key|secret|sig|signature)=[^\s&#]{8,}",
+    ),
 )
 
 # Every prefixed token kind as one pattern.
@@ -109,6 +121,73 @@ def redact(text: str) -> str:
         at = f.end
     parts.append(text[at:])
     return "".join(parts)
+
+
+class RedactingStream:
+    """A text stream that writes `redact(line)` to `raw` for every line written to it: what a
+    command prints cannot show a credential, from whatever source the text came. Whole lines are
+    redacted (a credential split over two `write` calls is still found); a partial line goes out
+    on `flush` (progress bars) or when it grows past `MAX_PENDING` characters."""
+
+    MAX_PENDING = 1 << 16
+
+    def __init__(self, raw):
+        self.raw = raw
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        cut = max(self._pending.rfind("\n"), self._pending.rfind("\r"))
+        if cut >= 0:
+            self.raw.write(redact(self._pending[: cut + 1]))
+            self._pending = self._pending[cut + 1 :]
+        if len(self._pending) > self.MAX_PENDING:
+            self.raw.write(redact(self._pending))
+            self._pending = ""
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self.raw.write(redact(self._pending))
+            self._pending = ""
+        self.raw.flush()
+
+    def isatty(self) -> bool:
+        return self.raw.isatty()
+
+    def __getattr__(self, name: str):  # encoding, fileno, errors, ... as the stream it wraps
+        return getattr(self.raw, name)
+
+
+class RedactingFilter(logging.Filter):
+    """A log handler filter that redacts the record's message (its arguments merged in first)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cleaned = redact(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, None
+        return True
+
+
+@contextlib.contextmanager
+def redacted_output() -> Iterator[None]:
+    """For the life of a command: sys.stdout and sys.stderr through `RedactingStream`, and
+    `RedactingFilter` on every handler of the root logger (install handlers before entering)."""
+    saved = sys.stdout, sys.stderr
+    out, err = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
+    sys.stdout, sys.stderr = out, err
+    handlers, flt = list(logging.getLogger().handlers), RedactingFilter()
+    for h in handlers:
+        h.addFilter(flt)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(flt)
+        sys.stdout, sys.stderr = saved
+        out.flush()
+        err.flush()
 
 
 def looks_like_token(name: str) -> bool:

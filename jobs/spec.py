@@ -21,10 +21,18 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from . import secrets
 from .errors import SpecError
@@ -53,11 +61,33 @@ def env_var_name(v: str | None) -> str | None:
     return v
 
 
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field's type takes a boolean: `bool` somewhere in it (`bool | Literal["auto"]`)."""
+    if annotation is bool:
+        return True
+    return any(_admits_bool(a) for a in get_args(annotation) if not isinstance(a, (int, str, float)))
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: no float field takes NaN or infinity (`.inf` lr trains NaN silently).
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """A boolean is never a number here: pydantic's lax mode reads `lora.r=true` as r=1."""
+        if isinstance(v, bool) and info.field_name is not None:
+            field = cls.model_fields[info.field_name]
+            if not _admits_bool(field.annotation):
+                raise ValueError(f"must be {_kind(field.annotation)}, not a boolean (got {v!r})")
+        return v
+
+
+def _kind(annotation: Any) -> str:
+    text = str(annotation)
+    return "an integer" if "int" in text else "a number" if "float" in text else "a value of its type"
 
 
 class ModelSpec(_Section):
@@ -500,12 +530,18 @@ class RunSpec(_Section):
 # The keys each objective reads; a key set for an objective that does not read it is refused.
 OBJECTIVE_KEYS = {
     "sft": (),
-    "dpo": ("beta", "label_smoothing", "reference"),
+    "dpo": ("beta", "label_smoothing", "rpo_alpha", "reference"),
     "ipo": ("beta", "reference"),
     "simpo": ("beta", "simpo_gamma"),
     "orpo": ("beta",),
 }
-OBJECTIVE_DEFAULTS = {"beta": 0.1, "simpo_gamma": 0.5, "label_smoothing": 0.0, "reference": "adapter_off"}
+OBJECTIVE_DEFAULTS = {
+    "beta": 0.1,
+    "simpo_gamma": 0.5,
+    "label_smoothing": 0.0,
+    "rpo_alpha": 0.0,
+    "reference": "adapter_off",
+}
 
 
 class ObjectiveSpec(_Section):
@@ -520,6 +556,10 @@ class ObjectiveSpec(_Section):
     """SimPO only: the target reward margin gamma. Default 0.5."""
     label_smoothing: float | None = Field(None, ge=0, lt=0.5)
     """DPO only: the assumed probability that a pair's preference label is flipped (cDPO). Default 0."""
+    rpo_alpha: float | None = Field(None, ge=0, le=1000)
+    """DPO only: the weight of the chosen response's per-token NLL added to each pair's loss (RPO,
+    Pang et al. 2024; TRL's `rpo_alpha`). It keeps the chosen response likely while the margin
+    grows (plain DPO lowers both). Default 0 (plain DPO)."""
     reference: Literal["adapter_off", "precomputed"] | None = None
     """DPO/IPO only: `adapter_off` runs the reference forward in every step (the base with the
     adapter off, or the frozen starting adapter `model.adapter`), no extra weights held;
@@ -815,7 +855,11 @@ def check_model_dir(spec: JobSpec, where: str = "spec") -> None:
     except SpecError as e:
         raise SpecError(f"{where}: {e}") from None
     shown = one_line(m.name if m.name == str(directory) else f"{m.name} ({directory})")
-    local = m.name.startswith(("pkg:", ".", "/")) or directory.exists()
+    try:
+        exists = directory.exists()
+    except OSError as e:  # a name component too long for the file system, ...
+        raise SpecError(f"{where}: model.name: {shown}: {e.strerror or e}") from None
+    local = m.name.startswith(("pkg:", ".", "/")) or exists
     if not local:
         return
     if not directory.is_dir():

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 from polling import wait_until
 
@@ -81,7 +80,7 @@ def wait_for_jobs_api(info, timeout_s: float = 120.0) -> None:
 
     probe = f"cluster-ready-probe-{info.dashboard.rsplit(':', 1)[1]}"
     submitted = [False]
-    last_error: list[Optional[Exception]] = [None]
+    last_error: list[Exception | None] = [None]
 
     def ran() -> bool:
         if info.process.poll() is not None:

@@ -20,9 +20,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Callable, Optional
 
 CALL_TIMEOUT_S = 900.0  # pytest-timeout's limit: no call may outlast the test that makes it
 START_TIMEOUT_S = 600.0  # importing torch & co. on a loaded 2-core machine
@@ -144,7 +144,7 @@ class GlooPool:
                     self._fail(what, f"rank {rank} raised:\n{detail}", rank)
                 del pending[rank]
 
-    def _fail(self, what: str, why: str, rank: Optional[int]):
+    def _fail(self, what: str, why: str, rank: int | None):
         tail = ""
         if rank is not None and self.log(rank).exists():
             tail = "\n--- its log ---\n" + self.log(rank).read_text(errors="replace")[-4000:]
@@ -152,7 +152,7 @@ class GlooPool:
         raise RankFailed(f"{what}: {why}{tail}")
 
     def close(self, force: bool = False) -> None:
-        for conn, p in zip(self.conns, self.procs):
+        for conn, p in zip(self.conns, self.procs, strict=True):
             if not force and p.is_alive():
                 try:
                     conn.send_bytes(b"")
@@ -176,7 +176,7 @@ class GlooPool:
 # first call that needs it. Other world sizes are rare (one resume test uses 4): they get a pool
 # of their own for that call only, so memory holds one persistent group.
 POOLED_WORLD = 2
-_pool: Optional[GlooPool] = None
+_pool: GlooPool | None = None
 
 
 def run_on_ranks(fn: Callable, world: int, tmp: Path, *args) -> list:

@@ -16,13 +16,12 @@ import logging
 import os
 import subprocess
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def _environment(env: Optional[dict]):
+def _environment(env: dict | None):
     """os.environ replaced by `env` for the call (as a subprocess's `env=`), then restored."""
     if env is None:
         yield
@@ -37,7 +36,7 @@ def _environment(env: Optional[dict]):
         os.environ.update(saved)
 
 
-def rayft_in_process(*args: str, env: Optional[dict] = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def rayft_in_process(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """`rayft *args` through `orchestrator.cli.main`, in `cwd`, with `env` as the whole environment
     when given; the result has the fields of a finished subprocess."""
     from orchestrator.cli import main

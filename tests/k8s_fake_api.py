@@ -25,9 +25,10 @@ import json
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import yaml
@@ -123,7 +124,7 @@ def strict_crd_validator(kind: str) -> Callable[[dict], list[str]]:
     return errors
 
 
-def k8s_validate_errors(obj: dict) -> Optional[list[str]]:
+def k8s_validate_errors(obj: dict) -> list[str] | None:
     """kubernetes-validate --strict on a core object; None when it has no schema for the kind."""
     import kubernetes_validate as kv
 
@@ -174,7 +175,7 @@ class FakeKubeAPI:
     QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
     def __init__(
-        self, transitions=None, validate_rayjob: Optional[Callable[[dict], list[str]]] = None, kueue: bool = False
+        self, transitions=None, validate_rayjob: Callable[[dict], list[str]] | None = None, kueue: bool = False
     ):
         self.transitions = list(transitions or self.DEFAULT_TRANSITIONS)
         self.validate_rayjob = validate_rayjob
@@ -234,7 +235,7 @@ class FakeKubeAPI:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     # -- lifecycle --
-    def __enter__(self) -> "FakeKubeAPI":
+    def __enter__(self) -> FakeKubeAPI:
         self.thread.start()
         return self
 
@@ -280,7 +281,7 @@ class FakeKubeAPI:
         deployment: str = "Failed",
         job_status: str = "FAILED",
         message: str = "",
-        log: Optional[str] = None,
+        log: str | None = None,
     ) -> None:
         """End the RayJob: every GET from now on shows this status; `log` becomes its submitter
         pod's log (where `rayft logs` and the queue driver read a failure's cause)."""
@@ -296,11 +297,13 @@ class FakeKubeAPI:
 
     def created(self, ns: str = "rayft") -> list[str]:
         """Names of the RayJobs created (201), in order: a duplicate create is a 409, not here."""
-        return [
-            n
-            for (m, p, c), n in zip(self.requests, self.request_names)
-            if m == "POST" and c == 201 and p == f"/apis/ray.io/v1/namespaces/{ns}/rayjobs"
-        ]
+        # Under the lock: a handler appends to both lists (under it too), so they are read equal.
+        with self.lock:
+            return [
+                n
+                for (m, p, c), n in zip(self.requests, self.request_names, strict=True)
+                if m == "POST" and c == 201 and p == f"/apis/ray.io/v1/namespaces/{ns}/rayjobs"
+            ]
 
     # -- routing --
     CM = re.compile(r"^/api/v1/namespaces/([^/]+)/configmaps(?:/([^/]+))?$")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional, TypeVar, Union
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -14,9 +15,9 @@ T = TypeVar("T")
 def wait_until(
     ready: Callable[[], T],
     timeout_s: float,
-    what: Union[str, Callable[[], str]],
+    what: str | Callable[[], str],
     every_s: float = 0.5,
-    proc: Optional[subprocess.Popen] = None,
+    proc: subprocess.Popen | None = None,
 ) -> T:
     """Poll `ready()` every `every_s` until it returns something true, and return that. Fails
     (AssertionError naming `what`, or what `what()` says then) after `timeout_s`, or as soon as
@@ -35,7 +36,7 @@ def wait_until(
         time.sleep(every_s)  # the pause between two looks at the condition
 
 
-def _said(what: Union[str, Callable[[], str]]) -> str:
+def _said(what: str | Callable[[], str]) -> str:
     return what if isinstance(what, str) else what()
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from gradtools import (
     accumulated_grads,
     build_engine,
@@ -24,6 +23,7 @@ from gradtools import (
     tiny_spec,
     window_inputs,
 )
+
 from jobs.loop import train_window
 
 # (workers, micro_batch_size) for global batch 8 -> N = 8 / (W * m)
@@ -116,7 +116,7 @@ def _count_allreduces(rank: int, world: int, micro: int):
         mbs, n_labels, _, _ = window_inputs(spec, tok, rank, world, step=step)
         before = calls["n"]
 
-        def observe(j):
+        def observe(j, step=step):
             # Accelerate's test_sync idea: inside the window each rank's gradient is its own;
             # after the last micro-step they agree.
             flat = torch.cat([p.grad.flatten() for p in engine.params])

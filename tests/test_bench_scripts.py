@@ -3,7 +3,8 @@
 `bench/gpu_compare.py --dry-run` runs the whole GPU comparison pipeline (rayft's `train()` and
 HF Trainer + PEFT, configuration choice under a budget, FLOPs, the result file) with tiny
 shapes on CPU, once, inside the dry run of `bench/gpu_all.sh` (with bench/gpu_memory.py);
-`bench/cpu_overhead.py --quick` the CPU overhead benchmark. One CPU run of each script. Their numbers are
+`bench/cpu_overhead.py --quick` the CPU overhead benchmark, `bench/host_path.py --quick` the step's host
+path. One CPU run of each script. Their numbers are
 not checked (timings on a shared 2-core machine mean nothing); the schema and the pipeline are.
 """
 
@@ -173,6 +174,25 @@ def test_preference_reference_quick_compares_the_two_references_on_the_same_loss
         rows["adapter_off"]["cpu_s_per_step_median"] / rows["precomputed"]["cpu_s_per_step_median"],
     )
     assert "precomputed:" in proc.stdout
+
+
+def test_host_path_quick_writes_one_row_per_global_batch(tmp_path):
+    """bench/host_path.py --quick: rows of exactly the issue's keys, one per global batch; the
+    before path (the old per-example copy) built the same batches as the array path (the script
+    asserts it before timing), and no prefetch thread is left when it ends."""
+    proc = _run("host_path.py", "--quick", "--out", str(tmp_path), timeout=120)
+    result = _only_json(tmp_path)
+    assert result["benchmark"] == "host-path" and result["config"]["quick"] is True
+    assert [(r["seqs"], r["seq_len"]) for r in result["rows"]] == [(64, 64), (128, 128)]
+    for r in result["rows"]:
+        assert set(r) == {"seqs", "seq_len", "host_ms_before", "host_ms_after", "wait_ms"}
+        assert r["host_ms_before"] > 0 and r["host_ms_after"] > 0 and r["wait_ms"] >= 0
+    assert "2ff3d57" in result["before"] and "faithful copy" in result["before"]
+    assert result["met"] == {"host_ms_after_at_512x2048": None, "wait_ms": None}  # not the goal's shape, compute
+    assert result["config"]["ranks"] == 8 and result["threads_left"] == []
+    for d in result["detail"]:
+        assert d["wait_busy_compute"]["n"] == 3 and d["rank0_micro_batches"] * 8 * 8 == d["seqs"]
+    assert "before ms" in proc.stdout
 
 
 @pytest.mark.slow  # the compiled variant compiles for ~40 s

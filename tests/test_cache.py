@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from polling import wait_until
 
 from jobs.cache import build_once
-from polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -16,7 +16,8 @@ from jobs.model import byte_tokenizer
 BOS, EOS = 257, 258
 LLAMA3 = (
     "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 CONVO = [
@@ -201,7 +202,7 @@ def test_the_tiny_chat_example_trains_on_exactly_its_assistant_turns(tmp_path):
     data = load_dataset(spec, byte_tokenizer())
     records = read_jsonl(spec.data.path[0])
     assert len(data.train) == len(records) == 64
-    for ex, rec in zip(data.train, records):
+    for ex, rec in zip(data.train, records, strict=True):
         answers = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
         assert [t for t in ex.targets if t != IGNORE] == B(answers[0]) + [EOS] + B(answers[1]) + [EOS]
     err = io.StringIO()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from gradtools import build_engine, grads, rel_err, tiny_spec, window_inputs
+
 from jobs.loop import train_window
 
 
@@ -57,7 +57,7 @@ def test_chunked_loss_gives_the_same_gradient_and_keeps_fewer_logits():
         vocab = model.get_base_model().config.vocab_size
         logits_like = []
 
-        def pack(t):
+        def pack(t, vocab=vocab, logits_like=logits_like):
             if t.dim() == 2 and t.shape[-1] == vocab and t.dtype == torch.float32:
                 logits_like.append(t.shape[0])
             return t

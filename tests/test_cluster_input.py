@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ensure_auth_token
+
 from orchestrator.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ class SilentServer:
         while not self._stop.is_set() and time.monotonic() < end:
             try:
                 conn, _ = self.sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             self.accepted_at.append(time.monotonic())
             self._held.append(conn)  # held open, never read from, never answered
@@ -52,7 +52,7 @@ class SilentServer:
             c.close()
         self.sock.close()
 
-    def __enter__(self) -> "SilentServer":
+    def __enter__(self) -> SilentServer:
         self._thread.start()
         return self
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from gradtools import final_adapter, rel_err, tiny_spec
+
 from jobs.context import LocalContext
 from jobs.loop import train
 from jobs.outputs import read_metrics
@@ -36,7 +36,7 @@ def test_compiled_layers_train_like_eager_layers(tmp_path):
         if not compiled:
             assert counters["stats"]["unique_graphs"] == 0
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo really compiled the layers
-    for a, b in zip(runs[True][0], runs[False][0]):
+    for a, b in zip(runs[True][0], runs[False][0], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
     assert rel_err(runs[True][1], runs[False][1]) <= 1e-5
     assert runs[True][0][0] != runs[True][0][-1]

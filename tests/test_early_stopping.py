@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gradtools import ROOT
 from safetensors.torch import load_file
 
-from gradtools import ROOT
 from jobs import loop as jobs_loop
 from jobs.context import LocalContext
 from jobs.errors import SpecError

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from gradtools import DATA
+
 from jobs import memory
 from jobs.spec import load_spec
 from orchestrator.cli import main

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import jobs.evaluate_preference as evp
 from jobs.model import byte_tokenizer, load_base_model
 from jobs.outputs import claim_output_dir
 from jobs.spec import load_spec
@@ -160,12 +159,14 @@ def test_preference_numbers_match_an_independent_computation(tmp_path, records):
         assert rows[role]["preference_accuracy"] == sum(m > 0 for m in margins) / len(margins)
         assert rows[role]["mean_logp_chosen"] == pytest.approx(sum(c for c, _ in logps) / len(logps), abs=2e-4)
     assert result["reference"] == "start"
-    rewards = [(BETA * (pc - sc), BETA * (pr - sr)) for (pc, pr), (sc, sr) in zip(want["adapter"], want["start"])]
+    rewards = [
+        (BETA * (pc - sc), BETA * (pr - sr)) for (pc, pr), (sc, sr) in zip(want["adapter"], want["start"], strict=True)
+    ]
     trained = rows["adapter"]
-    assert trained["rewards/margins"] == pytest.approx(sum(w - l for w, l in rewards) / len(rewards), abs=1e-4)
-    assert trained["rewards/accuracies"] == sum(w > l for w, l in rewards) / len(rewards)
-    assert trained["rewards/chosen"] == pytest.approx(sum(w for w, _ in rewards) / len(rewards), abs=1e-4)
-    dpo = [-torch.nn.functional.logsigmoid(torch.tensor(w - l, dtype=torch.float64)).item() for w, l in rewards]
+    assert trained["rewards/margins"] == pytest.approx(sum(c - r for c, r in rewards) / len(rewards), abs=1e-4)
+    assert trained["rewards/accuracies"] == sum(c > r for c, r in rewards) / len(rewards)
+    assert trained["rewards/chosen"] == pytest.approx(sum(c for c, _ in rewards) / len(rewards), abs=1e-4)
+    dpo = [-torch.nn.functional.logsigmoid(torch.tensor(c - r, dtype=torch.float64)).item() for c, r in rewards]
     assert trained["loss"] == pytest.approx(sum(dpo) / len(dpo), abs=1e-4)
     assert "rewards/margins" not in rows["base"] and "rewards/margins" not in rows["start"]
     saved = json.loads((tmp_path / "out" / "eval.json").read_text())
@@ -182,7 +183,7 @@ def test_without_a_starting_adapter_the_reference_is_the_base(tmp_path):
     rows = by_role(result)
     assert list(rows) == ["base", "adapter"] and result["reference"] == "base"
     base, pi = independent(spec, None)[0], independent(spec, str(tmp_path / "out" / "adapter"))[0]
-    h = [(pc - bc) - (pr - br) for (pc, pr), (bc, br) in zip(pi, base)]
+    h = [(pc - bc) - (pr - br) for (pc, pr), (bc, br) in zip(pi, base, strict=True)]
     assert rows["adapter"]["rewards/margins"] == pytest.approx(BETA * sum(h) / len(h), abs=1e-4)
     ipo = [(x - 1 / (2 * BETA)) ** 2 for x in h]
     assert rows["adapter"]["loss"] == pytest.approx(sum(ipo) / len(ipo), rel=1e-5, abs=1e-3)
@@ -197,7 +198,7 @@ def test_simpo_rewards_need_no_reference(tmp_path):
     assert result["reference"] is None
     pi = independent(spec, str(tmp_path / "out" / "adapter"))[0]
     lengths = [(len(hand_ids(r)[1]), len(hand_ids(r)[2])) for r in STRING_PAIRS[:4]]
-    m = [BETA * (c / nc - r / nr) for (c, r), (nc, nr) in zip(pi, lengths)]
+    m = [BETA * (c / nc - r / nr) for (c, r), (nc, nr) in zip(pi, lengths, strict=True)]
     assert trained["rewards/margins"] == pytest.approx(sum(m) / len(m), abs=1e-5)
 
 
@@ -219,7 +220,7 @@ def test_exact_match_decodes_greedily_from_the_training_prompt(tmp_path, monkeyp
     assert seen == [[hand_ids(r)[0] for r in CHAT_PAIRS]] * 2  # base, then the trained adapter
     _, trained = independent(spec, str(tmp_path / "out" / "adapter"))
     base, _ = load_base_model(spec, "fp32")
-    for ex, rec in zip(result["examples"], CHAT_PAIRS):
+    for ex, rec in zip(result["examples"], CHAT_PAIRS, strict=True):
         assert ex["chosen"] == rec["chosen"][0]["content"] and ex["rejected"] == rec["rejected"][0]["content"]
         assert ex["base"] == greedy(base.eval(), hand_ids(rec)[0], 4)
         assert ex["adapter"] == greedy(trained, hand_ids(rec)[0], 4)
@@ -243,7 +244,7 @@ def test_the_table_through_the_cli(tmp_path, capsys):
     assert [r.split("│")[1].strip() for r in rows] == ["base", "starting adapter", "trained adapter"]
     result = json.loads((tmp_path / "out" / "eval.json").read_text())
     cells = [[c.strip() for c in r.split("│")[2:-1]] for r in rows]
-    for cell, row in zip(cells, result["models"]):
+    for cell, row in zip(cells, result["models"], strict=True):
         assert cell[:3] == [
             f"{row['exact_match']:.1%}",
             f"{row['preference_accuracy']:.1%}",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gradtools import ROOT
+
 from jobs.context import LocalContext
 from jobs.export import export, load_adapted
 from jobs.loop import train

@@ -1,7 +1,8 @@
 """FSDP2 oracles on 2 CPU ranks over gloo: the same exactness as DDP.
 
 * The accumulated, reduce-scattered gradient equals the big-batch gradient (fp32, ragged
-  sequences, checkpointing on and off, resharding after forward or not), and so does the
+  sequences, checkpointing on and off, resharding after forward or not, packed micro-batches
+  against the unpacked big batch), and so does the
   gradient norm taken over the shards; clipping scales every shard by the same factor.
 * Exactly one gradient reduction per FSDP unit with LoRA weights per optimizer step, counted at
   the collective (`jobs.fsdp.units`: the decoder layers; the embeddings and the head are frozen);
@@ -21,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from gradtools import ROOT, build_engine, final_adapter, reference_grads, rel_err, spawn, tiny_spec, window_inputs
+
 from jobs import checkpoint as ckpt
 from jobs import fsdp
 from jobs.loop import Engine, optimizer_step, train_window
@@ -82,7 +83,7 @@ def test_sharded_accumulated_gradient_equals_big_batch(micro, tmp_path):
     ref = reference_grads(spec)
     ref_norm = sum(float(g.double().pow(2).sum()) for g in ref.values()) ** 0.5
     for (gc, reshard), (got, local, norm, clipped_norm, clipped), (_, other_local, *_) in zip(
-        CONFIGS, results, per_rank[1][0]
+        CONFIGS, results, per_rank[1][0], strict=True
     ):
         where = f"checkpointing={gc} reshard_after_forward={reshard}"
         assert len(got) == len(ref) > 0
@@ -94,6 +95,25 @@ def test_sharded_accumulated_gradient_equals_big_batch(micro, tmp_path):
         assert abs(norm - ref_norm) <= 1e-5 * ref_norm, where
         assert abs(clipped_norm - norm) <= 1e-6 * norm  # returned: the norm before clipping
         assert rel_err(clipped, {k: v / 4 for k, v in ref.items()}) <= 1e-5, where
+
+
+def _fsdp_packed_grads(rank: int, world: int):
+    spec = tiny_spec(f"resources.num_workers={world}", "batch.micro_batch_size=4", "data.packing=true")
+    engine, model, tok = _sharded(spec, world)
+    mbs, n_labels, _, _ = window_inputs(spec, tok, rank, world)
+    train_window(engine, mbs, n_labels)
+    return _full(model), sum("seq_ids" in mb for mb in mbs)
+
+
+@pytest.mark.slow
+def test_packed_sharded_accumulation_equals_the_unpacked_big_batch(tmp_path):
+    """data.packing under FSDP (2 ranks x 1 accumulation step x micro-batch 4): packed micro-batches,
+    reduce-scattered, against the unpacked big batch in one process."""
+    per_rank = spawn(_fsdp_packed_grads, 2, tmp_path)
+    assert sum(packed for _, packed in per_rank) > 0, "no micro-batch was packed: packing would go untested"
+    ref = reference_grads(tiny_spec("resources.num_workers=2", "batch.micro_batch_size=4"))
+    assert rel_err(per_rank[0][0], ref) <= 1e-5
+    assert rel_err(per_rank[1][0], per_rank[0][0]) == 0.0  # the gathered gradient is the same on both ranks
 
 
 VARIANTS = [(("lora.use_dora=true",), "fp32", 1e-5), ((), "bf16", 1e-2)]
@@ -117,7 +137,7 @@ def test_dora_and_bf16_under_fsdp(tmp_path):
     same global batch under bf16 autocast in one process: measured 2.6e-3 on this data (bf16
     keeps 8 bits of mantissa); a missed or doubled reduction would be off by tens of percent."""
     per_rank = spawn(_variant_grads, 2, tmp_path)
-    for (overrides, precision, bound), got in zip(VARIANTS, per_rank[0]):
+    for (overrides, precision, bound), got in zip(VARIANTS, per_rank[0], strict=True):
         spec = tiny_spec("resources.num_workers=2", "batch.micro_batch_size=2", *overrides)
         ref = reference_grads(spec, precision=precision)
         if overrides:
@@ -227,11 +247,11 @@ RUN = [
 
 
 def _train(rank: int, world: int, strategy: str, out: str) -> dict:
+    import os
+
     from jobs.context import LocalContext
     from jobs.loop import train
     from jobs.spec import absolutize, load_spec
-
-    import os
 
     os.chdir(ROOT)
     spec = absolutize(

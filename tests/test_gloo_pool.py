@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from gloo_pool import RankFailed, run_on_ranks
 
 

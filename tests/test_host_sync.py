@@ -13,10 +13,10 @@ import inspect
 
 import pytest
 import torch
+from gradtools import build_engine, tiny_spec
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import jobs.model
-from gradtools import build_engine, tiny_spec
 from jobs.data import GlobalBatches, collate, count_labels, load_dataset, split_window
 from jobs.loop import CausalLMLoss, train_window
 

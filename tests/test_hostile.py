@@ -239,7 +239,7 @@ def test_the_loop_claims_its_directory_before_loading_the_model(foreign):
 
 BOMB = (
     "name: x\ndata:\n  path: examples/data/tiny.jsonl\na: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
-    + "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    + "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
 )
 
 
@@ -433,7 +433,7 @@ def test_a_huge_record_is_cut_before_tokenization(tmp_path):
     tok = byte_tokenizer()
     huge = "many words, " * 150_000  # 1.8 MB in one line
     path = tmp_path / "d.jsonl"
-    normal = [{"text": "short record number %d" % i} for i in range(8)]
+    normal = [{"text": f"short record number {i}"} for i in range(8)]
     path.write_text(
         "\n".join(
             json.dumps(r)

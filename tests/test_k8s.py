@@ -28,10 +28,11 @@ from unittest import mock
 
 import pytest
 import yaml
+from k8s_fake_api import CRD_DIR, FakeKubeAPI, crds_available, k8s_validate_errors, strict_crd_validator
 
 from jobs.errors import ClusterUnreachable, JobNotFound, SpecError, UserError
-from jobs.spec import load_spec, validate as validate_spec
-from k8s_fake_api import CRD_DIR, FakeKubeAPI, crds_available, k8s_validate_errors, strict_crd_validator
+from jobs.spec import load_spec
+from jobs.spec import validate as validate_spec
 from orchestrator.backends import kuberay as k8s
 from orchestrator.backends.kuberay import client as kuberay_client
 from orchestrator.backends.kuberay.policy import CLUSTER_LABEL
@@ -827,7 +828,7 @@ def test_unknown_overlay_is_a_user_error():
 def test_real_memory_model_annotates_when_present():
     import jobs.memory
 
-    for sid, spec, kind, _ in EXAMPLES:
+    for _sid, spec, _kind, _ in EXAMPLES:
         if spec.model.name == "tiny-llama":
             rj = k8s.render(spec, overlay="dev-cpu" if not spec.resources.use_gpu else "gpu")[1]
             float(rj["metadata"]["annotations"][k8s.ANN_ESTIMATE])

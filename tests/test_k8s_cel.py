@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Iterator, Optional
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
+from k8s_fake_api import CRD_DIR
+from test_k8s import RENDERED, _inline_spec
 
 from jobs.spec import load_spec
-from k8s_fake_api import CRD_DIR
 from orchestrator.backends.kuberay import policy
 from orchestrator.backends.kuberay.node_types import overlays
 from orchestrator.backends.kuberay.render import render
-from test_k8s import RENDERED, _inline_spec
 
 celpy = pytest.importorskip("celpy", reason="cel-python not installed: CRD CEL rules not evaluated")
 from celpy import celtypes  # noqa: E402
@@ -83,7 +84,7 @@ class Quantity:
         self.value = Decimal(num) * (_SUFFIX[suffix or ""] if exp is None else Decimal(10) ** int(exp))
 
     @classmethod
-    def of(cls, value: Decimal) -> "Quantity":
+    def of(cls, value: Decimal) -> Quantity:
         q = cls("0")
         q.value = value
         return q
@@ -249,7 +250,7 @@ class Rule:
     message: str
     transition: bool  # names oldSelf: not evaluated on create
     program: Any = None
-    unsupported: Optional[str] = None
+    unsupported: str | None = None
 
 
 def _names(tree) -> Iterator[tuple[str, str]]:
@@ -303,7 +304,7 @@ class Schema:
     evaluated: set = field(default_factory=set)  # (rule path, rule) evaluated so far
 
     @classmethod
-    def of(cls, crd: str, schema: dict) -> "Schema":
+    def of(cls, crd: str, schema: dict) -> Schema:
         s = cls(crd, schema)
         reached = s._compile(schema, "")
         declared = _count_rules(schema)

@@ -9,19 +9,18 @@ from __future__ import annotations
 import copy
 
 import pytest
+from k8s_fake_api import CRD_DIR, OBJECT_META, strictify
+from test_k8s import RENDERED, spec_of
 
 from orchestrator.backends.kuberay import policy
 from orchestrator.backends.kuberay.render import render
-from k8s_fake_api import CRD_DIR, OBJECT_META, strictify
-from test_k8s import RENDERED, all_built_objects, spec_of
 
 GIB = 2**30
 
 
 def _ray_pods(objs):
     for o in objs:
-        for where, pod in policy.ray_pod_specs(o):
-            yield where, pod
+        yield from policy.ray_pod_specs(o)
 
 
 def _everything(built) -> list[tuple[str, list[dict]]]:
@@ -312,8 +311,9 @@ def test_node_type_records_the_gpu_quota_of_its_cluster_queue(built, ov):
 
 
 def _spec_with_workers(workers: int):
-    from jobs.spec import load_spec
     from test_k8s import _inline_spec
+
+    from jobs.spec import load_spec
 
     d = _inline_spec(use_gpu=True, num_workers=workers)
     d["batch"] = {"global_batch_size": 48, "micro_batch_size": 1}  # divides by 6 and by 8 workers
@@ -359,8 +359,9 @@ def test_no_quota_in_the_node_type_is_not_checked(tmp_path):
 
 
 def test_render_and_submit_cli_refuse_a_job_over_the_quota_before_creating_it(monkeypatch, capsys):
-    import orchestrator.backends.kuberay as kuberay
     from k8s_fake_api import FakeKubeAPI
+
+    import orchestrator.backends.kuberay as kuberay
     from orchestrator.cli import main
 
     job = ["examples/tiny-lora.yaml", "resources.use_gpu=true", "batch.micro_batch_size=1"]
@@ -558,6 +559,7 @@ def _operator_rule(objs):
 
 def test_the_operator_selector_follows_the_node_type(built, tmp_path):
     import shutil
+
     from test_k8s import K8S, build
 
     for ov in node_types.overlays():

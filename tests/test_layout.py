@@ -30,6 +30,7 @@ RAY_FREE = (
     "jobs.fsdp",
     "jobs.tracking",
     "jobs.faults",
+    "jobs.prefetch",
 )
 
 

@@ -9,13 +9,13 @@ import math
 
 import pytest
 import torch
+from gradtools import accumulated_grads, reference_grads, rel_err, spawn, tiny_spec
+from test_memory import DTYPES, Case, autocast, batch_for, loss_module
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gradtools import accumulated_grads, reference_grads, rel_err, spawn, tiny_spec
 from jobs import memory
 from jobs.model import add_lora, keep_lora_inputs_in_compute_dtype, load_base_model
 from jobs.spec import DEFAULT_TARGET_MODULES
-from test_memory import DTYPES, Case, autocast, batch_for, loss_module
 
 TOL_SAVED = 0.01
 
@@ -170,7 +170,7 @@ def test_pissa_and_olora_adapters_are_saved_for_the_unmodified_base(init, tmp_pa
     model = add_lora(load_base_model(spec, "fp32")[0], spec)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(5)
-        for n, p in model.named_parameters():
+        for _n, p in model.named_parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.02)  # as if trained
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))

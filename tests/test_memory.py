@@ -28,8 +28,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from jobs import memory
 from jobs import loop as jobs_loop
+from jobs import memory
 from jobs.loop import CausalLMLoss
 from jobs.memory import estimate
 from jobs.model import keep_lora_inputs_in_compute_dtype
@@ -448,7 +448,7 @@ def test_saved_bytes_track_sequence_length(attn):
     cases = [Case(f"s{s}", seq=s, batch=1, attn=attn, dtype="bf16") for s in (16, 64, 128)]
     est = [c.estimate().components["activations"] for c in cases]
     got = [saved_bytes(c)["decoder"] for c in cases]
-    for e, g in zip(est, got):
+    for e, g in zip(est, got, strict=True):
         assert abs(rel(e, g)) <= TOL
     growth = got[2] / got[1]
     assert abs(rel(est[2] / est[1], growth)) <= TOL
@@ -1127,7 +1127,7 @@ def _no_sync_window(strategy: str, dtype: str) -> dict:
         for j in range(WINDOW):
             saved: list[torch.Tensor] = []
             with gate(j == WINDOW - 1):
-                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
                     with autocast(case):
                         loss = module(**batch)
                 loss.backward()
@@ -1250,7 +1250,7 @@ def test_fsdp_gathered_units_match_fully_shard_on_two_ranks(fsdp_measured):
     `jobs.fsdp`'s units: layers, embeddings or head the largest unit, resharding after forward
     or not, tied embeddings, the chunked loss head. Resharding after forward, the untied
     embeddings are not gathered in backward (frozen, fed token ids: nothing of them is needed)."""
-    for (kw, reshard), *ranks in zip(GATHERED_CASES, *(r["gathered"] for r in fsdp_measured)):
+    for (kw, reshard), *ranks in zip(GATHERED_CASES, *(r["gathered"] for r in fsdp_measured), strict=True):
         est = Case(**kw).estimate(strategy="fsdp", world_size=2, reshard_after_forward=reshard)
         for rank in ranks:
             assert rank["peak"] == est.components["fsdp_gathered"], (kw, reshard, est.details["fsdp_unit_bytes"])

@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from clusters import LocalCluster
 from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, rel_err
-from jobs.outputs import read_events, read_metrics
 from polling import wait_until
+
+from jobs.outputs import read_events, read_metrics
 
 BIN = Path(sys.executable).parent
 

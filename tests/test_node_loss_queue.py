@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from clusters import LocalCluster
 from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, rel_err
-from jobs.outputs import read_events, read_metrics
 from polling import wait_until
 from test_queue import db_events, db_rows, view
 from test_submit import SPEC, TINY, uniq
+
+from jobs.outputs import read_events, read_metrics
 
 BIN = Path(sys.executable).parent
 DRIVER_SIDE = {"JobSupervisor", "TrainController", "ProgressActor"}

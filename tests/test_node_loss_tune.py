@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from clusters import LocalCluster
 from gradtools import DATA, ROOT, final_adapter, rel_err
-from jobs.outputs import read_metrics
 from polling import wait_until
+
+from jobs.outputs import read_metrics
 
 BIN = Path(sys.executable).parent
 EVAL = ROOT / "examples" / "data" / "tiny-eval.jsonl"

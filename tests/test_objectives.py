@@ -31,10 +31,11 @@ def reference_loss(
     rl: float,
     eps: float = 0.0,
     gamma: float = 0.5,
+    alpha: float = 0.0,
 ) -> float:
     if name == "dpo":
         h = (pw - rw) - (pl - rl)
-        return -(1 - eps) * logsig(beta * h) - eps * logsig(-beta * h)
+        return -(1 - eps) * logsig(beta * h) - eps * logsig(-beta * h) + alpha * (-pw / nw)
     if name == "ipo":
         h = (pw - rw) - (pl - rl)
         return (h - 1 / (2 * beta)) ** 2
@@ -54,7 +55,7 @@ PAIRS = [  # (pi_w, pi_l, n_w, n_l, ref_w, ref_l): summed log-probs and response
 
 
 def tensors():
-    cols = list(zip(*PAIRS))
+    cols = list(zip(*PAIRS, strict=True))
     return [torch.tensor(c, dtype=torch.float64) for c in cols]
 
 
@@ -63,6 +64,8 @@ def tensors():
     [
         ("dpo", {}),
         ("dpo", {"label_smoothing": 0.2}),
+        ("dpo", {"rpo_alpha": 0.5}),
+        ("dpo", {"rpo_alpha": 2.0, "label_smoothing": 0.1}),
         ("ipo", {}),
         ("simpo", {"simpo_gamma": 0.5}),
         ("simpo", {"simpo_gamma": 1.5}),
@@ -72,12 +75,24 @@ def tensors():
 @pytest.mark.parametrize("beta", [0.1, 2.0])
 def test_each_objective_matches_its_formula_pair_by_pair(name, kw, beta):
     obj = Objective(
-        name, beta, kw.get("simpo_gamma"), kw.get("label_smoothing"), "adapter_off" if name in ("dpo", "ipo") else None
+        name,
+        beta,
+        kw.get("simpo_gamma"),
+        kw.get("label_smoothing"),
+        "adapter_off" if name in ("dpo", "ipo") else None,
+        kw.get("rpo_alpha"),
     )
     pw, pl, nw, nl, rw, rl = tensors()
     loss, stats = pair_losses(obj, pw, pl, nw, nl, rw, rl)
     want = [
-        reference_loss(name, beta, *p, eps=kw.get("label_smoothing", 0.0), gamma=kw.get("simpo_gamma", 0.5))
+        reference_loss(
+            name,
+            beta,
+            *p,
+            eps=kw.get("label_smoothing", 0.0),
+            gamma=kw.get("simpo_gamma", 0.5),
+            alpha=kw.get("rpo_alpha", 0.0),
+        )
         for p in PAIRS
     ]
     assert loss.tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
@@ -89,9 +104,11 @@ def test_each_objective_matches_its_formula_pair_by_pair(name, kw, beta):
         rejected = [beta * p[1] / p[3] for p in PAIRS]
     assert stats["rewards/chosen"].tolist() == pytest.approx(chosen)
     assert stats["rewards/rejected"].tolist() == pytest.approx(rejected)
-    assert stats["rewards/margins"].tolist() == pytest.approx([c - r for c, r in zip(chosen, rejected)])
-    assert stats["rewards/accuracies"].tolist() == [float(c > r) for c, r in zip(chosen, rejected)]
+    assert stats["rewards/margins"].tolist() == pytest.approx([c - r for c, r in zip(chosen, rejected, strict=True)])
+    assert stats["rewards/accuracies"].tolist() == [float(c > r) for c, r in zip(chosen, rejected, strict=True)]
     assert 0 < sum(stats["rewards/accuracies"].tolist()) < len(PAIRS)  # the data has both outcomes
+    if kw.get("rpo_alpha"):
+        assert stats["nll_loss"].tolist() == pytest.approx([-p[0] / p[2] for p in PAIRS])
     sums = summed_stats(obj, stats)
     assert sums[obj.stat_names.index("rewards/margins")].item() == pytest.approx(sum(chosen) - sum(rejected))
 
@@ -123,7 +140,9 @@ def test_a_reference_objective_without_reference_log_probs_is_refused():
 def test_the_spec_applies_defaults_only_to_the_keys_an_objective_reads():
     assert Objective.of(load_spec(DEMO, files=False)) == Objective("sft")
     dpo = Objective.of(load_spec(DEMO, ["objective.name=dpo"], files=False))
-    assert dpo == Objective("dpo", 0.1, None, 0.0, "adapter_off")
+    assert dpo == Objective("dpo", 0.1, None, 0.0, "adapter_off", 0.0)
+    rpo = Objective.of(load_spec(DEMO, ["objective.name=dpo", "objective.rpo_alpha=1"], files=False))
+    assert rpo.with_nll and rpo.stat_names[-1] == "nll_loss" and not dpo.with_nll
     simpo = Objective.of(load_spec(DEMO, ["objective.name=simpo", "objective.beta=2.5"], files=False))
     assert simpo == Objective("simpo", 2.5, 0.5, None, None)
     assert Objective.of(load_spec(DEMO, ["objective.name=orpo"], files=False)) == Objective("orpo", 0.1)
@@ -143,6 +162,8 @@ def test_the_spec_applies_defaults_only_to_the_keys_an_objective_reads():
             "label_smoothing does not apply to objective.name=ipo",
         ),
         (["objective.name=dpo", "objective.simpo_gamma=1"], "simpo_gamma does not apply to objective.name=dpo"),
+        (["objective.name=ipo", "objective.rpo_alpha=1"], "rpo_alpha does not apply to objective.name=ipo"),
+        (["objective.name=dpo", "objective.rpo_alpha=-1"], "objective.rpo_alpha"),
         (["objective.name=dpo", "objective.label_smoothing=0.5"], "objective.label_smoothing"),
         (["objective.name=dpo", "objective.beta=0"], "objective.beta"),
         (["objective.name=kto"], "objective.name"),

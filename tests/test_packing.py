@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-
 from gradtools import build_engine, final_adapter, grads, rel_err, tiny_spec
+
 from jobs.context import LocalContext
 from jobs.data import collate, load_dataset, pack_rows
 from jobs.loop import train
@@ -142,7 +142,7 @@ def test_a_packed_run_trains_exactly_like_a_padded_run(tmp_path):
         )
         summary = train(spec, LocalContext(on_progress=lambda r: None), resume=False)
         runs[packing] = ([r["loss"] for r in read_metrics(out)], summary["eval_loss"], final_adapter(out))
-    for a, b in zip(runs[True][0], runs[False][0]):
+    for a, b in zip(runs[True][0], runs[False][0], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
     assert abs(runs[True][1] - runs[False][1]) <= 1e-5 * abs(runs[False][1])
     assert rel_err(runs[True][2], runs[False][2]) <= 1e-5
@@ -151,9 +151,9 @@ def test_a_packed_run_trains_exactly_like_a_padded_run(tmp_path):
 
 def test_packing_is_refused_for_sliding_window_models_before_anything_starts(tmp_path, capsys):
     import yaml
+    from gradtools import DATA
     from transformers import MistralConfig
 
-    from gradtools import DATA
     from orchestrator.cli import main
 
     model_dir = tmp_path / "mistral"
@@ -176,6 +176,6 @@ def test_packing_is_refused_for_sliding_window_models_before_anything_starts(tmp
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     assert main(["run", str(path)]) == 2
-    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "data.packing: not supported for 'mistral'" in lines[0], lines
     assert not (tmp_path / "out").exists()

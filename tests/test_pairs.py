@@ -321,9 +321,9 @@ def test_collate_pairs_lays_out_chosen_rows_then_rejected_rows():
     assert b["input_ids"][3].tolist() == [BOS, 7, 9, 10, 11, 12]
     rows_of = (b["label_pos"] // T).tolist()
     for r, (pair, resp) in enumerate([(p, p.chosen) for p in pairs] + [(p, p.rejected) for p in pairs]):
-        labels = [int(t) for t, row in zip(b["label_ids"], rows_of) if row == r]
+        labels = [int(t) for t, row in zip(b["label_ids"], rows_of, strict=True) if row == r]
         assert labels == list(resp)  # exactly the response, in order
-        positions = [int(p) % T for p, row in zip(b["label_pos"], rows_of) if row == r]
+        positions = [int(p) % T for p, row in zip(b["label_pos"], rows_of, strict=True) if row == r]
         # each label is the next token after its input position: the prompt's last token predicts the first
         assert positions == list(range(len(pair.prompt) - 1, len(pair.prompt) - 1 + len(resp)))
         pad_from = len(pair.prompt) + len(resp) - 1
@@ -381,7 +381,7 @@ def test_the_key_says_pairs_and_an_sft_key_is_what_it_always_was(tmp_path):
     }
     assert cache_key(sft, tok) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:24]
     assert (
-        CACHE_FORMAT == 1
+        CACHE_FORMAT == 2  # 2: the per-sample count arrays (lengths, label tokens)
         and load_dataset(
             sft.model_copy(update={"data": d.model_copy(update={"path": [str(ROOT / "examples/data/tiny.jsonl")]})}),
             tok,

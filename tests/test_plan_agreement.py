@@ -17,9 +17,10 @@ over 8 GPUs, and QLoRA nf4 / int8 over 2.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import pytest
 
@@ -34,11 +35,11 @@ GPU_OVERLAY, CPU_OVERLAY = "gpu", "dev-cpu"
 # (estimate GiB per worker, checkpointing as checkpointing_str says it, strategy choice as
 # jobs.memory.CHOICES names it: ddp, fsdp, fsdp-keep); a consumer that does not say its
 # strategy gives None there (its exact estimate still pins it: the strategies' estimates differ).
-Column = Optional[tuple]
+Column = tuple | None
 REFUSED = "refused"
 
 
-def _choice(strategy: str, reshard: Optional[bool]) -> str:
+def _choice(strategy: str, reshard: bool | None) -> str:
     return next(k for k, v in CHOICES.items() if v == (strategy, reshard))
 
 
@@ -46,7 +47,7 @@ def _choice(strategy: str, reshard: Optional[bool]) -> str:
 class Case:
     device: str  # "cuda" or "cpu"
     gradient_checkpointing: str  # "auto", "true", "false"
-    budget_gib: Optional[float]  # memory.budget_gib
+    budget_gib: float | None  # memory.budget_gib
     where: str  # which plan boundary the budget sits at, for the test id
     overrides: tuple = ()  # beyond device, checkpointing and budget
     spec_path: Path = SPEC
@@ -83,8 +84,8 @@ def gpu_memory_gib() -> float:
 
 
 def budgets(
-    device: str, overrides: tuple = (), spec_path: Path = SPEC, every_k: bool = True, cap: Optional[float] = None
-) -> list[tuple[str, Optional[float]]]:
+    device: str, overrides: tuple = (), spec_path: Path = SPEC, every_k: bool = True, cap: float | None = None
+) -> list[tuple[str, float | None]]:
     """Budgets in every interval the estimates cut the line into, and none. `every_k`: every
     checkpointing choice of every strategy choice; else each strategy choice's least and most
     memory only (80 decoder layers have 81 choices). `cap`: only budgets up to it (a GPU's memory)."""
@@ -96,7 +97,7 @@ def budgets(
         {v for row in table.values() for v in (row.values() if every_k else (min(row.values()), max(row.values())))}
     )
     out = [("below_all", gib[0] * 0.99)]
-    out += [(f"between_{i}_{i + 1}", (a + b) / 2) for i, (a, b) in enumerate(zip(gib, gib[1:]))]
+    out += [(f"between_{i}_{i + 1}", (a + b) / 2) for i, (a, b) in enumerate(itertools.pairwise(gib))]
     out += [("above_all", gib[-1] * 1.01), ("no_budget", None)]
     return [(w, b) for w, b in out if cap is None or b is None or b <= cap]
 
@@ -198,7 +199,6 @@ def k8s_column(case: Case) -> Column:
     job whose plan exceeds the overlay's GPU is refused: then the plan must say so."""
     from jobs.errors import SpecError
     from orchestrator.backends import kuberay
-
     from orchestrator.backends.kuberay.node_types import NodeType
 
     overlay = GPU_OVERLAY if case.device == "cuda" else CPU_OVERLAY

@@ -29,11 +29,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gradtools import ROOT, grads, perturb_lora_b, rel_err, spawn
 from torch import nn
 
-from gradtools import ROOT, grads, perturb_lora_b, rel_err, spawn
 from jobs.data import GlobalBatches, collate_pairs, load_dataset, split_window
-from jobs.loop import Engine, make_optimizer, optimizer_step, train_window
+from jobs.loop import Engine, train_window
 from jobs.model import add_lora, enable_checkpointing, load_base_model
 from jobs.objectives import Objective
 from jobs.preference import REFERENCE_ADAPTER, PreferenceLoss
@@ -41,7 +41,8 @@ from jobs.spec import JobSpec, load_spec
 
 PAIRS = ROOT / "examples" / "data" / "tiny-pairs.jsonl"
 PAIRS_EVAL = ROOT / "examples" / "data" / "tiny-pairs-eval.jsonl"
-OBJECTIVES = ["dpo", "ipo", "simpo", "orpo"]
+# "rpo": DPO with objective.rpo_alpha (the chosen response's NLL added per pair)
+OBJECTIVES = ["dpo", "ipo", "simpo", "orpo", "rpo"]
 # (workers, micro_batch_size) for a global batch of 8 pairs
 SPLITS = [(1, 8), (2, 2), (4, 1)]
 SPLIT_IDS = [f"W{w}xN{8 // (w * m)}xm{m}" for w, m in SPLITS]
@@ -63,6 +64,8 @@ def objective_overrides(name: str) -> tuple:
     # SimPO's beta as in its paper (2.0); IPO's default 0.1 (its target margin 1 / (2 beta) = 5 keeps
     # the gradient's per-pair weights 2 (h - 5) well away from 0, where fp32 noise in h would show).
     beta = {"simpo": "2.0", "ipo": "0.1"}.get(name, "0.5")
+    if name == "rpo":
+        return ("objective.name=dpo", f"objective.beta={beta}", "objective.rpo_alpha=1.0")
     return (f"objective.name={name}", f"objective.beta={beta}")
 
 
@@ -105,12 +108,14 @@ def _seq_logp(model, prompt, response) -> torch.Tensor:
     return logp[at, targets[at]].double().sum()
 
 
-def _formula(name: str, beta: float, pw, pl, nw: int, nl: int, rw=None, rl=None, eps: float = 0.0, gamma=0.5):
+def _formula(
+    name: str, beta: float, pw, pl, nw: int, nl: int, rw=None, rl=None, eps: float = 0.0, gamma=0.5, alpha: float = 0.0
+):
     if name in ("dpo", "ipo"):
         h = (pw - rw) - (pl - rl)
         if name == "ipo":
             return (h - 1 / (2 * beta)) ** 2
-        return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+        return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h) + alpha * (-pw / nw)
     aw, al = pw / nw, pl / nl
     if name == "simpo":
         return -F.logsigmoid(beta * (aw - al) - gamma)
@@ -150,6 +155,7 @@ def independent_grads(spec: JobSpec, precision: str = "fp32") -> tuple[dict, flo
                 rl,
                 obj.label_smoothing or 0.0,
                 obj.simpo_gamma,
+                obj.rpo_alpha or 0.0,
             )
         )
     loss = torch.stack(losses).mean()
@@ -325,7 +331,7 @@ def test_precomputed_runs_train_the_same_steps_and_reuse_the_stored_values(tmp_p
     # The reference log-probs are sums over ~30 tokens (~200 nats) computed in micro-batches of
     # other shapes (other padding) than the step's, so they agree to fp32 rounding: ~1e-7 of 200
     # nats, times beta, in the rewards (absolute); the loss and gradient norm to 1e-5 relative.
-    for a, b in zip(live, pre):
+    for a, b in zip(live, pre, strict=True):
         for key in ("loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
         for key in ("rewards/chosen", "rewards/margins"):
@@ -338,7 +344,8 @@ def test_the_starting_adapter_is_the_dpo_reference(tmp_path):
     """SFT, then DPO from its adapter: the policy starts equal to its reference, so the first
     step's loss is log 2 on every pair and every reward is 0; the base with the adapter off would
     be another reference."""
-    from jobs.spec import absolutize, load_spec as load
+    from jobs.spec import absolutize
+    from jobs.spec import load_spec as load
 
     sft_out = tmp_path / "sft"
     sft = absolutize(

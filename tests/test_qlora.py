@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from gradtools import (
     ROOT,
     accumulated_grads,
@@ -29,6 +27,8 @@ from gradtools import (
     tiny_spec,
     window_inputs,
 )
+from torch import nn
+
 from jobs.data import collate
 from jobs.errors import SpecError
 from jobs.loop import CausalLMLoss
@@ -264,6 +264,7 @@ def test_a_qlora_run_resumes_where_it_stopped(tmp_path, monkeypatch):
     import shutil
 
     from gradtools import final_adapter
+
     from jobs import checkpoint as ckpt
 
     monkeypatch.chdir(ROOT)

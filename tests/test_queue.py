@@ -4,6 +4,7 @@ a driver SIGKILLed mid-queue and restarted, and the out-of-memory retry."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -13,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-
+from inproc import rayft_in_process
+from polling import wait_until
 from test_submit import BIN, ROOT, SPEC, TINY, _token_mode, jobs_on, metrics_steps, rayft, uniq  # noqa: F401
 
-from inproc import rayft_in_process
 from jobs.errors import UserError
 from jobs.spec import load_spec
 from orchestrator.backends.base import ClusterView
@@ -24,8 +25,6 @@ from orchestrator.backends.ray_jobs import cluster_view_from_api
 from orchestrator.queue.admission import GPU_MEMORY_GIB, Demand, parse_gpu_memory, place, reserve
 from orchestrator.queue.driver import Driver, enqueue
 from orchestrator.queue.store import Queue
-from polling import wait_until
-
 
 # ---- admission (pure) ------------------------------------------------------------------------
 
@@ -356,7 +355,7 @@ def test_priority_order_and_sigkilled_driver(ray_head, tmp_path):
     assert {n: r["state"] for n, r in rows.items()} == {n: "SUCCEEDED" for n in names.values()}
     assert all(r["attempt"] == 1 for r in rows.values())
     on_cluster = cluster_jobs_of(ray_head, set(names.values()))
-    for p, n in names.items():
+    for _priority, n in names.items():
         assert len(on_cluster[n]) == 1, (n, [j.submission_id for j in on_cluster[n]])  # ran exactly once
         assert str(on_cluster[n][0].status) == "SUCCEEDED"
         assert on_cluster[n][0].submission_id == rows[n]["submission_id"]
@@ -369,7 +368,7 @@ def test_priority_order_and_sigkilled_driver(ray_head, tmp_path):
     # priority order, one at a time
     order = sorted((j for js in on_cluster.values() for j in js), key=lambda j: j.start_time)
     assert [j.metadata["rayft.name"] for j in order] == [names[9], names[5], names[1]]
-    for a, b in zip(order, order[1:]):
+    for a, b in itertools.pairwise(order):
         assert b.start_time >= a.end_time, "max-concurrency 1 was exceeded"
 
 

@@ -16,7 +16,6 @@ with its submitter pod's log).
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import signal
@@ -25,13 +24,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
+from k8s_fake_api import FakeKubeAPI, crds_available, strict_crd_validator
 from test_submit import BIN, ROOT, SPEC, TINY, rayft
 
 from jobs.errors import UserError
 from jobs.memory import plan_for_spec
 from jobs.spec import load_spec
-from k8s_fake_api import FakeKubeAPI, crds_available, strict_crd_validator
 from orchestrator.backends import kuberay as k8s
 from orchestrator.backends.kuberay.client import attempt_name
 from orchestrator.queue.admission import Demand, fit_node_type

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, reference_run, rel_err
+from polling import wait_group_gone, wait_until
+
 from jobs import checkpoint as ckpt
 from jobs.outputs import read_events, read_metrics
-from polling import wait_group_gone, wait_until
 
 BIN = Path(sys.executable).parent
 

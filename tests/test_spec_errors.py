@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from gradtools import DATA, ROOT
+
 from orchestrator.cli import main
 
 BASE = {
@@ -161,7 +161,7 @@ def _run(capsys, args: list[str]) -> tuple[int, str]:
 
 def _assert_refused(rc: int, err: str, fragment: str, out: Path) -> None:
     assert rc == 2
-    lines = [l for l in err.splitlines() if l.strip()]
+    lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert "Traceback" not in err
     assert lines[0].startswith("rayft: error: ")

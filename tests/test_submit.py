@@ -13,7 +13,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from inproc import rayft_in_process
 from polling import wait_until
 

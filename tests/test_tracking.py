@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port
 from gradtools import ROOT
+
 from jobs.context import LocalContext
 from jobs.loop import train
 from jobs.outputs import read_metrics

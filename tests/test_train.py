@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gradtools import ROOT, final_adapter, rel_err, tiny_spec
+
 from jobs.checkpoint import load_adapter
 from jobs.context import LocalContext
 from jobs.loop import train
 from jobs.outputs import read_metrics
 from jobs.spec import load_spec
-
 
 # What `make demo`'s console may show: rayft's lines and Ray's token-auth notice, nothing else (no
 # Ray-internal error lines, no library notices about code the run does not use).
@@ -51,7 +50,7 @@ def test_loss_curves_agree_for_1_2_4_accumulation_steps(tmp_path):
         adapters[micro] = final_adapter(out)
     assert len(curves[8]) == 3
     for micro in (4, 2):
-        for step, (a, b) in enumerate(zip(curves[micro], curves[8])):
+        for step, (a, b) in enumerate(zip(curves[micro], curves[8], strict=True)):
             assert abs(a - b) <= 1e-5 * abs(b), (micro, step, a, b)
         assert rel_err(adapters[micro], adapters[8]) <= 1e-5
     # and the loss is not trivially constant: training moved it
@@ -64,7 +63,7 @@ def test_grouping_by_length_changes_padding_not_the_result(tmp_path):
         out = tmp_path / str(group)
         _, records = _run_local(out, "batch.micro_batch_size=2", f"data.group_by_length={str(group).lower()}")
         runs[group] = ([r["loss"] for r in records], final_adapter(out))
-    for a, b in zip(runs[True][0], runs[False][0]):
+    for a, b in zip(runs[True][0], runs[False][0], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
     assert rel_err(runs[True][1], runs[False][1]) <= 1e-5
 
@@ -165,7 +164,7 @@ def test_rayft_run_two_workers_matches_single_process_and_pins_loss(tmp_path, mo
     monkeypatch.chdir(ROOT)
     train(spec, LocalContext(on_progress=lambda r: None), resume=False)
     local_records = read_metrics(local)
-    for a, b in zip(records, local_records):
+    for a, b in zip(records, local_records, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
     assert rel_err(final_adapter(out), final_adapter(local)) <= 1e-4
 
@@ -174,6 +173,7 @@ def test_lora_inputs_in_the_compute_dtype_same_gradient_fewer_saved_bytes():
     """Under bf16 autocast rayft keeps PEFT from casting each adapter's input to fp32 (autocast
     casts it straight back): the gradient is bitwise the same, and backward keeps less."""
     from gradtools import build_engine, grads, window_inputs
+
     from jobs.loop import train_window
 
     result = {}
@@ -187,7 +187,7 @@ def test_lora_inputs_in_the_compute_dtype_same_gradient_fewer_saved_bytes():
         mbs, n_labels, _, _ = window_inputs(spec, tok, 0, 1)
         storages: dict[int, int] = {}
 
-        def pack(t):
+        def pack(t, storages=storages):
             storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             return t
 

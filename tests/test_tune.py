@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from gradtools import DATA, ROOT
+from polling import wait_group_gone, wait_until
+
 from jobs import memory
 from jobs.spec import JobSpec, load_spec
 from orchestrator.cli import main
-from polling import wait_group_gone, wait_until
 
 EVAL = ROOT / "examples" / "data" / "tiny-eval.jsonl"
 BIN = Path(sys.executable).parent
@@ -180,7 +180,7 @@ def test_plan_fixed_global_batch(tmp_path):
     # micro = global / (accum x workers); 3 does not divide 8: skipped, saying why
     assert {a: p.micro_batch_size for a, p in by_accum.items() if p.status != "skipped"} == {1: 8, 2: 4, 4: 2, 8: 1}
     assert by_accum[3].status == "skipped" and "not divisible by grad_accum_steps=3" in by_accum[3].reason
-    for a, p in by_accum.items():
+    for _a, p in by_accum.items():
         assert p.global_batch_size == 8
         if p.status == "skipped":
             continue
@@ -414,7 +414,8 @@ def test_resume_without_a_search_to_resume_is_refused(tmp_path, capsys):
     assert main(["tune", str(write(tmp_path, search_spec(tmp_path))), "--resume"]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [
-        f"rayft: error: {tmp_path / 'search.yaml'}: --resume: no interrupted search to resume in {tmp_path / 'out' / 'tune'}"
+        f"rayft: error: {tmp_path / 'search.yaml'}: --resume: "
+        f"no interrupted search to resume in {tmp_path / 'out' / 'tune'}"
     ]
     assert not (tmp_path / "out").exists() and not ray.is_initialized()
 

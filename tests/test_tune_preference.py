@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from gradtools import DATA, ROOT
+
 from jobs import memory
 from jobs.spec import JobSpec, load_spec
 from orchestrator.cli import main

@@ -11,13 +11,18 @@ One module per role, each importing only those above it:
     tokenizing  records -> `Example`s (token ids and shifted labels, truncated to `max_seq_len`)
     pairs       pair records -> `Pair`s (prompt, chosen and rejected ids; the truncation rule)
     cache       the tokenized cache: its format, key and content hashes, `TokenizedSplit`,
-                `TokenizedPairs`, and `load_dataset`, which builds an entry once and memory-maps
-                it everywhere
+                `TokenizedPairs`, a mixture's entries side by side (`Concatenated`), and
+                `load_dataset`, which builds an entry once and memory-maps it everywhere
     batches     `GlobalBatches` (step k -> its samples, independent of the split), `split_window`,
-                `collate` (with packing), `collate_pairs`, label/input counts, `total_steps`,
-                `eval_shard`
-    mixture     weighted mixtures (`data.mix`): `Concatenated` sources, `MixtureBatches` (step k ->
-                its samples drawn by weight, each source with its own epochs), per-source metrics
+                `group_by_length`, label/input counts (`sample_counts`), `collate_at` (with
+                packing) and `collate_pairs_at` (array copies from the cache's splits; `collate`,
+                `collate_pairs` for lists), `total_steps`, `eval_shard`
+    mixture     weighted mixtures (`data.mix`): `MixtureBatches` (step k -> its samples drawn by
+                weight, each source with its own epochs), `batches_for`, per-source `step_metrics`
+                (the sources side by side, `Concatenated`, are the cache's)
+    preview     `data_preview`: the first samples as the loss sees them and the set's statistics,
+                tokenized by the cache's own functions in memory (`rayft data preview`; import it
+                from `jobs.data.preview`)
 
 Callers import from `jobs.data`; the names below are the package's interface.
 """
@@ -25,18 +30,25 @@ Callers import from `jobs.data`; the names below are the package's interface.
 from .batches import (
     GlobalBatches,
     collate,
+    collate_at,
     collate_pairs,
+    collate_pairs_at,
     count_inputs,
     count_labels,
     equal_micro_batches,
     eval_shard,
+    group_by_length,
     pack_rows,
+    sample_counts,
     split_window,
     total_steps,
 )
 from .cache import (
     CACHE_FORMAT,
+    Concatenated,
     Dataset,
+    Segments,
+    SourcePart,
     TokenizedPairs,
     TokenizedSplit,
     cache_key,
@@ -49,7 +61,7 @@ from .cache import (
     tokenizer_hash,
 )
 from .chat import chat_pair_texts, chat_prompt_ids, chat_spans
-from .mixture import Concatenated, MixtureBatches, Sampler, SourcePart, batches_for, step_metrics
+from .mixture import MixtureBatches, Sampler, batches_for, step_metrics
 from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs, tokenize_pairs_iter, truncate_pair
 from .records import (
     OUR_FIELDS,
@@ -82,6 +94,7 @@ __all__ = [
     "ROLES",
     "SFT",
     "Sampler",
+    "Segments",
     "SourcePart",
     "TEXT_FIELDS",
     "Dataset",
@@ -99,7 +112,9 @@ __all__ = [
     "chat_spans",
     "check_record",
     "collate",
+    "collate_at",
     "collate_pairs",
+    "collate_pairs_at",
     "content_hash",
     "count_checked_records",
     "count_inputs",
@@ -109,6 +124,7 @@ __all__ = [
     "encode_prompt",
     "equal_micro_batches",
     "eval_shard",
+    "group_by_length",
     "is_hub",
     "load_dataset",
     "longest_token_chars",
@@ -117,6 +133,7 @@ __all__ = [
     "read_records",
     "record_format",
     "record_kind",
+    "sample_counts",
     "source_hash",
     "split_window",
     "step_metrics",

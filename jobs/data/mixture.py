@@ -1,12 +1,13 @@
-"""Weighted mixtures (`data.mix`): the sources side by side, and the global batches drawn from them by weight.
+"""Weighted mixtures (`data.mix`): the global batches drawn from the sources by weight.
 
-A mixture's training samples are its sources' tokenized entries concatenated (`Concatenated`:
-source s holds the indices `[offset_s, offset_s + n_s)`), and `MixtureBatches` plays the part
-`GlobalBatches` plays for one source: optimizer step k -> the indices of its global batch, a pure
-function of (the sources' sizes, the weights, the global batch, the seed, k). How the batch is
-then split over workers x accumulation x micro-batches is the loop's business and never changes
-which samples form step k, so accumulation equals the big batch and resume is exact (the data
-position is still just k).
+A mixture's training samples are its sources' tokenized entries side by side
+(`jobs.data.cache.Concatenated`: source s holds the indices `[offset_s, offset_s + n_s)`), and
+`MixtureBatches` plays the part `GlobalBatches` plays for one source: optimizer step k -> the
+indices of its global batch (`index_array`: the same int64 array, which the loop groups, counts,
+splits and collates as it does one source's), a pure function of (the sources' sizes, the
+weights, the global batch, the seed, k). How the batch is then split over workers x accumulation
+x micro-batches is the loop's business and never changes which samples form step k, so
+accumulation equals the big batch and resume is exact (the data position is still just k).
 
 The sampling rule (Sainte-Lague's, as a stream of sample slots):
 
@@ -33,62 +34,23 @@ import heapq
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from .batches import GlobalBatches, count_labels
-from .pairs import Pair
-from .tokenizing import Example
+from .cache import Dataset
 
 
 class Sampler(Protocol):
     """What the loop asks of the global-batch sequence: `GlobalBatches` or `MixtureBatches`."""
 
+    def index_array(self, step: int) -> np.ndarray: ...
+
     def indices(self, step: int) -> list[int]: ...
 
     def epoch_of(self, step: int) -> float: ...
-
-
-@dataclass(frozen=True)
-class SourcePart:
-    """One mixture source inside the concatenated dataset: its name and weight, where its training
-    and held-out samples start in `Dataset.train` / `Dataset.eval`, how many there are, its
-    cache entry, and the records it dropped."""
-
-    name: str
-    weight: float
-    train_offset: int
-    n_train: int
-    eval_offset: int
-    n_eval: int
-    cache_dir: Path | None = None
-    dropped: int = 0
-
-
-class Concatenated(Sequence):
-    """Several sequences of samples read as one (part i's sample j at `offsets[i] + j`), without
-    copying: each part stays memory-mapped, and an index touches only the part it falls in."""
-
-    def __init__(self, parts: Sequence[Sequence[Example | Pair]]):
-        self.parts = list(parts)
-        self.offsets = [0]
-        for p in self.parts:
-            self.offsets.append(self.offsets[-1] + len(p))
-
-    def __len__(self) -> int:
-        return self.offsets[-1]
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        part = bisect.bisect_right(self.offsets, i) - 1
-        return self.parts[part][i - self.offsets[part]]
 
 
 def integer_weights(weights: Sequence[float]) -> list[int]:
@@ -118,7 +80,7 @@ class MixtureBatches:
         self.a = integer_weights(weights)  # slot times (2j + 1) / (2 a_s): compared in integers
         self.g = global_batch_size
         self.seed = seed
-        self._perms: dict[tuple[int, int], list[int]] = {}
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
 
     # ---- the slot sequence ------------------------------------------------------------------
 
@@ -164,7 +126,7 @@ class MixtureBatches:
 
     # ---- samples ----------------------------------------------------------------------------
 
-    def _perm(self, s: int, epoch: int) -> list[int]:
+    def _perm(self, s: int, epoch: int) -> np.ndarray:
         key = (s, epoch)
         if key not in self._perms:
             order = list(range(self.sizes[s]))
@@ -172,16 +134,23 @@ class MixtureBatches:
             random.Random(f"rayft-mix:{self.seed}:{s}:{epoch}").shuffle(order)
             # Steps advance monotonically: keep the epochs now in use, at most two per source.
             self._perms = {k: v for k, v in self._perms.items() if k[0] != s or k[1] >= epoch - 1}
-            self._perms[key] = order
+            self._perms[key] = np.asarray(order, dtype=np.int64)
         return self._perms[key]
 
-    def sample(self, s: int, j: int) -> int:
-        """The index of source s's j-th sample overall: its epoch j // n_s, position j % n_s."""
-        epoch, i = divmod(j, self.sizes[s])
-        return self.offsets[s] + self._perm(s, epoch)[i]
+    def index_array(self, step: int) -> np.ndarray:
+        """The global batch of `step` as an int64 array (as `GlobalBatches.index_array`): slot
+        (s, j) is source s's sample j overall, its epoch j // n_s, position j % n_s."""
+        slots = np.asarray(self.slots(step), dtype=np.int64).reshape(-1, 2)
+        src, j = slots[:, 0], slots[:, 1]
+        epoch, at = np.divmod(j, np.asarray(self.sizes, dtype=np.int64)[src])
+        out = np.empty(len(src), dtype=np.int64)
+        for s, e in sorted(set(zip(src.tolist(), epoch.tolist(), strict=True))):  # per source, epochs ascending
+            here = (src == s) & (epoch == e)
+            out[here] = self.offsets[s] + self._perm(s, e)[at[here]]
+        return out
 
     def indices(self, step: int) -> list[int]:
-        return [self.sample(s, j) for s, j in self.slots(step)]
+        return self.index_array(step).tolist()
 
     def source_of(self, index: int) -> int:
         return bisect.bisect_right(self.offsets, index) - 1
@@ -208,19 +177,21 @@ def batches_for(spec, data) -> Sampler:
     return GlobalBatches(len(data.train), spec.batch.global_batch_size, spec.run.seed)
 
 
-def step_metrics(batches: Sampler, data, step: int, indices: Sequence[int] | None = None) -> dict[str, float]:
+def step_metrics(
+    batches: Sampler, data: Dataset, step: int, indices: Sequence[int] | np.ndarray | None = None
+) -> dict[str, float]:
     """A mixture's per-source numbers for optimizer step `step` (0-based): the samples and label
-    tokens each source gave the global batch, and each source's epoch after it; {} for one source."""
+    tokens each source gave the global batch (`indices`: its samples in any order, by default
+    `batches.index_array(step)`), and each source's epoch after it; {} for one source."""
     if not isinstance(batches, MixtureBatches):
         return {}
-    idx = batches.indices(step) if indices is None else indices
-    mine: list[list[int]] = [[] for _ in data.sources]
-    for i in idx:
-        mine[batches.source_of(i)].append(i)
+    idx = batches.index_array(step) if indices is None else np.asarray(indices, dtype=np.int64)
+    source = np.searchsorted(np.asarray(batches.offsets, dtype=np.int64), idx, side="right") - 1
     out: dict[str, float] = {}
     epochs = batches.source_epochs(step + 1)
-    for part, got, epoch in zip(data.sources, mine, epochs, strict=True):
-        out[f"samples/{part.name}"] = len(got)
-        out[f"label_tokens/{part.name}"] = count_labels(data.train, got)
+    for s, (part, epoch) in enumerate(zip(data.sources, epochs, strict=True)):
+        mine = idx[source == s]
+        out[f"samples/{part.name}"] = len(mine)
+        out[f"label_tokens/{part.name}"] = count_labels(data.train, mine)
         out[f"epoch/{part.name}"] = epoch
     return out

@@ -93,6 +93,15 @@ def tokenize_pairs_iter(
     """Per pair record, in order: its `Pair`, or why it was dropped (`DROP_EMPTY`,
     `DROP_IDENTICAL`). Records are tokenized `chunk` at a time (one batched tokenizer call per
     field)."""
+    for x, _truncated in tokenize_pairs_iter_truncated(records, tokenizer, max_seq_len, model_name, chunk):
+        yield x
+
+
+def tokenize_pairs_iter_truncated(
+    records: Sequence[dict], tokenizer, max_seq_len: int, model_name: str | None = None, chunk: int = 512
+) -> Iterator[tuple[Pair | str, bool]]:
+    """`tokenize_pairs_iter`'s results, each with whether truncation cut the pair (len P + the
+    longer response was more than `max_seq_len`). `rayft data preview` counts what truncation cut."""
     cut = char_bound(tokenizer, max_seq_len)
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     end = [eos] if eos is not None else []
@@ -104,13 +113,14 @@ def tokenize_pairs_iter(
             p, c, r = enc[0][i], enc[1][i], enc[2][i]
             if isinstance(rec["prompt"], str):  # standard: BOS + prompt, each response + EOS
                 p, c, r = with_bos(p, bos), c + end, r + end
+            truncated = len(p) + max(len(c), len(r)) > max_seq_len
             p, c, r = truncate_pair(p, c, r, max_seq_len, bos)
             if not (p and c and r):
-                yield DROP_EMPTY
+                yield DROP_EMPTY, truncated
             elif c == r:
-                yield DROP_IDENTICAL
+                yield DROP_IDENTICAL, truncated
             else:
-                yield Pair(tuple(p), tuple(c), tuple(r))
+                yield Pair(tuple(p), tuple(c), tuple(r)), truncated
 
 
 def tokenize_pairs(

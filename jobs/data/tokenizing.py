@@ -66,12 +66,28 @@ def tokenize_iter(
     """One Example per record (None where truncation leaves no label), in record order (see the
     module docstring for what each format becomes). Records are tokenized `chunk` at a time (one
     batched call of the fast tokenizer)."""
+    for ex, _truncated in tokenize_iter_truncated(records, tokenizer, max_seq_len, train_on, model_name, chunk):
+        yield ex
+
+
+def tokenize_iter_truncated(
+    records: Sequence[dict],
+    tokenizer,
+    max_seq_len: int,
+    train_on: str = "assistant",
+    model_name: str | None = None,
+    chunk: int = 512,
+) -> Iterator[tuple[Example | None, bool]]:
+    """`tokenize_iter`'s results, each with whether truncation cut the record (its sequence had
+    more than `max_seq_len` tokens; a text cut to `char_bound` characters has more, so the cut
+    before tokenizing does not hide one). `rayft data preview` counts what truncation cut."""
     cut = char_bound(tokenizer, max_seq_len)
     for start in range(0, len(records), chunk):
         for seq, labels in _chunk_sequences(records[start : start + chunk], tokenizer, cut, train_on, model_name):
+            truncated = len(seq) > max_seq_len
             seq, labels = seq[:max_seq_len], labels[:max_seq_len]
             ex = Example(tuple(seq[:-1]), tuple(labels[1:]))
-            yield ex if ex.n_labels else None  # a prompt longer than max_seq_len leaves nothing to learn
+            yield (ex if ex.n_labels else None), truncated  # a prompt longer than max_seq_len leaves nothing to learn
 
 
 def tokenize(

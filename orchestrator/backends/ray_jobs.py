@@ -566,8 +566,23 @@ class RayJobsBackend:
                 f"cannot reach the Ray Jobs API at {self.address} ({first_line(e, 160)}); "
                 "is the cluster up and is this its dashboard address?"
             ) from None
+        except requests.exceptions.HTTPError as e:  # raise_for_status inside Ray's client
+            code = getattr(e.response, "status_code", None)
+            if code in (401, 403):
+                raise ClusterAuthError(
+                    f"{what}: the server at {self.address} answered HTTP {code} (a proxy's or the cluster's "
+                    f"authentication); {auth_hint()}"
+                ) from None
+            raise ClusterError(
+                f"{what}: the server at {self.address} answered HTTP {code}: {first_line(e, 160)}"
+            ) from None
         except RuntimeError as e:
             raise ClusterError(f"{what}: {first_line(e)}") from None
+        except (ValueError, TypeError, KeyError, requests.exceptions.RequestException) as e:  # not an API answer
+            raise ClusterError(
+                f"{what}: the server at {self.address} did not answer as a Ray Jobs API does "
+                f"({type(e).__name__}: {first_line(e, 160)}); is this the cluster's dashboard address?"
+            ) from None
 
     @property
     def client(self):

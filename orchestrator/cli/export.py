@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -18,13 +19,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from jobs.errors import UserError
     from jobs.export import generate, load_for_generation, prompts_from
 
-    if args.max_new_tokens <= 0:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be > 0")
-    if args.temperature < 0:
-        raise UserError(f"--temperature {args.temperature}: must be >= 0 (0: greedy)")
+    check_generate_arguments(args)
     model, tok = load_for_generation(Path(args.output_dir))
     opts = dict(chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     if args.prompt is not None:
@@ -38,13 +35,55 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# Sampling temperatures beyond this are noise: the distribution is flat to float precision.
+MAX_TEMPERATURE = 100.0
+MAX_NEW_TOKENS = 1_000_000
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a 64-bit seed
+
+
+def check_generate_arguments(args) -> None:
+    """`rayft generate`'s own arguments, refused in one line before the model loads."""
+    from jobs.errors import UserError
+
+    if not 0 < args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be from 1 to {MAX_NEW_TOKENS}")
+    if not (math.isfinite(args.temperature) and 0 <= args.temperature <= MAX_TEMPERATURE):
+        raise UserError(f"--temperature {args.temperature}: must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UserError(f"--seed {str(args.seed)[:40]}: must be from 0 to 2**63-1")
+    if args.prompt is not None and not _is_text(args.prompt):
+        raise UserError("the prompt is not UTF-8 text (undecodable bytes in the argument)")
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")  # an undecodable argv byte arrives as a lone surrogate
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _lines(interactive: bool):
+    """stdin's lines, decoded one by one (so an undecodable one is named by its number)."""
+    from jobs.errors import UserError
+
+    raw = getattr(sys.stdin, "buffer", None)
+    n = 0
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
+        data = raw.readline() if raw is not None else sys.stdin.readline()
+        if not data:
             return
+        n += 1
+        try:
+            line = data.decode("utf-8") if isinstance(data, bytes) else data
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"stdin: line {n} is not UTF-8 text (byte 0x{e.object[e.start]:02x}); give prompts as UTF-8"
+            ) from None
+        if not _is_text(line):
+            raise UserError(f"stdin: line {n} is not UTF-8 text; give prompts as UTF-8")
         yield line
 
 

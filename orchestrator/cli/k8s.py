@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import re
+
+from jobs.errors import error_line
+
 from . import Parser
 
 
@@ -26,9 +31,26 @@ def cmd_render(args) -> int:
     return 0
 
 
+# A Kubernetes label value (the queue name goes into the `kueue.x-k8s.io/queue-name` label).
+LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+
+
+def queue_name(text: str) -> str:
+    """`--queue`: a Kueue LocalQueue name, which must be a valid label value. (A credential given
+    here is refused by the manifests' policy check, `kuberay.policy`, and never echoed.)"""
+    if not LABEL_VALUE.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{error_line(repr(text))} is not a valid label value (at most 63 letters, digits, '-', '_', '.', "
+            "starting and ending with a letter or digit)"
+        )
+    return text
+
+
 def add_k8s_target_args(p) -> None:
     """Arguments shared by `k8s render` and `rayft submit --backend kuberay`."""
-    p.add_argument("--queue", help="kuberay: Kueue LocalQueue name (default: rayft, the overlays' LocalQueue)")
+    p.add_argument(
+        "--queue", type=queue_name, help="kuberay: Kueue LocalQueue name (default: rayft, the overlays' LocalQueue)"
+    )
     p.add_argument(
         "--image",
         help="kuberay: container image with rayft installed, REPO:TAG (pulled Always) or "

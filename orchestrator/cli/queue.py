@@ -14,9 +14,12 @@ from typing import cast
 
 from jobs.errors import UserError
 
-from . import Parser
+from . import Parser, int_in
 from .jobs import BACKENDS, JOBS_API_HELP, add_jobs_api_arg, backend_from_args
 from .output import say, table
+
+MAX_PRIORITY = 10**9
+MAX_JOB_ID = 2**63 - 1  # SQLite's INTEGER PRIMARY KEY
 
 
 def _queue(args, readonly: bool = False):
@@ -178,7 +181,9 @@ def register(sub) -> None:
     qs = q.add_subparsers(dest="queue_cmd", required=True, parser_class=Parser)
     add = qs.add_parser("add", help="queue job specs (validated now)")
     add.add_argument("specs", nargs="+", metavar="SPEC")
-    add.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
+    add.add_argument(
+        "--priority", type=int_in(-MAX_PRIORITY, MAX_PRIORITY), default=0, help="higher runs first (default 0)"
+    )
     add.add_argument("--max-retries", type=int, default=2, help="retries of a failed job, with backoff (default 2)")
     add.add_argument("--working-dir", help="the project directory (default: the current directory)")
     add.add_argument(
@@ -216,12 +221,12 @@ def register(sub) -> None:
     st.set_defaults(fn=cmd_queue_status)
 
     retry = qs.add_parser("retry", help="queue a failed, stopped or canceled job again (next attempt)")
-    retry.add_argument("id", type=int)
+    retry.add_argument("id", type=int_in(1, MAX_JOB_ID))
     _add_db(retry)
     retry.set_defaults(fn=cmd_queue_retry)
 
     cancel = qs.add_parser("cancel", help="cancel a queued job (stopping it if it runs)")
-    cancel.add_argument("id", type=int)
+    cancel.add_argument("id", type=int_in(1, MAX_JOB_ID))
     add_jobs_api_arg(cancel, f"needed when the job runs: {JOBS_API_HELP}")
     _add_backend(cancel)
     _add_db(cancel)

@@ -15,11 +15,15 @@ from .output import console
 
 
 def cmd_run(args) -> int:
+    from jobs import runlock
     from jobs.finetune import prepare, run
 
-    spec = prepare(args.spec, args.overrides, args.fresh, local=args.local)
-    with _Progress(spec) as bar:
-        summary = run(spec, local=args.local, address=args.address, fresh=args.fresh, on_progress=bar.update)
+    spec = prepare(args.spec, args.overrides, args.fresh, local=args.local)  # holds the run's lock
+    try:
+        with _Progress(spec) as bar:
+            summary = run(spec, local=args.local, address=args.address, fresh=args.fresh, on_progress=bar.update)
+    finally:
+        runlock.release(spec.output_path)
     _summary_table(summary, spec)
     return 0
 

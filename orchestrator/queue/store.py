@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sqlite3
 import time
@@ -32,6 +33,8 @@ from typing import Any
 from urllib.parse import quote
 
 from jobs.errors import UserError
+
+log = logging.getLogger("rayft")
 
 ACTIVE = ("SUBMITTING", "RUNNING")
 DONE = ("SUCCEEDED", "FAILED", "STOPPED", "CANCELED")
@@ -109,6 +112,41 @@ CREATE TABLE IF NOT EXISTS events (
 OUR_TABLES = {"jobs", "attempts", "events"}
 
 
+STATES = ("QUEUED", *ACTIVE, *DONE)
+_INT_COLUMNS = ("id", "priority", "attempt", "micro_batch_size", "grad_accum_steps", "max_retries", "retries")
+_JSON_LIST_COLUMNS = ("overrides", "changes")
+
+
+def row_problem(row: sqlite3.Row) -> str | None:
+    """What is wrong with a jobs row that rayft would never have written (a hand edit), or None."""
+    for col in _INT_COLUMNS:
+        v = row[col]
+        if isinstance(v, bool) or not isinstance(v, int):
+            return f"{col} {str(v)[:40]!r} is not an integer"
+    if row["state"] not in STATES:
+        return f"state {str(row['state'])[:40]!r} is none of {', '.join(STATES)}"
+    if not isinstance(row["not_before"], (int, float)):
+        return f"not_before {str(row['not_before'])[:40]!r} is not a number"
+    for col in _JSON_LIST_COLUMNS:
+        try:
+            v = json.loads(row[col])
+        except (TypeError, ValueError):
+            return f"{col} is not JSON"
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            return f"{col} is not a JSON list of strings"
+    from .admission import Demand
+
+    try:
+        d = Demand.from_json(row["demand"])
+        float(d.cpus), float(d.gpus), int(d.num_layers)  # what admission computes with
+    except (TypeError, ValueError, AttributeError, KeyError):
+        return "demand is not the JSON of an estimate"
+    for col in ("name", "working_dir", "spec_path"):
+        if not isinstance(row[col], str):
+            return f"{col} is not text"
+    return None
+
+
 class Queue:
     """The SQLite file. Safe to use from several processes (`queue add` while a driver runs).
 
@@ -129,6 +167,7 @@ class Queue:
         self.readonly = readonly
         self._db: sqlite3.Connection | None = None
         self._has_tables = False
+        self._reported: set[tuple[Any, str]] = set()
 
     @property
     def db(self) -> sqlite3.Connection:
@@ -238,18 +277,37 @@ class Queue:
 
     # -- reading --
     def jobs(self, states: tuple[str, ...] | None = None) -> list[sqlite3.Row]:
+        """The sound rows (in `states`), by id. A row edited by hand into something rayft never
+        writes (`row_problem`) is reported once, by job id, and skipped: it never crashes a reader."""
         if self.readonly and (not self.exists or (self.db is not None and not self._has_tables)):
             return []  # no file, or an empty one: an empty queue (nothing created)
         if states:
             q = f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(states))}) ORDER BY id"
-            return list(self.db.execute(q, states))
-        return list(self.db.execute("SELECT * FROM jobs ORDER BY id"))
+            rows = list(self.db.execute(q, states))
+        else:
+            rows = list(self.db.execute("SELECT * FROM jobs ORDER BY id"))
+        return [r for r in rows if self._sound(r)]
 
     def job(self, job_id: int) -> sqlite3.Row:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             raise UserError(f"no job #{job_id} in the queue {self.path}")
+        problem = row_problem(row)
+        if problem:
+            raise UserError(f"job #{job_id} in the queue {self.path} is damaged ({problem}); fix or delete its row")
         return row
+
+    def _sound(self, row: sqlite3.Row) -> bool:
+        problem = row_problem(row)
+        if problem is None:
+            return True
+        key = (row["id"], problem)
+        if key not in self._reported:
+            self._reported.add(key)
+            log.warning(
+                "queue %s: job #%s skipped: its row is damaged (%s); fix or delete it", self.path, row["id"], problem
+            )
+        return False
 
     def attempts(self, job_id: int) -> list[sqlite3.Row]:
         return list(self.db.execute("SELECT * FROM attempts WHERE job_id = ? ORDER BY attempt", (job_id,)))

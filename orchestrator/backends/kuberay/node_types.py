@@ -13,6 +13,7 @@ hands out (`NodeType.gpus_refusal`); queue admission asks both the same question
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -122,6 +123,9 @@ class NodeType:
     def from_configmap(cls, obj: Obj, overlay: str, source: str = "") -> NodeType:
         d = obj.get("data") or {}
         where = f"overlay {overlay}: node-type ConfigMap"
+        if not isinstance(d, dict):
+            raise UserError(f"{where}: data is not a mapping")
+        _check_numbers(d, where)
         try:
             return cls(
                 overlay=overlay,
@@ -144,6 +148,32 @@ class NodeType:
             raise UserError(f"{where}: data.{e.args[0]} is missing") from None
         except ValueError as e:
             raise UserError(f"{where}: {e}") from None
+
+
+# The node type's sizes: each, when given, a finite number >= 0 ("nan" and "inf" parse as floats).
+_SIZES = (
+    "gpuMemoryGiB",
+    "cpusPerNode",
+    "workerMemoryGiB",
+    "headCpu",
+    "headMemoryGiB",
+    "headEphemeralGiB",
+    "workerEphemeralGiB",
+    "gpusPerNode",
+)
+
+
+def _check_numbers(d: Obj, where: str) -> None:
+    for key in _SIZES:
+        if key not in d:
+            continue
+        raw = d[key]
+        try:
+            v = float(str(raw).strip())
+        except ValueError:
+            v = math.nan
+        if isinstance(raw, bool) or not (math.isfinite(v) and v >= 0):
+            raise UserError(f"{where}: data.{key} {str(raw)[:40]!r}: expected a finite number, 0 or more")
 
 
 def _flavour_fields(d: Obj, where: str) -> Obj:
@@ -200,6 +230,20 @@ def _shown(f: Path) -> str:
         return str(f)
 
 
+def _yaml_documents(f: Path) -> list:
+    """The YAML documents of a node-type file, or a one-line UserError naming the file and line."""
+    try:
+        return list(yaml.safe_load_all(f.read_text()))
+    except UnicodeDecodeError:
+        raise UserError(f"{_shown(f)}: is not UTF-8 text") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1})" if mark is not None else ""
+        raise UserError(
+            f"{_shown(f)}: is not YAML{at}: {getattr(e, 'problem', None) or str(e).splitlines()[0]}"
+        ) from None
+
+
 def load_node_type(overlay: str | Path = DEFAULT_OVERLAY) -> NodeType:
     """The node type of an overlay: a name under k8s/overlays/, or a path to an overlay folder."""
     p = Path(overlay)
@@ -211,7 +255,7 @@ def load_node_type(overlay: str | Path = DEFAULT_OVERLAY) -> NodeType:
         base = k8s_dir() / "overlays" / str(overlay)
     for f in (base / "node-type" / "node-type.yaml", base / "node-type.yaml"):
         if f.is_file():
-            for doc in yaml.safe_load_all(f.read_text()):
+            for doc in _yaml_documents(f):
                 if (
                     isinstance(doc, dict)
                     and doc.get("kind") == "ConfigMap"
