@@ -7,18 +7,46 @@ import heapq
 import json
 import math
 import random
+import tempfile
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import yaml
 from gradtools import ROOT, final_adapter, reference_run, rel_err, spawn
+from hypothesis import given
+from hypothesis import strategies as st
 
-from jobs.data import MixtureBatches, load_dataset
+from jobs.data import (
+    IGNORE,
+    Concatenated,
+    Example,
+    MixtureBatches,
+    Pair,
+    TokenizedPairs,
+    TokenizedSplit,
+    batches_for,
+    collate,
+    collate_at,
+    collate_pairs,
+    collate_pairs_at,
+    count_inputs,
+    count_labels,
+    group_by_length,
+    load_dataset,
+    split_window,
+    step_metrics,
+)
+from jobs.data.cache import _PairWriter, _SplitWriter
 from jobs.data.mixture import integer_weights
+from jobs.loop import micro_batches_of
+from jobs.objectives import Objective
 from jobs.outputs import read_metrics
+from jobs.prefetch import Prefetch
 from jobs.spec import load_spec
 
 MIX = "examples/tiny-mix.yaml"
@@ -109,6 +137,121 @@ def test_indices_depend_only_on_seed_and_step():
     assert all(fresh.indices(k) == seq[k] for k in order)
     assert MixtureBatches(*args, seed=2).indices(0) != seq[0]
     assert all(len(s) == 12 for s in seq)
+
+
+# ---- the sources side by side: the host path's arrays ---------------------------------------
+
+
+def same(a: dict, b: dict) -> bool:
+    """The same fields, in the same order, each tensor equal with the same dtype and shape."""
+    return list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _part(samples: list, directory: Path, name: str, on_disk: bool):
+    """`samples` as a cache entry's split, written and memory-mapped (`on_disk`) or in memory."""
+    pairs = isinstance(samples[0], Pair)
+    if not on_disk:
+        return (TokenizedPairs if pairs else TokenizedSplit).of(samples)
+    w = (_PairWriter if pairs else _SplitWriter)(directory, name)
+    for x in samples:
+        w.add(x)
+    meta = w.close()
+    return (TokenizedPairs if pairs else TokenizedSplit).open(directory, name, meta["n_tokens"])
+
+
+def _joined(parts: list[list], on_disk: list[bool], directory: Path) -> Concatenated:
+    return Concatenated([_part(p, directory, f"s{i}", d) for i, (p, d) in enumerate(zip(parts, on_disk, strict=True))])
+
+
+tokens = st.integers(0, 300)
+
+
+@st.composite
+def examples(draw) -> Example:
+    n = draw(st.integers(1, 30))
+    ids = draw(st.lists(tokens, min_size=n, max_size=n))
+    labelled = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    return Example(tuple(ids), tuple(t if keep else IGNORE for t, keep in zip(ids, labelled, strict=True)))
+
+
+nonempty = st.lists(tokens, min_size=1, max_size=16).map(tuple)
+pairs = st.builds(Pair, nonempty, nonempty, nonempty)
+
+
+@st.composite
+def sources(draw, sample):
+    """(1 to 3 sources of samples, each on disk or in memory; 1 to 24 indices into them all)."""
+    parts = draw(st.lists(st.lists(sample, min_size=1, max_size=10), min_size=1, max_size=3))
+    on_disk = draw(st.lists(st.booleans(), min_size=len(parts), max_size=len(parts)))
+    n = sum(map(len, parts))
+    return parts, on_disk, draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=24))
+
+
+@given(sources(examples()), st.sampled_from([0, 16, 48]), st.integers(1, 4))
+def test_sources_side_by_side_count_group_and_collate_as_one_list(case, pack_tokens, micro):
+    """A mixture's `Concatenated` training split through the host path (counts, length grouping,
+    `collate_at` with and without packing) gives what the same samples give as one list: each
+    sample is read from its own source's arrays at its global index."""
+    parts, on_disk, idx = case
+    flat = [x for p in parts for x in p]
+    with tempfile.TemporaryDirectory() as tmp:
+        joined = _joined(parts, on_disk, Path(tmp))
+        assert len(joined) == len(flat) and [joined[i] for i in range(len(flat))] == flat
+        assert joined.lengths.tolist() == [e.length for e in flat]
+        assert count_labels(joined, idx) == count_labels(flat, idx)
+        assert count_inputs(joined, idx) == count_inputs(flat, idx)
+        order = group_by_length(joined, idx)
+        assert order.tolist() == group_by_length(flat, idx).tolist()
+        for s in range(0, len(order), micro):
+            mb = order[s : s + micro]
+            kw = {"pack_tokens": pack_tokens, "row_multiple": 16}
+            assert same(collate_at(joined, mb, 7, **kw), collate([flat[i] for i in mb], 7, **kw))
+        with pytest.raises(IndexError):
+            joined.segments("ids", np.asarray([len(flat)]))
+
+
+@given(sources(pairs))
+def test_pair_sources_side_by_side_collate_as_one_list(case):
+    parts, on_disk, idx = case
+    flat = [x for p in parts for x in p]
+    with tempfile.TemporaryDirectory() as tmp:
+        joined = _joined(parts, on_disk, Path(tmp))
+        assert count_labels(joined, idx) == count_labels(flat, idx)
+        assert count_inputs(joined, idx) == count_inputs(flat, idx)
+        assert joined.lengths.tolist() == [p.length for p in flat]
+        assert same(collate_pairs_at(joined, idx, 5), collate_pairs([flat[i] for i in idx], 5))
+
+
+def test_mixture_windows_go_through_the_array_path_and_prefetch(tmp_path, monkeypatch):
+    """`micro_batches_of` on a mixture: the sampler's index array, grouped and split as for one
+    source, every micro-batch the collation of its samples as a list, the per-source counts adding
+    up to the window's; the prefetched windows, fresh and resumed at step 3, are the same."""
+    monkeypatch.chdir(ROOT)
+    from jobs.model import load_base_model
+
+    spec = mix_spec(tmp_path, "resources.num_workers=2", "batch.global_batch_size=8", "batch.micro_batch_size=2")
+    _, tok = load_base_model(spec, "fp32")
+    data = load_dataset(spec, tok)
+    assert isinstance(data.train, Concatenated)
+    job = SimpleNamespace(
+        batches=batches_for(spec, data), data=data, tokenizer=tok, objective=Objective(), reference=None
+    )
+    ctx = SimpleNamespace(rank=1, world_size=2, device=torch.device("cpu"))
+    assert isinstance(job.batches, MixtureBatches)
+    direct = [micro_batches_of(spec, ctx, job, k) for k in range(6)]
+    for k, w in enumerate(direct):
+        idx = group_by_length(data.train, job.batches.index_array(k))
+        mine = split_window(idx, 1, 2, 2, spec.grad_accum_steps)
+        want = [collate([data.train[i] for i in mb], tok.pad_token_id) for mb in mine]
+        assert all(same(a, b) for a, b in zip(w.micro_batches, want, strict=True))
+        assert w.per_source == step_metrics(job.batches, data, k) and w.n_labels == count_labels(data.train, idx)
+        assert sum(v for key, v in w.per_source.items() if key.startswith("label_tokens/")) == w.n_labels
+    for steps in (range(0, 6), range(3, 6)):
+        with Prefetch(lambda k: micro_batches_of(spec, ctx, job, k), steps) as ahead:
+            got = [ahead.get(k) for k in steps]
+        for w, want_w in zip(got, direct[steps.start :], strict=True):
+            assert (w.n_labels, w.n_inputs, w.per_source) == (want_w.n_labels, want_w.n_inputs, want_w.per_source)
+            assert all(same(a, b) for a, b in zip(w.micro_batches, want_w.micro_batches, strict=True))
 
 
 # ---- the spec, the cache --------------------------------------------------------------------
