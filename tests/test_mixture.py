@@ -311,6 +311,28 @@ def test_adding_a_source_tokenizes_only_that_source(tmp_path, monkeypatch):
     assert len(built) == 3
 
 
+def test_the_preview_of_a_mixture_is_each_sources_cache_entry(tmp_path, monkeypatch):
+    """`rayft data preview` of a mixture: one table per source, named as its metrics are, whose
+    counts are those of the source's own cache entry (its fields and train_on), and the sum."""
+    monkeypatch.chdir(ROOT)
+    from jobs.data.preview import data_preview
+    from jobs.model import load_base_model
+
+    spec = mix_spec(tmp_path)
+    _, tok = load_base_model(spec, "fp32")
+    data = load_dataset(spec, tok)
+    doc = data_preview(spec, tok, 1)
+    assert [s["name"] for s in doc["sources"]] == [p.name for p in data.sources]
+    for src, part in zip(doc["sources"], data.sources, strict=True):
+        assert (src["train"]["kept"], src["eval"]["kept"]) == (part.n_train, part.n_eval)
+        mine = np.arange(part.train_offset, part.train_offset + part.n_train)
+        assert src["train"]["label_tokens"] == count_labels(data.train, mine)
+        assert src["train"]["tokens"] == count_inputs(data.train, mine)
+    assert doc["train"]["kept"] == len(data.train) and doc["eval"]["kept"] == len(data.eval)
+    first = data.train[0]
+    assert [t["id"] for t in doc["samples"][0]["tokens"]] == [*first.input_ids, first.targets[-1]]
+
+
 # ---- refusals: one line, exit 2, nothing created (the real CLI path) -------------------------
 
 

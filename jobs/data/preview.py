@@ -14,9 +14,10 @@ when the loss is computed on predicting it; a `Pair` as its prompt (no label) an
 (every token a label). Each token carries the text it adds to the decoded sequence
 (`token_texts`), so the texts joined are the decoded text.
 
-Statistics are kept per source and split (`SplitStats`) and summed over the sources. Today a spec
-has one source, `data.path` (one or several files, concatenated into one cache entry);
-`spec_sources` is the one place that would list a mixture's sources instead.
+Statistics are kept per source and split (`SplitStats`) and summed over the sources. A spec's
+sources (`spec_sources`) are `data.path` (one or several files, concatenated into one cache
+entry), or each source of a mixture (`data.mix`), read and tokenized as its own cache entry is
+(`JobSpec.for_source`: its own fields and train_on) and named as its metrics are.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..spec import JobSpec
-from .cache import data_kind
+from .cache import check_mixture_kinds, data_kind, source_keys
 from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter_truncated
 from .records import PAIR_FIELDS, PAIRS
 from .sources import read_records
@@ -41,17 +42,28 @@ class Source:
     """One source of training data and its checked records (texts cut as the cache's build cuts
     them), split into training and held-out records."""
 
-    name: str  # how the spec names it, e.g. "data.path"
+    name: str  # how the spec names it: "data.path", or a mixture source's name (`samples/NAME`)
     paths: tuple[str, ...]
     train: Sequence[dict]
     eval: Sequence[dict]
+    spec: JobSpec  # the spec its records are tokenized by (a mixture source's: `JobSpec.for_source`)
 
 
 def spec_sources(spec: JobSpec, tokenizer) -> list[Source]:
-    """The spec's sources, read (and split) exactly as the cache's build reads them: today one,
-    `data.path` with all its files, which the job tokenizes into one cache entry."""
-    train, held = read_records(spec, tokenizer)
-    return [Source("data.path", tuple(spec.data.path), train, held)]
+    """The spec's sources, read (and split) exactly as the cache's build reads them: `data.path`
+    with all its files, which the job tokenizes into one cache entry, or each source of a mixture,
+    which the job tokenizes into its own entry (`load_mixture`)."""
+    if spec.data.mix is None:
+        train, held = read_records(spec, tokenizer)
+        return [Source("data.path", tuple(spec.data.path), train, held, spec)]
+    check_mixture_kinds(spec)
+    out = []
+    for i, src in enumerate(spec.data.mix):
+        one = spec.for_source(i)
+        with source_keys(i):
+            train, held = read_records(one, tokenizer)
+        out.append(Source(src.shown_name, (src.path,), train, held, one))
+    return out
 
 
 def samples(spec: JobSpec, tokenizer, records: Sequence[dict]) -> Iterator[tuple[Example | Pair | str | None, bool]]:
@@ -251,13 +263,13 @@ def data_preview(spec: JobSpec, tokenizer, n: int) -> dict:
     per_source: list[tuple[Source, dict[str, SplitStats]]] = []
     for src in spec_sources(spec, tokenizer):
         stats = {"train": SplitStats(spec.data.max_seq_len), "eval": SplitStats(spec.data.max_seq_len)}
-        for i, (sample, truncated) in enumerate(samples(spec, tokenizer, src.train)):
+        for i, (sample, truncated) in enumerate(samples(src.spec, tokenizer, src.train)):
             stats["train"].add(sample, truncated)
             if len(shown) < n and isinstance(sample, (Example, Pair)):
                 view = pair_view(tokenizer, sample) if isinstance(sample, Pair) else example_view(tokenizer, sample)
                 where = {"source": src.name, "record": i, "example": stats["train"].kept - 1, "truncated": truncated}
                 shown.append({**where, **view})
-        for sample, truncated in samples(spec, tokenizer, src.eval):
+        for sample, truncated in samples(src.spec, tokenizer, src.eval):
             stats["eval"].add(sample, truncated)
         per_source.append((src, stats))
     total = {s: _sum([stats[s] for _, stats in per_source], spec.data.max_seq_len) for s in ("train", "eval")}
