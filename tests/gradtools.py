@@ -16,8 +16,17 @@ from jobs.spec import JobSpec, absolutize, load_spec
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "tiny.jsonl"
 DEMO = "examples/tiny-lora.yaml"
-# The Ray runs that lose a worker, a node or their driver: 8 steps, a checkpoint every 2.
-RAY_STEPS = ["run.max_steps=8", "run.checkpoint_every=2", "run.keep_checkpoints=4", "run.eval_every=0"]
+# The Ray runs that lose a worker, a node or their driver: 8 steps, a checkpoint every 2, a global
+# batch of 8 (2 workers x micro-batch 2 x 2 accumulation steps: DDP and accumulation both stay in
+# play at a quarter of the demo's compute; what these tests check is the resume, not the batch).
+RAY_STEPS = [
+    "run.max_steps=8",
+    "run.checkpoint_every=2",
+    "run.keep_checkpoints=4",
+    "run.eval_every=0",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=2",
+]
 
 
 def tiny_spec(*overrides: str, **sections) -> JobSpec:

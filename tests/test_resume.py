@@ -67,6 +67,16 @@ def test_cut_off_checkpoints_are_never_loaded(tmp_path):
 # ---- local (no Ray): the driver process dies, the same command resumes ---------------------
 
 
+# 6 steps of 8 sequences (micro-batch 2: 4 accumulation steps), a checkpoint every 2.
+LOCAL_STEPS = [
+    "run.max_steps=6",
+    "run.checkpoint_every=2",
+    "run.keep_checkpoints=3",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=2",
+]
+
+
 def _finetune_local(out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [
         str(BIN / "python"),
@@ -76,9 +86,7 @@ def _finetune_local(out: Path, *extra: str, check: bool = True) -> subprocess.Co
         "--local",
         f"run.output_dir={out}",
         "resources.num_workers=1",
-        "run.max_steps=6",
-        "run.checkpoint_every=2",
-        "run.keep_checkpoints=3",
+        *LOCAL_STEPS,
         *extra,
     ]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -95,7 +103,7 @@ def test_local_crash_then_rerun_resumes_exactly(tmp_path, monkeypatch):
         0,
         1,
         DEMO,
-        ["resources.num_workers=1", "run.max_steps=6", "run.checkpoint_every=2", "run.keep_checkpoints=3"],
+        ["resources.num_workers=1", *LOCAL_STEPS],
         str(ref),
     )
     out = tmp_path / "run"
