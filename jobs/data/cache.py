@@ -43,7 +43,7 @@ from ..errors import SpecError
 from ..spec import JobSpec, one_line, path_problem
 from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter
 from .records import PAIR_FIELDS, PAIRS, SFT
-from .sources import datasets_rows, is_hub, read_jsonl, read_records
+from .sources import dataset_dir_files, datasets_rows, is_hub, read_jsonl, read_records
 from .tokenizing import IGNORE, Example, tokenize_iter
 
 CACHE_FORMAT = 2  # bump when the cache's files or the tokenization change meaning
@@ -73,7 +73,8 @@ def _file_sha256(path: Path) -> str:
 
 def source_hash(path: str, hf_token_env: str | None = None) -> str:
     """sha256 of a data source's content: a file's bytes, every file of a `save_to_disk`
-    directory (names and bytes), or a hub dataset's fingerprint (datasets' hash of its files)."""
+    directory and every file its descriptions name (names and bytes), or a hub dataset's
+    fingerprint (datasets' hash of its files)."""
     if is_hub(path):
         return "hf:" + datasets_rows(path, "data.path", hf_token_env)._fingerprint
     p = Path(path)
@@ -82,8 +83,11 @@ def source_hash(path: str, hf_token_env: str | None = None) -> str:
         if problem:
             raise SpecError(f"data.path: {problem}")
     if p.is_dir():
+        # Every regular file below it, and every file its descriptions name (also one below a
+        # linked directory, which rglob does not enter); a name outside it is refused there.
+        files = {q for q in p.rglob("*") if q.is_file()} | set(dataset_dir_files(p))
         h = hashlib.sha256()
-        for f in sorted(q for q in p.rglob("*") if q.is_file()):
+        for f in sorted(files):
             h.update(f"{f.relative_to(p)}\0{_file_sha256(f)}\0".encode())
         return h.hexdigest()
     return _file_sha256(p)
@@ -417,11 +421,7 @@ def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
     split = TokenizedPairs if meta.get("kind") == PAIRS else TokenizedSplit
     train = split.open(final, "train", meta["train"]["n_tokens"])
     evals = split.open(final, "eval", meta["eval"]["n_tokens"])
-    if len(train) < spec.batch.global_batch_size:
-        raise SpecError(
-            f"data.path: {len(train)} usable training records, fewer than "
-            f"batch.global_batch_size={spec.batch.global_batch_size}"
-        )
+    check_enough_records(spec, len(train), meta["dropped"])
     return Dataset(
         train,
         evals,
@@ -431,6 +431,23 @@ def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
         kind=meta.get("kind", SFT),
         dropped_empty=meta.get("dropped_empty", 0),
         dropped_identical=meta.get("dropped_identical", 0),
+    )
+
+
+def check_enough_records(spec: JobSpec, n_train: int, dropped: int) -> None:
+    """At least `batch.global_batch_size` usable training records, else one SpecError line. Also
+    checked before an entry is published (`_build`), so data that cannot train leaves no entry."""
+    if n_train >= spec.batch.global_batch_size:
+        return
+    why = (
+        f" ({dropped} records dropped, nothing left to learn in them: a prompt longer than data.max_seq_len, "
+        "a chat whose only assistant message opens it, an empty or identical pair)"
+        if dropped
+        else ""
+    )
+    raise SpecError(
+        f"data.path: {n_train} usable training records, fewer than "
+        f"batch.global_batch_size={spec.batch.global_batch_size}{why}"
     )
 
 
@@ -449,6 +466,7 @@ def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
         meta[name] = w.close()
         kept += meta[name]["n"]
     meta["dropped"] = len(records) + len(eval_records) - kept
+    check_enough_records(spec, meta["train"]["n"], meta["dropped"])
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 
@@ -467,6 +485,7 @@ def _build_pairs(
         meta[name] = w.close()
     meta["dropped"] = dropped[DROP_EMPTY] + dropped[DROP_IDENTICAL]
     meta["dropped_empty"], meta["dropped_identical"] = dropped[DROP_EMPTY], dropped[DROP_IDENTICAL]
+    check_enough_records(spec, meta["train"]["n"], meta["dropped"])
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 
