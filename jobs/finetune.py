@@ -37,6 +37,10 @@ def preflight(spec) -> None:
 
         check_packing(config_from_spec(spec))
     check_lora_rank(spec)
+    if spec.model.adapter:  # lora.* must describe the starting adapter; its files are regular files
+        from .model import starting_adapter_config
+
+        starting_adapter_config(spec)
 
 
 def build_data(spec) -> None:

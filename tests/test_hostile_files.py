@@ -92,6 +92,16 @@ def test_a_fifo_in_a_save_to_disk_directory_is_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_fifo_as_the_starting_adapter_weights_is_one_line(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 32}))
+    os.mkfifo(adapter / "adapter_model.safetensors")
+    r = _rayft_run(tmp_path, f"model.adapter={adapter}", f"run.output_dir={tmp_path / 'run'}")
+    assert "FIFO" in _refused(r, "model.adapter", "adapter_model.safetensors")
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 # ---- checkpoints -------------------------------------------------------------------------------
 
 
