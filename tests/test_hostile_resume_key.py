@@ -124,3 +124,16 @@ def test_a_named_file_below_a_linked_directory_is_hashed(tmp_path):
     datasets.Dataset.from_list([{"prompt": "changed ", "completion": "records"}] * 8).save_to_disk(str(other))
     (elsewhere / arrow).write_bytes((other / _state(other)["_data_files"][0]["filename"]).read_bytes())
     assert content_hash(spec) != before
+
+
+def test_a_dataset_dict_naming_a_split_outside_its_directory_is_refused(tmp_path):
+    import datasets
+
+    from jobs.data.sources import dataset_dir_files
+
+    rows = [{"text": f"t{i}"} for i in range(4)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    assert any(p.name == "state.json" and p.parent.name == "train" for p in dataset_dir_files(tmp_path / "dd"))
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["../../elsewhere"]}))
+    with pytest.raises(SpecError, match="outside its directory"):
+        dataset_dir_files(tmp_path / "dd")
