@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .spec import JobSpec, SpecError, one_line
+from .spec import JobSpec, SpecError, one_line, path_problem
 
 log = logging.getLogger("rayft")
 
@@ -82,10 +82,18 @@ RESUME_KEYS = (
     "objective.simpo_gamma",
     "objective.label_smoothing",
     "data.mix",
+    "data.eval_path",
+    "data.eval_fraction",
 )
 # Of a mixture (`data.mix`), what decides the samples of step k: each source's path, weight, fields
 # and train_on, in order (its name and held-out set do not).
 MIX_RESUME_KEYS = ("path", "weight", "fields", "train_on")
+# Keys whose spec field is older than the key: a checkpoint written before the key existed
+# trained with a value it did not record (not necessarily the default), so that checkpoint is not
+# compared on it; every checkpoint written since records it. (`data.eval_fraction` decides which
+# records are held out, so which samples form step k: it is recorded as None where
+# `data.eval_path` is set, since it decides nothing there.)
+LATE_KEYS = ("data.eval_path", "data.eval_fraction")
 # Not a spec field: the sha256 of what the data sources hold (`jobs.data.content_hash`), so data
 # that changed under the same path refuses a resume (the batches of step k would differ).
 DATA_HASH_KEY = "data.content_sha256"
@@ -148,25 +156,43 @@ def write_rank_files(directory: Path, rank: int, files: dict[str, Any]) -> None:
 
 def why_incomplete(directory: Path) -> str | None:
     """Why `directory` is not a complete checkpoint (a missing state or manifest, a file that
-    does not match its manifest), or None when it is one."""
+    does not match its manifest), or None when it is one. Every file is stat-ed before it is
+    opened (`path_problem`): a FIFO, a device or a link to one is a reason, never opened."""
     try:
-        state = json.loads((directory / STATE_FILE).read_text())
+        state = json.loads(_regular_text(directory / STATE_FILE))
         world = int(state["world_size"])
         if not 0 < world <= 100_000:
             return f"{STATE_FILE} gives world_size={world}"
         for r in range(world):
-            manifest = json.loads((directory / manifest_file(r)).read_text())
+            manifest = json.loads(_regular_text(directory / manifest_file(r)))
             for name, meta in manifest.items():
                 p = directory / name
                 if Path(name).name != name:
                     return f"{manifest_file(r)} names a file outside the checkpoint"
+                problem = path_problem(p)
+                if problem:
+                    return f"{manifest_file(r)} names {problem}"
                 if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
                     return f"{name} does not match {manifest_file(r)}"
         return None
+    except _NotRegular as e:
+        return str(e.args[0])
     except FileNotFoundError as e:
         return f"{Path(e.filename).name if e.filename else 'a file'} is missing"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"unreadable ({type(e).__name__})"
+
+
+class _NotRegular(OSError):
+    """A checkpoint file that is not a regular file (`path_problem`'s words in `args[0]`)."""
+
+
+def _regular_text(path: Path) -> str:
+    """The text of `path`, a regular file (stat-ed first: a FIFO would block the read forever)."""
+    problem = path_problem(path)
+    if problem:
+        raise _NotRegular(problem)
+    return path.read_text()
 
 
 def is_complete(directory: Path) -> bool:
@@ -231,7 +257,9 @@ def load_state(directory: Path) -> dict:
     """`state.json` of a complete checkpoint; one that lacks what resuming reads is refused."""
     path = directory / STATE_FILE
     try:
-        state = json.loads(path.read_text())
+        state = json.loads(_regular_text(path))
+    except _NotRegular as e:
+        raise SpecError(f"checkpoint file {one_line(str(e.args[0]))}; use --fresh to start over") from None
     except (OSError, ValueError) as e:
         raise SpecError(
             f"checkpoint file {one_line(str(path))}: unreadable ({type(e).__name__}); use --fresh to start over"
@@ -255,7 +283,11 @@ def load_state(directory: Path) -> dict:
 def load_plain(path: Path) -> Any:
     """A `.pt` file's content, read as tensors and plain containers only
     (`torch.load(weights_only=True)`: no pickled class or function is ever resolved or called).
-    Anything else is refused as a SpecError naming the file."""
+    Anything else, and a file that is not a regular one (a FIFO, a device: never opened), is
+    refused as a SpecError naming the file."""
+    problem = path_problem(path)
+    if problem:
+        raise SpecError(f"checkpoint file {one_line(problem)}; move that checkpoint away, or use --fresh to start over")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError for foreign objects; others for damaged files
@@ -276,7 +308,11 @@ def check_loadable(directory: Path) -> None:
 def load_adapter(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(directory / ADAPTER_FILE))
+    path = directory / ADAPTER_FILE
+    problem = path_problem(path)
+    if problem:
+        raise SpecError(f"checkpoint file {one_line(problem)}; move that checkpoint away, or use --fresh to start over")
+    return load_file(str(path))
 
 
 def rank_files(
@@ -367,6 +403,8 @@ def resume_key(spec: JobSpec) -> dict:
         out[key] = node
     if out["data.mix"] is not None:
         out["data.mix"] = [{k: src[k] for k in MIX_RESUME_KEYS} for src in out["data.mix"]]
+    if spec.data.eval_path:
+        out["data.eval_fraction"] = None  # the held-out set is the file; no fraction of data.path is held out
     from .data import content_hash
 
     out[DATA_HASH_KEY] = content_hash(spec)
@@ -390,7 +428,10 @@ def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
         raise SpecError(f"{one_line(where)}: not a rayft checkpoint (no resume key); use --fresh to start over")
     now = resume_key(spec)
     # A key newer than the checkpoint is read as the field's default: that is what the run that
-    # wrote it trained with (e.g. `model.quantization` "none" before quantization existed).
+    # wrote it trained with (e.g. `model.quantization` "none" before quantization existed), except
+    # for a field older than its key (`LATE_KEYS`), which such a checkpoint is not compared on.
+    unrecorded = {k for k in LATE_KEYS if k not in saved}
+    now = {k: v for k, v in now.items() if k not in unrecorded}
     saved = {**{k: _field_default(k) for k in now if k not in saved and k != DATA_HASH_KEY}, **saved}
     diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k] and k != DATA_HASH_KEY]
     if saved.get(DATA_HASH_KEY) != now[DATA_HASH_KEY]:

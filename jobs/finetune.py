@@ -15,7 +15,7 @@ import sys
 
 from . import secrets
 from .errors import SpecError
-from .spec import absolutize, load_spec
+from .spec import absolutize, load_spec, one_line
 
 
 def preflight(spec) -> None:
@@ -38,6 +38,31 @@ def preflight(spec) -> None:
 
         check_packing(config_from_spec(spec))
     check_lora_rank(spec)
+    if spec.model.adapter:  # lora.* must describe the starting adapter; its files are regular files
+        from .model import starting_adapter_config
+
+        starting_adapter_config(spec)
+
+
+def build_data(spec) -> None:
+    """Build (or find) the spec's tokenized cache entry here, on the driver, before the output
+    dir is claimed: every refusal of the data that needs the tokenizer (every record dropped, a
+    chat template that is missing, raises or is not prefix-stable) is then one line with nothing
+    created, and the workers map the published entry instead of building it (same key: the
+    tokenizer `load_tokenizer` returns is the one the job loads). A refused build leaves no entry
+    (`jobs.data.load_dataset`); a cache that cannot be written is one line too."""
+    from .data import data_cache_dir, load_dataset
+    from .model import load_tokenizer
+
+    tokenizer = load_tokenizer(spec)
+    try:
+        load_dataset(spec, tokenizer)
+    except OSError as e:
+        where = data_cache_dir(spec, "")
+        raise SpecError(
+            f"data.cache_dir={one_line(str(where))}: cannot write the tokenized data there "
+            f"({one_line(e.strerror or str(e))}{': ' + one_line(str(e.filename)) if e.filename else ''})"
+        ) from None
 
 
 def check_lora_rank(spec) -> None:
@@ -79,10 +104,11 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     """Validate everything that can be checked on the driver; only then touch the output dir.
 
     Invariant: a refused spec creates nothing. The output directory is checked (new, empty or
-    rayft's own; see `jobs.outputs.output_dir_problem`) before --fresh moves anything, and
-    created and claimed only after every check has passed. The run's lock (`jobs.runlock`) is
-    taken before checkpoints are read or set aside, and is held on return: the caller runs the
-    job, then calls `jobs.runlock.release(spec.output_path)`."""
+    rayft's own; see `jobs.outputs.output_dir_problem`) and the data tokenized into its cache
+    entry (`build_data`: refused data leaves no entry) before the run's lock is taken (which
+    creates the directory) or --fresh moves anything; it is claimed only after every check has
+    passed. The run's lock (`jobs.runlock`) is taken before checkpoints are read or set aside,
+    and is held on return: the caller runs the job, then calls `jobs.runlock.release(spec.output_path)`."""
     from . import checkpoint as ckpt
     from . import runlock
     from .outputs import check_output_dir, claim_output_dir, set_aside
@@ -92,6 +118,7 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     preflight(spec)
     check_output_dir(spec.run.output_dir.replace("{name}", spec.name))
     spec = absolutize(spec)
+    build_data(spec)  # the last check that can refuse the data; the first write (the cache entry)
     runlock.acquire(spec.output_path)  # a second run into this directory is refused here
     try:
         newest = None if fresh else ckpt.resumable(spec.output_path / "checkpoints")

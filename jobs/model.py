@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 from .cache import build_once
 from .errors import SpecError
-from .spec import JobSpec, one_line, resolve_model_dir
+from .spec import JobSpec, one_line, path_problem, resolve_model_dir
 
 log = logging.getLogger("rayft")
 
@@ -401,6 +401,8 @@ def _finish_adapter(peft_model, spec: JobSpec, precision: str):
     return peft_model
 
 
+# The weights files PEFT reads from an adapter directory.
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # What `lora.*` must say about a starting adapter (`model.adapter`): spec field -> adapter_config key.
 ADAPTER_CONFIG_KEYS = {"r": "r", "alpha": "lora_alpha", "use_dora": "use_dora", "use_rslora": "use_rslora"}
 
@@ -413,6 +415,10 @@ def starting_adapter_config(spec: JobSpec) -> dict:
 
     assert spec.model.adapter is not None  # called for a spec with model.adapter
     path = Path(spec.model.adapter) / "adapter_config.json"
+    for f in (path, *(Path(spec.model.adapter) / w for w in ADAPTER_WEIGHTS)):
+        problem = path_problem(f) if f == path or os.path.lexists(f) else None  # a FIFO would block PEFT's read
+        if problem:
+            raise SpecError(f"model.adapter: {problem}")
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:

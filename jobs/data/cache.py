@@ -47,7 +47,7 @@ from ..errors import SpecError
 from ..spec import JobSpec, one_line, path_problem
 from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter
 from .records import PAIR_FIELDS, PAIRS, SFT, record_kind
-from .sources import datasets_rows, first_record_format, is_hub, read_jsonl, read_records
+from .sources import dataset_dir_files, datasets_rows, first_record_format, is_hub, read_jsonl, read_records
 from .tokenizing import IGNORE, Example, tokenize_iter
 
 CACHE_FORMAT = 2  # bump when the cache's files or the tokenization change meaning
@@ -77,7 +77,8 @@ def _file_sha256(path: Path) -> str:
 
 def source_hash(path: str, hf_token_env: str | None = None) -> str:
     """sha256 of a data source's content: a file's bytes, every file of a `save_to_disk`
-    directory (names and bytes), or a hub dataset's fingerprint (datasets' hash of its files)."""
+    directory and every file its descriptions name (names and bytes), or a hub dataset's
+    fingerprint (datasets' hash of its files)."""
     if is_hub(path):
         return "hf:" + datasets_rows(path, "data.path", hf_token_env)._fingerprint
     p = Path(path)
@@ -86,8 +87,11 @@ def source_hash(path: str, hf_token_env: str | None = None) -> str:
         if problem:
             raise SpecError(f"data.path: {problem}")
     if p.is_dir():
+        # Every regular file below it, and every file its descriptions name (also one below a
+        # linked directory, which rglob does not enter); a name outside it is refused there.
+        files = {q for q in p.rglob("*") if q.is_file()} | set(dataset_dir_files(p))
         h = hashlib.sha256()
-        for f in sorted(q for q in p.rglob("*") if q.is_file()):
+        for f in sorted(files):
             h.update(f"{f.relative_to(p)}\0{_file_sha256(f)}\0".encode())
         return h.hexdigest()
     return _file_sha256(p)
@@ -567,12 +571,7 @@ def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
         data = load_mixture(spec, tokenizer)
     else:
         data = load_entry(spec, tokenizer)
-    if len(data.train) < spec.batch.global_batch_size:
-        key = "data.mix" if spec.data.mix is not None else "data.path"
-        raise SpecError(
-            f"{key}: {len(data.train)} usable training records, fewer than "
-            f"batch.global_batch_size={spec.batch.global_batch_size}"
-        )
+    check_enough_records(spec, len(data.train), data.dropped)
     return data
 
 
@@ -636,6 +635,26 @@ def load_entry(spec: JobSpec, tokenizer) -> Dataset:
     )
 
 
+def check_enough_records(spec: JobSpec, n_train: int, dropped: int) -> None:
+    """At least `batch.global_batch_size` usable training records, else one SpecError line.
+    `_build` calls it before an entry is published when nothing at all is usable, so data that
+    can never train leaves no entry (a mixture's source may be smaller than one global batch: the
+    mixture as a whole is checked by `load_dataset`)."""
+    if n_train >= spec.batch.global_batch_size:
+        return
+    why = (
+        f" ({dropped} records dropped, nothing left to learn in them: a prompt longer than data.max_seq_len, "
+        "a chat whose only assistant message opens it, an empty or identical pair)"
+        if dropped
+        else ""
+    )
+    key = "data.mix" if spec.data.mix is not None else "data.path"
+    raise SpecError(
+        f"{key}: {n_train} usable training records, fewer than "
+        f"batch.global_batch_size={spec.batch.global_batch_size}{why}"
+    )
+
+
 def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
     """Read and tokenize the spec's data into a cache entry's files under `tmp`."""
     records, eval_records = read_records(spec, tokenizer)
@@ -651,6 +670,8 @@ def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
         meta[name] = w.close()
         kept += meta[name]["n"]
     meta["dropped"] = len(records) + len(eval_records) - kept
+    if not meta["train"]["n"]:
+        check_enough_records(spec, 0, meta["dropped"])
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 
@@ -669,6 +690,8 @@ def _build_pairs(
         meta[name] = w.close()
     meta["dropped"] = dropped[DROP_EMPTY] + dropped[DROP_IDENTICAL]
     meta["dropped_empty"], meta["dropped_identical"] = dropped[DROP_EMPTY], dropped[DROP_IDENTICAL]
+    if not meta["train"]["n"]:
+        check_enough_records(spec, 0, meta["dropped"])
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 

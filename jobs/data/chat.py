@@ -10,6 +10,8 @@ SpecError naming the model.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from ..errors import SpecError
 from ..spec import one_line
 
@@ -32,33 +34,60 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, model_name
 
 
 def chat_spans(
-    tokenizer, messages: list[dict], train_on: str = "assistant", model_name: str | None = None
+    tokenizer,
+    messages: list[dict],
+    train_on: str = "assistant",
+    model_name: str | None = None,
+    max_chars: int | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans that carry loss.
 
     The span of assistant turn i is what the template adds between rendering `messages[:i]` with
     the generation prompt and rendering `messages[:i+1]`: the turn's content and the template's
     end-of-turn text, nothing of the prompt. That needs a prefix-stable template (each rendering a
-    prefix of the next); one that is not is refused with a SpecError naming the model."""
+    prefix of the next); one that is not is refused with a SpecError naming the model.
+
+    With `max_chars` (the tokenizer reads only that many characters of the text: `char_bound`),
+    the turns are rendered in order and the renders stop at the first turn whose rendering reaches
+    `max_chars` characters; that rendering stands for the whole conversation, of which it is a
+    prefix. So the renders cost what the first `max_chars` characters hold, never the square of
+    a long conversation, and the first `max_chars` characters and every span starting in them are
+    those of rendering everything (a record that fits renders as before)."""
     name = model_name or _model_name(tokenizer)
-    full = _render(tokenizer, messages, False, name)
     # An assistant message that opens the conversation answers nothing: it is context, not a turn
     # (templates cannot render the empty conversation before it).
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
     if train_on == "last_assistant":
         turns = turns[-1:]
-    spans = []
+    spans: list[tuple[int, int]] = []
+    # The longest rendering so far, and its turn: every rendering must be a prefix of the whole, so
+    # of any two one is a prefix of the other; checked as they come, without keeping them all.
+    longest, longest_turn = "", 0
+    full = None
     for i in turns:
         before = _render(tokenizer, messages[:i], True, name)
         after = _render(tokenizer, messages[: i + 1], False, name)
-        if not (after.startswith(before) and full.startswith(after)):
-            raise SpecError(
-                f"model.name: the chat template of {name} is not prefix-stable (rendering the first "
-                f"{i + 1} messages is not a prefix of the whole conversation), so the tokens of an "
-                "assistant turn cannot be told apart; use prompt/completion records instead"
-            )
+        if not after.startswith(before) or not (after.startswith(longest) or longest.startswith(after)):
+            _not_prefix_stable(name, i)
+        if len(after) > len(longest):
+            longest, longest_turn = after, i
         spans.append((len(before), len(after)))
+        if max_chars is not None and len(after) >= max_chars:
+            full = after  # every later turn starts past what the tokenizer reads
+            break
+    if full is None:
+        full = _render(tokenizer, messages, False, name)
+    if not full.startswith(longest):
+        _not_prefix_stable(name, longest_turn)
     return full, spans
+
+
+def _not_prefix_stable(name: str, i: int) -> NoReturn:
+    raise SpecError(
+        f"model.name: the chat template of {name} is not prefix-stable (rendering the first "
+        f"{i + 1} messages is not a prefix of the whole conversation), so the tokens of an "
+        "assistant turn cannot be told apart; use prompt/completion records instead"
+    )
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], model_name: str | None = None) -> list[int]:

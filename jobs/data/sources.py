@@ -252,9 +252,11 @@ def datasets_rows(path: str, key: str, hf_token_env: str | None):
 
 
 def _load_from_disk(path: str, key: str, shown: str):
-    """A `save_to_disk` directory's dataset (a DatasetDict's `train` split)."""
+    """A `save_to_disk` directory's dataset (a DatasetDict's `train` split), once every file its
+    descriptions name has been checked (`dataset_dir_files`)."""
     import datasets
 
+    dataset_dir_files(path, key)
     try:
         ds = datasets.load_from_disk(path)
     except FileNotFoundError:
@@ -266,6 +268,81 @@ def _load_from_disk(path: str, key: str, shown: str):
             raise SpecError(f"{key}: {shown}: a DatasetDict without a 'train' split (has {', '.join(sorted(ds))})")
         ds = ds["train"]
     return ds
+
+
+# The descriptions `datasets.load_from_disk` reads in a `save_to_disk` directory.
+DATASET_DICT_JSON, DATASET_STATE_JSON, DATASET_INFO_JSON = "dataset_dict.json", "state.json", "dataset_info.json"
+
+
+def dataset_dir_files(path: str | Path, key: str = "data.path") -> list[Path]:
+    """Every file `datasets.load_from_disk(path)` opens: a Dataset's `state.json`, its
+    `dataset_info.json` and the Arrow files `state.json` names; for a DatasetDict, its
+    `dataset_dict.json` and the same for every split it names (all are loaded, not only `train`).
+
+    `datasets` joins the names it reads to the directory as given, so a name that is absolute or
+    climbs out with `..` would be read from anywhere: refused, as is a description that is not
+    one and any of these files that is not a regular file (`path_problem`: a FIFO is never
+    opened). Each refusal is one SpecError naming `key` and the file. The content hash covers
+    every file returned (`jobs.data.cache.source_hash`)."""
+    root = Path(path)
+    is_dataset = all(os.path.lexists(root / f) for f in (DATASET_STATE_JSON, DATASET_INFO_JSON))
+    if not is_dataset and os.path.lexists(root / DATASET_DICT_JSON):  # as `datasets.load_from_disk` decides
+        files = [_regular(root / DATASET_DICT_JSON, key)]
+        splits = _description(root / DATASET_DICT_JSON, key).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise SpecError(f"{key}: {one_line(str(root / DATASET_DICT_JSON))}: no list of split names")
+        for split in splits:
+            files += _dataset_files(_inside(root, split, root / DATASET_DICT_JSON, key), key)
+        return files
+    return _dataset_files(root, key)
+
+
+def _dataset_files(directory: Path, key: str) -> list[Path]:
+    """`dataset_dir_files` of one Dataset directory."""
+    state_path = directory / DATASET_STATE_JSON
+    if not all(os.path.lexists(directory / f) for f in (DATASET_STATE_JSON, DATASET_INFO_JSON)):
+        raise SpecError(
+            f"{key}: {one_line(str(directory))} is a directory that is not a dataset (expected one written by "
+            "Dataset.save_to_disk)"
+        )
+    files = [_regular(state_path, key), _regular(directory / DATASET_INFO_JSON, key)]
+    named = _description(state_path, key).get("_data_files")
+    if not isinstance(named, list) or not all(
+        isinstance(f, dict) and isinstance(f.get("filename"), str) for f in named
+    ):
+        raise SpecError(f"{key}: {one_line(str(state_path))}: no list of data files (_data_files)")
+    return files + [_regular(_inside(directory, f["filename"], state_path, key), key) for f in named]
+
+
+def _inside(directory: Path, name: str, described_in: Path, key: str) -> Path:
+    """`directory / name`, where `name` (from the description `described_in`) stays inside `directory`."""
+    parts = Path(name).parts
+    if not name or Path(name).is_absolute() or ".." in parts or "\0" in name:
+        raise SpecError(
+            f"{key}: {one_line(str(described_in))} names {one_line(repr(name))[:120]}, outside its directory: a "
+            "dataset's files must lie in its own directory"
+        )
+    return directory / name
+
+
+def _regular(path: Path, key: str) -> Path:
+    problem = path_problem(path)
+    if problem:
+        raise SpecError(f"{key}: {problem}")
+    return path
+
+
+def _description(path: Path, key: str) -> dict:
+    """A `save_to_disk` description (`state.json`, `dataset_dict.json`) as a JSON object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8
+        raise SpecError(
+            f"{key}: {one_line(str(path))}: not a readable dataset description ({type(e).__name__})"
+        ) from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{key}: {one_line(str(path))}: not a dataset description (not a JSON object)")
+    return data
 
 
 def _csv_text_features(path: str):

@@ -105,7 +105,7 @@ def _chunk_sequences(
     eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
     formats = [record_format(r) for r in part]
     chats = [i for i, f in enumerate(formats) if f == MESSAGES]
-    rendered = {i: chat_spans(tokenizer, part[i]["messages"], train_on, model_name) for i in chats}
+    rendered = {i: chat_spans(tokenizer, part[i]["messages"], train_on, model_name, cut) for i in chats}
     firsts = [
         (r["text"] if f == TEXT else r["prompt"])[:cut] if f != MESSAGES else ""
         for r, f in zip(part, formats, strict=True)
