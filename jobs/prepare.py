@@ -21,8 +21,9 @@ The driver's read and write do not scale with the cluster: they bound what more 
 docs/training.md). A multi-node reader would have to apply the same held-out rule (a seeded
 shuffle of all record indices) across readers, and the order of records within the entry.
 
-`spec_entries` lists the entries a spec needs (today one: all of `data.path` and the held-out
-split, as `load_dataset` builds it); `prepare_entry` builds one.
+`spec_entries` lists the entries a spec needs, each with how its records are read (today one: all
+of `data.path` and the held-out split, as `load_dataset` builds it); `prepare_entry` builds one
+from its records, whatever entry it is.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import logging
 import os
 import pickle
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -60,18 +61,21 @@ CONNECT_TIMEOUT_S = 5.0  # how long an --address gets to accept a connection bef
 @dataclass(frozen=True)
 class Entry:
     """One cache entry a spec's job reads: where it is published, the content hash its meta.json
-    records, and the spec whose data settings tokenize it."""
+    records, the spec whose data settings tokenize it, and how its (training, held-out) records
+    are read on the driver, as that entry's own build reads them."""
 
     final: Path
     content: str
     spec: JobSpec
+    read: Callable[[], tuple[list[dict], list[dict]]]
 
 
 def spec_entries(spec: JobSpec, tokenizer) -> list[Entry]:
     """The cache entries the job of `spec` reads: today one, `load_dataset`'s (every file of
     `data.path`, `data.eval_path` or the held-out split). The one place that would list a
     mixture's entries, one per source."""
-    return [Entry(data_cache_dir(spec, cache_key(spec, tokenizer)), content_hash(spec), spec)]
+    final = data_cache_dir(spec, cache_key(spec, tokenizer))
+    return [Entry(final, content_hash(spec), spec, lambda: read_records(spec, tokenizer))]
 
 
 def connect(address: str | None, num_cpus: int | None) -> str:
@@ -253,7 +257,7 @@ def prepare(
         if entry.final.is_dir():
             reports.append({"path": str(entry.final), "built": False})
             continue
-        records, eval_records = read_records(entry.spec, tokenizer)
+        records, eval_records = entry.read()
         where = connect(address, num_cpus)
         say(f"tokenizing {len(records) + len(eval_records)} records on {where}")
         built = prepare_entry(entry, tokenizer, records, eval_records)
