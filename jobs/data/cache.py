@@ -23,6 +23,9 @@ and, for a preference objective, that the entry holds pairs (an SFT entry's key 
 before pairs existed, so existing SFT entries stay valid). One process builds an entry
 (`jobs.cache.build_once`: a lock, an atomic rename); a restart, a resume, a Tune trial or a later
 run tokenizes nothing and holds only the pages it touches (`TokenizedSplit`, `TokenizedPairs`).
+`rayft data prepare` (`jobs.prepare`) builds the same entry ahead of the job, tokenizing on Ray:
+both builds share the per-record rule (`tokenized`), the writer (`write_entry`) and the
+publication (`publish_entry`), so both write the same bytes.
 """
 
 from __future__ import annotations
