@@ -26,6 +26,9 @@ run tokenizes nothing and holds only the pages it touches (`TokenizedSplit`, `To
 
 A mixture (`data.mix`) has no entry of its own: each source is the entry it would be as a job's
 only data (`load_mixture`), and the mixture is those entries side by side (`Concatenated`).
+`rayft data prepare` (`jobs.prepare`) builds the same entry ahead of the job, tokenizing on Ray:
+both builds share the per-record rule (`tokenized`), the writer (`write_entry`) and the
+publication (`publish_entry`), so both write the same bytes.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -613,12 +616,7 @@ def load_mixture(spec: JobSpec, tokenizer) -> Dataset:
 def load_entry(spec: JobSpec, tokenizer) -> Dataset:
     """The one cache entry of a spec's `data.path` (built if missing), memory-mapped."""
     h = content_hash(spec)
-    final = data_cache_dir(spec, cache_key(spec, tokenizer))
-    try:
-        final = build_once(final, lambda tmp: _build(tmp, spec, tokenizer, h), "the tokenized data")
-    except SpecError:
-        _remove_if_unused(final)
-        raise
+    final = publish_entry(data_cache_dir(spec, cache_key(spec, tokenizer)), lambda tmp: _build(tmp, spec, tokenizer, h))
     meta = json.loads((final / "meta.json").read_text())
     split = TokenizedPairs if meta.get("kind") == PAIRS else TokenizedSplit
     train = split.open(final, "train", meta["train"]["n_tokens"])
@@ -655,34 +653,65 @@ def check_enough_records(spec: JobSpec, n_train: int, dropped: int) -> None:
     )
 
 
+def publish_entry(final: Path, build: Callable[[Path], None]) -> Path:
+    """`build_once` for the cache entry `final` (`build` writes its files into a temporary
+    directory, published by atomic rename); bad data (a SpecError) leaves nothing behind. The one
+    way an entry is published: by a job (`load_dataset`) and by `rayft data prepare`."""
+    try:
+        return build_once(final, build, "the tokenized data")
+    except SpecError:
+        _remove_if_unused(final)
+        raise
+
+
 def _build(tmp: Path, spec: JobSpec, tokenizer, content: str) -> None:
     """Read and tokenize the spec's data into a cache entry's files under `tmp`."""
     records, eval_records = read_records(spec, tokenizer)
-    meta: dict[str, Any] = {"content_hash": content, "records": len(records), "eval_records": len(eval_records)}
+    splits = {
+        name: (len(recs), tokenized(spec, tokenizer, recs))
+        for name, recs in (("train", records), ("eval", eval_records))
+    }
+    write_entry(tmp, spec, content, splits)
+
+
+def tokenized(spec: JobSpec, tokenizer, records: Sequence[dict]) -> Iterable[Any]:
+    """What an entry holds of each record, in record order: an `Example` or None (SFT), a `Pair`
+    or its drop reason (preference). The one per-record rule of every build: each record's result
+    depends on that record only, so any partition of the records gives the same results."""
+    d = spec.data
     if data_kind(spec) == PAIRS:
-        return _build_pairs(tmp, spec, tokenizer, meta, records, eval_records)
+        return tokenize_pairs_iter(records, tokenizer, d.max_seq_len, spec.model.name)
+    return tokenize_iter(records, tokenizer, d.max_seq_len, d.train_on, spec.model.name)
+
+
+def write_entry(tmp: Path, spec: JobSpec, content: str, splits: Mapping[str, tuple[int, Iterable[Any]]]) -> None:
+    """Write an entry's files under `tmp` from `splits`: for "train" then "eval", the split's
+    record count and what `tokenized` yields for its records, in order. Each split's iterable is
+    consumed to its end before the next is read (so both may draw from one stream). The one
+    writer of every build: the same results give the same bytes, `meta.json` included."""
+    meta: dict[str, Any] = {"content_hash": content, "records": splits["train"][0], "eval_records": splits["eval"][0]}
+    if data_kind(spec) == PAIRS:
+        return _write_pairs(tmp, spec, meta, splits)
     kept = 0
-    for name, recs in (("train", records), ("eval", eval_records)):
+    for name in ("train", "eval"):
         w = _SplitWriter(tmp, name)
-        for ex in tokenize_iter(recs, tokenizer, spec.data.max_seq_len, spec.data.train_on, spec.model.name):
+        for ex in splits[name][1]:
             if ex is not None:
                 w.add(ex)
         meta[name] = w.close()
         kept += meta[name]["n"]
-    meta["dropped"] = len(records) + len(eval_records) - kept
-    if not meta["train"]["n"]:
+    meta["dropped"] = meta["records"] + meta["eval_records"] - kept
+    if not meta["train"]["n"]:  # a mixture's source may hold less than a global batch, never nothing
         check_enough_records(spec, 0, meta["dropped"])
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 
-def _build_pairs(
-    tmp: Path, spec: JobSpec, tokenizer, meta: dict, records: list[dict], eval_records: list[dict]
-) -> None:
+def _write_pairs(tmp: Path, spec: JobSpec, meta: dict, splits: Mapping[str, tuple[int, Iterable[Any]]]) -> None:
     meta["kind"] = PAIRS
     dropped = {DROP_EMPTY: 0, DROP_IDENTICAL: 0}
-    for name, recs in (("train", records), ("eval", eval_records)):
+    for name in ("train", "eval"):
         w = _PairWriter(tmp, name)
-        for x in tokenize_pairs_iter(recs, tokenizer, spec.data.max_seq_len, spec.model.name):
+        for x in splits[name][1]:
             if isinstance(x, Pair):
                 w.add(x)
             else:

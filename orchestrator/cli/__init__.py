@@ -8,7 +8,7 @@ kubernetes) happen inside the command functions, so `rayft --help` is fast:
     tune     rayft estimate | tune
     jobs     rayft submit | status | logs | stop | list      (any backend, one code path)
     queue    rayft queue add | run | status | retry | cancel
-    data     rayft data preview
+    data     rayft data preview | prepare
 
 `main` is the one place where errors become exit codes: every `jobs.errors.RayftError` is printed
 as ``rayft: error: <message>`` (one line on stderr, never a traceback) and the process exits with

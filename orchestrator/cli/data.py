@@ -8,9 +8,17 @@
         source where there are several. --json prints the same as one JSON document on stdout
         (`jobs.data.preview.data_preview`); --svg also saves what is printed as an SVG picture.
 
-Reads the spec, the tokenizer and the data; writes nothing (no cache entry: the document comes
-from the cache's own tokenization run in memory), needs no Ray. Every user mistake is a
-`jobs.errors.SpecError` (or a usage error): one line, exit code 2 (`orchestrator.cli.main`).
+    rayft data prepare SPEC [k=v ...] [--address GCS_ADDRESS] [--num-cpus N]
+        builds the job's tokenized cache entry ahead of the job, tokenizing on the Ray cluster's
+        CPUs with Ray Data (`jobs.prepare`): the same files, byte for byte, at the same path as
+        the job's own build, so `rayft run` then tokenizes nothing. Without --address (and no
+        $RAY_ADDRESS) a local Ray with N logical CPUs (default: this machine's cores). An entry
+        that exists is left alone (exit 0).
+
+preview reads the spec, the tokenizer and the data; writes nothing (no cache entry: the document
+comes from the cache's own tokenization run in memory), needs no Ray. Every user mistake is a
+`jobs.errors.SpecError` (or a usage error): one line, exit code 2 (`orchestrator.cli.main`); so is
+an --address where no cluster answers; a failure on the cluster is one line, exit code 1.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ BAR_WIDTH = 40
 
 
 def register(sub) -> None:
-    data = sub.add_parser("data", help="the job's data: preview what will be trained")
+    data = sub.add_parser("data", help="the job's data: preview what will be trained, tokenize it on the cluster")
     dsub = data.add_subparsers(dest="data_cmd", required=True, parser_class=Parser)
     pv = dsub.add_parser(
         "preview",
@@ -45,6 +53,25 @@ def register(sub) -> None:
     pv.add_argument("--json", action="store_true", help="one JSON document on stdout, for scripts")
     pv.add_argument("--svg", metavar="FILE", help="also save the printed preview as an SVG picture")
     pv.set_defaults(fn=cmd_preview)
+    pr = dsub.add_parser(
+        "prepare",
+        help="build the job's tokenized cache ahead of the job, tokenizing on the Ray cluster's CPUs (Ray Data)",
+    )
+    pr.add_argument("spec", help="job spec YAML")
+    pr.add_argument("overrides", nargs="*", metavar="section.field=value")
+    pr.add_argument(
+        "--address",
+        metavar="GCS_ADDRESS",
+        help="the Ray cluster to tokenize on, as `ray.init` takes it (HOST:6379 or ray://HOST:10001; "
+        "default: $RAY_ADDRESS, else a local Ray on this machine's cores)",
+    )
+    pr.add_argument(
+        "--num-cpus",
+        type=_positive_int,
+        metavar="N",
+        help="logical CPUs of the local Ray (default: this machine's cores)",
+    )
+    pr.set_defaults(fn=cmd_prepare)
 
 
 def _positive_int(text: str) -> int:
@@ -72,6 +99,27 @@ def cmd_preview(args) -> int:
         print(json.dumps(doc, indent=2))
     else:
         _print_preview(Console(), doc, args.tokens)
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    import ray
+
+    from jobs.model import load_tokenizer
+    from jobs.prepare import prepare
+    from jobs.spec import load_spec
+
+    if args.num_cpus and args.address:
+        raise SpecError("--num-cpus sizes a local Ray; a cluster at --address has its own CPUs")
+    spec = load_spec(args.spec, args.overrides)
+    started = not ray.is_initialized()
+    try:
+        reports = prepare(spec, load_tokenizer(spec), args.address, args.num_cpus, say=print)
+    finally:
+        if started and ray.is_initialized():
+            ray.shutdown()
+    for r in reports:
+        print(f"{'prepared' if r['built'] else 'already prepared, left as it is'}: {r['path']}")
     return 0
 
 
