@@ -272,3 +272,22 @@ def test_a_bad_pairs_entry_is_rebuilt_to_the_same_pairs(tmp_path, caplog, damage
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1 and said in lines[0] and "rebuilt" in lines[0], lines
     assert list(again.train) == want
+
+
+def test_a_run_on_a_tampered_entry_trains_on_the_clean_tokens_and_says_it_rebuilt(clean, tmp_path):
+    """Ids rewritten in place (same size): the run sets the entry aside, rebuilds it, says so in
+    one line, and its losses are those of a run on the clean entry."""
+    _, entry, _ = clean
+    where = [*SMALL, f"data.path={DATA}", "run.max_steps=2", "run.checkpoint_every=0"]
+    first = rayft_in_process("run", DEMO, *where, f"run.output_dir={tmp_path / 'out'}", "--local")
+    assert first.returncode == 0, first.stderr
+    f = entry / "train.input_ids.bin"
+    ids = np.fromfile(f, dtype=np.int32)
+    ids[: len(ids) // 2] = (ids[: len(ids) // 2] + 1) % 256
+    ids.tofile(f)
+    second = rayft_in_process("run", DEMO, *where, f"run.output_dir={tmp_path / 'out-2'}", "--local")
+    assert second.returncode == 0, second.stderr
+    said = [line for line in second.stderr.splitlines() if "rebuilt" in line]
+    assert len(said) == 1 and f"{f}: content differs" in said[0], second.stderr
+    runs = [json.loads((tmp_path / o / "summary.json").read_text()) for o in ("out", "out-2")]
+    assert runs[0]["first_loss"] == runs[1]["first_loss"] and runs[0]["final_loss"] == runs[1]["final_loss"]

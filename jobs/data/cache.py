@@ -628,7 +628,7 @@ def load_entry(spec: JobSpec, tokenizer) -> Dataset:
     h = content_hash(spec)
     final = data_cache_dir(spec, cache_key(spec, tokenizer))
     expected = {"content_hash": h, "kind": data_kind(spec)}
-    meta = _verified_or_rebuilt(final, lambda tmp: _build(tmp, spec, tokenizer, h), expected, len(tokenizer))
+    meta = _verified_or_rebuilt(final, lambda tmp: _build(tmp, spec, tokenizer, h), expected, _vocab_size(tokenizer))
     split = TokenizedPairs if meta.get("kind") == PAIRS else TokenizedSplit
     train = split.open(final, "train", meta["train"]["n_tokens"])
     evals = split.open(final, "eval", meta["eval"]["n_tokens"])
@@ -645,6 +645,12 @@ def load_entry(spec: JobSpec, tokenizer) -> Dataset:
 
 
 # ---- checking an entry before it is used ------------------------------------------------------
+
+
+def _vocab_size(tokenizer) -> int:
+    """One more than the largest id the tokenizer can give (its length, or past it where its ids
+    have holes): the bound of an entry's token ids."""
+    return max(len(tokenizer), 1 + max(tokenizer.get_vocab().values(), default=-1))
 
 
 def _verified_or_rebuilt(final: Path, build: Callable[[Path], None], expected: dict, vocab_size: int) -> dict:
