@@ -20,6 +20,11 @@ loading the same GGUF, say): one builder at a time, everyone else uses its resul
   removed by the next builder, which holds the lock, so they cannot belong to a live build.
   Only the lock file stays (removing it would let two processes lock two different files).
 
+`set_aside(final_dir, seen, suffix)` takes a published cache out of the way (a reader found it
+damaged) under the same lock, and only if `final_dir` is still the one that reader judged (same
+device and inode, by `lstat`: a link is renamed, never followed): a slower reader of the old copy
+never sets aside the copy another process has just rebuilt. Nothing is deleted.
+
 The lock is advisory and local: processes on one machine (or on a filesystem whose flock is
 shared) serialize; the atomic rename keeps everything else correct.
 """
@@ -121,3 +126,25 @@ def _remove_stale_tmp(final_dir: Path) -> None:
         if p.name.startswith(prefix) and p.is_dir():
             log.info("removing %s, left by an interrupted build", p)
             shutil.rmtree(p, ignore_errors=True)
+
+
+def set_aside(final_dir: Path, seen: os.stat_result, suffix: str) -> Path | None:
+    """Rename `final_dir` to `<final_dir><suffix>` under the build lock if it is still the entry
+    `seen` (its `os.lstat` when it was judged); None when another process replaced or moved it
+    meanwhile. An OSError (a read-only cache directory) propagates."""
+    final_dir = Path(final_dir)
+    lock_path = final_dir.with_name(final_dir.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            now = os.lstat(final_dir)
+        except FileNotFoundError:
+            return None
+        if (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
+            return None
+        aside = final_dir.with_name(final_dir.name + suffix)
+        os.rename(final_dir, aside)
+        return aside
+    finally:
+        os.close(fd)  # releases the flock

@@ -381,7 +381,7 @@ def test_the_key_says_pairs_and_an_sft_key_is_what_it_always_was(tmp_path):
     }
     assert cache_key(sft, tok) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:24]
     assert (
-        CACHE_FORMAT == 2  # 2: the per-sample count arrays (lengths, label tokens)
+        CACHE_FORMAT == 3  # 2: the per-sample count arrays (lengths, label tokens); 3: each file's sha256
         and load_dataset(
             sft.model_copy(update={"data": d.model_copy(update={"path": [str(ROOT / "examples/data/tiny.jsonl")]})}),
             tok,

@@ -15,7 +15,8 @@ with the tokens, so the step's host work (length grouping, the window's label an
 collation: `jobs.data.batches`) reads arrays and never turns a sample into Python objects.
 `CACHE_FORMAT` is part of the key: bump it when these files or the tokenization change meaning,
 and every existing entry is left alone (a new key: the entry is built again), never misread.
-(Format 2 added the per-sample count arrays.)
+(Format 2 added the per-sample count arrays; format 3 each file's size and sha256 in `meta.json`'s
+`"files"`, so an entry is verified before it is used: `load_entry`, `jobs.data.verify`.)
 
 The key covers what decides the tokens: the data's content (`content_hash`), the tokenizer and
 its chat template (`tokenizer_hash`), `max_seq_len`, the fields, `train_on`, the held-out split
@@ -23,6 +24,10 @@ and, for a preference objective, that the entry holds pairs (an SFT entry's key 
 before pairs existed, so existing SFT entries stay valid). One process builds an entry
 (`jobs.cache.build_once`: a lock, an atomic rename); a restart, a resume, a Tune trial or a later
 run tokenizes nothing and holds only the pages it touches (`TokenizedSplit`, `TokenizedPairs`).
+An entry that fails its checks (a partial write, another job's mistake, a link: `jobs.data.verify`
+and `_check_layout`) was ours to build: it is set aside (`<entry>.bad-<time>`, never deleted)
+and built again, with one warning line; where it cannot be set aside, one SpecError line names
+the file.
 
 A mixture (`data.mix`) has no entry of its own: each source is the entry it would be as a job's
 only data (`load_mixture`), and the mixture is those entries side by side (`Concatenated`).
@@ -36,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -45,15 +51,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..cache import build_once
+from ..cache import build_once, set_aside
 from ..errors import SpecError
 from ..spec import JobSpec, one_line, path_problem
 from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter
 from .records import PAIR_FIELDS, PAIRS, SFT, record_kind
 from .sources import dataset_dir_files, datasets_rows, first_record_format, is_hub, read_jsonl, read_records
 from .tokenizing import IGNORE, Example, tokenize_iter
+from .verify import DIGEST, BadEntry, check_contents, check_files, file_records
 
-CACHE_FORMAT = 2  # bump when the cache's files or the tokenization change meaning
+log = logging.getLogger("rayft")
+
+CACHE_FORMAT = 3  # bump when the cache's files or the tokenization change meaning
 
 
 # ---- content hashes and the key ---------------------------------------------------------------
@@ -614,10 +623,12 @@ def load_mixture(spec: JobSpec, tokenizer) -> Dataset:
 
 
 def load_entry(spec: JobSpec, tokenizer) -> Dataset:
-    """The one cache entry of a spec's `data.path` (built if missing), memory-mapped."""
+    """The one cache entry of a spec's `data.path` (built if missing), verified (`_verified`) and
+    memory-mapped. An entry that fails verification is set aside and built again, once."""
     h = content_hash(spec)
-    final = publish_entry(data_cache_dir(spec, cache_key(spec, tokenizer)), lambda tmp: _build(tmp, spec, tokenizer, h))
-    meta = json.loads((final / "meta.json").read_text())
+    final = data_cache_dir(spec, cache_key(spec, tokenizer))
+    expected = {"content_hash": h, "kind": data_kind(spec)}
+    meta = _verified_or_rebuilt(final, lambda tmp: _build(tmp, spec, tokenizer, h), expected, _vocab_size(tokenizer))
     split = TokenizedPairs if meta.get("kind") == PAIRS else TokenizedSplit
     train = split.open(final, "train", meta["train"]["n_tokens"])
     evals = split.open(final, "eval", meta["eval"]["n_tokens"])
@@ -631,6 +642,163 @@ def load_entry(spec: JobSpec, tokenizer) -> Dataset:
         dropped_empty=meta.get("dropped_empty", 0),
         dropped_identical=meta.get("dropped_identical", 0),
     )
+
+
+# ---- checking an entry before it is used ------------------------------------------------------
+
+
+def _vocab_size(tokenizer) -> int:
+    """One more than the largest id the tokenizer can give (its length, or past it where its ids
+    have holes): the bound of an entry's token ids."""
+    return max(len(tokenizer), 1 + max(tokenizer.get_vocab().values(), default=-1))
+
+
+def _verified_or_rebuilt(final: Path, build: Callable[[Path], None], expected: dict, vocab_size: int) -> dict:
+    """The entry `final`, published (`publish_entry`) and verified: its meta.json (`expected`: the
+    content hash and kind of data it must hold). A bad entry
+    is set aside as `<entry>.bad-<time>` (never deleted, never followed if a link) and built again,
+    with one warning line; a SpecError naming the file where it cannot be set aside, or where the
+    rebuilt entry is bad too."""
+    seen = _published(final, build)
+    try:
+        return _verified(final, expected, vocab_size)
+    except BadEntry as e:
+        bad = e
+    suffix = time.strftime(".bad-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+    try:
+        aside = set_aside(final, seen, suffix)
+    except OSError as e:
+        raise SpecError(
+            f"data cache: {bad}; it cannot be set aside to be built again ({e.strerror or e}): "
+            f"remove {final} or set data.cache_dir to a writable directory"
+        ) from None
+    where = f"set aside as {aside.name}" if aside is not None else "replaced by another process"
+    log.warning("data cache: %s; %s and rebuilt", bad, where)
+    _published(final, build)
+    try:
+        return _verified(final, expected, vocab_size)
+    except BadEntry as e:
+        raise SpecError(f"data cache: {e}, also after it was built again") from None
+
+
+def _published(final: Path, build: Callable[[Path], None]) -> os.stat_result:
+    """`publish_entry(final, build)`, and the entry's `lstat` (what `set_aside` compares). A link
+    where the entry belongs is neither followed nor built over: `_verified` refuses it."""
+    if not final.is_symlink():
+        publish_entry(final, build)
+    return os.lstat(final)
+
+
+def _verified(final: Path, expected: dict, vocab_size: int) -> dict:
+    """meta.json of the entry `final` once its files pass `jobs.data.verify`'s checks and the
+    layout's (`_check_layout`); a BadEntry naming the first file that does not."""
+    meta_path = final / "meta.json"
+    check_files(final, {}, ["meta.json"])
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise BadEntry(meta_path, f"is not the JSON its build wrote ({one_line(str(e))[:200]})") from None
+    problem = _meta_problem(meta, expected)
+    if problem:
+        raise BadEntry(meta_path, problem)
+    names = entry_files(meta.get("kind", SFT))
+    stats = check_files(final, meta["files"], ["meta.json", *names])
+    _check_layout(final, meta)
+    check_contents(final, meta["files"], stats, vocab_size)
+    return meta
+
+
+def entry_files(kind: str) -> list[str]:
+    """Every file an entry of `kind` (`SFT` or `PAIRS`) holds besides meta.json, in sorted order."""
+    if kind == PAIRS:
+        per = (
+            [f"{f}.bin" for f in PAIR_FIELDS]
+            + [f"{f}.offsets.npy" for f in PAIR_FIELDS]
+            + [f"{a}.npy" for a in _PAIR_ARRAYS]
+        )
+    else:
+        per = ["input_ids.bin", "targets.bin"] + [f"{a}.npy" for a in _SPLIT_ARRAYS]
+    return sorted(f"{split}.{f}" for split in ("train", "eval") for f in per)
+
+
+def _meta_problem(meta: Any, expected: dict) -> str | None:
+    """What is wrong with an entry's parsed meta.json (None: nothing), before any file is read:
+    `expected` is its content hash and kind of data (`SFT`, `PAIRS`)."""
+    if not isinstance(meta, dict):
+        return "is not a JSON object"
+    if meta.get("content_hash") != expected["content_hash"]:
+        return "belongs to other data (its content hash is not that of data.path)"
+    kind = meta.get("kind", SFT)
+    if kind != expected["kind"]:
+        return f"holds {one_line(str(kind))[:40]!r} data, not {expected['kind']!r}"
+    files = meta.get("files")
+    if not isinstance(files, dict) or sorted(files) != entry_files(kind):
+        return "does not list the entry's files (an older or damaged entry)"
+    for rec in files.values():
+        if not (isinstance(rec, dict) and _count(rec.get("size")) and isinstance(rec.get(DIGEST), str)):
+            return "lists a file without its size and digest"
+    for split in ("train", "eval"):
+        s = meta.get(split)
+        sizes = s.get("n_tokens") if isinstance(s, dict) else None
+        sizes_ok = (
+            all(_count(sizes.get(f)) for f in PAIR_FIELDS) if kind == PAIRS and isinstance(sizes, dict) else False
+        )
+        if not (isinstance(s, dict) and _count(s.get("n")) and (sizes_ok if kind == PAIRS else _count(sizes))):
+            return f"gives no valid size of split {split!r}"
+    if not all(_count(meta.get(k, 0)) for k in ("dropped", "dropped_empty", "dropped_identical")):
+        return "gives no valid count of dropped records"
+    return None
+
+
+def _count(x: Any) -> bool:
+    """A non-negative integer (not a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_layout(final: Path, meta: dict) -> None:
+    """Each split's arrays have the dtypes and shapes `meta.json` implies: the token files 4 bytes a
+    token, offsets int64 from 0 rising to `n_tokens`, the per-sample int32 counts of length `n`
+    and consistent with the offsets. O(samples): the small arrays only, never the tokens."""
+    pairs = meta.get("kind") == PAIRS
+    for split in ("train", "eval"):
+        n, n_tokens = meta[split]["n"], meta[split]["n_tokens"]
+        fields = PAIR_FIELDS if pairs else ("input_ids", "targets")
+        offsets = {}
+        for f in fields:
+            size = n_tokens[f] if pairs else n_tokens
+            tokens = final / f"{split}.{f}.bin"
+            if meta["files"][tokens.name]["size"] != 4 * size:
+                raise BadEntry(tokens, f"is not 4 bytes for each of the {size} tokens meta.json records")
+            if pairs or f == "input_ids":
+                name = f"{split}.{f}.offsets.npy" if pairs else f"{split}.offsets.npy"
+                offsets[f] = _offsets(final / name, n, size)
+        counts = _pair_counts(offsets) if pairs else (np.diff(offsets["input_ids"]),)
+        for a, want in zip(_PAIR_ARRAYS if pairs else ("lengths",), counts, strict=True):
+            got = _array(final / f"{split}.{a}.npy", np.int32, n)
+            if not np.array_equal(got, want):
+                raise BadEntry(final / f"{split}.{a}.npy", "does not match the offsets")
+        if not pairs:
+            labels = _array(final / f"{split}.label_tokens.npy", np.int32, n)
+            if n and (labels.min() < 0 or np.any(labels > counts[0])):
+                raise BadEntry(final / f"{split}.label_tokens.npy", "counts more labels than tokens")
+
+
+def _offsets(path: Path, n: int, n_tokens: int) -> np.ndarray:
+    offsets = _array(path, np.int64, n + 1)
+    if offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) < 0):
+        raise BadEntry(path, f"are not offsets rising from 0 to the {n_tokens} tokens meta.json records")
+    return offsets
+
+
+def _array(path: Path, dtype: type, n: int) -> np.ndarray:
+    """The .npy array at `path`, memory-mapped (never a pickle), if it is 1-d of `dtype` and length `n`."""
+    try:
+        a = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise BadEntry(path, f"is no .npy array ({one_line(str(e))[:200]})") from None
+    if a.dtype != dtype or a.shape != (n,):
+        raise BadEntry(path, f"holds {a.dtype} {a.shape}, not {np.dtype(dtype)} ({n},) as meta.json implies")
+    return a
 
 
 def check_enough_records(spec: JobSpec, n_train: int, dropped: int) -> None:
@@ -703,7 +871,7 @@ def write_entry(tmp: Path, spec: JobSpec, content: str, splits: Mapping[str, tup
     meta["dropped"] = meta["records"] + meta["eval_records"] - kept
     if not meta["train"]["n"]:  # a mixture's source may hold less than a global batch, never nothing
         check_enough_records(spec, 0, meta["dropped"])
-    (tmp / "meta.json").write_text(json.dumps(meta))
+    _write_meta(tmp, meta)
 
 
 def _write_pairs(tmp: Path, spec: JobSpec, meta: dict, splits: Mapping[str, tuple[int, Iterable[Any]]]) -> None:
@@ -721,6 +889,12 @@ def _write_pairs(tmp: Path, spec: JobSpec, meta: dict, splits: Mapping[str, tupl
     meta["dropped_empty"], meta["dropped_identical"] = dropped[DROP_EMPTY], dropped[DROP_IDENTICAL]
     if not meta["train"]["n"]:
         check_enough_records(spec, 0, meta["dropped"])
+    _write_meta(tmp, meta)
+
+
+def _write_meta(tmp: Path, meta: dict) -> None:
+    """`meta.json`, last: with every other file's size and sha256 (what `_verified` checks)."""
+    meta["files"] = file_records(tmp, entry_files(meta.get("kind", SFT)))
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 
