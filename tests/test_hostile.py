@@ -422,6 +422,9 @@ class _Recording:
         self.longest = max([self.longest, *(len(t) for t in texts)])
         return self.tok(text, **kw)
 
+    def __len__(self):  # the vocabulary size (a cache entry's id bound): dunders skip __getattr__
+        return len(self.tok)
+
     def __getattr__(self, name):
         return getattr(self.tok, name)
 
