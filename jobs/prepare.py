@@ -50,6 +50,8 @@ from .data.cache import (
     publish_entry,
     source_keys,
     tokenized,
+    verified_if_published,
+    vocab_size,
     write_entry,
 )
 from .data.pairs import Pair
@@ -273,12 +275,14 @@ def prepare(
     spec: JobSpec, tokenizer, address: str | None = None, num_cpus: int | None = None, say=log.warning
 ) -> list[dict]:
     """Every entry `spec` needs, built on Ray where missing: one report per entry (`path`,
-    `built`: False when it already existed). An entry's records are read and checked before Ray is
+    `built`: False when it already existed and passed the checks a job's open applies; a bad one is
+    set aside, with one warning line, and built again). An entry's records are read and checked before Ray is
     reached (bad data: a SpecError, nothing started or created); Ray is started or connected to
     only when an entry is missing, and `say` is told where it runs."""
     reports = []
     for entry in spec_entries(spec, tokenizer):
-        if entry.final.is_dir():
+        expected = {"content_hash": entry.content, "kind": data_kind(entry.spec)}
+        if verified_if_published(entry.final, expected, vocab_size(tokenizer)):
             reports.append({"path": str(entry.final), "built": False})
             continue
         records, eval_records = entry.read()

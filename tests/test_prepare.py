@@ -181,6 +181,31 @@ def test_a_run_after_prepare_tokenizes_nothing_and_an_existing_entry_is_left_alo
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_a_damaged_entry_is_set_aside_and_prepared_again(tmp_path, local_ray, caplog):
+    """An existing entry is verified as a job's open verifies it before prepare leaves it alone: one
+    whose tokens changed is set aside (kept, never deleted) with one line, and built again to the
+    same bytes."""
+    data = write_jsonl(tmp_path / "t.jsonl", TEXT)
+    where = [*COMMON, f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path / 'o'}"]
+    assert rayft_in_process("data", "prepare", DEMO, *where).returncode == 0
+    (entry,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    clean = entry_files(entry)
+    tokens = entry / "train.input_ids.bin"
+    damaged = bytearray(tokens.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01  # one token id changed, its size the same
+    tokens.write_bytes(bytes(damaged))
+    again = rayft_in_process("data", "prepare", DEMO, *where)
+    assert again.returncode == 0, again.stderr
+    assert "already prepared" not in again.stdout and f"prepared: {entry}" in again.stdout, again.stdout
+    (line,) = [r for r in again.stderr.splitlines() if "set aside" in r]
+    assert "train.input_ids.bin" in line and "rebuilt" in line, again.stderr
+    assert entry_files(entry) == clean
+    (aside,) = [p for p in (tmp_path / "cache").iterdir() if ".bad-" in p.name]
+    assert (aside / "train.input_ids.bin").read_bytes() == bytes(damaged)  # kept as it was found
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_mixture_is_prepared_as_one_entry_per_source_byte_for_byte(tmp_path, local_ray, small_blocks):
     """A mixture's entries are its sources' own (the keys `load_dataset` looks up for each source):
     prepare builds every one, and each is the single-process build of that source, file for file."""

@@ -628,7 +628,7 @@ def load_entry(spec: JobSpec, tokenizer) -> Dataset:
     h = content_hash(spec)
     final = data_cache_dir(spec, cache_key(spec, tokenizer))
     expected = {"content_hash": h, "kind": data_kind(spec)}
-    meta = _verified_or_rebuilt(final, lambda tmp: _build(tmp, spec, tokenizer, h), expected, _vocab_size(tokenizer))
+    meta = _verified_or_rebuilt(final, lambda tmp: _build(tmp, spec, tokenizer, h), expected, vocab_size(tokenizer))
     split = TokenizedPairs if meta.get("kind") == PAIRS else TokenizedSplit
     train = split.open(final, "train", meta["train"]["n_tokens"])
     evals = split.open(final, "eval", meta["eval"]["n_tokens"])
@@ -647,7 +647,7 @@ def load_entry(spec: JobSpec, tokenizer) -> Dataset:
 # ---- checking an entry before it is used ------------------------------------------------------
 
 
-def _vocab_size(tokenizer) -> int:
+def vocab_size(tokenizer) -> int:
     """One more than the largest id the tokenizer can give (its length, or past it where its ids
     have holes): the bound of an entry's token ids."""
     return max(len(tokenizer), 1 + max(tokenizer.get_vocab().values(), default=-1))
@@ -663,7 +663,32 @@ def _verified_or_rebuilt(final: Path, build: Callable[[Path], None], expected: d
     try:
         return _verified(final, expected, vocab_size)
     except BadEntry as e:
-        bad = e
+        _set_aside_bad(final, seen, e)
+    _published(final, build)
+    try:
+        return _verified(final, expected, vocab_size)
+    except BadEntry as e:
+        raise SpecError(f"data cache: {e}, also after it was built again") from None
+
+
+def verified_if_published(final: Path, expected: dict, vocab_size: int) -> bool:
+    """True when an entry is published at `final` and passes the checks a job's open applies
+    (`_verified`); a bad one is set aside as `_verified_or_rebuilt` does (one warning line) and
+    False, as when there is none: the caller builds it (`rayft data prepare`)."""
+    if not (final.exists() or final.is_symlink()):
+        return False
+    seen = os.lstat(final)
+    try:
+        _verified(final, expected, vocab_size)
+        return True
+    except BadEntry as e:
+        _set_aside_bad(final, seen, e)
+        return False
+
+
+def _set_aside_bad(final: Path, seen: os.stat_result, bad: BadEntry) -> None:
+    """Take the bad entry `final` (as `seen` by its reader) out of the way to be built again, with
+    one warning line; a SpecError naming it where it cannot be moved."""
     suffix = time.strftime(".bad-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     try:
         aside = set_aside(final, seen, suffix)
@@ -674,11 +699,6 @@ def _verified_or_rebuilt(final: Path, build: Callable[[Path], None], expected: d
         ) from None
     where = f"set aside as {aside.name}" if aside is not None else "replaced by another process"
     log.warning("data cache: %s; %s and rebuilt", bad, where)
-    _published(final, build)
-    try:
-        return _verified(final, expected, vocab_size)
-    except BadEntry as e:
-        raise SpecError(f"data cache: {e}, also after it was built again") from None
 
 
 def _published(final: Path, build: Callable[[Path], None]) -> os.stat_result:
