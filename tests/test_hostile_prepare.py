@@ -119,3 +119,29 @@ def test_the_driver_builds_the_entry_the_workers_use(tmp_path):
     assert r.returncode == 0, r.stderr
     entries = [e for e in _entries(cache) if not e.endswith(".lock")]
     assert len(entries) == 1 and (out / RUN_MARKER).exists()
+
+
+def test_a_search_refuses_the_data_before_fresh_moves_the_previous_search(tmp_path):
+    """`rayft tune --fresh` builds the trials' cache entry on the driver first (`build_data`, as
+    `rayft run` does): refused data is one line, exit 2, the previous search where it was."""
+    import yaml
+    from test_tune import search_spec
+
+    data = search_spec(tmp_path)
+    data["data"] = {
+        "path": str(_chats(tmp_path, [{"role": "assistant", "content": "yo"}, {"role": "user", "content": "hi"}], 16)),
+        "max_seq_len": 64,
+        "eval_fraction": 0.25,
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    spec = tmp_path / "search.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    out = Path(data["run"]["output_dir"])
+    (out / "trials").mkdir(parents=True)
+    (out / "results.json").write_text("{}")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    r = rayft_in_process("tune", str(spec), "--fresh")
+    _one_line(r, "0 usable training records")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out")] == ["out"]  # nothing set aside
+    assert _entries(tmp_path / "cache") == []

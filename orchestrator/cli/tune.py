@@ -237,7 +237,7 @@ def _print_strategies(con, rep: dict, budget) -> None:
 
 
 def cmd_tune(args) -> int:
-    from jobs.finetune import preflight
+    from jobs.finetune import build_data, preflight
     from jobs.spec import absolutize
     from tune.plan import plan_search
     from tune.spec import SearchSpec, load_search_spec
@@ -256,6 +256,9 @@ def cmd_tune(args) -> int:
     spec = SearchSpec.model_validate(job.to_dict() | {"search": raw.search.model_dump(mode="json")})
     resume = True if args.resume else (False if args.fresh else None)
     check_resume(spec, raw, resume, args.spec)  # a refusal is one line, before anything is printed or started
+    # The trials' one cache entry (the data keys are the same in every trial), built here: a refusal
+    # of the data is one line before --fresh moves anything, and no trial tokenizes.
+    build_data(job)
     if args.fresh:
         moved = set_aside(spec.output_path)
         if moved:
