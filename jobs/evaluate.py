@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import runlock
 from .data import chat_prompt_ids, encode_prompt, read_jsonl
 from .model import load_base_model
 from .outputs import claim_output_dir, write_json_atomic
@@ -73,8 +74,14 @@ def evaluate(spec: JobSpec, adapter_dir: Path | None = None, max_new_tokens: int
         result = evaluate_preference(spec, adapter_dir, max_new_tokens, generate, exact_match)
     else:
         result = _evaluate_sft(spec, adapter_dir, max_new_tokens)
-    out = claim_output_dir(spec.output_path, name=spec.name)  # a later `rayft run` may use it too
-    write_json_atomic(out / "eval.json", result)
+    # Written under the run's lock (jobs.runlock), taken only now: the evaluation reads, and a run
+    # may start meanwhile; a run that holds the directory refuses this write in one line.
+    runlock.acquire(spec.output_path)
+    try:
+        out = claim_output_dir(spec.output_path, name=spec.name)  # a later `rayft run` may use it too
+        write_json_atomic(out / "eval.json", result)
+    finally:
+        runlock.release(spec.output_path)
     return result
 
 

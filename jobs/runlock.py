@@ -14,6 +14,8 @@ Who holds it:
   loop started by a test or a script). When its driver holds it, rank 0 recognises the holder by
   the run's token, which the driver passes to the workers (`jobs.launch.make_trainer`), and
   goes on without a second lock; another token is another run and is refused.
+* `rayft eval` takes it only to write `eval.json` (the evaluation itself reads): while a run
+  holds the directory, that write is refused in one line.
 * Within one process the lock is counted, not taken twice (`rayft run --local`: the driver and
   rank 0 are one process; `flock` would refuse a second open file of the same process).
 

@@ -19,6 +19,7 @@ import pytest
 from jobs import runlock
 from jobs.errors import UserError
 from jobs.finetune import prepare
+from tests.inproc import rayft_in_process
 from tests.test_hostile import DEMO, ROOT, SMALL, _assert_one_line, _cli
 
 HOLD = (
@@ -117,3 +118,22 @@ def test_a_symlinked_lock_file_is_not_followed(tmp_path, monkeypatch):
     assert target.read_text() == "keep\n" and sorted(p.name for p in out.iterdir()) == sorted(
         [".rayft-run", runlock.LOCK_FILE]
     )
+
+
+def test_eval_into_a_directory_a_run_holds_is_refused_and_writes_nothing(tmp_path, monkeypatch):
+    """`rayft eval` writes eval.json under the run's lock: while a run holds the directory, the
+    write is refused in one line naming the holder, and the directory is as it was."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    holder = _holder(out)
+    args = [DEMO, f"run.output_dir={out}", "data.eval_path=examples/data/tiny-eval.jsonl", "--max-new-tokens", "2"]
+    try:
+        before = _tree(out)
+        r = rayft_in_process("eval", *args)
+        _assert_one_line(r.returncode, r.stderr, "another run is using it", f"pid {holder.pid}")
+        assert _tree(out) == before and not (out / "eval.json").exists()
+    finally:
+        _kill(holder)
+    r = rayft_in_process("eval", *args)  # the holder gone: the same command writes it
+    assert r.returncode == 0 and (out / "eval.json").exists(), r.stderr
+    assert runlock.held_token(out) is None  # released on return
