@@ -157,6 +157,11 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         if not ok or not all(isinstance(d, int) and d >= 0 for d in info["shape"]):
             raise UserError(f"{path}: tensor {name[:100]!r} has a broken entry in the header")
         shapes[name] = tuple(info["shape"])
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    if max(ends, default=0) != size - 8 - n:  # safetensors refuses bytes no tensor covers
+        raise UserError(
+            f"{path}: is not a safetensors file ({size - 8 - n - max(ends, default=0)} bytes past its tensors)"
+        )
     return shapes
 
 

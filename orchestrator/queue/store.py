@@ -21,6 +21,7 @@ file says it was:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -112,6 +113,21 @@ CREATE TABLE IF NOT EXISTS events (
 OUR_TABLES = {"jobs", "attempts", "events"}
 
 
+@functools.cache
+def schema_columns() -> dict[str, frozenset[str]]:
+    """{table: its columns} as SCHEMA creates them (what every reader may ask a row for)."""
+    db = sqlite3.connect(":memory:")
+    db.executescript(SCHEMA)
+    cols = {t: frozenset(r[1] for r in db.execute(f"PRAGMA table_info({t})")) for t in OUR_TABLES}
+    db.close()
+    return cols
+
+
+def _text(raw: bytes) -> str:
+    """A TEXT value; bytes that are no UTF-8 (a damaged file) read as U+FFFD, never a crash."""
+    return raw.decode("utf-8", "replace")
+
+
 STATES = ("QUEUED", *ACTIVE, *DONE)
 _INT_COLUMNS = ("id", "priority", "attempt", "micro_batch_size", "grad_accum_steps", "max_retries", "retries")
 _JSON_LIST_COLUMNS = ("overrides", "changes")
@@ -177,6 +193,9 @@ class Queue:
 
     @property
     def exists(self) -> bool:
+        """The database file is there; a link to nothing (dangling, or a loop) is refused."""
+        if self.path.is_symlink() and not self.path.exists():
+            raise UserError(f"--db {self.path}: a symbolic link to nothing that can be opened")
         return self.path.is_file()
 
     def _refuse_unusable(self, why: str) -> UserError:
@@ -191,6 +210,7 @@ class Queue:
             raise UserError(f"--db {path}: is a directory; name the queue database file, e.g. {path / 'queue.db'}")
         if path.exists() and not path.is_file():
             raise UserError(f"--db {path}: not a regular file")
+        self.exists  # noqa: B018 - refuses a link to nothing (SQLite cannot open it)
         if self.readonly:
             return self._check(self._connect_readonly())
         if not path.parent.is_dir():
@@ -243,9 +263,11 @@ class Queue:
     def _check(self, db: sqlite3.Connection) -> sqlite3.Connection:
         """The file is a readable SQLite database, intact, and rayft's queue (or empty)."""
         db.row_factory = sqlite3.Row
+        db.text_factory = _text
         try:
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             problems = [r[0] for r in db.execute("PRAGMA quick_check")]
+            columns = {t: {r[1] for r in db.execute(f"PRAGMA table_info({t})")} for t in OUR_TABLES & tables}
         except sqlite3.DatabaseError as e:
             db.close()
             raise self._refuse_unusable(f"corrupt, or not a SQLite database ({e})") from None
@@ -258,6 +280,10 @@ class Queue:
             db.close()
             shown = ", ".join(sorted(tables)[:5])
             raise self._refuse_unusable(f"a SQLite database of something else (tables: {shown}), not a rayft queue")
+        lacking = sorted(f"{t}.{c}" for t, have in columns.items() for c in schema_columns()[t] - have)
+        if lacking:
+            db.close()
+            raise self._refuse_unusable(f"its tables lack columns rayft reads ({', '.join(lacking[:5])})")
         return db
 
     @contextlib.contextmanager
