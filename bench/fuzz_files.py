@@ -19,50 +19,23 @@ import os
 import sys
 import tempfile
 import time
-import traceback
-from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+
+from fuzz_specs import run_cases  # noqa: E402
 
 from tests.filefuzz import TARGETS, check, mutations  # noqa: E402
 
 
 def fuzz(target, examples: int, deadline_s: float) -> dict:
-    """Up to `examples` random mutations of one built target (fewer when `deadline_s` passes first)."""
-    tried, codes, failures, start = 0, Counter(), [], time.monotonic()
-
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(mutations)
-    def run(m):
-        nonlocal tried
-        if time.monotonic() - start > deadline_s:
-            return
-        tried += 1
-        try:
-            codes[str(check(target, m)[0])] += 1
-        except Exception as e:  # noqa: BLE001 - every failure is recorded, the run goes on
-            failures.append(
-                {
-                    "target": target.name,
-                    "error": type(e).__name__,
-                    "message": (str(e).strip().splitlines() or [""])[0][:300],
-                    "where": traceback.extract_tb(e.__traceback__)[-1].filename.replace(str(ROOT) + "/", ""),
-                    "case": repr(m),
-                }
-            )
-
-    run()
-    return {"tried": tried, "exits": dict(codes), "seconds": round(time.monotonic() - start, 1), "failures": failures}
+    """Up to `examples` random mutations of one built target (fewer when `deadline_s` passes first),
+    with the count of each exit code."""
+    result = run_cases(target.name, mutations, lambda m: check(target, m)[0], examples, deadline_s)
+    result["exits"] = result.pop("outcomes")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +38,16 @@ SHOWN_CASE_CHARS = 600
 def fuzz(name: str, examples: int, deadline_s: float) -> dict:
     """Up to `examples` random cases of one target (fewer when `deadline_s` passes first)."""
     strategy, check = TARGETS[name]
-    tried, failures, start = 0, [], time.monotonic()
+    result = run_cases(name, strategy, check, examples, deadline_s)
+    del result["outcomes"]  # every check here returns None
+    return result
+
+
+def run_cases(name: str, strategy, check, examples: int, deadline_s: float) -> dict:
+    """Up to `examples` cases of `strategy` through `check` (fewer when `deadline_s` passes first):
+    cases tried, seconds, each failure (an exception out of `check`; the run goes on), and a count
+    of what `check` returned. Shared with bench/fuzz_files.py."""
+    tried, outcomes, failures, start = 0, Counter(), [], time.monotonic()
 
     @settings(
         max_examples=examples,
@@ -53,7 +63,7 @@ def fuzz(name: str, examples: int, deadline_s: float) -> dict:
             return
         tried += 1
         try:
-            check(case)
+            outcomes[str(check(case))] += 1
         except Exception as e:  # noqa: BLE001 - every failure is recorded, the run goes on
             failures.append(
                 {
@@ -66,7 +76,12 @@ def fuzz(name: str, examples: int, deadline_s: float) -> dict:
             )
 
     run()
-    return {"tried": tried, "seconds": round(time.monotonic() - start, 1), "failures": failures}
+    return {
+        "tried": tried,
+        "outcomes": dict(outcomes),
+        "seconds": round(time.monotonic() - start, 1),
+        "failures": failures,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -113,7 +113,9 @@ def alarm(seconds: int = HANG_S) -> Iterator[None]:
 
 
 def exit_code(fn: Callable[[], Any]) -> int:
-    """0, or a RayftError's exit code after checking its one line; any other exception escapes."""
+    """What the CLI would exit with: 0, or a RayftError's exit code after checking its one line.
+    Any other exception propagates: that is a traceback, the failure a fuzz looks for. Shared
+    with tests/test_fuzz.py."""
     from jobs.errors import RayftError
 
     try:

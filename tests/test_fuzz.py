@@ -17,7 +17,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobs.errors import RayftError
+from tests.filefuzz import exit_code
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "tiny.jsonl"
@@ -288,26 +288,14 @@ def _workdir() -> Iterator[Path]:
             os.chdir(cwd)
 
 
-def _exit_code(fn: Callable[[], Any]) -> int:
-    """What the CLI would exit with: 0, or a RayftError's code after checking its one line.
-    Any other exception propagates: that is a traceback, the failure this fuzz looks for."""
-    try:
-        fn()
-        return 0
-    except RayftError as e:
-        msg = str(e)
-        assert msg.strip() and len(msg.splitlines()) == 1, f"not one line: {msg!r}"
-        return e.exit_code
-
-
 def _spec_check_then_prepare(spec_path: Path, overrides: list[str], out: Path) -> None:
     from jobs.finetune import prepare
     from jobs.spec import load_spec
 
-    check = _exit_code(lambda: load_spec(spec_path, overrides).to_yaml())  # rayft spec check
+    check = exit_code(lambda: load_spec(spec_path, overrides).to_yaml())  # rayft spec check
     assert check in (0, 2)
     before = sorted(os.listdir(spec_path.parent))
-    run = _exit_code(
+    run = exit_code(
         lambda: prepare(str(spec_path), [*overrides, "run.max_steps=1", "run.epochs=null"], fresh=False, local=True)
     )
     assert run in (0, 2)
@@ -353,14 +341,14 @@ def check_jsonl(case: tuple[list[str], str, int]) -> None:
             )
         )
         out = d / "out"
-        code = _exit_code(lambda: prepare(str(spec_path), [f"run.output_dir={out}"], fresh=False, local=True))
+        code = exit_code(lambda: prepare(str(spec_path), [f"run.output_dir={out}"], fresh=False, local=True))
         assert code in (0, 2)
         if code:
             assert not out.exists()
             return
         # what the worker does next with the data (the built-in byte tokenizer: no download)
         spec = load_spec(spec_path, [f"run.output_dir={out}"])
-        assert _exit_code(lambda: load_dataset(spec, _tokenizer())) in (0, 2)
+        assert exit_code(lambda: load_dataset(spec, _tokenizer())) in (0, 2)
 
 
 _TOKENIZER: list = []
@@ -402,9 +390,9 @@ def test_the_fuzzer_reaches_both_outcomes():
         spec_path.write_text(yaml.safe_dump(BASE))
         from jobs.finetune import prepare
 
-        assert _exit_code(lambda: prepare(str(spec_path), [f"run.output_dir={d / 'a'}"], False, local=True)) == 0
+        assert exit_code(lambda: prepare(str(spec_path), [f"run.output_dir={d / 'a'}"], False, local=True)) == 0
         assert (
-            _exit_code(
+            exit_code(
                 lambda: prepare(str(spec_path), [f"run.output_dir={d / 'b'}", "optim.lr=.inf"], False, local=True)
             )
             == 2

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from jobs.data import tokenizing as tokenizing_module
 from jobs.errors import SpecError
 from jobs.model import byte_tokenizer
 from jobs.outputs import RUN_MARKER
+from tests.filefuzz import alarm
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYFT = Path(sys.executable).parent / "rayft"
@@ -45,22 +44,6 @@ def _refused(r: subprocess.CompletedProcess, *fragments: str) -> str:
     for f in fragments:
         assert f in lines[-1], lines[-1]
     return lines[-1]
-
-
-@contextmanager
-def _alarm(seconds: int = 20):
-    """Raise TimeoutError in this thread after `seconds` (a blocking open() is interrupted)."""
-
-    def fire(signum, frame):
-        raise TimeoutError(f"still blocked after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # ---- data --------------------------------------------------------------------------------------
@@ -140,7 +123,7 @@ def test_a_checkpoint_manifest_entry_that_is_special_is_refused_without_hanging(
 def test_no_checkpoint_reader_opens_a_special_file(tmp_path, name, kind):
     step = _checkpoint(tmp_path / "run")
     _special(step / name, kind)
-    with _alarm():
+    with alarm(20):
         why = ckpt.why_incomplete(step)
         assert why is not None and name in why and ("FIFO" in why or "device" in why)
         if name == ckpt.STATE_FILE:
@@ -156,7 +139,7 @@ def test_no_checkpoint_reader_opens_a_special_file(tmp_path, name, kind):
 def test_a_special_adapter_file_in_a_checkpoint_is_refused(tmp_path):
     step = _checkpoint(tmp_path / "run")
     os.mkfifo(step / ckpt.ADAPTER_FILE)
-    with _alarm(), pytest.raises(SpecError, match="FIFO"):
+    with alarm(20), pytest.raises(SpecError, match="FIFO"):
         ckpt.load_adapter(step)
 
 
