@@ -279,10 +279,10 @@ def prepare(
     set aside, with one warning line, and built again). An entry's records are read and checked before Ray is
     reached (bad data: a SpecError, nothing started or created); Ray is started or connected to
     only when an entry is missing, and `say` is told where it runs."""
-    reports = []
+    reports, id_bound = [], vocab_size(tokenizer)
     for entry in spec_entries(spec, tokenizer):
         expected = {"content_hash": entry.content, "kind": data_kind(entry.spec)}
-        if verified_if_published(entry.final, expected, vocab_size(tokenizer)):
+        if verified_if_published(entry.final, expected, id_bound):
             reports.append({"path": str(entry.final), "built": False})
             continue
         records, eval_records = entry.read()
