@@ -158,6 +158,11 @@ class LocalCluster:
         # Every process of this cluster (Ray Train's placement group cleaner included) talks to
         # this cluster, not to the newest other `ray start` cluster on the machine.
         self.env["RAY_ADDRESS"] = self.address
+        # Ray Train's default 2 s controller poll here, not conftest's 0.25 s: with a fast poll, the
+        # surviving rank's gloo error can be polled before the lost node's worker fails its health
+        # check, and the run then ends with that error instead of naming the node (seen in
+        # test_node_loss_queue). The node-loss tests check what a user's default poll gives.
+        self.env.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", None)
         self.tmp = tmp
         self.nodes: list[subprocess.Popen] = []
         self.node_ids: dict[int, str] = {}  # node process id -> Ray node id
