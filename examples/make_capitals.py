@@ -5,8 +5,12 @@ instruct model knows many capitals but answers in a sentence ("The capital of Fr
 Paris."), so exact match is ~0 before fine-tuning; the adapter has to learn the format and
 apply it, with the base model's knowledge, to countries it never saw (the held-out split).
 
-The same split as preference pairs (`capitals-pairs-*.jsonl`, examples/smollm2-dpo.yaml): chosen
-the capital, rejected a plausible wrong city (`WRONG`).
+Preference pairs for examples/smollm2-dpo.yaml (`capitals-pairs-*.jsonl`), chosen the capital:
+the held-out pairs are the same 24 countries, rejected a famous city of the country that is not
+its capital (`WRONG`); the training pairs are the 83 training countries and 65 more (`MORE`, in
+capitals_regions.py), rejected the capital of a neighbour (`neighbour_rejected`).
+`capitals-pairs-train-cities.jsonl` holds the 83 training countries with `WRONG` instead, the
+variant docs/benchmarks.md#make-demo-dpo compares.
 
     python examples/make_capitals.py [--check]
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 
+from capitals_regions import MORE, REGIONS
 from datafiles import write_or_check
 
 # The demo's files are chat records (`capitals-chat-*.jsonl`): rayft renders them with the model's
@@ -137,10 +142,14 @@ CAPITALS = {
     "Albania": "Tirana",
 }
 
-# The rejected answer of each preference pair (`capitals-pairs-*.jsonl`): a plausible mistake. A
-# famous city of the country that is not its capital where there is one (Sydney, Toronto,
-# Istanbul, Rio de Janeiro, ...); where the capital is the country's one famous city (a city-state,
-# or "X City"), the mistakes small models make instead: a neighbour's capital, or the country's name.
+# The rejected answer of the held-out pairs (`capitals-pairs-eval.jsonl`, and of
+# `capitals-pairs-train-cities.jsonl`): a plausible mistake. A famous city of the country that is
+# not its capital where there is one (Sydney, Toronto, Istanbul, Rio de Janeiro, ...); where the
+# capital is the country's one famous city (a city-state, or "X City"), the mistake small models
+# make instead: a neighbour's capital, or a smaller city.
+# Never the first words of the capital ("Panama" for "Panama City"): the two answers of such a pair
+# differ only where one of them ends, so DPO on it lowers the end of turn after a country's name,
+# and the model learns to answer "Nepal City" (`check_pairs`).
 WRONG = {
     "France": "Marseille",
     "Germany": "Munich",
@@ -240,9 +249,9 @@ WRONG = {
     "Laos": "Luang Prabang",
     "Myanmar": "Yangon",
     "Jamaica": "Montego Bay",
-    "Panama": "Panama",
+    "Panama": "Colon",
     "Costa Rica": "Limon",
-    "Guatemala": "Guatemala",
+    "Guatemala": "Quetzaltenango",
     "Honduras": "San Pedro Sula",
     "Nicaragua": "Leon",
     "Luxembourg": "Brussels",
@@ -260,18 +269,32 @@ def split() -> dict[str, list[str]]:
     return {"train": countries[n_eval:], "eval": countries[:n_eval]}
 
 
-def pairs(countries: list[str]) -> str:
+def pairs(countries: list[str], rejected: dict[str, str]) -> str:
     """Conversational preference pairs: prompt [user], chosen [assistant: the capital], rejected
-    [assistant: `WRONG`]."""
+    [assistant: `rejected[country]`]."""
+    capital = {**CAPITALS, **MORE}
     recs = [
         {
             "prompt": [{"role": "user", "content": f"Capital of {c}?"}],
-            "chosen": [{"role": "assistant", "content": CAPITALS[c]}],
-            "rejected": [{"role": "assistant", "content": WRONG[c]}],
+            "chosen": [{"role": "assistant", "content": capital[c]}],
+            "rejected": [{"role": "assistant", "content": rejected[c]}],
         }
         for c in countries
     ]
     return "".join(json.dumps(r) + "\n" for r in recs)
+
+
+def neighbour_rejected(countries: list[str]) -> dict[str, str]:
+    """Country -> the capital of another of `countries` in its region (`REGIONS`), drawn with a
+    fixed seed. Another country's capital is a mistake the SFT adapter makes often on countries it
+    never saw (Vientiane for Thailand, Tbilisi for Uzbekistan, Buenos Aires for Uruguay; 20 of its
+    60 wrong answers on `MORE`, 12 the country's name, most of the rest made-up names). Drawing only
+    from `countries` (the training ones) keeps every held-out capital out of training."""
+    capital = {**CAPITALS, **MORE}
+    region = {c: r for r, members in REGIONS.items() for c in members}
+    rng = random.Random(2026)
+    near = {c: sorted(x for x in REGIONS[region[c]] if x != c and x in countries) for c in countries}
+    return {c: capital[rng.choice(near[c])] for c in countries}
 
 
 def check_pairs() -> None:
@@ -279,6 +302,16 @@ def check_pairs() -> None:
     assert WRONG.keys() == CAPITALS.keys(), sorted(WRONG.keys() ^ CAPITALS.keys())
     same = [c for c in CAPITALS if WRONG[c] == CAPITALS[c]]
     assert not same, same
+    prefix = [c for c in CAPITALS if word_prefix(WRONG[c], CAPITALS[c]) or word_prefix(CAPITALS[c], WRONG[c])]
+    assert not prefix, prefix
+    assert not MORE.keys() & CAPITALS.keys() and not set(MORE.values()) & set(CAPITALS.values())
+    regions = [c for members in REGIONS.values() for c in members]
+    assert sorted(regions) == sorted([*CAPITALS, *MORE]), sorted(set(regions) ^ {*CAPITALS, *MORE})
+
+
+def word_prefix(a: str, b: str) -> bool:
+    """Whether `a`'s words are the first words of `b` ("Panama" of "Panama City")."""
+    return b.split()[: len(a.split())] == a.split()
 
 
 def build() -> dict[str, str]:
@@ -297,7 +330,11 @@ def build() -> dict[str, str]:
             for c in subset
         ]
         out[name.replace("capitals-", "capitals-chat-")] = "".join(json.dumps(r) + "\n" for r in chats)
-        out[name.replace("capitals-", "capitals-pairs-")] = pairs(subset)
+        out[name.replace("capitals-", "capitals-pairs-")] = pairs(subset, WRONG)
+    train = split()["train"]
+    out["capitals-pairs-train-cities.jsonl"] = out["capitals-pairs-train.jsonl"]
+    countries = train + sorted(MORE)
+    out["capitals-pairs-train.jsonl"] = pairs(countries, neighbour_rejected(countries))
     return out
 
 

@@ -400,17 +400,40 @@ def test_the_tiny_pairs_example_reads_as_pairs_that_all_differ():
 
 def test_the_capitals_pairs_hold_out_the_sft_examples_countries():
     """examples/smollm2-dpo.yaml's pairs: reproducible (make_capitals.py --check), conversational,
-    the same countries per split as the SFT files, chosen the SFT answer, rejected another city."""
+    the held-out ones the SFT example's held-out countries, the training ones its training
+    countries and more, chosen the capital, rejected another city (never the chosen one cut short),
+    and no held-out capital anywhere in the training pairs."""
     import subprocess
     import sys
 
     subprocess.run([sys.executable, str(ROOT / "examples/make_capitals.py"), "--check"], check=True)
-    for split in ("train", "eval"):
-        pairs = read_jsonl(str(ROOT / f"examples/data/capitals-pairs-{split}.jsonl"), objective="dpo")
-        chats = read_jsonl(str(ROOT / f"examples/data/capitals-chat-{split}.jsonl"))
-        assert [p["prompt"] for p in pairs] == [c["messages"][:1] for c in chats]
-        assert [p["chosen"] for p in pairs] == [c["messages"][1:] for c in chats]
-        assert all(p["rejected"][0]["role"] == "assistant" and p["rejected"] != p["chosen"] for p in pairs)
+
+    def read(name: str) -> list[dict]:
+        return read_jsonl(str(ROOT / f"examples/data/{name}.jsonl"), objective="dpo")
+
+    def chats(split: str) -> list[dict]:
+        return read_jsonl(str(ROOT / f"examples/data/capitals-chat-{split}.jsonl"))
+
+    held_out, train = chats("eval"), chats("train")
+    for pairs, sft in (
+        (read("capitals-pairs-eval"), held_out),
+        (read("capitals-pairs-train-cities"), train),
+        (read("capitals-pairs-train")[: len(train)], train),
+    ):
+        assert [p["prompt"] for p in pairs] == [c["messages"][:1] for c in sft]
+        assert [p["chosen"] for p in pairs] == [c["messages"][1:] for c in sft]
+    training = read("capitals-pairs-train")
+    assert len(training) > len(train) and len({str(p["prompt"]) for p in training}) == len(training)
+    assert not {str(p["prompt"]) for p in training} & {str(c["messages"][:1]) for c in held_out}
+    held_out_capitals = {c["messages"][1]["content"] for c in held_out}
+    answers = {p[k][0]["content"] for p in training for k in ("chosen", "rejected")}
+    assert not answers & held_out_capitals, answers & held_out_capitals
+    for p in [*training, *read("capitals-pairs-train-cities"), *read("capitals-pairs-eval")]:
+        assert p["rejected"][0]["role"] == "assistant" and p["rejected"] != p["chosen"]
+        # no rejected answer is the chosen one cut short ("Panama" for "Panama City"): that pair's
+        # preference falls on the end of turn alone (examples/make_capitals.py, `WRONG`)
+        chosen, rejected = (p[k][0]["content"].split() for k in ("chosen", "rejected"))
+        assert chosen[: len(rejected)] != rejected and rejected[: len(chosen)] != chosen, p
 
 
 # ---- refusals: one line, exit 2, nothing created ---------------------------------------------
