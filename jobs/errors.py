@@ -200,3 +200,20 @@ def unreachable_workers(err: BaseException | None) -> dict[str, tuple[str, list[
             if m:
                 found.setdefault(m.group(1), (m.group(2), []))[1].append(int(rank))
     return found
+
+
+# What a rank says when a peer of its collective went away: gloo's and torch's lines for a closed
+# or reset connection (torch adds "This is typically caused by a remote worker crashing"), and
+# NCCL's for an aborted communicator.
+_PEER_GONE = re.compile(
+    r"connection (closed|reset) by peer|connection was likely closed|remote worker crashing|"
+    r"remote process exited|NCCL communicator was aborted|DistNetworkError",
+    re.IGNORECASE,
+)
+
+
+def peer_gone(err: BaseException | None) -> bool:
+    """True when a failure in `err` (walked with `causes`) is a rank's collective losing a peer:
+    what the ranks that survive a lost node raise, often before Ray Train's health check has
+    noticed the lost node's own workers."""
+    return any(_PEER_GONE.search(str(e)) for e in causes(err))

@@ -7,7 +7,9 @@
                                                        step 5 (0-based), once: the marker file
                                                        records that it happened
     RAYFT_FAULT="sleep:step=5,seconds=60,once=/tmp/m"  stall every rank before step 5, once (for
-                                                       tests that stop the driver mid-run)
+                                                       tests that stop the driver mid-run); with
+                                                       rank=1 only rank 1, while the others wait
+                                                       for it in the step's all-reduce
 Several directives are separated by ';'.
 """
 
@@ -38,8 +40,10 @@ class Faults:
             if kind == "kill" and step == int(args["step"]) and rank == int(args.get("rank", 0)):
                 if _first_time(args, f"killed rank {rank} at step {step}"):
                     os.kill(os.getpid(), signal.SIGKILL)
-            if kind == "sleep" and step == int(args["step"]):
-                if _first_time(args, f"slept at step {step}", mark=rank == 0):
+            if kind == "sleep" and step == int(args["step"]) and rank == int(args.get("rank", rank)):
+                # The marker names the process (a test finds the node that stalled by its pid).
+                what = f"slept at step {step}: rank {rank}, pid {os.getpid()}"
+                if _first_time(args, what, mark=rank == int(args.get("rank", 0))):
                     time.sleep(float(args["seconds"]))
 
 
@@ -59,7 +63,7 @@ def _first_time(args: dict[str, str], what: str, mark: bool = True) -> bool:
 _NUMBERS: dict[str, dict[str, type]] = {
     "oom": {"micro_batch_gt": int},
     "kill": {"step": int, "rank": int},
-    "sleep": {"step": int, "seconds": float},
+    "sleep": {"step": int, "seconds": float, "rank": int},
 }
 _OPTIONAL = {"rank"}
 

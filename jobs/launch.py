@@ -16,7 +16,7 @@ from pathlib import Path
 import ray
 
 from . import runlock
-from .errors import NodeLost, unreachable_workers, worker_error
+from .errors import NodeLost, peer_gone, unreachable_workers, worker_error
 from .spec import JobSpec
 
 log = logging.getLogger("rayft")
@@ -24,10 +24,19 @@ log = logging.getLogger("rayft")
 
 @ray.remote(num_cpus=0)
 class ProgressActor:
-    """Rank 0 pushes one record per optimizer step; the driver polls. Holds no GPU or CPU."""
+    """Rank 0 pushes one record per optimizer step; the driver polls. Every rank also says at
+    start-up which node it runs on (`placed`), so that a failure can be matched to a lost node
+    (`node_lost`). Holds no GPU or CPU."""
 
     def __init__(self):
         self.records: list[dict] = []
+        self.nodes: dict[int, tuple[str, str]] = {}  # world rank -> (node id, node ip), newest start
+
+    def placed(self, rank: int, node_id: str, node_ip: str) -> None:
+        self.nodes[rank] = (node_id, node_ip)
+
+    def placement(self) -> dict[int, tuple[str, str]]:
+        return dict(self.nodes)
 
     def put(self, record: dict) -> None:
         self.records.append(record)
@@ -48,7 +57,34 @@ def train_worker(config: dict) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     spec = JobSpec.model_validate(config["spec"])
+    _report_placement(config.get("placement"))
     train(spec, RayContext(config.get("progress")), resume=config["resume"], run_token=config.get("run_token"))
+
+
+def _report_placement(relay) -> None:
+    """Tell the driver's relay (a ProgressActor) which node this rank runs on; at every start,
+    so after a restart the relay holds the nodes of the workers that run now."""
+    if relay is None:
+        return
+    import ray.train
+
+    try:
+        rank = ray.train.get_context().get_world_rank()
+        ctx = ray.get_runtime_context()
+        ray.get(relay.placed.remote(rank, ctx.get_node_id(), ray.util.get_node_ip_address()), timeout=30)
+    except Exception:  # noqa: BLE001 - only a better error line depends on it: never fail a run over it
+        log.warning("rayft: could not record this worker's node; a lost node may be reported by Ray's error only")
+
+
+def reported_placement(relay) -> dict[int, tuple[str, str]] | None:
+    """{world rank: (node id, node ip)} the workers reported to `relay`, or None (no relay, or it
+    cannot answer: it is pinned to the driver's node, so a lost node does not take it along)."""
+    if relay is None:
+        return None
+    try:
+        return ray.get(relay.placement.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - the failure is reported either way, with or without the node
+        return None
 
 
 def init_ray(address: str | None, num_cpus: int, log_to_driver: bool = True) -> None:
@@ -145,9 +181,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _progress_actor():
-    """The progress relay, pinned to this driver's node: it holds no resources, so Ray could put
-    it on any node, and losing that node would end the run whatever `run.max_failures` allows."""
+def relay_actor():
+    """A relay (ProgressActor) pinned to the calling driver's node: it holds no resources, so Ray
+    could put it on any node, and losing that node would end the run whatever `run.max_failures`
+    allows (and with it what the workers told it)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
@@ -156,11 +193,12 @@ def _progress_actor():
     return ProgressActor.options(scheduling_strategy=strategy).remote()  # type: ignore[attr-defined]
 
 
-def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks: list | None = None):
+def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, relay=None, callbacks: list | None = None):
     """The TorchTrainer that runs `spec` (the one setup `run_on_ray` and every Tune trial use):
     `resources.num_workers` workers with `cpus_per_worker` CPUs and one GPU each when `use_gpu`,
     checkpoints in `<output_dir>/checkpoints/step-NNNNNNNN` (Ray Train's storage is the output
-    dir, see jobs.checkpoint), `run.max_failures` restarts, `run.env` in every worker."""
+    dir, see jobs.checkpoint), `run.max_failures` restarts, `run.env` in every worker. Rank 0
+    sends its step records to `progress`, every rank its node to `relay` (ProgressActors)."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -170,6 +208,7 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, callbacks
         train_loop_config={
             "spec": spec.to_dict(),
             "progress": progress,
+            "placement": relay,
             "resume": resume,
             # the driver's hold on the output dir's lock: rank 0 then knows the holder (jobs.runlock)
             "run_token": runlock.held_token(spec.output_path),
@@ -203,8 +242,11 @@ def run_on_ray(
     # One logical CPU per worker plus one for Ray Train's controller.
     init_ray(address, math.ceil(spec.resources.num_workers * spec.resources.cpus_per_worker) + 1)
     out = spec.output_path.resolve()
-    progress = _progress_actor() if on_progress else None
-    trainer = make_trainer(spec, resume=resume, progress=progress)
+    # The relay: rank 0's step records when they are shown, and with several workers where each
+    # runs (a failure of the survivors of a lost node names that node: `node_lost`).
+    relay = relay_actor() if on_progress or spec.resources.num_workers > 1 else None
+    progress = relay if on_progress else None
+    trainer = make_trainer(spec, resume=resume, progress=progress, relay=relay)
     result: dict = {}
 
     def fit() -> None:
@@ -226,7 +268,7 @@ def run_on_ray(
         for rec in ray.get(progress.since.remote(seen)):
             on_progress(rec)
     if "error" in result:
-        lost = node_lost(result["error"])
+        lost = node_lost(result["error"], placement=reported_placement(relay))
         if lost is not None:
             n = spec.run.max_failures
             why = f"after run.max_failures={n} restarts" if n else "run.max_failures=0"
@@ -248,13 +290,21 @@ def run_on_ray(
 NODE_DEATH_WAIT_S = 70.0
 
 
-def node_lost(err: BaseException, wait_s: float = NODE_DEATH_WAIT_S) -> NodeLost | None:
+def node_lost(
+    err: BaseException, wait_s: float = NODE_DEATH_WAIT_S, placement: dict[int, tuple[str, str]] | None = None
+) -> NodeLost | None:
     """A `NodeLost` naming the node when a Ray Train failure `err` came from losing a node, else None.
 
-    A worker that stopped answering (`unreachable_workers`) is only a node loss when Ray marks its
-    node dead, so the cluster is asked (for up to `wait_s`): a worker process killed on a node that
-    is still up is a different failure and keeps Ray's own error."""
+    The candidates: the nodes of workers that stopped answering (`unreachable_workers`, Ray
+    Train's health check); or, when the failure seen first is a surviving rank's collective
+    losing its peer (`peer_gone`) and no health check has failed yet, the nodes the workers
+    reported at start-up (`placement`, {world rank: (node id, node ip)}). A candidate is only a
+    lost node when Ray marks it dead, so the cluster is asked (for up to `wait_s`): a worker
+    process killed on a node that is still up is a different failure and keeps Ray's own error."""
     workers = unreachable_workers(err)
+    if not workers and placement and peer_gone(err):
+        for rank, (node_id, ip) in placement.items():
+            workers.setdefault(node_id, (ip, []))[1].append(rank)
     if not workers:
         return None
     deadline = time.monotonic() + wait_s

@@ -158,11 +158,9 @@ class LocalCluster:
         # Every process of this cluster (Ray Train's placement group cleaner included) talks to
         # this cluster, not to the newest other `ray start` cluster on the machine.
         self.env["RAY_ADDRESS"] = self.address
-        # Ray Train's default 2 s controller poll here, not conftest's 0.25 s: with a fast poll, the
-        # surviving rank's gloo error can be polled before the lost node's worker fails its health
-        # check, and the run then ends with that error instead of naming the node (seen in
-        # test_node_loss_queue). The node-loss tests check what a user's default poll gives.
-        self.env.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", None)
+        # conftest's 0.25 s controller poll, as everywhere: with it, the surviving rank's gloo error
+        # is often polled before the lost node's worker fails its health check, the failure
+        # `jobs.launch.node_lost` matches to the lost node through where the workers started.
         self.tmp = tmp
         self.nodes: list[subprocess.Popen] = []
         self.node_ids: dict[int, str] = {}  # node process id -> Ray node id
@@ -297,10 +295,26 @@ class LocalCluster:
             found = wait_until(victims, 30, "a node holds a training worker and no driver-side actor")
         except AssertionError:
             raise AssertionError(on) from None
+        return self._remove(found[0])
+
+    def remove_node_of_pid(self, pid: int) -> str:
+        """SIGKILL the node whose actor runs in process `pid` (a training worker), wait until Ray has
+        marked it dead; returns its Ray node id."""
+
+        def node_of_pid() -> str | None:
+            got = self._get("/api/v0/actors?limit=10000&detail=true")
+            actors = ((got.get("data") or {}).get("result") or {}).get("result") or []
+            return next((a["node_id"] for a in actors if a.get("pid") == pid and a.get("state") == "ALIVE"), None)
+
+        node_id = wait_until(node_of_pid, 30, f"the state API lists the actor in process {pid}")
+        (node,) = [q for q in self._live() if self.node_ids.get(q.pid) == node_id]
+        return self._remove(node)
+
+    def _remove(self, node: subprocess.Popen) -> str:
         alive = len(self.alive_cpu_nodes())
-        kill_group(found[0])  # a whole node: its raylet and its workers
+        kill_group(node)  # a whole node: its raylet and its workers
         self.wait_nodes(alive - 1)
-        return self.node_ids[found[0].pid]
+        return self.node_ids[node.pid]
 
     def stop(self) -> None:
         for p in self.nodes + [self.head]:

@@ -26,8 +26,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 # start (documented Ray knobs; nothing rayft decides depends on them):
 # - Ray Train's controller polls its workers every 2 s by default, and a run waits for a poll at
 #   each state change (workers started, run finished, worker failed): ~5-10 s of idle wall time
-#   per run. A 0.25 s poll ends each wait sooner. It can change which failure of a lost node is
-#   seen first, so the node-loss cluster keeps the default (tests/clusters.py, LocalCluster).
+#   per run. A 0.25 s poll ends each wait sooner. It changes which failure of a lost node is
+#   often seen first (a surviving rank's, before the lost worker's health check): the node-loss
+#   tests run with it too, and rayft names the lost node either way (`jobs.launch.node_lost`).
 # - Ray's and Ray Train's metrics export and the Train state reconciliation feed dashboards no
 #   test reads; prestarted idle workers (one per CPU when the first driver connects) are CPU the
 #   tests need for the workers they do start.

@@ -398,6 +398,31 @@ def test_every_bad_rayft_fault_is_refused_before_the_first_step(monkeypatch, fau
     assert len(str(e.value).splitlines()) == 1
 
 
+def test_a_sleep_fault_with_a_rank_stalls_that_rank_only_and_its_marker_names_the_process(monkeypatch, tmp_path):
+    import os
+    import time
+
+    from jobs.faults import from_env
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    marker = tmp_path / "stalled"
+    monkeypatch.setenv("RAYFT_FAULT", f"sleep:step=5,seconds=9,rank=1,once={marker}")
+    faults = from_env()
+    faults.at_step(4, 1, 2)
+    faults.at_step(5, 0, 2)
+    assert slept == [] and not marker.exists()  # another step, another rank: no stall
+    faults.at_step(5, 1, 2)
+    assert slept == [9.0] and marker.read_text() == f"slept at step 5: rank 1, pid {os.getpid()}\n"
+    faults.at_step(5, 1, 2)
+    assert slept == [9.0]  # once
+    monkeypatch.setenv("RAYFT_FAULT", "sleep:step=5,seconds=2")
+    everyone = from_env()
+    for rank in (0, 1, 2):
+        everyone.at_step(5, rank, 2)
+    assert slept == [9.0, 2.0, 2.0, 2.0]  # without rank=, every rank stalls
+
+
 def test_json_outputs_are_strict_non_finite_becomes_null(tmp_path):
     write_json_atomic(tmp_path / "s.json", {"a": math.nan, "b": [math.inf, 1.5], "c": {"d": -math.inf}})
     assert json.loads((tmp_path / "s.json").read_text()) == {"a": None, "b": [None, 1.5], "c": {"d": None}}

@@ -84,16 +84,22 @@ def test_losing_a_node_resumes_from_the_last_checkpoint_once_capacity_is_back(cl
 @pytest.mark.ray
 @pytest.mark.slow
 def test_without_max_failures_losing_a_node_ends_the_run_with_one_line_naming_it(cluster, tmp_path):
+    """Rank 1 stalls before step 5 while rank 0 waits for it in the step's all-reduce; rank 1's
+    node is removed. Rank 0's collective then fails at once ("Connection closed by peer"), often
+    before Ray Train's health check fails rank 1: the line names the node either way."""
     cluster.ensure_nodes(2)
     out, marker = tmp_path / "run", tmp_path / "stalled"
-    p = _run(cluster, out, f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,once={marker}")  # max_failures 0
-    victim = _stall_then_remove_a_node(cluster, p, out, marker)
+    p = _run(cluster, out, f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,rank=1,once={marker}")  # max_failures 0
+    wait_until(lambda: marker.exists() and len(read_metrics(out)) >= 5, 300, "step 5", proc=p)
+    pid = int(marker.read_text().rsplit("pid ", 1)[1])
+    victim = cluster.remove_node_of_pid(pid)
     o, err = p.communicate(timeout=300)
     assert p.returncode == 1, err[-3000:]  # the cluster's fault, not a usage error (2)
     assert "Traceback" not in o + err, (o + err)[-5000:]
     last = err.strip().splitlines()[-1]
     ip = cluster.node_ip(victim)  # dead nodes stay in Ray's node table
     assert last.startswith("rayft: error: lost node ") and victim in last and f"({ip})" in last, last
+    assert "which held training worker rank 1" in last and "ranks" not in last, last
     assert "resumes from step 4" in last and str(out) in last, last
     # Nothing written so far is thrown away: the checkpoint of step 4 is still there, complete.
     from jobs import checkpoint as ckpt
@@ -195,6 +201,49 @@ def test_a_worker_that_stopped_answering_is_a_lost_node_only_when_ray_marks_the_
         f"lost node {a} (10.0.0.7), which held training worker rank 1 "
         "(health check failed due to missing too many heartbeats)"
     )
+
+
+def test_a_survivors_lost_peer_names_the_lost_node_from_where_the_workers_started(monkeypatch):
+    """The rank that survives a lost node can fail first (its collective's connection closed),
+    before Ray Train's health check has failed the lost node's worker: the node is then found among
+    the ones the workers reported at start-up. Only for that failure and only once Ray marks the
+    node dead; any other failure keeps Ray's error."""
+    from ray.train import WorkerGroupError
+
+    import jobs.launch as launch
+
+    a, b = "ab" * 28, "cd" * 28
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41235")
+    err = WorkerGroupError("1 worker failed", {0: gloo})
+    placement = {0: (a, "10.0.0.7"), 1: (b, "10.0.0.8"), 2: (b, "10.0.0.8")}
+    table = [{"NodeID": a, "Alive": True}, {"NodeID": b, "Alive": True}]
+    monkeypatch.setattr(launch.ray, "nodes", lambda: table)
+    assert launch.node_lost(err, wait_s=0, placement=placement) is None  # every node up
+    table[1]["Alive"] = False
+    lost = launch.node_lost(err, wait_s=0, placement=placement)
+    assert (lost.node_id, lost.node_ip) == (b, "10.0.0.8")
+    assert str(lost) == f"lost node {b} (10.0.0.8), which held training worker ranks 1, 2"
+    assert launch.node_lost(err, wait_s=0) is None  # nothing reported where the workers ran
+    other = WorkerGroupError("1 worker failed", {0: ValueError("labels: 7 is out of range")})
+    assert launch.node_lost(other, wait_s=0, placement=placement) is None
+
+
+def test_a_lost_peer_is_read_from_the_lines_gloo_torch_and_nccl_print():
+    from ray.train import WorkerGroupError
+
+    from jobs.errors import peer_gone
+
+    for line in (
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5",
+        "[gloo/transport/tcp/unbound_buffer.cc:81] Timed out ...: Connection reset by peer",
+        "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed.",
+        "DistBackendError: NCCL communicator was aborted on rank 1.",
+    ):
+        wrapped = RuntimeError("outer")
+        wrapped.__cause__ = WorkerGroupError("1 worker failed", {1: RuntimeError(line)})
+        assert peer_gone(wrapped), line
+    assert not peer_gone(WorkerGroupError("1 worker failed", {0: ValueError("loss is nan at step 3")}))
+    assert not peer_gone(None)
 
 
 def test_ray_trains_preemption_watcher_line_is_dropped_and_other_core_worker_errors_are_not():

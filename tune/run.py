@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from jobs.errors import NodeLost, SpecError, oom_line
-from jobs.launch import make_trainer, node_lost
+from jobs.launch import make_trainer, node_lost, relay_actor, reported_placement
 from jobs.outputs import write_json_atomic
 from jobs.spec import JobSpec
 
@@ -212,12 +212,14 @@ def _fit(spec: JobSpec, p: dict, out: Path, node_retries: int, metric: str = "ev
     from its newest checkpoint, up to `node_retries` times when a node of its workers is lost."""
     for attempt in range(node_retries + 1):
         forward = _make_forwarder(p["global_batch_size"], p["max_steps"], metric)
-        trainer = make_trainer(spec, resume=True, callbacks=[forward])
+        # With several workers, each says where it runs: a survivor's error then names a lost node.
+        relay = relay_actor() if spec.resources.num_workers > 1 else None
+        trainer = make_trainer(spec, resume=True, relay=relay, callbacks=[forward])
         try:
             trainer.fit()
             return
         except Exception as e:
-            lost = node_lost(e)
+            lost = node_lost(e, placement=reported_placement(relay))
             if lost is None:
                 raise
             if attempt == node_retries:
