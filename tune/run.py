@@ -210,10 +210,11 @@ def _fit(spec: JobSpec, p: dict, out: Path, node_retries: int, metric: str = "ev
     """Train the trial's job: its own TorchTrainer (max_failures 0 and one checkpoint kept come from
     the trial's spec) with rank 0's reports forwarded to this trial's Tune session; trained again,
     from its newest checkpoint, up to `node_retries` times when a node of its workers is lost."""
+    # With several workers, each says where it runs (at every start): a survivor's error then
+    # names a lost node.
+    relay = relay_actor() if spec.resources.num_workers > 1 else None
     for attempt in range(node_retries + 1):
         forward = _make_forwarder(p["global_batch_size"], p["max_steps"], metric)
-        # With several workers, each says where it runs: a survivor's error then names a lost node.
-        relay = relay_actor() if spec.resources.num_workers > 1 else None
         trainer = make_trainer(spec, resume=True, relay=relay, callbacks=[forward])
         try:
             trainer.fit()
