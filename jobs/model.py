@@ -528,10 +528,10 @@ def compile_layers(model) -> int:
             f"model.compile: cannot find the decoder layers of {type(base).__name__} "
             "(expected a `layers` list under its base model)"
         )
-    # transformers >= 5.25 routes attention through the `kernels` package, whose forward wrapper
-    # sets a context variable: under checkpointing dynamo refuses that side effect and compiles
-    # nothing (a graph break, then eager). The variable only picks the kernel, which the traced
-    # graph has already fixed, so the recomputation in backward need not replay it.
+    # transformers 5.25 wraps attention's forward in the `kernels` package's `use_kernelized_func`,
+    # which sets a context variable around each call: under checkpointing dynamo refuses that side
+    # effect and compiles nothing (a graph break, then eager). The variable only picks the kernel,
+    # which the traced graph has already fixed, so the recomputation in backward need not replay it.
     from torch._dynamo import config as dynamo_config
 
     if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
