@@ -202,11 +202,12 @@ def unreachable_workers(err: BaseException | None) -> dict[str, tuple[str, list[
     return found
 
 
-# What a rank says when a peer of its collective went away: gloo's and torch's lines for a closed
-# or reset connection (torch adds "This is typically caused by a remote worker crashing"), and
-# NCCL's for an aborted communicator.
+# What a rank says when a peer of its collective went away: gloo's lines for a closed or reset
+# connection, torch's (it adds "This is typically caused by a remote worker crashing"), NCCL's for
+# an aborted communicator. A reset connection is gloo's only: a download that fails the same way
+# inside the training function is not a lost peer.
 _PEER_GONE = re.compile(
-    r"connection (closed|reset) by peer|connection was likely closed|remote worker crashing|"
+    r"gloo[^\n]*connection (closed|reset) by peer|connection was likely closed|remote worker crashing|"
     r"remote process exited|NCCL communicator was aborted|DistNetworkError",
     re.IGNORECASE,
 )

@@ -213,7 +213,10 @@ def test_a_survivors_lost_peer_names_the_lost_node_from_where_the_workers_starte
     import jobs.launch as launch
 
     a, b = "ab" * 28, "cd" * 28
-    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41235")
+    gloo = RuntimeError(  # a survivor's error as a real lost node gave it (tests/test_node_loss.py above)
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:46802. This is typically caused by a remote worker crashing."
+    )
     err = WorkerGroupError("1 worker failed", {0: gloo})
     placement = {0: (a, "10.0.0.7"), 1: (b, "10.0.0.8"), 2: (b, "10.0.0.8")}
     table = [{"NodeID": a, "Alive": True}, {"NodeID": b, "Alive": True}]
@@ -243,6 +246,8 @@ def test_a_lost_peer_is_read_from_the_lines_gloo_torch_and_nccl_print():
         wrapped.__cause__ = WorkerGroupError("1 worker failed", {1: RuntimeError(line)})
         assert peer_gone(wrapped), line
     assert not peer_gone(WorkerGroupError("1 worker failed", {0: ValueError("loss is nan at step 3")}))
+    download = "ConnectionError: ('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer'))"
+    assert not peer_gone(WorkerGroupError("1 worker failed", {0: RuntimeError(download)}))
     assert not peer_gone(None)
 
 
