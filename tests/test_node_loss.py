@@ -15,8 +15,9 @@ two different worker nodes. rayft pins its progress actor to the driver's node (
 the node removed is one that holds a training worker. One cluster (conftest's `cluster`, started
 once per session) serves every node-loss test: each one starts from the worker nodes it needs,
 here two (`LocalCluster.ensure_nodes`). The pieces (reading the lost worker's node from Ray
-Train's error, asking Ray whether that node is dead, cutting forwarded tracebacks) are also
-checked without a cluster, at the end."""
+Train's error, matching a surviving rank's lost peer to the nodes the workers reported, asking
+Ray whether that node is dead, cutting forwarded tracebacks) are also checked without a cluster,
+at the end."""
 
 from __future__ import annotations
 
@@ -213,7 +214,7 @@ def test_a_survivors_lost_peer_names_the_lost_node_from_where_the_workers_starte
     import jobs.launch as launch
 
     a, b = "ab" * 28, "cd" * 28
-    gloo = RuntimeError(  # a survivor's error as a real lost node gave it (tests/test_node_loss.py above)
+    gloo = RuntimeError(  # rank 0's error when the node of rank 1 was removed, in the real test above
         "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
         "[127.0.0.1]:46802. This is typically caused by a remote worker crashing."
     )
