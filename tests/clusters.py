@@ -250,13 +250,17 @@ class LocalCluster:
         self.node_ids[p.pid] = new
         return p
 
-    def actors_by_node(self) -> dict[str, set[str]]:
-        """{node id: class names of the alive actors on it}, from the dashboard's state API."""
+    def _alive_actors(self) -> list[dict]:
+        """The dashboard's state API view of the alive actors: node_id, class_name, pid, ..."""
         got = self._get("/api/v0/actors?limit=10000&detail=true")
+        actors = ((got.get("data") or {}).get("result") or {}).get("result") or []
+        return [a for a in actors if a.get("state") == "ALIVE"]
+
+    def actors_by_node(self) -> dict[str, set[str]]:
+        """{node id: class names of the alive actors on it}."""
         out: dict[str, set[str]] = {}
-        for a in ((got.get("data") or {}).get("result") or {}).get("result") or []:
-            if a.get("state") == "ALIVE":
-                out.setdefault(a.get("node_id"), set()).add(a.get("class_name"))
+        for a in self._alive_actors():
+            out.setdefault(a.get("node_id"), set()).add(a.get("class_name"))
         return out
 
     def wait_nodes(self, n: int, timeout_s: float = 120) -> list[str]:
@@ -302,9 +306,7 @@ class LocalCluster:
         marked it dead; returns its Ray node id."""
 
         def node_of_pid() -> str | None:
-            got = self._get("/api/v0/actors?limit=10000&detail=true")
-            actors = ((got.get("data") or {}).get("result") or {}).get("result") or []
-            return next((a["node_id"] for a in actors if a.get("pid") == pid and a.get("state") == "ALIVE"), None)
+            return next((a["node_id"] for a in self._alive_actors() if a.get("pid") == pid), None)
 
         node_id = wait_until(node_of_pid, 30, f"the state API lists the actor in process {pid}")
         (node,) = [q for q in self._live() if self.node_ids.get(q.pid) == node_id]
