@@ -57,7 +57,7 @@ def train_worker(config: dict) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     spec = JobSpec.model_validate(config["spec"])
-    _report_placement(config.get("placement"))
+    _report_placement(config.get("relay"))
     train(spec, RayContext(config.get("progress")), resume=config["resume"], run_token=config.get("run_token"))
 
 
@@ -208,7 +208,7 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, relay=Non
         train_loop_config={
             "spec": spec.to_dict(),
             "progress": progress,
-            "placement": relay,
+            "relay": relay,
             "resume": resume,
             # the driver's hold on the output dir's lock: rank 0 then knows the holder (jobs.runlock)
             "run_token": runlock.held_token(spec.output_path),
