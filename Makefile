@@ -10,6 +10,10 @@ STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # The hypothesis profile tests/conftest.py loads: "ci" (150 derandomized cases per fuzz test) or "long".
 PYTEST := RAYFT_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
+# Test processes (pytest-xdist; 0: one process, no xdist). Groups keep each shared cluster and each
+# module's fixtures in one process, in the order tests/conftest.py sets (heavy groups first).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: install demo demo-real lint test test-fast test-all clean
 
@@ -48,13 +52,13 @@ lint: install
 	$(BIN)/mypy
 
 test: install lint
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PYTEST) -m "not ray and not slow" $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) -m "not ray and not slow" $(PYTEST_ARGS)
 
 test-all: install
-	RAYFT_HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest $(PYTEST_ARGS)
+	RAYFT_HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -55,6 +55,38 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("RAYFT_HYPOTHESIS_PROFILE", "ci"))
 
+# `make test` runs the suite in two processes (pytest-xdist, `--dist loadgroup`). Each test is put
+# in one group, and a group runs in one process, in collection order:
+# - the tests that use a session-wide cluster or the reference the node-loss and resume tests end
+#   with are one group: each is made once, and the two clusters never run at the same time (the
+#   node-loss tests time health checks; two clusters on 2 cores would slow each other);
+# - any other test goes with its module, so a module-scoped fixture is set up once.
+# The groups with the most `ray` and `slow` tests come first: the long ones start at once and the
+# many short ones fill the gaps at the end. The same order holds without xdist.
+_SHARED = ("ray_head", "cluster", "ray_reference")
+
+
+def xdist_group_of(item) -> str:
+    """The xdist group of `item`: "clusters" if it uses one of `_SHARED`, else its module's file name."""
+    names = getattr(item, "fixturenames", ())
+    return "clusters" if any(f in names for f in _SHARED) else item.path.name
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Mark each test with its `xdist_group` (before xdist reads the marks) and put the heavy groups first."""
+    groups: dict[str, list] = {}
+    for item in items:
+        group = xdist_group_of(item)
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
+
+    def heavy(group: str) -> int:
+        return sum(1 for it in groups[group] if it.get_closest_marker("ray") or it.get_closest_marker("slow"))
+
+    items[:] = [it for group in sorted(groups, key=heavy, reverse=True) for it in groups[group]]
+
+
 # Session-wide clusters, stopped early: fixture name -> id of the last selected test that uses it.
 _STOPPED_AFTER = ("ray_head", "cluster")
 _last_user: dict[str, str] = {}
@@ -62,8 +94,10 @@ _running: dict[str, object] = {}
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session, config, items):
-    """After selection (-m, -k) and any reordering: which test is the last to use each cluster."""
+def pytest_collection_finish(session):
+    """After selection (-m, -k), the reordering above and xdist's renaming by group: which test
+    is the last to use each cluster (in a process that runs them: a group runs in one)."""
+    items = session.items
     _last_user.clear()
     for item in items:
         for name in _STOPPED_AFTER:

@@ -278,14 +278,21 @@ def _interrupted_copy(src: Path, dst: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The uninterrupted references: 1 worker (no wrapping) and 2 FSDP workers."""
+def one_worker_run(tmp_path_factory) -> Path:
+    """The uninterrupted 1-worker reference (no wrapping): its output directory."""
+    tmp = tmp_path_factory.mktemp("fsdp-one")
+    _run(tmp / "s1", 1, "ddp", tmp / "one")
+    return tmp / "one"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, one_worker_run):
+    """The uninterrupted references: 1 worker (no wrapping) and 2 FSDP workers. The Ray test needs
+    only the first; under `make test`'s two processes it runs in the `ray_head` process."""
     tmp = tmp_path_factory.mktemp("fsdp-runs")
-    one = tmp / "one"
-    _run(tmp / "s1", 1, "ddp", one)
     two = tmp / "fsdp2"
     summary = _run(tmp / "s2", 2, "fsdp", two)
-    return tmp, one, two, summary
+    return tmp, one_worker_run, two, summary
 
 
 @pytest.mark.slow
@@ -326,14 +333,14 @@ def test_resume_across_strategies_and_worker_counts_is_exact(runs, source, world
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_rayft_run_with_two_fsdp_workers_on_ray(runs, tmp_path, ray_head):
+def test_rayft_run_with_two_fsdp_workers_on_ray(one_worker_run, tmp_path, ray_head):
     """The real entry point: `rayft run` on a Ray cluster (the session's head), 2 FSDP workers
     (gloo), ends with the 1-worker run's adapter and a PEFT adapter directory."""
     import json
     import subprocess
     import sys
 
-    _, one, _, _ = runs
+    one = one_worker_run
     out = tmp_path / "ray"
     rayft = Path(sys.executable).parent / "rayft"
     p = subprocess.run(

@@ -450,11 +450,12 @@ def test_admission_waits_for_free_cpus(ray_head, tmp_path):
             env=ray_head.env,
         )
         assert r.returncode == 0, r.stderr
-    # Something else holds 3 of the cluster's 4 CPUs.
+    # Something else holds 3 of the cluster's 4 CPUs. Wait for exactly 1 free: a job of an
+    # earlier test on this head may still be giving its CPUs back.
     hog = client.submit_job(entrypoint="sleep 600", entrypoint_num_cpus=3, submission_id=uniq("hog"))
     try:
         wait_until(
-            lambda: str(client.get_job_status(hog)) == "RUNNING" and backend.cluster_view().cpu_free <= 1.0,
+            lambda: str(client.get_job_status(hog)) == "RUNNING" and backend.cluster_view().cpu_free == 1.0,
             90,
             "the hog holds its CPUs",
             every_s=1,
