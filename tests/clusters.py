@@ -37,6 +37,18 @@ def cluster_env() -> dict:
     return env
 
 
+def own_temp_dir() -> str:
+    """A fresh `--temp-dir` for one cluster's nodes (short: Ray's socket paths must stay under 107
+    characters). Ray's job supervisor resolves the GCS address a job's entrypoint connects to as
+    "auto": with more than one Ray instance on the machine, that is `<temp dir>/ray_current_cluster`,
+    the newest `ray start` cluster sharing the temp dir. With the default /tmp/ray for every
+    cluster, a job submitted to the Ray head ran on the node-loss cluster (or hung once that was
+    stopped) whenever another test process had a Ray instance up."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+
+
 _token_ensured: set[str] = set()
 
 
@@ -121,6 +133,7 @@ class RayHead:
             f"--dashboard-port={dash}",
             f"--ray-client-server-port={client}",
             "--num-cpus=4",
+            f"--temp-dir={own_temp_dir()}",
             "--disable-usage-stats",
             # Its own job-agent port: Ray's default (52365) is taken by any other cluster on this
             # machine, and a head without its agent accepts no job ("No available agent").
@@ -162,6 +175,7 @@ class LocalCluster:
         # is often polled before the lost node's worker fails its health check, the failure
         # `jobs.launch.node_lost` matches to the lost node through where the workers started.
         self.tmp = tmp
+        self.temp_dir = own_temp_dir()  # every node's
         self.nodes: list[subprocess.Popen] = []
         self.node_ids: dict[int, str] = {}  # node process id -> Ray node id
         self.head = self._start(
@@ -224,6 +238,7 @@ class LocalCluster:
                 "--node-ip-address=127.0.0.1",
                 "--disable-usage-stats",
                 f"--dashboard-agent-listen-port={free_port()}",
+                f"--temp-dir={self.temp_dir}",
                 *args,
             ],
             env=self.env,
