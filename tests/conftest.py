@@ -7,7 +7,8 @@ Each costly thing is made once per test session, by the first test that needs it
 - `built`: `kubectl kustomize` of every kustomization under k8s/ (the k8s test modules);
 - the gloo ranks of the distributed oracles (tests/gloo_pool.py, through `gradtools.spawn`).
 The two clusters stop right after the last test that uses them (an idle Ray cluster still
-takes CPU from the tests after it), the rest when the session ends.
+takes CPU from the tests after it), the rest when the session ends. Under `make test`'s two
+processes, every test of the clusters runs in one of them (the groups below).
 
 Hypothesis runs the "ci" profile unless RAYFT_HYPOTHESIS_PROFILE names another: 150 examples per
 fuzz test, derandomized (the same cases every run). `make test-all` picks "long"."""
@@ -85,6 +86,16 @@ def pytest_collection_modifyitems(session, config, items):
         return sum(1 for it in groups[group] if it.get_closest_marker("ray") or it.get_closest_marker("slow"))
 
     items[:] = [it for group in sorted(groups, key=heavy, reverse=True) for it in groups[group]]
+
+
+def pytest_configure(config):
+    """In each of `make test`'s processes, torch's intra-op pool gets that process's share of the
+    cores: two processes of 2 threads each on 2 cores only contend (the gloo ranks already run one)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 # Session-wide clusters, stopped early: fixture name -> id of the last selected test that uses it.
