@@ -64,7 +64,10 @@ settings.load_profile(os.environ.get("RAYFT_HYPOTHESIS_PROFILE", "ci"))
 # - any other test goes with its module, so a module-scoped fixture is set up once.
 # The groups with the most `ray` and `slow` tests come first: the long ones start at once and the
 # many short ones fill the gaps at the end. The same order holds without xdist.
-_SHARED = ("ray_head", "cluster", "ray_reference")
+
+# The two session-wide clusters, each stopped right after the last test that uses it.
+_STOPPED_AFTER = ("ray_head", "cluster")
+_SHARED = (*_STOPPED_AFTER, "ray_reference")
 
 
 def xdist_group_of(item) -> str:
@@ -99,7 +102,6 @@ def pytest_configure(config):
 
 
 # Session-wide clusters, stopped early: fixture name -> id of the last selected test that uses it.
-_STOPPED_AFTER = ("ray_head", "cluster")
 _last_user: dict[str, str] = {}
 _running: dict[str, object] = {}
 
@@ -108,9 +110,8 @@ _running: dict[str, object] = {}
 def pytest_collection_finish(session):
     """After selection (-m, -k), the reordering above and xdist's renaming by group: which test
     is the last to use each cluster (in a process that runs them: a group runs in one)."""
-    items = session.items
     _last_user.clear()
-    for item in items:
+    for item in session.items:
         for name in _STOPPED_AFTER:
             if name in getattr(item, "fixturenames", ()):
                 _last_user[name] = item.nodeid

@@ -288,7 +288,7 @@ def one_worker_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, one_worker_run):
     """The uninterrupted references: 1 worker (no wrapping) and 2 FSDP workers. The Ray test needs
-    only the first; under `make test`'s two processes it runs in the `ray_head` process."""
+    only the first; under `make test`'s two processes it runs in the process of the "clusters" group."""
     tmp = tmp_path_factory.mktemp("fsdp-runs")
     two = tmp / "fsdp2"
     summary = _run(tmp / "s2", 2, "fsdp", two)
