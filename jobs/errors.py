@@ -177,15 +177,18 @@ def oom_line(*failures: BaseException | str | None) -> str | None:
     return found
 
 
-# Ray Train's WorkerHealthCheckFailedError says which worker stopped answering, with the node it ran
-# on: "A worker health check failed.\nWorker info: Worker(... metadata=ActorMetadata(...,
-# node_id='<hex>', node_ip='<ip>', ...". The health check is the only way a lost node shows up
-# in Train v2 (the wrapped error is ActorUnavailableError or ActorDiedError, by timing).
+# Ray Train's health check says which worker stopped answering, with the node it ran on: "A worker
+# health check failed.\nWorker info: Worker(... metadata=ActorMetadata(..., node_id='<hex>',
+# node_ip='<ip>', ...". The health check is the only way a lost node shows up in Train v2: a poll
+# that fails is WorkerHealthCheckFailedError (it wraps ActorUnavailableError or ActorDiedError, by
+# timing), a poll that hangs past RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S (a node that froze or
+# was cut off rather than died) is WorkerHealthCheckTimeoutError, with the same worker info.
 _WORKER_NODE = re.compile(r"node_id='([0-9a-f]+)',\s*node_ip='([^']*)'")
+_HEALTH_CHECK_ERRORS = ("WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError")
 
 
 def unreachable_workers(err: BaseException | None) -> dict[str, tuple[str, list[int]]]:
-    """{node id: (node ip, [world ranks])} of the training workers whose health check failed in a
+    """{node id: (node ip, [world ranks])} of the training workers whose health check failed or hung in a
     Ray Train failure (`WorkerGroupError.worker_failures`); empty when none did. Whether their node
     is gone, or only the worker process, is for the caller to ask the cluster."""
     found: dict[str, tuple[str, list[int]]] = {}
@@ -194,7 +197,7 @@ def unreachable_workers(err: BaseException | None) -> dict[str, tuple[str, list[
         if not isinstance(failures, dict):
             continue
         for rank, f in failures.items():
-            if type(f).__name__ != "WorkerHealthCheckFailedError":
+            if type(f).__name__ not in _HEALTH_CHECK_ERRORS:
                 continue
             m = _WORKER_NODE.search(str(f))
             if m:

@@ -113,17 +113,31 @@ def test_without_max_failures_losing_a_node_ends_the_run_with_one_line_naming_it
 # ---- the pieces, without a cluster -----------------------------------------------------------
 
 
+def _worker_info(node_id: str, ip: str) -> str:
+    """A worker as Ray Train's health check prints it (ActorMetadata lists node_id then node_ip)."""
+    return (
+        f"Worker(\n  actor=Actor(RayTrainWorker, ab12),\n  metadata=ActorMetadata(\n    hostname='vm',\n"
+        f"    node_id='{node_id}',\n    node_ip='{ip}',\n    pid=1,\n  ),\n)"
+    )
+
+
 def _health_check_failure(node_id: str, ip: str, cause: Exception):
-    """Ray Train's own error for a worker that stopped answering, with its worker info as Ray
-    formats it (ActorMetadata lists node_id then node_ip)."""
+    """Ray Train's own error for a worker whose health-check poll failed."""
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
-    info = (
-        f"A worker health check failed.\nWorker info: Worker(\n  actor=Actor(RayTrainWorker, ab12),\n"
-        f"  metadata=ActorMetadata(\n    hostname='vm',\n    node_id='{node_id}',\n    node_ip='{ip}',\n"
-        f"    pid=1,\n  ),\n)"
+    return WorkerHealthCheckFailedError(
+        f"A worker health check failed.\nWorker info: {_worker_info(node_id, ip)}", failure=cause
     )
-    return WorkerHealthCheckFailedError(info, failure=cause)
+
+
+def _health_check_timeout(node_id: str, ip: str):
+    """Ray Train's own error for a worker whose health-check poll hung past its timeout."""
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
+
+    return WorkerHealthCheckTimeoutError(
+        "A worker health check has been hanging for 600.01 seconds. Marking the worker as dead.\n"
+        f"Worker info: {_worker_info(node_id, ip)}"
+    )
 
 
 def test_unreachable_workers_are_read_from_ray_trains_health_check_failures():
@@ -144,6 +158,9 @@ def test_unreachable_workers_are_read_from_ray_trains_health_check_failures():
     wrapped = RuntimeError("outer")
     wrapped.__cause__ = err
     assert unreachable_workers(wrapped) == {a: ("10.0.0.7", [0, 2])}
+    # A node that froze or was cut off: its workers' polls hang until Ray Train gives up on them.
+    hung = WorkerGroupError("1 worker failed", {1: _health_check_timeout(b, "10.0.0.8")})
+    assert unreachable_workers(hung) == {b: ("10.0.0.8", [1])}
     assert unreachable_workers(WorkerGroupError("x", {0: RuntimeError("boom")})) == {}
     assert unreachable_workers(None) == {}
 
