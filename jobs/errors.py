@@ -188,9 +188,9 @@ _HEALTH_CHECK_ERRORS = ("WorkerHealthCheckFailedError", "WorkerHealthCheckTimeou
 
 
 def unreachable_workers(err: BaseException | None) -> dict[str, tuple[str, list[int]]]:
-    """{node id: (node ip, [world ranks])} of the training workers whose health check failed or hung in a
-    Ray Train failure (`WorkerGroupError.worker_failures`); empty when none did. Whether their node
-    is gone, or only the worker process, is for the caller to ask the cluster."""
+    """{node id: (node ip, [world ranks])} of the training workers whose health check failed or hung
+    in a Ray Train failure (`WorkerGroupError.worker_failures`); empty when none did. Whether their
+    node is gone, or only the worker process, is for the caller to ask the cluster."""
     found: dict[str, tuple[str, list[int]]] = {}
     for e in causes(err):
         failures = getattr(e, "worker_failures", None)
