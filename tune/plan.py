@@ -195,17 +195,49 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
     """Every point of `spec` with its status, memory plan and cadence. Raises `SpecError` (prefixed
     with `where`, the spec's path) for a budget below micro-batch 1 or when no point can run."""
     s = spec.search
-    device = spec.planned_device  # the estimate is for the device the trials run on
-    budget = spec.budget
-    budget_key = "search.budget_gib" if s.budget_gib is not None else "memory.budget_gib"
     notes: list[str] = []
-
-    # -- points: the batch split x the lr rules x the betas --
     splits, rules, reference = _splits(spec, notes)
+    points = _points(spec, splits, rules, reference)
+    mem, smallest = _judge_memory(spec, points, where)
+    every, grace = _cadence(spec, points, where)
+    if not any(p.status == "planned" for p in points):
+        reasons = sorted({f"{p.key}: {p.reason}" for p in points})
+        raise SpecError(
+            f"{where}: search: no configuration can run under {_budget_key(spec)}={spec.budget:g} "
+            f"({'; '.join(reasons)})"
+        )
+    return Plan(
+        device=spec.planned_device,
+        budget_gib=spec.budget,
+        smallest_budget_gib=smallest,
+        samples_per_trial=s.samples_per_trial,
+        eval_every_samples=every,
+        grace_samples=grace,
+        points=points,
+        notes=notes,
+        memory=mem,
+        job=spec.job_dict(),
+        metric=s.metric,
+        mode=s.mode_of_metric,
+        base_beta=spec.objective.value("beta"),
+    )
+
+
+def _budget_key(spec: SearchSpec) -> str:
+    """The key the budget came from, for messages."""
+    return "search.budget_gib" if spec.search.budget_gib is not None else "memory.budget_gib"
+
+
+def _points(
+    spec: SearchSpec, splits: list[tuple[int, int, int, str]], rules: list[Rule], reference: int
+) -> list[Point]:
+    """The batch splits x the lr rules x the betas, each `planned` or `skipped` with why. A split
+    that cannot run is listed once, not once per rule and beta."""
+    s = spec.search
     betas: list[float | None] = list(s.beta) if s.beta else [None]
     points: list[Point] = []
     for m, a, g, why in splits:
-        for i, rule in enumerate(rules[:1] if why else rules):  # a split that cannot run is listed once
+        for i, rule in enumerate(rules[:1] if why else rules):
             for beta in betas[:1] if why else betas:
                 p = Point(m, a, g, rule, reference, beta=beta)
                 if why:
@@ -228,8 +260,16 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
                         ),
                     )
                 points.append(p)
+    return points
 
-    # -- memory: one MemoryPlan per micro-batch, as the trials' workers will make it --
+
+def _judge_memory(spec: SearchSpec, points: list[Point], where: str) -> tuple[dict[int, dict], float]:
+    """Give each point its micro-batch's `MemoryPlan`, as the trials' workers will make it, and
+    mark the planned ones whose estimate exceeds the budget `infeasible`. Returns the estimates
+    per micro-batch (checkpointing off and on) and the smallest job's (micro-batch 1); refuses a
+    budget below that."""
+    device = spec.planned_device  # the estimate is for the device the trials run on
+    budget = spec.budget
     job_dict = spec.job_dict()
     # A trial's spec carries the search budget as memory.budget_gib (trial_job_dict): plan with it.
     budget_job = JobSpec.model_validate(
@@ -257,7 +297,7 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
     if budget < smallest:
         how = "with gradient checkpointing" if gc_mode is not False else "(memory.gradient_checkpointing=false)"
         raise SpecError(
-            f"{where}: {budget_key}={budget:g} is too small: even micro_batch_size=1 {how} needs "
+            f"{where}: {_budget_key(spec)}={budget:g} is too small: even micro_batch_size=1 {how} needs "
             f"{gib_str(smallest)} on {device} (jobs.memory estimate); the smallest budget that fits is "
             f"{smallest_budget_str(smallest)} GiB"
         )
@@ -276,8 +316,13 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
                 f"estimate {gib_str(p.estimate_gib)} > budget {gib_str(budget)} "
                 f"({mp.strategy_str}, checkpointing {mp.checkpointing})"
             )
+    return mem, smallest
 
-    # -- the eval/report interval: the same sample counts for every trial --
+
+def _cadence(spec: SearchSpec, points: list[Point], where: str) -> tuple[int, int]:
+    """The eval/report interval and ASHA's grace, in samples, the same for every trial; sets each
+    planned point's `max_steps` and `every_steps`. Returns (interval, grace)."""
+    s = spec.search
     live = [p for p in points if p.status == "planned"]  # feasible: infeasible points do not constrain it
     if s.eval_every_samples is not None:
         every = s.eval_every_samples
@@ -299,32 +344,11 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
             f"{where}: search.asha.grace_samples={grace} is not a multiple of the eval interval "
             f"{every} samples (set search.eval_every_samples)"
         )
-
     for p in points:
         if p.status == "planned":
             p.max_steps = s.samples_per_trial // p.global_batch_size
             p.every_steps = every // p.global_batch_size
-
-    if not any(p.status == "planned" for p in points):
-        reasons = sorted({f"{p.key}: {p.reason}" for p in points})
-        raise SpecError(
-            f"{where}: search: no configuration can run under {budget_key}={budget:g} ({'; '.join(reasons)})"
-        )
-    return Plan(
-        device=device,
-        budget_gib=budget,
-        smallest_budget_gib=smallest,
-        samples_per_trial=s.samples_per_trial,
-        eval_every_samples=every,
-        grace_samples=grace,
-        points=points,
-        notes=notes,
-        memory=mem,
-        job=job_dict,
-        metric=s.metric,
-        mode=s.mode_of_metric,
-        base_beta=spec.objective.value("beta"),
-    )
+    return every, grace
 
 
 # ---- one trial's job ---------------------------------------------------------------------

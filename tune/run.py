@@ -47,6 +47,7 @@ from .plan import (
     TRIALS_DIR,
     TUNE_DIR,
     Plan,
+    Point,
     gib_str,
     spec_fingerprint,
     trial_job_dict,
@@ -378,11 +379,8 @@ def run_search(
     # of Tune's adaptive >= 10 s: the state is a few KB, and a killed search then loses at most 2 s.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "2")
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-    from ray.tune.search.basic_variant import BasicVariantGenerator
 
     from . import report
-    from .callbacks import Announce
 
     out = spec.output_path
     exp = (out / TUNE_DIR).resolve()
@@ -406,48 +404,13 @@ def run_search(
         "metric": plan.metric,
     }
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": 1})
-    s = spec.search
     if resumed:
         print(f"resuming the search in {exp} (finished trials are not rerun)", file=sys.stderr, flush=True)
         tuner = tune.Tuner.restore(
             str(exp), trainable=trainable, resume_unfinished=True, resume_errored=False, restart_errored=False
         )
     else:
-        lo, hi = (s.lr.low, s.lr.high) if s.lr else (spec.optim.lr, spec.optim.lr)
-        lr_space = tune.loguniform(lo, hi) if hi > lo else lo
-        scheduler = (
-            ASHAScheduler(
-                time_attr=TIME_ATTR,
-                max_t=plan.samples_per_trial,
-                grace_period=plan.grace_samples,
-                reduction_factor=s.asha.reduction_factor,
-            )
-            if s.scheduler == "asha"
-            else FIFOScheduler()
-        )
-        seed = s.seed if s.seed is not None else spec.run.seed
-        tuner = tune.Tuner(
-            trainable,
-            param_space={"point": tune.grid_search([p.trial_config() for p in plan.planned]), "lr": lr_space},
-            tune_config=tune.TuneConfig(
-                metric=plan.metric,
-                mode=plan.mode,
-                scheduler=scheduler,
-                num_samples=s.num_samples,
-                # The concurrency limit goes to the generator: Tune ignores max_concurrent_trials when
-                # a search_alg is passed, and a seeded generator is what makes the lr draws reproducible.
-                search_alg=BasicVariantGenerator(max_concurrent=max_conc, random_state=seed),
-                trial_dirname_creator=trial_dirname,
-                reuse_actors=False,
-            ),
-            run_config=tune.RunConfig(
-                name=TUNE_DIR,
-                storage_path=str(out.resolve()),
-                verbose=0,
-                failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),  # never retried
-                callbacks=[Announce(plan.metric), *tracking_callbacks(spec)],
-            ),
-        )
+        tuner = _new_tuner(spec, plan, trainable, max_conc)
     print(
         f"search {spec.name}: {n_trials} trial(s) of {len(plan.points)} point(s) "
         f"({sum(p.status == 'infeasible' for p in plan.points)} infeasible, "
@@ -455,21 +418,73 @@ def run_search(
         file=sys.stderr,
         flush=True,
     )
+    grid = _fit_quietly(tuner)
+    interrupted = grid.num_terminated + grid.num_errors < len(grid)
+    rows = collect_rows(plan, grid, out)
+    best = report.pick_best(rows, plan.samples_per_trial, plan.metric, plan.mode)
+    files = report.write_all(out, raw_spec, plan, rows, best, notes, interrupted=interrupted)
+    return Outcome(rows, best, interrupted, resumed, files, notes)
+
+
+def _new_tuner(spec: SearchSpec, plan: Plan, trainable, max_conc: int):
+    """A fresh Tune experiment: the planned points as a grid, the lr drawn log-uniformly beside
+    each, ASHA (or FIFO) on samples seen, no retries."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    from .callbacks import Announce
+
+    s = spec.search
+    lo, hi = (s.lr.low, s.lr.high) if s.lr else (spec.optim.lr, spec.optim.lr)
+    lr_space = tune.loguniform(lo, hi) if hi > lo else lo
+    scheduler = (
+        ASHAScheduler(
+            time_attr=TIME_ATTR,
+            max_t=plan.samples_per_trial,
+            grace_period=plan.grace_samples,
+            reduction_factor=s.asha.reduction_factor,
+        )
+        if s.scheduler == "asha"
+        else FIFOScheduler()
+    )
+    seed = s.seed if s.seed is not None else spec.run.seed
+    return tune.Tuner(
+        trainable,
+        param_space={"point": tune.grid_search([p.trial_config() for p in plan.planned]), "lr": lr_space},
+        tune_config=tune.TuneConfig(
+            metric=plan.metric,
+            mode=plan.mode,
+            scheduler=scheduler,
+            num_samples=s.num_samples,
+            # The concurrency limit goes to the generator: Tune ignores max_concurrent_trials when
+            # a search_alg is passed, and a seeded generator is what makes the lr draws reproducible.
+            search_alg=BasicVariantGenerator(max_concurrent=max_conc, random_state=seed),
+            trial_dirname_creator=trial_dirname,
+            reuse_actors=False,
+        ),
+        run_config=tune.RunConfig(
+            name=TUNE_DIR,
+            storage_path=str(spec.output_path.resolve()),
+            verbose=0,
+            failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),  # never retried
+            callbacks=[Announce(plan.metric), *tracking_callbacks(spec)],
+        ),
+    )
+
+
+def _fit_quietly(tuner):
+    """`tuner.fit()` without Tune's own failure lines for the failures rayft reports itself."""
     tune_log = logging.getLogger("ray.tune.tune")
     level = tune_log.level
     tune_log.setLevel(logging.CRITICAL)  # "Trials did not complete": rayft reports failed trials itself
     controller_log = logging.getLogger("ray.tune.execution.tune_controller")
     controller_log.addFilter(_known_trial_failures)
     try:
-        grid = tuner.fit()
+        return tuner.fit()
     finally:
         tune_log.setLevel(level)
         controller_log.removeFilter(_known_trial_failures)
-    interrupted = grid.num_terminated + grid.num_errors < len(grid)
-    rows = collect_rows(plan, grid, out)
-    best = report.pick_best(rows, plan.samples_per_trial, plan.metric, plan.mode)
-    files = report.write_all(out, raw_spec, plan, rows, best, notes, interrupted=interrupted)
-    return Outcome(rows, best, interrupted, resumed, files, notes)
 
 
 def _known_trial_failures(record: logging.LogRecord) -> bool:
@@ -482,105 +497,9 @@ def _known_trial_failures(record: logging.LogRecord) -> bool:
 
 def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
     """One row per launched trial (from Tune's result grid and the trial's own files) and one per
-    point that was never launched."""
-    from jobs.outputs import read_metrics
-
-    rows: list[dict] = []
-    for res in grid:
-        trial_id = Path(res.path).name
-        tdir = out / TRIALS_DIR / trial_id
-        # A trial restored from the experiment state without results has no config on its Result:
-        # the trial's own record (or Tune's params.json) has it.
-        cfg = res.config or read_json(tdir / "trial.json") or read_json(Path(res.path) / "params.json")
-        if not cfg or "point" not in cfg:
-            continue
-        p = cfg["point"]
-        lr = float(cfg["lr"])
-        st = read_json(tdir / STATUS_FILE) or {}
-        m = dict(res.metrics or {})
-        samples = int(m.get(TIME_ATTR) or 0)
-        # Tune's verdict first: a trial ASHA stops is killed while its Train run is going, so its
-        # trial function may still see the controller die and write an "error" status on the way out.
-        if res.error is not None:
-            err_text = st.get("error") or str(res.error).strip().splitlines()[-1][:300]
-            # A lost node is an error of the cluster whatever its death reason says (never infeasible).
-            oom = not st.get("node_id") and (
-                st.get("status") == "oom" or oom_line(res.error) is not None or oom_line(err_text) is not None
-            )
-            status = "infeasible" if oom else "error"
-            reason = f"out of memory when run (not retried): {err_text}" if oom else err_text
-        elif m.get("finished") or st.get("status") == "finished":
-            status, reason = "finished", ""
-            m = {**(st.get("result") or {}), **m}
-            samples = int(m.get(TIME_ATTR) or samples)
-        elif samples:
-            status, reason = "stopped", f"ASHA stopped it at {samples} samples"
-        else:
-            status, reason = "not run", "interrupted before it reported"
-        gbs = p["global_batch_size"]
-        recs = [x for x in read_metrics(tdir) if x.get("step", 0) * gbs <= samples] if samples else []
-        tps = [x["tokens_per_s"] for x in recs if x.get("tokens_per_s")]
-        starts = (tdir / STARTS_FILE).read_text().splitlines() if (tdir / STARTS_FILE).exists() else []
-        reported = status in ("finished", "stopped")
-        rows.append(
-            {
-                "trial_id": trial_id,
-                "status": status,
-                "key": p["key"],
-                "micro_batch_size": p["micro_batch_size"],
-                "grad_accum_steps": p["grad_accum_steps"],
-                "global_batch_size": p["global_batch_size"],
-                "gradient_checkpointing": p["gradient_checkpointing"],
-                "checkpoint_every_n_layers": p.get("checkpoint_every_n_layers"),
-                "lr_scaling": p["lr_scaling"],
-                "reference_batch_size": p["reference_batch_size"],
-                "base_lr": lr,
-                "effective_lr": plan.trial_spec(p, lr).effective_lr,  # the lr the trial trains with
-                "estimate_gib": p["estimate_gib"],
-                "budget_gib": plan.budget_gib,
-                "samples_seen": samples,
-                "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
-                "steps": samples // p["global_batch_size"] if samples else 0,
-                "eval_loss": m.get("eval_loss") if reported else None,
-                "tokens_per_s": m.get("tokens_per_s")
-                if status == "finished" and m.get("tokens_per_s")
-                else (sum(tps) / len(tps) if tps else None),
-                "trainings_started": sum(1 for line in starts if line.endswith(" train")),
-                "reason": reason,
-                "output_dir": str(tdir),
-            }
-            | _searched(plan, p, m.get(plan.metric) if reported else None)
-        )
-    for p in plan.points:
-        if p.status == "planned":
-            continue
-        rows.append(
-            {
-                "trial_id": None,
-                "status": p.status,
-                "key": p.key,
-                "micro_batch_size": p.micro_batch_size or None,
-                "grad_accum_steps": p.grad_accum_steps,
-                "global_batch_size": p.global_batch_size,
-                "gradient_checkpointing": p.gradient_checkpointing,
-                "checkpoint_every_n_layers": p.checkpoint_every_n_layers,
-                "lr_scaling": p.lr_scaling,
-                "reference_batch_size": p.reference_batch_size,
-                "base_lr": None,
-                "effective_lr": None,
-                "estimate_gib": p.estimate_gib,
-                "budget_gib": plan.budget_gib,
-                "samples_seen": 0,
-                "tokens_seen": None,
-                "steps": 0,
-                "eval_loss": None,
-                "tokens_per_s": None,
-                "trainings_started": 0,
-                "reason": p.reason,
-                "output_dir": None,
-            }
-            | _searched(plan, asdict(p), None)
-        )
+    point that was never launched, best first."""
+    rows = [row for res in grid if (row := _trial_row(plan, res, out)) is not None]
+    rows += [_unlaunched_row(plan, p) for p in plan.points if p.status != "planned"]
     order = {"finished": 0, "stopped": 1, "infeasible": 2, "error": 3, "not run": 4, "skipped": 5}
     sign = 1 if plan.mode == "min" else -1  # best first
     rows.sort(
@@ -592,6 +511,109 @@ def collect_rows(plan: Plan, grid, out: Path) -> list[dict]:
         )
     )
     return rows
+
+
+def _point_fields(p: dict) -> dict:
+    """A row's columns that describe its point (a launched trial's or a never-launched one's)."""
+    return {
+        "key": p["key"],
+        "micro_batch_size": p["micro_batch_size"] or None,
+        "grad_accum_steps": p["grad_accum_steps"],
+        "global_batch_size": p["global_batch_size"],
+        "gradient_checkpointing": p["gradient_checkpointing"],
+        "checkpoint_every_n_layers": p.get("checkpoint_every_n_layers"),
+        "lr_scaling": p["lr_scaling"],
+        "reference_batch_size": p["reference_batch_size"],
+    }
+
+
+def _unlaunched_row(plan: Plan, point: Point) -> dict:
+    """The row of a point that was never launched: infeasible or skipped, with why."""
+    p = asdict(point) | {"key": point.key}
+    return (
+        {"trial_id": None, "status": point.status}
+        | _point_fields(p)
+        | {
+            "base_lr": None,
+            "effective_lr": None,
+            "estimate_gib": p["estimate_gib"],
+            "budget_gib": plan.budget_gib,
+            "samples_seen": 0,
+            "tokens_seen": None,
+            "steps": 0,
+            "eval_loss": None,
+            "tokens_per_s": None,
+            "trainings_started": 0,
+            "reason": point.reason,
+            "output_dir": None,
+        }
+        | _searched(plan, p, None)
+    )
+
+
+def _trial_verdict(res, st: dict, m: dict, samples: int) -> tuple[str, str, dict, int]:
+    """A launched trial's status and reason from Tune's result `res` and the trial's own status
+    file `st`; for a finished trial also its final metrics and samples. Tune's verdict comes first:
+    a trial ASHA stops is killed while its Train run is going, so its trial function may still see
+    the controller die and write an "error" status on the way out."""
+    if res.error is not None:
+        err_text = st.get("error") or str(res.error).strip().splitlines()[-1][:300]
+        # A lost node is an error of the cluster whatever its death reason says (never infeasible).
+        oom = not st.get("node_id") and (
+            st.get("status") == "oom" or oom_line(res.error) is not None or oom_line(err_text) is not None
+        )
+        if oom:
+            return "infeasible", f"out of memory when run (not retried): {err_text}", m, samples
+        return "error", err_text, m, samples
+    if m.get("finished") or st.get("status") == "finished":
+        m = {**(st.get("result") or {}), **m}
+        return "finished", "", m, int(m.get(TIME_ATTR) or samples)
+    if samples:
+        return "stopped", f"ASHA stopped it at {samples} samples", m, samples
+    return "not run", "interrupted before it reported", m, samples
+
+
+def _trial_row(plan: Plan, res, out: Path) -> dict | None:
+    """The row of one launched trial; None for a Tune result that is not one of this plan's."""
+    from jobs.outputs import read_metrics
+
+    trial_id = Path(res.path).name
+    tdir = out / TRIALS_DIR / trial_id
+    # A trial restored from the experiment state without results has no config on its Result:
+    # the trial's own record (or Tune's params.json) has it.
+    cfg = res.config or read_json(tdir / "trial.json") or read_json(Path(res.path) / "params.json")
+    if not cfg or "point" not in cfg:
+        return None
+    p = cfg["point"]
+    lr = float(cfg["lr"])
+    m = dict(res.metrics or {})
+    status, reason, m, samples = _trial_verdict(res, read_json(tdir / STATUS_FILE) or {}, m, int(m.get(TIME_ATTR) or 0))
+    gbs = p["global_batch_size"]
+    recs = [x for x in read_metrics(tdir) if x.get("step", 0) * gbs <= samples] if samples else []
+    tps = [x["tokens_per_s"] for x in recs if x.get("tokens_per_s")]
+    starts = (tdir / STARTS_FILE).read_text().splitlines() if (tdir / STARTS_FILE).exists() else []
+    reported = status in ("finished", "stopped")
+    return (
+        {"trial_id": trial_id, "status": status}
+        | _point_fields(p)
+        | {
+            "base_lr": lr,
+            "effective_lr": plan.trial_spec(p, lr).effective_lr,  # the lr the trial trains with
+            "estimate_gib": p["estimate_gib"],
+            "budget_gib": plan.budget_gib,
+            "samples_seen": samples,
+            "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
+            "steps": samples // gbs if samples else 0,
+            "eval_loss": m.get("eval_loss") if reported else None,
+            "tokens_per_s": m.get("tokens_per_s")
+            if status == "finished" and m.get("tokens_per_s")
+            else (sum(tps) / len(tps) if tps else None),
+            "trainings_started": sum(1 for line in starts if line.endswith(" train")),
+            "reason": reason,
+            "output_dir": str(tdir),
+        }
+        | _searched(plan, p, m.get(plan.metric) if reported else None)
+    )
 
 
 def _searched(plan: Plan, point: dict, value: float | None) -> dict:

@@ -416,97 +416,138 @@ def policy_violations(objs: Iterable[Obj]) -> list[str]:
     bad: list[str] = []
     for o in objs:
         kind, spec, oid = o.get("kind"), o.get("spec") or {}, _oid(o)
-        for where, pod in pod_specs(o):
-            extra = []
-            if kind == "RayCluster" and where.endswith(" head") and spec.get("enableInTreeAutoscaling"):
-                # KubeRay adds the autoscaler sidecar to the head pod with this securityContext.
-                extra.append(
-                    (
-                        "autoscaler sidecar",
-                        {"securityContext": (spec.get("autoscalerOptions") or {}).get("securityContext")},
-                    )
-                )
-            bad += _restricted(where, pod, extra)
-            bad += _image_violations(where, pod)
-            bad += _env_violations(where, pod)
-        ray_pods = dict(ray_pod_specs(o))
-        for where, template in _ray_pod_templates(o):
-            bad += _disruption_violations(where, template)
-        for where, pod in ray_pod_specs(o):
-            bad += _shm_violations(where, pod)
-        if o.get("kind") in ("RayCluster", "RayJob", "RayService"):
-            for where, pod in pod_specs(o):
-                bad += _storage_violations(where, pod, ray=where in ray_pods)
-        # Secrets by reference only.
-        if kind == "Secret":
-            for field in ("data", "stringData"):
-                for k, v in (o.get(field) or {}).items():
-                    if v:
-                        bad.append(f"{oid}: {field}.{k} carries a value (create Secrets out of band)")
-        if kind == "ConfigMap":
-            for k, v in (o.get("data") or {}).items():
-                if SECRET_NAME.search(k) and v and not k.endswith((".yaml", ".yml", ".json")):
-                    bad.append(f"{oid}: data.{k} looks like a secret in a ConfigMap")
-        for _, s in secrets.walk_strings(o):  # jobs.secrets: the one scanner (the spec uses it too)
-            found = secrets.describe(s)
-            if found:
-                bad.append(f"{oid}: contains what looks like a credential: {found}")
-                break
-        # Ray ports stay inside the cluster.
+        bad += _pod_violations(o)
+        bad += _secret_violations(o)
         if kind == "Service":
-            if spec.get("type") in ("NodePort", "LoadBalancer") and _exposes_ray_ports(spec.get("ports")):
-                bad.append(f"{oid}: type {spec['type']} exposes Ray port 8265/10001")
-            if spec.get("externalIPs") and _exposes_ray_ports(spec.get("ports")):
-                bad.append(f"{oid}: externalIPs expose Ray port 8265/10001")
+            bad += _service_violations(oid, spec)
         if kind == "Ingress":
-            for rule in spec.get("rules") or []:
-                for p in (rule.get("http") or {}).get("paths") or []:
-                    port = (((p.get("backend") or {}).get("service") or {}).get("port") or {}).get("number")
-                    if port in RAY_PORTS:
-                        bad.append(f"{oid}: routes outside traffic to Ray port {port}")
+            bad += _ingress_violations(oid, spec)
         if kind == "RayCluster":
             bad += _head_exposure(oid, spec)
         if kind == "RayJob":
             bad += _head_exposure(oid, spec.get("rayClusterSpec") or {})
-            for f in ("backoffLimit", "activeDeadlineSeconds"):
-                if not isinstance(spec.get(f), int) or isinstance(spec.get(f), bool):
-                    bad.append(f"{oid}: spec.{f} must be set")
-            if isinstance(spec.get("activeDeadlineSeconds"), int) and spec["activeDeadlineSeconds"] <= 0:
-                bad.append(f"{oid}: spec.activeDeadlineSeconds must be positive")
-            if SHELL_OPERATORS.search(spec.get("entrypoint") or ""):
-                bad.append(
-                    f"{oid}: spec.entrypoint must be one plain command (KubeRay pastes it into the "
-                    "submitter's bash line: &&, ;, | and redirections would run in the submitter)"
-                )
-            if spec.get("submissionMode", "K8sJobMode") == "K8sJobMode" and not spec.get("submitterPodTemplate"):
-                bad.append(f"{oid}: spec.submitterPodTemplate must be set (the default submitter is not restricted)")
-            if not ((o.get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL):
-                bad.append(f"{oid}: metadata.labels[{QUEUE_LABEL}] must name a Kueue LocalQueue")
-            elif spec.get("shutdownAfterJobFinishes") is not True:
-                bad.append(f"{oid}: Kueue-managed RayJobs need spec.shutdownAfterJobFinishes: true")
-            if spec.get("shutdownAfterJobFinishes") is True and spec.get("ttlSecondsAfterFinished", 0) != 0:
-                bad.append(
-                    f"{oid}: spec.ttlSecondsAfterFinished must be 0 (Kueue releases the quota when the job "
-                    f"finishes; a cluster kept {spec['ttlSecondsAfterFinished']}s holds GPUs the quota counts "
-                    "as free)"
-                )
-            pre = spec.get("preRunningDeadlineSeconds")
-            if not isinstance(pre, int) or isinstance(pre, bool) or pre <= 0:
-                bad.append(
-                    f"{oid}: spec.preRunningDeadlineSeconds must be set (a job whose pods cannot start "
-                    "would hold its quota until activeDeadlineSeconds)"
-                )
-            elif isinstance(spec.get("activeDeadlineSeconds"), int) and pre >= spec["activeDeadlineSeconds"]:
-                bad.append(f"{oid}: spec.preRunningDeadlineSeconds {pre} must be below activeDeadlineSeconds")
-            if spec.get("clusterSelector"):
-                bad.append(f"{oid}: spec.clusterSelector (an existing cluster) is not admitted by Kueue")
-            rt = spec.get("runtimeEnvYAML")
-            if rt:
-                try:
-                    env_vars = (yaml.safe_load(rt) or {}).get("env_vars") or {}
-                except yaml.YAMLError:
-                    env_vars = {}
-                for k, v in env_vars.items():
-                    if SECRET_NAME.search(k) and v:
-                        bad.append(f"{oid}: runtimeEnvYAML env_vars.{k} has an inline value")
+            bad += _rayjob_violations(o)
     return bad + _pdb_violations(objs)
+
+
+def _pod_violations(o: Obj) -> list[str]:
+    """Every pod of `o`: restricted, images pulled right, no inline secrets in env; every Ray pod
+    also covered against disruption, with its /dev/shm and storage sized by rule."""
+    kind, spec = o.get("kind"), o.get("spec") or {}
+    bad: list[str] = []
+    for where, pod in pod_specs(o):
+        extra = []
+        if kind == "RayCluster" and where.endswith(" head") and spec.get("enableInTreeAutoscaling"):
+            # KubeRay adds the autoscaler sidecar to the head pod with this securityContext.
+            extra.append(
+                (
+                    "autoscaler sidecar",
+                    {"securityContext": (spec.get("autoscalerOptions") or {}).get("securityContext")},
+                )
+            )
+        bad += _restricted(where, pod, extra)
+        bad += _image_violations(where, pod)
+        bad += _env_violations(where, pod)
+    ray_pods = dict(ray_pod_specs(o))
+    for where, template in _ray_pod_templates(o):
+        bad += _disruption_violations(where, template)
+    for where, pod in ray_pod_specs(o):
+        bad += _shm_violations(where, pod)
+    if kind in ("RayCluster", "RayJob", "RayService"):
+        for where, pod in pod_specs(o):
+            bad += _storage_violations(where, pod, ray=where in ray_pods)
+    return bad
+
+
+def _secret_violations(o: Obj) -> list[str]:
+    """Secrets by reference only: no Secret data, no secret-like ConfigMap key, nothing anywhere
+    shaped like a credential."""
+    kind, oid = o.get("kind"), _oid(o)
+    bad: list[str] = []
+    if kind == "Secret":
+        for field in ("data", "stringData"):
+            for k, v in (o.get(field) or {}).items():
+                if v:
+                    bad.append(f"{oid}: {field}.{k} carries a value (create Secrets out of band)")
+    if kind == "ConfigMap":
+        for k, v in (o.get("data") or {}).items():
+            if SECRET_NAME.search(k) and v and not k.endswith((".yaml", ".yml", ".json")):
+                bad.append(f"{oid}: data.{k} looks like a secret in a ConfigMap")
+    for _, s in secrets.walk_strings(o):  # jobs.secrets: the one scanner (the spec uses it too)
+        found = secrets.describe(s)
+        if found:
+            bad.append(f"{oid}: contains what looks like a credential: {found}")
+            break
+    return bad
+
+
+def _service_violations(oid: str, spec: dict) -> list[str]:
+    """Ray ports stay inside the cluster: no NodePort, LoadBalancer or external IP on them."""
+    bad: list[str] = []
+    if spec.get("type") in ("NodePort", "LoadBalancer") and _exposes_ray_ports(spec.get("ports")):
+        bad.append(f"{oid}: type {spec['type']} exposes Ray port 8265/10001")
+    if spec.get("externalIPs") and _exposes_ray_ports(spec.get("ports")):
+        bad.append(f"{oid}: externalIPs expose Ray port 8265/10001")
+    return bad
+
+
+def _ingress_violations(oid: str, spec: dict) -> list[str]:
+    """No Ingress routes outside traffic to a Ray port."""
+    bad: list[str] = []
+    for rule in spec.get("rules") or []:
+        for p in (rule.get("http") or {}).get("paths") or []:
+            port = (((p.get("backend") or {}).get("service") or {}).get("port") or {}).get("number")
+            if port in RAY_PORTS:
+                bad.append(f"{oid}: routes outside traffic to Ray port {port}")
+    return bad
+
+
+def _rayjob_violations(o: Obj) -> list[str]:
+    """A RayJob is bounded (backoffLimit, activeDeadlineSeconds, preRunningDeadlineSeconds),
+    admitted by Kueue (a queue label, its cluster deleted when it finishes, no existing cluster),
+    submitted by a restricted submitter with one plain command, and has no inline secret in its
+    runtime env."""
+    spec, oid = o.get("spec") or {}, _oid(o)
+    bad: list[str] = []
+    for f in ("backoffLimit", "activeDeadlineSeconds"):
+        if not isinstance(spec.get(f), int) or isinstance(spec.get(f), bool):
+            bad.append(f"{oid}: spec.{f} must be set")
+    if isinstance(spec.get("activeDeadlineSeconds"), int) and spec["activeDeadlineSeconds"] <= 0:
+        bad.append(f"{oid}: spec.activeDeadlineSeconds must be positive")
+    if SHELL_OPERATORS.search(spec.get("entrypoint") or ""):
+        bad.append(
+            f"{oid}: spec.entrypoint must be one plain command (KubeRay pastes it into the "
+            "submitter's bash line: &&, ;, | and redirections would run in the submitter)"
+        )
+    if spec.get("submissionMode", "K8sJobMode") == "K8sJobMode" and not spec.get("submitterPodTemplate"):
+        bad.append(f"{oid}: spec.submitterPodTemplate must be set (the default submitter is not restricted)")
+    if not ((o.get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL):
+        bad.append(f"{oid}: metadata.labels[{QUEUE_LABEL}] must name a Kueue LocalQueue")
+    elif spec.get("shutdownAfterJobFinishes") is not True:
+        bad.append(f"{oid}: Kueue-managed RayJobs need spec.shutdownAfterJobFinishes: true")
+    if spec.get("shutdownAfterJobFinishes") is True and spec.get("ttlSecondsAfterFinished", 0) != 0:
+        bad.append(
+            f"{oid}: spec.ttlSecondsAfterFinished must be 0 (Kueue releases the quota when the job "
+            f"finishes; a cluster kept {spec['ttlSecondsAfterFinished']}s holds GPUs the quota counts "
+            "as free)"
+        )
+    pre = spec.get("preRunningDeadlineSeconds")
+    if not isinstance(pre, int) or isinstance(pre, bool) or pre <= 0:
+        bad.append(
+            f"{oid}: spec.preRunningDeadlineSeconds must be set (a job whose pods cannot start "
+            "would hold its quota until activeDeadlineSeconds)"
+        )
+    elif isinstance(spec.get("activeDeadlineSeconds"), int) and pre >= spec["activeDeadlineSeconds"]:
+        bad.append(f"{oid}: spec.preRunningDeadlineSeconds {pre} must be below activeDeadlineSeconds")
+    if spec.get("clusterSelector"):
+        bad.append(f"{oid}: spec.clusterSelector (an existing cluster) is not admitted by Kueue")
+    rt = spec.get("runtimeEnvYAML")
+    if rt:
+        try:
+            env_vars = (yaml.safe_load(rt) or {}).get("env_vars") or {}
+        except yaml.YAMLError:
+            env_vars = {}
+        for k, v in env_vars.items():
+            if SECRET_NAME.search(k) and v:
+                bad.append(f"{oid}: runtimeEnvYAML env_vars.{k} has an inline value")
+    return bad
