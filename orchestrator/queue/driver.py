@@ -175,6 +175,8 @@ class Driver:
         return {"admitted": admitted, "counts": counts}
 
     def reconcile(self) -> None:
+        """The SUBMITTING rows a killed driver left: RUNNING when the cluster has the submission,
+        else QUEUED again (the attempt taken back), to be submitted with the same id."""
         for job in self.q.jobs(("SUBMITTING",)):
             info = self.backend.info(job["submission_id"])
             with self.q.txn() as c:
@@ -365,52 +367,14 @@ class Driver:
         return admitted
 
     def submit(self, job: sqlite3.Row) -> bool:
-        overrides = json.loads(job["overrides"])
-        changes = json.loads(job["changes"])
-        wd = job["working_dir"]
+        """Submit one QUEUED job: prepare it (refusing a spec changed since `queue add`), record
+        SUBMITTING with the attempt before the cluster sees it, submit, then record RUNNING. A
+        driver killed between submitting and recording finds the submission by its id on restart
+        (`reconcile`); a refused submission is a failed attempt. True when the job now runs."""
         attempt = job["attempt"] + 1
-        try:
-            # The spec as queued (the submission adds the driver's changes and, on a local cluster,
-            # an absolute run.output_dir): has the file changed since `queue add`?
-            spec, _ = load_queued_spec(str(Path(wd) / job["spec_path"]), overrides, Path(wd), self.backend_name)
-            if spec.spec_hash() != job["spec_hash"]:
-                self._fail(
-                    job,
-                    f"{job['spec_path']} changed since it was queued (spec hash {job['spec_hash']} -> "
-                    f"{spec.spec_hash()}); add it again",
-                )
-                return False
-            sub = self.backend.prepare(
-                str(Path(wd) / job["spec_path"]),
-                overrides + changes,
-                working_dir=wd,
-                attempt=attempt,
-                extra_metadata={"queue_job": job["id"], "queue_spec_hash": job["spec_hash"]},
-            )
-        except UserError as e:
-            self._fail(job, str(e))
+        sub = self._prepare(job, attempt)
+        if sub is None or not self._record_submitting(job, attempt, sub):
             return False
-        with self.q.txn() as c:
-            n = c.execute(
-                "UPDATE jobs SET state='SUBMITTING', attempt=?, submission_id=?, status_detail='', "
-                "not_before=0 WHERE id=? AND state='QUEUED'",
-                (attempt, sub.submission_id, job["id"]),
-            ).rowcount
-            if not n:
-                return False
-            c.execute(
-                "INSERT OR REPLACE INTO attempts (job_id, attempt, submission_id, micro_batch_size, "
-                "grad_accum_steps, submitted_at) VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    job["id"],
-                    attempt,
-                    sub.submission_id,
-                    sub.spec.batch.micro_batch_size,
-                    sub.spec.grad_accum_steps,
-                    time.time(),
-                ),
-            )
-            self.q.event(c, job["id"], "submitting", sub.submission_id)
         try:
             _, created = self.backend.submit(sub)
         except (ClusterUnreachable, ClusterAuthError):
@@ -443,6 +407,61 @@ class Driver:
             f"{sub.spec.batch.micro_batch_size} x grad_accum_steps {sub.spec.grad_accum_steps})"
             + ("" if created else ": already on the cluster, tracking it"),
         )
+        return True
+
+    def _prepare(self, job: sqlite3.Row, attempt: int):
+        """The backend's submission of `job` (its spec as queued, with the driver's changes), or
+        None after failing the job in one line: a spec file changed since it was queued, or one
+        the backend refuses."""
+        overrides = json.loads(job["overrides"])
+        changes = json.loads(job["changes"])
+        wd = job["working_dir"]
+        try:
+            # The spec as queued (the submission adds the driver's changes and, on a local cluster,
+            # an absolute run.output_dir): has the file changed since `queue add`?
+            spec, _ = load_queued_spec(str(Path(wd) / job["spec_path"]), overrides, Path(wd), self.backend_name)
+            if spec.spec_hash() != job["spec_hash"]:
+                self._fail(
+                    job,
+                    f"{job['spec_path']} changed since it was queued (spec hash {job['spec_hash']} -> "
+                    f"{spec.spec_hash()}); add it again",
+                )
+                return None
+            return self.backend.prepare(
+                str(Path(wd) / job["spec_path"]),
+                overrides + changes,
+                working_dir=wd,
+                attempt=attempt,
+                extra_metadata={"queue_job": job["id"], "queue_spec_hash": job["spec_hash"]},
+            )
+        except UserError as e:
+            self._fail(job, str(e))
+            return None
+
+    def _record_submitting(self, job: sqlite3.Row, attempt: int, sub) -> bool:
+        """QUEUED -> SUBMITTING with the attempt's submission id and batch split, in one
+        transaction; False when the job left QUEUED meanwhile (canceled)."""
+        with self.q.txn() as c:
+            n = c.execute(
+                "UPDATE jobs SET state='SUBMITTING', attempt=?, submission_id=?, status_detail='', "
+                "not_before=0 WHERE id=? AND state='QUEUED'",
+                (attempt, sub.submission_id, job["id"]),
+            ).rowcount
+            if not n:
+                return False
+            c.execute(
+                "INSERT OR REPLACE INTO attempts (job_id, attempt, submission_id, micro_batch_size, "
+                "grad_accum_steps, submitted_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    job["id"],
+                    attempt,
+                    sub.submission_id,
+                    sub.spec.batch.micro_batch_size,
+                    sub.spec.grad_accum_steps,
+                    time.time(),
+                ),
+            )
+            self.q.event(c, job["id"], "submitting", sub.submission_id)
         return True
 
     def unschedulable_only(self) -> bool:
