@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, NamedTuple, TextIO, cast
 
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, RayftError, UserError, oom_line
 from orchestrator.backends.base import FAILED, QUEUED, SUCCEEDED, Backend, QuotaBackend, ResourceBackend, first_line
@@ -117,6 +117,22 @@ class DriverConfig:
     backoff_s: float = 30.0
     gpu_memory: dict[str, float] = field(default_factory=dict)
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+
+
+class _Next(NamedTuple):
+    """What follows an ended attempt (`Driver._next`): the job row's new values."""
+
+    first: str  # the message recorded: the attempt's last line, or why it is not retried
+    state: str  # the job's new state: QUEUED again, or the attempt's status
+    note: str  # change_note: the batch change of an out-of-memory retry
+    changes: list[str] | None  # the driver's overrides, when they change
+    detail: str  # the attempt's end and what follows, for the event log
+    micro: int
+    accum: int
+    retries: int
+    oom_retried: int
+    not_before: float  # no submission before this time (the backoff)
+    demand: str  # the job's resource demand (JSON), re-planned for a halved micro-batch
 
 
 class Driver:
@@ -227,54 +243,28 @@ class Driver:
                         c.execute("UPDATE jobs SET status_detail=? WHERE id=? AND state='RUNNING'", (detail, job["id"]))
 
     def ended(self, job: sqlite3.Row, status: str, message: str, logs: str, from_state: str = "RUNNING") -> None:
-        """Record the end of the current attempt exactly once; decide on a retry."""
+        """Record the end of the current attempt exactly once; decide on a retry (`_next`)."""
         now = time.time()
         first = (message or "").strip().splitlines()[-1][:300] if (message or "").strip() else ""
-        oom = oom_line(message, logs) if status == FAILED else None
-        micro, accum = job["micro_batch_size"], job["grad_accum_steps"]
-        new_state, note, not_before, changes, detail = status, job["change_note"], 0.0, None, status
-        retries, oom_retried, demand = job["retries"], job["oom_retried"], job["demand"]
-        if status == FAILED and oom:
-            if job["oom_retried"]:
-                first = f"out of memory again at micro_batch_size={micro} after halving it: {oom}"
-            elif micro < 2 or micro % 2:
-                first = f"out of memory at micro_batch_size={micro}, which cannot be halved: {oom}"
-            else:
-                m2, a2 = micro // 2, accum * 2
-                changes = json.loads(job["changes"]) + [f"batch.micro_batch_size={m2}", f"batch.grad_accum_steps={a2}"]
-                note = (
-                    f"out of memory at attempt {job['attempt']}: micro_batch_size {micro} -> {m2}, "
-                    f"grad_accum_steps {accum} -> {a2} (global batch unchanged)"
-                )
-                new_state, oom_retried, micro, accum = "QUEUED", 1, m2, a2
-                d = Demand.from_json(job["demand"])
-                if d.use_gpu:
-                    d = self._demand_for(job, changes) or d
-                demand = d.to_json()
-                detail = f"FAILED (out of memory) -> retry with {note.split(': ', 1)[1]}"
-        elif status == FAILED and job["retries"] < job["max_retries"]:
-            retries = job["retries"] + 1
-            delay = self.cfg.backoff_s * 2 ** (retries - 1)
-            new_state, not_before = "QUEUED", now + delay
-            detail = f"FAILED -> retry {retries}/{job['max_retries']} in {delay:g} s"
+        nxt = self._next(job, status, first, oom_line(message, logs) if status == FAILED else None, now)
         with self.q.txn() as c:
             n = c.execute(
                 "UPDATE jobs SET state=?, message=?, change_note=?, changes=COALESCE(?, changes), "
                 "micro_batch_size=?, grad_accum_steps=?, retries=?, oom_retried=?, not_before=?, demand=?, "
                 "status_detail=?, ended_at=? WHERE id=? AND state=? AND submission_id=?",
                 (
-                    new_state,
-                    first,
-                    note,
-                    json.dumps(changes) if changes is not None else None,
-                    micro,
-                    accum,
-                    retries,
-                    oom_retried,
-                    not_before,
-                    demand,
+                    nxt.state,
+                    nxt.first,
+                    nxt.note,
+                    json.dumps(nxt.changes) if nxt.changes is not None else None,
+                    nxt.micro,
+                    nxt.accum,
+                    nxt.retries,
+                    nxt.oom_retried,
+                    nxt.not_before,
+                    nxt.demand,
                     status,
-                    now if new_state in DONE else None,
+                    now if nxt.state in DONE else None,
                     job["id"],
                     from_state,
                     job["submission_id"],
@@ -284,19 +274,19 @@ class Driver:
                 return
             c.execute(
                 "UPDATE attempts SET status=?, message=?, ended_at=? WHERE job_id=? AND attempt=?",
-                (status, first, now, job["id"], job["attempt"]),
+                (status, nxt.first, now, job["id"], job["attempt"]),
             )
-            self.q.event(c, job["id"], "attempt_ended", f"{job['submission_id']}: {detail}")
-            if new_state in DONE:
-                self.q.event(c, job["id"], "ended", new_state)
-            elif changes is not None:
-                self.q.event(c, job["id"], "oom_retry", note)
+            self.q.event(c, job["id"], "attempt_ended", f"{job['submission_id']}: {nxt.detail}")
+            if nxt.state in DONE:
+                self.q.event(c, job["id"], "ended", nxt.state)
+            elif nxt.changes is not None:
+                self.q.event(c, job["id"], "oom_retry", nxt.note)
             else:
-                self.q.event(c, job["id"], "retry", detail)
+                self.q.event(c, job["id"], "retry", nxt.detail)
         self.log(
             job,
-            f"{job['submission_id']} {detail}"
-            + (f": {first}" if first and new_state in DONE and status != SUCCEEDED else ""),
+            f"{job['submission_id']} {nxt.detail}"
+            + (f": {nxt.first}" if nxt.first and nxt.state in DONE and status != SUCCEEDED else ""),
         )
 
     def _demand_for(self, job: sqlite3.Row, changes: list[str]) -> Demand | None:
@@ -308,6 +298,61 @@ class Driver:
             return Demand.from_spec(spec)
         except UserError:
             return None
+
+    def _next(self, job: sqlite3.Row, status: str, first: str, oom: str | None, now: float) -> _Next:
+        """What follows an attempt that ended with `status` (`first`: its message's last line,
+        `oom`: the out-of-memory line found in its message or logs). Out of memory: once, queued
+        again with the micro-batch halved and the accumulation doubled (the global batch
+        unchanged); another failure: queued again after an exponential backoff while retries are
+        left; else the job ends with the attempt's status."""
+        micro, accum = job["micro_batch_size"], job["grad_accum_steps"]
+        nxt = _Next(
+            first=first,
+            state=status,
+            note=job["change_note"],
+            changes=None,
+            detail=status,
+            micro=micro,
+            accum=accum,
+            retries=job["retries"],
+            oom_retried=job["oom_retried"],
+            not_before=0.0,
+            demand=job["demand"],
+        )
+        if status == FAILED and oom:
+            if job["oom_retried"]:
+                return nxt._replace(first=f"out of memory again at micro_batch_size={micro} after halving it: {oom}")
+            if micro < 2 or micro % 2:
+                return nxt._replace(first=f"out of memory at micro_batch_size={micro}, which cannot be halved: {oom}")
+            m2, a2 = micro // 2, accum * 2
+            changes = json.loads(job["changes"]) + [f"batch.micro_batch_size={m2}", f"batch.grad_accum_steps={a2}"]
+            note = (
+                f"out of memory at attempt {job['attempt']}: micro_batch_size {micro} -> {m2}, "
+                f"grad_accum_steps {accum} -> {a2} (global batch unchanged)"
+            )
+            d = Demand.from_json(job["demand"])
+            if d.use_gpu:
+                d = self._demand_for(job, changes) or d
+            return nxt._replace(
+                state="QUEUED",
+                note=note,
+                changes=changes,
+                micro=m2,
+                accum=a2,
+                oom_retried=1,
+                demand=d.to_json(),
+                detail=f"FAILED (out of memory) -> retry with {note.split(': ', 1)[1]}",
+            )
+        if status == FAILED and job["retries"] < job["max_retries"]:
+            retries = job["retries"] + 1
+            delay = self.cfg.backoff_s * 2 ** (retries - 1)
+            return nxt._replace(
+                state="QUEUED",
+                retries=retries,
+                not_before=now + delay,
+                detail=f"FAILED -> retry {retries}/{job['max_retries']} in {delay:g} s",
+            )
+        return nxt
 
     def _fail(self, job: sqlite3.Row, message: str) -> None:
         with self.q.txn() as c:
