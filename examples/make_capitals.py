@@ -287,8 +287,8 @@ def pairs(countries: list[str], rejected: dict[str, str]) -> str:
 def neighbour_rejected(countries: list[str]) -> dict[str, str]:
     """Country -> the capital of another of `countries` in its region (`REGIONS`), drawn with a
     fixed seed. Another country's capital is a mistake the SFT adapter makes often on countries it
-    never saw (Vientiane for Thailand, Tbilisi for Uzbekistan, Buenos Aires for Uruguay; 20 of its
-    60 wrong answers on `MORE`, 12 the country's name, most of the rest made-up names). Drawing only
+    never saw (Doha for Bahrain, Vienna for Liechtenstein, Buenos Aires for Uruguay; 13 of its 60
+    wrong answers on `MORE`, 7 the country's name, most of the rest made-up names). Drawing only
     from `countries` (the training ones) keeps every held-out capital out of training."""
     capital = {**CAPITALS, **MORE}
     region = {c: r for r, members in REGIONS.items() for c in members}
