@@ -44,7 +44,16 @@ from pathlib import Path
 from typing import Any, NamedTuple, TextIO, cast
 
 from jobs.errors import ClusterAuthError, ClusterError, ClusterUnreachable, RayftError, UserError, oom_line
-from orchestrator.backends.base import FAILED, QUEUED, SUCCEEDED, Backend, QuotaBackend, ResourceBackend, first_line
+from orchestrator.backends.base import (
+    FAILED,
+    QUEUED,
+    SUCCEEDED,
+    Backend,
+    QuotaBackend,
+    ResourceBackend,
+    Submission,
+    first_line,
+)
 from orchestrator.backends.ray_jobs import find_project, resolve_spec
 
 from .admission import Demand, fit_node_type, reserve
@@ -454,7 +463,7 @@ class Driver:
         )
         return True
 
-    def _prepare(self, job: sqlite3.Row, attempt: int):
+    def _prepare(self, job: sqlite3.Row, attempt: int) -> Submission | None:
         """The backend's submission of `job` (its spec as queued, with the driver's changes), or
         None after failing the job in one line: a spec file changed since it was queued, or one
         the backend refuses."""
@@ -483,7 +492,7 @@ class Driver:
             self._fail(job, str(e))
             return None
 
-    def _record_submitting(self, job: sqlite3.Row, attempt: int, sub) -> bool:
+    def _record_submitting(self, job: sqlite3.Row, attempt: int, sub: Submission) -> bool:
         """QUEUED -> SUBMITTING with the attempt's submission id and batch split, in one
         transaction; False when the job left QUEUED meanwhile (canceled)."""
         with self.q.txn() as c:
