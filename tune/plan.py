@@ -198,7 +198,8 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
     notes: list[str] = []
     splits, rules, reference = _splits(spec, notes)
     points = _points(spec, splits, rules, reference)
-    mem, smallest = _judge_memory(spec, points, where)
+    job_dict = spec.job_dict()
+    mem, smallest = _judge_memory(spec, job_dict, points, where)
     every, grace = _cadence(spec, points, where)
     if not any(p.status == "planned" for p in points):
         reasons = sorted({f"{p.key}: {p.reason}" for p in points})
@@ -216,7 +217,7 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
         points=points,
         notes=notes,
         memory=mem,
-        job=spec.job_dict(),
+        job=job_dict,
         metric=s.metric,
         mode=s.mode_of_metric,
         base_beta=spec.objective.value("beta"),
@@ -263,14 +264,13 @@ def _points(
     return points
 
 
-def _judge_memory(spec: SearchSpec, points: list[Point], where: str) -> tuple[dict[int, dict], float]:
+def _judge_memory(spec: SearchSpec, job_dict: dict, points: list[Point], where: str) -> tuple[dict[int, dict], float]:
     """Give each point its micro-batch's `MemoryPlan`, as the trials' workers will make it, and
-    mark the planned ones whose estimate exceeds the budget `infeasible`. Returns the estimates
-    per micro-batch (checkpointing off and on) and the smallest job's (micro-batch 1); refuses a
-    budget below that."""
+    mark the planned ones whose estimate exceeds the budget `infeasible` (`job_dict`: the base job,
+    `spec.job_dict()`, which the plan also keeps). Returns the estimates per micro-batch
+    (checkpointing off and on) and the smallest job's (micro-batch 1); refuses a budget below that."""
     device = spec.planned_device  # the estimate is for the device the trials run on
     budget = spec.budget
-    job_dict = spec.job_dict()
     # A trial's spec carries the search budget as memory.budget_gib (trial_job_dict): plan with it.
     budget_job = JobSpec.model_validate(
         json.loads(json.dumps(job_dict)) | {"memory": {**job_dict["memory"], "budget_gib": budget}}
