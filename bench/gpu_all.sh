@@ -1,56 +1,99 @@
 #!/usr/bin/env bash
-# Both GPU benchmarks in one call (the memory estimate vs the measured peak; rayft vs HF
-# Trainer + PEFT), each under its own time limit, results written as they come.
+# Every GPU benchmark in one device call, in phases ordered by value, each under its own time
+# limit and all under one deadline, results written as they come (a phase cut off keeps the rows
+# it finished).
 #
 #   bash bench/gpu_all.sh OUT_DIR            # on a GPU machine without Ray
 #   DRY_RUN=1 bash bench/gpu_all.sh /tmp/x   # the same pipeline with tiny shapes on CPU
 #
-# Budget (seconds, override by environment): MEM_S for bench/gpu_memory.py (it starts no new
-# combination after MEM_S - 20), CMP_S for bench/gpu_compare.py (no new row after CMP_S - 90).
-# Defaults 120 + 430 = 550 s: with the wheel install it fits a 600-s limit on one command. gpu_compare gets the larger share: its 8 main rows (two shapes, two budgets,
-# two loops) each build a model and run 6 optimizer steps; gpu_memory's combinations are single
-# steps on two models.
+# Phases (bench/gpu_compare.py unless named; seconds are the caps, DEADLINE_S the whole):
+#   main     llama-1b and llama-8b at 40 GiB, rayft and HF Trainer + PEFT      (MAIN_S 190)
+#   memory   bench/gpu_memory.py: the estimate against the measured peak       (MEM_S 80)
+#   qlora    llama-8b with model.quantization=nf4 at 40 GiB                    (QLORA_S 130)
+#   levers   llama-1b at 40 GiB: model.compile, Liger Kernel in rayft, and HF   (LEVERS_S 110)
+#            with Liger (use_liger_kernel's set: + fused linear cross-entropy)
+#   b80      both shapes at 80 GiB, rayft and HF                               (the time left)
+# A phase starts only with at least 30 s before DEADLINE_S (default 500: with the wheel install
+# and the machine's start it leaves a rerun's worth of a 15-minute lease).
 #
-# The GPU machine has torch, transformers (older) and peft but no pydantic and no internet:
-# carry the wheels listed in bench/gpu_compare.py's docstring as `.whl/` (git-ignored; run
-# with carry [".whl"]); they are installed into /tmp/site and put first on PYTHONPATH.
+# Output: OUT/env.txt (nvidia-smi, versions), OUT/all.log, one result file per phase in
+# OUT/<phase>/ -- at most 7 files, within the 8 a device call returns.
+#
+# The GPU machine has torch, an older transformers and peft, but no pydantic, bitsandbytes,
+# liger-kernel and no internet: fetch the wheels with bench/fetch_gpu_wheels.sh (into .whl/,
+# git-ignored) and run with carry [".whl"]; they are installed into /tmp/site, first on PYTHONPATH.
 set -u
 out=${1:?usage: bench/gpu_all.sh OUT_DIR}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+t0=$SECONDS
+deadline=${DEADLINE_S:-500}
+log="$out/all.log"
+: > "$log"
 
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+# The wheels are the GPU machine's (Python 3.12, x86-64); a dry run uses this environment.
+if [ -z "${DRY_RUN:-}" ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "gpu_all: installing .whl/ failed" >&2; exit 2; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-command -v nvidia-smi >/dev/null && nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-"$PY" - > "$out/versions.txt" 2>&1 <<'EOF'
-import torch, transformers, peft
+{
+  command -v nvidia-smi >/dev/null && nvidia-smi
+  "$PY" - <<'EOF'
+import importlib.util, torch, transformers, peft
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "peft", peft.__version__)
-try:
-    import pydantic; print("pydantic", pydantic.__version__)
-except ImportError:
-    print("pydantic missing: bench/gpu_compare.py needs it (carry the wheels)")
+for name in ("pydantic", "bitsandbytes", "liger_kernel", "accelerate", "triton"):
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        print(name, "missing")
+    else:
+        from importlib.metadata import version
+        print(name, version(name.replace("_", "-")))
 EOF
-cat "$out/versions.txt"
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt" | tee -a "$log"
 
-mem_s=${MEM_S:-120}
-cmp_s=${CMP_S:-430}
+failed=0
+# phase NAME CAP_S CMD...: run CMD under min(CAP_S, time to the deadline); skipped when under 30 s.
+phase() {
+  local name=$1 cap=$2; shift 2
+  local left=$((deadline - (SECONDS - t0)))
+  local limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 30 ]; then
+    echo "== $name: skipped, ${left} s to the deadline" | tee -a "$log"
+    return
+  fi
+  echo "== $name (limit ${limit} s, at $((SECONDS - t0)) s)" | tee -a "$log"
+  mkdir -p "$out/$name"
+  timeout "$limit" "$@" 2>&1 | sed -u "s/^/[$name] /" | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$log"
+  [ "$rc" = 0 ] || failed=1
+}
+# --time-limit-s: no new row (combination) after it; the margin leaves a started row time to end.
+cmp() { local name=$1 cap=$2 margin=$3; shift 3
+  local left=$((deadline - (SECONDS - t0))); local limit=$((cap < left ? cap : left))
+  phase "$name" "$cap" "$PY" bench/gpu_compare.py --out "$out/$name" --time-limit-s $((limit > margin ? limit - margin : 1)) "$@"
+}
+
 if [ -n "${DRY_RUN:-}" ]; then
-  mem_args=(--dry-run --out-dir "$out"); cmp_args=(--dry-run --out "$out")
+  # The whole comparison once (both budgets, the compile and QLoRA rows: what CI checks in full),
+  # then the phases that differ in kind; Liger needs Triton on a GPU, so on CPU its rows say so.
+  cmp main 240 60 --dry-run
+  phase memory 60 "$PY" bench/gpu_memory.py --dry-run --out-dir "$out/memory"
+  cmp qlora 60 30 --dry-run --budgets 0.0021 --qlora-only
+  cmp levers 60 30 --dry-run --budgets 0.0021 --loops rayft-liger,hf-liger --compile-shapes '' --qlora-shapes ''
 else
-  mem_args=(--out-dir "$out"); cmp_args=(--out "$out")
+  cmp main "${MAIN_S:-190}" 60 --budgets 40 --compile-shapes '' --qlora-shapes ''
+  phase memory "${MEM_S:-80}" "$PY" bench/gpu_memory.py --out-dir "$out/memory" --time-limit-s $((${MEM_S:-80} - 20))
+  cmp qlora "${QLORA_S:-130}" 100 --budgets 40 --shapes llama-8b --qlora-only
+  cmp levers "${LEVERS_S:-110}" 40 --budgets 40 --shapes llama-1b --loops rayft-compile,rayft-liger,hf-liger \
+    --compile-shapes '' --qlora-shapes ''
+  cmp b80 600 60 --budgets 80 --compile-shapes '' --qlora-shapes ''
 fi
-
-echo "== bench/gpu_memory.py (limit ${mem_s} s)"
-timeout "$mem_s" "$PY" bench/gpu_memory.py "${mem_args[@]}" --time-limit-s $((mem_s - 20)) 2>&1 | tee "$out/gpu_memory.log"
-mem_rc=${PIPESTATUS[0]}
-echo "== bench/gpu_compare.py (limit ${cmp_s} s)"
-timeout "$cmp_s" "$PY" bench/gpu_compare.py "${cmp_args[@]}" --time-limit-s $((cmp_s - 90)) 2>&1 | tee "$out/gpu_compare.log"
-cmp_rc=${PIPESTATUS[0]}
-echo "gpu_all: gpu_memory exit $mem_rc, gpu_compare exit $cmp_rc; results in $out"
-ls -l "$out"
-[ "$mem_rc" = 0 ] && [ "$cmp_rc" = 0 ]
+echo "gpu_all: $((SECONDS - t0)) s; failed phases: $failed; results in $out" | tee -a "$log"
+ls -lR "$out"
+[ "$failed" = 0 ]

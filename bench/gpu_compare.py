@@ -54,6 +54,12 @@ What runs
   beside it (`estimate_gib`, `estimate_rel_err`); `qlora_tok_s` in the comparison. It needs
   bitsandbytes on the GPU machine (carried as a wheel, below); without it the row says so (and
   the exit status does not count it).
+* Rows chosen with `--loops` (every shape and budget, in the order given; default `rayft,hf`):
+  besides those above, `rayft-liger` (the rayft row with Liger Kernel's Triton RMSNorm, SwiGLU
+  and RoPE patched into the model; rayft's own loss, so no fused cross-entropy) and `hf-liger`
+  (HF with what `TrainingArguments(use_liger_kernel=True)` applies: those three and the fused
+  linear cross-entropy, which never materializes the logits). Liger patches `modeling_llama`'s
+  globals; the row undoes that when it ends. Without liger-kernel the rows say so.
 
 Timing
 ------
@@ -82,45 +88,19 @@ model_tflops = tok_s x FLOPs/token / 1e12, also as a fraction of the measured bf
 8192^3 matmul ceiling (mean of 10 products after 3 warm-ups, measured in the same run).
 
 Needs torch, transformers, peft, accelerate and rayft's `jobs` package (pydantic, pyyaml) --
-not Ray. The GPU machine has no pydantic and an older transformers (5.17, whose
-`gradient_checkpointing_enable` path in `jobs.model` loses `every_n_layers`): carry wheels of
-the dev versions (below) and install them with `pip --target` first. Run (estimated 4-6 minutes
-on an H200, not yet measured there; --time-limit-s stops starting rows after 390 s):
+not Ray. The GPU machine has no pydantic, bitsandbytes or liger-kernel and an older
+transformers (5.17, whose `gradient_checkpointing_enable` path in `jobs.model` loses
+`every_n_layers`): `bash bench/fetch_gpu_wheels.sh` fetches the wheels into .whl/ (git-ignored,
+about 60 MB) and bench/gpu_all.sh installs them with `pip --target` first. Run:
 
-    python bench/gpu_compare.py --out bench/results            # the GPU run
-    python bench/gpu_compare.py --dry-run --out /tmp/x         # tiny shapes on CPU, < 1 minute
+    bash bench/gpu_all.sh $OUT                                  # every phase, one device call
+    python bench/gpu_compare.py --out bench/results             # this script alone
+    python bench/gpu_compare.py --dry-run --out /tmp/x          # tiny shapes on CPU, < 1 minute
 
-On a GPU machine without internet: first, on a machine with PyPI access, fetch the wheels
-(17 MB; /.whl/ is git-ignored):
-
-    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 peft==0.21.2 pydantic==2.14.4 \
-      pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
-      regex==2026.11.19 bitsandbytes==0.50.2
-
-(bitsandbytes, 41 MB, only for the QLoRA row: 58 MB in all, under the 64 MiB a call may carry.)
-
-then run both GPU benchmarks (this one and bench/gpu_memory.py, each under its own time limit,
-at most 9 min 10 s together) in one call with carry [".whl"], timeout_s 600:
-
-    bash bench/gpu_all.sh $OUT
-
-or this script alone, with carry [".whl"], timeout_s 540 (for the QLoRA row alone, the same
-command with `--shapes llama-8b --qlora-only`: not yet run on a GPU; estimated 3-4 minutes,
-most of it writing and quantizing the 16 GB of random bf16 weights):
-
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl && export PYTHONPATH=/tmp/site || exit; export PYTHONUNBUFFERED=1; \
-      timeout 470 python3 bench/gpu_compare.py --out $OUT 2>&1 | tee $OUT/gpu_compare.log
-
-and commit the returned `<date>-nvidia-h200.json` (and `memory-<date>-nvidia-h200.json`) under
-bench/results/ (the files are rewritten
-after every row, so a cut-off run still leaves its finished rows).
-
-The dry run runs the whole pipeline on CPU (hidden 64, 2 layers, vocab 512, seq 64, budgets
-0.0021 and 0.01 GiB of the CPU estimate; fp32, HF's configuration from the proxy estimate as
-nothing can run out of memory there); its numbers mean nothing.
+bench/gpu_all.sh (carry [".whl"], timeout_s 560) ran on an H200 in 324 s plus the wheel install
+(the memory phase, 30 s, came from an earlier call); its files are in
+bench/results/gpu-2026-12-04-nvidia-h200/ and docs/benchmarks.md has the table. Each result file
+is rewritten after every row, so a cut-off run still leaves its finished rows.
 """
 
 from __future__ import annotations
@@ -156,6 +136,34 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 LORA_R, LORA_ALPHA, LR = 16, 32.0, 1e-4
 EFF_TOKENS = 512  # eff(t) = t / (t + EFF_TOKENS) in rayft's configuration choice
 HF_PROXY_MARGIN = 1.10  # HF candidates whose proxy estimate exceeds budget x this are not tried
+LOOPS = ("rayft", "hf", "rayft-compile", "rayft-qlora", "rayft-liger", "hf-liger")
+
+
+@contextlib.contextmanager
+def liger_patched(model=None, fused_linear_cross_entropy: bool = False):
+    """Liger Kernel's Triton RMSNorm, SwiGLU and RoPE (and, for HF, its fused linear
+    cross-entropy) on the Llama modules, undone on exit: Liger patches `modeling_llama`'s
+    globals, which would otherwise leak into every later row of this process."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
+
+    saved = dict(vars(modeling_llama))
+    saved_forward = modeling_llama.LlamaForCausalLM.forward
+    try:
+        apply_liger_kernel_to_llama(
+            rope=True,
+            rms_norm=True,
+            swiglu=True,
+            cross_entropy=False,
+            fused_linear_cross_entropy=fused_linear_cross_entropy,
+            model=model,
+        )
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(modeling_llama, k, v)
+        modeling_llama.LlamaForCausalLM.forward = saved_forward
+
 
 SHAPES = {
     "llama-1b": dict(
@@ -292,12 +300,12 @@ def memory_cap(device: torch.device, budget_gib: float):
         return
     free_memory(device)
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GIB / total), device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gib * GIB / total), device.index or 0)
     torch.cuda.reset_peak_memory_stats(device)
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, device.index or 0)
 
 
 def fake_oom(key: str) -> None:
@@ -484,7 +492,9 @@ def rayft_candidates(w: Workload, flops: dict, quantization: str = "none") -> li
     return rows
 
 
-def run_rayft(w: Workload, cand: dict, tokenizer, compile_layers: bool = False, quantization: str = "none") -> dict:
+def run_rayft(
+    w: Workload, cand: dict, tokenizer, compile_layers: bool = False, quantization: str = "none", liger: bool = False
+) -> dict:
     """One row: `jobs.loop.train` with a random-init base built on the device (quantized: loaded
     and quantized by `jobs.model.load_base_model` from `weights_dir`)."""
     from jobs import loop
@@ -507,13 +517,16 @@ def run_rayft(w: Workload, cand: dict, tokenizer, compile_layers: bool = False, 
             quantized_layers.append(sum(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules()))
         else:
             model = build_model(w.config, w.device, w.dtype)
+        if liger:  # the model's modules now run Liger's kernels; the globals are restored after the row
+            stack.enter_context(liger_patched(model))
         fake_oom(f"rayft:{cand['micro_batch_size']}:{cand['loss_chunk_tokens']}")
         return model, tokenizer
 
     loop.load_base_model = load_base_model
     t0 = time.perf_counter()
+    stack = contextlib.ExitStack()
     try:
-        with memory_cap(w.device, w.budget_gib):
+        with stack, memory_cap(w.device, w.budget_gib):
             summary = loop.train(
                 spec, LocalContext(use_gpu=w.device.type == "cuda", on_progress=on_progress), resume=False
             )
@@ -537,6 +550,7 @@ def run_rayft(w: Workload, cand: dict, tokenizer, compile_layers: bool = False, 
         "estimate_total_gib": cand["estimate_total_gib"],
         "estimate_spec_gib": summary.get("estimate_gib"),
         "quantization": quantization,
+        "liger": liger,
         "quantized_linear_layers": quantized_layers[0] if quantized_layers else 0,
         "final_loss": summary.get("final_loss"),
         "row_wall_s": wall,
@@ -644,12 +658,18 @@ def unwrap_accelerate(model) -> None:
     model.__dict__.pop("_original_forward", None)
 
 
-def run_hf(w: Workload) -> tuple[dict, list[dict]]:
-    """Largest micro-batch that fits without checkpointing, else with it (descending, catching OOM)."""
+def run_hf(w: Workload, liger: bool = False) -> tuple[dict, list[dict]]:
+    """Largest micro-batch that fits without checkpointing, else with it (descending, catching OOM).
+    `liger`: the model runs Liger Kernel as `TrainingArguments(use_liger_kernel=True)` applies it
+    (RMSNorm, SwiGLU, RoPE and the fused linear cross-entropy, which never materializes the logits;
+    the proxy estimate then counts a loss chunked by sequence)."""
     from jobs import memory
 
     attempts: list[dict] = []
     model = hf_model(w)
+    stack = contextlib.ExitStack()
+    if liger:
+        stack.enter_context(liger_patched(model.get_base_model(), fused_linear_cross_entropy=True))
     try:
         for gc_on in (False, True):
             for micro in divisors_desc(w.global_batch):
@@ -661,6 +681,7 @@ def run_hf(w: Workload) -> tuple[dict, list[dict]]:
                     base_dtype=w.precision,
                     lora_r=LORA_R,
                     lora_target_modules=TARGETS,
+                    loss_chunk_tokens=w.seq if liger else None,
                     device=w.device.type,
                 )
                 att = {
@@ -680,6 +701,7 @@ def run_hf(w: Workload) -> tuple[dict, list[dict]]:
                 if failed is None:
                     attempts.append({**att, "result": "ok"})
                     row["proxy_estimate_gib"] = att["proxy_estimate_gib"]
+                    row["liger"] = liger
                     return row, attempts
                 if not is_oom(failed):
                     raise failed
@@ -692,6 +714,7 @@ def run_hf(w: Workload) -> tuple[dict, list[dict]]:
                 print(f"#   hf {w.shape} @{w.budget_gib:g} GiB: micro {micro} gc {gc_on}: out of memory", flush=True)
         raise RuntimeError("HF: nothing fits the budget")
     finally:
+        stack.close()
         del model
         free_memory(w.device)
 
@@ -741,7 +764,9 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
     base["allocated_before_gib"] = round(start_alloc, 3)
     t0 = time.perf_counter()
     try:
-        if loop_name in ("rayft", "rayft-compile", "rayft-qlora"):
+        if "liger" in loop_name and importlib.util.find_spec("liger_kernel") is None:
+            return {**base, "status": "skipped: liger-kernel is not installed (carry its wheel, see the docstring)"}
+        if loop_name.startswith("rayft"):
             quantization = "nf4" if loop_name == "rayft-qlora" else "none"
             if quantization != "none":
                 weights_dir(w)
@@ -752,7 +777,12 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
                 failed = None
                 try:
                     res = run_rayft(
-                        w, cand, tokenizer, compile_layers=loop_name == "rayft-compile", quantization=quantization
+                        w,
+                        cand,
+                        tokenizer,
+                        compile_layers=loop_name == "rayft-compile",
+                        quantization=quantization,
+                        liger=loop_name == "rayft-liger",
                     )
                 except Exception as e:  # noqa: BLE001
                     failed = e
@@ -775,7 +805,7 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
                     f"rayft: no configuration ran (tried {tried}; {sum(c['fits'] for c in cands)} estimated to fit)"
                 )
         else:
-            res, attempts = run_hf(w)
+            res, attempts = run_hf(w, liger=loop_name == "hf-liger")
             row = finish_row({**base, "attempts": attempts, "status": "ok"}, res, flops, ceiling)
     except Exception as e:  # noqa: BLE001 -- a failed row is recorded; the run goes on
         traceback.print_exc()
@@ -855,6 +885,7 @@ def comparisons(rows: list[dict], goal: float) -> list[dict]:
         ray = by.get("rayft", {})
         compiled = by.get("rayft-compile", {}).get("tok_s")
         qlora = by.get("rayft-qlora", {})
+        liger, hf_liger = by.get("rayft-liger", {}).get("tok_s"), by.get("hf-liger", {}).get("tok_s")
         out.append(
             {
                 "shape": shape,
@@ -873,6 +904,13 @@ def comparisons(rows: list[dict], goal: float) -> list[dict]:
                 "qlora_peak_alloc_gib": qlora.get("peak_alloc_gib"),
                 "qlora_estimate_gib": qlora.get("estimate_gib"),
                 "qlora_estimate_rel_err": qlora.get("estimate_rel_err"),
+                "rayft_liger_tok_s": liger,
+                "liger_speedup": round(liger / a, 3) if liger and a else None,
+                "hf_liger_tok_s": hf_liger,
+                "hf_liger_speedup": round(hf_liger / b, 3) if hf_liger and b else None,
+                "best_ratio": round(max(x for x in (a, compiled, liger) if x) / max(x for x in (b, hf_liger) if x), 3)
+                if (a or compiled or liger) and (b or hf_liger)
+                else None,
             }
         )
     return out
@@ -949,6 +987,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, help="untimed optimizer steps per row (default 2; dry run 1)")
     ap.add_argument("--steps", type=int, help="timed optimizer steps per row (default 4; dry run 2)")
     ap.add_argument(
+        "--loops",
+        default="rayft,hf",
+        help="the rows run for every shape and budget, in this order, of: " + ", ".join(LOOPS) + " (default "
+        "rayft,hf, alternating which goes first; '' for none)",
+    )
+    ap.add_argument(
         "--compile-shapes",
         default=None,
         help="shapes that get one more rayft row with model.compile=true at the first budget, "
@@ -975,6 +1019,9 @@ def main(argv: list[str] | None = None) -> int:
     # PEFT probes transformers' deprecated alias on every forward; not ours, and noisy.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
+    loops = [x for x in args.loops.split(",") if x]
+    if set(loops) - set(LOOPS):
+        ap.error(f"--loops: unknown {sorted(set(loops) - set(LOOPS))}; known: {', '.join(LOOPS)}")
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")
     if not dry and not torch.cuda.is_available():
@@ -1057,9 +1104,11 @@ def main(argv: list[str] | None = None) -> int:
                     shape_name, config, seq, gb, budget, device, warmup, steps, workdir, data_path, model_dir, seqs
                 )
                 at_first_budget.setdefault(shape_name, (w, flops, tokenizer))
-                loops = ["rayft", "hf"] if order_flip % 2 == 0 else ["hf", "rayft"]
+                row_loops = loops
+                if loops == ["rayft", "hf"]:  # alternate which goes first
+                    row_loops = loops if order_flip % 2 == 0 else loops[::-1]
                 order_flip += 1
-                for loop_name in [] if args.qlora_only else loops:
+                for loop_name in [] if args.qlora_only else row_loops:
                     if time.perf_counter() - started > args.time_limit_s:
                         row = {
                             "shape": shape_name,
@@ -1127,7 +1176,8 @@ def main(argv: list[str] | None = None) -> int:
     return (
         0
         if all(
-            r.get("status") == "ok" or (r["loop"] == "rayft-qlora" and r["status"].startswith("skipped"))
+            r.get("status") == "ok"
+            or (r["loop"] in ("rayft-qlora", "rayft-liger", "hf-liger") and r["status"].startswith("skipped"))
             for r in result["rows"]
         )
         else 1

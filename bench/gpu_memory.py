@@ -11,9 +11,10 @@ context, allocator slack) is outside `max_memory_allocated`; it is reported, not
 
 Needs only torch, transformers and peft (no Ray). Writes
 bench/results/memory-<date>-<gpu>.json (rewritten after every combination, so a cut-off run
-keeps what it measured) and prints a table. About 2-3 minutes on an H200 (estimated; not yet
-run there); `--time-limit-s` stops starting combinations. `bash bench/gpu_all.sh $OUT` runs it
-and bench/gpu_compare.py in one device call (see that script's docstring for the wheels).
+keeps what it measured) and prints a table. On an H200 it measured 30 combinations in 30 s
+(bench/results/gpu-2026-12-04-nvidia-h200/memory.json); `--time-limit-s` stops starting
+combinations. `bash bench/gpu_all.sh $OUT` runs it with bench/gpu_compare.py in one device call
+(see that script's docstring for the wheels).
 
     python bench/gpu_memory.py                      # the GPU run
     python bench/gpu_memory.py --dry-run            # tiny shapes on CPU, to check the script
