@@ -49,6 +49,12 @@ from .shapes import (
 # CUDA context (driver, kernels of torch/cuBLAS/cuDNN loaded lazily) as seen by nvidia-smi on
 # an H100/H200 with torch 2.x; it is outside `torch.cuda.max_memory_allocated`.
 CUDA_CONTEXT_BYTES = 768 * MIB
+# cuBLAS and cuBLASLt workspaces (32 MiB each on Hopper), taken from the caching allocator at the
+# first matmul and held from then on, so inside `torch.cuda.max_memory_allocated`: every one of
+# the 31 combinations of bench/gpu_memory.py and every plain and QLoRA row of bench/gpu_compare.py
+# on an H200 read 64.3-65.3 MiB above the estimate without this term
+# (bench/results/gpu-2026-12-04-nvidia-h200/).
+CUBLAS_WORKSPACE_BYTES = 64 * MIB
 # NCCL communicator buffers per process with DDP (world_size > 1), also outside the allocator.
 NCCL_BUFFER_BYTES = 256 * MIB
 # Caching-allocator fragmentation: reserved - allocated at the peak, as a fraction of the
@@ -69,6 +75,7 @@ COMPONENT_ORDER = (
     "optimizer_state",
     "ddp_buckets",
     "fsdp_gathered",
+    "cublas_workspace",
     "activations",
     "logits_loss",
     "layer_backward",
@@ -86,6 +93,7 @@ _TABLE_ORDER = (
     "reference_adapter",
     "ddp_buckets",
     "fsdp_gathered",
+    "cublas_workspace",
     "activations",
     "reference_forward",
     "logits_loss",
@@ -259,6 +267,7 @@ def estimate(
         grad_accum_steps=grad_accum_steps,
     )
     acts = _activations(step, gradient_checkpointing, checkpoint_every_n_layers)
+    components["cublas_workspace"] = CUBLAS_WORKSPACE_BYTES if device == "cuda" else 0
     components["activations"] = acts.total_bytes
     loss = _loss_head(step, label_fraction, loss_chunk_tokens)
     components["logits_loss"] = loss.peak_bytes
