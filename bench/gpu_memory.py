@@ -11,7 +11,7 @@ context, allocator slack) is outside `max_memory_allocated`; it is reported, not
 
 Needs only torch, transformers and peft (no Ray). Writes
 bench/results/memory-<date>-<gpu>.json (rewritten after every combination, so a cut-off run
-keeps what it measured) and prints a table. On an H200 it measured 30 combinations in 30 s
+keeps what it measured) and prints a table. On an H200 it measured 31 combinations in 30 s
 (bench/results/gpu-2026-12-04-nvidia-h200/memory.json); `--time-limit-s` stops starting
 combinations. `bash bench/gpu_all.sh $OUT` runs it with bench/gpu_compare.py in one device call
 (see that script's docstring for the wheels).

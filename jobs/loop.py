@@ -76,7 +76,15 @@ from .early_stopping import EarlyStopping
 from .errors import RunError
 from .faults import from_env
 from .memory import MemoryPlan
-from .model import add_lora, check_batchnorm, check_packing, compile_layers, enable_checkpointing, load_base_model
+from .model import (
+    add_lora,
+    check_batchnorm,
+    check_packing,
+    compile_layers,
+    compile_wanted,
+    enable_checkpointing,
+    load_base_model,
+)
 from .objectives import Objective
 from .outputs import (
     PLOT,
@@ -405,6 +413,7 @@ class Job:
     objective: Objective = Objective()
     reference: dict | None = None  # split -> [pairs, 2] precomputed reference log-probs (`objective.reference`)
     device: torch.device | None = None
+    compiled: bool = False  # the decoder layers run through torch.compile (`compile_wanted`)
 
 
 @dataclass
@@ -441,7 +450,8 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
     plan = memory_plan(spec, ctx.device)
     if plan.checkpoint_every_n_layers:
         enable_checkpointing(model, every_n_layers=plan.checkpoint_every_n_layers)
-    if spec.model.compile:
+    compiled = compile_wanted(spec.model, ctx.device.type)
+    if compiled:
         compile_layers(model)
     strategy = strategy_of(plan, ctx.world_size)
     if strategy != "fsdp":  # FSDP moves each rank's shards to the device itself (`make_engine`)
@@ -461,6 +471,7 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
         strategy,
         Objective.of(spec),
         device=ctx.device,
+        compiled=compiled,
     )
 
 
@@ -738,7 +749,7 @@ def announce(spec: JobSpec, ctx: Context, job: Job, pos: Position) -> None:
     log.warning(
         "job %s: %d steps, global batch %d%s = %d%s workers x %d accumulation x %d micro; lr %.3g (base "
         "%.3g x %s scaling %.3g at reference batch %d); precision %s; gradient checkpointing %s; "
-        "estimate %.2f GiB",
+        "compiled layers %s; estimate %.2f GiB",
         spec.name,
         job.steps,
         spec.batch.global_batch_size,
@@ -754,6 +765,7 @@ def announce(spec: JobSpec, ctx: Context, job: Job, pos: Position) -> None:
         spec.reference_batch_size,
         job.precision,
         job.plan.checkpointing,
+        "on" if job.compiled else "off",
         job.plan.total_gib,
     )
 
@@ -854,6 +866,7 @@ def write_outputs(
         "precision": job.precision,
         "gradient_checkpointing": bool(job.plan.checkpoint_every_n_layers),
         "checkpoint_every_n_layers": job.plan.checkpoint_every_n_layers,
+        "compiled_layers": job.compiled,
         "effective_lr": spec.effective_lr,
         "global_batch_size": spec.batch.global_batch_size,
         "micro_batch_size": spec.batch.micro_batch_size,

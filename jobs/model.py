@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 from .cache import build_once
 from .errors import SpecError
-from .spec import JobSpec, one_line, path_problem, resolve_model_dir
+from .spec import JobSpec, ModelSpec, one_line, path_problem, resolve_model_dir
 
 log = logging.getLogger("rayft")
 
@@ -513,6 +513,15 @@ def check_batchnorm(model: nn.Module, sync: bool, world_size: int) -> nn.Module:
         stacklevel=2,
     )
     return model
+
+
+def compile_wanted(m: ModelSpec, device_type: str) -> bool:
+    """Whether a job compiles its decoder layers: `model.compile` true or false as written;
+    `auto`, on a CUDA device with an unquantized base (where it was measured to pay off: 1.38x
+    and 1.55x the eager step at the 1B and 8B shapes on an H200), else off."""
+    if m.compile == "auto":
+        return device_type == "cuda" and m.quantization == "none"
+    return m.compile
 
 
 def compile_layers(model) -> int:

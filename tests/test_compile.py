@@ -6,7 +6,9 @@ import pytest
 from gradtools import final_adapter, rel_err, tiny_spec
 
 from jobs.context import LocalContext
+from jobs.errors import SpecError
 from jobs.loop import train
+from jobs.model import compile_wanted
 from jobs.outputs import read_metrics
 
 
@@ -31,7 +33,8 @@ def test_compiled_layers_train_like_eager_layers(tmp_path):
             "data.group_by_length=false",
             f"model.compile={str(compiled).lower()}",
         )
-        train(spec, LocalContext(on_progress=lambda r: None), resume=False)
+        summary = train(spec, LocalContext(on_progress=lambda r: None), resume=False)
+        assert summary["compiled_layers"] is compiled
         runs[compiled] = ([r["loss"] for r in read_metrics(out)], final_adapter(out))
         if not compiled:
             assert counters["stats"]["unique_graphs"] == 0
@@ -41,3 +44,30 @@ def test_compiled_layers_train_like_eager_layers(tmp_path):
     assert rel_err(runs[True][1], runs[False][1]) <= 1e-5
     assert runs[True][0][0] != runs[True][0][-1]
     torch._dynamo.reset()
+
+
+def test_compile_auto_is_on_for_an_unquantized_base_on_a_gpu_only():
+    """`model.compile: auto` (the default) compiles where it was measured to pay off: a CUDA
+    device and an unquantized base; true and false are taken as written on any device."""
+    model = tiny_spec().model
+    assert model.compile == "auto"
+    for device, quantization, wanted in [
+        ("cuda", "none", True),
+        ("cpu", "none", False),
+        ("cuda", "nf4", False),
+        ("cuda", "int8", False),
+        ("cpu", "nf4", False),
+    ]:
+        m = model.model_copy(update={"quantization": quantization})
+        assert compile_wanted(m, device) is wanted, (device, quantization)
+    for written, wanted in (("true", True), ("false", False)):
+        m = tiny_spec(f"model.compile={written}").model
+        for device in ("cuda", "cpu"):
+            assert compile_wanted(m.model_copy(update={"quantization": "nf4"}), device) is wanted
+            assert compile_wanted(m, device) is wanted
+
+
+def test_compile_refuses_a_value_other_than_auto_true_false():
+    with pytest.raises(SpecError, match="model.compile") as err:
+        tiny_spec("model.compile=sometimes")
+    assert "\n" not in str(err.value)
