@@ -57,13 +57,13 @@ EOF
 cat "$out/env.txt" | tee -a "$log"
 
 failed=0
-# phase NAME CAP_S CMD...: run CMD under min(CAP_S, time to the deadline); skipped when under 30 s.
+# limit CAP_S: the seconds a phase may run, min(CAP_S, time to the deadline).
+limit() { local left=$((deadline - (SECONDS - t0))); echo $(($1 < left ? $1 : left)); }
+# phase NAME CAP_S CMD...: run CMD under `limit CAP_S`; skipped when that is under 30 s.
 phase() {
-  local name=$1 cap=$2; shift 2
-  local left=$((deadline - (SECONDS - t0)))
-  local limit=$((cap < left ? cap : left))
+  local name=$1 limit; limit=$(limit "$2"); shift 2
   if [ "$limit" -lt 30 ]; then
-    echo "== $name: skipped, ${left} s to the deadline" | tee -a "$log"
+    echo "== $name: skipped, $((deadline - (SECONDS - t0))) s to the deadline" | tee -a "$log"
     return
   fi
   echo "== $name (limit ${limit} s, at $((SECONDS - t0)) s)" | tee -a "$log"
@@ -74,25 +74,26 @@ phase() {
   [ "$rc" = 0 ] || failed=1
 }
 # --time-limit-s: no new row (combination) after it; the margin leaves a started row time to end.
-cmp() { local name=$1 cap=$2 margin=$3; shift 3
-  local left=$((deadline - (SECONDS - t0))); local limit=$((cap < left ? cap : left))
+# compare NAME CAP_S MARGIN_S ARGS...: a bench/gpu_compare.py phase.
+compare() {
+  local name=$1 cap=$2 margin=$3 limit; limit=$(limit "$2"); shift 3
   phase "$name" "$cap" "$PY" bench/gpu_compare.py --out "$out/$name" --time-limit-s $((limit > margin ? limit - margin : 1)) "$@"
 }
 
 if [ -n "${DRY_RUN:-}" ]; then
   # The whole comparison once (both budgets, the compile and QLoRA rows: what CI checks in full),
   # then the phases that differ in kind; Liger needs Triton on a GPU, so on CPU its rows say so.
-  cmp main 240 60 --dry-run
+  compare main 240 60 --dry-run
   phase memory 60 "$PY" bench/gpu_memory.py --dry-run --out-dir "$out/memory"
-  cmp qlora 60 30 --dry-run --budgets 0.0021 --qlora-only
-  cmp levers 60 30 --dry-run --budgets 0.0021 --loops rayft-liger,hf-liger --compile-shapes '' --qlora-shapes ''
+  compare qlora 60 30 --dry-run --budgets 0.0021 --qlora-only
+  compare levers 60 30 --dry-run --budgets 0.0021 --loops rayft-liger,hf-liger --compile-shapes '' --qlora-shapes ''
 else
-  cmp main "${MAIN_S:-190}" 60 --budgets 40 --compile-shapes '' --qlora-shapes ''
+  compare main "${MAIN_S:-190}" 60 --budgets 40 --compile-shapes '' --qlora-shapes ''
   phase memory "${MEM_S:-80}" "$PY" bench/gpu_memory.py --out-dir "$out/memory" --time-limit-s $((${MEM_S:-80} - 20))
-  cmp qlora "${QLORA_S:-130}" 100 --budgets 40 --shapes llama-8b --qlora-only
-  cmp levers "${LEVERS_S:-110}" 40 --budgets 40 --shapes llama-1b --loops rayft-compile,rayft-liger,hf-liger \
+  compare qlora "${QLORA_S:-130}" 100 --budgets 40 --shapes llama-8b --qlora-only
+  compare levers "${LEVERS_S:-110}" 40 --budgets 40 --shapes llama-1b --loops rayft-compile,rayft-liger,hf-liger \
     --compile-shapes '' --qlora-shapes ''
-  cmp b80 600 60 --budgets 80 --compile-shapes '' --qlora-shapes ''
+  compare b80 600 60 --budgets 80 --compile-shapes '' --qlora-shapes ''
 fi
 echo "gpu_all: $((SECONDS - t0)) s; failed phases: $failed; results in $out" | tee -a "$log"
 ls -lR "$out"

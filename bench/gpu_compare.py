@@ -101,6 +101,10 @@ bench/gpu_all.sh (carry [".whl"], timeout_s 560) ran on an H200 in 324 s plus th
 (the memory phase, 30 s, came from an earlier call); its files are in
 bench/results/gpu-2026-12-04-nvidia-h200/ and docs/benchmarks.md has the table. Each result file
 is rewritten after every row, so a cut-off run still leaves its finished rows.
+
+The dry run runs the whole pipeline on CPU (hidden 64, 2 layers, vocab 512, seq 64, budgets
+0.0021 and 0.01 GiB of the CPU estimate; fp32, HF's configuration from the proxy estimate as
+nothing can run out of memory there); its numbers mean nothing.
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ spec (`plan_for_spec`, `estimate_for_spec`, the tables) call it when their calle
 Checked on CPU by tests/test_memory.py (saved bytes to 1%, the forward+backward peak of
 op-allocated storages to 10%) and on an H200 against `torch.cuda.max_memory_allocated` by
 bench/gpu_memory.py and bench/gpu_compare.py (bench/results/gpu-2026-12-04-nvidia-h200/: 31
-combinations and 5 eager training rows of the 1B and 8B shapes, bf16 and nf4, all within 2% below the
-measured peak, before the cuBLAS workspace term that run showed missing). `framework_overhead`
-(CUDA context, allocator slack) is a documented constant, not measured by either.
+combinations and 5 eager training rows of the 1B and 8B shapes, bf16 and nf4, within 0.04%;
+tests/test_memory_gpu_results.py recomputes them). `framework_overhead` (CUDA context,
+allocator slack) is a documented constant, not measured by either.
 """
 
 from .choices import (
