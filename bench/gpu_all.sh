@@ -7,17 +7,22 @@
 #   DRY_RUN=1 bash bench/gpu_all.sh /tmp/x   # the same pipeline with tiny shapes on CPU
 #
 # Phases (bench/gpu_compare.py unless named; seconds are the caps, DEADLINE_S the whole):
-#   main     llama-1b and llama-8b at 40 GiB, rayft and HF Trainer + PEFT      (MAIN_S 190)
-#   memory   bench/gpu_memory.py: the estimate against the measured peak       (MEM_S 80)
-#   qlora    llama-8b with model.quantization=nf4 at 40 GiB                    (QLORA_S 130)
-#   levers   llama-1b at 40 GiB: model.compile, Liger Kernel in rayft, and HF   (LEVERS_S 110)
-#            with Liger (use_liger_kernel's set: + fused linear cross-entropy)
-#   b80      both shapes at 80 GiB, rayft and HF                               (the time left)
+#   main     llama-1b and llama-8b at 40 GiB: rayft eager, HF Trainer + PEFT,       (MAIN_S 200)
+#            rayft with model.compile (the GPU default)
+#   tests    tests/test_gpu.py: the accumulation, compile, DPO, QLoRA and resume    (TESTS_S 150)
+#            oracles on CUDA (pytest -m gpu; junit.xml)
+#   memory   bench/gpu_memory.py: the estimate against the measured peak           (MEM_S 45)
+#   dpo      both shapes at 40 GiB: rayft's DPO (model.compile auto)               (DPO_S 120)
+#   qlora    llama-8b nf4 at 40 GiB, eager and compiled                            (QLORA_S 110)
+#   levers   llama-1b at 40 GiB: Liger Kernel in rayft, HF with Liger              (LEVERS_S 120)
+#            (use_liger_kernel's set: + fused linear cross-entropy), HF's torch_compile
+#   b80      both shapes at 80 GiB: rayft eager, HF, rayft compiled                (the time left)
 # A phase starts only with at least 30 s before DEADLINE_S (default 500: with the wheel install
-# and the machine's start it leaves a rerun's worth of a 15-minute lease).
+# and the machine's start it leaves a rerun's worth of a 15-minute lease). The first H200 run
+# (bench/results/gpu-2026-12-04-nvidia-h200/) ran an earlier set of these phases.
 #
-# Output: OUT/env.txt (nvidia-smi, versions), OUT/all.log, one result file per phase in
-# OUT/<phase>/ -- at most 7 files, within the 8 a device call returns.
+# Output: OUT/all.log (nvidia-smi and versions first), one result file per phase in OUT/<phase>/
+# -- 8 files at most, the most a device call returns.
 #
 # The GPU machine has torch, an older transformers and peft, but no pydantic, bitsandbytes,
 # liger-kernel and no internet: fetch the wheels with bench/fetch_gpu_wheels.sh (into .whl/,
@@ -53,8 +58,7 @@ for name in ("pydantic", "bitsandbytes", "liger_kernel", "accelerate", "triton")
         from importlib.metadata import version
         print(name, version(name.replace("_", "-")))
 EOF
-} > "$out/env.txt" 2>&1
-cat "$out/env.txt" | tee -a "$log"
+} 2>&1 | tee -a "$log"
 
 failed=0
 # limit CAP_S: the seconds a phase may run, min(CAP_S, time to the deadline).
@@ -83,17 +87,24 @@ compare() {
 if [ -n "${DRY_RUN:-}" ]; then
   # The whole comparison once (both budgets, the compile and QLoRA rows: what CI checks in full),
   # then the phases that differ in kind; Liger needs Triton on a GPU, so on CPU its rows say so.
+  # (hf-compile and rayft-qlora-compile compile for minutes on CPU: GPU phases only.)
   compare main 240 60 --dry-run
+  # the GPU oracles' pipeline, one test on CPU (all five take minutes there)
+  phase tests 120 env RAYFT_GPU_TESTS_ON_CPU=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+    -k accumulation --junitxml "$out/tests/junit.xml"
   phase memory 60 "$PY" bench/gpu_memory.py --dry-run --out-dir "$out/memory"
+  compare dpo 60 30 --dry-run --budgets 0.0021 --loops rayft-dpo --compile-shapes '' --qlora-shapes ''
   compare qlora 60 30 --dry-run --budgets 0.0021 --qlora-only
   compare levers 60 30 --dry-run --budgets 0.0021 --loops rayft-liger,hf-liger --compile-shapes '' --qlora-shapes ''
 else
-  compare main "${MAIN_S:-190}" 60 --budgets 40 --compile-shapes '' --qlora-shapes ''
-  phase memory "${MEM_S:-80}" "$PY" bench/gpu_memory.py --out-dir "$out/memory" --time-limit-s $((${MEM_S:-80} - 20))
-  compare qlora "${QLORA_S:-130}" 100 --budgets 40 --shapes llama-8b --qlora-only
-  compare levers "${LEVERS_S:-110}" 40 --budgets 40 --shapes llama-1b --loops rayft-compile,rayft-liger,hf-liger \
-    --compile-shapes '' --qlora-shapes ''
-  compare b80 600 60 --budgets 80 --compile-shapes '' --qlora-shapes ''
+  none=(--compile-shapes '' --qlora-shapes '')
+  compare main "${MAIN_S:-200}" 60 --budgets 40 --loops rayft,hf,rayft-compile "${none[@]}"
+  phase tests "${TESTS_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py --junitxml "$out/tests/junit.xml"
+  phase memory "${MEM_S:-45}" "$PY" bench/gpu_memory.py --out-dir "$out/memory" --time-limit-s $((${MEM_S:-45} - 15))
+  compare dpo "${DPO_S:-120}" 50 --budgets 40 --loops rayft-dpo "${none[@]}"
+  compare qlora "${QLORA_S:-110}" 80 --budgets 40 --shapes llama-8b --loops rayft-qlora,rayft-qlora-compile "${none[@]}"
+  compare levers "${LEVERS_S:-120}" 50 --budgets 40 --shapes llama-1b --loops rayft-liger,hf-liger,hf-compile "${none[@]}"
+  compare b80 600 60 --budgets 80 --loops rayft,hf,rayft-compile "${none[@]}"
 fi
 echo "gpu_all: $((SECONDS - t0)) s; failed phases: $failed; results in $out" | tee -a "$log"
 ls -lR "$out"

@@ -59,7 +59,14 @@ What runs
   and RoPE patched into the model; rayft's own loss, so no fused cross-entropy) and `hf-liger`
   (HF with what `TrainingArguments(use_liger_kernel=True)` applies: those three and the fused
   linear cross-entropy, which never materializes the logits). Liger patches `modeling_llama`'s
-  globals; the row undoes that when it ends. Without liger-kernel the rows say so.
+  globals; the row undoes that when it ends. Without liger-kernel the rows say so. Also:
+  `hf-compile` (HF with `TrainingArguments(torch_compile=True)`: the whole model through
+  torch.compile), `rayft-qlora-compile` (the QLoRA row with compiled layers), and `rayft-dpo`
+  (rayft's DPO, `model.compile: auto` as a job has it: compiled on a GPU): global_batch / 2 pairs
+  of two `seq`-token rows (random prompt of seq/2 - 1 words, chosen and rejected responses of
+  seq/2), the same tokens per step as the SFT rows; the reference is the base with the adapter
+  off; its model FLOPs per token add the reference forward (2N + the causal attention forward);
+  its configuration is chosen with the preference estimate.
 
 Timing
 ------
@@ -140,7 +147,20 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 LORA_R, LORA_ALPHA, LR = 16, 32.0, 1e-4
 EFF_TOKENS = 512  # eff(t) = t / (t + EFF_TOKENS) in rayft's configuration choice
 HF_PROXY_MARGIN = 1.10  # HF candidates whose proxy estimate exceeds budget x this are not tried
-LOOPS = ("rayft", "hf", "rayft-compile", "rayft-qlora", "rayft-liger", "hf-liger")
+# Loops that need a package the GPU machine may lack (a loop whose name holds the key): without
+# it the row says so and the exit status does not count it.
+OPTIONAL = {"liger": ("liger_kernel", "liger-kernel"), "qlora": ("bitsandbytes", "bitsandbytes")}
+LOOPS = (
+    "rayft",
+    "hf",
+    "rayft-compile",
+    "rayft-qlora",
+    "rayft-qlora-compile",
+    "rayft-liger",
+    "hf-liger",
+    "hf-compile",
+    "rayft-dpo",
+)
 
 
 @contextlib.contextmanager
@@ -391,6 +411,29 @@ class Workload:
     data_path: Path
     model_dir: Path
     seqs: list
+    objective: str = "sft"  # "dpo": `global_batch` counts pairs and `data_path` holds them (`for_dpo`)
+
+    def for_dpo(self) -> Workload:
+        """The same tokens per optimizer step as pairs: global_batch / 2 pairs of two rows of
+        `seq` input tokens each (BOS + 1023-token prompt + 1024-token response + EOS at seq 2048),
+        chosen and rejected random and different; written once per shape."""
+        path = self.workdir / f"pairs-{self.shape}.jsonl"
+        if not path.is_file():
+            rng = random.Random(1)
+            vocab = self.config.vocab_size - 3
+            prompt_len = (self.seq - 1) // 2
+            resp_len = self.seq - 1 - prompt_len
+            with open(path, "w") as f:
+                for _ in range(self.global_batch // 2 * self.total_steps):
+                    prompt, chosen, rejected = (
+                        " ".join(str(rng.randrange(vocab)) for _ in range(n)) for n in (prompt_len, resp_len, resp_len)
+                    )
+                    f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+        return dataclasses.replace(self, global_batch=self.global_batch // 2, data_path=path, objective="dpo")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq * (2 if self.objective == "dpo" else 1)
 
     @property
     def total_steps(self) -> int:
@@ -420,7 +463,12 @@ def weights_dir(w: Workload) -> Path:
 
 
 def rayft_spec(
-    w: Workload, micro: int, chunk: int, out_dir: Path, compile_layers: bool = False, quantization: str = "none"
+    w: Workload,
+    micro: int,
+    chunk: int,
+    out_dir: Path,
+    compile_layers: bool | str = False,
+    quantization: str = "none",
 ):
     from jobs.spec import load_spec
 
@@ -442,6 +490,7 @@ def rayft_spec(
         "memory": {"gradient_checkpointing": "auto", "budget_gib": w.budget_gib, "loss_chunk_tokens": chunk},
         "resources": {"num_workers": 1, "use_gpu": w.device.type == "cuda"},
         "run": {"max_steps": w.total_steps, "seed": 0, "output_dir": str(out_dir)},
+        "objective": {"name": w.objective},
     }
     return load_spec(data=data)
 
@@ -456,7 +505,7 @@ def rayft_candidates(w: Workload, flops: dict, quantization: str = "none") -> li
     chunks = [0] + [c for c in (4 * w.seq, 2 * w.seq, w.seq, w.seq // 2) if c > 0]
     rows = []
     for mb in divisors_desc(w.global_batch):
-        tokens = mb * w.seq
+        tokens = mb * w.tokens_per_step // w.global_batch  # a DPO pair is two rows
         for chunk in chunks:
             if chunk and chunk >= tokens:
                 continue  # CausalLMLoss does not chunk then: the same as 0
@@ -467,18 +516,15 @@ def rayft_candidates(w: Workload, flops: dict, quantization: str = "none") -> li
             recompute = n_ckpt * (2 * flops["layer_linear"] + flops["attn_fwd_per_layer"])
             recompute += 2 * flops["N_head"] if chunk else 0
             eff = tokens / (tokens + EFF_TOKENS)
-            est = memory.estimate(
-                w.config,
+            # The estimate of this very spec (for DPO: pairs, the reference forward), as the plan's.
+            est = memory.estimate_for_spec(
+                spec,
                 micro_batch_size=mb,
-                seq_len=w.seq,
                 gradient_checkpointing=every > 0,
                 checkpoint_every_n_layers=max(1, every),
-                base_dtype=w.precision,
-                lora_r=LORA_R,
-                lora_target_modules=TARGETS,
-                loss_chunk_tokens=chunk or None,
                 device=w.device.type,
-                quantization=quantization,
+                config=w.config,
+                strategy="ddp",
             )
             rows.append(
                 {
@@ -497,7 +543,12 @@ def rayft_candidates(w: Workload, flops: dict, quantization: str = "none") -> li
 
 
 def run_rayft(
-    w: Workload, cand: dict, tokenizer, compile_layers: bool = False, quantization: str = "none", liger: bool = False
+    w: Workload,
+    cand: dict,
+    tokenizer,
+    compile_layers: bool | str = False,
+    quantization: str = "none",
+    liger: bool = False,
 ) -> dict:
     """One row: `jobs.loop.train` with a random-init base built on the device (quantized: loaded
     and quantized by `jobs.model.load_base_model` from `weights_dir`)."""
@@ -555,6 +606,7 @@ def run_rayft(
         "estimate_spec_gib": summary.get("estimate_gib"),
         "quantization": quantization,
         "liger": liger,
+        "compiled_layers": summary.get("compiled_layers"),
         "quantized_linear_layers": quantized_layers[0] if quantized_layers else 0,
         "final_loss": summary.get("final_loss"),
         "row_wall_s": wall,
@@ -564,7 +616,7 @@ def run_rayft(
 # ---- HF Trainer + PEFT ----------------------------------------------------------------------
 
 
-def training_arguments(w: Workload, micro: int, gc_on: bool, out_dir: Path):
+def training_arguments(w: Workload, micro: int, gc_on: bool, out_dir: Path, compile: bool = False):
     """`TrainingArguments` across transformers 5.x: `activation_checkpointing*` (5.2x) or the
     older `gradient_checkpointing*` names (5.17), whichever this version has."""
     from transformers import TrainingArguments
@@ -593,6 +645,7 @@ def training_arguments(w: Workload, micro: int, gc_on: bool, out_dir: Path):
         seed=0,
         dataloader_num_workers=0,
         use_cpu=not cuda,
+        torch_compile=compile,  # HF's own: torch.compile of the whole model (PEFT wrapper included)
         **{ckpt: gc_on, f"{ckpt}_kwargs": {"use_reentrant": False}},
     )
     unknown = sorted(set(kwargs) - fields)
@@ -615,7 +668,7 @@ def hf_model(w: Workload):
     return model
 
 
-def run_hf_once(w: Workload, model, micro: int, gc_on: bool) -> dict:
+def run_hf_once(w: Workload, model, micro: int, gc_on: bool, compile: bool = False) -> dict:
     from transformers import Trainer, TrainerCallback
 
     device = w.device
@@ -630,7 +683,7 @@ def run_hf_once(w: Workload, model, micro: int, gc_on: bool) -> dict:
             ends.append(time.perf_counter())
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"hf-{w.shape}-", dir=w.workdir))
-    args, ckpt_name = training_arguments(w, micro, gc_on, out_dir)
+    args, ckpt_name = training_arguments(w, micro, gc_on, out_dir, compile)
     trainer = Trainer(model=model, args=args, train_dataset=SeqDataset(w.seqs), callbacks=[StepTimer()])
     t0 = time.perf_counter()
     try:
@@ -662,7 +715,7 @@ def unwrap_accelerate(model) -> None:
     model.__dict__.pop("_original_forward", None)
 
 
-def run_hf(w: Workload, liger: bool = False) -> tuple[dict, list[dict]]:
+def run_hf(w: Workload, liger: bool = False, compile: bool = False) -> tuple[dict, list[dict]]:
     """Largest micro-batch that fits without checkpointing, else with it (descending, catching OOM).
     `liger`: the model runs Liger Kernel as `TrainingArguments(use_liger_kernel=True)` applies it
     (RMSNorm, SwiGLU, RoPE and the fused linear cross-entropy, which never materializes the logits;
@@ -699,13 +752,13 @@ def run_hf(w: Workload, liger: bool = False) -> tuple[dict, list[dict]]:
                     continue
                 failed = None
                 try:
-                    row = run_hf_once(w, model, micro, gc_on)
+                    row = run_hf_once(w, model, micro, gc_on, compile)
                 except Exception as e:  # noqa: BLE001 -- OOM is expected; anything else is re-raised below
                     failed = e
                 if failed is None:
                     attempts.append({**att, "result": "ok"})
                     row["proxy_estimate_gib"] = att["proxy_estimate_gib"]
-                    row["liger"] = liger
+                    row["liger"], row["torch_compile"] = liger, compile
                     return row, attempts
                 if not is_oom(failed):
                     raise failed
@@ -729,7 +782,7 @@ def run_hf(w: Workload, liger: bool = False) -> tuple[dict, list[dict]]:
 def finish_row(base: dict, res: dict, flops: dict, ceiling: float) -> dict:
     steps = res.pop("step_s")
     mean = statistics.fmean(steps) if steps else float("nan")
-    tok_s = base["global_batch_size"] * base["seq_len"] / mean if steps else None
+    tok_s = base["tokens_per_step"] / mean if steps else None
     tflops = tok_s * flops["total"] / 1e12 if tok_s else None
     row = {**base, **res}
     row.update(
@@ -748,12 +801,20 @@ def finish_row(base: dict, res: dict, flops: dict, ceiling: float) -> dict:
 
 
 def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer) -> dict:
+    if loop_name == "rayft-dpo":
+        # Model FLOPs of a DPO token: the policy's forward and backward, plus the reference
+        # forward (the base with the adapter off): 2N + the causal attention forward again.
+        w = w.for_dpo()
+        layers = w.config.num_hidden_layers
+        flops = {**flops, "total": flops["total"] + 2 * flops["N"] + layers * flops["attn_fwd_per_layer"]}
     base = {
         "shape": w.shape,
         "budget_gib": w.budget_gib,
         "loop": loop_name,
         "seq_len": w.seq,
         "global_batch_size": w.global_batch,
+        "tokens_per_step": w.tokens_per_step,
+        "objective": w.objective,
         "warmup_steps": w.warmup,
         "timed_steps": w.steps,
         "micro_batch_size": None,
@@ -768,10 +829,11 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
     base["allocated_before_gib"] = round(start_alloc, 3)
     t0 = time.perf_counter()
     try:
-        if "liger" in loop_name and importlib.util.find_spec("liger_kernel") is None:
-            return {**base, "status": "skipped: liger-kernel is not installed (carry its wheel, see the docstring)"}
+        for part, (module, wheel) in OPTIONAL.items():
+            if part in loop_name and importlib.util.find_spec(module) is None:
+                return {**base, "status": f"skipped: {wheel} is not installed (carry its wheel, see the docstring)"}
         if loop_name.startswith("rayft"):
-            quantization = "nf4" if loop_name == "rayft-qlora" else "none"
+            quantization = "nf4" if loop_name.startswith("rayft-qlora") else "none"
             if quantization != "none":
                 weights_dir(w)
             cands = rayft_candidates(w, flops, quantization)
@@ -784,7 +846,8 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
                         w,
                         cand,
                         tokenizer,
-                        compile_layers=loop_name == "rayft-compile",
+                        # rayft-dpo: the default, `auto` (compiled on a GPU, eager on CPU)
+                        compile_layers="auto" if loop_name == "rayft-dpo" else loop_name.endswith("-compile"),
                         quantization=quantization,
                         liger=loop_name == "rayft-liger",
                     )
@@ -809,7 +872,7 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
                     f"rayft: no configuration ran (tried {tried}; {sum(c['fits'] for c in cands)} estimated to fit)"
                 )
         else:
-            res, attempts = run_hf(w, liger=loop_name == "hf-liger")
+            res, attempts = run_hf(w, liger=loop_name == "hf-liger", compile=loop_name == "hf-compile")
             row = finish_row({**base, "attempts": attempts, "status": "ok"}, res, flops, ceiling)
     except Exception as e:  # noqa: BLE001 -- a failed row is recorded; the run goes on
         traceback.print_exc()
@@ -921,7 +984,7 @@ def comparisons(rows: list[dict], goal: float) -> list[dict]:
 
 
 HEADER = (
-    f"{'shape':9} {'budget':>6} {'loop':13} {'mb':>3} {'acc':>3} {'gc':>4} {'chunk':>5} {'tok/s':>9} "
+    f"{'shape':9} {'budget':>6} {'loop':19} {'mb':>3} {'acc':>3} {'gc':>4} {'chunk':>5} {'tok/s':>9} "
     f"{'TFLOP/s':>8} {'%ceil':>6} {'peak':>7} {'est':>7} {'err':>6}  status"
 )
 
@@ -941,7 +1004,7 @@ def fmt_row(r: dict) -> str:
     )
     frac = r.get("fraction_of_matmul_ceiling")
     return (
-        f"{r['shape']:9} {r['budget_gib']:6g} {r['loop']:13} {f(r.get('micro_batch_size'), '3d', 3)} "
+        f"{r['shape']:9} {r['budget_gib']:6g} {r['loop']:19} {f(r.get('micro_batch_size'), '3d', 3)} "
         f"{f(r.get('grad_accum_steps'), '3d', 3)} {gc_s:>4} {f(r.get('loss_chunk_tokens'), '5d', 5)} "
         f"{f(r.get('tok_s'), '9.0f', 9)} {f(r.get('model_tflops'), '8.1f', 8)} "
         f"{f(frac * 100 if frac is not None else None, '5.1f', 5)}% {f(r.get('peak_alloc_gib'), '7.2f', 7)} "
@@ -1161,27 +1224,19 @@ def main(argv: list[str] | None = None) -> int:
             if shape_name not in at_first_budget or time.perf_counter() - started > args.time_limit_s:
                 continue
             w, flops, tokenizer = at_first_budget[shape_name]
-            if importlib.util.find_spec("bitsandbytes") is None:
-                row = {
-                    "shape": shape_name,
-                    "budget_gib": w.budget_gib,
-                    "loop": "rayft-qlora",
-                    "status": "skipped: bitsandbytes is not installed (carry its wheel, see the docstring)",
-                }
-            else:
-                row = run_row("rayft-qlora", w, flops, ceiling["tflops"], tokenizer)
+            row = run_row("rayft-qlora", w, flops, ceiling["tflops"], tokenizer)  # skipped without bitsandbytes
             result["rows"].append(row)
             print(fmt_row(row), flush=True)
             save()
     save()
     print_table(result)
     print(f"\n{result['wall_s']} s; wrote {path}")
-    # A QLoRA row skipped for want of bitsandbytes is said in the row; it fails nothing else.
+    # A row skipped for want of an optional package (OPTIONAL) says so; it fails nothing else.
     return (
         0
         if all(
             r.get("status") == "ok"
-            or (r["loop"] in ("rayft-qlora", "rayft-liger", "hf-liger") and r["status"].startswith("skipped"))
+            or (any(part in r["loop"] for part in OPTIONAL) and r["status"].startswith("skipped"))
             for r in result["rows"]
         )
         else 1

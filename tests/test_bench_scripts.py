@@ -230,13 +230,26 @@ def test_gpu_all_runs_every_gpu_phase_in_one_call(tmp_path):
         env={**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1", "GPU_COMPARE_FAKE_OOM": "hf:8:0,rayft:8:0"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {p.name for p in tmp_path.iterdir()} == {"env.txt", "all.log", "main", "memory", "qlora", "levers"}
-    assert "peft" in (tmp_path / "env.txt").read_text()
+    assert {p.name for p in tmp_path.iterdir()} == {"all.log", "main", "tests", "memory", "dpo", "qlora", "levers"}
+    log = (tmp_path / "all.log").read_text()
+    assert "peft" in log and "transformers" in log  # the versions it ran with
+    # the GPU oracles' pipeline: pytest on tests/test_gpu.py (one test, on CPU here), a JUnit file
+    junit = (tmp_path / "tests" / "junit.xml").read_text()
+    assert 'tests="1"' in junit and 'failures="0"' in junit and 'skipped="0"' in junit, junit[:300]
     # at most 8 files: what one device call brings back
     assert len([p for p in tmp_path.rglob("*") if p.is_file()]) <= 8
     (memory_file,) = (tmp_path / "memory").glob("memory-*-cpu.json")
     assert all(r["status"] == "ok" for r in json.loads(memory_file.read_text())["rows"])
     _check_gpu_compare_dry_run(sorted((tmp_path / "main").glob("*.json")), proc.stdout)
+    # DPO through rayft's own loop: pairs of two rows of `seq` input tokens, half the SFT rows'
+    # global batch in pairs (the same tokens per step), its configuration from the preference
+    # estimate (the reference forward included) within the budget
+    (dpo,) = json.loads(_only_file(tmp_path / "dpo").read_text())["rows"]
+    assert dpo["loop"] == "rayft-dpo" and dpo["status"] == "ok" and dpo["objective"] == "dpo", dpo
+    assert dpo["global_batch_size"] == 4 and dpo["tokens_per_step"] == 4 * 2 * dpo["seq_len"]
+    assert dpo["micro_batch_size"] * dpo["grad_accum_steps"] == 4
+    assert 0 < dpo["estimate_spec_gib"] <= dpo["budget_gib"] and dpo["tok_s"] > 0
+    assert dpo["final_loss"] == pytest.approx(math.log(2), abs=0.05)  # DPO starts at log 2
     (qlora,) = json.loads(_only_file(tmp_path / "qlora").read_text())["rows"]
     assert qlora["loop"] == "rayft-qlora" and qlora["status"] == "ok" and qlora["quantization"] == "nf4"
     # Liger's kernels are Triton's: on this CPU machine the rows say why they did not run, and
@@ -246,8 +259,7 @@ def test_gpu_all_runs_every_gpu_phase_in_one_call(tmp_path):
     if importlib.util.find_spec("liger_kernel") is None:
         assert all(r["status"].startswith("skipped: liger-kernel is not installed") for r in levers)
     assert "failed phases: 0" in proc.stdout
-    log = (tmp_path / "all.log").read_text()
-    for phase in ("main", "memory", "qlora", "levers"):
+    for phase in ("main", "tests", "memory", "dpo", "qlora", "levers"):
         assert f"== {phase}: exit 0" in log, phase
 
 
