@@ -14,9 +14,12 @@
 #   memory   bench/gpu_memory.py: the estimate against the measured peak           (MEM_S 45)
 #   dpo      both shapes at 40 GiB: rayft's DPO (model.compile auto)               (DPO_S 120)
 #   qlora    llama-8b nf4 at 40 GiB, eager and compiled                            (QLORA_S 110)
-#   levers   llama-1b at 40 GiB: Liger Kernel in rayft, HF with Liger              (LEVERS_S 120)
-#            (use_liger_kernel's set: + fused linear cross-entropy), HF's torch_compile
+#   levers   llama-1b at 40 GiB: ragged data (seq/8 to seq tokens) padded, packed    (LEVERS_S 180)
+#            with SDPA's float bias and packed with FlexAttention's BlockMask; Liger
+#            Kernel in rayft, HF with Liger (use_liger_kernel's set: + fused linear
+#            cross-entropy), HF's torch_compile
 #   b80      both shapes at 80 GiB: rayft eager, HF, rayft compiled                (the time left)
+# PHASES="levers b80" runs only those (a second call for what the first one's deadline cut).
 # A phase starts only with at least 30 s before DEADLINE_S (default 500: with the wheel install
 # and the machine's start it leaves a rerun's worth of a 15-minute lease). The first H200 run
 # (bench/results/gpu-2026-12-04-nvidia-h200/) ran an earlier set of these phases.
@@ -66,6 +69,7 @@ limit() { local left=$((deadline - (SECONDS - t0))); echo $(($1 < left ? $1 : le
 # phase NAME CAP_S CMD...: run CMD under `limit CAP_S`; skipped when that is under 30 s.
 phase() {
   local name=$1 limit; limit=$(limit "$2"); shift 2
+  case " ${PHASES:-$name} " in *" $name "*) ;; *) echo "== $name: not in PHASES" | tee -a "$log"; return ;; esac
   if [ "$limit" -lt 30 ]; then
     echo "== $name: skipped, $((deadline - (SECONDS - t0))) s to the deadline" | tee -a "$log"
     return
@@ -95,7 +99,8 @@ if [ -n "${DRY_RUN:-}" ]; then
   phase memory 60 "$PY" bench/gpu_memory.py --dry-run --out-dir "$out/memory"
   compare dpo 60 30 --dry-run --budgets 0.0021 --loops rayft-dpo --compile-shapes '' --qlora-shapes ''
   compare qlora 60 30 --dry-run --budgets 0.0021 --qlora-only
-  compare levers 60 30 --dry-run --budgets 0.0021 --loops rayft-liger,hf-liger --compile-shapes '' --qlora-shapes ''
+  compare levers 60 30 --dry-run --budgets 0.0021 --loops rayft-ragged,rayft-ragged-packed,rayft-liger,hf-liger \
+    --compile-shapes '' --qlora-shapes ''
 else
   none=(--compile-shapes '' --qlora-shapes '')
   compare main "${MAIN_S:-200}" 60 --budgets 40 --loops rayft,hf,rayft-compile "${none[@]}"
@@ -103,7 +108,8 @@ else
   phase memory "${MEM_S:-45}" "$PY" bench/gpu_memory.py --out-dir "$out/memory" --time-limit-s $((${MEM_S:-45} - 15))
   compare dpo "${DPO_S:-120}" 50 --budgets 40 --loops rayft-dpo "${none[@]}"
   compare qlora "${QLORA_S:-110}" 80 --budgets 40 --shapes llama-8b --loops rayft-qlora,rayft-qlora-compile "${none[@]}"
-  compare levers "${LEVERS_S:-120}" 50 --budgets 40 --shapes llama-1b --loops rayft-liger,hf-liger,hf-compile "${none[@]}"
+  compare levers "${LEVERS_S:-180}" 50 --budgets 40 --shapes llama-1b \
+    --loops rayft-ragged,rayft-ragged-packed,rayft-ragged-packed-flex,rayft-liger,hf-liger,hf-compile "${none[@]}"
   compare b80 600 60 --budgets 80 --loops rayft,hf,rayft-compile "${none[@]}"
 fi
 echo "gpu_all: $((SECONDS - t0)) s; failed phases: $failed; results in $out" | tee -a "$log"

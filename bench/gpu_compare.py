@@ -66,7 +66,11 @@ What runs
   of two `seq`-token rows (random prompt of seq/2 - 1 words, chosen and rejected responses of
   seq/2), the same tokens per step as the SFT rows; the reference is the base with the adapter
   off; its model FLOPs per token add the reference forward (2N + the causal attention forward);
-  its configuration is chosen with the preference estimate.
+  its configuration is chosen with the preference estimate. `rayft-ragged`,
+  `rayft-ragged-packed`, `rayft-ragged-packed-flex`: eager rayft on ragged data (the same number
+  of sequences per step, each seq/8 to seq tokens), padded (length-grouped, the default), packed
+  with SDPA's float bias, and packed with FlexAttention's BlockMask; their tok/s counts the input
+  tokens the steps really had (`real_tokens`), not the padding.
 
 Timing
 ------
@@ -160,6 +164,9 @@ LOOPS = (
     "hf-liger",
     "hf-compile",
     "rayft-dpo",
+    "rayft-ragged",
+    "rayft-ragged-packed",
+    "rayft-ragged-packed-flex",
 )
 
 
@@ -412,6 +419,9 @@ class Workload:
     model_dir: Path
     seqs: list
     objective: str = "sft"  # "dpo": `global_batch` counts pairs and `data_path` holds them (`for_dpo`)
+    ragged: bool = False  # sequences of seq/8 to seq tokens (`for_ragged`); tok/s counts real tokens
+    packing: bool = False  # data.packing
+    attn: str = "sdpa"  # model.attn_implementation
 
     def for_dpo(self) -> Workload:
         """The same tokens per optimizer step as pairs: global_batch / 2 pairs of two rows of
@@ -430,6 +440,20 @@ class Workload:
                     )
                     f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
         return dataclasses.replace(self, global_batch=self.global_batch // 2, data_path=path, objective="dpo")
+
+    def for_ragged(self, packing: bool, attn: str) -> Workload:
+        """The same number of sequences per step, each of a length drawn uniformly from
+        [seq/8, seq] input tokens (seeded; written once per shape): data whose padding packing
+        removes. `packing`/`attn`: data.packing and model.attn_implementation of the row."""
+        path = self.workdir / f"ragged-{self.shape}.jsonl"
+        if not path.is_file():
+            rng = random.Random(2)
+            vocab = self.config.vocab_size - 3
+            with open(path, "w") as f:
+                for _ in range(self.global_batch * self.total_steps):
+                    n = rng.randint(self.seq // 8, self.seq) - 1  # + <s>: n + 1 input tokens
+                    f.write(json.dumps({"text": " ".join(str(rng.randrange(vocab)) for _ in range(n))}) + "\n")
+        return dataclasses.replace(self, data_path=path, ragged=True, packing=packing, attn=attn)
 
     @property
     def tokens_per_step(self) -> int:
@@ -478,11 +502,11 @@ def rayft_spec(
         "name": f"bench-{w.shape}",
         "model": {
             "name": str(model_dir),
-            "attn_implementation": "sdpa",
+            "attn_implementation": w.attn,
             "compile": compile_layers,
             "quantization": quantization,
         },
-        "data": {"path": [str(w.data_path)], "max_seq_len": w.seq + 1},
+        "data": {"path": [str(w.data_path)], "max_seq_len": w.seq + 1, "packing": w.packing},
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0, "target_modules": TARGETS},
         "batch": {"global_batch_size": w.global_batch, "micro_batch_size": micro},
         "optim": {"name": "adamw", "lr": LR, "schedule": "constant", "warmup_steps": 0, "max_grad_norm": 1.0},
@@ -592,6 +616,7 @@ def run_rayft(
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     timed = [b - a for a, b in zip(ends[w.warmup - 1 :], ends[w.warmup :], strict=False)] if w.warmup else []
     inner = [r["step_time_s"] for r in records[w.warmup :]]
+    real_tokens = [r["tokens"] for r in records[w.warmup :]]  # input tokens, padding not counted
     return {
         "micro_batch_size": summary["micro_batch_size"],
         "grad_accum_steps": summary["grad_accum_steps"],
@@ -600,6 +625,7 @@ def run_rayft(
         "loss_chunk_tokens": cand["loss_chunk_tokens"],
         "step_s": timed,
         "inner_step_s": inner,
+        "real_tokens": real_tokens,
         "peak_alloc_gib": peak,
         "estimate_gib": cand["estimate_gib"],
         "estimate_total_gib": cand["estimate_total_gib"],
@@ -782,7 +808,12 @@ def run_hf(w: Workload, liger: bool = False, compile: bool = False) -> tuple[dic
 def finish_row(base: dict, res: dict, flops: dict, ceiling: float) -> dict:
     steps = res.pop("step_s")
     mean = statistics.fmean(steps) if steps else float("nan")
-    tok_s = base["tokens_per_step"] / mean if steps else None
+    real = res.pop("real_tokens", None)
+    if steps and base.get("ragged"):  # ragged rows: the input tokens the steps really had
+        tok_s = sum(real) / sum(steps)
+        base = {**base, "real_tokens": real}
+    else:
+        tok_s = base["tokens_per_step"] / mean if steps else None
     tflops = tok_s * flops["total"] / 1e12 if tok_s else None
     row = {**base, **res}
     row.update(
@@ -801,6 +832,8 @@ def finish_row(base: dict, res: dict, flops: dict, ceiling: float) -> dict:
 
 
 def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer) -> dict:
+    if loop_name.startswith("rayft-ragged"):
+        w = w.for_ragged(packing="packed" in loop_name, attn="flex_attention" if loop_name.endswith("flex") else "sdpa")
     if loop_name == "rayft-dpo":
         # Model FLOPs of a DPO token: the policy's forward and backward, plus the reference
         # forward (the base with the adapter off): 2N + the causal attention forward again.
@@ -815,6 +848,9 @@ def run_row(loop_name: str, w: Workload, flops: dict, ceiling: float, tokenizer)
         "global_batch_size": w.global_batch,
         "tokens_per_step": w.tokens_per_step,
         "objective": w.objective,
+        "ragged": w.ragged,
+        "packing": w.packing,
+        "attn_implementation": w.attn,
         "warmup_steps": w.warmup,
         "timed_steps": w.steps,
         "micro_batch_size": None,

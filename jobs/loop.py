@@ -128,7 +128,10 @@ class CausalLMLoss(nn.Module):
     def forward(self, input_ids, label_pos, label_ids, attention_mask=None, position_ids=None, seq_ids=None):
         lm = self._causal_lm()
         if seq_ids is not None:  # packed rows (`jobs.data.collate`)
-            attention_mask = packed_attention_mask(seq_ids, lm.get_input_embeddings().weight.dtype)
+            if lm.config._attn_implementation == "flex_attention":
+                attention_mask = packed_block_mask(seq_ids)
+            else:
+                attention_mask = packed_attention_mask(seq_ids, lm.get_input_embeddings().weight.dtype)
         # `base_model` is the decoder stack under any HF causal LM (`model`, `gpt_neox`, ...).
         hidden = lm.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -162,6 +165,21 @@ def packed_attention_mask(seq_ids: torch.Tensor, weight_dtype: torch.dtype) -> t
     allowed = (seq_ids[:, :, None] == seq_ids[:, None, :]) & causal
     bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     return bias.unsqueeze(1)
+
+
+def packed_block_mask(seq_ids: torch.Tensor):
+    """The same block-diagonal causal mask as `packed_attention_mask`, as FlexAttention's
+    `BlockMask` (`model.attn_implementation: flex_attention`): query i may see key j when both
+    are in the same sequence slot and j <= i. Block-sparse (128 x 128 tiles; the tiles no query
+    may see are skipped), a few KiB per row instead of the [rows, 1, T, T] bias; transformers
+    passes a 4-D `BlockMask` to every layer as is. Built on the device, once per micro-batch."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_sequence_causal(b, h, q, kv):
+        return (seq_ids[b, q] == seq_ids[b, kv]) & (kv <= q)
+
+    rows, T = seq_ids.shape
+    return create_block_mask(same_sequence_causal, rows, None, T, T, device=seq_ids.device)
 
 
 def _head_loss(head: nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

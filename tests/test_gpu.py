@@ -8,6 +8,7 @@ for matmuls), and checks one property against a second run that must agree:
 - `model.compile` (the GPU default, `auto`): compiled layers train the adapter eager layers do;
 - DPO: accumulation split and compiled layers, the same way;
 - QLoRA (nf4 on bitsandbytes' CUDA kernels): the split equivalence over a 4-bit base;
+- packing through FlexAttention's BlockMask: the adapter packing through SDPA's float bias trains;
 - resume: 2 steps, then 2 more from the checkpoint, equal bit for bit to 4 steps straight.
 
 Marked `gpu` and skipped without CUDA. `RAYFT_GPU_TESTS_ON_CPU=1` runs them on the CPU instead
@@ -98,6 +99,14 @@ def test_qlora_split_gives_the_big_batch_adapter(tmp_path):
     whole = _run(tmp_path / "8x1", *q, "batch.micro_batch_size=8")
     split = _run(tmp_path / "2x4", *q, "batch.micro_batch_size=2")
     _agree(split, whole)
+
+
+@pytest.mark.skipif(ON_CPU, reason="FlexAttention has no backward on CPU")
+def test_packing_through_flex_attention_trains_the_sdpa_adapter(tmp_path):
+    packed = ("data.packing=true", "data.max_seq_len=200", "batch.micro_batch_size=8", "model.compile=false")
+    sdpa = _run(tmp_path / "sdpa", *packed)
+    flex = _run(tmp_path / "flex", *packed, "model.attn_implementation=flex_attention")
+    _agree(flex, sdpa)
 
 
 def test_resume_continues_bit_for_bit(tmp_path):

@@ -179,3 +179,52 @@ def test_packing_is_refused_for_sliding_window_models_before_anything_starts(tmp
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "data.packing: not supported for 'mistral'" in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_flex_attention_packed_rows_see_what_the_float_bias_lets_them_see():
+    """`model.attn_implementation: flex_attention` packs with a BlockMask built from the sequence
+    slots (`jobs.loop.packed_block_mask`) instead of the float bias. Its backward runs on a GPU
+    only (tests/test_gpu.py trains with it); here the forward: the packed loss through FlexAttention
+    equals the packed loss through SDPA's bias and the padded loss, and a BlockMask that lets the
+    sequences of a row see each other (plain causal over the row) does not."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    spec, _, _, tok, train = _examples(8)
+    ex = train[:8]
+    packed = collate(ex, tok.pad_token_id, pack_tokens=200, row_multiple=16)
+    assert packed["input_ids"].shape[0] < len(ex)  # several sequences share a row
+    losses = {}
+    for attn in ("sdpa", "flex_attention"):
+        s = tiny_spec(
+            "batch.micro_batch_size=8",
+            "data.max_seq_len=200",
+            f"model.attn_implementation={attn}",
+            "resources.use_gpu=true",  # flex is refused for CPU jobs (no backward); the forward runs here
+        )
+        engine, _, _ = build_engine(s)
+        with torch.no_grad():
+            losses[attn] = engine.module(**packed).item()
+            if attn == "flex_attention":
+                losses["padded"] = engine.module(**collate(ex, tok.pad_token_id)).item()
+                rows, T = packed["input_ids"].shape
+                causal = create_block_mask(lambda b, h, q, kv: kv <= q, rows, None, T, T, device="cpu")
+                lm = engine.module.model.get_base_model()
+                hidden = lm.model(
+                    input_ids=packed["input_ids"],
+                    position_ids=packed["position_ids"],
+                    attention_mask=causal,
+                    use_cache=False,
+                ).last_hidden_state
+                h = hidden.flatten(0, 1).index_select(0, packed["label_pos"])
+                leaky = torch.nn.functional.cross_entropy(lm.lm_head(h), packed["label_ids"], reduction="sum").item()
+    assert abs(losses["flex_attention"] - losses["sdpa"]) <= 1e-5 * abs(losses["sdpa"])
+    assert abs(losses["flex_attention"] - losses["padded"]) <= 1e-5 * abs(losses["padded"])
+    assert abs(leaky - losses["sdpa"]) > 1e-3 * abs(losses["sdpa"])
+
+
+def test_flex_attention_is_refused_for_a_cpu_job_in_one_line():
+    from jobs.errors import SpecError
+
+    with pytest.raises(SpecError, match="flex_attention needs resources.use_gpu=true") as err:
+        tiny_spec("model.attn_implementation=flex_attention")
+    assert "\n" not in str(err.value)

@@ -100,7 +100,7 @@ SPEC_CASES = [
     (
         "attn-impl",
         {"model.attn_implementation": "flash"},
-        "model.attn_implementation: Input should be 'sdpa' or 'eager'",
+        "model.attn_implementation: Input should be 'sdpa', 'eager' or 'flex_attention'",
     ),
     ("model-name-empty", {"model.name": " "}, "model.name: must not be empty"),
     ("model-dir-missing", {"model.name": "./no-such-model"}, "model.name: directory not found"),

@@ -248,7 +248,7 @@ def estimate(
         pairs=pairs,
         reference_adapter=reference_adapter,
         mask=(
-            packed
+            (packed and attn_implementation != "flex_attention")  # flex: a BlockMask, not a bias
             or attn_implementation == "eager"
             or (shape.sliding_window is not None and seq_len >= shape.sliding_window)
         ),
@@ -326,8 +326,10 @@ def _check_arguments(
     """`estimate`'s arguments it cannot model raise ValueError (the spec adapter turns it into SpecError)."""
     if base_dtype not in DTYPE_BYTES:
         raise ValueError(f"memory estimate: base_dtype must be one of {sorted(DTYPE_BYTES)}, got {base_dtype!r}")
-    if attn_implementation not in ("sdpa", "eager"):
-        raise ValueError(f"memory estimate: attn_implementation must be sdpa or eager, got {attn_implementation!r}")
+    if attn_implementation not in ("sdpa", "eager", "flex_attention"):
+        raise ValueError(
+            f"memory estimate: attn_implementation must be sdpa, eager or flex_attention, got {attn_implementation!r}"
+        )
     if device not in ("cuda", "cpu"):
         raise ValueError(f"memory estimate: device must be cuda or cpu, got {device!r}")
     if optimizer not in ("adamw", "sgd"):

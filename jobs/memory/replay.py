@@ -17,7 +17,10 @@ peft 0.21 (tests/test_memory.py checks them against `saved_tensors_hooks`):
   full ones do. A mask -- packed rows' block-diagonal float bias (one tensor shared by every
   layer), or HF's sliding-window bool mask (converted to a float bias that each layer saves)
   -- disables SDPA's native GQA: k, v are repeated to all heads. Eager keeps the fp32
-  softmax and its compute-dtype copy.
+  softmax and its compute-dtype copy. FlexAttention keeps what SDPA keeps; packed rows carry a
+  `BlockMask` of a few KiB (not counted) instead of the bias, and GQA stays native unless the
+  number of query heads is not a power of 2 (transformers then repeats k, v). Modelled, not
+  measured: FlexAttention has no backward on CPU.
 
 Pure: sizes only, no torch, no I/O.
 """
@@ -73,8 +76,9 @@ class Walk:
         self.position_ids = self.new(rows * seq * INDEX_BYTES, False)
         # Packed rows: `jobs.loop.packed_attention_mask`, one [B, 1, S, S] float bias in the
         # compute dtype that every layer's attention uses (and SDPA saves) as is.
+        # FlexAttention's `BlockMask` instead (`jobs.loop.packed_block_mask`): a few KiB, not counted.
         self.packed = packed
-        self.bias = self.new(batch * seq * seq * act_bytes, False) if packed else None
+        self.bias = self.new(batch * seq * seq * act_bytes, False) if packed and attn != "flex_attention" else None
 
     def new(self, nbytes: int, rg: bool) -> ReplayTensor:
         self._next += 1
@@ -173,13 +177,15 @@ class Walk:
         k = self.new(N * s.kv_dim * a, k.rg)
         any_rg = q.rg or k.rg or v.rg
         rep = s.heads // s.kv_heads
-        if self.attn == "eager" or self.mask:
+        # transformers' FlexAttention keeps GQA native only for a power-of-2 number of query heads.
+        flex_repeats = self.attn == "flex_attention" and s.heads & (s.heads - 1) != 0
+        if self.attn == "eager" or self.mask or flex_repeats:
             # HF repeats k/v to all heads unless SDPA can do GQA natively (no mask). With one
             # kv head (MQA) the expand + reshape stays a view; otherwise it is a copy.
             if rep > 1 and s.kv_heads > 1:
                 k = self.new(N * s.q_dim * a, k.rg)
                 v = self.new(N * s.q_dim * a, v.rg)
-        if self.attn == "sdpa":
+        if self.attn in ("sdpa", "flex_attention"):  # both keep q, k, v, out and the log-sum-exp
             out = self.new(N * s.q_dim * a, any_rg)
             if any_rg:
                 self.save(q, k, v, out, self.new(B * s.heads * S * FP32_BYTES, True))  # + log-sum-exp
