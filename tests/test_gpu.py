@@ -102,11 +102,16 @@ def test_qlora_split_gives_the_big_batch_adapter(tmp_path):
 
 
 @pytest.mark.skipif(ON_CPU, reason="FlexAttention has no backward on CPU")
-def test_packing_through_flex_attention_trains_the_sdpa_adapter(tmp_path):
-    packed = ("data.packing=true", "data.max_seq_len=200", "batch.micro_batch_size=8", "model.compile=false")
-    sdpa = _run(tmp_path / "sdpa", *packed)
-    flex = _run(tmp_path / "flex", *packed, "model.attn_implementation=flex_attention")
+@pytest.mark.parametrize("compiled", ["false", "true"])
+def test_packing_through_flex_attention_trains_the_sdpa_adapter(tmp_path, compiled):
+    """Also with the layers compiled (the GPU default), which then hold FlexAttention's own
+    compiled kernel."""
+    torch._dynamo.reset()
+    packed = ("data.packing=true", "data.max_seq_len=200", "batch.micro_batch_size=8")
+    sdpa = _run(tmp_path / "sdpa", *packed, "model.compile=false")
+    flex = _run(tmp_path / "flex", *packed, "model.attn_implementation=flex_attention", f"model.compile={compiled}")
     _agree(flex, sdpa)
+    torch._dynamo.reset()
 
 
 def test_resume_continues_bit_for_bit(tmp_path):
