@@ -11,15 +11,16 @@
 #            rayft with model.compile (the GPU default)
 #   tests    tests/test_gpu.py: the accumulation, compile, DPO, QLoRA and resume    (TESTS_S 150)
 #            oracles on CUDA (pytest -m gpu; junit.xml)
-#   memory   bench/gpu_memory.py: the estimate against the measured peak           (MEM_S 45)
 #   dpo      both shapes at 40 GiB: rayft's DPO (model.compile auto)               (DPO_S 120)
 #   qlora    llama-8b nf4 at 40 GiB, eager and compiled                            (QLORA_S 110)
 #   levers   llama-1b at 40 GiB: ragged data (seq/8 to seq tokens) padded, packed    (LEVERS_S 180)
 #            with SDPA's float bias and packed with FlexAttention's BlockMask; Liger
 #            Kernel in rayft, HF with Liger (use_liger_kernel's set: + fused linear
 #            cross-entropy), HF's torch_compile
-#   b80      both shapes at 80 GiB: rayft eager, HF, rayft compiled                (the time left)
-# PHASES="levers b80" runs only those (a second call for what the first one's deadline cut).
+#   b80      both shapes at 80 GiB: rayft eager, HF, rayft compiled                (B80_S 200)
+#   memory   bench/gpu_memory.py: the estimate against the measured peak; last, as  (MEM_S 45)
+#            the first H200 run measured it and the estimate is calibrated on it
+# PHASES="levers b80 memory" runs only those (a second call for what the first one's deadline cut).
 # A phase starts only with at least 30 s before DEADLINE_S (default 500: with the wheel install
 # and the machine's start it leaves a rerun's worth of a 15-minute lease). The first H200 run
 # (bench/results/gpu-2026-12-04-nvidia-h200/) ran an earlier set of these phases.
@@ -105,12 +106,12 @@ else
   none=(--compile-shapes '' --qlora-shapes '')
   compare main "${MAIN_S:-200}" 60 --budgets 40 --loops rayft,hf,rayft-compile "${none[@]}"
   phase tests "${TESTS_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py --junitxml "$out/tests/junit.xml"
-  phase memory "${MEM_S:-45}" "$PY" bench/gpu_memory.py --out-dir "$out/memory" --time-limit-s $((${MEM_S:-45} - 15))
   compare dpo "${DPO_S:-120}" 50 --budgets 40 --loops rayft-dpo "${none[@]}"
   compare qlora "${QLORA_S:-110}" 80 --budgets 40 --shapes llama-8b --loops rayft-qlora,rayft-qlora-compile "${none[@]}"
   compare levers "${LEVERS_S:-180}" 50 --budgets 40 --shapes llama-1b \
     --loops rayft-ragged,rayft-ragged-packed,rayft-ragged-packed-flex,rayft-liger,hf-liger,hf-compile "${none[@]}"
-  compare b80 600 60 --budgets 80 --loops rayft,hf,rayft-compile "${none[@]}"
+  compare b80 "${B80_S:-200}" 60 --budgets 80 --loops rayft,hf,rayft-compile "${none[@]}"
+  phase memory "${MEM_S:-45}" "$PY" bench/gpu_memory.py --out-dir "$out/memory" --time-limit-s $((${MEM_S:-45} - 15))
 fi
 echo "gpu_all: $((SECONDS - t0)) s; failed phases: $failed; results in $out" | tee -a "$log"
 ls -lR "$out"
