@@ -448,11 +448,12 @@ class Workload:
         path = self.workdir / f"ragged-{self.shape}.jsonl"
         if not path.is_file():
             rng = random.Random(2)
-            vocab = self.config.vocab_size - 3
-            with open(path, "w") as f:
-                for _ in range(self.global_batch * self.total_steps):
-                    n = rng.randint(self.seq // 8, self.seq) - 1  # + <s>: n + 1 input tokens
-                    f.write(json.dumps({"text": " ".join(str(rng.randrange(vocab)) for _ in range(n))}) + "\n")
+            bos = vocab = self.config.vocab_size - 3  # <s> is the first special id
+            seqs = []
+            for _ in range(self.global_batch * self.total_steps):
+                n = rng.randint(self.seq // 8, self.seq) - 1  # + <s>: n + 1 input tokens
+                seqs.append([bos] + [rng.randrange(vocab) for _ in range(n)])
+            write_jsonl(seqs, path)
         return dataclasses.replace(self, data_path=path, ragged=True, packing=packing, attn=attn)
 
     @property

@@ -90,6 +90,16 @@ def _kind(annotation: Any) -> str:
     return "an integer" if "int" in text else "a number" if "float" in text else "a value of its type"
 
 
+def true_false_or_auto(v: Any) -> Any:
+    """A `bool | "auto"` field's value: a bool, `auto`, or the strings true/false; anything else
+    gets one message (pydantic's union error would name each member's failure)."""
+    if isinstance(v, bool) or v == "auto":
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    raise ValueError(f"must be true, false or auto (got {v!r})")
+
+
 class ModelSpec(_Section):
     name: str = "tiny-llama"
     """`tiny-llama` (built-in random-init Llama, no download), a local directory, a hub id, or
@@ -134,13 +144,8 @@ class ModelSpec(_Section):
 
     @field_validator("compile", mode="before")
     @classmethod
-    def _compile_value(cls, v: object) -> object:
-        # One message for the three values (the union's own error names each member's failure).
-        if isinstance(v, bool) or v == "auto":
-            return v
-        if isinstance(v, str) and v.lower() in ("true", "false"):
-            return v.lower() == "true"
-        raise ValueError(f"must be auto, true or false (got {v!r})")
+    def _compile_value(cls, v: Any) -> Any:
+        return true_false_or_auto(v)
 
     @field_validator("hf_token_env")
     @classmethod
@@ -445,11 +450,7 @@ class MemorySpec(_Section):
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod
     def _tri_state(cls, v: Any) -> Any:
-        if isinstance(v, bool) or v == "auto":
-            return v
-        if isinstance(v, str) and v.lower() in ("true", "false"):
-            return v.lower() == "true"
-        raise ValueError(f"must be true, false or auto (got {v!r})")
+        return true_false_or_auto(v)
 
 
 class ResourcesSpec(_Section):
