@@ -7,23 +7,24 @@
 #   DRY_RUN=1 bash bench/gpu_all.sh /tmp/x   # the same pipeline with tiny shapes on CPU
 #
 # Phases (bench/gpu_compare.py unless named; seconds are the caps, DEADLINE_S the whole):
-#   main     llama-1b and llama-8b at 40 GiB: rayft eager, HF Trainer + PEFT,       (MAIN_S 200)
-#            rayft with model.compile (the GPU default)
-#   tests    tests/test_gpu.py: the accumulation, compile, DPO, QLoRA and resume    (TESTS_S 150)
-#            oracles on CUDA (pytest -m gpu; junit.xml)
-#   dpo      both shapes at 40 GiB: rayft's DPO (model.compile auto)               (DPO_S 120)
-#   qlora    llama-8b nf4 at 40 GiB, eager and compiled                            (QLORA_S 110)
-#   levers   llama-1b at 40 GiB: ragged data (seq/8 to seq tokens) padded, packed    (LEVERS_S 180)
-#            with SDPA's float bias and packed with FlexAttention's BlockMask; Liger
-#            Kernel in rayft, HF with Liger (use_liger_kernel's set: + fused linear
-#            cross-entropy), HF's torch_compile
-#   b80      both shapes at 80 GiB: rayft eager, HF, rayft compiled                (B80_S 200)
-#   memory   bench/gpu_memory.py: the estimate against the measured peak; last, as  (MEM_S 45)
-#            the first H200 run measured it and the estimate is calibrated on it
-# PHASES="levers b80 memory" runs only those (a second call for what the first one's deadline cut).
-# A phase starts only with at least 30 s before DEADLINE_S (default 500: with the wheel install
-# and the machine's start it leaves a rerun's worth of a 15-minute lease). The first H200 run
-# (bench/results/gpu-2026-12-04-nvidia-h200/) ran an earlier set of these phases.
+#   main     llama-1b and llama-8b at 40 GiB: rayft as a GPU job runs it (compiled layers and     (MAIN_S 300)
+#            head, the compiled plan) against HF Trainer + PEFT at its best (use_liger_kernel
+#            and torch_compile); 20 timed rayft steps per row, 8 HF
+#   levers   llama-1b at 40 GiB: compiled layers with the eager head and plan (the default     (LEVERS_S 100)
+#            before this run), and cuDNN attention first in SDPA's priority
+#   tests    tests/test_gpu.py's accumulation, compile, resume and FlexAttention oracles on     (TESTS_S 90)
+#            CUDA (pytest -m gpu; junit.xml)
+#   -- a second call (PHASES="dpo qlora ragged" DEADLINE_S=200):
+#   dpo      llama-1b at 40 GiB: rayft's DPO (model.compile auto)                           (DPO_S 60)
+#   qlora    llama-8b nf4 at 40 GiB, compiled layers                                         (QLORA_S 90)
+#   ragged   llama-1b at 40 GiB: ragged data (seq/8 to seq tokens) padded, and packed with    (RAGGED_S 90)
+#            FlexAttention's BlockMask (compile auto)
+#   later    b80 (both shapes at 80 GiB), memory (bench/gpu_memory.py) and the phases of the
+#            first run (PHASES names them: main-eager, dpo-8b, levers-old) are kept runnable
+# PHASES="dpo qlora ragged" runs only those. A phase starts only with at least 30 s before
+# DEADLINE_S (default 480: with the wheel install and the machine's start it leaves a second
+# call's worth of a 15-minute lease). The first H200 run (bench/results/gpu-2026-12-04-nvidia-h200/)
+# ran an earlier set of these phases.
 #
 # Output: OUT/all.log (nvidia-smi and versions first), one result file per phase in OUT/<phase>/
 # -- 8 files at most, the most a device call returns.
@@ -39,7 +40,7 @@ cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 t0=$SECONDS
-deadline=${DEADLINE_S:-500}
+deadline=${DEADLINE_S:-480}
 log="$out/all.log"
 : > "$log"
 
@@ -104,14 +105,20 @@ if [ -n "${DRY_RUN:-}" ]; then
     --compile-shapes '' --qlora-shapes ''
 else
   none=(--compile-shapes '' --qlora-shapes '')
-  compare main "${MAIN_S:-200}" 60 --budgets 40 --loops rayft,hf,rayft-compile "${none[@]}"
-  phase tests "${TESTS_S:-150}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py --junitxml "$out/tests/junit.xml"
-  compare dpo "${DPO_S:-120}" 50 --budgets 40 --loops rayft-dpo "${none[@]}"
-  compare qlora "${QLORA_S:-110}" 80 --budgets 40 --shapes llama-8b --loops rayft-qlora,rayft-qlora-compile "${none[@]}"
-  compare levers "${LEVERS_S:-180}" 50 --budgets 40 --shapes llama-1b \
-    --loops rayft-ragged,rayft-ragged-packed,rayft-ragged-packed-flex,rayft-liger,hf-liger,hf-compile "${none[@]}"
-  compare b80 "${B80_S:-200}" 60 --budgets 80 --loops rayft,hf,rayft-compile "${none[@]}"
-  phase memory "${MEM_S:-45}" "$PY" bench/gpu_memory.py --out-dir "$out/memory" --time-limit-s $((${MEM_S:-45} - 15))
+  compare main "${MAIN_S:-300}" 70 --budgets 40 --loops rayft-compile,hf-liger-compile "${none[@]}"
+  compare levers "${LEVERS_S:-100}" 40 --budgets 40 --shapes llama-1b --loops rayft-compile-layers,rayft-cudnn "${none[@]}"
+  phase tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+    -k "accumulation or compile_auto or resume or flex" --junitxml "$out/tests/junit.xml"
+  compare dpo "${DPO_S:-60}" 30 --budgets 40 --shapes llama-1b --loops rayft-dpo "${none[@]}"
+  compare qlora "${QLORA_S:-90}" 60 --budgets 40 --shapes llama-8b --loops rayft-qlora-compile "${none[@]}"
+  compare ragged "${RAGGED_S:-90}" 40 --budgets 40 --shapes llama-1b --loops rayft-ragged,rayft-ragged-packed-flex \
+    "${none[@]}"
+  # Not in the default PHASES (name them to run): the first run's phases and the 80 GiB rows.
+  if [ -n "${PHASES:-}" ]; then
+    compare b80 "${B80_S:-200}" 60 --budgets 80 --loops rayft-compile,hf-liger-compile "${none[@]}"
+    compare main-eager "${MAIN_S:-200}" 60 --budgets 40 --loops rayft,hf "${none[@]}"
+    phase memory "${MEM_S:-45}" "$PY" bench/gpu_memory.py --out-dir "$out/memory" --time-limit-s $((${MEM_S:-45} - 15))
+  fi
 fi
 echo "gpu_all: $((SECONDS - t0)) s; failed phases: $failed; results in $out" | tee -a "$log"
 ls -lR "$out"

@@ -113,14 +113,18 @@ class CausalLMLoss(nn.Module):
     the host by `collate`) go through the LM head, so prompt and padding positions never
     produce logits. With `chunk_tokens`, the head + loss run per chunk under checkpointing,
     so the fp32 [T, vocab] logits never exist at once (they dominate memory at 128k vocab).
+    With `compiled_head` (compiled decoder layers, `model.compile`), the head and the loss run
+    as one compiled graph (`compiled_head_loss`): the logits stay in the compute dtype and the
+    log-softmax is fused into one pass over them, so neither fp32 copy of the logits exists.
     """
 
     model: Any  # a transformers causal LM, or a peft PeftModel around one (peft ships no types)
 
-    def __init__(self, model: nn.Module, chunk_tokens: int = 0):
+    def __init__(self, model: nn.Module, chunk_tokens: int = 0, compiled_head: bool = False):
         super().__init__()
         self.model = model
         self.chunk_tokens = chunk_tokens
+        self.head_loss = compiled_head_loss() if compiled_head else _head_loss
 
     def _causal_lm(self):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
@@ -139,12 +143,12 @@ class CausalLMLoss(nn.Module):
         h = hidden.flatten(0, 1).index_select(0, label_pos)
         head = lm.get_output_embeddings()
         if not self.chunk_tokens or h.shape[0] <= self.chunk_tokens:
-            return _head_loss(head, h, label_ids)
+            return self.head_loss(head, h, label_ids)
         total = h.new_zeros((), dtype=torch.float32)
         for start in range(0, h.shape[0], self.chunk_tokens):
             sl = slice(start, start + self.chunk_tokens)
             total = total + torch.utils.checkpoint.checkpoint(
-                _head_loss, head, h[sl], label_ids[sl], use_reentrant=False
+                self.head_loss, head, h[sl], label_ids[sl], use_reentrant=False
             )
         return total
 
@@ -184,6 +188,18 @@ def packed_block_mask(seq_ids: torch.Tensor):
 
 def _head_loss(head: nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(head(h).float(), y, reduction="sum")
+
+
+_COMPILED_HEAD_LOSS: list[Callable] = []
+
+
+def compiled_head_loss() -> Callable:
+    """`_head_loss` through torch.compile, made once per process. The label count changes from
+    micro-batch to micro-batch, so after the first other count dynamo recompiles it once with a
+    dynamic token dimension (its default, `dynamic=None`) and reuses that graph from then on."""
+    if not _COMPILED_HEAD_LOSS:
+        _COMPILED_HEAD_LOSS.append(torch.compile(_head_loss))
+    return _COMPILED_HEAD_LOSS[0]
 
 
 @dataclass
@@ -551,7 +567,9 @@ def loss_module(job: Job) -> nn.Module:
     its statistics (preference objectives; the reference is the frozen starting adapter when
     `model.adapter` loaded one, else the base with the adapter off)."""
     if not job.objective.is_preference:
-        return CausalLMLoss(job.model, chunk_tokens=job.plan.loss_chunk_tokens)
+        # FSDP keeps the head eager: its unit's all-gather hooks run around the head's call.
+        compiled_head = job.compiled and job.strategy != "fsdp"
+        return CausalLMLoss(job.model, chunk_tokens=job.plan.loss_chunk_tokens, compiled_head=compiled_head)
     reference = REFERENCE_ADAPTER if REFERENCE_ADAPTER in getattr(job.model, "peft_config", {}) else None
     return PreferenceLoss(job.model, job.objective, job.plan.loss_chunk_tokens, reference)
 

@@ -147,6 +147,14 @@ class ModelSpec(_Section):
     def _compile_value(cls, v: Any) -> Any:
         return true_false_or_auto(v)
 
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether a job compiles its decoder layers: `compile` true or false as written; `auto`,
+        on a CUDA device with an unquantized base (where it was measured to pay off), else off.
+        The one rule: the loop and the memory plan both ask it."""
+        if self.compile == "auto":
+            return device_type == "cuda" and self.quantization == "none"
+        return self.compile
+
     @field_validator("hf_token_env")
     @classmethod
     def _token_is_a_name(cls, v: str | None) -> str | None:

@@ -112,10 +112,18 @@ CASES = [
     for gc in ("auto", "true", "false")
     for where, budget in budgets(device, DDP)
 ]
+# Eager layers: compiled ones (the GPU default) keep less under DDP, whose SFT head is compiled
+# too, and DDP then fits wherever FSDP keeping the layers gathered would (the compiled plan is
+# the "auto-compiled" family's).
+EAGER = ("model.compile=false",)
 CASES += [
-    Case(device, "auto", budget, where, (), family="auto")
+    Case(device, "auto", budget, where, EAGER, family="auto")
     for device in ("cuda", "cpu")
-    for where, budget in budgets(device, (), every_k=False)
+    for where, budget in budgets(device, EAGER, every_k=False)
+]
+CASES += [
+    Case("cuda", "auto", budget, where, (), family="auto-compiled")
+    for where, budget in budgets("cuda", (), every_k=False)
 ]
 CASES += [
     Case("cuda", gc, budget, where, FSDP, family="fsdp")
@@ -275,6 +283,7 @@ def test_the_cases_reach_every_checkpointing_and_strategy_choice():
     # gradients through the accumulation window (`no_sync_grads`): auto reaches every choice; at
     # r 32 too.
     assert auto["auto"] | auto["70b"] == {"ddp", "fsdp", "fsdp-keep"}
+    assert auto["auto-compiled"] == {"ddp", "fsdp"}
     assert auto["auto-r32"] == {"ddp", "fsdp", "fsdp-keep"}
     assert auto["70b"] == {"fsdp"} and auto["70b-int8"] == {"ddp"}
     # An nf4 base is sharded when DDP does not fit: auto reaches every choice over it too.

@@ -176,6 +176,7 @@ def estimate(
     pairs: bool = False,
     reference: str | None = None,
     reference_adapter: bool = False,
+    compiled: bool = False,
 ) -> MemoryEstimate:
     """Per-GPU memory of one micro-step of LoRA training, as named components in bytes.
 
@@ -212,6 +213,10 @@ def estimate(
     second, frozen copy of the LoRA weights (`reference_adapter`: fp32 as PEFT loads an adapter,
     sharded and gathered with its layer under FSDP) that is active in that forward; without it
     the reference is the base with the adapter off, and holds nothing.
+
+    `compiled` (`model.compile`): the decoder layers run through torch.compile, which keeps less
+    for backward (`replay.Walk`), and an SFT loss head off FSDP runs compiled too
+    (`jobs.loop.compiled_head_loss`): its logits stay in the compute dtype (`_loss_head`).
     """
     _check_arguments(
         base_dtype=base_dtype,
@@ -247,6 +252,7 @@ def estimate(
         packed=packed,
         pairs=pairs,
         reference_adapter=reference_adapter,
+        compiled=compiled,
         mask=(
             (packed and attn_implementation != "flex_attention")  # flex: a BlockMask, not a bias
             or attn_implementation == "eager"
@@ -269,7 +275,7 @@ def estimate(
     acts = _activations(step, gradient_checkpointing, checkpoint_every_n_layers)
     components["cublas_workspace"] = CUBLAS_WORKSPACE_BYTES if device == "cuda" else 0
     components["activations"] = acts.total_bytes
-    loss = _loss_head(step, label_fraction, loss_chunk_tokens)
+    loss = _loss_head(step, label_fraction, loss_chunk_tokens, compiled_head=compiled and not pairs and not fsdp)
     components["logits_loss"] = loss.peak_bytes
     components["layer_backward"] = _layer_backward(step, acts, checkpoint_every_n_layers, frozen.largest_quantized)
     if reference == "adapter_off":
@@ -375,6 +381,7 @@ class _Step:
     packed: bool
     pairs: bool  # rows are a preference objective's chosen and rejected
     reference_adapter: bool  # a frozen copy of the LoRA weights is the reference
+    compiled: bool = False  # the decoder layers run through torch.compile
 
     @property
     def tokens(self) -> int:
@@ -395,6 +402,7 @@ class _Step:
             device=self.device,
             packed=self.packed,
             dora=self.dora,
+            compiled=self.compiled,
         )
 
     def hidden_states(self, w: Walk, requires_grad: bool) -> ReplayTensor:
@@ -642,8 +650,13 @@ class _LossHead:
     chunk_tokens: int  # label tokens per LM head + loss chunk
 
 
-def _loss_head(step: _Step, label_fraction: float, loss_chunk_tokens: int | None) -> _LossHead:
-    """`CausalLMLoss`, in one piece or in checkpointed chunks of `loss_chunk_tokens`. Pairs
+def _loss_head(
+    step: _Step, label_fraction: float, loss_chunk_tokens: int | None, compiled_head: bool = False
+) -> _LossHead:
+    """`CausalLMLoss`, in one piece or in checkpointed chunks of `loss_chunk_tokens`. Compiled
+    (`compiled_head`): the logits are kept in the compute dtype with two fp32 per-token
+    reductions (max and log-sum-exp), and backward writes their gradient in the compute dtype
+    beside them, one fused pass (a bytes a logit each, not 4). Pairs
     (`PreferenceLoss`): the same head with per-token log-probabilities, summed per row by an
     `index_add` that keeps its [T] row index and its [T] float64 source (the per-token
     log-probabilities, summed in float64; measured: 16 bytes a label token, plus a few bytes a
@@ -656,12 +669,13 @@ def _loss_head(step: _Step, label_fraction: float, loss_chunk_tokens: int | None
     chunk = T if not loss_chunk_tokens or T <= loss_chunk_tokens else loss_chunk_tokens
     # Forward: logits [c, V] in the compute dtype, .float() copy, log-softmax output (saved).
     # Backward: d(log-softmax) and d(logits) in fp32 while the saved output is alive: 12 bytes/elem.
-    logits_peak = 3 * FP32_BYTES * chunk * V
+    logit_bytes = a if compiled_head else FP32_BYTES
+    logits_peak = 3 * FP32_BYTES * chunk * V if not compiled_head else 2 * a * chunk * V + 2 * FP32_BYTES * chunk
     if chunk < T:
         # Checkpointed chunks keep only the gathered hidden states [T, H] (views of one tensor).
         saved = T * H * a + index_bytes
     else:
-        saved = FP32_BYTES * T * V + index_bytes
+        saved = logit_bytes * T * V + (2 * FP32_BYTES * T if compiled_head else 0) + index_bytes
     return _LossHead(
         peak_bytes=logits_peak + index_bytes + (T * H * a if chunk < T else 0),
         saved_bytes=saved,

@@ -21,6 +21,11 @@ peft 0.21 (tests/test_memory.py checks them against `saved_tensors_hooks`):
   `BlockMask` of a few KiB (not counted) instead of the bias, and GQA stays native unless the
   number of query heads is not a power of 2 (transformers then repeats k, v). Modelled, not
   measured: FlexAttention has no backward on CPU.
+* Compiled decoder layers (`compiled`, `model.compile`; Llama-family layers): inductor's
+  partitioner keeps RMSNorm's input in the compute dtype with its fp32 rsqrt (not the fp32
+  copy), recomputes SiLU(gate) in backward instead of keeping it, as measured with `saved_tensors_hooks`, which see
+  compiled graphs' saved tensors too (tests/test_memory.py::test_compiled_layers_*). The final
+  norm runs outside the compiled layers, eagerly.
 
 Pure: sizes only, no torch, no I/O.
 """
@@ -60,9 +65,12 @@ class Walk:
         device: str,
         packed: bool = False,
         dora: bool = False,
+        compiled: bool = False,
     ):
         self.s, self.B, self.S, self.N = shape, batch, seq, batch * seq
         self.dora = dora
+        # Compiled layers are modelled for the Llama family; other families replay eagerly (more).
+        self.compiled = compiled and shape.family == "llama"
         self.a, self.autocast = act_bytes, autocast
         self.targets, self.r, self.p = targets, r, lora_dropout
         self.attn, self.mask, self.device = attn, mask, device
@@ -93,11 +101,12 @@ class Walk:
         return sum(self.saved.values())
 
     # -- building blocks --
-    def rms_norm(self, x: ReplayTensor) -> ReplayTensor:
-        """`x.float()`, pow, mean, rsqrt, mul; `weight * y.to(dtype)` with a frozen weight."""
-        x32 = x if self.a == FP32_BYTES else self.new(self.N * self.s.hidden * FP32_BYTES, x.rg)
+    def rms_norm(self, x: ReplayTensor, compiled: bool = False) -> ReplayTensor:
+        """`x.float()`, pow, mean, rsqrt, mul; `weight * y.to(dtype)` with a frozen weight.
+        Compiled, the fp32 copy is fused away: the input itself is kept (with the rsqrt)."""
+        x32 = x if self.a == FP32_BYTES or compiled else self.new(self.N * self.s.hidden * FP32_BYTES, x.rg)
         if x.rg:
-            self.save(x32, self.new(self.N * FP32_BYTES, True))  # fp32 input and rsqrt(var + eps)
+            self.save(x32, self.new(self.N * FP32_BYTES, True))  # the (fp32) input and rsqrt(var + eps)
         return self.new(self.N * self.s.hidden * self.a, x.rg)
 
     def layer_norm(self, x: ReplayTensor) -> ReplayTensor:
@@ -224,7 +233,7 @@ class Walk:
         if gate.rg:
             self.save(gate)  # silu saves its input
         act = self.new(gate.nbytes, gate.rg)
-        if up.rg:
+        if up.rg and not self.compiled:  # compiled: silu(gate) is recomputed from gate in backward
             self.save(act)
         if act.rg:
             self.save(up)
@@ -232,11 +241,11 @@ class Walk:
 
     # -- one decoder layer --
     def llama_layer(self, x: ReplayTensor) -> ReplayTensor:
-        h = self.rms_norm(x)
+        h = self.rms_norm(x, self.compiled)
         q, k, v = self.linear(h, "q_proj"), self.linear(h, "k_proj"), self.linear(h, "v_proj")
         o = self.linear(self.attention(q, k, v), "o_proj")
         x = self.new(x.nbytes, x.rg or o.rg)  # residual add saves nothing
-        m = self.gated_mlp(self.rms_norm(x))
+        m = self.gated_mlp(self.rms_norm(x, self.compiled))
         return self.new(x.nbytes, x.rg or m.rg)
 
     def gpt_neox_layer(self, x: ReplayTensor) -> ReplayTensor:

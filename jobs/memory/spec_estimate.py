@@ -92,6 +92,8 @@ def estimate_of_spec(
             reshard_after_forward=reshard_after_forward,
             quantization=quantization,
             grad_accum_steps=spec_grad_accum_steps(spec, micro_batch_size),
+            # The quantization weighed here, not the spec's: the plan weighs nf4 beside bf16.
+            compiled=spec.model.model_copy(update={"quantization": quantization}).compiles_on(device),
             **spec_objective(spec),
         )
     except SpecError:
