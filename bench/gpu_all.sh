@@ -8,8 +8,8 @@
 #
 # Phases (bench/gpu_compare.py unless named; seconds are the caps, DEADLINE_S the whole):
 #   main     llama-1b and llama-8b at 40 GiB: rayft as a GPU job runs it (compiled layers and     (MAIN_S 300)
-#            head, the compiled plan) against HF Trainer + PEFT at its best (use_liger_kernel
-#            and torch_compile); 20 timed rayft steps per row, 8 HF
+#            head, the compiled plan) against HF Trainer + PEFT + Liger Kernel (use_liger_kernel);
+#            20 timed rayft steps per row, 8 HF
 #   levers   llama-1b at 40 GiB: compiled layers with the eager head and plan (the default     (LEVERS_S 100)
 #            before this run), and cuDNN attention first in SDPA's priority
 #   tests    tests/test_gpu.py's accumulation, compile, resume and FlexAttention oracles on     (TESTS_S 90)
@@ -19,8 +19,9 @@
 #   qlora    llama-8b nf4 at 40 GiB, compiled layers                                         (QLORA_S 90)
 #   ragged   llama-1b at 40 GiB: ragged data (seq/8 to seq tokens) padded, and packed with    (RAGGED_S 90)
 #            FlexAttention's BlockMask (compile auto)
-#   later    b80 (both shapes at 80 GiB), memory (bench/gpu_memory.py) and the phases of the
-#            first run (PHASES names them: main-eager, dpo-8b, levers-old) are kept runnable
+#   later    hf-best (HF + Liger + torch_compile, a process of its own), b80 (both shapes at 80
+#            GiB), main-eager (the first run's eager rows), memory (bench/gpu_memory.py): only
+#            when PHASES names them
 # PHASES="dpo qlora ragged" runs only those. A phase starts only with at least 30 s before
 # DEADLINE_S (default 480: with the wheel install and the machine's start it leaves a second
 # call's worth of a 15-minute lease). The first H200 run (bench/results/gpu-2026-12-04-nvidia-h200/)
@@ -40,7 +41,8 @@ cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 t0=$SECONDS
-deadline=${DEADLINE_S:-480}
+# A dry run checks the pipeline on a CPU shared with other tests: its deadline is not a lease's.
+deadline=${DEADLINE_S:-$([ -n "${DRY_RUN:-}" ] && echo 1200 || echo 480)}
 log="$out/all.log"
 : > "$log"
 
@@ -94,18 +96,18 @@ if [ -n "${DRY_RUN:-}" ]; then
   # The whole comparison once (both budgets, the compile and QLoRA rows: what CI checks in full),
   # then the phases that differ in kind; Liger needs Triton on a GPU, so on CPU its rows say so.
   # (hf-compile and rayft-qlora-compile compile for minutes on CPU: GPU phases only.)
-  compare main 240 60 --dry-run
+  compare main 480 120 --dry-run
   # the GPU oracles' pipeline, one test on CPU (all five take minutes there)
   phase tests 120 env RAYFT_GPU_TESTS_ON_CPU=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
     -k accumulation --junitxml "$out/tests/junit.xml"
-  phase memory 60 "$PY" bench/gpu_memory.py --dry-run --out-dir "$out/memory"
-  compare dpo 60 30 --dry-run --budgets 0.0021 --loops rayft-dpo --compile-shapes '' --qlora-shapes ''
-  compare qlora 60 30 --dry-run --budgets 0.0021 --qlora-only
-  compare levers 60 30 --dry-run --budgets 0.0021 --loops rayft-ragged,rayft-ragged-packed,rayft-liger,hf-liger \
+  phase memory 180 "$PY" bench/gpu_memory.py --dry-run --out-dir "$out/memory"
+  compare dpo 180 60 --dry-run --budgets 0.0021 --loops rayft-dpo --compile-shapes '' --qlora-shapes ''
+  compare qlora 180 60 --dry-run --budgets 0.0021 --qlora-only
+  compare levers 180 60 --dry-run --budgets 0.0021 --loops rayft-ragged,rayft-ragged-packed,rayft-liger,hf-liger \
     --compile-shapes '' --qlora-shapes ''
 else
   none=(--compile-shapes '' --qlora-shapes '')
-  compare main "${MAIN_S:-300}" 70 --budgets 40 --loops rayft-compile,hf-liger-compile "${none[@]}"
+  compare main "${MAIN_S:-300}" 70 --budgets 40 --loops rayft-compile,hf-liger "${none[@]}"
   compare levers "${LEVERS_S:-100}" 40 --budgets 40 --shapes llama-1b --loops rayft-compile-layers,rayft-cudnn "${none[@]}"
   phase tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
     -k "accumulation or compile_auto or resume or flex" --junitxml "$out/tests/junit.xml"
@@ -113,8 +115,11 @@ else
   compare qlora "${QLORA_S:-90}" 60 --budgets 40 --shapes llama-8b --loops rayft-qlora-compile "${none[@]}"
   compare ragged "${RAGGED_S:-90}" 40 --budgets 40 --shapes llama-1b --loops rayft-ragged,rayft-ragged-packed-flex \
     "${none[@]}"
-  # Not in the default PHASES (name them to run): the first run's phases and the 80 GiB rows.
+  # Not in the default PHASES (name them to run): HF + Liger + torch_compile in a process of its
+  # own (on the second H200 run it died with an illegal memory access, which ends the process),
+  # the first run's phases and the 80 GiB rows.
   if [ -n "${PHASES:-}" ]; then
+    compare hf-best "${HF_BEST_S:-120}" 30 --budgets 40 --loops hf-liger-compile "${none[@]}"
     compare b80 "${B80_S:-200}" 60 --budgets 80 --loops rayft-compile,hf-liger-compile "${none[@]}"
     compare main-eager "${MAIN_S:-200}" 60 --budgets 40 --loops rayft,hf "${none[@]}"
     phase memory "${MEM_S:-45}" "$PY" bench/gpu_memory.py --out-dir "$out/memory" --time-limit-s $((${MEM_S:-45} - 15))

@@ -127,13 +127,16 @@ class ModelSpec(_Section):
     frozen copy of the adapter weights; the base is held once)."""
     compile: bool | Literal["auto"] = "auto"
     """`torch.compile` each decoder layer (regional compilation: every layer reuses one compiled
-    graph, so the compile time does not grow with depth). The first micro-steps pay the compile
-    time, and again once when padded lengths first vary. `auto` (default): on when the job trains
-    on a GPU with an unquantized base, off on CPU and for `model.quantization` nf4/int8
-    (`jobs.model.compile_wanted`). On an H200 compiled layers ran 1.38x (1B shape) and 1.55x (8B)
-    the eager step; a 6-step run took 24.7 s instead of 11.7 s (1B) and 30.4 s instead of 23.7 s
-    (8B), the compile included. On 2 CPU cores they paid off only after ~1,800 steps; QLoRA with
-    compiled layers is not measured on a GPU (docs/benchmarks.md)."""
+    graph, so the compile time does not grow with depth), and the SFT loss head (off FSDP: its
+    logits stay in the compute dtype, no fp32 copies). The first micro-steps pay the compile
+    time, and again once when padded lengths first vary. The memory plan counts what compiled
+    layers and head keep. `auto` (default): on when the job trains on a GPU with an unquantized
+    base, off on CPU and for `model.quantization` nf4/int8 (`ModelSpec.compiles_on`). On an H200
+    compiled layers ran 1.38x (1B shape) and 1.55x (8B) the eager step, and the compiled head
+    with the compiled plan (micro-batch 8 instead of 4) 1.14x more at 1B; a 6-step run took 24.7 s
+    instead of 11.7 s (1B) and 30.4 s instead of 23.7 s (8B), the compile included. On 2 CPU cores
+    they paid off only after ~1,800 steps; QLoRA with compiled layers is not measured on a GPU
+    (docs/benchmarks.md)."""
 
     @field_validator("name")
     @classmethod
@@ -159,6 +162,21 @@ class ModelSpec(_Section):
     @classmethod
     def _token_is_a_name(cls, v: str | None) -> str | None:
         return env_var_name(v)
+
+
+# `scheme://...`: a URI, not a path (a local directory named "s3:" would take it otherwise).
+URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_directory(v: str) -> str:
+    """A directory rayft writes into is a local path (or a mounted volume): a URI is refused, not
+    written to a directory named after its scheme. Object storage is not supported yet."""
+    if URI.match(v.strip()):
+        raise ValueError(
+            f"{one_line(v)[:120]} is a URI: rayft writes to local paths only (object storage is not "
+            "supported yet); give a local directory, or a volume mounted at one"
+        )
+    return v
 
 
 _TRAIN_ON = Literal["assistant", "last_assistant"]
@@ -277,6 +295,11 @@ class DataSpec(_Section):
     """Where the tokenized data is cached (on storage every worker sees); default
     `<parent of run.output_dir>/.rayft-data`, so runs written next to each other share it. A
     search puts its trials' cache in its own output dir."""
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _local_cache_dir(cls, v: str | None) -> str | None:
+        return v if v is None else local_directory(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -544,6 +567,11 @@ class RunSpec(_Section):
                     "provides instead, e.g. model.hf_token_env"
                 )
         return env
+
+    @field_validator("output_dir")
+    @classmethod
+    def _local_output_dir(cls, v: str) -> str:
+        return local_directory(v)
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> RunSpec:

@@ -100,13 +100,15 @@ def _check_gpu_compare_dry_run(files: list[Path], stdout: str) -> None:
     assert first["result"].startswith("oom") and first["micro_batch_size"] == 8 and first["loss_chunk_tokens"] == 0
     assert second["result"] == "ok" and ray[loose]["loss_chunk_tokens"] == second["loss_chunk_tokens"]
 
-    # one extra rayft row with model.compile, after the main rows, at the first budget, with
-    # the configuration the plain rayft row chose there
+    # one extra rayft row with model.compile, after the main rows, at the first budget, its
+    # configuration chosen with the compiled estimate (which keeps less than the eager one: the
+    # plain row's choice need not be its choice), within the budget
     assert len(compiled) == 1 and result["rows"][-2]["loop"] == "rayft-compile"
     c_row = compiled[0]
     assert c_row["status"] == "ok" and c_row["tok_s"] > 0 and c_row["budget_gib"] == tight
-    for key in ("micro_batch_size", "grad_accum_steps", "gradient_checkpointing", "loss_chunk_tokens"):
-        assert c_row[key] == ray[tight][key], key
+    assert c_row["compiled_layers"] is True and c_row["eager_head"] is False
+    assert 0 < c_row["estimate_spec_gib"] <= c_row["budget_gib"]
+    assert c_row["micro_batch_size"] * c_row["grad_accum_steps"] == c_row["global_batch_size"]
 
     # the QLoRA row, last: the same loop on a base jobs.model loaded as nf4 (all 7 linear layers of
     # both decoder layers 4-bit), its configuration chosen with the quantized estimate
@@ -215,7 +217,8 @@ def test_cpu_loop_options_quick_compares_layouts_on_the_same_math(tmp_path):
     assert "padded+mask" in proc.stdout
 
 
-@pytest.mark.slow  # the dry run of every phase, ~60 s
+@pytest.mark.slow  # the dry run of every phase, ~3-6 minutes on 2 shared cores
+@pytest.mark.timeout(1300)
 def test_gpu_all_runs_every_gpu_phase_in_one_call(tmp_path):
     """bench/gpu_all.sh is the one command a lent GPU gets: its dry run must leave, per phase, a
     result file in its own folder, plus the log and the versions it ran with. It is also CI's one
@@ -226,7 +229,7 @@ def test_gpu_all_runs_every_gpu_phase_in_one_call(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1300,
         env={**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1", "GPU_COMPARE_FAKE_OOM": "hf:8:0,rayft:8:0"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -177,6 +177,7 @@ def estimate(
     reference: str | None = None,
     reference_adapter: bool = False,
     compiled: bool = False,
+    compiled_head: bool | None = None,
 ) -> MemoryEstimate:
     """Per-GPU memory of one micro-step of LoRA training, as named components in bytes.
 
@@ -217,6 +218,7 @@ def estimate(
     `compiled` (`model.compile`): the decoder layers run through torch.compile, which keeps less
     for backward (`replay.Walk`), and an SFT loss head off FSDP runs compiled too
     (`jobs.loop.compiled_head_loss`): its logits stay in the compute dtype (`_loss_head`).
+    `compiled_head` overrides that last rule (the H200 rows of compiled layers with an eager head).
     """
     _check_arguments(
         base_dtype=base_dtype,
@@ -275,7 +277,9 @@ def estimate(
     acts = _activations(step, gradient_checkpointing, checkpoint_every_n_layers)
     components["cublas_workspace"] = CUBLAS_WORKSPACE_BYTES if device == "cuda" else 0
     components["activations"] = acts.total_bytes
-    loss = _loss_head(step, label_fraction, loss_chunk_tokens, compiled_head=compiled and not pairs and not fsdp)
+    if compiled_head is None:
+        compiled_head = compiled and not pairs and not fsdp
+    loss = _loss_head(step, label_fraction, loss_chunk_tokens, compiled_head=compiled_head)
     components["logits_loss"] = loss.peak_bytes
     components["layer_backward"] = _layer_backward(step, acts, checkpoint_every_n_layers, frozen.largest_quantized)
     if reference == "adapter_off":
@@ -655,8 +659,10 @@ def _loss_head(
 ) -> _LossHead:
     """`CausalLMLoss`, in one piece or in checkpointed chunks of `loss_chunk_tokens`. Compiled
     (`compiled_head`): the logits are kept in the compute dtype with two fp32 per-token
-    reductions (max and log-sum-exp), and backward writes their gradient in the compute dtype
-    beside them, one fused pass (a bytes a logit each, not 4). Pairs
+    reductions (max and log-sum-exp), and backward's fused pass writes their gradient over the
+    saved logits' own buffer (their last use): one [c, V] tensor in the compute dtype at the
+    widest point, not three fp32 ones (on an H200 the 1B and 8B compiled rows peaked exactly one
+    such tensor below a model that kept the gradient beside the logits). Pairs
     (`PreferenceLoss`): the same head with per-token log-probabilities, summed per row by an
     `index_add` that keeps its [T] row index and its [T] float64 source (the per-token
     log-probabilities, summed in float64; measured: 16 bytes a label token, plus a few bytes a
@@ -670,7 +676,7 @@ def _loss_head(
     # Forward: logits [c, V] in the compute dtype, .float() copy, log-softmax output (saved).
     # Backward: d(log-softmax) and d(logits) in fp32 while the saved output is alive: 12 bytes/elem.
     logit_bytes = a if compiled_head else FP32_BYTES
-    logits_peak = 3 * FP32_BYTES * chunk * V if not compiled_head else 2 * a * chunk * V + 2 * FP32_BYTES * chunk
+    logits_peak = 3 * FP32_BYTES * chunk * V if not compiled_head else a * chunk * V + 2 * FP32_BYTES * chunk
     if chunk < T:
         # Checkpointed chunks keep only the gathered hidden states [T, H] (views of one tensor).
         saved = T * H * a + index_bytes
