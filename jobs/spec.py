@@ -85,6 +85,11 @@ class _Section(BaseModel):
         return v
 
 
+# The guards every spec section has (no NaN or infinity, no boolean for a number, no unknown key):
+# the search spec's sections (`tune.spec`) take them from here.
+SpecSection = _Section
+
+
 def _kind(annotation: Any) -> str:
     text = str(annotation)
     return "an integer" if "int" in text else "a number" if "float" in text else "a value of its type"

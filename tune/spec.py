@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from jobs.errors import SpecError
-from jobs.spec import JobSpec, ObjectiveSpec, apply_overrides, check_files, read_yaml, validate
+from jobs.spec import JobSpec, ObjectiveSpec, SpecSection, apply_overrides, check_files, read_yaml, validate
 
 Rule = Literal["none", "linear", "sqrt"]
 Metric = Literal["eval_loss", "eval_rewards/accuracies"]
@@ -46,8 +46,8 @@ else:
     Beta = Annotated[_BETA_ARGS]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+class _Section(SpecSection):
+    """The job spec's guards (`jobs.spec.SpecSection`): no NaN or infinity, no boolean for a number."""
 
 
 class LrRange(_Section):
