@@ -205,7 +205,18 @@ def _trainable_only(model: nn.Module, state: dict) -> dict:
 
 def load_adapter_state(model: nn.Module, optimizer: torch.optim.Optimizer, adapter: dict, optim_state: dict) -> None:
     """Load a full state (as `adapter_state` returns it; every rank passes the same) into this
-    run's parameters and optimizer, whether they are replicas or FSDP shards."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    run's parameters and optimizer, whether they are replicas or FSDP shards. A stateless
+    optimizer (SGD without momentum) saved no per-parameter state: there is none to restore (its
+    hyperparameters are the spec's and the lr is set every step), and torch's loader asserts on
+    an empty one, so only the parameters are loaded."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+    if isinstance(optim_state, dict) and not optim_state.get("state") and _stateless(optimizer):
+        set_model_state_dict(model, adapter, options=_options())
+        return
     set_state_dict(model, optimizer, model_state_dict=adapter, optim_state_dict=optim_state, options=_options())
+
+
+def _stateless(optimizer: torch.optim.Optimizer) -> bool:
+    """SGD without momentum keeps no per-parameter state between steps."""
+    return isinstance(optimizer, torch.optim.SGD) and all(not g.get("momentum") for g in optimizer.param_groups)
