@@ -100,7 +100,7 @@ def check_local_workers(spec, local: bool) -> None:
         raise SpecError(f"resources.num_workers={n} but WORLD_SIZE={world}: start as many processes as workers")
 
 
-def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = False):
+def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = False, address: str | None = None):
     """Validate everything that can be checked on the driver; only then touch the output dir.
 
     Invariant: a refused spec creates nothing. The output directory is checked (new, empty or
@@ -108,7 +108,9 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     entry (`build_data`: refused data leaves no entry) before the run's lock is taken (which
     creates the directory) or --fresh moves anything; it is claimed only after every check has
     passed. The run's lock (`jobs.runlock`) is taken before checkpoints are read or set aside,
-    and is held on return: the caller runs the job, then calls `jobs.runlock.release(spec.output_path)`."""
+    and is held on return: the caller runs the job, then calls `jobs.runlock.release(spec.output_path)`.
+    An `address` (`--address`) is asked once whether a Ray cluster answers there
+    (`jobs.cluster_check`, bounded) before the output directory is touched."""
     from . import checkpoint as ckpt
     from . import runlock
     from .outputs import check_output_dir, claim_output_dir, set_aside
@@ -117,6 +119,10 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     check_local_workers(spec, local)
     preflight(spec)
     check_output_dir(spec.run.output_dir.replace("{name}", spec.name))
+    if address and not local:
+        from .cluster_check import check_cluster
+
+        check_cluster(address)
     spec = absolutize(spec)
     build_data(spec)  # the last check that can refuse the data; the first write (the cache entry)
     runlock.acquire(spec.output_path)  # a second run into this directory is refused here
@@ -193,7 +199,7 @@ def _main(ap: argparse.ArgumentParser, argv: list[str] | None) -> int:
 
     args = parse_with_overrides(ap, argv)
     try:
-        spec = prepare(args.spec, args.overrides, args.fresh, local=args.local)
+        spec = prepare(args.spec, args.overrides, args.fresh, local=args.local, address=args.address)
         try:
             summary = run(
                 spec,

@@ -33,7 +33,6 @@ import itertools
 import logging
 import os
 import pickle
-import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any, cast
 import numpy as np
 import ray
 
+from .cluster_check import check_cluster
 from .data.cache import (
     cache_key,
     content_hash,
@@ -58,7 +58,7 @@ from .data.pairs import Pair
 from .data.records import PAIR_FIELDS, PAIRS
 from .data.sources import read_records
 from .data.tokenizing import Example
-from .errors import ClusterError, ClusterUnreachable, RayftError, UserError, error_line, worker_error
+from .errors import ClusterError, ClusterUnreachable, RayftError, error_line, worker_error
 from .spec import JobSpec
 
 log = logging.getLogger("rayft")
@@ -67,7 +67,6 @@ log = logging.getLogger("rayft")
 # blocks (load balance, bounded memory per task), large enough that a task's overhead (its
 # scheduling, the tokenizer's deserialization) stays small next to its tokenization.
 BLOCK_RECORDS = 2048
-CONNECT_TIMEOUT_S = 5.0  # how long an --address gets to accept a connection before it is "not answering"
 
 
 @dataclass(frozen=True)
@@ -107,14 +106,14 @@ def _read_source(i: int, spec: JobSpec, tokenizer) -> tuple[list[dict], list[dic
 def connect(address: str | None, num_cpus: int | None) -> str:
     """Connect to the cluster at `address` (else $RAY_ADDRESS), or start a local Ray with
     `num_cpus` logical CPUs (default: this machine's cores); a Ray this process is already
-    connected to is used as it is. Returns what was chosen, in words. A GCS address that does not
-    accept a connection within CONNECT_TIMEOUT_S is `ClusterUnreachable` (ray.init would wait
-    for minutes)."""
+    connected to is used as it is. Returns what was chosen, in words. An address where no Ray
+    cluster answers within `jobs.cluster_check`'s bounds is `ClusterUnreachable` (ray.init would
+    wait for minutes)."""
     if ray.is_initialized():
         return f"the Ray this process is connected to ({_cpus()} CPUs)"
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        _check_answers(address)
+        check_cluster(address)
         try:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         except (ConnectionError, ValueError, RuntimeError) as e:
@@ -127,21 +126,6 @@ def connect(address: str | None, num_cpus: int | None) -> str:
 
 def _cpus() -> int:
     return int(ray.cluster_resources().get("CPU", 0))
-
-
-def _check_answers(address: str) -> None:
-    """A GCS address HOST:PORT (or ray://HOST:PORT) must accept a TCP connection; "auto" and
-    other forms are left to ray.init."""
-    hostport = address.removeprefix("ray://")
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not port.isdigit():
-        if address == "auto":
-            return
-        raise UserError(f"--address {address}: not HOST:PORT (the GCS address, e.g. 10.0.0.1:6379)")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as e:
-        raise ClusterUnreachable(f"--address {address}: no Ray cluster answers ({e.strerror or e})") from None
 
 
 def prepare_entry(entry: Entry, tokenizer, records: Sequence[dict], eval_records: Sequence[dict]) -> bool:

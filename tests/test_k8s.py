@@ -836,7 +836,7 @@ def test_real_memory_model_annotates_when_present():
         data={
             **_inline_spec(use_gpu=True),
             "data": {"path": "x.jsonl", "max_seq_len": 100000},
-            "batch": {"global_batch_size": 256, "micro_batch_size": 128},
+            "batch": {"global_batch_size": 256, "micro_batch_size": 256},
             "memory": {"gradient_checkpointing": False},
         },
         files=False,

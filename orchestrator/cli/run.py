@@ -18,7 +18,7 @@ def cmd_run(args) -> int:
     from jobs import runlock
     from jobs.finetune import prepare, run
 
-    spec = prepare(args.spec, args.overrides, args.fresh, local=args.local)  # holds the run's lock
+    spec = prepare(args.spec, args.overrides, args.fresh, local=args.local, address=args.address)  # holds the lock
     try:
         with _Progress(spec) as bar:
             summary = run(spec, local=args.local, address=args.address, fresh=args.fresh, on_progress=bar.update)
