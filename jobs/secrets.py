@@ -8,8 +8,10 @@ holds one (`model.hf_token_env`). This module decides what "looks like a credent
   OpenAI-style `sk-`, Slack) and JSON Web Tokens, found anywhere inside a value, with any text
   before (after a non-alphanumeric character) or after them;
 * `Bearer <token>` (an HTTP Authorization value pasted whole);
-* a URL that carries a password: `scheme://user:password@host`, or a credential in its query
-  (`?token=...`, `&password=...`, `access_token`, `api_key`, `secret`).
+* a URL that carries a password: `scheme://user:password@host` (the user name may be empty:
+  `scheme://:password@host`), or a credential in its query, path parameters or fragment
+  (`?token=...`, `;password=...`, `#access_token=...`, `api_key`, `secret`): one rule for every
+  URL form (tests/test_secrets.py generates the shapes).
 
 `redact` is the one redaction of everything rayft prints: `RedactingStream` applies it to every
 line that reaches stdout or stderr while a command runs, and `RedactingFilter` to every log
@@ -56,10 +58,13 @@ PREFIXED: tuple[tuple[str, str], ...] = (
 # Credentials recognised by their context.
 CONTEXTUAL: tuple[tuple[str, str], ...] = (
     ("Bearer token", r"(?i:\bbearer)\s+[A-Za-z0-9._~+/=-]{16,}"),
-    ("password in a URL", r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:]+:[^\s/?#@]+@"),
+    # userinfo with a password, the user name empty or not (`http://:PASSWORD@host`)
+    ("password in a URL", r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:]*:[^\s/?#@]+@"),
     (
+        # a query, path-parameter (`;password=`) or fragment (`#access_token=`) credential
         "credential in a URL query",
-        r"[?&](?i:token|access_token|auth_token|password|passwd|api_?key|secret|sig|signature)=[^\s&#]{8,}",
+        r"[?&;#](?i:token|access_token|auth_token|id_token|refresh_token|password|passwd|pwd|api_?key|secret"
+        r"|client_secret|sig|signature)=[^\s&;#]{8,}",
     ),
 )
 

@@ -154,3 +154,57 @@ def test_validation_errors_never_echo_a_whole_token():
     for override in (f"{token}=1", f"run.{token}=1", f"batch.{token}.x=1", f"run.env.X_{token}=1", token):
         msg = _refusal(override)  # a token as a key, in a field path, or as a whole override
         assert token not in msg and "ghp_aB..." in msg, msg
+
+
+# ---- one redaction rule for every URL shape --------------------------------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_WORD = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)
+# Secrets carry a marker no other part of the generated URL can hold (upper case, '!'), so finding
+# one in the output means the secret itself leaked.
+_SECRET = st.text(alphabet="ABCDEFGHJKLMNPQRSTUVWXYZ", min_size=8, max_size=24).map(lambda s: f"S!{s}")
+_KEYS = ["token", "access_token", "password", "passwd", "api_key", "apikey", "secret", "sig", "Password", "TOKEN"]
+
+
+@st.composite
+def _url_with_a_secret(draw) -> tuple[str, str]:
+    scheme = draw(st.sampled_from(["http", "https", "sqlite", "postgresql+psycopg", "ray", "s3", "mlflow"]))
+    host = draw(_WORD) + draw(st.sampled_from(["", ".example.com", ":5000", ":8265"]))
+    path = "/" + "/".join(draw(st.lists(_WORD, max_size=3)))
+    secret = draw(_SECRET)
+    where = draw(st.sampled_from(["userinfo", "userinfo-no-user", "query", "query-second", "params", "fragment"]))
+    key = draw(st.sampled_from(_KEYS))
+    user = draw(_WORD)
+    if where == "userinfo":
+        url = f"{scheme}://{user}:{secret}@{host}{path}"
+    elif where == "userinfo-no-user":
+        url = f"{scheme}://:{secret}@{host}{path}"
+    elif where == "query":
+        url = f"{scheme}://{host}{path}?{key}={secret}"
+    elif where == "query-second":
+        url = f"{scheme}://{host}{path}?a={user}&{key}={secret}&b=1"
+    elif where == "params":
+        url = f"{scheme}://{host}{path};{key}={secret}"
+    else:
+        url = f"{scheme}://{host}{path}#{key}={secret}"
+    before, after = draw(st.sampled_from(["", "tracking uri ", "(", "'"])), draw(st.sampled_from(["", ")", " ok", "'"]))
+    return before + url + after, secret
+
+
+@given(_url_with_a_secret())
+def test_no_url_shape_shows_its_password(case):
+    """Whatever the URL's shape -- a password with or without a user name, a credential in the
+    query, the path parameters or the fragment, inside other text -- `redact` leaves no part of
+    the secret beyond what `shown` allows of the whole match (which starts before the secret)."""
+    text, secret = case
+    out = secrets.redact(text)
+    assert secret[2:] not in out and secrets.describe(text) is not None, (text, out)
+
+
+@given(scheme=st.sampled_from(["http", "https", "sqlite", "ray"]), host=_WORD, path=st.lists(_WORD, max_size=3))
+def test_urls_without_a_secret_pass_unchanged(scheme, host, path):
+    url = f"{scheme}://{host}:8265/{'/'.join(path)}"
+    assert secrets.redact(url) == url and secrets.find_tokens(url) == []
+    assert secrets.redact("sqlite:////data/x.db") == "sqlite:////data/x.db"
