@@ -172,13 +172,23 @@ def _files_fingerprint(directory: Path) -> list:
     return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file())
 
 
+# The files of an adapter directory PEFT reads (`PeftModel.from_pretrained` / `load_adapter`): other
+# files there, however named, change nothing it loads.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
 def _adapter_digest(path: str | None) -> str | None:
+    """The starting adapter's identity: the SHA-256 of each file PEFT reads, streamed in blocks
+    (a junk `adapter_model.old` of a gigabyte beside it is neither read nor hashed)."""
     if not path:
         return None
+    from .data.cache import file_sha256
+
     h = hashlib.sha256()
-    for f in sorted(Path(path).iterdir()):
-        if f.is_file() and f.name.startswith(("adapter_config", "adapter_model")):
-            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    for name in ADAPTER_FILES:
+        f = Path(path) / name
+        if f.is_file():
+            h.update(f"{name}\0{file_sha256(f)}\0".encode())
     return h.hexdigest()
 
 

@@ -436,3 +436,19 @@ def test_trl_metric_names_reach_metrics_jsonl_and_tensorboard(tmp_path):
     assert [e.value for e in acc.Scalars("eval_rewards/margins")] == pytest.approx(
         [records[1]["eval_rewards/margins"], records[3]["eval_rewards/margins"]]
     )
+
+
+def test_the_starting_adapter_key_hashes_what_peft_reads_streamed(tmp_path, monkeypatch):
+    """The reference key's adapter part: the files PEFT reads, hashed in blocks (a 1 GB junk file
+    named `adapter_model*` beside them raised the peak memory by 2 GB: it was read whole)."""
+    from jobs.preference import _adapter_digest
+
+    (tmp_path / "adapter_config.json").write_text('{"r": 4}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"weights" * 100)
+    before = _adapter_digest(str(tmp_path))
+    (tmp_path / "adapter_model.old").write_bytes(b"junk" * 1000)  # not read by PEFT
+    (tmp_path / "adapter_config.json.bak").write_text("{}")
+    monkeypatch.setattr(Path, "read_bytes", lambda self: pytest.fail(f"{self} read whole"))
+    assert _adapter_digest(str(tmp_path)) == before
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"weights" * 101)
+    assert _adapter_digest(str(tmp_path)) != before

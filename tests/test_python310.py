@@ -12,4 +12,4 @@ def test_data_file_hash_needs_no_file_digest(tmp_path, monkeypatch):
     data = bytes(range(256)) * 5000  # more than one 1 MiB block
     path = tmp_path / "train.jsonl"
     path.write_bytes(data)
-    assert cache._file_sha256(path) == hashlib.sha256(data).hexdigest()
+    assert cache.file_sha256(path) == hashlib.sha256(data).hexdigest()

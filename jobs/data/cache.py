@@ -70,7 +70,7 @@ CACHE_FORMAT = 3  # bump when the cache's files or the tokenization change meani
 _HASHES: dict[tuple, str] = {}
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     st = path.stat()
     memo = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
     if memo in _HASHES:  # a checkpoint every few steps hashes the data again: once is enough
@@ -104,9 +104,9 @@ def source_hash(path: str, hf_token_env: str | None = None) -> str:
         files = {q for q in p.rglob("*") if q.is_file()} | set(dataset_dir_files(p))
         h = hashlib.sha256()
         for f in sorted(files):
-            h.update(f"{f.relative_to(p)}\0{_file_sha256(f)}\0".encode())
+            h.update(f"{f.relative_to(p)}\0{file_sha256(f)}\0".encode())
         return h.hexdigest()
-    return _file_sha256(p)
+    return file_sha256(p)
 
 
 def content_hash(spec: JobSpec) -> str:
