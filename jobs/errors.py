@@ -29,11 +29,30 @@ MAX_WORD_CHARS = 200
 _LONG_WORD = re.compile(rf"\S{{{MAX_WORD_CHARS + 1},}}")
 
 
+# Characters a terminal acts on instead of showing (C0 and C1 controls: escape sequences that clear
+# the screen, set the window title, hide text; DEL) and the bidirectional controls that reorder
+# what is shown (right-to-left override, isolates, marks).
+_INVISIBLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(text: str, keep: str = "") -> str:
+    """`text` as a terminal will show it and no more: every control and bidirectional-control
+    character (but those in `keep`, e.g. newline and tab in a data preview) written as its escape
+    (`\\x1b`, `\\u202e`). The rule for user text rayft prints or saves as a picture."""
+
+    def escaped(m: re.Match) -> str:
+        c = m.group(0)
+        return c if c in keep else (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+    return _INVISIBLE.sub(escaped, text)
+
+
 def error_line(err: BaseException | str) -> str:
-    """The one line an error is printed as (`rayft: error: ...`): line breaks escaped, and every
-    word longer than MAX_WORD_CHARS cut in the middle, saying how long it was. The one rule for
-    every message rayft prints about a failure, whichever value it quotes."""
-    text = str(err).replace("\r", "\\r").replace("\n", "\\n")
+    """The one line an error is printed as (`rayft: error: ...`): line breaks and every other
+    control character escaped (`visible`), and every word longer than MAX_WORD_CHARS cut in the
+    middle, saying how long it was. The one rule for every message rayft prints about a failure,
+    whichever value it quotes."""
+    text = visible(str(err).replace("\r", "\\r").replace("\n", "\\n"))
 
     def cut(m: re.Match) -> str:
         w = m.group(0)

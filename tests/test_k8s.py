@@ -834,9 +834,11 @@ def test_real_memory_model_annotates_when_present():
             float(rj["metadata"]["annotations"][k8s.ANN_ESTIMATE])
     huge = load_spec(
         data={
-            **_inline_spec(use_gpu=True),
+            # DDP: the estimate the message quotes is this strategy's (under `auto` a spec that
+            # fits nowhere is judged as FSDP, whose head is not compiled)
+            **_inline_spec(use_gpu=True, strategy="ddp"),
             "data": {"path": "x.jsonl", "max_seq_len": 100000},
-            "batch": {"global_batch_size": 256, "micro_batch_size": 256},
+            "batch": {"global_batch_size": 512, "micro_batch_size": 256},
             "memory": {"gradient_checkpointing": False},
         },
         files=False,

@@ -24,10 +24,14 @@ an --address where no cluster answers; a failure on the cluster is one line, exi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
+import os
+import tempfile
+from pathlib import Path
 
-from jobs.errors import SpecError
+from jobs.errors import SpecError, error_line, visible
 
 from . import Parser
 
@@ -93,7 +97,7 @@ def cmd_preview(args) -> int:
 
     spec = load_spec(args.spec, args.overrides)
     doc = data_preview(spec, load_tokenizer(spec), args.n)
-    if args.svg:  # first: a path that cannot be written is refused before anything is printed
+    if args.svg is not None:  # first: a path that cannot be written is refused before anything is printed
         _save_svg(doc, args)
     if args.json:
         print(json.dumps(doc, indent=2))
@@ -124,17 +128,44 @@ def cmd_prepare(args) -> int:
 
 
 def _save_svg(doc: dict, args) -> None:
-    """What is printed, in colour, 100 columns wide, as an SVG picture (rich's export)."""
+    """What is printed, in colour, 100 columns wide, as an SVG picture (rich's export), written
+    the way rayft writes every file: to a place rayft may write (`svg_target`), beside it first,
+    then renamed over it, so a failure leaves the old file (or none) and never half a picture."""
     from rich.console import Console
 
-    from jobs.spec import one_line
-
+    target = svg_target(args.svg)
     recorder = Console(record=True, file=io.StringIO(), width=100, force_terminal=True, color_system="truecolor")
     _print_preview(recorder, doc, args.tokens)
+    svg = recorder.export_svg(title=visible(f"rayft data preview {args.spec} -n {args.n}"))
     try:
-        recorder.save_svg(args.svg, title=f"rayft data preview {args.spec} -n {args.n}")
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=f".{target.name}.", delete=False) as f:
+            f.write(svg)
+        os.replace(f.name, target)
     except OSError as e:
-        raise SpecError(f"--svg: {one_line(args.svg)}: cannot be written ({e.strerror or e})") from None
+        with contextlib.suppress(NameError, OSError):
+            os.unlink(f.name)
+        raise SpecError(f"--svg: {error_line(str(target))}: cannot be written ({e.strerror or e})") from None
+
+
+def svg_target(path: str) -> Path:
+    """The file `--svg` may write, or one line saying why not: a file name (not ''), in a place
+    rayft may write (`jobs.outputs.place_problem`), a new file or a regular one (never through a
+    symbolic link, never a FIFO, device or directory), in a writable directory."""
+    from jobs.outputs import place_problem, writable_problem
+
+    if not path.strip():
+        raise SpecError("--svg: needs a file name (got '')")
+    p = Path(path)
+    why = place_problem(p)
+    if why is None and p.is_symlink():
+        why = "is a symbolic link: rayft does not write through links; name the file itself"
+    elif why is None and os.path.lexists(p) and not p.is_file():
+        why = "exists and is not a regular file (a directory, FIFO or device)"
+    elif why is None:
+        why = writable_problem(p.parent)
+    if why:
+        raise SpecError(f"--svg: {error_line(path)}: {why}")
+    return p
 
 
 # ---- printing -----------------------------------------------------------------------------------
@@ -144,13 +175,14 @@ def _print_preview(con, doc: dict, boundaries: bool) -> None:
     from rich.markup import escape
 
     con.print(
-        f"[bold]{escape(doc['name'])}[/]: {escape(doc['model'])}, objective {doc['objective']}, "
+        f"[bold]{escape(visible(doc['name']))}[/]: {escape(visible(doc['model']))}, objective {doc['objective']}, "
         f"data.max_seq_len {doc['max_seq_len']}",
         soft_wrap=True,
         highlight=False,
     )
     for src in doc["sources"]:
-        con.print(f"  {src['name']}: {', '.join(src['paths'])}", soft_wrap=True, markup=False, highlight=False)
+        line = visible(f"  {src['name']}: {', '.join(src['paths'])}")
+        con.print(line, soft_wrap=True, markup=False, highlight=False)
     con.print(_legend(con, doc["kind"]))
     for sample in doc["samples"]:
         con.print(_sample_panel(con, sample, boundaries))
@@ -188,7 +220,7 @@ def _sample_panel(con, sample: dict, boundaries: bool):
             parts.append(f"[bold]{name}[/]")
             parts.append(_styled(con, sample[name]["tokens"], boundaries, styles))
         body = Group(*parts)
-    return Panel(body, title=Text(title), title_align="left")
+    return Panel(body, title=Text(visible(title)), title_align="left")
 
 
 def _styled(con, tokens: list[dict], boundaries: bool, label_styles: tuple[str, str] = LABEL_STYLES):
@@ -202,7 +234,7 @@ def _styled(con, tokens: list[dict], boundaries: bool, label_styles: tuple[str, 
     runs: list[tuple[str, str]] = []  # (text, style), neighbours of one style joined: one span each
     in_label = False
     for k, tok in enumerate(tokens):
-        text = tok["text"]
+        text = visible(tok["text"], keep="\n\t")  # the data's own escape sequences are shown, not run
         if boundaries:
             text = text.replace("\n", "↵\n").replace("\t", "→")
         if colour:
