@@ -249,11 +249,18 @@ def writable_problem(path: str | Path) -> str | None:
 
 def check_write_places(spec) -> None:
     """Every place a run writes besides its output dir, refused in one line before anything is
-    written: the data cache (`data.cache_dir`, default beside the output dir) and an MLflow
-    `file:` or `sqlite:` store (`run.mlflow_tracking_uri`). The output dir itself has
+    written: the data cache (`check_cache_place`) and an MLflow `file:` or `sqlite:` store
+    (`run.mlflow_tracking_uri`, default `<output_dir>/mlflow.db`). The output dir itself has
     `check_output_dir`."""
-    from urllib.parse import urlparse
+    check_cache_place(spec)
+    if "mlflow" in spec.run.trackers:
+        _check_mlflow_store(spec)
 
+
+def check_cache_place(spec) -> None:
+    """The data cache (`data.cache_dir`, default beside the output dir): a place rayft may write
+    (`place_problem`), a directory or none yet (not a file or FIFO), writable. Every command that
+    writes the cache asks it (`rayft run`, `rayft data prepare`)."""
     out = spec.run.output_dir.replace("{name}", spec.name)
     cache = spec.data.cache_dir or str(Path(out).parent / ".rayft-data")
     field = "data.cache_dir" if spec.data.cache_dir else "data.cache_dir (default, beside run.output_dir)"
@@ -263,14 +270,29 @@ def check_write_places(spec) -> None:
     )
     if problem:
         raise SpecError(f"{field}={one_line(cache)}: {one_line(problem)}")
+
+
+def _check_mlflow_store(spec) -> None:
+    """An MLflow `file:` or `sqlite:` store is a place rayft writes: judged on the path the store's
+    own reader uses (percent-decoded, as SQLAlchemy and MLflow decode it), never through a link."""
+    from urllib.parse import unquote, urlparse
+
     uri = spec.run.mlflow_tracking_uri
-    if "mlflow" in spec.run.trackers and uri and urlparse(uri).scheme in ("file", "sqlite"):
-        where = urlparse(uri).path or uri
-        problem = place_problem(where) or writable_problem(
-            where if urlparse(uri).scheme == "file" else Path(where).parent
-        )
-        if problem:
-            raise SpecError(f"run.mlflow_tracking_uri={one_line(uri)}: {one_line(problem)}")
+    if uri is None:  # the default: sqlite:///<output_dir>/mlflow.db
+        uri = "sqlite:///" + str(Path(spec.run.output_dir.replace("{name}", spec.name)).absolute() / "mlflow.db")
+    scheme = urlparse(uri).scheme
+    if scheme not in ("file", "sqlite"):
+        return
+    where = unquote(urlparse(uri).path) or uri
+    if scheme == "sqlite" and where.startswith("/"):  # sqlite:///rel/x.db is rel/x.db, sqlite:////abs/x.db /abs/x.db
+        where = where[1:]
+    problem = place_problem(where)
+    if problem is None and os.path.islink(where):
+        problem = f"{where} is a symbolic link: rayft does not write through links"
+    if problem is None:
+        problem = writable_problem(where if scheme == "file" else Path(where).parent)
+    if problem:
+        raise SpecError(f"run.mlflow_tracking_uri={one_line(uri)}: {one_line(problem)}")
 
 
 def _made_by_old_rayft(names: list[str]) -> bool:

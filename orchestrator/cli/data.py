@@ -110,12 +110,14 @@ def cmd_prepare(args) -> int:
     import ray
 
     from jobs.model import load_tokenizer
+    from jobs.outputs import check_cache_place
     from jobs.prepare import prepare
     from jobs.spec import load_spec
 
     if args.num_cpus and args.address:
         raise SpecError("--num-cpus sizes a local Ray; a cluster at --address has its own CPUs")
     spec = load_spec(args.spec, args.overrides)
+    check_cache_place(spec)  # as `rayft run`: before Ray starts, nothing written outside rayft's places
     started = not ray.is_initialized()
     try:
         reports = prepare(spec, load_tokenizer(spec), args.address, args.num_cpus, say=print)
