@@ -217,6 +217,14 @@ class MixSource(_Section):
     def _our_fields(cls, v: dict[str, str] | None) -> dict[str, str] | None:
         return None if v is None else our_fields(v)
 
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _weight_is_a_number(cls, v: Any) -> Any:
+        """A number, not the text of one: pydantic's lax mode read the string "0.5" as 0.5."""
+        if isinstance(v, str):
+            raise ValueError(f"must be a number, not a string (got {one_line(repr(v))[:40]})")
+        return v
+
     @field_validator("name")
     @classmethod
     def _metric_name(cls, v: str | None) -> str | None:

@@ -71,11 +71,11 @@ def shown_uri(uri: str) -> str:
         parts = urlsplit(uri)
     except ValueError:
         return "<unparseable uri>"
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        parts = parts._replace(netloc=netloc)
-    return urlunsplit(parts)
+    if not (parts.username or parts.password):
+        return uri  # as given: urlunsplit would turn sqlite:////data/x.db into sqlite://data/x.db
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def metrics_of(record: dict, evaluated: bool) -> dict[str, float]:

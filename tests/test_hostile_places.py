@@ -54,3 +54,17 @@ def test_an_mlflow_store_is_judged_on_the_path_its_reader_uses(tmp_path):
     _refused(*common, f"run.mlflow_tracking_uri=sqlite:///{tmp_path / 'link.db'}", fragment="symbolic link")
     assert target.read_bytes() == b"keep" and not out.exists()
     assert not Path("/usr/lib/rayft.db").exists()
+
+
+def test_a_mixture_weight_is_a_number_not_its_text(tmp_path):
+    mix = f"data.mix=[{{path: {ROOT / 'examples' / 'data' / 'tiny.jsonl'}, weight: '0.5'}}]"
+    _refused("spec", "check", DEMO, mix, "data.path=[]", fragment="must be a number, not a string")
+
+
+def test_a_tracking_uri_is_shown_as_given_unless_it_holds_user_info():
+    from jobs.tracking import shown_uri
+
+    assert shown_uri("sqlite:////data/x.db") == "sqlite:////data/x.db"  # was sqlite://data/x.db
+    assert shown_uri("sqlite:///rel/x.db") == "sqlite:///rel/x.db"
+    assert shown_uri("http://user:pw@mlflow:5000/x") == "http://mlflow:5000/x"
+    assert shown_uri("http://:pw@mlflow") == "http://mlflow"
