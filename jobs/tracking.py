@@ -22,11 +22,13 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -63,6 +65,28 @@ def experiment_id(client, spec) -> str:
     if not spec.run.mlflow_tracking_uri:
         location = (spec.output_path.resolve() / MLFLOW_ARTIFACTS).as_uri()
     return client.create_experiment(spec.name, artifact_location=location)
+
+
+@contextlib.contextmanager
+def store_lock(uri: str | None) -> Iterator[None]:
+    """Hold an exclusive lock on `<db>.lock` beside a local SQLite store named by
+    `run.mlflow_tracking_uri` while it is opened: MLflow creates a new store's schema on first
+    use, and two runs that opened one new store at once raced through its migrations (one lost
+    its tracker). The default store is the run's own (`<output_dir>/mlflow.db`, under the run's
+    lock) and other stores are servers: no lock."""
+    from urllib.parse import unquote, urlparse
+
+    if uri is None or urlparse(uri).scheme != "sqlite":
+        yield
+        return
+    path = unquote(urlparse(uri).path)[1:]  # sqlite:///rel/x.db is rel/x.db, sqlite:////abs/x.db /abs/x.db
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path + ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def shown_uri(uri: str) -> str:
@@ -149,7 +173,9 @@ class Trackers:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=uri)
+        with store_lock(self._spec.run.mlflow_tracking_uri):  # a shared store's schema: made by one run
+            client = MlflowClient(tracking_uri=uri)
+            client.search_experiments(max_results=1)  # the store (and its schema) exists now
         saved = self._spec.output_path / MLFLOW_RUN_FILE
         if resume_step and saved.exists():
             info = json.loads(saved.read_text())
