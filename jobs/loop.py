@@ -61,6 +61,7 @@ from .data import (
     TokenizedPairs,
     TokenizedSplit,
     batches_for,
+    check_every_source_sampled,
     collate_at,
     collate_pairs_at,
     count_inputs,
@@ -492,14 +493,16 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
         model.to(ctx.device)
     model.train()
     data = load_dataset(spec, tokenizer)
+    batches, steps = batches_for(spec, data), total_steps(spec, len(data.train))
+    check_every_source_sampled(batches, data, steps)
     return Job(
         model,
         tokenizer,
         plan,
         precision,
         data,
-        batches_for(spec, data),
-        total_steps(spec, len(data.train)),
+        batches,
+        steps,
         torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"),
         ckpt.resume_key(spec),
         strategy,

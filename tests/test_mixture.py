@@ -588,3 +588,25 @@ def test_a_dpo_mixture_with_a_precomputed_reference_trains_the_same_steps(tmp_pa
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
     for key in ("eval_loss", "eval_loss/tiny-pairs", "eval_loss/capitals-pairs-train"):
         assert pre[-1][key] == pytest.approx(live[-1][key], rel=1e-5), key
+
+
+def test_a_source_whose_weight_gets_it_no_sample_is_refused(tmp_path):
+    """A weight so small that the source's share of the run's samples rounds to zero was accepted:
+    the source was tokenized and listed, and never trained on."""
+    from jobs.errors import SpecError
+
+    mix = yaml_mix_with_weights(0.6, 0.3, 1e-6)
+    with pytest.raises(SpecError, match=r"data.mix: source 'tiny-text' \(weight 1e-06\) gets no sample"):
+        _train_steps(tmp_path / "run", 2, f"data.mix={mix}")
+    _train_steps(tmp_path / "ok", 2, f"data.mix={yaml_mix_with_weights(0.6, 0.3, 0.1)}")  # the shipped weights run
+
+
+def yaml_mix_with_weights(*weights: float) -> str:
+    """examples/tiny-mix.yaml's three sources with other weights, as one override."""
+    import yaml
+
+    spec = yaml.safe_load((ROOT / MIX).read_text())
+    sources = spec["data"]["mix"]
+    for src, w in zip(sources, weights, strict=True):
+        src["weight"] = w
+    return yaml.safe_dump(sources, default_flow_style=True).strip()

@@ -61,7 +61,7 @@ from .cache import (
     tokenizer_hash,
 )
 from .chat import chat_pair_texts, chat_prompt_ids, chat_spans
-from .mixture import MixtureBatches, Sampler, batches_for, step_metrics
+from .mixture import MixtureBatches, Sampler, batches_for, check_every_source_sampled, step_metrics
 from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs, tokenize_pairs_iter, truncate_pair
 from .records import (
     OUR_FIELDS,
@@ -105,6 +105,7 @@ __all__ = [
     "TokenizedPairs",
     "TokenizedSplit",
     "batches_for",
+    "check_every_source_sampled",
     "cache_key",
     "char_bound",
     "chat_pair_texts",

@@ -39,6 +39,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import SpecError
 from .batches import GlobalBatches, count_labels
 from .cache import Dataset
 
@@ -162,6 +163,22 @@ class MixtureBatches:
     def source_epochs(self, step: int) -> list[float]:
         """Each source's passes over its own samples after `step` steps."""
         return [n / size for n, size in zip(self.counts(step * self.g), self.sizes, strict=True)]
+
+
+def check_every_source_sampled(batches: Sampler, data: Dataset, steps: int) -> None:
+    """Refuse a mixture whose weights leave a source without a single sample in the whole run
+    (its weight is too small for steps x global batch slots): it would be tokenized, listed and
+    counted, and never trained on, without a word."""
+    if not isinstance(batches, MixtureBatches):
+        return
+    counts = batches.counts(steps * batches.g)
+    for part, n in zip(data.sources, counts, strict=True):
+        if n == 0:
+            raise SpecError(
+                f"data.mix: source {part.name!r} (weight {part.weight:g}) gets no sample in this run's "
+                f"{steps} steps of {batches.g} (its share of {steps * batches.g} samples rounds to 0); "
+                "raise its weight, train longer, or leave it out"
+            )
 
 
 def batches_for(spec, data) -> Sampler:
