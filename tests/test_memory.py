@@ -505,10 +505,10 @@ def preference_loss(model, case: Case, name: str, reference_adapter=None):
     """`jobs.preference.PreferenceLoss` for `name` with the spec's defaults."""
     from jobs.objectives import Objective
     from jobs.preference import PreferenceLoss
-    from jobs.spec import OBJECTIVE_DEFAULTS, OBJECTIVE_KEYS
+    from jobs.spec import OBJECTIVE_BY_NAME
 
-    keys = {k: OBJECTIVE_DEFAULTS[k] for k in OBJECTIVE_KEYS[name] if k != "reference"}
-    return PreferenceLoss(model, Objective(name, **keys), chunk_tokens=case.chunk, reference_adapter=reference_adapter)
+    keys = OBJECTIVE_BY_NAME[name]().model_dump(exclude={"reference"})
+    return PreferenceLoss(model, Objective(**keys), chunk_tokens=case.chunk, reference_adapter=reference_adapter)
 
 
 def pair_loss(case: Case, name: str):
