@@ -36,7 +36,7 @@ from jobs.data import GlobalBatches, collate_pairs, load_dataset, split_window
 from jobs.loop import Engine, train_window
 from jobs.model import add_lora, enable_checkpointing, load_base_model
 from jobs.objectives import Objective
-from jobs.preference import REFERENCE_ADAPTER, PreferenceLoss
+from jobs.objectives.preference import REFERENCE_ADAPTER, PreferenceLoss
 from jobs.spec import JobSpec, load_spec
 
 PAIRS = ROOT / "examples" / "data" / "tiny-pairs.jsonl"
