@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import jobs.loop as loop  # noqa: E402
+import jobs.objectives.sft as sft  # noqa: E402  (where the SFT objective collates)
 from jobs.context import LocalContext  # noqa: E402
 from jobs.data import collate_at  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
@@ -111,7 +112,7 @@ def run_variant(args, name: str, workdir: Path, rep: int) -> dict:
         return batch
 
     ends: list[tuple[float, float]] = []
-    loop.collate_at, original = counting_collate, loop.collate_at
+    sft.collate_at, original = counting_collate, sft.collate_at
     try:
         loop.train(
             spec,
@@ -119,7 +120,7 @@ def run_variant(args, name: str, workdir: Path, rep: int) -> dict:
             resume=False,
         )
     finally:
-        loop.collate_at = original
+        sft.collate_at = original
     records = [json.loads(x) for x in (spec.output_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
     pairs = list(zip(ends[args.warmup - 1 :], ends[args.warmup :], strict=False))  # consecutive ends
     timed = records[args.warmup :]

@@ -595,6 +595,7 @@ def run_rayft(
     SDPA's backends tried in this order (`torch.nn.attention.sdpa_kernel(..., set_priority=True)`)."""
     from jobs import loop
     from jobs.context import LocalContext
+    from jobs.objectives import sft  # CausalLMLoss and its head loss live there
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"rayft-{w.shape}-", dir=w.workdir))
     spec = rayft_spec(w, cand["micro_batch_size"], cand["loss_chunk_tokens"], out_dir, compile_layers, quantization)
@@ -619,9 +620,9 @@ def run_rayft(
         return model, tokenizer
 
     loop.load_base_model = load_base_model
-    original_head = loop.compiled_head_loss
+    original_head = sft.compiled_head_loss
     if eager_head:
-        loop.compiled_head_loss = lambda: loop._head_loss
+        sft.compiled_head_loss = lambda: sft._head_loss
     t0 = time.perf_counter()
     stack = contextlib.ExitStack()
     if sdpa_priority:
@@ -637,7 +638,7 @@ def run_rayft(
             device_state = device_readings(w.device)
     finally:
         loop.load_base_model = original
-        loop.compiled_head_loss = original_head
+        sft.compiled_head_loss = original_head
     wall = time.perf_counter() - t0
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     timed = [b - a for a, b in zip(ends[w.warmup - 1 :], ends[w.warmup :], strict=False)] if w.warmup else []

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import jobs.loop as loop  # noqa: E402
-import jobs.preference as preference  # noqa: E402
+import jobs.objectives.preference as preference  # noqa: E402
 from jobs.context import LocalContext  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
 
@@ -79,7 +79,7 @@ def run_variant(args, reference: str, workdir: Path, rep: int) -> dict:
         finally:
             spans.append(time.perf_counter() - t0)
 
-    loop.precomputed_reference = timed_precompute
+    preference.precomputed_reference = timed_precompute
     try:
         loop.train(
             spec,
@@ -87,7 +87,7 @@ def run_variant(args, reference: str, workdir: Path, rep: int) -> dict:
             resume=False,
         )
     finally:
-        loop.precomputed_reference = original
+        preference.precomputed_reference = original
     records = [json.loads(x) for x in (spec.output_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
     pairs = list(zip(ends[args.warmup - 1 :], ends[args.warmup :], strict=False))  # consecutive ends
     timed = records[args.warmup :]

@@ -77,10 +77,7 @@ RESUME_KEYS = (
     "data.fields",
     "data.train_on",
     "model.adapter",
-    "objective.name",
-    "objective.beta",
-    "objective.simpo_gamma",
-    "objective.label_smoothing",
+    "objective.*",  # the objective's settings (`objective_keys`)
     "data.mix",
     "data.eval_path",
     "data.eval_fraction",
@@ -393,10 +390,18 @@ def _load_into(target, path: Path) -> None:
         ) from None
 
 
+def objective_keys(spec: JobSpec) -> list[str]:
+    """`objective.<setting>` for every setting of the spec's objective class (a new setting is in
+    the key without being listed here), but those that change how a step is computed, not what
+    (`resume_free`: `objective.reference`)."""
+    section = type(spec.objective)
+    return [f"objective.{k}" for k in section.model_fields if k not in section.resume_free]
+
+
 def resume_key(spec: JobSpec) -> dict:
     d = spec.to_dict()
     out: dict[str, Any] = {}
-    for key in RESUME_KEYS:
+    for key in (k for listed in RESUME_KEYS for k in (objective_keys(spec) if listed == "objective.*" else [listed])):
         node: Any = d
         for part in key.split("."):
             node = node[part]
@@ -411,11 +416,12 @@ def resume_key(spec: JobSpec) -> dict:
     return out
 
 
-def _field_default(key: str):
-    """The default of the spec field `section.field`, as `resume_key` stores values (JSON)."""
+def _field_default(key: str, spec: JobSpec):
+    """The default of the spec field `section.field`, as `resume_key` stores values (JSON); of
+    `objective.*`, the default in `spec`'s objective class."""
     section, name = key.split(".")
-    section_model = JobSpec.model_fields[section].annotation
-    assert section_model is not None  # every section is a model class
+    section_model = type(spec.objective) if section == "objective" else JobSpec.model_fields[section].annotation
+    assert isinstance(section_model, type)  # every other section is one model class
     field = section_model.model_fields[name]
     if field.is_required():
         return None
@@ -432,7 +438,10 @@ def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
     # for a field older than its key (`LATE_KEYS`), which such a checkpoint is not compared on.
     unrecorded = {k for k in LATE_KEYS if k not in saved}
     now = {k: v for k, v in now.items() if k not in unrecorded}
-    saved = {**{k: _field_default(k) for k in now if k not in saved and k != DATA_HASH_KEY}, **saved}
+    saved = {**{k: _field_default(k, spec) for k in now if k not in saved and k != DATA_HASH_KEY}, **saved}
+    # Checkpoints written before the objective's settings had real defaults stored None for "the
+    # default" (and for a setting the objective does not take, which `now` does not hold).
+    saved.update({k: _field_default(k, spec) for k in now if k.startswith("objective.") and saved.get(k) is None})
     diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k] and k != DATA_HASH_KEY]
     if saved.get(DATA_HASH_KEY) != now[DATA_HASH_KEY]:
         diffs.append(

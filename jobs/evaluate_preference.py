@@ -29,13 +29,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from .data import DROP_EMPTY, DROP_IDENTICAL, Pair, char_bound, collate_pairs, read_jsonl, tokenize_pairs_iter
 from .errors import SpecError
-from .objectives import Objective, pair_losses
-from .preference import PreferenceLoss
+from .objectives import Objective, PairObjective, PreferenceLoss, pair_losses
 from .spec import JobSpec, one_line
 
 # The models scored, in table order: role -> what the table calls it.
@@ -79,7 +79,7 @@ def response_text(response) -> str:
 def pair_logps(model, pairs: list[Pair], pad_id: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """([P] chosen, [P] rejected) summed response log-probabilities (fp32) under `model` as it is
     (its active adapter), through the training loss module's forward."""
-    scorer = PreferenceLoss(model, Objective())
+    scorer = PreferenceLoss(model, PairObjective("dpo"))  # only its log-probabilities are used
     device = next(model.parameters()).device
     chosen, rejected = [], []
     for start in range(0, len(pairs), batch_size):
@@ -101,7 +101,7 @@ def preference_numbers(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
     }
 
 
-def reward_numbers(obj: Objective, pairs: list[Pair], pi: tuple, ref: tuple | None) -> dict:
+def reward_numbers(obj: PairObjective, pairs: list[Pair], pi: tuple, ref: tuple | None) -> dict:
     """The objective's mean loss and TRL's statistics, means over the pairs (`pair_losses`)."""
     n_w = torch.tensor([len(p.chosen) for p in pairs], dtype=torch.float32)
     n_l = torch.tensor([len(p.rejected) for p in pairs], dtype=torch.float32)
@@ -117,7 +117,7 @@ def evaluate_preference(
     are `jobs.evaluate`'s, the ones an SFT spec's evaluation uses."""
     from .model import load_base_model
 
-    obj = Objective.of(spec)
+    obj = cast(PairObjective, Objective.of(spec))  # `rayft eval` of a preference spec
     model, tok = load_base_model(spec, "fp32")
     model.eval()
     pairs, records, dropped, n_records = held_out_pairs(spec, tok)

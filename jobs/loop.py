@@ -17,9 +17,11 @@ Reads top to bottom in `train()`. The two pieces tests poke at directly are
   reduced once per optimizer step (an all-reduce under DDP, a reduce-scatter under FSDP).
 * fp16: the GradScaler scales every micro-step's loss, `unscale_` runs once before
   clipping, `step`/`update` once per window; a skipped step is counted.
-* Preference objectives (`jobs.objectives`): the same with pairs in place of label tokens. A
-  micro-batch's module output is its *summed* per-pair loss, scaled by W / P for the P pairs of
-  the global batch, so the step's gradient is that of the mean over all P pair losses.
+* Every objective runs through one interface (`jobs.objectives.Objective`): it collates the
+  window's samples, says what the step's loss is a mean over (label tokens T above; the P pairs of
+  the global batch for a preference objective, whose module output is its *summed* per-pair loss,
+  scaled by W / P), reads the step's statistics and runs the held-out evaluation. This module
+  names no objective.
 
 No `.item()` inside the window: scalars are read once per optimizer step (and transformers'
 own per-forward sync is turned off where the model loads: `jobs.model.skip_packed_sequence_detection`).
@@ -45,28 +47,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ckpt
 from . import fsdp, runlock
 from .context import Context
 from .data import (
-    Concatenated,
     Dataset,
     Sampler,
-    TokenizedPairs,
-    TokenizedSplit,
     batches_for,
     check_every_source_sampled,
-    collate_at,
-    collate_pairs_at,
     count_inputs,
     count_labels,
-    equal_micro_batches,
     group_by_length,
     load_dataset,
     split_window,
@@ -87,6 +80,11 @@ from .model import (
     load_base_model,
 )
 from .objectives import Objective
+from .objectives.base import all_reduce_sum, to_device
+
+# Re-exported: tests and bench/ import these from here.
+from .objectives.sft import CausalLMLoss as CausalLMLoss
+from .objectives.sft import layout_args as layout_args
 from .outputs import (
     PLOT,
     SUMMARY,
@@ -98,7 +96,6 @@ from .outputs import (
     read_metrics,
     write_json_atomic,
 )
-from .preference import REFERENCE_ADAPTER, PreferenceLoss, precomputed_reference
 from .prefetch import Prefetch
 from .spec import JobSpec, compute_precision
 from .tracking import open_trackers
@@ -107,107 +104,11 @@ log = logging.getLogger("rayft")
 GIB = 1024**3
 
 
-class CausalLMLoss(nn.Module):
-    """Summed next-token cross-entropy over the label positions only.
-
-    The decoder runs once; only hidden states that carry a label (`label_pos`, computed on
-    the host by `collate`) go through the LM head, so prompt and padding positions never
-    produce logits. With `chunk_tokens`, the head + loss run per chunk under checkpointing,
-    so the fp32 [T, vocab] logits never exist at once (they dominate memory at 128k vocab).
-    With `compiled_head` (compiled decoder layers, `model.compile`), the head and the loss run
-    as one compiled graph (`compiled_head_loss`): the logits stay in the compute dtype and the
-    log-softmax is fused into one pass over them, so neither fp32 copy of the logits exists.
-    """
-
-    model: Any  # a transformers causal LM, or a peft PeftModel around one (peft ships no types)
-
-    def __init__(self, model: nn.Module, chunk_tokens: int = 0, compiled_head: bool = False):
-        super().__init__()
-        self.model = model
-        self.chunk_tokens = chunk_tokens
-        self.head_loss = compiled_head_loss() if compiled_head else _head_loss
-
-    def _causal_lm(self):
-        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-
-    def forward(self, input_ids, label_pos, label_ids, attention_mask=None, position_ids=None, seq_ids=None):
-        lm = self._causal_lm()
-        if seq_ids is not None:  # packed rows (`jobs.data.collate`)
-            if lm.config._attn_implementation == "flex_attention":
-                attention_mask = packed_block_mask(seq_ids)
-            else:
-                attention_mask = packed_attention_mask(seq_ids, lm.get_input_embeddings().weight.dtype)
-        # `base_model` is the decoder stack under any HF causal LM (`model`, `gpt_neox`, ...).
-        hidden = lm.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-        h = hidden.flatten(0, 1).index_select(0, label_pos)
-        head = lm.get_output_embeddings()
-        if not self.chunk_tokens or h.shape[0] <= self.chunk_tokens:
-            return self.head_loss(head, h, label_ids)
-        total = h.new_zeros((), dtype=torch.float32)
-        for start in range(0, h.shape[0], self.chunk_tokens):
-            sl = slice(start, start + self.chunk_tokens)
-            total = total + torch.utils.checkpoint.checkpoint(
-                self.head_loss, head, h[sl], label_ids[sl], use_reentrant=False
-            )
-        return total
-
-
-def packed_attention_mask(seq_ids: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
-    """The block-diagonal causal mask of packed rows, as the additive float bias SDPA and eager
-    attention take ([rows, 1, T, T]: 0 where query i may see key j -- same sequence slot,
-    j <= i -- the dtype's minimum elsewhere; padding is a slot of its own, so every query sees
-    at least itself and no softmax row is empty).
-
-    Built on the device from `seq_ids` (no host sync), once per micro-batch, in the dtype the
-    attention runs in: SDPA then uses this one tensor in every layer (a bool mask would be
-    converted to a new float bias per layer, each saved for backward)."""
-    device = seq_ids.device
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight_dtype
-    T = seq_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
-    allowed = (seq_ids[:, :, None] == seq_ids[:, None, :]) & causal
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return bias.unsqueeze(1)
-
-
-def packed_block_mask(seq_ids: torch.Tensor):
-    """The same block-diagonal causal mask as `packed_attention_mask`, as FlexAttention's
-    `BlockMask` (`model.attn_implementation: flex_attention`): query i may see key j when both
-    are in the same sequence slot and j <= i. Block-sparse (128 x 128 tiles; the tiles no query
-    may see are skipped), a few KiB per row instead of the [rows, 1, T, T] bias; transformers
-    passes a 4-D `BlockMask` to every layer as is. Built on the device, once per micro-batch."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_sequence_causal(b, h, q, kv):
-        return (seq_ids[b, q] == seq_ids[b, kv]) & (kv <= q)
-
-    rows, T = seq_ids.shape
-    return create_block_mask(same_sequence_causal, rows, None, T, T, device=seq_ids.device)
-
-
-def _head_loss(head: nn.Module, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(h).float(), y, reduction="sum")
-
-
-_COMPILED_HEAD_LOSS: list[Callable] = []
-
-
-def compiled_head_loss() -> Callable:
-    """`_head_loss` through torch.compile, made once per process. The label count changes from
-    micro-batch to micro-batch, so after the first other count dynamo recompiles it once with a
-    dynamic token dimension (its default, `dynamic=None`) and reuses that graph from then on."""
-    if not _COMPILED_HEAD_LOSS:
-        _COMPILED_HEAD_LOSS.append(torch.compile(_head_loss))
-    return _COMPILED_HEAD_LOSS[0]
-
-
 @dataclass
 class Engine:
     """Everything one optimizer step touches."""
 
-    module: nn.Module  # CausalLMLoss; with world_size > 1 wrapped in DDP or sharded by FSDP2 (`jobs.fsdp`)
+    module: nn.Module  # the objective's loss module; wrapped in DDP or sharded by FSDP2 (`jobs.fsdp`) when world > 1
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -242,19 +143,6 @@ class Engine:
         return cast(nn.parallel.DistributedDataParallel, self.module).no_sync()
 
 
-def layout_args(spec: JobSpec, device: torch.device) -> dict:
-    """`collate`'s layout arguments: with `data.packing`, rows of up to `data.max_seq_len`
-    tokens, aligned to 16 on GPU."""
-    return {
-        "pack_tokens": spec.data.max_seq_len if spec.data.packing else 0,
-        "row_multiple": 16 if device.type == "cuda" else 1,
-    }
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
 def train_window(
     engine: Engine,
     micro_batches: Sequence[dict],
@@ -263,12 +151,11 @@ def train_window(
 ) -> torch.Tensor:
     """Forward/backward over one rank's micro-batches of one global batch.
 
-    `denominator` is what the step's loss is a mean over, counted over the whole global batch:
-    its label tokens (SFT) or its pairs (preference objectives). Returns this rank's sums (a
-    device tensor: no host sync here): the summed token loss (a scalar) or, for a preference
-    objective, the vector [summed pair loss, *summed statistics in `Objective.stat_names`
-    order] (float64). `after_micro_step(j)` is an observer (tests, profilers) called after each
-    backward.
+    `denominator` is what the step's loss is a mean over, counted over the whole global batch
+    (`Objective.count`: label tokens, pairs, ...). Returns this rank's sums (a device tensor: no
+    host sync here): the summed loss (a scalar) or, where the loss module also returns statistics,
+    the vector [summed loss, *summed statistics in `Objective.stat_names` order] (float64).
+    `after_micro_step(j)` is an observer (tests, profilers) called after each backward.
     """
     scale = engine.world_size / denominator  # DDP divides by world_size; see module doc
     sums: torch.Tensor | None = None
@@ -324,102 +211,6 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_max_rss"
 
 
-def all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
-    if world_size > 1:
-        dist.all_reduce(t)
-    return t
-
-
-@torch.no_grad()
-def held_out_loss(
-    engine: Engine,
-    examples: TokenizedSplit,
-    rank: int,
-    world_size: int,
-    micro_batch_size: int,
-    pad_id: int,
-    layout: dict | None = None,
-) -> float | None:
-    """Token-weighted mean loss over the held-out set, sharded over ranks."""
-    if not examples:
-        return None
-    module = engine.unwrapped
-    module.eval()
-    layout = layout or {}
-    sums = torch.zeros(2, device=engine.device, dtype=torch.float64)
-    # Equal forward counts on every rank: under FSDP each forward is a collective.
-    for idx, counted in equal_micro_batches(len(examples), rank, world_size, micro_batch_size):
-        with engine.autocast():
-            s = module(**to_device(collate_at(examples, idx, pad_id, **layout), engine.device))
-        if counted:
-            sums[0] += s.double()
-            sums[1] += count_labels(examples, idx)
-    module.train()
-    all_reduce_sum(sums, world_size)
-    return (sums[0] / sums[1]).item()
-
-
-@torch.no_grad()
-def held_out_pairs(
-    engine: Engine, job: Job, rank: int, world_size: int, micro_batch_size: int
-) -> tuple[float | None, dict]:
-    """Mean per-pair loss over the held-out pairs and the statistics' means (TRL's names with
-    `eval_` in front), sharded over ranks."""
-    pairs = job.data.eval
-    if not pairs:
-        return None, {}
-    module = engine.unwrapped
-    module.eval()
-    obj = job.objective
-    sums = torch.zeros(1 + len(obj.stat_names), device=engine.device, dtype=torch.float64)
-    for idx, counted in equal_micro_batches(len(pairs), rank, world_size, micro_batch_size):
-        with engine.autocast():
-            summed, stats = module(**to_device(pair_batch(job, "eval", idx), engine.device))
-        if counted:
-            sums += torch.cat([summed.double().view(1), stats])
-    module.train()
-    values = (all_reduce_sum(sums, world_size) / len(pairs)).tolist()
-    return values[0], {f"eval_{k}": v for k, v in zip(obj.stat_names, values[1:], strict=True)}
-
-
-@torch.no_grad()
-def held_out_by_source(engine: Engine, job: Job, spec: JobSpec, ctx: Context) -> tuple[float | None, dict]:
-    """A mixture's held-out loss: per source with a held-out split (`eval_loss/NAME`) and over all
-    of them (`eval_loss`: token-weighted for SFT, the mean over pairs for a preference objective,
-    with its statistics as `held_out_pairs` names them), from one pass over each source's split
-    (sharded over ranks as `held_out_loss` is) and one all-reduce."""
-    parts = [p for p in job.data.sources if p.n_eval]
-    if not parts:
-        return None, {}
-    module, obj, pairs = engine.unwrapped, job.objective, job.objective.is_preference
-    width = 2 + (len(obj.stat_names) if pairs else 0)  # [loss sum, *statistic sums, denominator]
-    sums = torch.zeros(len(parts), width, device=engine.device, dtype=torch.float64)
-    layout, pad_id = layout_args(spec, engine.device), job.tokenizer.pad_token_id
-    evals = cast(TokenizedSplit | Concatenated, job.data.eval)  # an SFT run's samples are Examples
-    module.eval()
-    for row, part in enumerate(parts):
-        for idx, counted in equal_micro_batches(part.n_eval, ctx.rank, ctx.world_size, spec.batch.micro_batch_size):
-            at = part.eval_offset + np.asarray(idx, dtype=np.int64)  # into the sources side by side
-            if pairs:
-                with engine.autocast():
-                    summed, stats = module(**to_device(pair_batch(job, "eval", at), engine.device))
-                got, n = torch.cat([summed.double().view(1), stats]), len(at)
-            else:
-                with engine.autocast():
-                    got = module(**to_device(collate_at(evals, at, pad_id, **layout), engine.device)).double().view(1)
-                n = count_labels(evals, at)
-            if counted:
-                sums[row, :-1] += got
-                sums[row, -1] += n
-    module.train()
-    totals = all_reduce_sum(sums, ctx.world_size).tolist()
-    whole = [sum(col) for col in zip(*totals, strict=True)]
-    out = {f"eval_loss/{p.name}": t[0] / t[-1] for p, t in zip(parts, totals, strict=True)}
-    if pairs:
-        out.update({f"eval_{k}": v / whole[-1] for k, v in zip(obj.stat_names, whole[1:-1], strict=True)})
-    return whole[0] / whole[-1], out
-
-
 def memory_plan(spec: JobSpec, device: torch.device) -> MemoryPlan:
     """The plan this worker runs: `jobs.memory.plan_for_spec` judged against `memory.budget_gib`,
     else the memory of this worker's GPU (the one input only the worker can see)."""
@@ -445,7 +236,7 @@ class Job:
     scaler: torch.amp.GradScaler
     resume_key: dict  # what a checkpoint of this run must match to be resumed (taken once, at the start)
     strategy: str = "ddp"  # "ddp" (also one process) or "fsdp": see `strategy_of`
-    objective: Objective = Objective()
+    objective: Objective = field(default_factory=Objective)  # `Objective()`: the default one
     reference: dict | None = None  # split -> [pairs, 2] precomputed reference log-probs (`objective.reference`)
     device: torch.device | None = None
     compiled: bool = False  # the decoder layers run through torch.compile (`compile_wanted`)
@@ -566,15 +357,10 @@ def make_engine(spec: JobSpec, ctx: Context, job: Job) -> Engine:
 
 
 def loss_module(job: Job) -> nn.Module:
-    """The module one micro-step calls: the summed token loss (SFT) or the summed pair loss with
-    its statistics (preference objectives; the reference is the frozen starting adapter when
-    `model.adapter` loaded one, else the base with the adapter off)."""
-    if not job.objective.is_preference:
-        # FSDP keeps the head eager: its unit's all-gather hooks run around the head's call.
-        compiled_head = job.compiled and job.strategy != "fsdp"
-        return CausalLMLoss(job.model, chunk_tokens=job.plan.loss_chunk_tokens, compiled_head=compiled_head)
-    reference = REFERENCE_ADAPTER if REFERENCE_ADAPTER in getattr(job.model, "peft_config", {}) else None
-    return PreferenceLoss(job.model, job.objective, job.plan.loss_chunk_tokens, reference)
+    """The module one micro-step calls: the objective's summed loss (`Objective.loss_module`)."""
+    # FSDP keeps the head eager: its unit's all-gather hooks run around the head's call.
+    compiled_head = job.compiled and job.strategy != "fsdp"
+    return job.objective.loss_module(job.model, job.plan.loss_chunk_tokens, compiled_head)
 
 
 def reshard_after_forward(plan: MemoryPlan) -> bool:
@@ -595,19 +381,6 @@ class Window:
     per_source: dict[str, float] = field(default_factory=dict)  # a mixture's `step_metrics`; {} for one source
 
 
-def pair_batch(job: Job, split: str, indices: Sequence[int] | np.ndarray) -> dict:
-    """`collate_pairs_at` of the pairs `indices` of `split`, with their precomputed reference
-    log-probabilities (chosen rows, then rejected rows) when the run has them."""
-    # A preference run's samples are Pairs (`Dataset.kind`).
-    pairs = cast(TokenizedPairs | Concatenated, job.data.train if split == "train" else job.data.eval)
-    pin = job.device is not None and job.device.type == "cuda"
-    batch = collate_pairs_at(pairs, indices, job.tokenizer.pad_token_id, pin_memory=pin)
-    if job.reference is not None:
-        ref = job.reference[split][np.asarray(indices, dtype=np.int64)]
-        batch["ref_logps"] = torch.from_numpy(np.concatenate([ref[:, 0], ref[:, 1]]))
-    return batch
-
-
 def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> Window:
     """This rank's micro-batches of global batch `step`, with the window's counts: numpy over the
     cache's per-sample arrays and array copies from its tokens (`jobs.data.batches`). A pure
@@ -621,22 +394,9 @@ def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> Window
     mine = split_window(indices, ctx.rank, ctx.world_size, spec.batch.micro_batch_size, spec.grad_accum_steps)
     n_labels, n_inputs = count_labels(train, indices), count_inputs(train, indices)
     per_source = step_metrics(job.batches, job.data, step, indices)
-    if job.objective.is_preference:
-        return Window([pair_batch(job, "train", mb) for mb in mine], len(indices), n_labels, n_inputs, per_source)
-    layout = layout_args(spec, ctx.device)
-    pad_id, pin = job.tokenizer.pad_token_id, ctx.device.type == "cuda"
-    examples = cast(TokenizedSplit | Concatenated, train)  # an SFT run's samples are Examples (`Dataset.kind`)
-    micro = [collate_at(examples, mb, pad_id, pin_memory=pin, **layout) for mb in mine]
-    return Window(micro, n_labels, n_labels, n_inputs, per_source)
-
-
-def step_values(job: Job, sums: torch.Tensor, window: Window) -> tuple[float, dict]:
-    """(the step's loss, its preference statistics as means over the pairs) from the window's
-    all-reduced sums: one host read."""
-    values = sums.reshape(-1).tolist()
-    # An SFT window's sums are its loss alone: nothing follows it, and the statistics are dropped below.
-    stats = {k: v / window.denominator for k, v in zip(job.objective.stat_names, values[1:], strict=False)}
-    return values[0] / window.denominator, stats if job.objective.is_preference else {}
+    objective, pin = job.objective, ctx.device.type == "cuda"
+    micro = [objective.batch(spec, job, "train", mb, ctx.device, pin) for mb in mine]
+    return Window(micro, objective.count(train, indices), n_labels, n_inputs, per_source)
 
 
 def train(spec: JobSpec, ctx: Context, *, resume: bool = True, run_token: str | None = None) -> dict:
@@ -662,8 +422,7 @@ def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
         claim_output_dir(out, beside_others=True, name=spec.name)
     job = set_up(spec, ctx)
     engine = make_engine(spec, ctx, job)
-    if job.objective.reference == "precomputed":  # once per (base, data, template); reused after
-        job.reference = precomputed_reference(spec, ctx, job, engine, pair_batch)
+    job.objective.prepare(spec, ctx, job, engine)
     pos = resume_or_seed(spec, ctx, job, engine, resume)
     metrics_log = MetricsLog(out, pos.step) if ctx.is_main else None
     trackers = open_trackers(spec, pos.step, ctx.is_main)
@@ -688,7 +447,7 @@ def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
             grad_norm, scale_before = optimizer_step(engine, spec.optim.max_grad_norm)
 
             # One small all-reduce for logging; then the only host reads of the step.
-            loss, stats = step_values(job, all_reduce_sum(sums, world), window)
+            loss, stats = job.objective.step_values(all_reduce_sum(sums, world), window.denominator)
             skipped = scale_before is not None and job.scaler.get_scale() < scale_before
             norm = float(grad_norm.item())
             stop_if_not_finite(spec, step + 1, loss, norm, skipped)
@@ -698,23 +457,8 @@ def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
             run_tokens, run_step_s = run_tokens + n_inputs, run_step_s + dt
             done = step + 1
             evaluated = bool(spec.run.eval_every and done % spec.run.eval_every == 0) or done == job.steps
-            if evaluated:
-                if job.data.sources:  # a mixture: per source, and the whole from the same sums
-                    pos.eval_loss, pos.eval_stats = held_out_by_source(engine, job, spec, ctx)
-                elif job.objective.is_preference:
-                    pos.eval_loss, pos.eval_stats = held_out_pairs(
-                        engine, job, rank, world, spec.batch.micro_batch_size
-                    )
-                else:
-                    pos.eval_loss = held_out_loss(
-                        engine,
-                        cast(TokenizedSplit, job.data.eval),
-                        rank,
-                        world,
-                        spec.batch.micro_batch_size,
-                        job.tokenizer.pad_token_id,
-                        layout_args(spec, device),
-                    )
+            if evaluated:  # a mixture: also per source, from the same sums
+                pos.eval_loss, pos.eval_stats = job.objective.held_out(engine, job, spec, ctx)
                 stopper.judge(done, pos.eval_loss, lambda: fsdp.full_adapter(job.model), out, ctx.is_main)
             peak, peak_kind = peak_memory_bytes(device)
             last = {
@@ -784,7 +528,7 @@ def announce(spec: JobSpec, ctx: Context, job: Job, pos: Position) -> None:
         world_size=ctx.world_size,
         checkpoint=pos.source,
     )
-    unit = f" {job.objective.name.upper()} pairs" if job.objective.is_preference else ""
+    unit = job.objective.unit
     log.warning(
         "job %s: %d steps, global batch %d%s = %d%s workers x %d accumulation x %d micro; lr %.3g (base "
         "%.3g x %s scaling %.3g at reference batch %d); precision %s; gradient checkpointing %s; "
@@ -877,16 +621,7 @@ def write_outputs(
     job.tokenizer.save_pretrained(adapter_dir)
     if spec.model.name == "tiny-llama":
         _save_tiny_base(spec, out / "base", adapter_dir)
-    if job.objective.is_preference:
-        plot_loss(
-            out,
-            records,
-            f"{spec.name}: {spec.batch.global_batch_size} pairs/step, accum {spec.grad_accum_steps}",
-            ylabel=f"{spec.objective.name} loss (mean per pair)",
-            train_label="train loss (mean over pairs)",
-        )
-    else:
-        plot_loss(out, records, f"{spec.name}: {spec.batch.global_batch_size} seq/step, accum {spec.grad_accum_steps}")
+    plot_loss(out, records, **job.objective.plot_labels(spec))
     final = last or (records[-1] if records else {})  # a rerun of a finished job trains no step
     summary = {
         "name": spec.name,

@@ -230,7 +230,7 @@ def skip_packed_sequence_detection() -> None:
     at the start of every micro-step's forward, so the CPU stops queueing work until the device has
     drained everything before it. rayft knows the answer without looking: its unpacked rows hold one
     sequence (HF's default position ids, never packed), its packed rows come with their own 4D mask
-    (`jobs.loop.packed_attention_mask`), with which transformers never asks, and its generation
+    (`jobs.objectives.sft.packed_attention_mask`), with which transformers never asks, and its generation
     passes a 2D mask. So every answer is the same and the sync is gone (`tests/test_host_sync.py`).
 
     Installed by `load_base_model`, before any forward of a model rayft loads; installing again
@@ -445,12 +445,12 @@ def starting_adapter_config(spec: JobSpec) -> dict:
 
 def start_from_adapter(model, spec: JobSpec):
     """The base with `model.adapter` loaded as the trainable adapter (PEFT's `default`); for DPO
-    and IPO also a second, frozen copy of it named `jobs.preference.REFERENCE_ADAPTER`, the
+    and IPO also a second, frozen copy of it named `jobs.objectives.preference.REFERENCE_ADAPTER`, the
     reference those objectives compare against (the starting policy): the base is held once,
     the adapter weights twice."""
     from peft import PeftModel
 
-    from .preference import REFERENCE_ADAPTER
+    from .objectives.preference import REFERENCE_ADAPTER
 
     starting_adapter_config(spec)
     assert spec.model.adapter is not None  # checked by starting_adapter_config

@@ -21,13 +21,15 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -595,64 +597,142 @@ class RunSpec(_Section):
         return self
 
 
-# The keys each objective reads; a key set for an objective that does not read it is refused.
-OBJECTIVE_KEYS = {
-    "sft": (),
-    "dpo": ("beta", "label_smoothing", "rpo_alpha", "reference"),
-    "ipo": ("beta", "reference"),
-    "simpo": ("beta", "simpo_gamma"),
-    "orpo": ("beta",),
-}
-OBJECTIVE_DEFAULTS = {
-    "beta": 0.1,
-    "simpo_gamma": 0.5,
-    "label_smoothing": 0.0,
-    "rpo_alpha": 0.0,
-    "reference": "adapter_off",
-}
+# A preference objective's beta: positive, and bounded (beta x a log-prob difference is a logit).
+Beta = Annotated[float, Field(gt=0, le=1000)]
 
 
-class ObjectiveSpec(_Section):
-    name: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = "sft"
-    """`sft`: next-token loss on the labelled tokens. Preference objectives on `{prompt, chosen,
-    rejected}` pairs (`batch.*` then counts pairs): `dpo`, `ipo` (against a reference), `simpo`,
-    `orpo` (reference-free). Formulas in docs/training.md."""
-    beta: float | None = Field(None, gt=0, le=1000)
-    """DPO/IPO/SimPO: the inverse temperature of the reward; ORPO: the weight (the paper's lambda) of
-    the odds-ratio term. Default 0.1."""
-    simpo_gamma: float | None = Field(None, ge=0, le=1000)
-    """SimPO only: the target reward margin gamma. Default 0.5."""
-    label_smoothing: float | None = Field(None, ge=0, lt=0.5)
-    """DPO only: the assumed probability that a pair's preference label is flipped (cDPO). Default 0."""
-    rpo_alpha: float | None = Field(None, ge=0, le=1000)
-    """DPO only: the weight of the chosen response's per-token NLL added to each pair's loss (RPO,
-    Pang et al. 2024; TRL's `rpo_alpha`). It keeps the chosen response likely while the margin
-    grows (plain DPO lowers both). Default 0 (plain DPO)."""
-    reference: Literal["adapter_off", "precomputed"] | None = None
-    """DPO/IPO only: `adapter_off` runs the reference forward in every step (the base with the
-    adapter off, or the frozen starting adapter `model.adapter`), no extra weights held;
-    `precomputed` computes the reference log-probabilities once, stores them beside the data
-    cache, and skips that forward. Default `adapter_off`."""
+class _ObjectiveSection(_Section):
+    """What every objective's spec class shares. Each one lists its own settings, with their
+    defaults and documentation, once: the loop's objective (`jobs.objectives`), the resume key
+    (`jobs.checkpoint.resume_key`) and the JSON schema read them from here."""
 
-    @model_validator(mode="after")
-    def _keys_apply(self) -> ObjectiveSpec:
-        reads = OBJECTIVE_KEYS[self.name]
-        for key in OBJECTIVE_DEFAULTS:
-            if getattr(self, key) is not None and key not in reads:
-                takes = ", ".join(reads) or "no other key"
-                raise ValueError(f"{key} does not apply to objective.name={self.name} (it takes {takes})")
-        return self
+    records: ClassVar[str] = "sft"
+    """The kind of record it trains on: `jobs.data.records`' SFT ("sft") or PAIRS ("pairs")."""
+    resume_free: ClassVar[tuple[str, ...]] = ()
+    """Settings that change how a step is computed, not what: a resume may change them."""
 
-    def value(self, key: str):
-        """`key` as the objective uses it: the value set, else its default; None where it does not apply."""
-        if key not in OBJECTIVE_KEYS[self.name]:
-            return None
-        v = getattr(self, key)
-        return OBJECTIVE_DEFAULTS[key] if v is None else v
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_apply(cls, data: Any) -> Any:
+        """A key another objective takes is refused naming the keys this one takes (an unknown
+        key is refused by `extra="forbid"`)."""
+        if isinstance(data, dict):
+            taken = {k for c in OBJECTIVE_CLASSES for k in c.model_fields}
+            for key in data:
+                if key not in cls.model_fields and key in taken:
+                    takes = ", ".join(k for k in cls.model_fields if k != "name") or "no other key"
+                    name = cls.model_fields["name"].default
+                    raise ValueError(f"{key} does not apply to objective.name={name} (it takes {takes})")
+        return data
+
+    def value(self, key: str) -> Any:
+        """`key` as the objective trains with it; None where this objective does not take it."""
+        return getattr(self, key) if key in type(self).model_fields else None
 
     @property
     def is_preference(self) -> bool:
-        return self.name != "sft"
+        """It trains on preference pairs (`batch.*` counts pairs)."""
+        return self.records == "pairs"
+
+    def memory_terms(self, adapter: bool) -> dict:
+        """What it changes in the memory estimate (`jobs.memory.spec_estimate.spec_objective`):
+        a micro-batch of pairs is two rows each; a reference forward (`reference: adapter_off`),
+        with `model.adapter` (`adapter`) against the starting adapter held frozen a second time."""
+        reference = self.value("reference")
+        return {
+            "pairs": self.is_preference,
+            "reference": reference,
+            "reference_adapter": adapter and reference == "adapter_off",
+        }
+
+
+class SFTObjective(_ObjectiveSection):
+    name: Literal["sft"] = "sft"
+    """`sft` (the default): next-token loss on the labelled tokens, a mean over the label tokens of
+    the global batch. The other names train on `{prompt, chosen, rejected}` pairs (`batch.*` then
+    counts pairs): `dpo`, `ipo` (against a reference), `simpo`, `orpo` (reference-free). Formulas
+    in docs/training.md."""
+
+
+class _PairObjective(_ObjectiveSection):
+    records: ClassVar[str] = "pairs"
+
+
+class DPOObjective(_PairObjective):
+    name: Literal["dpo"] = "dpo"
+    """`dpo`: Direct Preference Optimization (Rafailov et al. 2023) on pairs, against a reference."""
+    beta: Beta = 0.1
+    """The inverse temperature of the implicit reward."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """The assumed probability that a pair's preference label is flipped (cDPO)."""
+    rpo_alpha: float = Field(0.0, ge=0, le=1000)
+    """The weight of the chosen response's per-token NLL added to each pair's loss (RPO, Pang et al.
+    2024; TRL's `rpo_alpha`). It keeps the chosen response likely while the margin grows (plain DPO
+    lowers both). 0: plain DPO."""
+    reference: Literal["adapter_off", "precomputed"] = "adapter_off"
+    """`adapter_off` runs the reference forward in every step (the base with the adapter off, or the
+    frozen starting adapter `model.adapter`), no extra weights held; `precomputed` computes the
+    reference log-probabilities once, stores them beside the data cache, and skips that forward."""
+    resume_free: ClassVar[tuple[str, ...]] = ("reference",)
+
+
+class IPOObjective(_PairObjective):
+    name: Literal["ipo"] = "ipo"
+    """`ipo`: Identity Preference Optimization (Azar et al. 2023) on pairs, against a reference."""
+    beta: Beta = 0.1
+    """The regularization strength: the target log-ratio margin is 1 / (2 beta)."""
+    reference: Literal["adapter_off", "precomputed"] = "adapter_off"
+    """As DPO's: `adapter_off` (a reference forward in every step) or `precomputed` (once, stored
+    beside the data cache)."""
+    resume_free: ClassVar[tuple[str, ...]] = ("reference",)
+
+
+class SimPOObjective(_PairObjective):
+    name: Literal["simpo"] = "simpo"
+    """`simpo`: Simple Preference Optimization (Meng et al. 2024): length-normalized, no reference."""
+    beta: Beta = 0.1
+    """The scale of the length-normalized reward."""
+    simpo_gamma: float = Field(0.5, ge=0, le=1000)
+    """The target reward margin gamma."""
+
+
+class ORPOObjective(_PairObjective):
+    name: Literal["orpo"] = "orpo"
+    """`orpo`: Odds Ratio Preference Optimization (Hong et al. 2024): the chosen response's NLL plus
+    an odds-ratio term, no reference."""
+    beta: Beta = 0.1
+    """The weight (the paper's lambda) of the odds-ratio term."""
+
+
+OBJECTIVE_CLASSES: tuple[type[_ObjectiveSection], ...] = (
+    SFTObjective,
+    DPOObjective,
+    IPOObjective,
+    SimPOObjective,
+    ORPOObjective,
+)
+
+# Each objective's spec class by its `objective.name`, in the order the classes are listed.
+OBJECTIVE_BY_NAME: dict[str, type[_ObjectiveSection]] = {c.model_fields["name"].default: c for c in OBJECTIVE_CLASSES}
+OBJECTIVE_NAMES = tuple(OBJECTIVE_BY_NAME)
+
+
+def _objective_tag(v: Any) -> str:
+    """The objective union's tag: the section's `name`, `sft` where it gives none (or is no mapping:
+    SFT's class then refuses it)."""
+    name = v.get("name", "sft") if isinstance(v, dict) else getattr(v, "name", "sft")
+    return name if isinstance(name, str) else repr(name)
+
+
+# A union tagged by `_objective_tag` rather than by the field: every section's `name` goes through
+# the before-validators (no booleans for numbers), which pydantic's field discriminator refuses.
+if TYPE_CHECKING:
+    ObjectiveSpec = SFTObjective | DPOObjective | IPOObjective | SimPOObjective | ORPOObjective
+else:
+    ObjectiveSpec = Annotated[
+        Union[tuple(Annotated[c, Tag(name)] for name, c in OBJECTIVE_BY_NAME.items())],  # noqa: UP007
+        Discriminator(_objective_tag),
+    ]
 
 
 class JobSpec(BaseModel):
@@ -674,8 +754,9 @@ class JobSpec(BaseModel):
     memory: MemorySpec = Field(default_factory=MemorySpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     run: RunSpec = Field(default_factory=RunSpec)
-    objective: ObjectiveSpec = Field(default_factory=ObjectiveSpec)
-    """The training objective: SFT (default) or a preference objective on chosen/rejected pairs."""
+    objective: ObjectiveSpec = Field(default_factory=SFTObjective)
+    """The training objective, chosen by `objective.name`: SFT (default) or a preference objective
+    on chosen/rejected pairs; each takes only its own keys."""
 
     @model_validator(mode="before")
     @classmethod
@@ -849,11 +930,24 @@ def compute_precision(precision: str, device_kind: str) -> str:
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SHOWN_INPUT_CHARS = 80
+# Error types whose message already says what was given.
+_SHOWN_ELSEWHERE = ("value_error", "union_tag_invalid")
 
 
 def _loc(loc: tuple) -> str:
     parts = [str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-after"))]
+    # Within the objective union pydantic puts the tag in the path (objective.dpo.beta): drop it.
+    parts = [p for i, p in enumerate(parts) if not (i and parts[i - 1] == "objective" and p in OBJECTIVE_NAMES)]
     return one_line(".".join(parts)) or "<spec>"
+
+
+def _tag_problem(e: Any) -> tuple[str, str]:
+    """(path, reason) of a union tag that names no member: the path of the tag itself, as a
+    `Literal` field's refusal reads."""
+    tags = [t.strip() for t in e["ctx"]["expected_tags"].split(",")]
+    expected = ", ".join(tags[:-1]) + f" or {tags[-1]}" if len(tags) > 1 else tags[0]
+    got = e["input"].get("name") if isinstance(e["input"], dict) else e["input"]
+    return f"{_loc(e['loc'])}.name", f"Input should be {expected} (got {_shown_input(got)})"
 
 
 def _shown_input(value: Any) -> str:
@@ -866,15 +960,14 @@ def format_validation_error(err: ValidationError, where: str) -> str:
     any credential in them cut to its first characters."""
     msgs = []
     for e in err.errors():
-        loc = _loc(e["loc"])
-        msg = e["msg"]
+        loc, msg = _tag_problem(e) if e["type"] == "union_tag_invalid" else (_loc(e["loc"]), e["msg"])
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif e["type"] == "missing":
             msg = "required key is missing"
-        elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], (dict, list)):
+        elif "input" in e and e["type"] not in _SHOWN_ELSEWHERE and not isinstance(e["input"], (dict, list)):
             msg = f"{msg} (got {_shown_input(e['input'])})"
         msgs.append(f"{loc}: {msg}" if loc != "<spec>" else msg)
     return one_line(secrets.redact(f"{where}: " + "; ".join(msgs)))

@@ -2,7 +2,7 @@
 `patience` evaluations without an improvement larger than `min_delta`, and ends with the best
 step's adapter as `adapter/` (summary.json `best_step`), also across a crash and resume.
 
-The eval losses are scripted (`jobs.loop.held_out_loss` replaced), so which step is best is
+The eval losses are scripted (`SFT.held_out`, the objective's held-out evaluation, replaced), so which step is best is
 known; the adapter of that step is the one an uninterrupted run of exactly that many steps ends
 with (training does not depend on the evaluation)."""
 
@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from jobs import loop as jobs_loop
 from jobs.context import LocalContext
 from jobs.errors import SpecError
+from jobs.objectives import SFT
 from jobs.outputs import read_metrics
 from jobs.spec import absolutize, load_spec
 
@@ -46,9 +47,9 @@ def _script(monkeypatch, losses: list, crash_at_call: int = 0):
         calls.append(1)
         if crash_at_call and len(calls) == crash_at_call:
             raise RuntimeError("crash (test)")
-        return losses.pop(0)
+        return losses.pop(0), {}
 
-    monkeypatch.setattr(jobs_loop, "held_out_loss", fake)
+    monkeypatch.setattr(SFT, "held_out", fake)
 
 
 def _adapter(out: Path) -> dict:

@@ -28,11 +28,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from jobs import loop as jobs_loop
 from jobs import memory
 from jobs.loop import CausalLMLoss
 from jobs.memory import estimate
 from jobs.model import compile_layers, keep_lora_inputs_in_compute_dtype
+from jobs.objectives import sft as jobs_sft
 from jobs.spec import DEFAULT_TARGET_MODULES
 
 TOL = 0.10
@@ -204,7 +204,7 @@ class _BaseModelLoss(CausalLMLoss):
         lm = self._causal_lm()
         hidden = lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
         h = hidden.flatten(0, 1).index_select(0, label_pos)
-        return jobs_loop._head_loss(lm.get_output_embeddings(), h, label_ids)
+        return jobs_sft._head_loss(lm.get_output_embeddings(), h, label_ids)
 
 
 def loss_module(model, case: Case):
@@ -502,13 +502,13 @@ def test_micro_batch_scales_activations_and_logits_linearly():
 
 
 def preference_loss(model, case: Case, name: str, reference_adapter=None):
-    """`jobs.preference.PreferenceLoss` for `name` with the spec's defaults."""
+    """`jobs.objectives.preference.PreferenceLoss` for `name` with the spec's defaults."""
     from jobs.objectives import Objective
-    from jobs.preference import PreferenceLoss
-    from jobs.spec import OBJECTIVE_DEFAULTS, OBJECTIVE_KEYS
+    from jobs.objectives.preference import PreferenceLoss
+    from jobs.spec import OBJECTIVE_BY_NAME
 
-    keys = {k: OBJECTIVE_DEFAULTS[k] for k in OBJECTIVE_KEYS[name] if k != "reference"}
-    return PreferenceLoss(model, Objective(name, **keys), chunk_tokens=case.chunk, reference_adapter=reference_adapter)
+    keys = OBJECTIVE_BY_NAME[name]().model_dump(exclude={"reference"})
+    return PreferenceLoss(model, Objective(**keys), chunk_tokens=case.chunk, reference_adapter=reference_adapter)
 
 
 def pair_loss(case: Case, name: str):
@@ -526,10 +526,10 @@ def pair_loss(case: Case, name: str):
 
 
 def with_reference_adapter(model, case: Case):
-    """A second, frozen fp32 LoRA adapter named as `jobs.preference` names the starting adapter."""
+    """A second, frozen fp32 LoRA adapter named as `jobs.objectives.preference` names the starting adapter."""
     from peft import LoraConfig
 
-    from jobs.preference import REFERENCE_ADAPTER
+    from jobs.objectives.preference import REFERENCE_ADAPTER
 
     model.add_adapter(
         REFERENCE_ADAPTER,

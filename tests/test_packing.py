@@ -183,7 +183,7 @@ def test_packing_is_refused_for_sliding_window_models_before_anything_starts(tmp
 
 def test_flex_attention_packed_rows_see_what_the_float_bias_lets_them_see():
     """`model.attn_implementation: flex_attention` packs with a BlockMask built from the sequence
-    slots (`jobs.loop.packed_block_mask`) instead of the float bias. Its backward runs on a GPU
+    slots (`jobs.objectives.sft.packed_block_mask`) instead of the float bias. Its backward runs on a GPU
     only (tests/test_gpu.py trains with it); here the forward: the packed loss through FlexAttention
     equals the packed loss through SDPA's bias and the padded loss, and a BlockMask that lets the
     sequences of a row see each other (plain causal over the row) does not."""

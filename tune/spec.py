@@ -25,25 +25,17 @@ Two modes:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from jobs.errors import SpecError
-from jobs.spec import JobSpec, ObjectiveSpec, SpecSection, apply_overrides, check_files, read_yaml, validate
+from jobs.spec import Beta, JobSpec, SpecSection, apply_overrides, check_files, read_yaml, validate
 
 Rule = Literal["none", "linear", "sqrt"]
 Metric = Literal["eval_loss", "eval_rewards/accuracies"]
 # How trials compare on each metric: the lowest eval loss wins, the highest preference accuracy.
 METRIC_MODES = {"eval_loss": "min", "eval_rewards/accuracies": "max"}
-# A searched beta obeys objective.beta's own bounds (they live on ObjectiveSpec): `Annotated[float, *bounds]`.
-# Python 3.10 has no unpacking inside a subscript, so the arguments are a tuple built first; the type checker
-# cannot follow a computed Annotated and sees what it means statically, a float.
-if TYPE_CHECKING:
-    Beta = float
-else:
-    _BETA_ARGS = (float, *ObjectiveSpec.model_fields["beta"].metadata)
-    Beta = Annotated[_BETA_ARGS]
 
 
 class _Section(SpecSection):
@@ -103,7 +95,7 @@ class SearchSection(_Section):
     the trial function plus its workers' CPUs (and GPUs)."""
     seed: int | None = None
     """Seed of the learning-rate sampler; default `run.seed`."""
-    beta: list[Beta] | None = None
+    beta: list[Beta] | None = None  # each within objective.beta's own bounds (`jobs.spec.Beta`)
     """Preference objectives with a beta (dpo, ipo, simpo, orpo) only: `objective.beta` values to try, a grid
     dimension beside accumulation and the lr rule (default: the base job's `objective.beta`). More than
     one needs `search.metric: eval_rewards/accuracies` (eval losses at different beta are not comparable)."""

@@ -131,8 +131,11 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 def data_kind(spec: JobSpec) -> str:
-    """`PAIRS` for a preference objective (its records are pairs, its samples `Pair`s), else `SFT`."""
-    return PAIRS if spec.objective.is_preference else SFT
+    """The kind of record the objective trains on (its spec class says): `PAIRS` for a preference
+    objective (its samples are `Pair`s), else `SFT`."""
+    kind = spec.objective.records
+    assert kind in (SFT, PAIRS)
+    return kind
 
 
 def cache_key(spec: JobSpec, tokenizer) -> str:

@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 
 from ..errors import SpecError
-from ..spec import OBJECTIVE_KEYS, JobSpec, one_line, path_problem
+from ..spec import OBJECTIVE_BY_NAME, JobSpec, one_line, path_problem
 from .records import (
     MESSAGES,
     PAIR,
@@ -73,7 +73,7 @@ def read_jsonl(
     return records
 
 
-PREFERENCE_NAMES = "|".join(name for name in OBJECTIVE_KEYS if name != "sft")
+PREFERENCE_NAMES = "|".join(name for name, c in OBJECTIVE_BY_NAME.items() if c.records == PAIRS)
 _DESCRIBED = {
     PAIR: "a pair",
     MESSAGES: 'a chat ("messages") record',

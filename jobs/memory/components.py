@@ -9,7 +9,7 @@ The loss head (`CausalLMLoss`): [T, vocab] logits in the compute dtype, their fp
 saved log-softmax, and in backward its gradient and the input gradient: the transient peak is
 12 bytes x T x vocab at the log-softmax backward.
 
-Preference objectives (`jobs.preference.PreferenceLoss`): a micro-batch of m pairs is 2m rows
+Preference objectives (`jobs.objectives.preference.PreferenceLoss`): a micro-batch of m pairs is 2m rows
 (chosen and rejected, one forward), and the head keeps per-token log-probabilities over the label
 tokens, as the SFT head does. DPO and IPO with `reference: adapter_off` first run the reference
 forward (no grad, eval mode: nothing saved) before the policy's: a third transient, and the only
@@ -217,7 +217,7 @@ def estimate(
 
     `compiled` (`model.compile`): the decoder layers run through torch.compile, which keeps less
     for backward (`replay.Walk`), and an SFT loss head off FSDP runs compiled too
-    (`jobs.loop.compiled_head_loss`): its logits stay in the compute dtype (`_loss_head`).
+    (`jobs.objectives.sft.compiled_head_loss`): its logits stay in the compute dtype (`_loss_head`).
     `compiled_head` overrides that last rule (the H200 rows of compiled layers with an eager head).
     """
     _check_arguments(

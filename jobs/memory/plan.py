@@ -142,7 +142,7 @@ def estimate_for_spec(
     The sequence length is `data.max_seq_len - 1`, the longest input `jobs.data` produces
     (the last token is only a label), and every position is assumed to carry a label: an
     upper bound for ragged data. With `data.packing`, `micro_batch_size` full packed rows of
-    `data.max_seq_len` tokens (rounded up to 16 on GPU, as `jobs.loop.layout_args` aligns
+    `data.max_seq_len` tokens (rounded up to 16 on GPU, as `jobs.objectives.sft.layout_args` aligns
     them): an upper bound for packed micro-batches and for the unpacked ones packing leaves.
     `gradient_checkpointing=None` means "as planned": the checkpointing `plan_for_spec` chooses
     (without a GPU's memory: only `memory.budget_gib` counts). `strategy` and

@@ -82,9 +82,9 @@ class Walk:
         self.cos = self.new(rows * seq * (shape.rotary_dims or shape.head_dim) * act_bytes, False)
         self.sin = self.new(self.cos.nbytes, False)
         self.position_ids = self.new(rows * seq * INDEX_BYTES, False)
-        # Packed rows: `jobs.loop.packed_attention_mask`, one [B, 1, S, S] float bias in the
+        # Packed rows: `jobs.objectives.sft.packed_attention_mask`, one [B, 1, S, S] float bias in the
         # compute dtype that every layer's attention uses (and SDPA saves) as is.
-        # FlexAttention's `BlockMask` instead (`jobs.loop.packed_block_mask`): a few KiB, not counted.
+        # FlexAttention's `BlockMask` instead (`jobs.objectives.sft.packed_block_mask`): a few KiB, not counted.
         self.packed = packed
         self.bias = self.new(batch * seq * seq * act_bytes, False) if packed and attn != "flex_attention" else None
 

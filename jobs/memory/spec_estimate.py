@@ -39,15 +39,11 @@ def spec_grad_accum_steps(spec, micro_batch_size: int) -> int:
 
 
 def spec_objective(spec) -> dict:
-    """What the objective changes in the estimate: a preference objective's micro-batch counts pairs
-    (two rows each); DPO and IPO with `reference: adapter_off` run a reference forward, which with
-    `model.adapter` is the starting adapter held frozen a second time (`jobs.preference`)."""
-    reference = spec.objective.value("reference")
-    return {
-        "pairs": spec.objective.is_preference,
-        "reference": reference,
-        "reference_adapter": bool(spec.model.adapter) and reference == "adapter_off",
-    }
+    """What the objective changes in the estimate, as its spec class says (`memory_terms`): a
+    preference objective's micro-batch counts pairs (two rows each); DPO and IPO with `reference:
+    adapter_off` run a reference forward, which with `model.adapter` is the starting adapter held
+    frozen a second time."""
+    return spec.objective.memory_terms(bool(spec.model.adapter))
 
 
 def estimate_of_spec(

@@ -1,5 +1,6 @@
-"""Preference objectives: the per-pair loss of DPO, IPO, SimPO and ORPO, and the reward metrics
-TRL reports, as pure functions of per-sequence log-probabilities.
+"""The preference objectives' per-pair loss (DPO, IPO, SimPO, ORPO) and the reward metrics TRL
+reports, as pure functions of per-sequence log-probabilities (`jobs.objectives.preference` is the
+objective around them).
 
 For pair i (prompt x, chosen y_w, rejected y_l) the loop provides, as [P] tensors:
 
@@ -36,13 +37,11 @@ beta a_w for SimPO/ORPO (likewise rejected); `rewards/margins` = chosen - reject
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-PREFERENCE = ("dpo", "ipo", "simpo", "orpo")
-WITH_REFERENCE = ("dpo", "ipo")
 # The per-pair statistics summed over a window (then divided by its pair count): TRL's metric
 # names, plus the objective's own terms.
 STATS = (
@@ -56,48 +55,26 @@ STATS = (
 ORPO_STATS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
-@dataclass(frozen=True)
-class Objective:
-    """The resolved `objective` section: defaults applied (`jobs.spec.OBJECTIVE_DEFAULTS`), and
-    the keys an objective does not read are None."""
-
-    name: str = "sft"
-    beta: float | None = None
-    simpo_gamma: float | None = None
-    label_smoothing: float | None = None
-    reference: str | None = None  # "adapter_off" | "precomputed" for DPO/IPO, else None
-    rpo_alpha: float | None = None  # DPO only: the weight of the chosen NLL (0: plain DPO)
-
-    @classmethod
-    def of(cls, spec) -> Objective:
-        o = spec.objective
-        return cls(
-            o.name,
-            o.value("beta"),
-            o.value("simpo_gamma"),
-            o.value("label_smoothing"),
-            o.value("reference"),
-            o.value("rpo_alpha"),
-        )
+class PairSettings(Protocol):
+    """What the losses read of a preference objective (`jobs.objectives.preference.PairObjective`):
+    its resolved settings, None where it does not take one."""
 
     @property
-    def is_preference(self) -> bool:
-        return self.name in PREFERENCE
-
+    def name(self) -> str: ...
     @property
-    def needs_reference(self) -> bool:
-        return self.name in WITH_REFERENCE
-
+    def beta(self) -> float | None: ...
     @property
-    def with_nll(self) -> bool:
-        """DPO with an NLL term on the chosen response (RPO)."""
-        return self.name == "dpo" and bool(self.rpo_alpha)
-
+    def simpo_gamma(self) -> float | None: ...
     @property
-    def stat_names(self) -> tuple[str, ...]:
-        if self.name == "orpo":
-            return STATS + ORPO_STATS
-        return STATS + (("nll_loss",) if self.with_nll else ())
+    def label_smoothing(self) -> float | None: ...
+    @property
+    def rpo_alpha(self) -> float | None: ...
+    @property
+    def needs_reference(self) -> bool: ...
+    @property
+    def with_nll(self) -> bool: ...
+    @property
+    def stat_names(self) -> tuple[str, ...]: ...
 
 
 def log1m_exp(a: torch.Tensor) -> torch.Tensor:
@@ -107,7 +84,7 @@ def log1m_exp(a: torch.Tensor) -> torch.Tensor:
 
 
 def pair_losses(
-    obj: Objective,
+    obj: PairSettings,
     pi_w: torch.Tensor,
     pi_l: torch.Tensor,
     n_w: torch.Tensor,
@@ -161,7 +138,7 @@ def pair_losses(
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
-def summed_stats(obj: Objective, stats: dict[str, torch.Tensor]) -> torch.Tensor:
+def summed_stats(obj: PairSettings, stats: dict[str, torch.Tensor]) -> torch.Tensor:
     """The per-pair statistics summed over the pairs, as one float64 vector in `obj.stat_names`
     order (accumulated over a window's micro-batches, then all-reduced once with the loss)."""
     return torch.stack([stats[k].double().sum() for k in obj.stat_names])

@@ -1,0 +1,65 @@
+"""The `objective` section is a union tagged by `objective.name`: one class per objective, each
+with only its own keys (with their defaults and documentation), which `rayft spec schema` shows;
+the resume key holds exactly the settings of the objective a run trains with."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs import checkpoint as ckpt
+from jobs.spec import json_schema, load_spec
+
+DEMO = "examples/tiny-lora.yaml"
+# Written out here, not read from jobs.spec: what each objective takes, and its defaults.
+KEYS = {
+    "SFTObjective": {"name": "sft"},
+    "DPOObjective": {"name": "dpo", "beta": 0.1, "label_smoothing": 0.0, "rpo_alpha": 0.0, "reference": "adapter_off"},
+    "IPOObjective": {"name": "ipo", "beta": 0.1, "reference": "adapter_off"},
+    "SimPOObjective": {"name": "simpo", "beta": 0.1, "simpo_gamma": 0.5},
+    "ORPOObjective": {"name": "orpo", "beta": 0.1},
+}
+
+
+def test_each_objective_class_lists_exactly_its_keys_in_the_json_schema():
+    schema = json_schema()
+    members = [m["$ref"].rsplit("/", 1)[1] for m in schema["properties"]["objective"]["oneOf"]]
+    assert sorted(members) == sorted(KEYS)
+    for cls, keys in KEYS.items():
+        d = schema["$defs"][cls]
+        assert d["additionalProperties"] is False, cls
+        assert list(d["properties"]) == list(keys), cls
+        assert {k: p["default"] for k, p in d["properties"].items()} == keys, cls
+        assert all(p.get("description") for p in d["properties"].values()), cls
+
+
+@pytest.mark.parametrize("cls", sorted(KEYS))
+def test_the_spec_resolves_each_objective_to_its_defaults(cls):
+    name = KEYS[cls]["name"]
+    spec = load_spec(DEMO, [f"objective.name={name}"], files=False)
+    assert type(spec.objective).__name__ == cls and spec.objective.model_dump() == KEYS[cls]
+
+
+def test_the_resume_key_holds_the_objectives_settings_as_trained_but_the_reference_mode():
+    key = ckpt.resume_key(load_spec(DEMO, ["objective.name=dpo", "objective.rpo_alpha=1"], files=False))
+    got = {k: v for k, v in key.items() if k.startswith("objective.")}
+    assert got == {
+        "objective.name": "dpo",
+        "objective.beta": 0.1,
+        "objective.label_smoothing": 0.0,
+        "objective.rpo_alpha": 1.0,
+    }
+
+
+def test_a_checkpoint_that_stored_none_for_a_default_still_resumes_and_a_new_setting_is_compared():
+    """Checkpoints written before the objective classes stored None for a default (and for a key the
+    objective did not take) and had no `objective.rpo_alpha`: they resume the same run, and a run
+    that sets rpo_alpha (plain DPO trained before it) is refused."""
+    dpo = load_spec(DEMO, ["objective.name=dpo"], files=False)
+    old = {k: v for k, v in ckpt.resume_key(dpo).items() if k != "objective.rpo_alpha"}
+    old.update({"objective.beta": None, "objective.label_smoothing": None, "objective.simpo_gamma": None})
+    ckpt.check_resumable(old, dpo, "ckpt")
+    rpo = load_spec(DEMO, ["objective.name=dpo", "objective.rpo_alpha=1"], files=False)
+    with pytest.raises(Exception, match=r"objective.rpo_alpha: 0.0 -> 1.0"):
+        ckpt.check_resumable(old, rpo, "ckpt")
+    precomputed = load_spec(DEMO, ["objective.name=dpo", "objective.reference=precomputed"], files=False)
+    ckpt.check_resumable(old, precomputed, "ckpt")  # how the reference is computed, not what
