@@ -101,6 +101,24 @@ def init_ray(address: str | None, num_cpus: int, log_to_driver: bool = True) -> 
     # RAY_ADDRESS that API resolves the address from /tmp/ray/ray_current_cluster, i.e. the newest
     # `ray start` cluster on the machine -- not this one -- finds no controller, and removes the
     # placement group of a live run. The dashboard stays on: that state API is served by it.
+    for attempt in range(GCS_START_TRIES):
+        try:
+            _start_local(num_cpus, log_to_driver)
+            break
+        except RuntimeError as e:
+            # The port was free when picked and taken before the GCS bound it (another process on
+            # the machine starting at the same moment): pick again, a bounded number of times.
+            if "Failed to start GCS" not in str(e) or attempt == GCS_START_TRIES - 1:
+                raise
+            ray.shutdown()
+    _condense_worker_tracebacks()
+
+
+GCS_START_TRIES = 3
+
+
+def _start_local(num_cpus: int, log_to_driver: bool) -> None:
+    """Start a local cluster on 127.0.0.1 with its GCS on a free port of its own."""
     gcs_port = _free_port()
     os.environ["RAY_GCS_SERVER_PORT"] = str(gcs_port)
     try:
@@ -116,7 +134,6 @@ def init_ray(address: str | None, num_cpus: int, log_to_driver: bool = True) -> 
         )
     finally:
         os.environ.pop("RAY_GCS_SERVER_PORT", None)
-    _condense_worker_tracebacks()
 
 
 # Lines of Ray's own that are not about the run and that a user cannot act on, dropped from the

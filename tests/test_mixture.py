@@ -356,7 +356,7 @@ REFUSED = [
     ("weight-inf", _mix(A, dict(B, weight=float("inf"))), "data.mix.1.weight: Input should be a finite number"),
     ("weight-nan", _mix(A, dict(B, weight=float("nan"))), "data.mix.1.weight: Input should be a finite number"),
     ("weight-missing", _mix(A, {"path": B["path"]}), "data.mix.1.weight: required key is missing"),
-    ("weight-text", _mix(A, dict(B, weight="much")), "data.mix.1.weight: Input should be a valid number"),
+    ("weight-text", _mix(A, dict(B, weight="much")), "data.mix.1.weight: must be a number, not a string"),
     ("path-and-mix", _mix(A, B, path=A["path"]), "give data.path (one or more sources, concatenated) or data.mix"),
     ("listed-twice", _mix(A, B, dict(A, weight=3)), "data.mix.2.path: "),
     ("listed-twice-spelled-apart", _mix(A, dict(A, path=A["path"].replace("/data/", "/data/./"))), "listed twice"),
