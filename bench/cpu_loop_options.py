@@ -21,7 +21,7 @@ micro-batch 8, one process). Only the layout of each micro-batch changes:
   (the first repeat compiles; later ones in the same process reuse dynamo's compiled code, and
   inductor's on-disk cache may already be warm from an earlier process).
 
-Each variant is `jobs.loop.train(spec, LocalContext)`, timed as the interval between
+Each variant is `jobs.train.loop.train(spec, LocalContext)`, timed as the interval between
 consecutive `Context.progress` calls after the warmup steps (CPU time of the process, the
 headline on a shared machine, and wall). Variants alternate over `--repeats`
 (order reversed every other repeat). `collate_at` is wrapped to count the positions each layout
@@ -51,11 +51,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import jobs.loop as loop  # noqa: E402
 import jobs.objectives.sft as sft  # noqa: E402  (where the SFT objective collates)
-from jobs.context import LocalContext  # noqa: E402
+import jobs.train.loop as loop  # noqa: E402
 from jobs.data import collate_at  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
+from jobs.train.context import LocalContext  # noqa: E402
 
 VARIANTS = {  # name -> (group_by_length, packing, HF attention mask on padded batches, model.compile)
     "padded+mask": (False, False, True, False),

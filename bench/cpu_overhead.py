@@ -3,18 +3,18 @@
 Same process, same model (tiny-llama, LoRA r=16 on all seven linear layers, fp32, no
 checkpointing), same data (fixed-length synthetic text, so every micro-batch has the same
 shape), same split (global batch 32 = 8 accumulation steps x micro-batch 4), same loss
-(`jobs.loop.CausalLMLoss`, summed token loss scaled by 1 / label tokens of the window), same
+(`jobs.train.loop.CausalLMLoss`, summed token loss scaled by 1 / label tokens of the window), same
 optimizer (AdamW, constant lr, clipping at 1.0). The loops alternate over several repeats
 (rayft, plain, bare, then bare, plain, rayft, ...); the figure is the median seconds per
 optimizer step over all timed steps, and the ratio rayft / plain. Goal: <= 1.05.
 
 What each side includes, per optimizer step
 --------------------------------------------
-* rayft: `jobs.loop.train(spec, LocalContext)`, the real loop, timed as the interval between
+* rayft: `jobs.train.loop.train(spec, LocalContext)`, the real loop, timed as the interval between
   consecutive `Context.progress` calls (one per optimizer step, after the warmup steps). So one
   step is everything `train()` does per step: the lr schedule and setting it, the sampler
   (`GlobalBatches.index_array`), counting label/input tokens, `split_window`, `collate_at` of
-  every micro-batch (these on `jobs.prefetch.Prefetch`'s thread, one step ahead: CPU time counts
+  every micro-batch (these on `jobs.train.prefetch.Prefetch`'s thread, one step ahead: CPU time counts
   every thread of the process, so they are in the figure), the fault-injection hook,
   `train_window` (forward + backward of all micro-batches), `optimizer_step` (GradScaler calls,
   grad-norm clipping, AdamW, zero_grad), the step's single `.item()` of the loss and of the grad
@@ -60,11 +60,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jobs.context import LocalContext  # noqa: E402
 from jobs.data import GlobalBatches, collate_at, count_inputs, count_labels, load_dataset, split_window  # noqa: E402
-from jobs.loop import CausalLMLoss, train  # noqa: E402
-from jobs.model import add_lora, load_base_model  # noqa: E402
+from jobs.model.loading import add_lora, load_base_model  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
+from jobs.train.context import LocalContext  # noqa: E402
+from jobs.train.loop import CausalLMLoss, train  # noqa: E402
 
 GOAL = 1.05
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
         },
         "definitions": {
-            "rayft": "interval between consecutive Context.progress calls of jobs.loop.train (one per optimizer "
+            "rayft": "interval between consecutive Context.progress calls of jobs.train.loop.train (one per optimizer "
             "step): lr schedule, sampler, token counts, split, collate, fault hook, train_window, "
             "optimizer_step (scaler no-ops, clip_grad_norm_, AdamW, zero_grad), .item() of loss and grad "
             "norm, peak-memory read, metrics record + metrics.jsonl line (flushed), progress callback",

@@ -8,7 +8,7 @@ fresh process:
 - single_process: `load_dataset` building the entry (read, tokenize, write in one process);
 - blocks_in_process: what the Ray tasks compute (`_tokenize_block`: unpickle, tokenize, build
   the Arrow columns) and the driver's decoding, block after block in one process without Ray;
-- ray_1cpu, ray_2cpu: `jobs.prepare` on a local Ray with that many logical CPUs: `read_s` (the
+- ray_1cpu, ray_2cpu: `jobs.data.prepare` on a local Ray with that many logical CPUs: `read_s` (the
   driver's `read_records`), `ray_start_s`, `build_s` (tokenize on Ray + write on the driver,
   streamed), and within it `driver_write_s` (the time the driver spends in the entry's writers;
   the rest is waiting for tokenized blocks and decoding them). tokens/s = tokens / (read_s + build_s), Ray's
@@ -48,9 +48,9 @@ def entry_digest(cache: Path) -> dict[str, str]:
 
 def case(kind: str, data: str, cache: str, max_seq_len: int, num_cpus: int) -> dict:
     """One measurement, in this (fresh) process."""
-    from jobs import prepare as P
     from jobs.data import load_dataset
-    from jobs.model import byte_tokenizer
+    from jobs.data import prepare as P
+    from jobs.model.loading import byte_tokenizer
     from jobs.spec import load_spec
 
     tok = byte_tokenizer()

@@ -77,7 +77,7 @@ def spec_for(path: str, out: str, max_seq_len: int):
 def case(kind: str, path: str, out: str, max_seq_len: int) -> dict:
     """One measurement, in this (fresh) process."""
     from jobs import data as D
-    from jobs.model import byte_tokenizer
+    from jobs.model.loading import byte_tokenizer
 
     imports_s = time.perf_counter() - T_START
     tok = byte_tokenizer()

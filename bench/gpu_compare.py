@@ -17,11 +17,11 @@ What runs
   8B; `--warmup` 2 + `--steps` 20 timed optimizer steps per rayft row (the median, the mean and
   the coefficient of variation are reported), `--hf-steps` 8 per HF row. Budgets 40 and 80 GiB.
   The first H200 run (2026-12-04) timed 4 steps per row.
-* rayft: `jobs.loop.train(spec, LocalContext(use_gpu=True))`, the real loop, no Ray. Only the
+* rayft: `jobs.train.loop.train(spec, LocalContext(use_gpu=True))`, the real loop, no Ray. Only the
   base-model loader is replaced (random init on the device instead of `from_pretrained`).
   Its configuration is chosen with the memory model: for every micro-batch that divides the
   global batch and every `memory.loss_chunk_tokens` in {0, 4, 2, 1, 1/2 x seq},
-  `jobs.loop.memory_plan` (what `train()` itself runs, `gradient_checkpointing: auto`
+  `jobs.train.loop.memory_plan` (what `train()` itself runs, `gradient_checkpointing: auto`
   with `memory.budget_gib` = the budget) gives the checkpointing it would use and its estimate;
   among those whose estimate fits, the one with the least predicted time per token wins:
   (model FLOPs + recomputed FLOPs) / eff, recomputed = forward of the checkpointed layers +
@@ -50,7 +50,7 @@ What runs
   (`rayft-qlora`) per `--qlora-shapes` shape (default `llama-8b`; dry run `tiny`) at the first
   budget: the same loop with `model.quantization: nf4` (bitsandbytes 4-bit NormalFloat, double
   quantization, bf16 compute), so its base is *loaded* the way a job loads one (random-init
-  bf16 weights written once to a temporary directory, then `jobs.model.load_base_model`
+  bf16 weights written once to a temporary directory, then `jobs.model.loading.load_base_model`
   quantizes them onto the GPU as they load); its configuration is chosen as for the plain row,
   with the quantized memory estimate. The row has tok/s, `peak_alloc_gib` and the estimate
   beside it (`estimate_gib`, `estimate_rel_err`); `qlora_tok_s` in the comparison. It needs
@@ -102,7 +102,7 @@ model_tflops = tok_s x FLOPs/token / 1e12, also as a fraction of the measured bf
 
 Needs torch, transformers, peft, accelerate and rayft's `jobs` package (pydantic, pyyaml) --
 not Ray. The GPU machine has no pydantic, bitsandbytes or liger-kernel and an older
-transformers (5.17, whose `gradient_checkpointing_enable` path in `jobs.model` loses
+transformers (5.17, whose `gradient_checkpointing_enable` path in `jobs.model.loading` loses
 `every_n_layers`): `bash bench/fetch_gpu_wheels.sh` fetches the wheels into .whl/ (git-ignored,
 about 60 MB) and bench/gpu_all.sh installs them with `pip --target` first. Run:
 
@@ -147,6 +147,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.shapes import SHAPES  # noqa: E402  (one table for both GPU scripts)
 
 GIB = 1024**3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -204,26 +206,6 @@ def liger_patched(model=None, fused_linear_cross_entropy: bool = False):
         modeling_llama.LlamaForCausalLM.forward = saved_forward
 
 
-SHAPES = {
-    "llama-1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-    ),
-    "llama-8b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-    ),
-}
 GLOBAL_BATCH = {"llama-1b": 32, "llama-8b": 16}
 TINY_SHAPES = {
     "tiny": dict(
@@ -484,7 +466,7 @@ class Workload:
 
 def weights_dir(w: Workload) -> Path:
     """A directory with the shape's random-init weights (bf16 on GPU) and the id tokenizer,
-    written once per shape: a QLoRA row loads its base from it through `jobs.model`, which
+    written once per shape: a QLoRA row loads its base from it through `jobs.model.loading`, which
     quantizes while loading (transformers quantizes in `from_pretrained` only)."""
     out = w.workdir / f"weights-{w.shape}"
     if not (out / "config.json").is_file():
@@ -535,7 +517,8 @@ def rayft_candidates(
     """Every (micro-batch, loss chunk) with the checkpointing `train()` would pick for it and
     its estimate; `fits` and the predicted cost per token (lower is better). `compile_layers` as
     the row runs it: the plan of a compiled job counts what compiled layers and head keep."""
-    from jobs import loop, memory
+    from jobs import memory
+    from jobs.train import loop
 
     L = w.config.num_hidden_layers
     kind = torch.device(w.device.type)
@@ -589,13 +572,13 @@ def run_rayft(
     eager_head: bool = False,
     sdpa_priority: list[str] | None = None,
 ) -> dict:
-    """One row: `jobs.loop.train` with a random-init base built on the device (quantized: loaded
-    and quantized by `jobs.model.load_base_model` from `weights_dir`). `eager_head`: compiled
+    """One row: `jobs.train.loop.train` with a random-init base built on the device (quantized: loaded
+    and quantized by `jobs.model.loading.load_base_model` from `weights_dir`). `eager_head`: compiled
     layers with the loss head eager (the default before the compiled head); `sdpa_priority`:
     SDPA's backends tried in this order (`torch.nn.attention.sdpa_kernel(..., set_priority=True)`)."""
-    from jobs import loop
-    from jobs.context import LocalContext
     from jobs.objectives import sft  # CausalLMLoss and its head loss live there
+    from jobs.train import loop
+    from jobs.train.context import LocalContext
 
     out_dir = Path(tempfile.mkdtemp(prefix=f"rayft-{w.shape}-", dir=w.workdir))
     spec = rayft_spec(w, cand["micro_batch_size"], cand["loss_chunk_tokens"], out_dir, compile_layers, quantization)
@@ -1048,7 +1031,7 @@ def environment_warnings() -> list[str]:
 
     if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
         out.append(
-            "transformers has no activation_checkpointing_enable: jobs.model.enable_checkpointing falls back "
+            "transformers has no activation_checkpointing_enable: jobs.model.loading.enable_checkpointing falls back "
             "to gradient_checkpointing_enable without every_n_layers, so rayft's selective checkpointing "
             "(every k-th layer) checkpoints every layer here; carry transformers>=5.24 "
             "(see this file's docstring)"

@@ -39,32 +39,13 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.shapes import SHAPES  # noqa: E402  (one table for both GPU scripts)
 from jobs import memory  # noqa: E402  (pure python, no torch at import)
 from jobs.spec import DEFAULT_TARGET_MODULES  # noqa: E402
 
 GIB = 1024**3
 TARGETS = list(DEFAULT_TARGET_MODULES)
 
-SHAPES = {
-    "llama-1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-    ),
-    "llama-8b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-    ),
-}
 TINY_SHAPES = {
     "tiny-gqa": dict(
         hidden_size=64,
@@ -98,11 +79,11 @@ def llama_config(shape: dict):
 # ---- rayft's loss ------------------------------------------------------------------------------
 
 try:  # the real thing when rayft's dependencies are installed
-    from jobs.loop import CausalLMLoss
+    from jobs.train.loop import CausalLMLoss
 except ImportError:  # the GPU machine may only have torch/transformers/peft
 
     class CausalLMLoss(torch.nn.Module):
-        """Same computation as jobs.loop.CausalLMLoss (chunk_tokens=0)."""
+        """Same computation as jobs.train.loop.CausalLMLoss (chunk_tokens=0)."""
 
         def __init__(self, model):
             super().__init__()
@@ -115,12 +96,12 @@ except ImportError:  # the GPU machine may only have torch/transformers/peft
             return F.cross_entropy(lm.get_output_embeddings()(h).float(), label_ids, reduction="sum")
 
 
-# ---- the model, as jobs.model builds it ---------------------------------------------------------
+# ---- the model, as jobs.model.loading builds it ---------------------------------------------------------
 
 
 def build(config, device: torch.device, lora_r: int):
     """Random init directly on the device in bf16; frozen base; fp32 LoRA on all linears that
-    reads its input in bf16 (no PEFT cast to fp32), as jobs.model builds it."""
+    reads its input in bf16 (no PEFT cast to fp32), as jobs.model.loading builds it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -136,7 +117,7 @@ def build(config, device: torch.device, lora_r: int):
     for p in model.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()
-    # As jobs.model.keep_lora_inputs_in_compute_dtype: the adapters read the bf16 input as is.
+    # As jobs.model.loading.keep_lora_inputs_in_compute_dtype: the adapters read the bf16 input as is.
     for module in model.modules():
         if hasattr(module, "cast_input_dtype_enabled"):
             module.cast_input_dtype_enabled = False

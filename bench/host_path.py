@@ -1,7 +1,7 @@
 """Host milliseconds per optimizer step of the step's data work, before and after the array path,
 and how long the training thread waits for its batch with prefetch on (a benchmark, not a test).
 
-The work measured is `jobs.loop.micro_batches_of` for one optimizer step on rank 0 of 8
+The work measured is `jobs.train.loop.micro_batches_of` for one optimizer step on rank 0 of 8
 simulated ranks: the global batch's indices (`GlobalBatches`), length grouping over the whole
 global batch (`data.group_by_length`, on by default), the window's label and input token counts
 over the whole global batch (every rank counts them locally), rank 0's split, and the collation
@@ -15,8 +15,8 @@ variant of "after" is in each row's detail).
   `Example` tuples), run in the same process on the same memory-mapped split. Each step's batches
   are checked equal (every tensor, its dtype, bit for bit) to "after"'s before anything is timed,
   so both sides do the same work.
-* after: `jobs.loop.micro_batches_of` itself (a stand-in context and job around the real split).
-* wait: `jobs.prefetch.Prefetch` over `micro_batches_of`, as `jobs.loop.train` runs it; the
+* after: `jobs.train.loop.micro_batches_of` itself (a stand-in context and job around the real split).
+* wait: `jobs.train.prefetch.Prefetch` over `micro_batches_of`, as `jobs.train.loop.train` runs it; the
   training thread takes each step's window (`get`, timed: the wait) and then "computes" for
   `--compute-ms`, busy with the GIL released (`busy`: a loop of `time.sleep(0)`, as a training
   thread in torch ops or spinning in a device sync is). The first step has nothing to overlap
@@ -62,10 +62,10 @@ sys.path.insert(0, str(ROOT))
 
 from jobs.data import IGNORE, Example, GlobalBatches, Pair, TokenizedSplit  # noqa: E402
 from jobs.data.cache import _SplitWriter  # noqa: E402
-from jobs.loop import layout_args, micro_batches_of  # noqa: E402
 from jobs.objectives import Objective  # noqa: E402
-from jobs.prefetch import Prefetch  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
+from jobs.train.loop import layout_args, micro_batches_of  # noqa: E402
+from jobs.train.prefetch import Prefetch  # noqa: E402
 
 SHAPES = [(64, 512), (512, 2048), (2048, 4096)]
 QUICK_SHAPES = [(64, 64), (128, 128)]
@@ -76,7 +76,7 @@ BEFORE_COMMIT = "2ff3d57"
 
 
 # ---- before: the per-example Python path of jobs/ at 2ff3d57, copied as it was -----------------
-# (jobs/loop.py micro_batches_of; jobs/data/batches.py GlobalBatches, count_labels, count_inputs,
+# (jobs/train/loop.py micro_batches_of; jobs/data/batches.py GlobalBatches, count_labels, count_inputs,
 # split_window, collate, collate_pairs, _rows_tensors, _packed_positions, pack_rows. `train[i]` is
 # TokenizedSplit.__getitem__, unchanged since: an Example of Python tuples.) tests/test_host_path.py
 # checks the array path against these functions on random data.
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         "checked equal to after's (bit for bit, packed and not) before timing",
         "definitions": {
             "host_ms_before": "median CPU ms per optimizer step of before_micro_batches_of (rank 0 of 8)",
-            "host_ms_after": "median CPU ms per optimizer step of jobs.loop.micro_batches_of (rank 0 of 8)",
+            "host_ms_after": "median CPU ms per optimizer step of jobs.train.loop.micro_batches_of (rank 0 of 8)",
             "wait_ms": f"mean wall ms the training thread waits in Prefetch.get per step (after the first), "
             f"computing {args.compute_ms:g} ms per step, busy with the GIL released (bench.host_path.busy); the "
             "detail has the same with the compute a sleep (wait_sleep_compute: it adds an idle CPU's wake-up) "

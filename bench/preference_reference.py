@@ -5,7 +5,7 @@ steps, and what the one-time precompute pass costs.
 Same process, same job (DPO, beta 0.1, LoRA r=16 on all seven linear layers, fp32, no
 checkpointing, AdamW), same data (examples/data/tiny-pairs.jsonl by default), same global
 batches (16 pairs = 4 accumulation steps x micro-batch 4, one process). Each variant is
-`jobs.loop.train(spec, LocalContext)` timed as the interval between consecutive `Context.progress`
+`jobs.train.loop.train(spec, LocalContext)` timed as the interval between consecutive `Context.progress`
 calls after the warmup steps (CPU time of the process, the headline on a shared machine, and
 wall). The precomputed variant runs first on a fresh data cache, so its set-up includes the
 precompute pass (`precompute_s`, from the process's own time stamps around it); its timed steps
@@ -36,10 +36,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import jobs.loop as loop  # noqa: E402
 import jobs.objectives.preference as preference  # noqa: E402
-from jobs.context import LocalContext  # noqa: E402
+import jobs.train.loop as loop  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
+from jobs.train.context import LocalContext  # noqa: E402
 
 VARIANTS = ("adapter_off", "precomputed")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -13,15 +13,15 @@ import logging
 import os
 import sys
 
-from . import secrets
-from .errors import SpecError
-from .spec import absolutize, load_spec, one_line
+from jobs import secrets
+from jobs.errors import SpecError
+from jobs.spec import absolutize, load_spec, one_line
 
 
 def preflight(spec) -> None:
     """Checks that need the data files but not the model weights: run before anything is created."""
-    from .data import count_checked_records
-    from .outputs import check_write_places
+    from jobs.data import count_checked_records
+    from jobs.run.outputs import check_write_places
 
     check_write_places(spec)  # the data cache (written next) and an MLflow file store: not a system dir, writable
     # Every record is parsed and checked, the texts not kept (the memory of one record); data
@@ -33,13 +33,13 @@ def preflight(spec) -> None:
             f"{key}: {n_train} training records, fewer than batch.global_batch_size={spec.batch.global_batch_size}"
         )
     if spec.data.packing:
-        from .memory import config_from_spec
-        from .model import check_packing
+        from jobs.memory import config_from_spec
+        from jobs.model.loading import check_packing
 
         check_packing(config_from_spec(spec))
     check_lora_rank(spec)
     if spec.model.adapter:  # lora.* must describe the starting adapter; its files are regular files
-        from .model import starting_adapter_config
+        from jobs.model.loading import starting_adapter_config
 
         starting_adapter_config(spec)
 
@@ -51,8 +51,8 @@ def build_data(spec) -> None:
     created, and the workers map the published entry instead of building it (same key: the
     tokenizer `load_tokenizer` returns is the one the job loads). A refused build leaves no entry
     (`jobs.data.load_dataset`); a cache that cannot be written is one line too."""
-    from .data import data_cache_dir, load_dataset
-    from .model import load_tokenizer
+    from jobs.data import data_cache_dir, load_dataset
+    from jobs.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
     try:
@@ -74,7 +74,7 @@ def check_lora_rank(spec) -> None:
         or os.path.isdir(spec.model.name)
     ):
         return
-    from .memory import config_from_spec
+    from jobs.memory import config_from_spec
 
     hidden = getattr(config_from_spec(spec), "hidden_size", None)
     if isinstance(hidden, int) and spec.lora.r > hidden:
@@ -104,23 +104,23 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     """Validate everything that can be checked on the driver; only then touch the output dir.
 
     Invariant: a refused spec creates nothing. The output directory is checked (new, empty or
-    rayft's own; see `jobs.outputs.output_dir_problem`) and the data tokenized into its cache
+    rayft's own; see `jobs.run.outputs.output_dir_problem`) and the data tokenized into its cache
     entry (`build_data`: refused data leaves no entry) before the run's lock is taken (which
     creates the directory) or --fresh moves anything; it is claimed only after every check has
-    passed. The run's lock (`jobs.runlock`) is taken before checkpoints are read or set aside,
-    and is held on return: the caller runs the job, then calls `jobs.runlock.release(spec.output_path)`.
+    passed. The run's lock (`jobs.run.runlock`) is taken before checkpoints are read or set aside,
+    and is held on return: the caller runs the job, then calls `jobs.run.runlock.release(spec.output_path)`.
     An `address` (`--address`) is asked once whether a Ray cluster answers there
-    (`jobs.cluster_check`, bounded) before the output directory is touched."""
-    from . import checkpoint as ckpt
-    from . import runlock
-    from .outputs import check_output_dir, claim_output_dir, set_aside
+    (`jobs.launch.cluster_check`, bounded) before the output directory is touched."""
+    from jobs.run import checkpoint as ckpt
+    from jobs.run import runlock
+    from jobs.run.outputs import check_output_dir, claim_output_dir, set_aside
 
     spec = load_spec(spec_path, overrides)
     check_local_workers(spec, local)
     preflight(spec)
     check_output_dir(spec.run.output_dir.replace("{name}", spec.name))
     if address and not local:
-        from .cluster_check import check_cluster
+        from jobs.launch.cluster_check import check_cluster
 
         check_cluster(address)
     spec = absolutize(spec)
@@ -156,13 +156,13 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None
 def run(spec, *, local: bool = False, address: str | None = None, fresh: bool = False, on_progress=None) -> dict:
     """Train a prepared spec: on Ray (an address, the enclosing Ray job, or embedded), or `local`ly."""
     if local:
-        from .context import LocalContext
-        from .loop import train
+        from jobs.train.context import LocalContext
+        from jobs.train.loop import train
 
         check_local_workers(spec, local)  # for callers that prepared without `local`
         os.environ.update(spec.run.env)  # what runtime_env does for Ray workers
         return train(spec, LocalContext(use_gpu=spec.resources.use_gpu, on_progress=on_progress), resume=not fresh)
-    from .launch import run_on_ray
+    from jobs.launch.on_ray import run_on_ray
 
     return run_on_ray(spec, address=address, resume=not fresh, on_progress=on_progress)
 
@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(ap: argparse.ArgumentParser, argv: list[str] | None) -> int:
-    from . import runlock
-    from .errors import RayftError, error_line
-    from .outputs import format_step
+    from jobs.errors import RayftError, error_line
+    from jobs.run import runlock
+    from jobs.run.outputs import format_step
 
     args = parse_with_overrides(ap, argv)
     try:

@@ -173,7 +173,7 @@ class LocalCluster:
         self.env["RAY_ADDRESS"] = self.address
         # conftest's 0.25 s controller poll, as everywhere: with it, the surviving rank's gloo error
         # is often polled before the lost node's worker fails its health check, the failure
-        # `jobs.launch.node_lost` matches to the lost node through where the workers started.
+        # `jobs.launch.on_ray.node_lost` matches to the lost node through where the workers started.
         self.tmp = tmp
         self.temp_dir = own_temp_dir()  # every node's
         self.nodes: list[subprocess.Popen] = []

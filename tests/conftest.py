@@ -29,7 +29,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 #   each state change (workers started, run finished, worker failed): ~5-10 s of idle wall time
 #   per run. A 0.25 s poll ends each wait sooner. It changes which failure of a lost node is
 #   often seen first (a surviving rank's, before the lost worker's health check): the node-loss
-#   tests run with it too, and rayft names the lost node either way (`jobs.launch.node_lost`).
+#   tests run with it too, and rayft names the lost node either way (`jobs.launch.on_ray.node_lost`).
 # - Ray's and Ray Train's metrics export and the Train state reconciliation feed dashboards no
 #   test reads; prestarted idle workers (one per CPU when the first driver connects) are CPU the
 #   tests need for the workers they do start.

@@ -182,7 +182,7 @@ class CacheTarget:
 
     def build(self, work: Path) -> None:
         from jobs.data import load_dataset
-        from jobs.model import byte_tokenizer
+        from jobs.model.loading import byte_tokenizer
 
         self.tokenizer = byte_tokenizer()
         with _markers(str(work / "markers-build")):
@@ -219,7 +219,7 @@ class CheckpointTarget:
     def build(self, work: Path) -> None:
         import torch
 
-        from jobs import checkpoint as ckpt
+        from jobs.run import checkpoint as ckpt
 
         self.source = work / "run"
         self.clean: dict[str, Any] = {}
@@ -238,13 +238,13 @@ class CheckpointTarget:
 
     @staticmethod
     def _load(d: Path) -> dict:
-        from jobs import checkpoint as ckpt
+        from jobs.run import checkpoint as ckpt
 
         plain = {n: ckpt.load_plain(d / n) for n in (ckpt.OPTIMIZER_FILE, ckpt.rng_file(0))}
         return {"state": ckpt.load_state(d), "adapter": ckpt.load_adapter(d), **plain}
 
     def read(self, copy: Path, mutated: bool) -> int:
-        from jobs import checkpoint as ckpt
+        from jobs.run import checkpoint as ckpt
 
         found: list = []
 
@@ -285,9 +285,9 @@ class AdapterTarget:
     name = "adapter"
 
     def build(self, work: Path) -> None:
-        from jobs.context import LocalContext
-        from jobs.loop import train
         from jobs.spec import absolutize
+        from jobs.train.context import LocalContext
+        from jobs.train.loop import train
 
         run = work / "run"
         cwd = os.getcwd()

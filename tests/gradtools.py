@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from jobs.data import GlobalBatches, collate, count_labels, load_dataset, split_window
-from jobs.loop import CausalLMLoss, Engine, make_optimizer, optimizer_step, train_window
-from jobs.model import add_lora, enable_checkpointing, load_base_model
+from jobs.model.loading import add_lora, enable_checkpointing, load_base_model
 from jobs.spec import JobSpec, absolutize, load_spec
+from jobs.train.loop import CausalLMLoss
+from jobs.train.step import Engine, make_optimizer, optimizer_step, train_window
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "tiny.jsonl"
@@ -83,7 +84,7 @@ def rel_err(a: dict, b: dict) -> float:
 
 def final_adapter(out: Path) -> dict[str, torch.Tensor]:
     """The LoRA weights of a run's newest complete checkpoint."""
-    from jobs.checkpoint import load_adapter, newest_complete
+    from jobs.run.checkpoint import load_adapter, newest_complete
 
     return load_adapter(newest_complete(Path(out) / "checkpoints"))
 
@@ -122,8 +123,8 @@ def spawn(fn: Callable, world_size: int, tmp: Path, *args) -> list:
 
 def reference_run(rank: int, world: int, spec_path: str, overrides: list, out: str) -> None:
     """An uninterrupted run of the same split, without Ray (one process per rank)."""
-    from jobs.context import LocalContext
-    from jobs.loop import train
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
 
     spec = absolutize(load_spec(spec_path, overrides + [f"run.output_dir={out}"]))
     train(spec, LocalContext(on_progress=lambda r: None), resume=False)

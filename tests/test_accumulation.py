@@ -24,7 +24,7 @@ from gradtools import (
     window_inputs,
 )
 
-from jobs.loop import train_window
+from jobs.train.step import train_window
 
 # (workers, micro_batch_size) for global batch 8 -> N = 8 / (W * m)
 SPLITS = [(1, 8), (1, 4), (1, 2), (2, 4), (2, 2), (2, 1)]

@@ -110,7 +110,7 @@ def _check_gpu_compare_dry_run(files: list[Path], stdout: str) -> None:
     assert 0 < c_row["estimate_spec_gib"] <= c_row["budget_gib"]
     assert c_row["micro_batch_size"] * c_row["grad_accum_steps"] == c_row["global_batch_size"]
 
-    # the QLoRA row, last: the same loop on a base jobs.model loaded as nf4 (all 7 linear layers of
+    # the QLoRA row, last: the same loop on a base jobs.model.loading loaded as nf4 (all 7 linear layers of
     # both decoder layers 4-bit), its configuration chosen with the quantized estimate
     assert len(qlora) == 1 and result["rows"][-1]["loop"] == "rayft-qlora"
     q_row = qlora[0]

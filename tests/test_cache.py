@@ -1,4 +1,4 @@
-"""`jobs.cache.build_once`: caches that several processes build at once have one builder, are
+"""`jobs.run.build_once.build_once`: caches that several processes build at once have one builder, are
 published atomically, and leave no temporary directories; and the real case, two Ray workers
 de-quantizing the SmolLM2 GGUF into an empty cache (issue: the second rename failed)."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from polling import wait_until
 
-from jobs.cache import build_once
+from jobs.run.build_once import build_once
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

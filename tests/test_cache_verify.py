@@ -21,7 +21,7 @@ import jobs.data.cache as data_mod
 import jobs.data.verify as verify_mod
 from jobs.data import load_dataset
 from jobs.errors import SpecError
-from jobs.model import byte_tokenizer
+from jobs.model.loading import byte_tokenizer
 from jobs.spec import load_spec
 
 DATA = ROOT / "examples" / "data" / "tiny.jsonl"

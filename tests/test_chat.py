@@ -11,7 +11,7 @@ import pytest
 
 from jobs.data import IGNORE, chat_prompt_ids, read_jsonl, tokenize
 from jobs.errors import SpecError
-from jobs.model import byte_tokenizer
+from jobs.model.loading import byte_tokenizer
 
 BOS, EOS = 257, 258
 LLAMA3 = (
@@ -153,7 +153,7 @@ def test_fields_map_a_conversations_column(tmp_path):
 def test_rayft_eval_prompts_chat_records_through_the_template(tmp_path, monkeypatch):
     """`evaluate` on chat records: each prompt is the template's rendering up to the last
     assistant turn (with the generation prompt), the reference is that turn's content."""
-    import jobs.evaluate as ev
+    import jobs.after.evaluate as ev
     from jobs.spec import load_spec
 
     held = tmp_path / "eval.jsonl"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from gradtools import build_engine, grads, rel_err, tiny_spec, window_inputs
 
-from jobs.loop import train_window
+from jobs.train.step import train_window
 
 
 def saved_bytes_and_grads(gc: bool) -> tuple[int, dict]:
@@ -73,8 +73,8 @@ def test_chunked_loss_gives_the_same_gradient_and_keeps_fewer_logits():
 
 
 def test_auto_checkpointing_picks_the_sparsest_layers_that_fit():
-    from jobs.loop import memory_plan
     from jobs.memory import estimate_for_spec
+    from jobs.train.loop import memory_plan
 
     spec = tiny_spec("batch.micro_batch_size=8", "memory.gradient_checkpointing=auto")
 

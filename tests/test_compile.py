@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from gradtools import final_adapter, rel_err, tiny_spec
 
-from jobs.context import LocalContext
 from jobs.errors import SpecError
-from jobs.loop import train
-from jobs.model import compile_wanted
-from jobs.outputs import read_metrics
+from jobs.model.loading import compile_wanted
+from jobs.run.outputs import read_metrics
+from jobs.train.context import LocalContext
+from jobs.train.loop import train
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 from gradtools import DATA, tiny_spec
 
 from jobs.data import IGNORE, GlobalBatches, collate, read_jsonl, split_window, tokenize
-from jobs.model import byte_tokenizer
+from jobs.model.loading import byte_tokenizer
 from jobs.spec import SpecError
 
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import jobs.data.cache as data_mod  # where load_dataset and count_checked_records look up their helpers
-from jobs import checkpoint as ckpt
 from jobs.data import GlobalBatches, collate, load_dataset, read_jsonl, tokenize
 from jobs.errors import SpecError
 from jobs.finetune import main as finetune_main
-from jobs.model import byte_tokenizer
+from jobs.model.loading import byte_tokenizer
+from jobs.run import checkpoint as ckpt
 from jobs.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]

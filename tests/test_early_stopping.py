@@ -16,12 +16,12 @@ import torch
 from gradtools import ROOT
 from safetensors.torch import load_file
 
-from jobs import loop as jobs_loop
-from jobs.context import LocalContext
 from jobs.errors import SpecError
 from jobs.objectives import SFT
-from jobs.outputs import read_metrics
+from jobs.run.outputs import read_metrics
 from jobs.spec import absolutize, load_spec
+from jobs.train import loop as jobs_loop
+from jobs.train.context import LocalContext
 
 DEMO = "examples/tiny-lora.yaml"
 SMALL = [

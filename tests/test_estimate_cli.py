@@ -67,7 +67,7 @@ def test_json_components_and_pairs_agree_with_jobs_memory(tmp_path, capsys):
     assert rep["by_checkpointing"]["on"]["components"] == on.components
     assert rep["by_checkpointing"]["off"]["total_bytes"] == off.total_bytes
     # `auto`: checkpointing only when off exceeds the budget (BUDGET lies between the two), then
-    # the sparsest every-k-th-layer choice that fits: the plan jobs.loop runs
+    # the sparsest every-k-th-layer choice that fits: the plan jobs.train.loop runs
     assert off.total_gib > BUDGET >= on.total_gib
     every = memory.plan_for_spec(spec, device="cpu").checkpoint_every_n_layers
     chosen = memory.estimate_for_spec(spec, gradient_checkpointing=True, checkpoint_every_n_layers=every, device="cpu")

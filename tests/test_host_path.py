@@ -25,8 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jobs.data.cache as cache_mod
-import jobs.loop as loop_mod
-from jobs.context import LocalContext
+import jobs.train.loop as loop_mod
 from jobs.data import (
     IGNORE,
     Example,
@@ -46,10 +45,11 @@ from jobs.data import (
 )
 from jobs.data.cache import _PairWriter, _SplitWriter
 from jobs.errors import SpecError
-from jobs.loop import micro_batches_of
-from jobs.model import byte_tokenizer
+from jobs.model.loading import byte_tokenizer
 from jobs.objectives import Objective
-from jobs.prefetch import Prefetch
+from jobs.train.context import LocalContext
+from jobs.train.loop import micro_batches_of
+from jobs.train.prefetch import Prefetch
 
 ROOT = Path(__file__).resolve().parents[1]
 

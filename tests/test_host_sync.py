@@ -16,9 +16,10 @@ import torch
 from gradtools import build_engine, tiny_spec
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import jobs.model
+import jobs.model.loading
 from jobs.data import GlobalBatches, collate, count_labels, load_dataset, split_window
-from jobs.loop import CausalLMLoss, train_window
+from jobs.train.loop import CausalLMLoss
+from jobs.train.step import train_window
 
 SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item")
 
@@ -84,5 +85,5 @@ def test_the_guard_is_installed_once_at_model_load():
     assert guard is not original
     assert guard(torch.tensor([[0, 1, 0, 1]])) is None
     assert original(torch.tensor([[0, 1, 0, 1]])) is not None
-    jobs.model.skip_packed_sequence_detection()
+    jobs.model.loading.skip_packed_sequence_detection()
     assert masking_utils.find_packed_sequence_indices is guard and inspect.unwrap(guard) is original

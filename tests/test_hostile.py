@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs import checkpoint as ckpt
 from jobs.errors import RunError, SpecError
 from jobs.finetune import main as finetune_main
 from jobs.finetune import prepare
-from jobs.outputs import RUN_MARKER, MetricsLog, strict_json, write_json_atomic
+from jobs.run import checkpoint as ckpt
+from jobs.run.outputs import RUN_MARKER, MetricsLog, strict_json, write_json_atomic
 from jobs.spec import absolutize, load_spec, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,8 +225,8 @@ def test_new_empty_and_own_directories_are_claimed(tmp_path, monkeypatch):
 
 
 def test_the_loop_claims_its_directory_before_loading_the_model(foreign):
-    from jobs.context import LocalContext
-    from jobs.loop import train
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
 
     (foreign / "metrics.jsonl").write_text("not rayft's\n")
     spec = load_spec(DEMO, [f"run.output_dir={foreign}", *SMALL], files=False)
@@ -343,7 +343,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(
 
 
 def test_an_fp16_scaler_skip_is_not_a_divergence():
-    from jobs.loop import stop_if_not_finite
+    from jobs.train.loop import stop_if_not_finite
 
     spec = load_spec(DEMO, files=False)
     stop_if_not_finite(spec, 3, math.inf, math.nan, skipped=True)
@@ -390,7 +390,7 @@ def test_a_bad_rayft_fault_is_one_line_exit_1(tmp_path, monkeypatch):
     ],
 )
 def test_every_bad_rayft_fault_is_refused_before_the_first_step(monkeypatch, fault, says):
-    from jobs.faults import from_env
+    from jobs.train.faults import from_env
 
     monkeypatch.setenv("RAYFT_FAULT", f"oom:micro_batch_gt=2; {fault}")
     with pytest.raises(RunError, match=f"RAYFT_FAULT: .*{re.escape(says)}") as e:
@@ -402,7 +402,7 @@ def test_a_sleep_fault_with_a_rank_stalls_that_rank_only_and_its_marker_names_th
     import os
     import time
 
-    from jobs.faults import from_env
+    from jobs.train.faults import from_env
 
     slept: list[float] = []
     monkeypatch.setattr(time, "sleep", slept.append)
@@ -456,7 +456,7 @@ class _Recording:
 
 def test_a_huge_record_is_cut_before_tokenization(tmp_path):
     from jobs.data import char_bound, load_dataset, read_jsonl, tokenize
-    from jobs.model import byte_tokenizer
+    from jobs.model.loading import byte_tokenizer
 
     tok = byte_tokenizer()
     huge = "many words, " * 150_000  # 1.8 MB in one line

@@ -1,5 +1,5 @@
 """Damaged run, adapter and export directories, and `rayft generate`'s own arguments: each is one
-line, exit 2, before a byte of weights is allocated, and nothing is written (`jobs.adapter_check`)."""
+line, exit 2, before a byte of weights is allocated, and nothing is written (`jobs.model.adapter_check`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.context import LocalContext
-from jobs.loop import train
 from jobs.spec import absolutize, load_spec
+from jobs.train.context import LocalContext
+from jobs.train.loop import train
 from tests.inproc import rayft_in_process
 
 ROOT = Path(__file__).resolve().parents[1]

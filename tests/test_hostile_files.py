@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from jobs import checkpoint as ckpt
 from jobs.data import char_bound, chat_spans, tokenize
 from jobs.data import tokenizing as tokenizing_module
 from jobs.errors import SpecError
-from jobs.model import byte_tokenizer
-from jobs.outputs import RUN_MARKER
+from jobs.model.loading import byte_tokenizer
+from jobs.run import checkpoint as ckpt
+from jobs.run.outputs import RUN_MARKER
 from tests.filefuzz import alarm
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""One run per output directory (jobs.runlock), tried with real processes: a second run into a
+"""One run per output directory (jobs.run.runlock), tried with real processes: a second run into a
 directory another process is running in is refused in one line naming the holder's pid and
 host, before anything is set aside or written; once the holder is killed, the next run takes the
 stale lock over; rank 0 recognises its own driver's hold by the run's token."""
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from jobs import runlock
 from jobs.errors import UserError
 from jobs.finetune import prepare
+from jobs.run import runlock
 from tests.inproc import rayft_in_process
 from tests.test_hostile import DEMO, ROOT, SMALL, _assert_one_line, _cli
 
 HOLD = (
-    "import sys, time; from jobs import runlock; runlock.acquire(sys.argv[1], token=sys.argv[2]); "
+    "import sys, time; from jobs.run import runlock; runlock.acquire(sys.argv[1], token=sys.argv[2]); "
     "print('held', flush=True); time.sleep(600)"
 )
 

@@ -62,7 +62,7 @@ def test_a_mixture_weight_is_a_number_not_its_text(tmp_path):
 
 
 def test_a_tracking_uri_is_shown_as_given_unless_it_holds_user_info():
-    from jobs.tracking import shown_uri
+    from jobs.run.tracking import shown_uri
 
     assert shown_uri("sqlite:////data/x.db") == "sqlite:////data/x.db"  # was sqlite://data/x.db
     assert shown_uri("sqlite:///rel/x.db") == "sqlite:///rel/x.db"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs import model as model_module
 from jobs.data import cache_key
-from jobs.model import byte_tokenizer
-from jobs.outputs import RUN_MARKER
+from jobs.model import loading as model_module
+from jobs.model.loading import byte_tokenizer
+from jobs.run.outputs import RUN_MARKER
 from jobs.spec import load_spec
 from tests.inproc import rayft_in_process
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs import checkpoint as ckpt
 from jobs.data import content_hash
 from jobs.errors import SpecError
+from jobs.run import checkpoint as ckpt
 from jobs.spec import absolutize, load_spec
 from tests.inproc import rayft_in_process
 

@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
     """
     import socket, sys
     import ray
-    from jobs import launch
+    from jobs.launch import on_ray as launch
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ from test_memory import DTYPES, Case, autocast, batch_for, loss_module
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from jobs import memory
-from jobs.model import add_lora, keep_lora_inputs_in_compute_dtype, load_base_model
+from jobs.model.loading import add_lora, keep_lora_inputs_in_compute_dtype, load_base_model
 from jobs.spec import DEFAULT_TARGET_MODULES
 
 TOL_SAVED = 0.01

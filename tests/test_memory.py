@@ -1,7 +1,7 @@
 """The memory estimate against what torch actually keeps, on CPU.
 
 Two oracles, both on real transformers models with real PEFT LoRA and rayft's loss
-(`jobs.loop.CausalLMLoss`):
+(`jobs.train.loop.CausalLMLoss`):
 
 * `saved_bytes`: tensors autograd keeps for backward at the end of forward, seen through
   `torch.autograd.graph.saved_tensors_hooks`, plus the tensors non-reentrant checkpointing
@@ -29,11 +29,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from jobs import memory
-from jobs.loop import CausalLMLoss
 from jobs.memory import estimate
-from jobs.model import compile_layers, keep_lora_inputs_in_compute_dtype
+from jobs.model.loading import compile_layers, keep_lora_inputs_in_compute_dtype
 from jobs.objectives import sft as jobs_sft
 from jobs.spec import DEFAULT_TARGET_MODULES
+from jobs.train.loop import CausalLMLoss
 
 TOL = 0.10
 # The activation replay follows autograd op by op, so on saved bytes it is held to 1%: that
@@ -139,7 +139,7 @@ class Case:
 
 def build(case: Case):
     """Random-init model, frozen base in the case's dtype, fp32 LoRA reading its input in the
-    compute dtype under autocast (as jobs.model.add_lora does)."""
+    compute dtype under autocast (as jobs.model.loading.add_lora does)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -849,7 +849,7 @@ def _spec(**sections):
 
 
 def test_estimate_for_spec_reads_the_spec():
-    from jobs.model import tiny_llama_config
+    from jobs.model.loading import tiny_llama_config
 
     spec = _spec(lora={"r": 4, "target_modules": ["q_proj", "v_proj"]}, optim={"name": "sgd"})
     cpu = memory.estimate_for_spec(spec, device="cpu")
@@ -922,7 +922,7 @@ def test_smallest_budget_is_monotone():
 
 
 def test_config_from_local_dir_and_gguf(tmp_path):
-    from jobs.model import tiny_llama_config
+    from jobs.model.loading import tiny_llama_config
 
     tiny_llama_config(num_hidden_layers=3).save_pretrained(tmp_path / "local")
     cfg = memory.config_from_spec(_spec(model={"name": str(tmp_path / "local")}))
@@ -1073,9 +1073,9 @@ GATHERED_CASES = [
 
 
 def _gathered_peak(kw: dict, reshard: bool) -> dict:
-    """One forward + backward of `Case(**kw)` sharded by `jobs.fsdp.shard`: the all-gathered peak,
+    """One forward + backward of `Case(**kw)` sharded by `jobs.train.fsdp.shard`: the all-gathered peak,
     and which units were gathered in backward."""
-    from jobs import fsdp
+    from jobs.train import fsdp
 
     case = Case(**kw)
     model = build(case)
@@ -1118,9 +1118,9 @@ def _unsharded_grads(module) -> list[torch.Tensor]:
 
 
 def _wrapped(strategy: str, case: Case):
-    """The case's model and loss as `jobs.loop` runs them: sharded by `jobs.fsdp.shard`, or in DDP
+    """The case's model and loss as `jobs.train.loop` runs them: sharded by `jobs.train.fsdp.shard`, or in DDP
     with bucket views; with its gate (`Engine.sync_gate`) and every gradient storage it holds."""
-    from jobs import fsdp
+    from jobs.train import fsdp
 
     model = build(case)
     if strategy == "fsdp":
@@ -1175,7 +1175,7 @@ def _no_sync_window(strategy: str, dtype: str) -> dict:
 
 
 def _fsdp_worker(rank: int, world: int, out_dir: str) -> None:
-    """One of two gloo ranks: the case's model with PEFT LoRA, sharded by `jobs.fsdp.shard` as the
+    """One of two gloo ranks: the case's model with PEFT LoRA, sharded by `jobs.train.fsdp.shard` as the
     loop does, then this rank's parameter bytes and the bytes autograd keeps after one forward;
     the all-gathered peak of each of `GATHERED_CASES`; and what an accumulation window holds
     (`_no_sync_window`)."""
@@ -1184,7 +1184,7 @@ def _fsdp_worker(rank: int, world: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from jobs import fsdp
+    from jobs.train import fsdp
 
     torch.set_num_threads(1)
     try:
@@ -1277,7 +1277,7 @@ def test_fsdp_keeps_the_same_activations(fsdp_measured):
 def test_fsdp_gathered_units_match_fully_shard_on_two_ranks(fsdp_measured):
     """The most FSDP2 holds all-gathered at once over forward + backward, every storage counted
     (unsharded parameters and all-gather buffers), equals the estimate's `fsdp_gathered` for
-    `jobs.fsdp`'s units: layers, embeddings or head the largest unit, resharding after forward
+    `jobs.train.fsdp`'s units: layers, embeddings or head the largest unit, resharding after forward
     or not, tied embeddings, the chunked loss head. Resharding after forward, the untied
     embeddings are not gathered in backward (frozen, fed token ids: nothing of them is needed)."""
     for (kw, reshard), *ranks in zip(GATHERED_CASES, *(r["gathered"] for r in fsdp_measured), strict=True):
@@ -1313,7 +1313,7 @@ def test_a_no_sync_window_holds_what_the_estimate_counts(fsdp_measured):
 
 
 def test_fsdp_gathered_layers_and_resharding():
-    """What is gathered at the peak, unit by unit (`jobs.fsdp.units`: embeddings E, each layer l,
+    """What is gathered at the peak, unit by unit (`jobs.train.fsdp.units`: embeddings E, each layer l,
     [final norm, LM head] H): resharding after forward, two units' worth of the largest; keeping
     them gathered, the embeddings and every layer beside the head and one more unit's buffer; tied
     embeddings, their one unit beside the layers. The sharded part shrinks with the world size, the
@@ -1426,7 +1426,7 @@ def test_quantized_weights_match_bitsandbytes(case, quantization):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM
 
-    from jobs.model import tiny_llama_config
+    from jobs.model.loading import tiny_llama_config
 
     cfg = tiny_llama_config() if case.id == "tiny-llama" else case.config()
     torch.manual_seed(0)
@@ -1475,10 +1475,10 @@ def test_quantization_shrinks_a_70b_base():
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
 def test_quantized_weights_match_what_rayft_loads(quantization):
-    """The same equality for the base `jobs.model.load_base_model` builds for a QLoRA job (through
+    """The same equality for the base `jobs.model.loading.load_base_model` builds for a QLoRA job (through
     transformers' BitsAndBytesConfig), judged by the spec's own estimate."""
     pytest.importorskip("bitsandbytes")
-    from jobs.model import load_base_model
+    from jobs.model.loading import load_base_model
 
     spec = _spec(model={"name": "tiny-llama", "quantization": quantization}, precision="bf16")
     model, _ = load_base_model(spec, "bf16")
@@ -1494,7 +1494,7 @@ def test_quantized_base_keeps_the_same_activations(quantization):
     activations, unchanged by quantization, match the saved bytes of the model rayft builds."""
     if quantization != "none":
         pytest.importorskip("bitsandbytes")
-    from jobs.model import add_lora, load_base_model
+    from jobs.model.loading import add_lora, load_base_model
 
     spec = _spec(model={"name": "tiny-llama", "quantization": quantization}, precision="bf16", lora={"r": 4})
     model, _ = load_base_model(spec, "bf16")
@@ -1534,8 +1534,8 @@ def test_quantized_base_keeps_the_same_activations(quantization):
 
 
 def _qlora_fsdp_worker(rank: int, world: int, out_dir: str) -> None:
-    """One of two gloo ranks: the nf4 tiny-llama `jobs.model.load_base_model` builds, with LoRA
-    (r = 5: odd, so the LoRA A shards are padded), sharded by `jobs.fsdp.shard` as the loop does;
+    """One of two gloo ranks: the nf4 tiny-llama `jobs.model.loading.load_base_model` builds, with LoRA
+    (r = 5: odd, so the LoRA A shards are padded), sharded by `jobs.train.fsdp.shard` as the loop does;
     then what this rank holds (every parameter's local shard storage, and the quantization
     constants, which are no parameters) and, inside the first layer's forward, the storages of
     that layer's all-gathered parameters."""
@@ -1544,8 +1544,8 @@ def _qlora_fsdp_worker(rank: int, world: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from jobs import fsdp
-    from jobs.model import add_lora, load_base_model
+    from jobs.model.loading import add_lora, load_base_model
+    from jobs.train import fsdp
 
     torch.set_num_threads(1)
     try:

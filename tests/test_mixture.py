@@ -43,11 +43,11 @@ from jobs.data import (
 )
 from jobs.data.cache import _PairWriter, _SplitWriter
 from jobs.data.mixture import integer_weights
-from jobs.loop import micro_batches_of
 from jobs.objectives import Objective
-from jobs.outputs import read_metrics
-from jobs.prefetch import Prefetch
+from jobs.run.outputs import read_metrics
 from jobs.spec import load_spec
+from jobs.train.loop import micro_batches_of
+from jobs.train.prefetch import Prefetch
 
 MIX = "examples/tiny-mix.yaml"
 DATA = ROOT / "examples" / "data"
@@ -227,7 +227,7 @@ def test_mixture_windows_go_through_the_array_path_and_prefetch(tmp_path, monkey
     source, every micro-batch the collation of its samples as a list, the per-source counts adding
     up to the window's; the prefetched windows, fresh and resumed at step 3, are the same."""
     monkeypatch.chdir(ROOT)
-    from jobs.model import load_base_model
+    from jobs.model.loading import load_base_model
 
     spec = mix_spec(tmp_path, "resources.num_workers=2", "batch.global_batch_size=8", "batch.micro_batch_size=2")
     _, tok = load_base_model(spec, "fp32")
@@ -263,7 +263,7 @@ def mix_spec(tmp: Path, *overrides: str, files: bool = True):
 
 def test_a_mixture_is_read_per_source_and_concatenated(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    from jobs.model import load_base_model
+    from jobs.model.loading import load_base_model
 
     spec = mix_spec(tmp_path)
     _, tok = load_base_model(spec, "fp32")
@@ -285,7 +285,7 @@ def test_a_mixture_is_read_per_source_and_concatenated(tmp_path, monkeypatch):
 def test_adding_a_source_tokenizes_only_that_source(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     import jobs.data.cache as cache
-    from jobs.model import load_base_model
+    from jobs.model.loading import load_base_model
 
     built: list[str] = []
     real = cache._build
@@ -316,7 +316,7 @@ def test_the_preview_of_a_mixture_is_each_sources_cache_entry(tmp_path, monkeypa
     counts are those of the source's own cache entry (its fields and train_on), and the sum."""
     monkeypatch.chdir(ROOT)
     from jobs.data.preview import data_preview
-    from jobs.model import load_base_model
+    from jobs.model.loading import load_base_model
 
     spec = mix_spec(tmp_path)
     _, tok = load_base_model(spec, "fp32")
@@ -480,9 +480,9 @@ def test_held_out_loss_of_a_mixture_is_the_whole_and_per_source(tmp_path, monkey
     source's own; the per-source metrics reach TensorBoard."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from jobs.context import LocalContext
-    from jobs.loop import train
-    from jobs.model import load_base_model
+    from jobs.model.loading import load_base_model
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
 
     monkeypatch.chdir(ROOT)
     spec = mix_spec(tmp_path, "resources.num_workers=1", *SHORT, "run.trackers=[tensorboard]")
@@ -501,9 +501,9 @@ def test_held_out_loss_of_a_mixture_is_the_whole_and_per_source(tmp_path, monkey
 
 
 def _train_steps(out: Path, steps: int, *extra: str) -> None:
-    from jobs.context import LocalContext
-    from jobs.loop import train
     from jobs.spec import absolutize
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
 
     spec = absolutize(
         load_spec(

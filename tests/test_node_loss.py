@@ -30,7 +30,7 @@ from clusters import LocalCluster
 from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, rel_err
 from polling import wait_until
 
-from jobs.outputs import read_events, read_metrics
+from jobs.run.outputs import read_events, read_metrics
 
 BIN = Path(sys.executable).parent
 
@@ -103,7 +103,7 @@ def test_without_max_failures_losing_a_node_ends_the_run_with_one_line_naming_it
     assert "which held training worker rank 1" in last and "ranks" not in last, last
     assert "resumes from step 4" in last and str(out) in last, last
     # Nothing written so far is thrown away: the checkpoint of step 4 is still there, complete.
-    from jobs import checkpoint as ckpt
+    from jobs.run import checkpoint as ckpt
 
     newest = ckpt.newest_complete(out / "checkpoints", warn=False)
     assert newest is not None and newest.name == ckpt.step_dir_name(4), newest
@@ -166,7 +166,7 @@ def test_unreachable_workers_are_read_from_ray_trains_health_check_failures():
 
 
 def test_forwarded_worker_tracebacks_are_cut_to_their_exception_line():
-    from jobs.launch import _TracebackFilter
+    from jobs.launch.on_ray import _TracebackFilter
 
     printed: list[list[str]] = []
     f = _TracebackFilter(lambda data: printed.append(data["lines"]))
@@ -205,7 +205,7 @@ def test_forwarded_worker_tracebacks_are_cut_to_their_exception_line():
 def test_a_worker_that_stopped_answering_is_a_lost_node_only_when_ray_marks_the_node_dead(monkeypatch):
     from ray.train import WorkerGroupError
 
-    import jobs.launch as launch
+    import jobs.launch.on_ray as launch
 
     a = "ab" * 28
     err = WorkerGroupError("1 worker failed", {1: _health_check_failure(a, "10.0.0.7", RuntimeError("unavailable"))})
@@ -228,7 +228,7 @@ def test_a_survivors_lost_peer_names_the_lost_node_from_where_the_workers_starte
     node dead; any other failure keeps Ray's error."""
     from ray.train import WorkerGroupError
 
-    import jobs.launch as launch
+    import jobs.launch.on_ray as launch
 
     a, b = "ab" * 28, "cd" * 28
     gloo = RuntimeError(  # rank 0's error when the node of rank 1 was removed, in the real test above
@@ -272,7 +272,7 @@ def test_a_lost_peer_is_read_from_the_lines_gloo_torch_and_nccl_print():
 def test_ray_trains_preemption_watcher_line_is_dropped_and_other_core_worker_errors_are_not():
     """The one known-noise line (Ray Train's PreemptionWatcher, ray-project/ray#53727) is dropped
     from the console; a core worker error about any other actor, or the same words elsewhere, stay."""
-    from jobs.launch import _TracebackFilter
+    from jobs.launch.on_ray import _TracebackFilter
 
     noise = (
         "[2026-12-02 02:18:20,075 E 20735 20795] core_worker.cc:2465: Actor with class name: "

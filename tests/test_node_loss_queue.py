@@ -25,7 +25,7 @@ from polling import wait_until
 from test_queue import db_events, db_rows, view
 from test_submit import SPEC, TINY, uniq
 
-from jobs.outputs import read_events, read_metrics
+from jobs.run.outputs import read_events, read_metrics
 
 BIN = Path(sys.executable).parent
 DRIVER_SIDE = {"JobSupervisor", "TrainController", "ProgressActor"}

@@ -21,7 +21,7 @@ from clusters import LocalCluster
 from gradtools import DATA, ROOT, final_adapter, rel_err
 from polling import wait_until
 
-from jobs.outputs import read_metrics
+from jobs.run.outputs import read_metrics
 
 BIN = Path(sys.executable).parent
 EVAL = ROOT / "examples" / "data" / "tiny-eval.jsonl"
@@ -91,9 +91,9 @@ def _stall_then_remove_the_workers_node(
 
 def _uninterrupted(trial_dir: Path, out: Path) -> dict:
     """The trial's own job (trial.json), trained without Ray in one process, uninterrupted."""
-    from jobs.context import LocalContext
-    from jobs.loop import train
     from jobs.spec import JobSpec
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
 
     d = json.loads((trial_dir / "trial.json").read_text())["spec"]
     d["run"].update(output_dir=str(out), env={})

@@ -59,7 +59,7 @@ def code_words(source: str) -> set[str]:
 
 
 def test_the_loop_names_no_objective_and_tests_no_objective_flag():
-    source = (ROOT / "jobs" / "loop.py").read_text()
+    source = "\n".join((ROOT / "jobs" / "train" / f).read_text() for f in ("loop.py", "step.py"))
     assert "is_preference" not in source
     assert not code_words(source) & NAMES, sorted(code_words(source) & NAMES)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import checkpoint as ckpt
+from jobs.run import checkpoint as ckpt
 from jobs.spec import json_schema, load_spec
 
 DEMO = "examples/tiny-lora.yaml"

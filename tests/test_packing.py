@@ -10,10 +10,10 @@ import pytest
 import torch
 from gradtools import build_engine, final_adapter, grads, rel_err, tiny_spec
 
-from jobs.context import LocalContext
 from jobs.data import collate, load_dataset, pack_rows
-from jobs.loop import train
-from jobs.outputs import read_metrics
+from jobs.run.outputs import read_metrics
+from jobs.train.context import LocalContext
+from jobs.train.loop import train
 
 
 @pytest.mark.parametrize("seed", range(5))

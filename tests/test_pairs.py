@@ -46,7 +46,7 @@ from jobs.data import (
 )
 from jobs.errors import SpecError
 from jobs.finetune import main as finetune_main
-from jobs.model import byte_tokenizer
+from jobs.model.loading import byte_tokenizer
 from jobs.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]

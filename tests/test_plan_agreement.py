@@ -224,12 +224,12 @@ def k8s_column(case: Case) -> Column:
 
 
 def loop_column(case: Case) -> Column:
-    """The training loop: `jobs.loop.memory_plan`, what `train()` runs on its device. There is no
+    """The training loop: `jobs.train.loop.memory_plan`, what `train()` runs on its device. There is no
     GPU here, so for a GPU case only the device's total memory -- the one thing the worker reads
     from CUDA for its plan -- is supplied as the gpu overlay's GPU would report it."""
     import torch
 
-    from jobs.loop import memory_plan
+    from jobs.train.loop import memory_plan
 
     if case.device == "cpu":
         plan = memory_plan(case.spec(), torch.device("cpu"))

@@ -33,11 +33,11 @@ from gradtools import ROOT, grads, perturb_lora_b, rel_err, spawn
 from torch import nn
 
 from jobs.data import GlobalBatches, collate_pairs, load_dataset, split_window
-from jobs.loop import Engine, train_window
-from jobs.model import add_lora, enable_checkpointing, load_base_model
+from jobs.model.loading import add_lora, enable_checkpointing, load_base_model
 from jobs.objectives import Objective
 from jobs.objectives.preference import REFERENCE_ADAPTER, PreferenceLoss
 from jobs.spec import JobSpec, load_spec
+from jobs.train.step import Engine, train_window
 
 PAIRS = ROOT / "examples" / "data" / "tiny-pairs.jsonl"
 PAIRS_EVAL = ROOT / "examples" / "data" / "tiny-pairs-eval.jsonl"
@@ -171,7 +171,7 @@ def split_grads(rank: int, world: int, overrides: tuple, gc: bool, precision: st
     spec = pref_spec(*overrides)
     engine, model, tok = build(spec, world=world, gc=gc, precision=precision, wrap=strategy == "ddp")
     if strategy == "fsdp":
-        from jobs import fsdp
+        from jobs.train import fsdp
 
         module = fsdp.shard(engine.module, model, precision, True, torch.device("cpu"), world)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -305,16 +305,16 @@ def test_precomputed_reference_equals_the_reference_forward():
 
 
 def _train(out: Path, *overrides: str) -> dict:
-    from jobs.context import LocalContext
-    from jobs.loop import train
     from jobs.spec import absolutize
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
 
     spec = absolutize(pref_spec(f"run.output_dir={out}", *overrides))
     return train(spec, LocalContext(on_progress=lambda r: None), resume=True)
 
 
 def _metrics(out: Path) -> list[dict]:
-    from jobs.outputs import read_metrics
+    from jobs.run.outputs import read_metrics
 
     return read_metrics(out)
 
@@ -362,8 +362,8 @@ def test_the_starting_adapter_is_the_dpo_reference(tmp_path):
             ],
         )
     )
-    from jobs.context import LocalContext
-    from jobs.loop import train
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
 
     train(sft, LocalContext(on_progress=lambda r: None), resume=False)
     adapter = sft_out / "adapter"

@@ -16,9 +16,9 @@ import pytest
 from inproc import ROOT, rayft_in_process
 
 import jobs.data.cache as data_mod
-import jobs.prepare as prepare_mod
+import jobs.data.prepare as prepare_mod
 from jobs.data import load_dataset
-from jobs.model import load_tokenizer
+from jobs.model.loading import load_tokenizer
 from jobs.spec import load_spec
 
 DEMO = str(ROOT / "examples" / "tiny-lora.yaml")

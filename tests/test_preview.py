@@ -21,7 +21,7 @@ import pytest
 from inproc import ROOT, rayft_in_process
 
 from jobs.data import IGNORE, Example, Pair, load_dataset
-from jobs.model import byte_tokenizer
+from jobs.model.loading import byte_tokenizer
 from jobs.spec import load_spec
 
 DEMO = str(ROOT / "examples" / "tiny-lora.yaml")

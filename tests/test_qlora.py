@@ -31,8 +31,8 @@ from torch import nn
 
 from jobs.data import collate
 from jobs.errors import SpecError
-from jobs.loop import CausalLMLoss
-from jobs.model import add_lora, load_base_model
+from jobs.model.loading import add_lora, load_base_model
+from jobs.train.loop import CausalLMLoss
 
 # bf16 compute (see test_lora_gradient_on_a_quantized_base_is_the_gradient_on_its_dequantized_weights)
 TOL_BF16 = 2e-2
@@ -241,10 +241,10 @@ QRUN = [
 
 
 def _train_nf4(rank: int, world: int, strategy: str, out: str) -> dict:
-    """`jobs.loop.train` without Ray on an nf4 tiny-llama (CPU: fp32 compute)."""
-    from jobs.context import LocalContext
-    from jobs.loop import train
+    """`jobs.train.loop.train` without Ray on an nf4 tiny-llama (CPU: fp32 compute)."""
     from jobs.spec import absolutize, load_spec
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
 
     os.chdir(ROOT)
     spec = absolutize(
@@ -265,7 +265,7 @@ def test_a_qlora_run_resumes_where_it_stopped(tmp_path, monkeypatch):
 
     from gradtools import final_adapter
 
-    from jobs import checkpoint as ckpt
+    from jobs.run import checkpoint as ckpt
 
     monkeypatch.chdir(ROOT)
     whole = tmp_path / "whole"
@@ -298,7 +298,7 @@ def test_fsdp_over_an_nf4_base_ends_with_the_ddp_adapter(tmp_path):
 
 
 def test_a_checkpoint_of_a_quantized_run_does_not_resume_on_another_base():
-    from jobs.checkpoint import check_resumable, resume_key
+    from jobs.run.checkpoint import check_resumable, resume_key
 
     saved = resume_key(tiny_spec("model.quantization=nf4"))
     check_resumable(saved, tiny_spec("model.quantization=nf4"), "ckpt")
@@ -309,7 +309,7 @@ def test_a_checkpoint_of_a_quantized_run_does_not_resume_on_another_base():
 def test_a_checkpoint_from_before_quantization_resumes_on_an_unquantized_base_only():
     """A checkpoint whose resume key predates `model.quantization` trained an unquantized base:
     the missing key reads as the default, "none"."""
-    from jobs.checkpoint import check_resumable, resume_key
+    from jobs.run.checkpoint import check_resumable, resume_key
 
     saved = resume_key(tiny_spec())
     del saved["model.quantization"]
@@ -380,7 +380,7 @@ def test_4bit_weights_survive_fully_shard_in_training(tmp_path):
 
 
 def test_quantization_without_bitsandbytes_names_the_field(monkeypatch):
-    from jobs.model import quantization_config
+    from jobs.model.loading import quantization_config
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if not installed
     with pytest.raises(SpecError, match=r"^model\.quantization=int8 needs bitsandbytes"):

@@ -15,8 +15,8 @@ import torch
 from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, reference_run, rel_err
 from polling import wait_group_gone, wait_until
 
-from jobs import checkpoint as ckpt
-from jobs.outputs import read_events, read_metrics
+from jobs.run import checkpoint as ckpt
+from jobs.run.outputs import read_events, read_metrics
 
 BIN = Path(sys.executable).parent
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from gradtools import final_adapter, tiny_spec
 
-from jobs.context import LocalContext
-from jobs.loop import train
-from jobs.outputs import read_metrics
+from jobs.run.outputs import read_metrics
+from jobs.train.context import LocalContext
+from jobs.train.loop import train
 
 OPTIMIZERS = {
     "adamw": ("optim.name=adamw",),

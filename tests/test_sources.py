@@ -14,7 +14,7 @@ import pytest
 from jobs.data import load_dataset, read_jsonl
 from jobs.errors import SpecError
 from jobs.finetune import main as finetune_main
-from jobs.model import byte_tokenizer
+from jobs.model.loading import byte_tokenizer
 from jobs.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,11 +16,11 @@ import pytest
 from conftest import free_port
 from gradtools import ROOT
 
-from jobs.context import LocalContext
-from jobs.loop import train
-from jobs.outputs import read_metrics
+from jobs.run.outputs import read_metrics
+from jobs.run.tracking import MLFLOW_RUN_FILE, TENSORBOARD_DIR
 from jobs.spec import absolutize, load_spec
-from jobs.tracking import MLFLOW_RUN_FILE, TENSORBOARD_DIR
+from jobs.train.context import LocalContext
+from jobs.train.loop import train
 
 pytest.importorskip("mlflow")
 pytest.importorskip("tensorboard")
@@ -223,7 +223,7 @@ def test_a_search_logs_every_trial_as_a_run_of_one_experiment(tmp_path, ray_head
 def test_the_loss_curve_has_eval_points_only_where_the_eval_ran(tmp_path, monkeypatch):
     """metrics.jsonl carries the last eval loss forward on every step; the plot (and the trackers)
     take it only at the steps marked `evaluated` (every run.eval_every=2 steps, and the last)."""
-    from jobs.outputs import loss_points
+    from jobs.run.outputs import loss_points
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"

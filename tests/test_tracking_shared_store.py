@@ -1,6 +1,6 @@
 """Runs that share one new MLflow SQLite store (`run.mlflow_tracking_uri=sqlite:///...`) and open it
 at the same moment each keep their tracker: MLflow makes a new store's schema on first use, and
-two runs racing through those migrations lost one tracker (`jobs.tracking.store_lock`)."""
+two runs racing through those migrations lost one tracker (`jobs.run.tracking.store_lock`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gradtools import DATA, ROOT
 _OPEN = """
 import sys, time
 from jobs.spec import load_spec
-from jobs.tracking import open_trackers
+from jobs.run.tracking import open_trackers
 uri, out, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
 spec = load_spec(data={"name": "shared", "data": {"path": [sys.argv[4]]}, "run": {"max_steps": 1,
     "output_dir": out, "trackers": ["mlflow"], "mlflow_tracking_uri": uri}}, files=False)

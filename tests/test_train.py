@@ -12,11 +12,11 @@ import pytest
 import torch
 from gradtools import ROOT, final_adapter, rel_err, tiny_spec
 
-from jobs.checkpoint import load_adapter
-from jobs.context import LocalContext
-from jobs.loop import train
-from jobs.outputs import read_metrics
+from jobs.run.checkpoint import load_adapter
+from jobs.run.outputs import read_metrics
 from jobs.spec import load_spec
+from jobs.train.context import LocalContext
+from jobs.train.loop import train
 
 # What `make demo`'s console may show: rayft's lines and Ray's token-auth notice, nothing else (no
 # Ray-internal error lines, no library notices about code the run does not use).
@@ -174,7 +174,7 @@ def test_lora_inputs_in_the_compute_dtype_same_gradient_fewer_saved_bytes():
     casts it straight back): the gradient is bitwise the same, and backward keeps less."""
     from gradtools import build_engine, grads, window_inputs
 
-    from jobs.loop import train_window
+    from jobs.train.step import train_window
 
     result = {}
     for casting in (True, False):

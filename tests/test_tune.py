@@ -204,10 +204,10 @@ def test_plan_fixed_global_batch(tmp_path):
 
 def test_trials_run_the_checkpointing_their_plan_estimated(tmp_path):
     """A budget between selective (every 2nd layer) and no checkpointing: the plan picks the
-    selective choice, and the trial's own `auto` (jobs.loop.memory_plan) picks it too."""
+    selective choice, and the trial's own `auto` (jobs.train.loop.memory_plan) picks it too."""
     import torch
 
-    from jobs.loop import memory_plan
+    from jobs.train.loop import memory_plan
     from tune.plan import plan_search, trial_job_dict
     from tune.spec import load_search_spec
 

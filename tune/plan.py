@@ -5,7 +5,7 @@ before anything starts. Pure: no Ray, no model weights, no files written.
 batch, lr rule, and `objective.beta` where `search.beta` lists values) and gives each
 micro-batch the `jobs.memory.MemoryPlan` its trials will run: `plan_for_spec` on the base job
 with the search budget as `memory.budget_gib`, the same call (same spec fields, same budget) a
-trial's worker makes through `jobs.loop.memory_plan`. So the strategy (`resources.strategy:
+trial's worker makes through `jobs.train.loop.memory_plan`. So the strategy (`resources.strategy:
 auto`: DDP when it fits, else FSDP) and the checkpointing a point is judged with
 (`memory.gradient_checkpointing`: true, false, or auto = off when that fits, else the sparsest
 every-k-th-layer checkpointing that fits) is the one its trial uses, and the estimate is that

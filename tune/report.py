@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from jobs.memory import checkpointing_str
-from jobs.outputs import write_json_atomic, write_text_atomic
+from jobs.run.outputs import write_json_atomic, write_text_atomic
 from jobs.spec import JobSpec
 
 from .plan import TIME_ATTR, Plan, gib_str

@@ -12,7 +12,7 @@ own record says finished or out of memory is reported from that record, never tr
 
 A lost node is the cluster's fault, not the configuration's: the search spec's `run.max_failures`
 (the trial's own Train run keeps 0, so out of memory is never retried) is how many times a trial
-whose training worker's node died (`jobs.launch.node_lost`: Ray marked that node dead) trains
+whose training worker's node died (`jobs.launch.on_ray.node_lost`: Ray marked that node dead) trains
 again, resuming from its newest checkpoint. Past that, the trial is an error that names the node,
 and the search goes on.
 
@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from jobs.errors import NodeLost, SpecError, oom_line
-from jobs.launch import make_trainer, node_lost, relay_actor, reported_placement
-from jobs.outputs import write_json_atomic
+from jobs.launch.on_ray import make_trainer, node_lost, relay_actor, reported_placement
+from jobs.run.outputs import write_json_atomic
 from jobs.spec import JobSpec
 
 from .plan import (
@@ -201,7 +201,7 @@ def final_value(summary: dict, out: Path, metric: str, max_steps: int) -> float 
     (a job resumed at its last checkpoint trains no step and its summary carries only the eval loss)."""
     if summary.get(metric) is not None:
         return summary[metric]
-    from jobs.outputs import read_metrics
+    from jobs.run.outputs import read_metrics
 
     last = [r for r in read_metrics(out) if r.get("step") == max_steps and r.get(metric) is not None]
     return last[-1][metric] if last else None
@@ -262,7 +262,7 @@ def per_trial_cpus(spec: SearchSpec) -> int:
 def init_ray(address: str | None, num_cpus: int | None, per_trial: int) -> None:
     """An embedded Ray big enough for two trials at once: on 2 cores two 1-worker trials need
     4 logical CPUs."""
-    from jobs.launch import init_ray as init
+    from jobs.launch.on_ray import init_ray as init
 
     init(address, num_cpus or max(os.cpu_count() or 1, 2 * per_trial), log_to_driver=False)
 
@@ -343,7 +343,7 @@ def tracking_callbacks(spec: SearchSpec) -> list:
     cannot be reached is one warning and the search runs without it."""
     if "mlflow" not in spec.run.trackers:
         return []
-    from jobs.tracking import experiment_id, shown_uri, tracking_uri
+    from jobs.run.tracking import experiment_id, shown_uri, tracking_uri
 
     uri = tracking_uri(spec)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -575,7 +575,7 @@ def _trial_verdict(res, st: dict, m: dict, samples: int) -> tuple[str, str, dict
 
 def _trial_row(plan: Plan, res, out: Path) -> dict | None:
     """The row of one launched trial; None for a Tune result that is not one of this plan's."""
-    from jobs.outputs import read_metrics
+    from jobs.run.outputs import read_metrics
 
     trial_id = Path(res.path).name
     tdir = out / TRIALS_DIR / trial_id

@@ -27,7 +27,7 @@ One module per role, each importing only those above it:
 Callers import from `jobs.data`; the names below are the package's interface.
 """
 
-from .batches import (
+from jobs.data.batches import (
     GlobalBatches,
     collate,
     collate_at,
@@ -43,7 +43,7 @@ from .batches import (
     split_window,
     total_steps,
 )
-from .cache import (
+from jobs.data.cache import (
     CACHE_FORMAT,
     Concatenated,
     Dataset,
@@ -60,10 +60,10 @@ from .cache import (
     source_hash,
     tokenizer_hash,
 )
-from .chat import chat_pair_texts, chat_prompt_ids, chat_spans
-from .mixture import MixtureBatches, Sampler, batches_for, check_every_source_sampled, step_metrics
-from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs, tokenize_pairs_iter, truncate_pair
-from .records import (
+from jobs.data.chat import chat_pair_texts, chat_prompt_ids, chat_spans
+from jobs.data.mixture import MixtureBatches, Sampler, batches_for, check_every_source_sampled, step_metrics
+from jobs.data.pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs, tokenize_pairs_iter, truncate_pair
+from jobs.data.records import (
     OUR_FIELDS,
     PAIR,
     PAIR_FIELDS,
@@ -77,8 +77,8 @@ from .records import (
     record_format,
     record_kind,
 )
-from .sources import DATASETS_SUFFIXES, is_hub, read_jsonl, read_records
-from .tokenizing import IGNORE, Example, encode_prompt, tokenize, tokenize_iter
+from jobs.data.sources import DATASETS_SUFFIXES, is_hub, read_jsonl, read_records
+from jobs.data.tokenizing import IGNORE, Example, encode_prompt, tokenize, tokenize_iter
 
 __all__ = [
     "CACHE_FORMAT",

@@ -26,11 +26,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..spec import JobSpec
-from .cache import Concatenated, Segments, TokenizedPairs, TokenizedSplit
-from .pairs import Pair
-from .records import PAIR_FIELDS
-from .tokenizing import IGNORE, Example
+from jobs.data.cache import Concatenated, Segments, TokenizedPairs, TokenizedSplit
+from jobs.data.pairs import Pair
+from jobs.data.records import PAIR_FIELDS
+from jobs.data.tokenizing import IGNORE, Example
+from jobs.spec import JobSpec
 
 
 class GlobalBatches:

@@ -22,7 +22,7 @@ The key covers what decides the tokens: the data's content (`content_hash`), the
 its chat template (`tokenizer_hash`), `max_seq_len`, the fields, `train_on`, the held-out split
 and, for a preference objective, that the entry holds pairs (an SFT entry's key is what it was
 before pairs existed, so existing SFT entries stay valid). One process builds an entry
-(`jobs.cache.build_once`: a lock, an atomic rename); a restart, a resume, a Tune trial or a later
+(`jobs.run.build_once.build_once`: a lock, an atomic rename); a restart, a resume, a Tune trial or a later
 run tokenizes nothing and holds only the pages it touches (`TokenizedSplit`, `TokenizedPairs`).
 An entry that fails its checks (a partial write, another job's mistake, a link: `jobs.data.verify`
 and `_check_layout`) was ours to build: it is set aside (`<entry>.bad-<time>`, never deleted)
@@ -31,7 +31,7 @@ the file.
 
 A mixture (`data.mix`) has no entry of its own: each source is the entry it would be as a job's
 only data (`load_mixture`), and the mixture is those entries side by side (`Concatenated`).
-`rayft data prepare` (`jobs.prepare`) builds the same entry ahead of the job, tokenizing on Ray:
+`rayft data prepare` (`jobs.data.prepare`) builds the same entry ahead of the job, tokenizing on Ray:
 both builds share the per-record rule (`tokenized`), the writer (`write_entry`) and the
 publication (`publish_entry`), so both write the same bytes.
 """
@@ -51,14 +51,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..cache import build_once, set_aside
-from ..errors import SpecError
-from ..spec import JobSpec, one_line, path_problem
-from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter
-from .records import PAIR_FIELDS, PAIRS, SFT, record_kind
-from .sources import dataset_dir_files, datasets_rows, first_record_format, is_hub, read_jsonl, read_records
-from .tokenizing import IGNORE, Example, tokenize_iter
-from .verify import DIGEST, BadEntry, check_contents, check_files, file_records
+from jobs.data.pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter
+from jobs.data.records import PAIR_FIELDS, PAIRS, SFT, record_kind
+from jobs.data.sources import dataset_dir_files, datasets_rows, first_record_format, is_hub, read_jsonl, read_records
+from jobs.data.tokenizing import IGNORE, Example, tokenize_iter
+from jobs.data.verify import DIGEST, BadEntry, check_contents, check_files, file_records
+from jobs.errors import SpecError
+from jobs.run.build_once import build_once, set_aside
+from jobs.spec import JobSpec, one_line, path_problem
 
 log = logging.getLogger("rayft")
 
@@ -579,7 +579,7 @@ def load_dataset(spec: JobSpec, tokenizer) -> Dataset:
     """The spec's data, tokenized once into the shared cache (`data_cache_dir`) and memory-mapped.
 
     The first process to need a cache entry reads and tokenizes the data under a lock and
-    publishes the entry by atomic rename (`jobs.cache.build_once`); every other process, now or
+    publishes the entry by atomic rename (`jobs.run.build_once.build_once`); every other process, now or
     in a later run, maps the published files. Bad data raises a SpecError and leaves no entry.
     A mixture (`data.mix`) is each source's own entry (`load_mixture`)."""
     if spec.data.mix is not None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from ..errors import SpecError
-from ..spec import one_line
+from jobs.errors import SpecError
+from jobs.spec import one_line
 
 
 def _model_name(tokenizer) -> str:

@@ -39,9 +39,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import SpecError
-from .batches import GlobalBatches, count_labels
-from .cache import Dataset
+from jobs.data.batches import GlobalBatches, count_labels
+from jobs.data.cache import Dataset
+from jobs.errors import SpecError
 
 
 class Sampler(Protocol):

@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .chat import chat_pair_texts
-from .records import char_bound, cut_record, cut_text
-from .tokenizing import with_bos
+from jobs.data.chat import chat_pair_texts
+from jobs.data.records import char_bound, cut_record, cut_text
+from jobs.data.tokenizing import with_bos
 
 DROP_EMPTY, DROP_IDENTICAL = "empty", "identical"  # why `tokenize_pairs_iter` dropped a pair
 

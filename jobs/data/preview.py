@@ -26,12 +26,12 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..spec import JobSpec
-from .cache import check_mixture_kinds, data_kind, source_keys
-from .pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter_truncated
-from .records import PAIR_FIELDS, PAIRS
-from .sources import read_records
-from .tokenizing import IGNORE, Example, tokenize_iter_truncated
+from jobs.data.cache import check_mixture_kinds, data_kind, source_keys
+from jobs.data.pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_iter_truncated
+from jobs.data.records import PAIR_FIELDS, PAIRS
+from jobs.data.sources import read_records
+from jobs.data.tokenizing import IGNORE, Example, tokenize_iter_truncated
+from jobs.spec import JobSpec
 
 HISTOGRAM_BINS = 10  # at most; bins are equal ranges of sequence length ending at max_seq_len
 DROP_NO_LABEL = "no_label"  # an SFT record left without a label token after truncation

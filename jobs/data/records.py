@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import re
 
-from ..errors import SpecError
-from ..spec import one_line
+from jobs.errors import SpecError
+from jobs.spec import one_line
 
 ROLES = ("system", "user", "assistant")
 OUR_FIELDS = ("text", "prompt", "completion", "messages", "chosen", "rejected")

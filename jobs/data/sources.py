@@ -19,9 +19,7 @@ import os
 import random
 from pathlib import Path
 
-from ..errors import SpecError
-from ..spec import OBJECTIVE_BY_NAME, JobSpec, one_line, path_problem
-from .records import (
+from jobs.data.records import (
     MESSAGES,
     PAIR,
     PAIRS,
@@ -34,6 +32,8 @@ from .records import (
     record_format,
     record_kind,
 )
+from jobs.errors import SpecError
+from jobs.spec import OBJECTIVE_BY_NAME, JobSpec, one_line, path_problem
 
 DATASETS_SUFFIXES = {".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .chat import chat_spans
-from .records import MESSAGES, PROMPT_COMPLETION, TEXT, char_bound, record_format
+from jobs.data.chat import chat_spans
+from jobs.data.records import MESSAGES, PROMPT_COMPLETION, TEXT, char_bound, record_format
 
 IGNORE = -100
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .tokenizing import IGNORE
+from jobs.data.tokenizing import IGNORE
 
 DIGEST = "sha256"  # the key of each file's digest in meta.json's "files"
 BLOCK_BYTES = 1 << 22  # read in blocks of whole int32 tokens

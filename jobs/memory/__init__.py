@@ -5,11 +5,11 @@ No GPU, no model is built, no weight is read. Tune, the driver and
 `memory.gradient_checkpointing: auto` call it before anything is launched, so it must be
 cheap and must not need the weights.
 
-What it models is what rayft actually runs (`jobs.model` + `jobs.loop`): frozen base weights
+What it models is what rayft actually runs (`jobs.model.loading` + `jobs.train.loop`): frozen base weights
 in the compute dtype (or quantized by bitsandbytes: nf4, int8), LoRA weights in fp32 (PEFT),
 autocast for bf16/fp16, HF non-reentrant checkpointing of whole decoder layers, and
 `CausalLMLoss` (LM head + fp32 cross-entropy on the label positions only, optionally in
-checkpointed chunks), under DDP or FSDP2 (`jobs.fsdp`: every parameter sharded per rank, the
+checkpointed chunks), under DDP or FSDP2 (`jobs.train.fsdp`: every parameter sharded per rank, the
 units in flight gathered). `plan_for_spec` is the one place that picks the strategy and the
 checkpointing (`choose_plan`).
 
@@ -38,7 +38,7 @@ tests/test_memory_gpu_results.py recomputes them). `framework_overhead` (CUDA co
 allocator slack) is a documented constant, not measured by either.
 """
 
-from .choices import (
+from jobs.memory.choices import (
     CHOICE_DDP,
     CHOICE_FSDP,
     CHOICE_FSDP_KEEP,
@@ -50,7 +50,7 @@ from .choices import (
     strategy_choices,
     strategy_str,
 )
-from .components import (
+from jobs.memory.components import (
     ALLOCATOR_SLACK_FRACTION,
     BEFORE_FORWARD_COMPONENTS,
     COMPONENT_ORDER,
@@ -64,9 +64,9 @@ from .components import (
     MemoryEstimate,
     estimate,
 )
-from .config_io import config_from_spec
-from .plan import MemoryPlan, estimate_for_spec, plan_budget_gib, plan_for_spec
-from .shapes import (
+from jobs.memory.config_io import config_from_spec
+from jobs.memory.plan import MemoryPlan, estimate_for_spec, plan_budget_gib, plan_for_spec
+from jobs.memory.shapes import (
     DTYPE_BYTES,
     FP32_BYTES,
     GIB,
@@ -87,8 +87,8 @@ from .shapes import (
     model_shape,
     quantized_bytes,
 )
-from .spec_estimate import SpecEstimator, spec_grad_accum_steps, spec_objective, spec_precision, spec_seq_len
-from .tables import choose_plan_from_table, feasible_pairs, plan_table, smallest_budget_gib, strategy_table
+from jobs.memory.spec_estimate import SpecEstimator, spec_grad_accum_steps, spec_objective, spec_precision, spec_seq_len
+from jobs.memory.tables import choose_plan_from_table, feasible_pairs, plan_table, smallest_budget_gib, strategy_table
 
 __all__ = [
     "ALLOCATOR_SLACK_FRACTION",

@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..spec import DEFAULT_TARGET_MODULES
-from .replay import ReplayTensor, Walk
-from .shapes import (
+from jobs.memory.replay import ReplayTensor, Walk
+from jobs.memory.shapes import (
     DTYPE_BYTES,
     FP32_BYTES,
     GIB,
@@ -45,6 +44,7 @@ from .shapes import (
     quantized_bytes,
     shard_bytes,
 )
+from jobs.spec import DEFAULT_TARGET_MODULES
 
 # CUDA context (driver, kernels of torch/cuBLAS/cuDNN loaded lazily) as seen by nvidia-smi on
 # an H100/H200 with torch 2.x; it is outside `torch.cuda.max_memory_allocated`.
@@ -183,11 +183,11 @@ def estimate(
 
     `config` is a transformers config (or a `ModelShape`). `base_dtype` is the dtype of the
     frozen weights and of the activations; anything but fp32 means autocast with fp32 LoRA
-    weights, as `jobs.loop` runs it. Ragged micro-batches cost what full ones of the same
+    weights, as `jobs.train.loop` runs it. Ragged micro-batches cost what full ones of the same
     padded length do (`jobs.data.collate` adds no mask). `packed` means `data.packing` rows
     (`micro_batch_size` rows of `seq_len` tokens, several sequences each): a shared float
     block mask and per-row RoPE tables. `label_fraction` is label tokens / (micro_batch_size x seq_len).
-    `gradient_as_bucket_view` matches `jobs.loop`'s DDP (True): the LoRA gradients live in
+    `gradient_as_bucket_view` matches `jobs.train.loop`'s DDP (True): the LoRA gradients live in
     DDP's buckets, so buckets cost nothing extra; False adds a second fp32 copy.
     `grad_accum_steps` > 1 (micro-steps per optimizer step, the gate off on all but the last)
     adds `no_sync_grads`: what the window's gradients hold beyond `lora_grads` (`_no_sync_grads`).
@@ -195,7 +195,7 @@ def estimate(
     from the CPU ones (dropout masks, layer_norm under autocast, attention output layout);
     `device="cpu"` is what the CPU tests measure.
 
-    `strategy="fsdp"` (FSDP2 over `world_size` ranks in `jobs.fsdp`'s units: the embeddings, each
+    `strategy="fsdp"` (FSDP2 over `world_size` ranks in `jobs.train.fsdp`'s units: the embeddings, each
     decoder layer, [final norm, LM head]): every parameter -- frozen and LoRA -- is sharded on dim
     0, padded to a multiple of `world_size`, and so are the LoRA gradients and optimizer state;
     there is no DDP bucket. `fsdp_gathered` is the most that is all-gathered at once at any
@@ -490,7 +490,7 @@ def _static(
 
     # An all-gathered parameter's storage is the whole padded dim 0 (world x the padded shard;
     # the parameter is a view of it), measured on 2 gloo ranks (tests/test_memory.py).
-    # jobs.fsdp gathers in the compute dtype (MixedPrecisionPolicy(param_dtype=...)).
+    # jobs.train.fsdp gathers in the compute dtype (MixedPrecisionPolicy(param_dtype=...)).
     def gathered(dims: list[tuple[int, ...]]) -> int:
         return sum(shard_world * shard_bytes(d, a, shard_world) for d in dims)
 
@@ -540,7 +540,7 @@ def _no_sync_grads(
 
 
 def _fsdp_gathered(units: dict[str, int], layers: int, reshard_after_forward: bool, tied: bool) -> int:
-    """The most FSDP2 holds all-gathered at once over a step, for `jobs.fsdp.units` (bytes of one
+    """The most FSDP2 holds all-gathered at once over a step, for `jobs.train.fsdp.units` (bytes of one
     unit all-gathered: E embeddings, l a decoder layer, H [final norm, LM head]; L layers).
 
     What FSDP2 does (torch 2.13, `FSDPParamGroup`), and so what is counted: a unit's all-gather

@@ -21,12 +21,12 @@ def config_from_spec(spec):
     """
     from transformers import AutoConfig
 
-    from ..errors import SpecError
-    from ..spec import resolve_model_dir
+    from jobs.errors import SpecError
+    from jobs.spec import resolve_model_dir
 
     m = spec.model
     if m.name == "tiny-llama":
-        from ..model import tiny_llama_config
+        from jobs.model.loading import tiny_llama_config
 
         return tiny_llama_config(attn_implementation=m.attn_implementation)
 

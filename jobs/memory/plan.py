@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import config_io
-from .choices import CHOICES, checkpointing_str, choose_plan, fixed_choice, strategy_choices, strategy_str
-from .components import MemoryEstimate
-from .spec_estimate import SpecEstimator, estimate_of_spec, spec_grad_accum_steps, spec_precision, spec_seq_len
+from jobs.memory import config_io
+from jobs.memory.choices import CHOICES, checkpointing_str, choose_plan, fixed_choice, strategy_choices, strategy_str
+from jobs.memory.components import MemoryEstimate
+from jobs.memory.spec_estimate import (
+    SpecEstimator,
+    estimate_of_spec,
+    spec_grad_accum_steps,
+    spec_precision,
+    spec_seq_len,
+)
 
 
 @dataclass(frozen=True)

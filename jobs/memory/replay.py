@@ -8,7 +8,7 @@ peft 0.21 (tests/test_memory.py checks them against `saved_tensors_hooks`):
 
 * Frozen base linears save nothing but their weight; the LoRA A matmul saves the input.
 * PEFT would cast every LoRA input to fp32 under autocast (and autocast back), giving each
-  adapted module its *own* bf16 copy of its input to keep; `jobs.model` turns that off, so
+  adapted module its *own* bf16 copy of its input to keep; `jobs.model.loading` turns that off, so
   the adapters of q, k and v (gate and up) keep one shared tensor, counted once.
 * RMSNorm keeps an fp32 copy of its input; without checkpointing the first layer's input
   norm saves nothing (the embeddings are frozen); HF checkpointing turns input grads on.
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .shapes import FP32_BYTES, INDEX_BYTES, ModelShape, round_up
+from jobs.memory.shapes import FP32_BYTES, INDEX_BYTES, ModelShape, round_up
 
 
 @dataclass
@@ -136,7 +136,7 @@ class Walk:
         if name not in self.targets:
             return out
         n, r, a = self.N, self.r, self.a
-        # The adapters read their input in the compute dtype (`jobs.model` keeps PEFT from
+        # The adapters read their input in the compute dtype (`jobs.model.loading` keeps PEFT from
         # casting it to fp32 under autocast), so lora_A keeps the very tensor the base linear
         # got: q, k and v (gate and up) share it.
         lora_in = x

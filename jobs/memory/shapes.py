@@ -201,7 +201,7 @@ def base_param_shapes(shape: ModelShape) -> list[tuple[str, str, tuple[int, ...]
 
 
 def fsdp_unit_shapes(shape: ModelShape) -> dict[str, list[tuple[int, ...]]]:
-    """The frozen parameters of the FSDP units beside the decoder layers, as `jobs.fsdp.units`
+    """The frozen parameters of the FSDP units beside the decoder layers, as `jobs.train.fsdp.units`
     makes them: "embeddings" (the input embeddings) and "head" (the final norm's parameters and
     the LM head). Tied embeddings are one weight for both ends, so one unit: "embeddings" is
     empty and "head" holds the shared embedding and the final norm."""

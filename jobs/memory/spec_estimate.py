@@ -11,11 +11,11 @@ Pure: the model config comes in as an object (`config_io` reads it, at the entry
 
 from __future__ import annotations
 
-from ..errors import SpecError
-from ..spec import compute_precision
-from .choices import CHOICES
-from .components import MemoryEstimate, estimate
-from .shapes import model_shape, round_up
+from jobs.errors import SpecError
+from jobs.memory.choices import CHOICES
+from jobs.memory.components import MemoryEstimate, estimate
+from jobs.memory.shapes import model_shape, round_up
+from jobs.spec import compute_precision
 
 
 def spec_precision(spec, device: str) -> str:

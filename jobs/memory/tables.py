@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import config_io
-from .choices import CHOICES, checkpointing_candidates, checkpointing_str, choose_plan, fixed_choice, strategy_choices
-from .components import STRATEGIES
-from .plan import MemoryPlan, estimate_for_spec, plan_from
-from .spec_estimate import SpecEstimator
+from jobs.memory import config_io
+from jobs.memory.choices import (
+    CHOICES,
+    checkpointing_candidates,
+    checkpointing_str,
+    choose_plan,
+    fixed_choice,
+    strategy_choices,
+)
+from jobs.memory.components import STRATEGIES
+from jobs.memory.plan import MemoryPlan, estimate_for_spec, plan_from
+from jobs.memory.spec_estimate import SpecEstimator
 
 
 def plan_table(spec, *, device: str = "cuda", config=None) -> dict:

@@ -6,10 +6,10 @@ module here whose class implements `Objective` and names that spec class in `spe
 below so that it is registered.
 """
 
-from .base import Objective
-from .pair_losses import pair_losses, summed_stats
-from .preference import REFERENCE_ADAPTER, PairObjective, PreferenceLoss
-from .sft import SFT, CausalLMLoss
+from jobs.objectives.base import Objective
+from jobs.objectives.pair_losses import pair_losses, summed_stats
+from jobs.objectives.preference import REFERENCE_ADAPTER, PairObjective, PreferenceLoss
+from jobs.objectives.sft import SFT, CausalLMLoss
 
 __all__ = [
     "REFERENCE_ADAPTER",

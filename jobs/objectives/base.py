@@ -1,9 +1,9 @@
 """The one interface every training objective implements, and the resolution of a spec's
 `objective` section into one (`Objective.of`).
 
-What the loop relies on, whatever the objective (`jobs.loop` module doc):
+What the loop relies on, whatever the objective (`jobs.train.loop` module doc):
 
-* The samples of optimizer step k are chosen by the loop (`jobs.loop.micro_batches_of`); the
+* The samples of optimizer step k are chosen by the loop (`jobs.train.loop.micro_batches_of`); the
   objective only collates them (`batch`) and says what the step's loss is a mean over (`count`:
   label tokens for SFT, pairs for a preference objective), counted over the whole global batch.
 * The loss module's output for one micro-batch is a *sum* over that unit: a scalar, or
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from pydantic import BaseModel
 from torch import nn
 
-from ..data import equal_micro_batches
+from jobs.data import equal_micro_batches
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -113,7 +113,7 @@ class Objective(ABC):
 
     @abstractmethod
     def plot_labels(self, spec) -> dict[str, str]:
-        """`jobs.outputs.plot_loss`'s title and axis labels for this objective's loss curve."""
+        """`jobs.run.outputs.plot_loss`'s title and axis labels for this objective's loss curve."""
 
     def prepare(self, spec, ctx, job, engine) -> None:  # noqa: B027 (most objectives prepare nothing)
         """Before the first step, on every rank, once the engine exists (a precomputed reference)."""

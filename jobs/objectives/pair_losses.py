@@ -12,7 +12,7 @@ For pair i (prompt x, chosen y_w, rejected y_l) the loop provides, as [P] tensor
 
 Each objective returns the loss of every pair. The loss of an optimizer step is the *mean over
 all pairs of the global batch*: the loop sums per-pair losses over its micro-batches and scales by
-world_size / pairs_in_the_global_batch (`jobs.loop.train_window`), so the step does not depend on
+world_size / pairs_in_the_global_batch (`jobs.train.step.train_window`), so the step does not depend on
 how the global batch is split into workers x accumulation x micro-batch.
 
 The definitions (docs/training.md writes them out):

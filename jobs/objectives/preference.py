@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
 
-from ..data import Concatenated, TokenizedPairs, collate_pairs_at
-from ..spec import OBJECTIVE_BY_NAME, DPOObjective, IPOObjective, ORPOObjective, SimPOObjective
-from .base import Objective
-from .pair_losses import ORPO_STATS, STATS, pair_losses, summed_stats
-from .reference import precomputed_reference
+from jobs.data import Concatenated, TokenizedPairs, collate_pairs_at
+from jobs.objectives.base import Objective
+from jobs.objectives.pair_losses import ORPO_STATS, STATS, pair_losses, summed_stats
+from jobs.objectives.reference import precomputed_reference
+from jobs.spec import OBJECTIVE_BY_NAME, DPOObjective, IPOObjective, ORPOObjective, SimPOObjective
 
 REFERENCE_ADAPTER = "reference"
 

@@ -34,7 +34,7 @@ def _adapter_digest(path: str | None) -> str | None:
     (a junk `adapter_model.old` of a gigabyte beside it is neither read nor hashed)."""
     if not path:
         return None
-    from ..data.cache import file_sha256
+    from jobs.data.cache import file_sha256
 
     h = hashlib.sha256()
     for name in ADAPTER_FILES:
@@ -49,7 +49,7 @@ def reference_key(spec, data_dir: Path, precision: str) -> str:
     whose key holds the data, tokenizer, template and truncation), the base (its files; tiny-llama
     is built from `run.seed`), its quantization and compute precision, the attention kernel and
     the starting adapter's bytes. Not the objective, beta or batch sizes: a search reuses one entry."""
-    from ..spec import resolve_model_dir
+    from jobs.spec import resolve_model_dir
 
     m = spec.model
     base = (
@@ -76,13 +76,13 @@ def precomputed_reference(spec, ctx, job, engine, pair_batch) -> dict:
     Every rank computes its share (`equal_micro_batches`: the same number of forwards everywhere,
     as FSDP needs) through the loss module's `reference_only` forward, under the run's autocast;
     a sum over ranks (each pair filled by exactly one rank, zeros elsewhere) gives every rank the
-    whole table, and the entry is published once (`jobs.cache.build_once`). Whether to compute is
+    whole table, and the entry is published once (`jobs.run.build_once.build_once`). Whether to compute is
     decided by all ranks together, so no rank enters the collective alone."""
     import numpy as np
     import torch.distributed as dist
 
-    from ..cache import build_once
-    from ..data import equal_micro_batches
+    from jobs.data import equal_micro_batches
+    from jobs.run.build_once import build_once
 
     final = job.data.cache_dir.with_name(
         f"{job.data.cache_dir.name}.reference-{reference_key(spec, job.data.cache_dir, job.precision)}"

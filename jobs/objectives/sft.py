@@ -1,6 +1,6 @@
 """SFT: the summed next-token loss over the label tokens, a mean over the label tokens of the
-global batch (`jobs.loop` module doc). `CausalLMLoss` is its loss module (moved here verbatim from
-`jobs.loop`, which re-exports it)."""
+global batch (`jobs.train.loop` module doc). `CausalLMLoss` is its loss module (moved here verbatim from
+`jobs.train.loop`, which re-exports it)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
 
-from ..data import Concatenated, TokenizedSplit, collate_at, count_labels
-from ..spec import SFTObjective
-from .base import Objective
+from jobs.data import Concatenated, TokenizedSplit, collate_at, count_labels
+from jobs.objectives.base import Objective
+from jobs.spec import SFTObjective
 
 
 @dataclass(frozen=True)

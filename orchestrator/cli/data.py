@@ -10,7 +10,7 @@
 
     rayft data prepare SPEC [k=v ...] [--address GCS_ADDRESS] [--num-cpus N]
         builds the job's tokenized cache entry ahead of the job, tokenizing on the Ray cluster's
-        CPUs with Ray Data (`jobs.prepare`): the same files, byte for byte, at the same path as
+        CPUs with Ray Data (`jobs.data.prepare`): the same files, byte for byte, at the same path as
         the job's own build, so `rayft run` then tokenizes nothing. Without --address (and no
         $RAY_ADDRESS) a local Ray with N logical CPUs (default: this machine's cores). An entry
         that exists is left alone (exit 0).
@@ -92,7 +92,7 @@ def cmd_preview(args) -> int:
     from rich.console import Console
 
     from jobs.data.preview import data_preview
-    from jobs.model import load_tokenizer
+    from jobs.model.loading import load_tokenizer
     from jobs.spec import load_spec
 
     spec = load_spec(args.spec, args.overrides)
@@ -109,9 +109,9 @@ def cmd_preview(args) -> int:
 def cmd_prepare(args) -> int:
     import ray
 
-    from jobs.model import load_tokenizer
-    from jobs.outputs import check_cache_place
-    from jobs.prepare import prepare
+    from jobs.data.prepare import prepare
+    from jobs.model.loading import load_tokenizer
+    from jobs.run.outputs import check_cache_place
     from jobs.spec import load_spec
 
     if args.num_cpus and args.address:
@@ -151,9 +151,9 @@ def _save_svg(doc: dict, args) -> None:
 
 def svg_target(path: str) -> Path:
     """The file `--svg` may write, or one line saying why not: a file name (not ''), in a place
-    rayft may write (`jobs.outputs.place_problem`), a new file or a regular one (never through a
+    rayft may write (`jobs.run.outputs.place_problem`), a new file or a regular one (never through a
     symbolic link, never a FIFO, device or directory), in a writable directory."""
-    from jobs.outputs import place_problem, writable_problem
+    from jobs.run.outputs import place_problem, writable_problem
 
     if not path.strip():
         raise SpecError("--svg: needs a file name (got '')")

@@ -1,4 +1,4 @@
-"""`rayft export` and `rayft generate`: what a user does with a finished run (`jobs.export`)."""
+"""`rayft export` and `rayft generate`: what a user does with a finished run (`jobs.after.export`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .output import say
 
 
 def cmd_export(args) -> int:
-    from jobs.export import export
+    from jobs.after.export import export
 
     target = export(Path(args.output_dir), merge=args.merge, dtype=args.dtype, to=Path(args.to) if args.to else None)
     say(f"{'merged model' if args.merge else 'adapter'} exported to {target}")
@@ -19,7 +19,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from jobs.export import generate, load_for_generation, prompts_from
+    from jobs.after.export import generate, load_for_generation, prompts_from
 
     check_generate_arguments(args)
     model, tok = load_for_generation(Path(args.output_dir))

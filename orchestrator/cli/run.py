@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any
 
-from jobs.outputs import format_step
+from jobs.run.outputs import format_step
 
 from . import Parser
 from .output import console
@@ -15,8 +15,8 @@ from .output import console
 
 
 def cmd_run(args) -> int:
-    from jobs import runlock
     from jobs.finetune import prepare, run
+    from jobs.run import runlock
 
     spec = prepare(args.spec, args.overrides, args.fresh, local=args.local, address=args.address)  # holds the lock
     try:
@@ -133,7 +133,7 @@ def _summary_table(summary: dict, spec) -> None:
 def cmd_eval(args) -> int:
     from rich.table import Table
 
-    from jobs.evaluate import evaluate
+    from jobs.after.evaluate import evaluate
     from jobs.spec import absolutize, load_spec
 
     spec = absolutize(load_spec(args.spec, args.overrides))
@@ -162,7 +162,7 @@ def _preference_table(result: dict, spec) -> None:
     columns when stderr is not a terminal (a log keeps each row on one line)."""
     from rich.table import Table
 
-    from jobs.evaluate_preference import ROLES
+    from jobs.after.evaluate_preference import ROLES
 
     out = console()
     if not out.is_terminal:

@@ -248,7 +248,7 @@ def cmd_tune(args) -> int:
     if args.plan:
         _print_plan(plan)
         return 0
-    from jobs.outputs import set_aside
+    from jobs.run.outputs import set_aside
     from tune.run import check_resume, run_search  # Ray: only when the search runs
 
     # Workers run elsewhere (another cwd): absolute paths for them, the user's paths for best.yaml.

@@ -84,7 +84,7 @@ def pod_disruption_budget(name: str, match_labels: dict[str, str]) -> Obj:
 
 
 DATA_MOUNT = "/mnt/rayft"  # every Ray pod mounts the data volume (PVC rayft-data) here
-# The hub's downloads and rayft's cache (jobs.model) on the data volume, in every Ray container:
+# The hub's downloads and rayft's cache (jobs.model.loading) on the data volume, in every Ray container:
 # in the container layer a large model fills the node's disk and the pod is evicted.
 CACHE_ENV = {"HF_HOME": f"{DATA_MOUNT}/cache/huggingface", "RAYFT_CACHE": f"{DATA_MOUNT}/cache/rayft"}
 _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)")

@@ -1,7 +1,7 @@
 """Worker context: what the training loop needs from whoever runs it.
 
 The loop core never imports Ray. `LocalContext` runs in one process or under `torchrun`
-(env://); `jobs.ray_context.RayContext` wraps Ray Train. Both expose the same few members.
+(env://); `jobs.train.ray_context.RayContext` wraps Ray Train. Both expose the same few members.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
+from jobs.run import checkpoint as ckpt
 
 
 class Context:

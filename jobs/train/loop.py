@@ -13,7 +13,7 @@ Reads top to bottom in `train()`. The two pieces tests poke at directly are
   multiplied by W / T; DDP averages over W ranks, so the reduced gradient is exactly
   sum(all token losses) / T -- the big-batch gradient, not a mean of per-micro-batch means.
 * Every micro-step but the last runs forward *and* backward inside `Engine.sync_gate` (DDP's
-  `no_sync()`; FSDP2's `set_requires_gradient_sync(False)`, `jobs.fsdp`), so gradients are
+  `no_sync()`; FSDP2's `set_requires_gradient_sync(False)`, `jobs.train.fsdp`), so gradients are
   reduced once per optimizer step (an all-reduce under DDP, a reduce-scatter under FSDP).
 * fp16: the GradScaler scales every micro-step's loss, `unscale_` runs once before
   clipping, `step`/`update` once per window; a skipped step is counted.
@@ -24,36 +24,30 @@ Reads top to bottom in `train()`. The two pieces tests poke at directly are
   names no objective.
 
 No `.item()` inside the window: scalars are read once per optimizer step (and transformers'
-own per-forward sync is turned off where the model loads: `jobs.model.skip_packed_sequence_detection`).
+own per-forward sync is turned off where the model loads: `jobs.model.loading.skip_packed_sequence_detection`).
 
 The host work of a step (`micro_batches_of`: the global batch's indices, length grouping, the
 window's counts, a mixture's per-source counts, this rank's split and collation) is numpy over
 the cache's arrays (a mixture's sources side by side have the same ones), and it runs
-one step ahead on a background thread (`jobs.prefetch.Prefetch`) while the current step
+one step ahead on a background thread (`jobs.train.prefetch.Prefetch`) while the current step
 computes. It is a pure function of the step, so the thread changes when it runs, never what
 the step trains on; an exception in it is raised in the training thread at the step it belongs to.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
-import resource
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import checkpoint as ckpt
-from . import fsdp, runlock
-from .context import Context
-from .data import (
+from jobs.data import (
     Dataset,
     Sampler,
     batches_for,
@@ -66,11 +60,9 @@ from .data import (
     step_metrics,
     total_steps,
 )
-from .early_stopping import EarlyStopping
-from .errors import RunError
-from .faults import from_env
-from .memory import MemoryPlan
-from .model import (
+from jobs.errors import RunError
+from jobs.memory import MemoryPlan
+from jobs.model.loading import (
     add_lora,
     check_batchnorm,
     check_packing,
@@ -79,13 +71,15 @@ from .model import (
     enable_checkpointing,
     load_base_model,
 )
-from .objectives import Objective
-from .objectives.base import all_reduce_sum, to_device
+from jobs.objectives import Objective
+from jobs.objectives.base import all_reduce_sum
 
 # Re-exported: tests and bench/ import these from here.
-from .objectives.sft import CausalLMLoss as CausalLMLoss
-from .objectives.sft import layout_args as layout_args
-from .outputs import (
+from jobs.objectives.sft import CausalLMLoss as CausalLMLoss
+from jobs.objectives.sft import layout_args as layout_args
+from jobs.run import checkpoint as ckpt
+from jobs.run import runlock
+from jobs.run.outputs import (
     PLOT,
     SUMMARY,
     MetricsLog,
@@ -96,125 +90,30 @@ from .outputs import (
     read_metrics,
     write_json_atomic,
 )
-from .prefetch import Prefetch
-from .spec import JobSpec, compute_precision
-from .tracking import open_trackers
+from jobs.run.tracking import Trackers, open_trackers
+from jobs.spec import JobSpec, compute_precision
+from jobs.train import fsdp
+from jobs.train.context import Context
+from jobs.train.early_stopping import EarlyStopping
+from jobs.train.faults import from_env
+from jobs.train.prefetch import Prefetch
+from jobs.train.step import (
+    Engine,
+    lr_at,
+    make_optimizer,
+    optimizer_step,
+    peak_memory_bytes,
+    train_window,
+)
 
 log = logging.getLogger("rayft")
 GIB = 1024**3
 
 
-@dataclass
-class Engine:
-    """Everything one optimizer step touches."""
-
-    module: nn.Module  # the objective's loss module; wrapped in DDP or sharded by FSDP2 (`jobs.fsdp`) when world > 1
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    device: torch.device
-    precision: str
-    world_size: int
-
-    def autocast(self):
-        if self.precision in ("bf16", "fp16"):
-            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-            return torch.autocast(self.device.type, dtype=dtype)
-        return contextlib.nullcontext()
-
-    @property
-    def is_ddp(self) -> bool:
-        return isinstance(self.module, nn.parallel.DistributedDataParallel)
-
-    @property
-    def unwrapped(self) -> nn.Module:
-        """`module` without DDP's wrapper (held-out passes run it directly: no gradient sync)."""
-        m = self.module
-        return m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
-
-    def sync_gate(self, last: bool):
-        """Forward and backward of one micro-step run inside this: gradients are reduced across
-        ranks only when `last` (the window's last micro-step); before it each rank accumulates
-        its own. DDP decides in forward whether to reduce, so forward must be inside too."""
-        if fsdp.is_fsdp(self.module):
-            return fsdp.gradient_sync(self.module, last)
-        if last or not self.is_ddp:
-            return contextlib.nullcontext()
-        return cast(nn.parallel.DistributedDataParallel, self.module).no_sync()
-
-
-def train_window(
-    engine: Engine,
-    micro_batches: Sequence[dict],
-    denominator: int,
-    after_micro_step: Callable[[int], None] | None = None,
-) -> torch.Tensor:
-    """Forward/backward over one rank's micro-batches of one global batch.
-
-    `denominator` is what the step's loss is a mean over, counted over the whole global batch
-    (`Objective.count`: label tokens, pairs, ...). Returns this rank's sums (a device tensor: no
-    host sync here): the summed loss (a scalar) or, where the loss module also returns statistics,
-    the vector [summed loss, *summed statistics in `Objective.stat_names` order] (float64).
-    `after_micro_step(j)` is an observer (tests, profilers) called after each backward.
-    """
-    scale = engine.world_size / denominator  # DDP divides by world_size; see module doc
-    sums: torch.Tensor | None = None
-    last = len(micro_batches) - 1
-    for j, mb in enumerate(micro_batches):
-        with engine.sync_gate(j == last):
-            with engine.autocast():
-                out = engine.module(**to_device(mb, engine.device))
-            summed, stats = out if isinstance(out, tuple) else (out, None)
-            engine.scaler.scale(summed * scale).backward()
-        part = summed.detach().float() if stats is None else torch.cat([summed.detach().double().view(1), stats])
-        sums = part if sums is None else sums + part
-        if after_micro_step is not None:
-            after_micro_step(j)
-    return sums if sums is not None else torch.zeros((), device=engine.device)
-
-
-def optimizer_step(engine: Engine, max_grad_norm: float | None) -> tuple[torch.Tensor, float | None]:
-    """Unscale once, clip, step, update. Returns (grad norm tensor, scale before or None)."""
-    scale_before = engine.scaler.get_scale() if engine.scaler.is_enabled() else None
-    engine.scaler.unscale_(engine.optimizer)  # exactly once per window, before clipping
-    grad_norm = fsdp.clip_grad_norm(engine.params, max_grad_norm if max_grad_norm else float("inf"))
-    engine.scaler.step(engine.optimizer)  # skips the update if any gradient is inf/nan
-    engine.scaler.update()
-    engine.optimizer.zero_grad(set_to_none=True)
-    return grad_norm, scale_before
-
-
-def lr_at(step: int, total: int, spec: JobSpec) -> float:
-    """The scaled lr for optimizer step `step` (0-based): linear warmup, then cosine or constant."""
-    peak = spec.effective_lr
-    o = spec.optim
-    if step < o.warmup_steps:
-        return peak * (step + 1) / o.warmup_steps
-    if o.schedule == "constant":
-        return peak
-    span = max(1, total - o.warmup_steps - 1)
-    progress = min(1.0, (step - o.warmup_steps) / span)
-    return peak * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def make_optimizer(spec: JobSpec, params: list, device: torch.device) -> torch.optim.Optimizer:
-    o = spec.optim
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=spec.effective_lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    fused = o.fused == "on" or (o.fused == "auto" and device.type == "cuda")
-    return torch.optim.AdamW(params, lr=spec.effective_lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused)
-
-
-def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_max_rss"
-
-
 def memory_plan(spec: JobSpec, device: torch.device) -> MemoryPlan:
     """The plan this worker runs: `jobs.memory.plan_for_spec` judged against `memory.budget_gib`,
     else the memory of this worker's GPU (the one input only the worker can see)."""
-    from .memory import plan_for_spec
+    from jobs.memory import plan_for_spec
 
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
     return plan_for_spec(spec, device="cuda" if device.type == "cuda" else "cpu", gpu_memory_gib=gpu_gib)
@@ -402,7 +301,7 @@ def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> Window
 def train(spec: JobSpec, ctx: Context, *, resume: bool = True, run_token: str | None = None) -> dict:
     """Run the job described by `spec` on this rank. Returns the summary (rank 0; {} elsewhere).
 
-    Rank 0 holds the output dir's lock for the run (`jobs.runlock`) unless the driver whose
+    Rank 0 holds the output dir's lock for the run (`jobs.run.runlock`) unless the driver whose
     token is `run_token` holds it already."""
     if not ctx.is_main:
         return _train(spec, ctx, resume=resume)
@@ -417,104 +316,180 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True, run_token: str | 
 
 
 def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
-    out, rank, world, device = spec.output_path, ctx.rank, ctx.world_size, ctx.device
     if ctx.is_main:
-        claim_output_dir(out, beside_others=True, name=spec.name)
+        claim_output_dir(spec.output_path, beside_others=True, name=spec.name)
     job = set_up(spec, ctx)
     engine = make_engine(spec, ctx, job)
     job.objective.prepare(spec, ctx, job, engine)
     pos = resume_or_seed(spec, ctx, job, engine, resume)
-    metrics_log = MetricsLog(out, pos.step) if ctx.is_main else None
-    trackers = open_trackers(spec, pos.step, ctx.is_main)
+    log = StepLog.open(spec, ctx, pos.step)
     if ctx.is_main:
         announce(spec, ctx, job, pos)
 
-    faults, last = from_env(), {}
+    faults, last, clock = from_env(), {}, RunClock()
     stopper = EarlyStopping.of(spec, pos.early_stopping)
-    run_tokens, run_step_s, run_start = 0, 0.0, time.perf_counter()
     steps = range(pos.step, pos.step if stopper.stopped else job.steps)
     with Prefetch(lambda k: micro_batches_of(spec, ctx, job, k), steps) as ahead:  # builds step k+1 during k
         for step in steps:
             t0 = time.perf_counter()
-            lr = lr_at(step, job.steps, spec)
-            for group in engine.optimizer.param_groups:
-                group["lr"] = lr
+            lr = set_lr(engine, lr_at(step, job.steps, spec))
             window = ahead.get(step)  # waits only if the background build is not done yet
-            n_labels, n_inputs = window.n_labels, window.n_inputs
-            faults.at_step(step, rank, spec.batch.micro_batch_size)
+            faults.at_step(step, ctx.rank, spec.batch.micro_batch_size)
 
             sums = train_window(engine, window.micro_batches, window.denominator)
             grad_norm, scale_before = optimizer_step(engine, spec.optim.max_grad_norm)
 
             # One small all-reduce for logging; then the only host reads of the step.
-            loss, stats = job.objective.step_values(all_reduce_sum(sums, world), window.denominator)
+            loss, stats = job.objective.step_values(all_reduce_sum(sums, ctx.world_size), window.denominator)
             skipped = scale_before is not None and job.scaler.get_scale() < scale_before
             norm = float(grad_norm.item())
             stop_if_not_finite(spec, step + 1, loss, norm, skipped)
             pos.skipped_steps += int(skipped)
-            pos.tokens_seen += n_inputs
-            dt = time.perf_counter() - t0
-            run_tokens, run_step_s = run_tokens + n_inputs, run_step_s + dt
+            pos.tokens_seen += window.n_inputs
+            dt = clock.stepped(time.perf_counter() - t0, window.n_inputs)
             done = step + 1
-            evaluated = bool(spec.run.eval_every and done % spec.run.eval_every == 0) or done == job.steps
-            if evaluated:  # a mixture: also per source, from the same sums
-                pos.eval_loss, pos.eval_stats = job.objective.held_out(engine, job, spec, ctx)
-                stopper.judge(done, pos.eval_loss, lambda: fsdp.full_adapter(job.model), out, ctx.is_main)
-            peak, peak_kind = peak_memory_bytes(device)
-            last = {
-                "step": done,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": norm,
-                "tokens": n_inputs,
-                "tokens_seen": pos.tokens_seen,
-                "label_tokens": n_labels,
-                "tokens_per_s": n_inputs / dt,
-                "step_time_s": dt,
-                "epoch": job.batches.epoch_of(done),
-                "peak_mem_gib": peak / GIB,
-                "peak_mem_kind": peak_kind,
-                "estimate_gib": job.plan.total_gib,
-                "skipped": skipped,
-                "eval_loss": pos.eval_loss,
-                "evaluated": evaluated,
-                **window.per_source,
-                **stats,
-                **pos.eval_stats,
-            }
-            if ctx.is_main:
-                if step == pos.step:  # the first step of this run
-                    append_event(out, "first_step", step=done)
-                assert metrics_log is not None  # made on the main rank
-                metrics_log.write(last)
-                trackers.log_step(last)
-                ctx.progress(dict(last, total_steps=job.steps))
+            evaluated = evaluate_if_due(spec, ctx, job, engine, pos, stopper, done)
+            last = step_record(
+                job, pos, window, done, ctx.device, loss=loss, lr=lr, grad_norm=norm, dt=dt, skipped=skipped
+            )
+            last.update(evaluated=evaluated, **window.per_source, **stats, **pos.eval_stats)
+            log.step(last, first=step == pos.step, total_steps=job.steps)
 
             every = spec.run.checkpoint_every
             if (every and done % every == 0) or done == job.steps or stopper.stopped:
                 save_checkpoint(spec, ctx, job, engine, pos, done, last, stopper)
-                trackers.checkpointed(done)
-                stopper.checkpointed(out if ctx.is_main else None)
+                log.trackers.checkpointed(done)
+                stopper.checkpointed(spec.output_path if ctx.is_main else None)
             if stopper.stopped:
                 break
+    return finish(spec, ctx, job, pos, last, stopper, log, clock)
 
-    adapter = fsdp.full_adapter(job.model)  # every rank: under FSDP the shards are gathered to rank 0
-    summary = {}
+
+def set_lr(engine: Engine, lr: float) -> float:
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+@dataclass
+class RunClock:
+    """This run's training time and tokens (not the resumed part): the summary's mean throughput."""
+
+    tokens: int = 0
+    step_s: float = 0.0
+    start: float = field(default_factory=time.perf_counter)
+
+    def stepped(self, dt: float, n_inputs: int) -> float:
+        self.tokens, self.step_s = self.tokens + n_inputs, self.step_s + dt
+        return dt
+
+    def mean_tokens_per_s(self) -> float | None:
+        return self.tokens / self.step_s if self.step_s else None
+
+
+@dataclass
+class StepLog:
+    """Where each step's record goes: metrics.jsonl, the trackers and the progress line (the
+    main rank writes; every rank holds the trackers object, which does nothing off the main rank)."""
+
+    ctx: Context
+    out: Path
+    metrics: MetricsLog | None
+    trackers: Trackers
+
+    @classmethod
+    def open(cls, spec: JobSpec, ctx: Context, step: int) -> StepLog:
+        metrics = MetricsLog(spec.output_path, step) if ctx.is_main else None
+        return cls(ctx, spec.output_path, metrics, open_trackers(spec, step, ctx.is_main))
+
+    def step(self, record: dict, *, first: bool, total_steps: int) -> None:
+        if self.metrics is None:  # made on the main rank only
+            return
+        if first:  # the first step of this run
+            append_event(self.out, "first_step", step=record["step"])
+        self.metrics.write(record)
+        self.trackers.log_step(record)
+        self.ctx.progress(dict(record, total_steps=total_steps))
+
+
+def evaluate_if_due(
+    spec: JobSpec, ctx: Context, job: Job, engine: Engine, pos: Position, stopper: EarlyStopping, done: int
+) -> bool:
+    """The held-out evaluation every `run.eval_every` steps and at the last (a mixture: also per
+    source, from the same sums); early stopping judges it. True when it ran."""
+    due = bool(spec.run.eval_every and done % spec.run.eval_every == 0) or done == job.steps
+    if due:
+        pos.eval_loss, pos.eval_stats = job.objective.held_out(engine, job, spec, ctx)
+        stopper.judge(done, pos.eval_loss, lambda: fsdp.full_adapter(job.model), spec.output_path, ctx.is_main)
+    return due
+
+
+def step_record(
+    job: Job,
+    pos: Position,
+    window: Window,
+    done: int,
+    device: torch.device,
+    *,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    dt: float,
+    skipped: bool,
+) -> dict:
+    """The step's line in metrics.jsonl (and the trackers' and progress line's values); the
+    window's per-source counts and the objective's statistics follow, added by the caller."""
+    peak, peak_kind = peak_memory_bytes(device)
+    return {
+        "step": done,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens": window.n_inputs,
+        "tokens_seen": pos.tokens_seen,
+        "label_tokens": window.n_labels,
+        "tokens_per_s": window.n_inputs / dt,
+        "step_time_s": dt,
+        "epoch": job.batches.epoch_of(done),
+        "peak_mem_gib": peak / GIB,
+        "peak_mem_kind": peak_kind,
+        "estimate_gib": job.plan.total_gib,
+        "skipped": skipped,
+        "eval_loss": pos.eval_loss,
+    }
+
+
+def finish(
+    spec: JobSpec,
+    ctx: Context,
+    job: Job,
+    pos: Position,
+    last: dict,
+    stopper: EarlyStopping,
+    log: StepLog,
+    clock: RunClock,
+) -> dict:
+    """The run's outputs (adapter, summary, plot) on the main rank; every rank takes part in
+    gathering the adapter (under FSDP the shards are gathered to rank 0)."""
+    adapter = fsdp.full_adapter(job.model)
+    summary: dict = {}
     if ctx.is_main:
-        assert metrics_log is not None
-        metrics_log.close()
-        adapter = stopper.best_adapter(out) or adapter
+        assert log.metrics is not None
+        log.metrics.close()
+        adapter = stopper.best_adapter(spec.output_path) or adapter
         summary = write_outputs(
             spec,
             job,
             pos,
             last,
             adapter,
-            wall_s=time.perf_counter() - run_start,
-            mean_tokens_per_s=run_tokens / run_step_s if run_step_s else None,
+            wall_s=time.perf_counter() - clock.start,
+            mean_tokens_per_s=clock.mean_tokens_per_s(),
             extra=stopper.summary(),
         )
-        trackers.finish(summary, [out / SUMMARY, out / PLOT, out / "adapter"])
+        log.trackers.finish(
+            summary, [spec.output_path / SUMMARY, spec.output_path / PLOT, spec.output_path / "adapter"]
+        )
     ctx.report(dict(last, done=True))
     return summary
 

@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from jobs.errors import UserError
 
 MAX_CONFIG_BYTES = 1 << 20
 # A Hugging Face hub id: `name` or `org/name` (letters, digits, '-', '_', '.'), never `..`.
@@ -61,7 +61,7 @@ def read_json_config(path: Path) -> dict[str, Any]:
 
 def check_base_name(base: Any, where: str) -> str:
     """`base_model_name_or_path` as a loadable name: a hub id or an existing model directory."""
-    from .outputs import SYSTEM_TREES
+    from jobs.run.outputs import SYSTEM_TREES
 
     if not isinstance(base, str) or not base.strip():
         raise UserError(f"{where}: base_model_name_or_path must name the base model (a directory or hub id)")

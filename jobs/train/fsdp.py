@@ -41,7 +41,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = causal_lm(model)
     layers = getattr(base.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
-        from .errors import SpecError
+        from jobs.errors import SpecError
 
         raise SpecError(
             f"resources.strategy=fsdp: cannot find the decoder layers of {type(base).__name__} "

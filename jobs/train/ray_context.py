@@ -10,8 +10,8 @@ from pathlib import Path
 import ray.train
 import ray.train.torch
 
-from . import checkpoint as ckpt
-from .context import Context
+from jobs.run import checkpoint as ckpt
+from jobs.train.context import Context
 
 
 class RayContext(Context):

@@ -33,10 +33,10 @@ from typing import cast
 
 import torch
 
-from .data import DROP_EMPTY, DROP_IDENTICAL, Pair, char_bound, collate_pairs, read_jsonl, tokenize_pairs_iter
-from .errors import SpecError
-from .objectives import Objective, PairObjective, PreferenceLoss, pair_losses
-from .spec import JobSpec, one_line
+from jobs.data import DROP_EMPTY, DROP_IDENTICAL, Pair, char_bound, collate_pairs, read_jsonl, tokenize_pairs_iter
+from jobs.errors import SpecError
+from jobs.objectives import Objective, PairObjective, PreferenceLoss, pair_losses
+from jobs.spec import JobSpec, one_line
 
 # The models scored, in table order: role -> what the table calls it.
 ROLES = {"base": "base", "start": "starting adapter", "adapter": "trained adapter"}
@@ -114,8 +114,8 @@ def evaluate_preference(
 ) -> dict:
     """Score the base, the starting adapter and the trained adapter (each when it exists) on the
     held-out pairs; eval.json's content (see the module docstring). `generate` and `exact_match`
-    are `jobs.evaluate`'s, the ones an SFT spec's evaluation uses."""
-    from .model import load_base_model
+    are `jobs.after.evaluate`'s, the ones an SFT spec's evaluation uses."""
+    from jobs.model.loading import load_base_model
 
     obj = cast(PairObjective, Objective.of(spec))  # `rayft eval` of a preference spec
     model, tok = load_base_model(spec, "fp32")

@@ -41,8 +41,7 @@ from typing import Any, cast
 import numpy as np
 import ray
 
-from .cluster_check import check_cluster
-from .data.cache import (
+from jobs.data.cache import (
     cache_key,
     content_hash,
     data_cache_dir,
@@ -54,12 +53,13 @@ from .data.cache import (
     vocab_size,
     write_entry,
 )
-from .data.pairs import Pair
-from .data.records import PAIR_FIELDS, PAIRS
-from .data.sources import read_records
-from .data.tokenizing import Example
-from .errors import ClusterError, ClusterUnreachable, RayftError, error_line, worker_error
-from .spec import JobSpec
+from jobs.data.pairs import Pair
+from jobs.data.records import PAIR_FIELDS, PAIRS
+from jobs.data.sources import read_records
+from jobs.data.tokenizing import Example
+from jobs.errors import ClusterError, ClusterUnreachable, RayftError, error_line, worker_error
+from jobs.launch.cluster_check import check_cluster
+from jobs.spec import JobSpec
 
 log = logging.getLogger("rayft")
 
@@ -107,7 +107,7 @@ def connect(address: str | None, num_cpus: int | None) -> str:
     """Connect to the cluster at `address` (else $RAY_ADDRESS), or start a local Ray with
     `num_cpus` logical CPUs (default: this machine's cores); a Ray this process is already
     connected to is used as it is. Returns what was chosen, in words. An address where no Ray
-    cluster answers within `jobs.cluster_check`'s bounds is `ClusterUnreachable` (ray.init would
+    cluster answers within `jobs.launch.cluster_check`'s bounds is `ClusterUnreachable` (ray.init would
     wait for minutes)."""
     if ray.is_initialized():
         return f"the Ray this process is connected to ({_cpus()} CPUs)"

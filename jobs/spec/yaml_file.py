@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-from . import secrets
-from .errors import SpecError
+from jobs import secrets
+from jobs.errors import SpecError
 
 # Bounds on reading a spec: a real one is a few KB and a few hundred YAML nodes. Aliases may
 # repeat a piece of it, never blow it up (a "billion laughs" document expands exponentially).

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from jobs.errors import UserError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -45,9 +45,9 @@ def finished_adapter(output_dir: Path) -> Path:
 
 
 def base_of(adapter_dir: Path) -> str:
-    """The base `adapter_dir` names, after the whole directory is checked (`jobs.adapter_check`:
+    """The base `adapter_dir` names, after the whole directory is checked (`jobs.model.adapter_check`:
     its config against the base's shapes, before any weight is allocated)."""
-    from .adapter_check import check_adapter
+    from jobs.model.adapter_check import check_adapter
 
     return check_adapter(Path(adapter_dir))
 
@@ -166,7 +166,7 @@ def load_for_generation(path: Path):
     if (path / "adapter_config.json").is_file():
         return load_adapted(path)
     if (path / "config.json").is_file():
-        from .adapter_check import check_model_dir
+        from jobs.model.adapter_check import check_model_dir
 
         _quiet()
         check_model_dir(path)  # config against weights' shapes, before anything is allocated
@@ -190,7 +190,7 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
         )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    from .data import encode_prompt
+    from jobs.data import encode_prompt
 
     return list(encode_prompt(tokenizer, prompt))
 

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import SpecError
-from .runlock import LOCK_FILE
-from .spec import one_line
+from jobs.errors import SpecError
+from jobs.run.runlock import LOCK_FILE
+from jobs.spec import one_line
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"

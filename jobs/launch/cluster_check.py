@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 
-from .errors import ClusterUnreachable, UserError, error_line
+from jobs.errors import ClusterUnreachable, UserError, error_line
 
 CONNECT_TIMEOUT_S = 5.0  # how long an address gets to accept a TCP connection
 # How long the child's `ray.init` gets (RAYFT_PROBE_TIMEOUT_S overrides): Ray's import takes 3-10 s

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import RunError
+from jobs.errors import RunError
 
 
 @dataclass

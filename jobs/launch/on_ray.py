@@ -15,9 +15,9 @@ from pathlib import Path
 
 import ray
 
-from . import runlock
-from .errors import NodeLost, peer_gone, unreachable_workers, worker_error
-from .spec import JobSpec
+from jobs.errors import NodeLost, peer_gone, unreachable_workers, worker_error
+from jobs.run import runlock
+from jobs.spec import JobSpec
 
 log = logging.getLogger("rayft")
 
@@ -47,8 +47,8 @@ class ProgressActor:
 
 def train_worker(config: dict) -> None:
     # Runs on every Ray Train worker.
-    from .loop import train
-    from .ray_context import RayContext
+    from jobs.train.loop import train
+    from jobs.train.ray_context import RayContext
 
     # Ray Train logs every report at INFO under a logger its level filter misses; keep the
     # worker console to warnings (rayft's own progress comes through the progress actor).
@@ -214,7 +214,7 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, relay=Non
     """The TorchTrainer that runs `spec` (the one setup `run_on_ray` and every Tune trial use):
     `resources.num_workers` workers with `cpus_per_worker` CPUs and one GPU each when `use_gpu`,
     checkpoints in `<output_dir>/checkpoints/step-NNNNNNNN` (Ray Train's storage is the output
-    dir, see jobs.checkpoint), `run.max_failures` restarts, `run.env` in every worker. Rank 0
+    dir, see jobs.run.checkpoint), `run.max_failures` restarts, `run.env` in every worker. Rank 0
     sends its step records to `progress`, every rank its node to `relay` (ProgressActors)."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -227,7 +227,7 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, relay=Non
             "progress": progress,
             "relay": relay,
             "resume": resume,
-            # the driver's hold on the output dir's lock: rank 0 then knows the holder (jobs.runlock)
+            # the driver's hold on the output dir's lock: rank 0 then knows the holder (jobs.run.runlock)
             "run_token": runlock.held_token(spec.output_path),
         },
         scaling_config=ScalingConfig(
@@ -254,7 +254,7 @@ def run_on_ray(
     spec: JobSpec, *, address: str | None = None, resume: bool = True, on_progress: Callable[[dict], None] | None = None
 ) -> dict:
     """Train `spec` on Ray; returns summary.json's content. Blocks until the run ends."""
-    from .outputs import SUMMARY
+    from jobs.run.outputs import SUMMARY
 
     # One logical CPU per worker plus one for Ray Train's controller.
     init_ray(address, math.ceil(spec.resources.num_workers * spec.resources.cpus_per_worker) + 1)
@@ -348,7 +348,7 @@ def node_lost(
 
 def resume_hint(spec: JobSpec) -> str:
     """What a rerun does with the checkpoints already written, for the line that reports a failure."""
-    from .checkpoint import newest_complete
+    from jobs.run.checkpoint import newest_complete
 
     root = spec.output_path.resolve() / "checkpoints"
     newest = newest_complete(root, warn=False)

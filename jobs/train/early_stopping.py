@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .spec import JobSpec
+from jobs.spec import JobSpec
 
 log = logging.getLogger("rayft")
 
@@ -104,7 +104,7 @@ class EarlyStopping:
 
     def best_adapter(self, out: Path) -> dict | None:
         """Rank 0, at the end: the best step's adapter state (what is saved as `adapter/`), or None.
-        It was kept as `judge` got it, the run's full adapter state (`jobs.fsdp.full_adapter`), so
+        It was kept as `judge` got it, the run's full adapter state (`jobs.train.fsdp.full_adapter`), so
         it is keyed as the final adapter is."""
         if not self.enabled or not self.best_step:
             return None

@@ -12,7 +12,7 @@ Who holds it:
   the run.
 * Rank 0 takes it in the training loop when nothing of its own run holds it (a Tune trial, a
   loop started by a test or a script). When its driver holds it, rank 0 recognises the holder by
-  the run's token, which the driver passes to the workers (`jobs.launch.make_trainer`), and
+  the run's token, which the driver passes to the workers (`jobs.launch.on_ray.make_trainer`), and
   goes on without a second lock; another token is another run and is refused.
 * `rayft eval` takes it only to write `eval.json` (the evaluation itself reads): while a run
   holds the directory, that write is refused in one line.
@@ -42,7 +42,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import RunError, UserError
+from jobs.errors import RunError, UserError
 
 LOCK_FILE = ".rayft-lock"
 

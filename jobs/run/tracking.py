@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from . import secrets
-from .outputs import write_json_atomic
-from .spec import JobSpec
+from jobs import secrets
+from jobs.run.outputs import write_json_atomic
+from jobs.spec import JobSpec
 
 log = logging.getLogger("rayft")
 

@@ -7,7 +7,7 @@ one ``manifest-rank{r}.json`` per rank listing the size and SHA-256 of that rank
 
 The adapter and optimizer state are the *full* ones, keyed by parameter name, whatever the
 strategy: under FSDP they are gathered from the shards to rank 0 and scattered back on resume
-through `torch.distributed.checkpoint.state_dict` (`jobs.fsdp`). So a checkpoint of a DDP run
+through `torch.distributed.checkpoint.state_dict` (`jobs.train.fsdp`). So a checkpoint of a DDP run
 resumes under FSDP and back, with any worker count. (DCP's own file format is not used: its
 `.metadata` is a pickle, which the rule below forbids; LoRA state is small enough to gather.)
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .spec import JobSpec, SpecError, one_line, path_problem
+from jobs.spec import JobSpec, SpecError, one_line, path_problem
 
 log = logging.getLogger("rayft")
 
@@ -316,7 +316,7 @@ def rank_files(
     rank: int, state: dict, adapter: dict | None = None, optim_state: dict | None = None, scaler=None
 ) -> dict[str, Any]:
     """What rank `rank` writes into a checkpoint: its RNG state; rank 0 (the caller passes them
-    there only) also the adapter and optimizer state (full, by parameter name: `jobs.fsdp.adapter_state`),
+    there only) also the adapter and optimizer state (full, by parameter name: `jobs.train.fsdp.adapter_state`),
     the scaler and `state`."""
     files: dict[str, Any] = {rng_file(rank): rng_state()}
     if adapter is not None:
@@ -333,7 +333,7 @@ def restore(directory: Path, spec: JobSpec, rank: int, world_size: int, model, o
     and (same world size only: the RNG streams are per rank) this rank's RNG. Returns its state.
     Every rank calls it (under FSDP each takes its shards of the full state).
     Refuses, with a SpecError, a checkpoint whose spec differs in what resuming depends on."""
-    from .fsdp import load_adapter_state
+    from jobs.train.fsdp import load_adapter_state
 
     state = load_state(directory)
     check_resumable(state["resume_key"], spec, str(directory))
@@ -410,7 +410,7 @@ def resume_key(spec: JobSpec) -> dict:
         out["data.mix"] = [{k: src[k] for k in MIX_RESUME_KEYS} for src in out["data.mix"]]
     if spec.data.eval_path:
         out["data.eval_fraction"] = None  # the held-out set is the file; no fraction of data.path is held out
-    from .data import content_hash
+    from jobs.data import content_hash
 
     out[DATA_HASH_KEY] = content_hash(spec)
     return out

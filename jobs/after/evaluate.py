@@ -1,6 +1,6 @@
 """Exact-match evaluation: greedy decoding with the base model and with the trained adapter, on
 the spec's held-out source (`data.eval_path`). Runs in one process. A preference spec's held-out
-pairs are scored by `jobs.evaluate_preference` (exact match, preference accuracy, margins).
+pairs are scored by `jobs.after.evaluate_preference` (exact match, preference accuracy, margins).
 
 A chat record is prompted with its messages before the last assistant turn, rendered through the
 model's chat template with the generation prompt (`jobs.data.chat_prompt_ids`: the tokens the
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from . import runlock
-from .data import chat_prompt_ids, encode_prompt, read_jsonl
-from .model import load_base_model
-from .outputs import claim_output_dir, write_json_atomic
-from .spec import JobSpec, SpecError
+from jobs.data import chat_prompt_ids, encode_prompt, read_jsonl
+from jobs.model.loading import load_base_model
+from jobs.run import runlock
+from jobs.run.outputs import claim_output_dir, write_json_atomic
+from jobs.spec import JobSpec, SpecError
 
 
 @torch.no_grad()
@@ -61,7 +61,7 @@ def exact_match(preds: list[str], refs: list[str]) -> float:
 def evaluate(spec: JobSpec, adapter_dir: Path | None = None, max_new_tokens: int = 16) -> dict:
     """Evaluate on `data.eval_path` and write `<output_dir>/eval.json`: exact match of the base and
     of the adapter (`adapter_dir`, default `<output_dir>/adapter`) for an SFT spec; for a preference
-    spec also preference accuracy, margins and rewards (`jobs.evaluate_preference`)."""
+    spec also preference accuracy, margins and rewards (`jobs.after.evaluate_preference`)."""
     adapter_dir = Path(adapter_dir or spec.output_path / "adapter")
     if spec.objective.name != "sft":
         if not spec.data.eval_path:
@@ -69,12 +69,12 @@ def evaluate(spec: JobSpec, adapter_dir: Path | None = None, max_new_tokens: int
                 f"data.eval_path: rayft eval of objective.name={spec.objective.name} needs a held-out "
                 "file of preference pairs"
             )
-        from .evaluate_preference import evaluate_preference
+        from jobs.after.evaluate_preference import evaluate_preference
 
         result = evaluate_preference(spec, adapter_dir, max_new_tokens, generate, exact_match)
     else:
         result = _evaluate_sft(spec, adapter_dir, max_new_tokens)
-    # Written under the run's lock (jobs.runlock), taken only now: the evaluation reads, and a run
+    # Written under the run's lock (jobs.run.runlock), taken only now: the evaluation reads, and a run
     # may start meanwhile; a run that holds the directory refuses this write in one line.
     runlock.acquire(spec.output_path)
     try:

@@ -23,9 +23,9 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-from .cache import build_once
-from .errors import SpecError
-from .spec import JobSpec, ModelSpec, one_line, path_problem, resolve_model_dir
+from jobs.errors import SpecError
+from jobs.run.build_once import build_once
+from jobs.spec import JobSpec, ModelSpec, one_line, path_problem, resolve_model_dir
 
 log = logging.getLogger("rayft")
 
@@ -450,7 +450,7 @@ def start_from_adapter(model, spec: JobSpec):
     the adapter weights twice."""
     from peft import PeftModel
 
-    from .objectives.preference import REFERENCE_ADAPTER
+    from jobs.objectives.preference import REFERENCE_ADAPTER
 
     starting_adapter_config(spec)
     assert spec.model.adapter is not None  # checked by starting_adapter_config

@@ -1,0 +1,151 @@
+"""The objective section: a union tagged by `objective.name`, one class per objective with only its
+own keys and real defaults (adding an objective means adding a class here and a module in
+`jobs/objectives/`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
+
+from jobs.spec.fields import SpecSection
+from jobs.spec.sections import Beta
+
+
+class _ObjectiveSection(SpecSection):
+    """What every objective's spec class shares. Each one lists its own settings, with their
+    defaults and documentation, once: the loop's objective (`jobs.objectives`), the resume key
+    (`jobs.run.checkpoint.resume_key`) and the JSON schema read them from here."""
+
+    records: ClassVar[str] = "sft"
+    """The kind of record it trains on: `jobs.data.records`' SFT ("sft") or PAIRS ("pairs")."""
+    resume_free: ClassVar[tuple[str, ...]] = ()
+    """Settings that change how a step is computed, not what: a resume may change them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_apply(cls, data: Any) -> Any:
+        """A key another objective takes is refused naming the keys this one takes (an unknown
+        key is refused by `extra="forbid"`)."""
+        if isinstance(data, dict):
+            taken = {k for c in OBJECTIVE_CLASSES for k in c.model_fields}
+            for key in data:
+                if key not in cls.model_fields and key in taken:
+                    takes = ", ".join(k for k in cls.model_fields if k != "name") or "no other key"
+                    name = cls.model_fields["name"].default
+                    raise ValueError(f"{key} does not apply to objective.name={name} (it takes {takes})")
+        return data
+
+    def value(self, key: str) -> Any:
+        """`key` as the objective trains with it; None where this objective does not take it."""
+        return getattr(self, key) if key in type(self).model_fields else None
+
+    @property
+    def is_preference(self) -> bool:
+        """It trains on preference pairs (`batch.*` counts pairs)."""
+        return self.records == "pairs"
+
+    def memory_terms(self, adapter: bool) -> dict:
+        """What it changes in the memory estimate (`jobs.memory.spec_estimate.spec_objective`):
+        a micro-batch of pairs is two rows each; a reference forward (`reference: adapter_off`),
+        with `model.adapter` (`adapter`) against the starting adapter held frozen a second time."""
+        reference = self.value("reference")
+        return {
+            "pairs": self.is_preference,
+            "reference": reference,
+            "reference_adapter": adapter and reference == "adapter_off",
+        }
+
+
+class SFTObjective(_ObjectiveSection):
+    name: Literal["sft"] = "sft"
+    """`sft` (the default): next-token loss on the labelled tokens, a mean over the label tokens of
+    the global batch. The other names train on `{prompt, chosen, rejected}` pairs (`batch.*` then
+    counts pairs): `dpo`, `ipo` (against a reference), `simpo`, `orpo` (reference-free). Formulas
+    in docs/training.md."""
+
+
+class _PairObjective(_ObjectiveSection):
+    records: ClassVar[str] = "pairs"
+
+
+class DPOObjective(_PairObjective):
+    name: Literal["dpo"] = "dpo"
+    """`dpo`: Direct Preference Optimization (Rafailov et al. 2023) on pairs, against a reference."""
+    beta: Beta = 0.1
+    """The inverse temperature of the implicit reward."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """The assumed probability that a pair's preference label is flipped (cDPO)."""
+    rpo_alpha: float = Field(0.0, ge=0, le=1000)
+    """The weight of the chosen response's per-token NLL added to each pair's loss (RPO, Pang et al.
+    2024; TRL's `rpo_alpha`). It keeps the chosen response likely while the margin grows (plain DPO
+    lowers both). 0: plain DPO."""
+    reference: Literal["adapter_off", "precomputed"] = "adapter_off"
+    """`adapter_off` runs the reference forward in every step (the base with the adapter off, or the
+    frozen starting adapter `model.adapter`), no extra weights held; `precomputed` computes the
+    reference log-probabilities once, stores them beside the data cache, and skips that forward."""
+    resume_free: ClassVar[tuple[str, ...]] = ("reference",)
+
+
+class IPOObjective(_PairObjective):
+    name: Literal["ipo"] = "ipo"
+    """`ipo`: Identity Preference Optimization (Azar et al. 2023) on pairs, against a reference."""
+    beta: Beta = 0.1
+    """The regularization strength: the target log-ratio margin is 1 / (2 beta)."""
+    reference: Literal["adapter_off", "precomputed"] = "adapter_off"
+    """As DPO's: `adapter_off` (a reference forward in every step) or `precomputed` (once, stored
+    beside the data cache)."""
+    resume_free: ClassVar[tuple[str, ...]] = ("reference",)
+
+
+class SimPOObjective(_PairObjective):
+    name: Literal["simpo"] = "simpo"
+    """`simpo`: Simple Preference Optimization (Meng et al. 2024): length-normalized, no reference."""
+    beta: Beta = 0.1
+    """The scale of the length-normalized reward."""
+    simpo_gamma: float = Field(0.5, ge=0, le=1000)
+    """The target reward margin gamma."""
+
+
+class ORPOObjective(_PairObjective):
+    name: Literal["orpo"] = "orpo"
+    """`orpo`: Odds Ratio Preference Optimization (Hong et al. 2024): the chosen response's NLL plus
+    an odds-ratio term, no reference."""
+    beta: Beta = 0.1
+    """The weight (the paper's lambda) of the odds-ratio term."""
+
+
+OBJECTIVE_CLASSES: tuple[type[_ObjectiveSection], ...] = (
+    SFTObjective,
+    DPOObjective,
+    IPOObjective,
+    SimPOObjective,
+    ORPOObjective,
+)
+
+# Each objective's spec class by its `objective.name`, in the order the classes are listed.
+OBJECTIVE_BY_NAME: dict[str, type[_ObjectiveSection]] = {c.model_fields["name"].default: c for c in OBJECTIVE_CLASSES}
+OBJECTIVE_NAMES = tuple(OBJECTIVE_BY_NAME)
+
+
+def _objective_tag(v: Any) -> str:
+    """The objective union's tag: the section's `name`, `sft` where it gives none (or is no mapping:
+    SFT's class then refuses it)."""
+    name = v.get("name", "sft") if isinstance(v, dict) else getattr(v, "name", "sft")
+    return name if isinstance(name, str) else repr(name)
+
+
+# A union tagged by `_objective_tag` rather than by the field: every section's `name` goes through
+# the before-validators (no booleans for numbers), which pydantic's field discriminator refuses.
+if TYPE_CHECKING:
+    ObjectiveSpec = SFTObjective | DPOObjective | IPOObjective | SimPOObjective | ORPOObjective
+else:
+    ObjectiveSpec = Annotated[
+        Union[tuple(Annotated[c, Tag(name)] for name, c in OBJECTIVE_BY_NAME.items())],  # noqa: UP007
+        Discriminator(_objective_tag),
+    ]
