@@ -50,7 +50,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def mixed_precision(precision: str):
+def mixed_precision(precision: str) -> Any:
     """FSDP2's policy for the compute precision. bf16/fp16: the gathered weights (base and LoRA)
     are in the compute dtype -- what autocast would cast them to anyway -- and gradients are
     reduced in fp32, so the sharded fp32 LoRA weights get an fp32 gradient as under DDP. fp32:
@@ -170,7 +170,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     return total
 
 
-def _options(**kw):
+def _options(**kw: Any) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, ignore_frozen_params=True, **kw)

@@ -44,7 +44,7 @@ class Prefetch(Generic[T]):
         self._start(0)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         assert self._pool is not None
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._pool, self._next = None, None

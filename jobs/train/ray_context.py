@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import ray.train
 import ray.train.torch
@@ -15,7 +16,7 @@ from jobs.train.context import Context
 
 
 class RayContext(Context):
-    def __init__(self, progress_actor=None):
+    def __init__(self, progress_actor: Any = None) -> None:
         tc = ray.train.get_context()
         self.rank = tc.get_world_rank()
         self.world_size = tc.get_world_size()

@@ -33,7 +33,7 @@ class Engine:
     precision: str
     world_size: int
 
-    def autocast(self):
+    def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision in ("bf16", "fp16"):
             dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
             return torch.autocast(self.device.type, dtype=dtype)
@@ -49,7 +49,7 @@ class Engine:
         m = self.module
         return m.module if isinstance(m, nn.parallel.DistributedDataParallel) else m
 
-    def sync_gate(self, last: bool):
+    def sync_gate(self, last: bool) -> contextlib.AbstractContextManager:
         """Forward and backward of one micro-step run inside this: gradients are reduced across
         ranks only when `last` (the window's last micro-step); before it each rank accumulates
         its own. DDP decides in forward whether to reduce, so forward must be inside too."""
