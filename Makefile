@@ -55,7 +55,7 @@ test: install lint
 	$(PYTEST) $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PYTEST) $(XDIST) -m "not ray and not slow" $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) -m "not ray and not slow" tests/unit tests/hostile $(PYTEST_ARGS)
 
 test-all: install
 	RAYFT_HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)

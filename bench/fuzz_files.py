@@ -1,9 +1,9 @@
-"""Run the file fuzzer of tests/test_file_fuzz.py for longer than CI does.
+"""Run the file fuzzer of tests/hostile/test_file_fuzz.py for longer than CI does.
 
     python bench/fuzz_files.py [--examples N] [--seconds S] [--out bench/results]
 
 Same mutations, same targets (a tokenized cache entry, a checkpoint directory, an adapter
-directory, a queue database) and the same checks (`tests/filefuzz.py`: exit 0 or 2 with one line,
+directory, a queue database) and the same checks (`tests/helpers/filefuzz.py`: exit 0 or 2 with one line,
 never a traceback or a hang, no silent wrong result from a cache entry or a checkpoint), but random
 (not derandomized), without shrinking, and collecting every failure instead of stopping at the
 first. Writes `<out>/fuzz-files-<date>.json`: the cases tried per target, the exit codes seen, the
@@ -22,12 +22,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "helpers"), str(ROOT / "tests" / "hostile")]
 
 
+from filefuzz import TARGETS, check, mutations  # noqa: E402
 from fuzz_specs import run_cases  # noqa: E402
-
-from tests.filefuzz import TARGETS, check, mutations  # noqa: E402
 
 
 def fuzz(target, examples: int, deadline_s: float) -> dict:

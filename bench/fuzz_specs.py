@@ -1,4 +1,4 @@
-"""Run the spec/YAML/JSONL fuzzer of tests/test_fuzz.py for longer than CI does.
+"""Run the spec/YAML/JSONL fuzzer of tests/hostile/test_fuzz.py for longer than CI does.
 
     python bench/fuzz_specs.py [--examples N] [--seconds S] [--out bench/results]
 
@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "helpers"), str(ROOT / "tests" / "hostile")]
 
 import test_fuzz  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402

@@ -12,7 +12,7 @@
 #            20 timed rayft steps per row, 8 HF
 #   levers   llama-1b at 40 GiB: compiled layers with the eager head and plan (the default     (LEVERS_S 100)
 #            before this run), and cuDNN attention first in SDPA's priority
-#   tests    tests/test_gpu.py's accumulation, compile, resume and FlexAttention oracles on     (TESTS_S 90)
+#   tests    tests/gpu/test_gpu.py's accumulation, compile, resume and FlexAttention oracles on     (TESTS_S 90)
 #            CUDA (pytest -m gpu; junit.xml)
 #   -- a second call (PHASES="dpo qlora ragged" DEADLINE_S=200):
 #   dpo      llama-1b at 40 GiB: rayft's DPO (model.compile auto)                           (DPO_S 60)
@@ -98,7 +98,7 @@ if [ -n "${DRY_RUN:-}" ]; then
   # (hf-compile and rayft-qlora-compile compile for minutes on CPU: GPU phases only.)
   compare main 480 120 --dry-run
   # the GPU oracles' pipeline, one test on CPU (all five take minutes there)
-  phase tests 120 env RAYFT_GPU_TESTS_ON_CPU=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+  phase tests 120 env RAYFT_GPU_TESTS_ON_CPU=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
     -k accumulation --junitxml "$out/tests/junit.xml"
   phase memory 180 "$PY" bench/gpu_memory.py --dry-run --out-dir "$out/memory"
   compare dpo 180 60 --dry-run --budgets 0.0021 --loops rayft-dpo --compile-shapes '' --qlora-shapes ''
@@ -109,7 +109,7 @@ else
   none=(--compile-shapes '' --qlora-shapes '')
   compare main "${MAIN_S:-300}" 70 --budgets 40 --loops rayft-compile,hf-liger "${none[@]}"
   compare levers "${LEVERS_S:-100}" 40 --budgets 40 --shapes llama-1b --loops rayft-compile-layers,rayft-cudnn "${none[@]}"
-  phase tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+  phase tests "${TESTS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu.py \
     -k "accumulation or compile_auto or resume or flex" --junitxml "$out/tests/junit.xml"
   compare dpo "${DPO_S:-60}" 30 --budgets 40 --shapes llama-1b --loops rayft-dpo "${none[@]}"
   compare qlora "${QLORA_S:-90}" 60 --budgets 40 --shapes llama-8b --loops rayft-qlora-compile "${none[@]}"

@@ -78,7 +78,7 @@ BEFORE_COMMIT = "2ff3d57"
 # ---- before: the per-example Python path of jobs/ at 2ff3d57, copied as it was -----------------
 # (jobs/train/loop.py micro_batches_of; jobs/data/batches.py GlobalBatches, count_labels, count_inputs,
 # split_window, collate, collate_pairs, _rows_tensors, _packed_positions, pack_rows. `train[i]` is
-# TokenizedSplit.__getitem__, unchanged since: an Example of Python tuples.) tests/test_host_path.py
+# TokenizedSplit.__getitem__, unchanged since: an Example of Python tuples.) tests/unit/train/test_host_path.py
 # checks the array path against these functions on random data.
 
 

@@ -1,6 +1,6 @@
 """The preference objectives' exactness oracles, as numbers: bench/results/preference-oracles-<date>.json.
 
-tests/test_preference.py asserts bounds (the relative gradient error of every split against the
+tests/unit/objectives/test_preference.py asserts bounds (the relative gradient error of every split against the
 big-batch gradient <= 1e-5, ...); this script runs the same oracles (it imports them from tests/)
 and records the errors themselves, per objective, split and strategy:
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "helpers"), str(ROOT / "tests" / "unit" / "objectives")]
 
 
 def main(argv=None) -> int:

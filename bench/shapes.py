@@ -1,5 +1,5 @@
 """The model shapes the GPU benchmarks measure (`gpu_compare.py`, `gpu_memory.py`) and
-tests/test_memory_gpu_results.py reads back: one table. Llama-3.2-1B and Llama-3.1-8B's
+tests/unit/memory/test_memory_gpu_results.py reads back: one table. Llama-3.2-1B and Llama-3.1-8B's
 configurations (the fields that set memory and FLOPs); the weights are random, nothing is
 downloaded."""
 

@@ -11,7 +11,7 @@ holds one (`model.hf_token_env`). This module decides what "looks like a credent
 * a URL that carries a password: `scheme://user:password@host` (the user name may be empty:
   `scheme://:password@host`), or a credential in its query, path parameters or fragment
   (`?token=...`, `;password=...`, `#access_token=...`, `api_key`, `secret`): one rule for every
-  URL form (tests/test_secrets.py generates the shapes).
+  URL form (tests/hostile/test_secrets.py generates the shapes).
 
 `redact` is the one redaction of everything rayft prints: `RedactingStream` applies it to every
 line that reaches stdout or stderr while a command runs, and `RedactingFilter` to every log

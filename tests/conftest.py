@@ -2,13 +2,17 @@
 
 Each costly thing is made once per test session, by the first test that needs it:
 - `ray_head`: a real single-node Ray cluster on 127.0.0.1 (token auth, as Ray 2.60 does by default);
-- `cluster`: the multi-node `LocalCluster` of the node-loss tests (tests/clusters.py);
+- `cluster`: the multi-node `LocalCluster` of the node-loss tests (tests/helpers/clusters.py);
 - `ray_reference`: the uninterrupted 2-worker run that resumed Ray runs must end with;
 - `built`: `kubectl kustomize` of every kustomization under k8s/ (the k8s test modules);
-- the gloo ranks of the distributed oracles (tests/gloo_pool.py, through `gradtools.spawn`).
+- the gloo ranks of the distributed oracles (tests/helpers/gloo_pool.py, through `gradtools.spawn`).
 The two clusters stop right after the last test that uses them (an idle Ray cluster still
 takes CPU from the tests after it), the rest when the session ends. Under `make test`'s two
 processes, every test of the clusters runs in one of them (the groups below).
+
+Layout: unit/ (no Ray; by the jobs/ subpackage it tests, plus tune/), integration/ (real Ray
+clusters, node loss, the queue, submit, tune, Kubernetes manifests, the benchmark scripts),
+hostile/ (hostile and careless input, fuzzers), gpu/ (needs CUDA), helpers/ (shared code).
 
 Hypothesis runs the "ci" profile unless RAYFT_HYPOTHESIS_PROFILE names another: 150 examples per
 fuzz test, derandomized (the same cases every run). `make test-all` picks "long"."""
@@ -16,9 +20,17 @@ fuzz test, derandomized (the same cases every run). `make test-all` picks "long"
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# The tests live in folders by role (unit/, integration/, hostile/, gpu/) and share tests/helpers/:
+# the helpers import by their own names (`from gradtools import ...`) and one test module another by
+# its package path (`from tests.integration.test_submit import ...`), from anywhere pytest starts.
+_TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [p for p in (str(_TESTS / "helpers"), str(_TESTS.parent)) if p not in sys.path]
 
 # `import ray` reads RAY_AUTH_MODE once per process: set it before any test imports ray, so this
 # process is a token-auth client of the clusters the tests start (Ray 2.60's default mode).
@@ -172,7 +184,7 @@ def ray_reference(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def _kustomize_builds() -> dict[str, list[dict]]:
-    from test_k8s import K8S, KUBECTL, build, kustomizations
+    from tests.integration.test_k8s import K8S, KUBECTL, build, kustomizations
 
     if KUBECTL is None:
         pytest.skip("kubectl not on PATH: kustomize builds not checked")

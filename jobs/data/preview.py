@@ -6,7 +6,7 @@ Read-only: records are read and tokenized by the functions that build the tokeni
 iterators behind `tokenize_iter` / `tokenize_pairs_iter`, called with the arguments
 `jobs.data.cache._build` passes), in memory; no cache entry, lock or memo is written. So sample i
 of the preview is sample i of the cache entry the job builds, token for token and label for label
-(tests/test_preview.py compares them).
+(tests/unit/data/test_preview.py compares them).
 
 A sample is shown as the sequence the loss sees: an SFT `Example` as its input ids plus the last
 target when that is a label (the one token that is only predicted), each token marked `label`

@@ -30,11 +30,11 @@ the token `model.hf_token_env` names, or a GGUF file's metadata); the entry poin
 spec (`plan_for_spec`, `estimate_for_spec`, the tables) call it when their caller passes no
 `config=`. Nothing here imports ray.
 
-Checked on CPU by tests/test_memory.py (saved bytes to 1%, the forward+backward peak of
+Checked on CPU by tests/unit/memory/test_memory.py (saved bytes to 1%, the forward+backward peak of
 op-allocated storages to 10%) and on an H200 against `torch.cuda.max_memory_allocated` by
 bench/gpu_memory.py and bench/gpu_compare.py (bench/results/gpu-2026-12-04-nvidia-h200/: 31
 combinations and 5 eager training rows of the 1B and 8B shapes, bf16 and nf4, within 0.04%;
-tests/test_memory_gpu_results.py recomputes them). `framework_overhead` (CUDA context,
+tests/unit/memory/test_memory_gpu_results.py recomputes them). `framework_overhead` (CUDA context,
 allocator slack) is a documented constant, not measured by either.
 """
 

@@ -25,7 +25,7 @@ def strategy_choices(
     layers gathered from forward to backward (no second all-gather), then FSDP resharding after
     forward (least memory). One worker has nothing to shard over: DDP only. An nf4 base (QLoRA)
     is sharded like any other when DDP does not fit: FSDP2 shards its packed 4-bit weights
-    (tests/test_qlora.py trains it). An int8 base is not chosen for FSDP by `auto`: bitsandbytes'
+    (tests/integration/test_qlora.py trains it). An int8 base is not chosen for FSDP by `auto`: bitsandbytes'
     `Int8Params` lose their row scales and int8 codes under `fully_shard` (measured with
     bitsandbytes 0.50: the first forward fails with "'Parameter' object has no attribute 'CB'")."""
     if strategy == "ddp" or (strategy == "auto" and (num_workers < 2 or quantization == "int8")):

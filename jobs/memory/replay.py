@@ -4,7 +4,7 @@
 ops, or a view of a saved tensor, is counted once), and only when the gradient that needs it
 is required -- exactly as PyTorch's generated backward formulas decide. Facts this captures
 that a "bytes per token" constant would miss, all measured on torch 2.13 / transformers 5 /
-peft 0.21 (tests/test_memory.py checks them against `saved_tensors_hooks`):
+peft 0.21 (tests/unit/memory/test_memory.py checks them against `saved_tensors_hooks`):
 
 * Frozen base linears save nothing but their weight; the LoRA A matmul saves the input.
 * PEFT would cast every LoRA input to fp32 under autocast (and autocast back), giving each
@@ -24,7 +24,7 @@ peft 0.21 (tests/test_memory.py checks them against `saved_tensors_hooks`):
 * Compiled decoder layers (`compiled`, `model.compile`; Llama-family layers): inductor's
   partitioner keeps RMSNorm's input in the compute dtype with its fp32 rsqrt (not the fp32
   copy), recomputes SiLU(gate) in backward instead of keeping it, as measured with `saved_tensors_hooks`, which see
-  compiled graphs' saved tensors too (tests/test_memory.py::test_compiled_layers_*). The final
+  compiled graphs' saved tensors too (tests/unit/memory/test_memory.py::test_compiled_layers_*). The final
   norm runs outside the compiled layers, eagerly.
 
 Pure: sizes only, no torch, no I/O.

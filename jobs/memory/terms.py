@@ -147,7 +147,7 @@ def static(
         return components, None
 
     # An all-gathered parameter's storage is the whole padded dim 0 (world x the padded shard;
-    # the parameter is a view of it), measured on 2 gloo ranks (tests/test_memory.py).
+    # the parameter is a view of it), measured on 2 gloo ranks (tests/unit/memory/test_memory.py).
     # jobs.train.fsdp gathers in the compute dtype (MixedPrecisionPolicy(param_dtype=...)).
     def gathered(dims: list[tuple[int, ...]]) -> int:
         return sum(shard_world * shard_bytes(d, a, shard_world) for d in dims)
@@ -189,7 +189,8 @@ def no_sync_grads(
       copy. Without bucket views the buckets are that copy already (`ddp_buckets`); one process
       has no buckets.
 
-    Measured on 2 gloo ranks (tests/test_memory.py::test_a_no_sync_window_holds_what_the_estimate_counts)."""
+    Measured on 2 gloo ranks
+    (tests/unit/memory/test_memory.py::test_a_no_sync_window_holds_what_the_estimate_counts)."""
     if grad_accum_steps < 2:
         return 0
     if fsdp:
@@ -218,7 +219,7 @@ def fsdp_gathered(units: dict[str, int], layers: int, reshard_after_forward: boo
       from the embedding lookup to the end of backward, beside the above: T + max(T + l, 2l), or
       T + max(T + l, (L + 1) l) keeping the layers.
 
-    Measured equal on 2 gloo ranks, every storage counted (tests/test_memory.py::test_fsdp_*)."""
+    Measured equal on 2 gloo ranks, every storage counted (tests/unit/memory/test_memory.py::test_fsdp_*)."""
     emb, layer, head = units["embeddings"], units["layer"], units["head"]
     if tied:
         return head + max(head + layer, 2 * layer if reshard_after_forward else (layers + 1) * layer)
@@ -360,7 +361,7 @@ def reference_forward(step: Step, loss: LossHead, largest_quantized: int) -> int
     the scores ([B, heads, S, S]: an upper bound, 10-20% over on CPU) and the mask. At the head:
     the decoder output, the label positions' hidden states, and 8 bytes a logit (the fp32 copy
     and the log-softmax) for the label tokens of one chunk. Measured on CPU with the live-storage
-    tracker (tests/test_memory.py::test_reference_forward_*)."""
+    tracker (tests/unit/memory/test_memory.py::test_reference_forward_*)."""
     s, N, a = step.shape, step.tokens, step.act_bytes
     rows = step.batch if step.packed else 1
     stream = (4 if s.layers > 1 else 3) * N * s.hidden * a
@@ -386,7 +387,7 @@ def layer_backward(step: Step, acts: Activations, every: int, largest_quantized:
     Checkpointing adds the recomputed layer, all alive when the MLP backward (the first part of
     the layer's backward) runs; beside it, fewer [N, hidden] gradients coexist under autocast.
     Measured on CPU with a live-storage tracker over forward + backward
-    (tests/test_memory.py::test_peak_*)."""
+    (tests/unit/memory/test_memory.py::test_peak_*)."""
     N, L, a = step.tokens, step.shape.layers, step.act_bytes
     H, inter = step.shape.hidden, step.shape.intermediate
     mlp_point = N * (inter * a + 5 * H * a) if step.autocast else N * inter * (FP32_BYTES + a)

@@ -231,7 +231,7 @@ def skip_packed_sequence_detection() -> None:
     drained everything before it. rayft knows the answer without looking: its unpacked rows hold one
     sequence (HF's default position ids, never packed), its packed rows come with their own 4D mask
     (`jobs.objectives.sft.packed_attention_mask`), with which transformers never asks, and its generation
-    passes a 2D mask. So every answer is the same and the sync is gone (`tests/test_host_sync.py`).
+    passes a 2D mask. So every answer is the same and the sync is gone (`tests/unit/train/test_host_sync.py`).
 
     Installed by `load_base_model`, before any forward of a model rayft loads; installing again
     changes nothing. The original stays reachable as `__wrapped__` (`inspect.unwrap`). A no-op on
@@ -472,7 +472,7 @@ def keep_lora_inputs_in_compute_dtype(peft_model) -> None:
 
     PEFT casts each adapted module's input to the dtype of the LoRA weights (fp32), and
     autocast casts it straight back to bf16/fp16 for the matmul: a lossless round trip (with
-    `lora.dropout` 0 the gradients are bitwise the same, tests/test_train.py; with dropout, the
+    `lora.dropout` 0 the gradients are bitwise the same, tests/integration/test_train.py; with dropout, the
     mask now scales the bf16 input rather than its fp32 copy) that costs two full-size copies
     per adapted module and keeps one bf16 copy per module for backward (q, k and v: three copies
     of the same tensor). Without it the adapters of q, k, v (and of gate, up) share their saved

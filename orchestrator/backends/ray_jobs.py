@@ -141,7 +141,7 @@ class UploadPlan:
 
 
 # Ray's limit on one runtime_env package, the gRPC message size its GCS accepts: 512 MiB unless the
-# cluster sets RAY_max_grpc_message_size (tests/test_submit.py holds it to Ray's own constant).
+# cluster sets RAY_max_grpc_message_size (tests/integration/test_submit.py holds it to Ray's own constant).
 RAY_GRPC_MAX_MESSAGE_BYTES = 512 * 2**20
 
 

@@ -55,7 +55,7 @@ GENERATED = (
     "\n"
     "Generated from `render` (what `rayft k8s render SPEC --overlay gpu` writes for any spec) by\n"
     "`python -m orchestrator.backends.kuberay.templates`; edit the code or spec-configmaps.yaml, not\n"
-    "this file. tests/test_k8s.py checks that regenerating gives this file exactly.\n"
+    "this file. tests/integration/test_k8s.py checks that regenerating gives this file exactly.\n"
 )
 
 RC = ("spec", "rayClusterSpec")
