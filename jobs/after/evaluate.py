@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from jobs.data import chat_prompt_ids, encode_prompt, read_jsonl
-from jobs.model.loading import load_base_model
+from jobs.model.loading import load_base_model, without_peft_alias_notice
 from jobs.run import runlock
 from jobs.run.outputs import claim_output_dir, write_json_atomic
 from jobs.spec import JobSpec, SpecError
@@ -107,7 +107,8 @@ def _evaluate_sft(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict
     if (adapter_dir / "adapter_config.json").is_file():
         from peft import PeftModel
 
-        tuned = PeftModel.from_pretrained(model, adapter_dir)
+        with without_peft_alias_notice():
+            tuned = PeftModel.from_pretrained(model, adapter_dir)
         tuned.eval()
         preds = generate(tuned, tok, prompts, max_new_tokens)
         result["adapter_exact_match"] = exact_match(preds, refs)

@@ -35,6 +35,7 @@ import torch
 
 from jobs.data import DROP_EMPTY, DROP_IDENTICAL, Pair, char_bound, collate_pairs, read_jsonl, tokenize_pairs_iter
 from jobs.errors import SpecError
+from jobs.model.loading import without_peft_alias_notice
 from jobs.objectives import Objective, PairObjective, PreferenceLoss, pair_losses
 from jobs.spec import JobSpec, one_line
 
@@ -179,7 +180,8 @@ def _with_adapter(model, path: str, name: str, spec_name: str):
             model.load_adapter(path, adapter_name=name, is_trainable=False)
             model.set_adapter(name)
         else:
-            model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
+            with without_peft_alias_notice():
+                model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
     except (RuntimeError, ValueError, OSError) as e:
         what = "model.adapter" if name == "start" else "the trained adapter"
         raise SpecError(f"{what}: {path} does not load on model.name={spec_name} ({one_line(str(e))[:200]})") from None

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from jobs.errors import UserError
+from jobs.model.loading import without_peft_alias_notice
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -97,14 +98,11 @@ def _readme(base: str, adapter_dir: Path, merged: bool, dtype: str) -> str:
 
 
 def _quiet() -> None:
-    """These commands print their own lines: no per-tensor loading bars, no deprecation notice
-    from PEFT probing a transformers alias (not the user's to fix)."""
-    import warnings
-
+    """These commands print their own lines: no per-tensor loading bars (PEFT's alias notice:
+    `without_peft_alias_notice` where the adapter is loaded)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 def load_adapted(adapter_dir: Path, dtype: torch.dtype = torch.float32):
@@ -121,7 +119,8 @@ def load_adapted(adapter_dir: Path, dtype: torch.dtype = torch.float32):
     except (ValueError, RuntimeError, KeyError, TypeError) as e:  # checked above; what remains is damage
         raise _cannot_load(base, e) from None
     try:
-        model = PeftModel.from_pretrained(base_model, str(adapter_dir))
+        with without_peft_alias_notice():
+            model = PeftModel.from_pretrained(base_model, str(adapter_dir))
         tok = AutoTokenizer.from_pretrained(str(adapter_dir))
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
         raise _cannot_load(adapter_dir, e) from None

@@ -117,8 +117,23 @@ def init_ray(address: str | None, num_cpus: int, log_to_driver: bool = True) -> 
 GCS_START_TRIES = 3
 
 
+class _DefaultTokenNotice(logging.Filter):
+    """Drops Ray's notice that a new local cluster uses token authentication (Ray's default since
+    2.60, and what rayft's own cluster should use): it was the first line of every `rayft run`,
+    before rayft's own. Ray's other authentication warnings (auth disabled, a token missing) pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
+TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
 def _start_local(num_cpus: int, log_to_driver: bool) -> None:
     """Start a local cluster on 127.0.0.1 with its GCS on a free port of its own."""
+    token_log = logging.getLogger(TOKEN_SETUP_LOGGER)
+    if not any(isinstance(f, _DefaultTokenNotice) for f in token_log.filters):
+        token_log.addFilter(_DefaultTokenNotice())
     gcs_port = _free_port()
     os.environ["RAY_GCS_SERVER_PORT"] = str(gcs_port)
     try:

@@ -10,10 +10,12 @@ With `model.quantization` (nf4, int8) the frozen base is quantized by bitsandbyt
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -51,6 +53,16 @@ TINY_CHAT_TEMPLATE = (
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+
+
+@contextlib.contextmanager
+def without_peft_alias_notice() -> Iterator[None]:
+    """PEFT, wrapping a model, probes transformers' deprecated `is_gradient_checkpointing` alias
+    and transformers warns: not the user's to fix, and it was the first line `rayft eval` printed.
+    Every place rayft wraps a model in PEFT goes through this."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def byte_tokenizer():
@@ -351,9 +363,7 @@ def add_lora(model, spec: JobSpec, precision: str = "fp32"):
         use_rslora=spec.lora.use_rslora,
         init_lora_weights=LORA_INIT[spec.lora.init],
     )
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        # PEFT probes the deprecated `is_gradient_checkpointing` alias; not ours to fix.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with torch.random.fork_rng(devices=[]), without_peft_alias_notice():
         torch.manual_seed(spec.run.seed + 1)
         if spec.model.adapter:
             peft_model = start_from_adapter(model, spec)
