@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from filefuzz import alarm
+from runs import SMALL_RUN
 
 from jobs.data import char_bound, chat_spans, tokenize
 from jobs.data import tokenizing as tokenizing_module
@@ -28,7 +29,7 @@ from jobs.run.outputs import RUN_MARKER
 ROOT = Path(__file__).resolve().parents[2]
 RAYFT = Path(sys.executable).parent / "rayft"
 SPEC = "examples/tiny-lora.yaml"
-SMALL = ["resources.num_workers=1", "run.max_steps=1", "data.max_seq_len=64", "lora.r=4", "batch.global_batch_size=4"]
+SMALL = SMALL_RUN
 TIMEOUT_S = 120  # a run that would hang on a FIFO fails here instead
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from inproc import rayft_in_process
+from runs import SMALL_RUN
 
 from jobs.data import cache_key
 from jobs.model import loading as model_module
@@ -19,7 +20,7 @@ from jobs.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = "examples/tiny-lora.yaml"
-SMALL = ["resources.num_workers=1", "run.max_steps=1", "data.max_seq_len=64", "lora.r=4", "batch.global_batch_size=4"]
+SMALL = SMALL_RUN
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 # Not prefix-stable: each rendering counts the conversation's messages first.
 UNSTABLE = "{{ messages | length }}{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}"

@@ -5,13 +5,13 @@ a regular file in a place rayft may write, never through a link, never to a FIFO
 
 from __future__ import annotations
 
-import json
 import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 from inproc import ROOT, rayft_in_process
+from runs import write_jsonl
 
 DEMO = str(ROOT / "examples" / "tiny-lora.yaml")
 SMALL = ["resources.num_workers=1", "data.max_seq_len=96", "data.eval_path=null"]
@@ -22,7 +22,7 @@ RAW = ("\x1b", "\x07", "\u202e", "\u202c", "\x00", "\x7f", "\x9b")
 def _data(tmp_path: Path) -> Path:
     path = tmp_path / "hostile.jsonl"
     rows = [{"text": f"record {i} {HOSTILE}"} for i in range(4)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(path, rows)
     return path
 
 

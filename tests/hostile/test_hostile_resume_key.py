@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from inproc import rayft_in_process
+from runs import SMALL_RUN
 
 from jobs.data import content_hash
 from jobs.errors import SpecError
@@ -19,7 +20,7 @@ from jobs.spec import absolutize, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = "examples/tiny-lora.yaml"
-SMALL = ["resources.num_workers=1", "run.max_steps=1", "data.max_seq_len=64", "lora.r=4", "batch.global_batch_size=4"]
+SMALL = SMALL_RUN
 TINY, TINY_EVAL = ROOT / "examples/data/tiny.jsonl", ROOT / "examples/data/tiny-eval.jsonl"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from inproc import ROOT, rayft_in_process
+from runs import write_jsonl
 
 import jobs.data.cache as data_mod
 import jobs.data.prepare as prepare_mod
@@ -60,11 +61,6 @@ def local_ray():
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(prepare_mod, "BLOCK_RECORDS", 7)  # many blocks, one that spans train and eval
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def write_parquet(path: Path, rows: list[dict]) -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import write_jsonl
 
 from jobs.model.loading import byte_tokenizer, load_base_model
 from jobs.run.outputs import claim_output_dir
@@ -93,7 +94,7 @@ def save_adapter(spec, directory: Path, seed: int) -> str:
 
 def make_spec(tmp_path: Path, records: list[dict], objective: str = "dpo", start: bool = True, extra=None):
     data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_jsonl(data, records)
     raw = {
         "name": "pref-eval",
         "model": {"name": "tiny-llama"},
@@ -260,7 +261,7 @@ def test_the_table_through_the_cli(tmp_path, capsys):
 def test_a_preference_spec_without_held_out_pairs_is_one_line(tmp_path, capsys):
     spec_path = tmp_path / "s.json"
     data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in STRING_PAIRS))
+    write_jsonl(data, STRING_PAIRS)
     spec_path.write_text(
         json.dumps(
             {

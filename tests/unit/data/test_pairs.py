@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from runs import write_jsonl as write
 
 import jobs.data.cache as cache_mod  # where load_dataset looks up its helpers
 from jobs.data import (
@@ -89,11 +90,6 @@ LLAMA3 = (
 
 def B(s: str) -> list[int]:
     return list(s.encode())
-
-
-def write(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def write_all(tmp_path: Path, rows: list[dict], csv: bool = True) -> dict[str, Path]:

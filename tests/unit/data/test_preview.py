@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from inproc import ROOT, rayft_in_process
+from runs import write_jsonl as write
 
 from jobs.data import IGNORE, Example, Pair, load_dataset
 from jobs.model.loading import byte_tokenizer
@@ -55,11 +56,6 @@ CONVO = [
     }
     for i in range(3)
 ]
-
-
-def write(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from runs import write_jsonl
 
 from jobs.data import load_dataset, read_jsonl
 from jobs.errors import SpecError
@@ -47,7 +48,7 @@ def write_all(tmp_path: Path, rows: list[dict]) -> dict[str, Path]:
         "csv": tmp_path / "d.csv",
         "disk": tmp_path / "saved",
     }
-    paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(paths["jsonl"], rows)
     paths["json"].write_text(json.dumps(rows))  # one JSON array, not lines
     ds.to_parquet(str(paths["parquet"]))
     ds.to_csv(str(paths["csv"]), index=False)
