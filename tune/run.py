@@ -37,6 +37,7 @@ from pathlib import Path
 from jobs.errors import NodeLost, SpecError, oom_line
 from jobs.launch.on_ray import make_trainer, node_lost, relay_actor, reported_placement
 from jobs.run.outputs import write_json_atomic
+from jobs.run.summary import RunSummary
 from jobs.spec import JobSpec
 
 from .plan import (
@@ -179,19 +180,19 @@ def run_trial(config: dict, setup: dict) -> None:
             ) from None
         write_json_atomic(out / STATUS_FILE, {"status": "error", "error": f"{type(e).__name__}: {str(e)[:500]}"})
         raise
-    summary = read_json(out / "summary.json") or {}
+    summary = RunSummary.from_json(read_json(out / "summary.json") or {}, str(out / "summary.json"))
     result = {
         TIME_ATTR: p["max_steps"] * p["global_batch_size"],
-        "eval_loss": summary.get("eval_loss"),
-        "step": summary.get("steps"),
-        "loss": summary.get("final_loss"),
-        "tokens_per_s": summary.get("mean_tokens_per_s"),
-        "tokens_seen": summary.get("tokens_seen"),
-        "peak_mem_gib": summary.get("peak_mem_gib"),
+        "eval_loss": summary.eval_loss,
+        "step": summary.steps,
+        "loss": summary.final_loss,
+        "tokens_per_s": summary.mean_tokens_per_s,
+        "tokens_seen": summary.tokens_seen,
+        "peak_mem_gib": summary.peak_mem_gib,
         "finished": True,
     }
     if metric != "eval_loss":
-        result[metric] = final_value(summary, out, metric, p["max_steps"])
+        result[metric] = final_value(summary.as_json(), out, metric, p["max_steps"])
     write_json_atomic(out / STATUS_FILE, {"status": "finished", "result": result, "wall_s": time.time() - t0})
     tune.report(result)
 
@@ -199,8 +200,9 @@ def run_trial(config: dict, setup: dict) -> None:
 def final_value(summary: dict, out: Path, metric: str, max_steps: int) -> float | None:
     """`metric` at the trial's last step: summary.json's, else the final step's metrics.jsonl record
     (a job resumed at its last checkpoint trains no step and its summary carries only the eval loss)."""
-    if summary.get(metric) is not None:
-        return summary[metric]
+    value = summary.get(metric)
+    if value is not None:
+        return value
     from jobs.run.outputs import read_metrics
 
     last = [r for r in read_metrics(out) if r.get("step") == max_steps and r.get(metric) is not None]

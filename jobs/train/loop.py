@@ -90,6 +90,7 @@ from jobs.run.outputs import (
     read_metrics,
     write_json_atomic,
 )
+from jobs.run.summary import RunSummary
 from jobs.run.tracking import Trackers, open_trackers
 from jobs.spec import JobSpec, compute_precision
 from jobs.train import fsdp
@@ -598,36 +599,35 @@ def write_outputs(
         _save_tiny_base(spec, out / "base", adapter_dir)
     plot_loss(out, records, **job.objective.plot_labels(spec))
     final = last or (records[-1] if records else {})  # a rerun of a finished job trains no step
-    summary = {
-        "name": spec.name,
-        "steps": job.steps,
-        "resumed_from_step": pos.step,
-        "first_loss": records[0]["loss"] if records else None,
-        "final_loss": final.get("loss"),
-        "eval_loss": pos.eval_loss,
-        "tokens_seen": pos.tokens_seen,
-        "skipped_steps": pos.skipped_steps,
-        "wall_time_s": wall_s,
-        "mean_tokens_per_s": mean_tokens_per_s,
-        "peak_mem_gib": final.get("peak_mem_gib"),
-        "peak_mem_kind": final.get("peak_mem_kind"),
-        "estimate_gib": job.plan.total_gib,
-        "precision": job.precision,
-        "gradient_checkpointing": bool(job.plan.checkpoint_every_n_layers),
-        "checkpoint_every_n_layers": job.plan.checkpoint_every_n_layers,
-        "compiled_layers": job.compiled,
-        "effective_lr": spec.effective_lr,
-        "global_batch_size": spec.batch.global_batch_size,
-        "micro_batch_size": spec.batch.micro_batch_size,
-        "grad_accum_steps": spec.grad_accum_steps,
-        "num_workers": spec.resources.num_workers,
-        "strategy": job.strategy,
-        "adapter_dir": str(adapter_dir),
-        "dropped_records": job.data.dropped,
-        "objective": spec.objective.name,
-        **pos.eval_stats,
-        **(extra or {}),
-    }
+    summary = RunSummary(
+        name=spec.name,
+        steps=job.steps,
+        resumed_from_step=pos.step,
+        first_loss=records[0]["loss"] if records else None,
+        final_loss=final.get("loss"),
+        eval_loss=pos.eval_loss,
+        tokens_seen=pos.tokens_seen,
+        skipped_steps=pos.skipped_steps,
+        wall_time_s=wall_s,
+        mean_tokens_per_s=mean_tokens_per_s,
+        peak_mem_gib=final.get("peak_mem_gib"),
+        peak_mem_kind=final.get("peak_mem_kind"),
+        estimate_gib=job.plan.total_gib,
+        precision=job.precision,
+        gradient_checkpointing=bool(job.plan.checkpoint_every_n_layers),
+        checkpoint_every_n_layers=job.plan.checkpoint_every_n_layers,
+        compiled_layers=job.compiled,
+        effective_lr=spec.effective_lr,
+        global_batch_size=spec.batch.global_batch_size,
+        micro_batch_size=spec.batch.micro_batch_size,
+        grad_accum_steps=spec.grad_accum_steps,
+        num_workers=spec.resources.num_workers,
+        strategy=job.strategy,
+        adapter_dir=str(adapter_dir),
+        dropped_records=job.data.dropped,
+        objective=spec.objective.name,
+        stats={**pos.eval_stats, **(extra or {})},
+    ).as_json()
     write_json_atomic(out / SUMMARY, summary)
     append_event(out, "end", step=job.steps)
     return summary

@@ -77,50 +77,41 @@ def _summary_table(summary: dict, spec) -> None:
     from rich.table import Table
 
     from jobs.memory import checkpointing_str
+    from jobs.run.summary import RunSummary
 
+    s = RunSummary.from_json(summary)
+    accuracy = s.stat("eval_rewards/accuracies")
     t = Table(title=f"rayft run {spec.name}", show_header=False)
     rows = [
-        (
-            "steps",
-            f"{summary['steps']} (resumed from {summary['resumed_from_step']})"
-            if summary["resumed_from_step"]
-            else str(summary["steps"]),
-        ),
-        ("loss first -> final", f"{_num(summary['first_loss'], '.4f')} -> {_num(summary['final_loss'], '.4f')}"),
-        ("eval loss", "-" if summary["eval_loss"] is None else f"{summary['eval_loss']:.4f}"),
+        ("steps", f"{s.steps} (resumed from {s.resumed_from_step})" if s.resumed_from_step else str(s.steps)),
+        ("loss first -> final", f"{_num(s.first_loss, '.4f')} -> {_num(s.final_loss, '.4f')}"),
+        ("eval loss", _num(s.eval_loss, ".4f")),
         *(
             [
                 (
                     "eval preference (held out)",
-                    f"accuracy {summary['eval_rewards/accuracies']:.1%}, margin "
-                    f"{summary['eval_rewards/margins']:.4f} ({summary['objective']})",
+                    f"accuracy {accuracy:.1%}, margin {s.stat('eval_rewards/margins'):.4f} ({s.objective})",
                 )
             ]
-            if "eval_rewards/accuracies" in summary
+            if accuracy is not None
             else []
         ),
         (
             "global batch",
-            f"{summary['global_batch_size']}{' pairs' if summary.get('objective', 'sft') != 'sft' else ''} "
-            f"= {summary['num_workers']} workers x "
-            f"{summary['grad_accum_steps']} accum x {summary['micro_batch_size']} micro",
+            f"{s.global_batch_size}{' pairs' if s.objective != 'sft' else ''} "
+            f"= {s.num_workers} workers x {s.grad_accum_steps} accum x {s.micro_batch_size} micro",
         ),
-        ("effective lr", f"{summary['effective_lr']:.3g}"),
-        (
-            "precision / checkpointing",
-            f"{summary['precision']} / {checkpointing_str(summary['checkpoint_every_n_layers'])}",
-        ),
-        ("tokens/s (mean)", f"{summary['mean_tokens_per_s']:.0f}" if summary["mean_tokens_per_s"] else "-"),
+        ("effective lr", f"{s.effective_lr:.3g}"),
+        ("precision / checkpointing", f"{s.precision} / {checkpointing_str(s.checkpoint_every_n_layers)}"),
+        ("tokens/s (mean)", f"{s.mean_tokens_per_s:.0f}" if s.mean_tokens_per_s else "-"),
         (
             "peak memory / estimate",
-            f"{_num(summary['peak_mem_gib'], '.2f')} GiB / {summary['estimate_gib']:.2f} GiB"
-            + (
-                " (CPU: whole-process RSS vs training tensors)" if summary.get("peak_mem_kind") == "cpu_max_rss" else ""
-            ),
+            f"{_num(s.peak_mem_gib, '.2f')} GiB / {s.estimate_gib:.2f} GiB"
+            + (" (CPU: whole-process RSS vs training tensors)" if s.peak_mem_kind == "cpu_max_rss" else ""),
         ),
-        ("skipped steps (fp16)", str(summary["skipped_steps"])),
-        ("wall time", f"{summary['wall_time_s']:.1f} s"),
-        ("adapter", summary["adapter_dir"]),
+        ("skipped steps (fp16)", str(s.skipped_steps)),
+        ("wall time", f"{s.wall_time_s:.1f} s"),
+        ("adapter", s.adapter_dir),
     ]
     for k, v in rows:
         t.add_row(k, v)
