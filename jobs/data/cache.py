@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -666,7 +667,7 @@ def _verified_or_rebuilt(final: Path, build: Callable[[Path], None], expected: d
     try:
         return _verified(final, expected, vocab_size)
     except BadEntry as e:
-        _set_aside_bad(final, seen, e)
+        set_aside_bad(final, seen, e)
     _published(final, build)
     try:
         return _verified(final, expected, vocab_size)
@@ -685,23 +686,25 @@ def verified_if_published(final: Path, expected: dict, vocab_size: int) -> bool:
         _verified(final, expected, vocab_size)
         return True
     except BadEntry as e:
-        _set_aside_bad(final, seen, e)
+        set_aside_bad(final, seen, e)
         return False
 
 
-def _set_aside_bad(final: Path, seen: os.stat_result, bad: BadEntry) -> None:
+def set_aside_bad(final: Path, seen: os.stat_result, bad: BadEntry, what: str = "data cache") -> None:
     """Take the bad entry `final` (as `seen` by its reader) out of the way to be built again, with
-    one warning line; a SpecError naming it where it cannot be moved."""
-    suffix = time.strftime(".bad-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+    one warning line; a SpecError naming it where it cannot be moved. `what` names the entry's kind
+    in both (the precomputed reference's entries go through here too)."""
+    # time, process and a random part: two entries set aside by one process within a second keep both
+    suffix = time.strftime(".bad-%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     try:
         aside = set_aside(final, seen, suffix)
     except OSError as e:
         raise SpecError(
-            f"data cache: {bad}; it cannot be set aside to be built again ({e.strerror or e}): "
+            f"{what}: {bad}; it cannot be set aside to be built again ({e.strerror or e}): "
             f"remove {final} or set data.cache_dir to a writable directory"
         ) from None
     where = f"set aside as {aside.name}" if aside is not None else "replaced by another process"
-    log.warning("data cache: %s; %s and rebuilt", bad, where)
+    log.warning("%s: %s; %s and rebuilt", what, bad, where)
 
 
 def _published(final: Path, build: Callable[[Path], None]) -> os.stat_result:
