@@ -17,6 +17,7 @@ builds the base on the meta device (no storage), so a damaged directory is refus
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -30,6 +31,27 @@ from jobs.errors import UserError
 MAX_CONFIG_BYTES = 1 << 20
 # A Hugging Face hub id: `name` or `org/name` (letters, digits, '-', '_', '.'), never `..`.
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?")
+
+
+# The files of an adapter directory PEFT reads (`PeftModel.from_pretrained` / `load_adapter`): other
+# files there, however named, change nothing it loads.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def adapter_digest(path: str | None) -> str | None:
+    """An adapter directory's identity: the SHA-256 of each file PEFT reads, streamed in blocks (a
+    junk `adapter_model.old` of a gigabyte beside it is neither read nor hashed). What the
+    precomputed reference and the resume key compare of `model.adapter`."""
+    if not path:
+        return None
+    from jobs.data.cache import file_sha256
+
+    h = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        f = Path(path) / name
+        if f.is_file():
+            h.update(f"{name}\0{file_sha256(f)}\0".encode())
+    return h.hexdigest()
 
 
 def read_json_config(path: Path) -> dict[str, Any]:

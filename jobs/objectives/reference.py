@@ -15,6 +15,7 @@ import torch
 from jobs.data.cache import set_aside_bad
 from jobs.data.verify import BadEntry
 from jobs.errors import SpecError
+from jobs.model.adapter_check import adapter_digest
 
 log = logging.getLogger("rayft")
 
@@ -27,26 +28,6 @@ def _files_fingerprint(directory: Path) -> list:
     if not directory.is_dir():
         return []
     return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file())
-
-
-# The files of an adapter directory PEFT reads (`PeftModel.from_pretrained` / `load_adapter`): other
-# files there, however named, change nothing it loads.
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-
-
-def _adapter_digest(path: str | None) -> str | None:
-    """The starting adapter's identity: the SHA-256 of each file PEFT reads, streamed in blocks
-    (a junk `adapter_model.old` of a gigabyte beside it is neither read nor hashed)."""
-    if not path:
-        return None
-    from jobs.data.cache import file_sha256
-
-    h = hashlib.sha256()
-    for name in ADAPTER_FILES:
-        f = Path(path) / name
-        if f.is_file():
-            h.update(f"{name}\0{file_sha256(f)}\0".encode())
-    return h.hexdigest()
 
 
 def reference_key(spec, data_dir: Path, precision: str) -> str:
@@ -69,7 +50,7 @@ def reference_key(spec, data_dir: Path, precision: str) -> str:
         "quantization": m.quantization,
         "precision": precision,
         "attn": m.attn_implementation,
-        "adapter": _adapter_digest(m.adapter),
+        "adapter": adapter_digest(m.adapter),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

@@ -94,6 +94,11 @@ LATE_KEYS = ("data.eval_path", "data.eval_fraction")
 # Not a spec field: the sha256 of what the data sources hold (`jobs.data.content_hash`), so data
 # that changed under the same path refuses a resume (the batches of step k would differ).
 DATA_HASH_KEY = "data.content_sha256"
+# Not a spec field either: the starting adapter's bytes (`model.adapter`: the files PEFT reads), so
+# an adapter replaced under the same path refuses a resume (the reference and the start differ).
+# A checkpoint written before this key is not compared on it.
+ADAPTER_HASH_KEY = "model.adapter_sha256"
+HASH_KEYS = (DATA_HASH_KEY, ADAPTER_HASH_KEY)
 
 
 def step_dir_name(step: int) -> str:
@@ -411,8 +416,10 @@ def resume_key(spec: JobSpec) -> dict:
     if spec.data.eval_path:
         out["data.eval_fraction"] = None  # the held-out set is the file; no fraction of data.path is held out
     from jobs.data import content_hash
+    from jobs.model.adapter_check import adapter_digest
 
     out[DATA_HASH_KEY] = content_hash(spec)
+    out[ADAPTER_HASH_KEY] = adapter_digest(spec.model.adapter)
     return out
 
 
@@ -436,13 +443,15 @@ def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
     # A key newer than the checkpoint is read as the field's default: that is what the run that
     # wrote it trained with (e.g. `model.quantization` "none" before quantization existed), except
     # for a field older than its key (`LATE_KEYS`), which such a checkpoint is not compared on.
-    unrecorded = {k for k in LATE_KEYS if k not in saved}
+    unrecorded = {k for k in (*LATE_KEYS, ADAPTER_HASH_KEY) if k not in saved}
     now = {k: v for k, v in now.items() if k not in unrecorded}
-    saved = {**{k: _field_default(k, spec) for k in now if k not in saved and k != DATA_HASH_KEY}, **saved}
+    saved = {**{k: _field_default(k, spec) for k in now if k not in saved and k not in HASH_KEYS}, **saved}
     # Checkpoints written before the objective's settings had real defaults stored None for "the
     # default" (and for a setting the objective does not take, which `now` does not hold).
     saved.update({k: _field_default(k, spec) for k in now if k.startswith("objective.") and saved.get(k) is None})
-    diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k] and k != DATA_HASH_KEY]
+    diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k] and k not in HASH_KEYS]
+    if ADAPTER_HASH_KEY in now and saved.get(ADAPTER_HASH_KEY) != now[ADAPTER_HASH_KEY]:
+        diffs.append("model.adapter: its files changed since the checkpoint (another starting adapter)")
     if saved.get(DATA_HASH_KEY) != now[DATA_HASH_KEY]:
         diffs.append(
             "the data changed: its content no longer matches the checkpoint's (sha256 "

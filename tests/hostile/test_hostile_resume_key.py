@@ -138,3 +138,21 @@ def test_a_dataset_dict_naming_a_split_outside_its_directory_is_refused(tmp_path
     (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["../../elsewhere"]}))
     with pytest.raises(SpecError, match="outside its directory"):
         dataset_dir_files(tmp_path / "dd")
+
+
+def test_a_starting_adapter_replaced_under_the_same_path_refuses_the_resume(tmp_path):
+    """The key holds the bytes PEFT reads of `model.adapter`, not only its path (issue 49 item 3):
+    before, an adapter replaced between attempts resumed silently with another reference."""
+    adapter = tmp_path / "start"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights one")
+    spec = _spec(f"model.adapter={adapter}")
+    saved = ckpt.resume_key(spec)
+    ckpt.check_resumable(saved, spec, "ckpt")  # unchanged: fine
+    (adapter / "notes.txt").write_text("PEFT never reads this")
+    ckpt.check_resumable(saved, spec, "ckpt")  # a file PEFT does not read changes nothing
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights two")
+    assert "model.adapter: its files changed since the checkpoint" in _refusal(saved, spec)
+    # A checkpoint written before the key existed is not compared on it (it stays resumable).
+    ckpt.check_resumable({k: v for k, v in saved.items() if k != ckpt.ADAPTER_HASH_KEY}, spec, "ckpt")

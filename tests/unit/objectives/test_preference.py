@@ -441,7 +441,7 @@ def test_trl_metric_names_reach_metrics_jsonl_and_tensorboard(tmp_path):
 def test_the_starting_adapter_key_hashes_what_peft_reads_streamed(tmp_path, monkeypatch):
     """The reference key's adapter part: the files PEFT reads, hashed in blocks (a 1 GB junk file
     named `adapter_model*` beside them raised the peak memory by 2 GB: it was read whole)."""
-    from jobs.objectives.reference import _adapter_digest
+    from jobs.model.adapter_check import adapter_digest as _adapter_digest
 
     (tmp_path / "adapter_config.json").write_text('{"r": 4}')
     (tmp_path / "adapter_model.safetensors").write_bytes(b"weights" * 100)
