@@ -414,7 +414,34 @@ def _finish_adapter(peft_model, spec: JobSpec, precision: str):
 # The weights files PEFT reads from an adapter directory.
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # What `lora.*` must say about a starting adapter (`model.adapter`): spec field -> adapter_config key.
-ADAPTER_CONFIG_KEYS = {"r": "r", "alpha": "lora_alpha", "use_dora": "use_dora", "use_rslora": "use_rslora"}
+ADAPTER_CONFIG_KEYS = {
+    "r": "r",
+    "alpha": "lora_alpha",
+    "dropout": "lora_dropout",
+    "use_dora": "use_dora",
+    "use_rslora": "use_rslora",
+}
+# PEFT's value of a key an adapter_config.json leaves out.
+ADAPTER_CONFIG_DEFAULTS = {"lora_dropout": 0.0, "use_dora": False, "use_rslora": False}
+# adapter_config keys that change what trains or how, and that `lora.*` has no setting for: a
+# starting adapter must leave each unset (None, empty, "none" or false), or training would differ
+# from what the spec, the memory plan and the resume key describe.
+ADAPTER_CONFIG_UNSUPPORTED = (
+    "layers_to_transform",
+    "layers_pattern",
+    "rank_pattern",
+    "alpha_pattern",
+    "modules_to_save",
+    "bias",
+    "exclude_modules",
+    "trainable_token_indices",
+    "lora_bias",
+    "target_parameters",
+    "use_qalora",
+    "fan_in_fan_out",
+    "layer_replication",
+    "alora_invocation_tokens",
+)
 
 
 def starting_adapter_config(spec: JobSpec) -> dict:
@@ -435,9 +462,16 @@ def starting_adapter_config(spec: JobSpec) -> dict:
         raise SpecError(f"model.adapter: {path}: not a readable adapter config ({type(e).__name__})") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
         raise SpecError(f"model.adapter: {path}: not a LoRA adapter config")
+    _check_adapter_weights(Path(spec.model.adapter))
+    for key in ADAPTER_CONFIG_UNSUPPORTED:
+        if cfg.get(key) not in (None, [], {}, "none", False):
+            raise SpecError(
+                f"model.adapter: the adapter sets {key}={one_line(repr(cfg[key]))[:80]}, which changes training and "
+                "which lora.* has no setting for; start from an adapter without it"
+            )
     for field, key in ADAPTER_CONFIG_KEYS.items():
         want = getattr(spec.lora, field)
-        have = cfg.get(key, False if isinstance(want, bool) else None)
+        have = cfg.get(key, ADAPTER_CONFIG_DEFAULTS.get(key))
         if have != want:
             raise SpecError(
                 f"model.adapter: the adapter has {key}={have!r} but lora.{field}={want!r}; set "
@@ -451,6 +485,26 @@ def starting_adapter_config(spec: JobSpec) -> dict:
             f"{sorted(spec.lora.target_modules)}; set lora.target_modules to the adapter's"
         )
     return cfg
+
+
+def _check_adapter_weights(adapter: Path) -> None:
+    """The weights PEFT will load are a whole safetensors file (its header read alone: cut short,
+    bytes past its tensors, a broken entry are one line); a pickle (`adapter_model.bin`) alone is
+    refused: loading one runs code, and rayft writes and reads safetensors only."""
+    from jobs.errors import UserError
+    from jobs.model.adapter_check import safetensors_shapes
+
+    weights = adapter / ADAPTER_WEIGHTS[0]
+    if not os.path.lexists(weights):
+        pickle_only = os.path.lexists(adapter / ADAPTER_WEIGHTS[1])
+        raise SpecError(
+            f"model.adapter: {adapter} holds "
+            + ("adapter_model.bin only (a pickle): convert it to safetensors" if pickle_only else "no adapter weights")
+        )
+    try:
+        safetensors_shapes(weights)
+    except UserError as e:
+        raise SpecError(f"model.adapter: {e}") from None
 
 
 def start_from_adapter(model, spec: JobSpec):
