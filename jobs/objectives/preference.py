@@ -14,7 +14,8 @@ The reference (DPO, IPO), in order of preference:
 * precomputed: the values stored beside the data cache (`ref_logps` in the batch, `reference.py`); no forward;
 * the frozen starting adapter (`model.adapter`), held as a second LoRA adapter named
   `REFERENCE_ADAPTER`, made active for the reference forward;
-* the base alone: PEFT's `disable_adapter()`.
+* the base alone: every adapter off (`adapters_off`; not PEFT's `disable_adapter()`, which
+  changes `requires_grad`, see there).
 
 The reference forward runs under `no_grad` (nothing is saved for backward) and in eval mode
 (no dropout, so it is deterministic and equal to the precomputed values), before the policy
@@ -142,6 +143,29 @@ def active_adapter(model: nn.Module, name: str):
             m._active_adapter = prev
 
 
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The base alone for the duration: every PEFT tuner layer's adapters off. Invariant: no
+    parameter's `requires_grad` changes, on entry or exit.
+
+    Not PEFT's `disable_adapter()`: it freezes the adapter parameters it finds on entry and marks
+    trainable those it finds on exit. Under FSDP2 with `reshard_after_forward=False` these are
+    different tensors (the shards on entry, the gathered copies the forward left on exit), so the
+    shards -- what the optimizer steps and the saver selects -- stayed frozen, and the run saved
+    an empty adapter (issue 49). Only the layers' switch is flipped here, as `active_adapter` does."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    try:
+        for m in layers:
+            m._disable_adapters = True
+        yield
+    finally:
+        for m, prev in zip(layers, before, strict=True):
+            m._disable_adapters = prev
+
+
 class PreferenceLoss(nn.Module):
     """Summed per-pair loss of one micro-batch of pairs, and the per-pair statistics summed
     (`jobs.objectives.pair_losses.summed_stats`): `forward(...) -> (loss_sum, stats_sum)`.
@@ -192,7 +216,7 @@ class PreferenceLoss(nn.Module):
     def reference_context(self):
         if self.reference_adapter:
             return active_adapter(self.model, self.reference_adapter)
-        return self.model.disable_adapter()
+        return adapters_off(self.model)
 
     @torch.no_grad()
     def reference_logps(
