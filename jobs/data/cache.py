@@ -56,7 +56,7 @@ from jobs.data.pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs_ite
 from jobs.data.records import PAIR_FIELDS, PAIRS, SFT, record_kind
 from jobs.data.sources import dataset_dir_files, datasets_rows, first_record_format, is_hub, read_jsonl, read_records
 from jobs.data.tokenizing import IGNORE, Example, tokenize_iter
-from jobs.data.verify import DIGEST, BadEntry, check_contents, check_files, file_records
+from jobs.data.verify import DIGEST, BadEntry, check_contents, check_files, file_records, read_meta
 from jobs.errors import SpecError
 from jobs.run.build_once import build_once, set_aside
 from jobs.spec import JobSpec, one_line, path_problem
@@ -719,11 +719,7 @@ def _verified(final: Path, expected: dict, vocab_size: int) -> dict:
     """meta.json of the entry `final` once its files pass `jobs.data.verify`'s checks and the
     layout's (`_check_layout`); a BadEntry naming the first file that does not."""
     meta_path = final / "meta.json"
-    check_files(final, {}, ["meta.json"])
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as e:
-        raise BadEntry(meta_path, f"is not the JSON its build wrote ({one_line(str(e))[:200]})") from None
+    meta = read_meta(final)
     problem = _meta_problem(meta, expected)
     if problem:
         raise BadEntry(meta_path, problem)

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from jobs.data.tokenizing import IGNORE
+from jobs.spec.yaml_file import one_line
 
 DIGEST = "sha256"  # the key of each file's digest in meta.json's "files"
 BLOCK_BYTES = 1 << 22  # read in blocks of whole int32 tokens
@@ -88,6 +89,17 @@ def _ids_in_range(block: bytes, vocab_size: int, rule: str) -> bool:
     if rule == "targets":
         ids = np.where(ids == IGNORE, 0, ids)
     return not len(ids) or int(ids.view(np.uint32).max()) < vocab_size
+
+
+def read_meta(final: Path) -> Any:
+    """The parsed meta.json of the entry `final`, once it and the entry are a real directory and a
+    regular file (`check_files`); a BadEntry where it is not the JSON its build wrote."""
+    path = final / "meta.json"
+    check_files(final, {}, ["meta.json"])
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BadEntry(path, f"is not the JSON its build wrote ({one_line(str(e))[:200]})") from None
 
 
 def check_files(final: Path, files: dict[str, Any], names: list[str]) -> dict[str, list[int]]:

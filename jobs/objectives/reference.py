@@ -9,6 +9,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -151,22 +152,16 @@ def _problem(final: Path, expected: dict) -> tuple[os.stat_result | None, BadEnt
 def _verified(final: Path, expected: dict) -> dict:
     """The entry's tables once every check of the docstring above passes; a BadEntry naming the
     first file that does not."""
-    from jobs.data.verify import check_files, digest
+    from jobs.data.verify import check_contents, check_files, read_meta
 
-    check_files(final, {}, ["meta.json"])
-    meta = _meta(final / "meta.json", expected)
-    check_files(final, meta["files"], list(TABLES))
-    for name in TABLES:
-        if digest(final / name, None) != meta["files"][name].get("sha256"):
-            raise BadEntry(final / name, "content differs from the sha256 meta.json records")
+    meta = _meta(final / "meta.json", read_meta(final), expected)
+    stats = check_files(final, meta["files"], list(TABLES))
+    check_contents(final, meta["files"], stats, vocab_size=0)  # no token files: digests only
     return {split: _table(final / f"{split}.npy", expected["pairs"][split]) for split in SPLITS}
 
 
-def _meta(path: Path, expected: dict) -> dict:
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise BadEntry(path, f"is not the JSON its build wrote ({str(e)[:200]})") from None
+def _meta(path: Path, meta: Any, expected: dict) -> dict:
+    """`meta` (the entry's parsed meta.json at `path`) once it is this run's reference's."""
     if not isinstance(meta, dict) or meta.get("format") != REFERENCE_FORMAT or meta.get("key") != expected["key"]:
         raise BadEntry(path, "belongs to another reference (format or key differs)")
     if meta.get("pairs") != expected["pairs"]:
