@@ -25,6 +25,7 @@ import torch
 
 from jobs.errors import UserError
 from jobs.model.loading import without_peft_alias_notice
+from jobs.run import save_check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -139,6 +140,8 @@ def export(output_dir: Path, *, merge: bool = False, dtype: str = "fp32", to: Pa
 
     def copy_adapter(tmp: Path) -> None:
         shutil.copytree(adapter, tmp, dirs_exist_ok=True)
+        weights = "adapter_model.safetensors"
+        save_check.check_file(tmp / weights, save_check.read_back(adapter / weights))
         (tmp / "README.md").write_text(_readme(base, adapter, False, dtype))
 
     def merged(tmp: Path) -> None:
@@ -147,6 +150,7 @@ def export(output_dir: Path, *, merge: bool = False, dtype: str = "fp32", to: Pa
         plain.to(DTYPES[dtype])
         plain.config.dtype = DTYPES[dtype]
         plain.save_pretrained(tmp, max_shard_size="2GB")  # safetensors
+        save_check.check_merged(tmp, plain)
         tok.save_pretrained(tmp)
         (tmp / "README.md").write_text(_readme(base, adapter, True, dtype))
 

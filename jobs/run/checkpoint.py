@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from jobs.run import save_check
 from jobs.spec import JobSpec, SpecError, one_line, path_problem
 
 log = logging.getLogger("rayft")
@@ -143,7 +144,9 @@ def write_rank_files(directory: Path, rank: int, files: dict[str, Any]) -> None:
     for name, obj in files.items():
         path = directory / name
         if name.endswith(".safetensors"):
-            save_file({k: v.detach().cpu().contiguous() for k, v in obj.items()}, str(path))
+            tensors = {k: v.detach().cpu().contiguous() for k, v in obj.items()}
+            save_file(tensors, str(path))
+            save_check.check_file(path, tensors)  # read back before the manifest vouches for it
         elif name.endswith(".json"):
             path.write_text(json.dumps(obj, indent=1, sort_keys=True))
         else:

@@ -86,7 +86,11 @@ class EarlyStopping:
         path = self.best_file(out, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(tmp))
+        from jobs.run import save_check
+
+        tensors = {k: v.detach().cpu().contiguous() for k, v in adapter.items()}
+        save_file(tensors, str(tmp))
+        save_check.check_file(tmp, tensors)
         os.replace(tmp, path)
         self._prune(out)
 

@@ -78,7 +78,7 @@ from jobs.objectives.base import all_reduce_sum
 from jobs.objectives.sft import CausalLMLoss as CausalLMLoss
 from jobs.objectives.sft import layout_args as layout_args
 from jobs.run import checkpoint as ckpt
-from jobs.run import runlock
+from jobs.run import runlock, save_check
 from jobs.run.outputs import (
     PLOT,
     SUMMARY,
@@ -363,7 +363,7 @@ def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
                 stopper.checkpointed(spec.output_path if ctx.is_main else None)
             if stopper.stopped:
                 break
-    return finish(spec, ctx, job, pos, last, stopper, log, clock)
+    return finish(spec, ctx, job, engine, pos, last, stopper, log, clock)
 
 
 def set_lr(engine: Engine, lr: float) -> float:
@@ -464,6 +464,7 @@ def finish(
     spec: JobSpec,
     ctx: Context,
     job: Job,
+    engine: Engine,
     pos: Position,
     last: dict,
     stopper: EarlyStopping,
@@ -473,11 +474,14 @@ def finish(
     """The run's outputs (adapter, summary, plot) on the main rank; every rank takes part in
     gathering the adapter (under FSDP the shards are gathered to rank 0)."""
     adapter = fsdp.full_adapter(job.model)
+    trained = save_check.trained_state(job.model, engine.optimizer)  # every rank: by the optimizer's parameters
     summary: dict = {}
     if ctx.is_main:
         assert log.metrics is not None
         log.metrics.close()
-        adapter = stopper.best_adapter(spec.output_path) or adapter
+        best = stopper.best_adapter(spec.output_path)  # the best step's values: the trained ones are the last's
+        adapter = best or adapter
+        save_check.check_state(adapter, trained, str(spec.output_path / "adapter"), values=best is None)
         summary = write_outputs(
             spec,
             job,
@@ -548,6 +552,9 @@ def save_checkpoint(
         "eval_stats": pos.eval_stats,
     }
     adapter, optim_state = fsdp.adapter_state(job.model, engine.optimizer)  # every rank: a collective under FSDP
+    trained = save_check.trained_state(job.model, engine.optimizer)  # every rank: a collective under FSDP
+    if ctx.is_main:  # written only if whole; its file is read back as it is written (`ckpt.write_rank_files`)
+        save_check.check_state(adapter, trained, f"checkpoint {ckpt.step_dir_name(done)}")
     shared = (adapter, optim_state, job.scaler) if ctx.is_main else ()
     ctx.save_checkpoint(
         spec.output_path / "checkpoints",
@@ -594,6 +601,7 @@ def write_outputs(
     # The trained adapter only: a frozen reference adapter (`model.adapter` under DPO/IPO) is the
     # starting one, already on disk.
     job.model.save_pretrained(adapter_dir, state_dict=adapter, selected_adapters=["default"])
+    save_check.check_adapter_dir(adapter_dir, job.model, adapter)
     job.tokenizer.save_pretrained(adapter_dir)
     if spec.model.name == "tiny-llama":
         _save_tiny_base(spec, out / "base", adapter_dir)
