@@ -5,13 +5,16 @@ printed as one line, the process exits with the class's `exit_code`, never with 
     +-- UserError          exit 2  the user's input is wrong: a spec, an override, a file, an argument,
     |   |                          an id that names nothing, a lock that another driver holds
     |   +-- SpecError              ... a spec or override field (the message names the field path)
+    |   +-- RewardError            ... a user reward function failed on a record (it raised, returned
+    |                                  the wrong count, NaN, infinity or no number): names both
     +-- ClusterError       exit 1  a cluster refused or failed a well-formed request
     |   +-- ClusterUnreachable  exit 2  no cluster answers at that address (a wrong address or a cluster down)
     |   +-- ClusterAuthError    exit 2  the cluster rejected the credentials (a wrong or missing token)
     |   +-- JobNotFound         exit 2  the cluster has no job of that id / name
     |   +-- NodeLost            exit 1  a node that held a training worker died mid-run (checkpoints kept)
     +-- RunError           exit 1  a run failed for a reason no input fixes: training diverged, the runner
-                                   started another world size than asked, a bad fault-injection setting
+        |                          started another world size than asked, a bad fault-injection setting
+        +-- RewardTimeout  exit 1  a reward function ran longer than `reward.timeout_s`
 
 Every class is defined here, in `jobs`, because the worker raises some of them (a bad data
 line is a `SpecError` raised on a Ray worker, a diverged loss a `RunError`) and `jobs` imports
@@ -77,6 +80,12 @@ class SpecError(UserError):
     """A mistake in a spec, an override or a file the spec names; the message names the field path."""
 
 
+class RewardError(UserError):
+    """A reward function (`reward.functions`) failed on the completions of a record: it raised,
+    returned another number of values than completions, NaN, infinity or something not a number.
+    The message names the function and the record."""
+
+
 class ClusterError(RayftError, RuntimeError):
     """The cluster refused or failed a request that was well-formed."""
 
@@ -124,6 +133,11 @@ class RunError(RayftError, RuntimeError):
     naming a field never catch it."""
 
     exit_code = 1
+
+
+class RewardTimeout(RunError):
+    """A reward function ran longer than `reward.timeout_s` on one batch of completions (exit 1:
+    the input may be fine, the function or what it waits on is not)."""
 
 
 # ---- failures that come back wrapped (by Ray Train, Ray Tune, the Jobs API) --------------------

@@ -20,18 +20,13 @@ from jobs.spec import absolutize, load_spec, one_line
 
 def preflight(spec) -> None:
     """Checks that need the data files but not the model weights: run before anything is created."""
-    from jobs.data import count_checked_records
+    from jobs.objectives import Objective
     from jobs.run.outputs import check_write_places
 
     check_write_places(spec)  # the data cache (written next) and an MLflow file store: not a system dir, writable
     # Every record is parsed and checked, the texts not kept (the memory of one record); data
     # checked before (same content hash) is not read again.
-    n_train = count_checked_records(spec)
-    if n_train < spec.batch.global_batch_size:  # tokenizing can only drop records, never add any
-        key = "data.mix" if spec.is_mixture else "data.path"
-        raise SpecError(
-            f"{key}: {n_train} training records, fewer than batch.global_batch_size={spec.batch.global_batch_size}"
-        )
+    Objective.of(spec).check_records(spec)
     if spec.data.packing:
         from jobs.memory import config_from_spec
         from jobs.model.loading import check_packing
@@ -51,12 +46,13 @@ def build_data(spec) -> None:
     created, and the workers map the published entry instead of building it (same key: the
     tokenizer `load_tokenizer` returns is the one the job loads). A refused build leaves no entry
     (`jobs.data.load_dataset`); a cache that cannot be written is one line too."""
-    from jobs.data import data_cache_dir, load_dataset
+    from jobs.data import data_cache_dir
     from jobs.model.loading import load_tokenizer
+    from jobs.objectives import Objective
 
     tokenizer = load_tokenizer(spec)
     try:
-        load_dataset(spec, tokenizer)
+        Objective.of(spec).build_data(spec, tokenizer)
     except OSError as e:
         where = data_cache_dir(spec, "")
         raise SpecError(

@@ -19,6 +19,7 @@ from jobs.model.loading import load_base_model, without_peft_alias_notice
 from jobs.run import runlock
 from jobs.run.outputs import claim_output_dir, write_json_atomic
 from jobs.spec import JobSpec, SpecError
+from jobs.spec.online import offline_only
 
 
 @torch.no_grad()
@@ -62,6 +63,7 @@ def evaluate(spec: JobSpec, adapter_dir: Path | None = None, max_new_tokens: int
     """Evaluate on `data.eval_path` and write `<output_dir>/eval.json`: exact match of the base and
     of the adapter (`adapter_dir`, default `<output_dir>/adapter`) for an SFT spec; for a preference
     spec also preference accuracy, margins and rewards (`jobs.after.evaluate_preference`)."""
+    offline_only(spec, "rayft eval")  # GRPO's held-out evaluation (a reward on held-out prompts) has not landed
     adapter_dir = Path(adapter_dir or spec.output_path / "adapter")
     if spec.objective.name != "sft":
         if not spec.data.eval_path:

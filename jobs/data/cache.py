@@ -60,6 +60,7 @@ from jobs.data.verify import DIGEST, BadEntry, check_contents, check_files, file
 from jobs.errors import SpecError
 from jobs.run.build_once import build_once, set_aside
 from jobs.spec import JobSpec, one_line, path_problem
+from jobs.spec.online import offline_only
 
 log = logging.getLogger("rayft")
 
@@ -134,6 +135,7 @@ def tokenizer_hash(tokenizer) -> str:
 def data_kind(spec: JobSpec) -> str:
     """The kind of record the objective trains on (its spec class says): `PAIRS` for a preference
     objective (its samples are `Pair`s), else `SFT`."""
+    offline_only(spec, "the data cache")  # GRPO reads its prompts itself (`jobs.data.prompts`)
     kind = spec.objective.records
     assert kind in (SFT, PAIRS)
     return kind

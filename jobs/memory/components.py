@@ -349,9 +349,9 @@ def _check_arguments(
         )
     if not 0 < label_fraction <= 1:
         raise ValueError(f"memory estimate: label_fraction must be in (0, 1], got {label_fraction}")
-    if reference is not None and (reference not in REFERENCES or not pairs):
+    if reference is not None and reference not in REFERENCES:  # pairs (DPO, IPO) or completions (GRPO, beta > 0)
         raise ValueError(
-            f"memory estimate: reference must be None or, with pairs, one of {', '.join(REFERENCES)}; got {reference!r}"
+            f"memory estimate: reference must be None or one of {', '.join(REFERENCES)}; got {reference!r}"
         )
     if reference_adapter and reference != "adapter_off":
         raise ValueError("memory estimate: reference_adapter needs reference='adapter_off'")

@@ -508,10 +508,10 @@ def _check_adapter_weights(adapter: Path) -> None:
 
 
 def start_from_adapter(model, spec: JobSpec):
-    """The base with `model.adapter` loaded as the trainable adapter (PEFT's `default`); for DPO
-    and IPO also a second, frozen copy of it named `jobs.objectives.preference.REFERENCE_ADAPTER`, the
-    reference those objectives compare against (the starting policy): the base is held once,
-    the adapter weights twice."""
+    """The base with `model.adapter` loaded as the trainable adapter (PEFT's `default`); for an
+    objective with a reference (DPO, IPO, GRPO with beta > 0) also a second, frozen copy of it
+    named `jobs.objectives.preference.REFERENCE_ADAPTER`, the reference those objectives compare
+    against (the starting policy): the base is held once, the adapter weights twice."""
     from peft import PeftModel
 
     from jobs.objectives.preference import REFERENCE_ADAPTER
@@ -520,7 +520,7 @@ def start_from_adapter(model, spec: JobSpec):
     assert spec.model.adapter is not None  # checked by starting_adapter_config
     try:
         peft_model = PeftModel.from_pretrained(model, spec.model.adapter, is_trainable=True)
-        if spec.objective.name in ("dpo", "ipo"):
+        if spec.objective.has_reference:
             peft_model.load_adapter(spec.model.adapter, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
             peft_model.set_adapter("default")  # the trainable one stays active (and trainable)
     except (RuntimeError, ValueError, OSError) as e:  # shapes that do not fit the base, unreadable weights

@@ -6,12 +6,17 @@ module here whose class implements `Objective` and names that spec class in `spe
 below so that it is registered.
 """
 
-from jobs.objectives.base import Objective
+from jobs.objectives.base import DatasetObjective, Objective, Window
+from jobs.objectives.grpo import GRPO, GRPOLoss
 from jobs.objectives.pair_losses import pair_losses, summed_stats
 from jobs.objectives.preference import REFERENCE_ADAPTER, PairObjective, PreferenceLoss
 from jobs.objectives.sft import SFT, CausalLMLoss
 
 __all__ = [
+    "GRPO",
+    "GRPOLoss",
+    "DatasetObjective",
+    "Window",
     "REFERENCE_ADAPTER",
     "SFT",
     "CausalLMLoss",

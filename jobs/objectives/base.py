@@ -3,9 +3,12 @@
 
 What the loop relies on, whatever the objective (`jobs.train.loop` module doc):
 
-* The samples of optimizer step k are chosen by the loop (`jobs.train.loop.micro_batches_of`); the
-  objective only collates them (`batch`) and says what the step's loss is a mean over (`count`:
-  label tokens for SFT, pairs for a preference objective), counted over the whole global batch.
+* The objective builds each step's window (`plan_window`, host work the loop may run one step
+  ahead; `with_rollouts`, in the training thread, where an online objective samples its
+  completions) and says what the step's loss is a mean over (`Window.denominator`: label tokens
+  for SFT, pairs for a preference objective, completion tokens or completions for GRPO), counted
+  over the whole global batch. A dataset objective (`DatasetObjective`) draws step k's samples
+  from the data by a sampler that does not depend on the split and only collates them (`batch`).
 * The loss module's output for one micro-batch is a *sum* over that unit: a scalar, or
   (summed loss, float64 vector of summed statistics in `stat_names` order). The loop scales it by
   world_size / count, so the step is independent of workers x accumulation x micro-batch.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -29,7 +33,32 @@ import torch.distributed as dist
 from pydantic import BaseModel
 from torch import nn
 
-from jobs.data import equal_micro_batches
+from jobs.data import (
+    batches_for,
+    check_every_source_sampled,
+    count_inputs,
+    count_labels,
+    equal_micro_batches,
+    group_by_length,
+    load_dataset,
+    split_window,
+    step_metrics,
+    total_steps,
+)
+
+
+@dataclass
+class Window:
+    """One rank's share of one global batch, and the counts over the whole global batch (known
+    locally for a dataset objective: every rank holds the tokenized data; all-reduced after the
+    rollouts for an online one)."""
+
+    micro_batches: list  # this rank's micro-batches: the loss module's keyword tensors (collated)
+    denominator: int  # what the step's loss is a mean over: label tokens (SFT), pairs, ...
+    n_labels: int  # label tokens (for pairs: the tokens of both responses; online: completion tokens)
+    n_inputs: int  # input tokens computed
+    metrics: dict[str, float] = field(default_factory=dict)  # the step record's extra values: a
+    # mixture's per-source counts (`step_metrics`), an online objective's rollout metrics; {} else
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -102,16 +131,6 @@ class Objective(ABC):
         `compiled_head`, the LM head and loss may run as one compiled graph (`model.compile`)."""
 
     @abstractmethod
-    def batch(
-        self, spec, job, split: str, indices: Sequence[int] | np.ndarray, device: torch.device, pin: bool
-    ) -> dict:
-        """The collated host tensors of the samples `indices` of `split` ("train" or "eval")."""
-
-    @abstractmethod
-    def count(self, samples, indices: Sequence[int] | np.ndarray) -> int:
-        """What a loss over the samples `indices` is a mean over (label tokens, pairs, ...)."""
-
-    @abstractmethod
     def plot_labels(self, spec) -> dict[str, str]:
         """`jobs.run.outputs.plot_loss`'s title and axis labels for this objective's loss curve."""
 
@@ -123,6 +142,90 @@ class Objective(ABC):
         values = sums.reshape(-1).tolist()
         stats = {k: v / denominator for k, v in zip(self.stat_names, values[1:], strict=True)}
         return values[0] / denominator, stats
+
+    # ---- where a step's samples come from -----------------------------------------------------
+
+    @abstractmethod
+    def check_records(self, spec) -> None:
+        """On the driver, before anything is created: every record of the data checked for the
+        kind this objective trains on, and enough of them for one step (one line otherwise)."""
+
+    @abstractmethod
+    def build_data(self, spec, tokenizer) -> None:
+        """On the driver, after the output directory is checked: the data tokenized where that can
+        refuse it (a refusal is one line, and nothing is left half-written)."""
+
+    @abstractmethod
+    def load_data(self, spec, tokenizer) -> tuple[Any, Any, int]:
+        """On every rank: (the data, the global-batch sampler, the run's optimizer steps)."""
+
+    @abstractmethod
+    def plan_window(self, spec, ctx, job, step: int) -> Window:
+        """This rank's share of global batch `step`, from host data only: a pure function of the
+        step, so the loop may build it one step ahead on a background thread."""
+
+    def with_rollouts(self, spec, ctx, job, engine, step: int, window: Window) -> Window:
+        """The window as the step trains it, in the training thread with the model as it is now:
+        an online objective samples and scores its completions here; the others train what
+        `plan_window` built."""
+        return window
+
+    @abstractmethod
+    def held_out(self, engine, job, spec, ctx) -> tuple[float | None, dict]:
+        """The held-out loss and its statistics (`eval_` in front); (None, {}) without held-out
+        samples. Every rank runs the same number of forwards (under FSDP each is a collective)."""
+
+
+class DatasetObjective(Objective):
+    """An objective whose samples are records of the data set, tokenized once into the shared
+    cache (`jobs.data.load_dataset`): SFT and the preference objectives. Step k's samples are
+    `jobs.data.GlobalBatches` (or a mixture's) k-th global batch, independent of the split."""
+
+    @abstractmethod
+    def batch(
+        self, spec, job, split: str, indices: Sequence[int] | np.ndarray, device: torch.device, pin: bool
+    ) -> dict:
+        """The collated host tensors of the samples `indices` of `split` ("train" or "eval")."""
+
+    @abstractmethod
+    def count(self, samples, indices: Sequence[int] | np.ndarray) -> int:
+        """What a loss over the samples `indices` is a mean over (label tokens, pairs, ...)."""
+
+    def check_records(self, spec) -> None:
+        from jobs.data import count_checked_records
+        from jobs.errors import SpecError
+
+        n_train = count_checked_records(spec)
+        if n_train < spec.batch.global_batch_size:  # tokenizing can only drop records, never add any
+            key = "data.mix" if spec.is_mixture else "data.path"
+            raise SpecError(
+                f"{key}: {n_train} training records, fewer than batch.global_batch_size={spec.batch.global_batch_size}"
+            )
+
+    def build_data(self, spec, tokenizer) -> None:
+        load_dataset(spec, tokenizer)
+
+    def load_data(self, spec, tokenizer) -> tuple[Any, Any, int]:
+        data = load_dataset(spec, tokenizer)
+        batches, steps = batches_for(spec, data), total_steps(spec, len(data.train))
+        check_every_source_sampled(batches, data, steps)
+        return data, batches, steps
+
+    def plan_window(self, spec, ctx, job, step: int) -> Window:
+        """This rank's micro-batches of global batch `step`, with the window's counts: numpy over
+        the cache's per-sample arrays and array copies from its tokens (`jobs.data.batches`)."""
+        indices = job.batches.index_array(step)
+        train = job.data.train
+        if spec.data.group_by_length:
+            # Same samples, grouped so each micro-batch pads little (measured on the demo data:
+            # 48% of computed tokens were padding, 11% grouped).
+            indices = group_by_length(train, indices)  # a Pair: by its longer row
+        mine = split_window(indices, ctx.rank, ctx.world_size, spec.batch.micro_batch_size, spec.grad_accum_steps)
+        n_labels, n_inputs = count_labels(train, indices), count_inputs(train, indices)
+        per_source = step_metrics(job.batches, job.data, step, indices)
+        pin = ctx.device.type == "cuda"
+        micro = [self.batch(spec, job, "train", mb, ctx.device, pin) for mb in mine]
+        return Window(micro, self.count(train, indices), n_labels, n_inputs, per_source)
 
     @torch.no_grad()
     def held_out(self, engine, job, spec, ctx) -> tuple[float | None, dict]:

@@ -27,21 +27,49 @@ LOSS_TYPES: tuple[LossType, ...] = ("dapo", "grpo", "dr_grpo")
 ADVANTAGE_EPS = 1e-4  # TRL: advantages / (std + 1e-4), so a group of equal rewards gives 0, not NaN
 
 
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The Bessel-corrected standard deviation of the values that are not NaN (TRL's `nanstd`);
+    NaN with fewer than two."""
+    keep = ~torch.isnan(x)
+    count = keep.sum(dim=dim) if dim is not None else keep.sum()
+    mean = torch.nanmean(x, dim=dim, keepdim=dim is not None)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim) * count / (count - 1)
+    return torch.where(count > 1, variance, torch.full_like(variance, float("nan"))).sqrt()
+
+
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
-    """[completions] advantages of `rewards` ([prompts x num_generations], each prompt's group
-    contiguous): the reward minus its group's mean, divided by the group's std (`group`), the
-    whole batch's std (`batch`) or nothing (`none`); std with Bessel's correction, as TRL."""
-    grouped = rewards.view(-1, num_generations)
-    centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
-    if scale_rewards == "none":
-        return centred
-    if scale_rewards == "group":
-        std = grouped.std(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
-    elif scale_rewards == "batch":
-        std = rewards.std().expand_as(rewards)
-    else:
+    """[completions] advantages of the WHOLE global batch's `rewards` ([prompts x num_generations],
+    each prompt's group contiguous): the reward minus its group's mean, divided by (std + 1e-4) of
+    its group (`group`) or of the batch (`batch`), or not divided (`none`); std with Bessel's
+    correction, as TRL. A NaN reward (no reward function applied) is left out of every mean and
+    std and gets advantage 0; a group with one scored completion has std 0 here (TRL's NaN would
+    poison the batch)."""
+    if scale_rewards not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards: {scale_rewards!r} is not group, batch or none")
-    return centred / (std + ADVANTAGE_EPS)
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True).nan_to_num(0.0)
+    centred = (grouped - mean).reshape(-1)
+    if scale_rewards == "none":
+        return centred.nan_to_num(0.0)
+    if scale_rewards == "group":
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+    else:
+        std = nanstd(rewards).expand_as(rewards)
+    return (centred / (std.nan_to_num(0.0) + ADVANTAGE_EPS)).nan_to_num(0.0)
+
+
+def loss_mask(completion_mask: torch.Tensor, truncated: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """The tokens that carry loss [B, T]: the completion's tokens; none of a truncated
+    completion's with `mask_truncated_completions` (DAPO's overlong filtering)."""
+    if not mask_truncated:
+        return completion_mask
+    return completion_mask * (~truncated.bool()).to(completion_mask.dtype).unsqueeze(1)
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref): exp(ref - pi) - (ref - pi) - 1 (>= 0; Schulman)."""
+    delta = ref_logps - logps
+    return torch.exp(delta) - delta - 1
 
 
 def importance_log_weights(
@@ -80,9 +108,29 @@ def per_token_loss(
     if beta:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference log-probabilities")
-        delta = ref_logps - logps
-        loss = loss + beta * (torch.exp(delta) - delta - 1)
+        loss = loss + beta * k3_kl(logps, ref_logps)
     return loss
+
+
+@torch.no_grad()
+def clip_counts(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon: float,
+    epsilon_high: float,
+    level: str,
+) -> torch.Tensor:
+    """[low, high, region]: the loss tokens whose ratio the clip holds (TRL's `clip_ratio/*`
+    before dividing by the step's loss tokens): low w < 1 - epsilon with A < 0, high
+    w > 1 + epsilon_high with A > 0, region either."""
+    w = torch.exp(importance_log_weights(logps, old_logps, mask, level))
+    a = advantages.unsqueeze(-1)
+    low = (w < 1 - epsilon) & (a < 0)
+    high = (w > 1 + epsilon_high) & (a > 0)
+    return torch.stack([(m * mask).sum() for m in (low, high, low | high)])
 
 
 def micro_batch_numerator(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType) -> torch.Tensor:

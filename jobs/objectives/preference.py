@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from jobs.data import Concatenated, TokenizedPairs, collate_pairs_at
-from jobs.objectives.base import Objective
+from jobs.objectives.base import DatasetObjective
 from jobs.objectives.pair_losses import ORPO_STATS, STATS, pair_losses, summed_stats
 from jobs.objectives.reference import precomputed_reference
 from jobs.spec import OBJECTIVE_BY_NAME, DPOObjective, IPOObjective, ORPOObjective, SimPOObjective
@@ -45,7 +45,7 @@ REFERENCE_ADAPTER = "reference"
 
 
 @dataclass(frozen=True)
-class PairObjective(Objective):
+class PairObjective(DatasetObjective):
     """A preference objective on `{prompt, chosen, rejected}` pairs: `batch.*` counts pairs, and the
     step's loss is the mean over the pairs of the global batch of the per-pair loss, with TRL's
     statistics. Its settings are its spec class's, resolved (None where it does not take one)."""

@@ -15,12 +15,12 @@ from pydantic import BaseModel
 from torch import nn
 
 from jobs.data import Concatenated, TokenizedSplit, collate_at, count_labels
-from jobs.objectives.base import Objective
+from jobs.objectives.base import DatasetObjective
 from jobs.spec import SFTObjective
 
 
 @dataclass(frozen=True)
-class SFT(Objective):
+class SFT(DatasetObjective):
     """Next-token loss on the labelled tokens; `batch.*` counts sequences."""
 
     specs: ClassVar[tuple[type[BaseModel], ...]] = (SFTObjective,)

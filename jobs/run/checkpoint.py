@@ -99,7 +99,8 @@ DATA_HASH_KEY = "data.content_sha256"
 # an adapter replaced under the same path refuses a resume (the reference and the start differ).
 # A checkpoint written before this key is not compared on it.
 ADAPTER_HASH_KEY = "model.adapter_sha256"
-HASH_KEYS = (DATA_HASH_KEY, ADAPTER_HASH_KEY)
+REWARD_HASH_KEY = "reward.files_sha256"  # online RL: the user reward files' bytes (`reward_digest`)
+HASH_KEYS = (DATA_HASH_KEY, ADAPTER_HASH_KEY, REWARD_HASH_KEY)
 
 
 def step_dir_name(step: int) -> str:
@@ -423,7 +424,21 @@ def resume_key(spec: JobSpec) -> dict:
 
     out[DATA_HASH_KEY] = content_hash(spec)
     out[ADAPTER_HASH_KEY] = adapter_digest(spec.model.adapter)
+    if spec.reward is not None:  # online RL: how completions are drawn and scored is what is trained on
+        out["rollout"], out["reward"] = d["rollout"], d["reward"]
+        out[REWARD_HASH_KEY] = reward_digest(spec)
     return out
+
+
+def reward_digest(spec: JobSpec) -> str:
+    """sha256 over the bytes of every user reward file (`FILE.py:NAME`), in order: a function
+    edited under the same path changes what a resumed run would be rewarded for."""
+    from jobs.spec.loading import reward_files
+
+    h = hashlib.sha256()
+    for _, file in reward_files(spec):
+        h.update(Path(file).read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _field_default(key: str, spec: JobSpec):
@@ -448,13 +463,18 @@ def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
     # for a field older than its key (`LATE_KEYS`), which such a checkpoint is not compared on.
     unrecorded = {k for k in (*LATE_KEYS, ADAPTER_HASH_KEY) if k not in saved}
     now = {k: v for k, v in now.items() if k not in unrecorded}
-    saved = {**{k: _field_default(k, spec) for k in now if k not in saved and k not in HASH_KEYS}, **saved}
+    saved = {
+        **{k: _field_default(k, spec) for k in now if k not in saved and k not in HASH_KEYS and "." in k},
+        **saved,
+    }
     # Checkpoints written before the objective's settings had real defaults stored None for "the
     # default" (and for a setting the objective does not take, which `now` does not hold).
     saved.update({k: _field_default(k, spec) for k in now if k.startswith("objective.") and saved.get(k) is None})
     diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k] and k not in HASH_KEYS]
     if ADAPTER_HASH_KEY in now and saved.get(ADAPTER_HASH_KEY) != now[ADAPTER_HASH_KEY]:
         diffs.append("model.adapter: its files changed since the checkpoint (another starting adapter)")
+    if REWARD_HASH_KEY in now and saved.get(REWARD_HASH_KEY) != now[REWARD_HASH_KEY]:
+        diffs.append("reward.functions: a reward file changed since the checkpoint")
     if saved.get(DATA_HASH_KEY) != now[DATA_HASH_KEY]:
         diffs.append(
             "the data changed: its content no longer matches the checkpoint's (sha256 "

@@ -134,6 +134,8 @@ def format_step(rec: dict) -> str:
         if "rewards/accuracies" in rec
         else ""
     )
+    if "reward" in rec:  # online RL: the mean reward of the step's completions (TRL's `reward`)
+        pref += f" reward {rec['reward']:.3g}"
     return (
         f"step {rec['step']}/{rec.get('total_steps')} loss {rec['loss']:.4f}{pref} lr {rec['lr']:.3g} "
         f"grad_norm {rec['grad_norm']:.3g} tokens/s {rec['tokens_per_s']:.0f}"

@@ -11,7 +11,8 @@ bounded in size, depth and alias expansion, no duplicate keys. No float field ta
 infinity, and no string anywhere in a spec may be a credential (`jobs.secrets`).
 
 The package by role: `fields` (the base of every section and the field rules they share),
-`sections` (model, data, lora, batch, optim, memory, resources, early stopping, run), `objective`
+`sections` (model, data, lora, batch, optim, memory, resources, early stopping, run), `online`
+(the rollout and reward sections of online RL), `objective`
 (the union tagged by `objective.name`), `job` (`JobSpec`: the rules that join sections),
 `loading` (validate, load, check files, the JSON schema) and `yaml_file` (reading YAML and
 overrides). This module names what the rest of rayft imports.
@@ -24,11 +25,13 @@ from jobs.spec.loading import absolutize, check_files, json_schema, load_spec, r
 from jobs.spec.objective import (
     OBJECTIVE_BY_NAME,
     DPOObjective,
+    GRPOObjective,
     IPOObjective,
     ORPOObjective,
     SFTObjective,
     SimPOObjective,
 )
+from jobs.spec.online import RewardFunctionSpec, RewardSpec, RolloutSpec, is_reward_file, user_function
 from jobs.spec.sections import Beta, ModelSpec
 from jobs.spec.yaml_file import apply_overrides, one_line, path_problem, read_yaml
 
@@ -36,11 +39,15 @@ __all__ = [
     "Beta",
     "DEFAULT_TARGET_MODULES",
     "DPOObjective",
+    "GRPOObjective",
     "IPOObjective",
     "JobSpec",
     "ModelSpec",
     "OBJECTIVE_BY_NAME",
     "ORPOObjective",
+    "RewardFunctionSpec",
+    "RewardSpec",
+    "RolloutSpec",
     "SFTObjective",
     "SimPOObjective",
     "SpecError",
@@ -53,7 +60,9 @@ __all__ = [
     "load_spec",
     "one_line",
     "path_problem",
+    "is_reward_file",
     "read_yaml",
     "resolve_model_dir",
+    "user_function",
     "validate",
 ]

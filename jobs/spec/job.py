@@ -19,7 +19,8 @@ from pydantic import (
 
 from jobs import secrets
 from jobs.spec.fields import DNS1123, OWN_SECRET_CHECK, SURROGATE
-from jobs.spec.objective import ObjectiveSpec, SFTObjective
+from jobs.spec.objective import GRPOObjective, ObjectiveSpec, SFTObjective
+from jobs.spec.online import RewardSpec, RolloutSpec, grpo_problem
 from jobs.spec.sections import BatchSpec, DataSpec, LoraSpec, MemorySpec, ModelSpec, OptimSpec, ResourcesSpec, RunSpec
 from jobs.spec.yaml_file import one_line
 
@@ -44,8 +45,12 @@ class JobSpec(BaseModel):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     run: RunSpec = Field(default_factory=RunSpec)
     objective: ObjectiveSpec = Field(default_factory=SFTObjective)
-    """The training objective, chosen by `objective.name`: SFT (default) or a preference objective
-    on chosen/rejected pairs; each takes only its own keys."""
+    """The training objective, chosen by `objective.name`: SFT (default), a preference objective
+    on chosen/rejected pairs, or online RL (`grpo`); each takes only its own keys."""
+    rollout: RolloutSpec | None = None
+    """`objective.name: grpo` only: how completions are sampled (defaults where not given)."""
+    reward: RewardSpec | None = None
+    """`objective.name: grpo` only (and required there): the reward functions."""
 
     @model_validator(mode="before")
     @classmethod
@@ -143,7 +148,7 @@ class JobSpec(BaseModel):
                 f"data.packing is not available with objective.name={self.objective.name} (a pair's "
                 "chosen and rejected rows are padded side by side); set data.packing=false"
             )
-        problem = self.data.mixture_problem()
+        problem = self.data.mixture_problem() or self._online_rl_problem()
         if problem:
             raise ValueError(problem)
         if r.gpus_per_worker > 1 and not r.use_gpu:
@@ -155,6 +160,19 @@ class JobSpec(BaseModel):
                 f"{r.gpus_per_worker} to a pod)"
             )
         return self
+
+    def _online_rl_problem(self) -> str | None:
+        """Why the `rollout`/`reward` sections cannot run with this objective; None when they can.
+        With `grpo` a missing `rollout` section takes its defaults."""
+        if not isinstance(self.objective, GRPOObjective):
+            given = [k for k in ("rollout", "reward") if getattr(self, k) is not None]
+            if given:
+                return f"{given[0]} applies to objective.name=grpo only (got objective.name={self.objective.name})"
+            return None
+        if self.rollout is None:
+            object.__setattr__(self, "rollout", RolloutSpec())
+        assert self.rollout is not None
+        return grpo_problem(self, self.rollout)
 
     # ---- derived quantities, kept in one place -------------------------------------------
     @property
@@ -196,7 +214,9 @@ class JobSpec(BaseModel):
         return self.model_copy(update={"data": self.data.of_source(i)})
 
     def to_dict(self) -> dict:
-        return self.model_dump(mode="json")
+        """The spec as JSON data; the online-RL sections only where they are set (a spec of another
+        objective reads, and hashes, as it did before they existed)."""
+        return self.model_dump(mode="json", exclude={k for k in ("rollout", "reward") if getattr(self, k) is None})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

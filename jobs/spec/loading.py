@@ -17,6 +17,7 @@ from jobs import secrets
 from jobs.errors import SpecError
 from jobs.spec.job import JobSpec
 from jobs.spec.objective import OBJECTIVE_NAMES
+from jobs.spec.online import is_reward_file, user_function
 from jobs.spec.yaml_file import apply_overrides, one_line, path_problem, read_yaml
 
 # ---- validating and loading ------------------------------------------------------------------
@@ -95,6 +96,10 @@ def check_files(spec: JobSpec, where: str = "spec") -> None:
                 )
             seen[real] = i
     check_model_dir(spec, where)
+    for key, file in reward_files(spec):
+        problem = path_problem(file)
+        if problem:
+            raise SpecError(f"{where}: {key}: {problem}")
     if spec.model.adapter:
         problem = path_problem(Path(spec.model.adapter) / "adapter_config.json")
         if problem:
@@ -169,9 +174,36 @@ def load_spec(
         data = read_yaml(path)
     raw = apply_overrides(data, overrides or [])
     spec = validate(raw, where)
+    if path is not None:
+        spec = rewards_beside(spec, Path(path).parent)
     if files:
         check_files(spec, where)
     return spec
+
+
+def rewards_beside(spec: JobSpec, spec_dir: Path) -> JobSpec:
+    """`spec` with each relative user reward file (`FILE.py:NAME`) rewritten as the path, from the
+    current directory, of FILE beside the spec file (in `spec_dir`): a reward file travels with its
+    spec, whatever directory the command runs in. The spec itself where it has none."""
+    if spec.reward is None:
+        return spec
+    functions = []
+    for f in spec.reward.functions:
+        where, name = user_function(f.fn) if f.fn else ("", "")
+        if f.fn and is_reward_file(where) and not Path(where).is_absolute():
+            f = f.model_copy(update={"fn": f"{spec_dir / where}:{name}"})
+        functions.append(f)
+    return spec.model_copy(update={"reward": spec.reward.model_copy(update={"functions": functions})})
+
+
+def reward_files(spec: JobSpec) -> list[tuple[str, str]]:
+    """(field path, file) of each user reward given as a Python file (`FILE.py:NAME`)."""
+    out = []
+    for i, f in enumerate(spec.reward.functions if spec.reward else []):
+        where = user_function(f.fn)[0] if f.fn else ""
+        if is_reward_file(where):
+            out.append((f"reward.functions.{i}.fn", where))
+    return out
 
 
 def absolutize(spec: JobSpec) -> JobSpec:
@@ -188,6 +220,9 @@ def absolutize(spec: JobSpec) -> JobSpec:
         d["model"]["name"] = str(Path(spec.model.name).resolve())
     if spec.model.adapter:
         d["model"]["adapter"] = str(Path(spec.model.adapter).resolve())
+    for key, file in reward_files(spec):
+        entry = d["reward"]["functions"][int(key.split(".")[2])]
+        entry["fn"] = f"{Path(file).resolve()}:{user_function(entry['fn'])[1]}"
     d["run"]["output_dir"] = str(spec.output_path.resolve())
     if spec.data.cache_dir:
         d["data"]["cache_dir"] = str(Path(spec.data.cache_dir).resolve())

@@ -23,7 +23,8 @@ class _ObjectiveSection(SpecSection):
     (`jobs.run.checkpoint.resume_key`) and the JSON schema read them from here."""
 
     records: ClassVar[str] = "sft"
-    """The kind of record it trains on: `jobs.data.records`' SFT ("sft") or PAIRS ("pairs")."""
+    """The kind of record it trains on: `jobs.data.records`' SFT ("sft") or PAIRS ("pairs"), or
+    "prompts" (online RL: the completions are sampled, `jobs.data.prompts`)."""
     resume_free: ClassVar[tuple[str, ...]] = ()
     """Settings that change how a step is computed, not what: a resume may change them."""
 
@@ -49,6 +50,12 @@ class _ObjectiveSection(SpecSection):
     def is_preference(self) -> bool:
         """It trains on preference pairs (`batch.*` counts pairs)."""
         return self.records == "pairs"
+
+    @property
+    def has_reference(self) -> bool:
+        """The loss compares the policy with a reference: the starting adapter `model.adapter`
+        held frozen a second time (`jobs.model.loading.start_from_adapter`), else the base."""
+        return "reference" in type(self).model_fields
 
     def memory_terms(self, adapter: bool) -> dict:
         """What it changes in the memory estimate (`jobs.memory.spec_estimate.spec_objective`):
@@ -120,12 +127,69 @@ class ORPOObjective(_PairObjective):
     """The weight (the paper's lambda) of the odds-ratio term."""
 
 
+class GRPOObjective(_ObjectiveSection):
+    name: Literal["grpo"] = "grpo"
+    """`grpo`: online RL (the GRPO family, Shao et al. 2024; TRL's `GRPOTrainer` names): each step
+    samples `rollout.num_generations` completions per prompt with the current policy, scores them
+    with `reward.functions`, and trains on the group-normalized advantages. `batch.*` counts
+    completions. Records are prompts (`{"prompt"}` or a conversation); other columns go to the
+    reward functions. The loss is defined in `jobs.objectives.grpo_losses` (docs/spec.md)."""
+    records: ClassVar[str] = "prompts"
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
+    """How the per-token terms become the step's loss, each independent of the split: `dapo` (default)
+    the mean over every completion token of the global batch; `grpo` each completion's token mean,
+    then the mean over the global batch's completions; `dr_grpo` (Dr. GRPO, Liu et al. 2025) the
+    token sum divided by completions x `rollout.max_completion_length`."""
+    beta: float = Field(0.0, ge=0, le=1000)
+    """The KL coefficient (k3 estimator) against the reference: the base with the adapter off, or
+    the frozen starting adapter `model.adapter`. 0 (the default): no KL term, no reference forward."""
+    epsilon: float = Field(0.2, gt=0, lt=1)
+    """The lower clipping bound: the importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: float | None = Field(None, gt=0, le=1000)
+    """The upper clipping bound (DAPO's clip-higher, e.g. 0.28); default: `epsilon`."""
+    num_iterations: int = Field(1, ge=1, le=1000)
+    """Optimizer steps on each rollout batch (TRL's mu). Above 1 the old log-probabilities are
+    computed once per rollout batch, frozen, and the ratio moves away from 1."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """The advantage is the reward minus its group's mean, divided by the standard deviation
+    (Bessel-corrected, as TRL's `nanstd`; + 1e-4) of its group (`group`), of the whole global batch
+    (`batch`), or not divided (`none`, as Dr. GRPO recommends)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """`token`: one importance ratio per token; `sequence` (GSPO, Zheng et al. 2025): one per
+    completion, the exponential of its token-mean log-ratio."""
+    mask_truncated_completions: bool = False
+    """Completions cut at `rollout.max_completion_length` (no EOS) are left out of the loss and of
+    every denominator (DAPO's overlong filtering)."""
+
+    @property
+    def epsilon_low(self) -> float:
+        """The lower clipping bound (TRL's name for `epsilon`)."""
+        return self.epsilon
+
+    @property
+    def clip_high(self) -> float:
+        """`epsilon_high`, resolved: `epsilon` where unset."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def has_reference(self) -> bool:
+        """Only with a KL term (`beta` > 0)."""
+        return self.beta > 0
+
+    def memory_terms(self, adapter: bool) -> dict:
+        """A reference forward only with `beta` > 0 (the adapter off, or the starting adapter held
+        frozen a second time); generation's KV cache is not counted yet."""
+        reference = "adapter_off" if self.beta > 0 else None
+        return {"pairs": False, "reference": reference, "reference_adapter": adapter and reference is not None}
+
+
 OBJECTIVE_CLASSES: tuple[type[_ObjectiveSection], ...] = (
     SFTObjective,
     DPOObjective,
     IPOObjective,
     SimPOObjective,
     ORPOObjective,
+    GRPOObjective,
 )
 
 # Each objective's spec class by its `objective.name`, in the order the classes are listed.
@@ -143,7 +207,7 @@ def _objective_tag(v: Any) -> str:
 # A union tagged by `_objective_tag` rather than by the field: every section's `name` goes through
 # the before-validators (no booleans for numbers), which pydantic's field discriminator refuses.
 if TYPE_CHECKING:
-    ObjectiveSpec = SFTObjective | DPOObjective | IPOObjective | SimPOObjective | ORPOObjective
+    ObjectiveSpec = SFTObjective | DPOObjective | IPOObjective | SimPOObjective | ORPOObjective | GRPOObjective
 else:
     ObjectiveSpec = Annotated[
         Union[tuple(Annotated[c, Tag(name)] for name, c in OBJECTIVE_BY_NAME.items())],  # noqa: UP007

@@ -47,19 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from jobs.data import (
-    Dataset,
-    Sampler,
-    batches_for,
-    check_every_source_sampled,
-    count_inputs,
-    count_labels,
-    group_by_length,
-    load_dataset,
-    split_window,
-    step_metrics,
-    total_steps,
-)
+from jobs.data import Dataset, Sampler
+from jobs.data.prompts import PromptData
 from jobs.errors import RunError
 from jobs.memory import MemoryPlan
 from jobs.model.loading import (
@@ -72,6 +61,7 @@ from jobs.model.loading import (
     load_base_model,
 )
 from jobs.objectives import Objective
+from jobs.objectives.base import Window as Window  # re-exported: tests read it from here
 from jobs.objectives.base import all_reduce_sum
 
 # Re-exported: tests and bench/ import these from here.
@@ -130,7 +120,7 @@ class Job:
     tokenizer: Any  # a transformers tokenizer
     plan: MemoryPlan
     precision: str
-    data: Dataset
+    data: Dataset | PromptData  # the token cache's (SFT, pairs), or online RL's prompts
     batches: Sampler  # `GlobalBatches`, or `MixtureBatches` for a mixture (`data.mix`)
     steps: int  # optimizer steps of the whole run
     scaler: torch.amp.GradScaler
@@ -183,9 +173,8 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
     if strategy != "fsdp":  # FSDP moves each rank's shards to the device itself (`make_engine`)
         model.to(ctx.device)
     model.train()
-    data = load_dataset(spec, tokenizer)
-    batches, steps = batches_for(spec, data), total_steps(spec, len(data.train))
-    check_every_source_sampled(batches, data, steps)
+    objective = Objective.of(spec)
+    data, batches, steps = objective.load_data(spec, tokenizer)
     return Job(
         model,
         tokenizer,
@@ -197,7 +186,7 @@ def set_up(spec: JobSpec, ctx: Context) -> Job:
         torch.amp.GradScaler(ctx.device.type, enabled=precision == "fp16"),
         ckpt.resume_key(spec),
         strategy,
-        Objective.of(spec),
+        objective,
         device=ctx.device,
         compiled=compiled,
     )
@@ -269,34 +258,10 @@ def reshard_after_forward(plan: MemoryPlan) -> bool:
     return plan.reshard_after_forward is not False
 
 
-@dataclass
-class Window:
-    """One rank's share of one global batch, and the counts over the whole global batch (known
-    locally: every rank holds the tokenized data)."""
-
-    micro_batches: list[dict]
-    denominator: int  # what the step's loss is a mean over: label tokens (SFT) or pairs
-    n_labels: int  # label tokens (for pairs: the tokens of both responses)
-    n_inputs: int  # input tokens computed
-    per_source: dict[str, float] = field(default_factory=dict)  # a mixture's `step_metrics`; {} for one source
-
-
 def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> Window:
-    """This rank's micro-batches of global batch `step`, with the window's counts: numpy over the
-    cache's per-sample arrays and array copies from its tokens (`jobs.data.batches`). A pure
-    function of `step`, so it may run ahead, on `Prefetch`'s thread."""
-    indices = job.batches.index_array(step)
-    train = job.data.train
-    if spec.data.group_by_length:
-        # Same samples, grouped so each micro-batch pads little (measured on the demo data:
-        # 48% of computed tokens were padding, 11% grouped).
-        indices = group_by_length(train, indices)  # a Pair: by its longer row
-    mine = split_window(indices, ctx.rank, ctx.world_size, spec.batch.micro_batch_size, spec.grad_accum_steps)
-    n_labels, n_inputs = count_labels(train, indices), count_inputs(train, indices)
-    per_source = step_metrics(job.batches, job.data, step, indices)
-    objective, pin = job.objective, ctx.device.type == "cuda"
-    micro = [objective.batch(spec, job, "train", mb, ctx.device, pin) for mb in mine]
-    return Window(micro, objective.count(train, indices), n_labels, n_inputs, per_source)
+    """This rank's share of global batch `step` as the objective plans it from host data
+    (`Objective.plan_window`): a pure function of `step`, so it may run ahead, on `Prefetch`'s thread."""
+    return job.objective.plan_window(spec, ctx, job, step)
 
 
 def train(spec: JobSpec, ctx: Context, *, resume: bool = True, run_token: str | None = None) -> dict:
@@ -335,6 +300,7 @@ def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
             t0 = time.perf_counter()
             lr = set_lr(engine, lr_at(step, job.steps, spec))
             window = ahead.get(step)  # waits only if the background build is not done yet
+            window = job.objective.with_rollouts(spec, ctx, job, engine, step, window)  # online RL samples here
             faults.at_step(step, ctx.rank, spec.batch.micro_batch_size)
 
             sums = train_window(engine, window.micro_batches, window.denominator)
@@ -353,7 +319,7 @@ def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
             last = step_record(
                 job, pos, window, done, ctx.device, loss=loss, lr=lr, grad_norm=norm, dt=dt, skipped=skipped
             )
-            last.update(evaluated=evaluated, **window.per_source, **stats, **pos.eval_stats)
+            last.update(evaluated=evaluated, **window.metrics, **stats, **pos.eval_stats)
             log.step(last, first=step == pos.step, total_steps=job.steps)
 
             every = spec.run.checkpoint_every

@@ -50,6 +50,7 @@ from jobs.errors import (
     UserError,
 )
 from jobs.spec import JobSpec, apply_overrides, load_spec, validate
+from jobs.spec.loading import reward_files
 
 from .base import FINAL, ClusterView, JobStatus, Node, first_line, job_state, sorted_by_start, wait_for_end
 
@@ -345,7 +346,7 @@ def resolve_spec(
     with _cwd(working_dir):
         spec = load_spec(rel, overrides)
         preflight(spec)
-        for key, d in spec.data.source_files():
+        for key, d in [*spec.data.source_files(), *reward_files(spec)]:  # a reward file: beside the spec
             if not Path(d).is_absolute() and not _inside(Path(d).resolve(), working_dir):
                 raise SpecError(
                     f"{spec_path}: {key}: {d} is outside the working dir {working_dir}; it would not be "

@@ -13,6 +13,9 @@ from .output import console
 
 # ---- rayft run -------------------------------------------------------------------------------
 
+# What `batch.global_batch_size` counts, after the number (a preference objective: pairs).
+BATCH_UNITS = {"sft": "", "grpo": " completions"}
+
 
 def cmd_run(args) -> int:
     from jobs.finetune import prepare, run
@@ -98,7 +101,7 @@ def _summary_table(summary: dict, spec) -> None:
         ),
         (
             "global batch",
-            f"{s.global_batch_size}{' pairs' if s.objective != 'sft' else ''} "
+            f"{s.global_batch_size}{BATCH_UNITS.get(s.objective, ' pairs')} "
             f"= {s.num_workers} workers x {s.grad_accum_steps} accum x {s.micro_batch_size} micro",
         ),
         ("effective lr", f"{s.effective_lr:.3g}"),

@@ -21,3 +21,20 @@ def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
     """`rows` as JSON Lines at `path` (one object per line, newline-terminated); returns `path`."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# What the demo spec (examples/tiny-lora.yaml) needs beside `objective.name=NAME` to be a valid spec
+# of that objective: GRPO takes a reward function, a group size dividing the global batch, and no
+# held-out split (its evaluation has not landed).
+OBJECTIVE_NEEDS = {
+    "grpo": [
+        "reward.functions=[{name: regex, pattern: a}]",
+        "rollout.num_generations=4",
+        "data.eval_path=null",
+    ],
+}
+
+
+def objective_overrides(name: str) -> list[str]:
+    """`objective.name=NAME` and what the demo spec needs beside it for that objective."""
+    return [f"objective.name={name}", *OBJECTIVE_NEEDS.get(name, [])]

@@ -151,8 +151,8 @@ def matrix(tmp_path_factory) -> dict[str, Path]:
         spawn(_train_and_probe, 2, tmp / f"s-{name}", overrides, str(tmp / name))
         runs[name] = tmp / name
     todo = {name: (str(out / "adapter"), list(CASES[name])) for name, out in runs.items()}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
-    code = "import sys; from test_save_check import fresh_logits; fresh_logits(sys.argv[1])"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "helpers")]))
+    code = "import sys; from tests.integration.test_save_check import fresh_logits; fresh_logits(sys.argv[1])"
     subprocess.run([sys.executable, "-c", code, json.dumps(todo)], check=True, env=env, cwd=ROOT, timeout=600)
     return runs
 

@@ -244,13 +244,13 @@ def test_mixture_windows_go_through_the_array_path_and_prefetch(tmp_path, monkey
         mine = split_window(idx, 1, 2, 2, spec.grad_accum_steps)
         want = [collate([data.train[i] for i in mb], tok.pad_token_id) for mb in mine]
         assert all(same(a, b) for a, b in zip(w.micro_batches, want, strict=True))
-        assert w.per_source == step_metrics(job.batches, data, k) and w.n_labels == count_labels(data.train, idx)
-        assert sum(v for key, v in w.per_source.items() if key.startswith("label_tokens/")) == w.n_labels
+        assert w.metrics == step_metrics(job.batches, data, k) and w.n_labels == count_labels(data.train, idx)
+        assert sum(v for key, v in w.metrics.items() if key.startswith("label_tokens/")) == w.n_labels
     for steps in (range(0, 6), range(3, 6)):
         with Prefetch(lambda k: micro_batches_of(spec, ctx, job, k), steps) as ahead:
             got = [ahead.get(k) for k in steps]
         for w, want_w in zip(got, direct[steps.start :], strict=True):
-            assert (w.n_labels, w.n_inputs, w.per_source) == (want_w.n_labels, want_w.n_inputs, want_w.per_source)
+            assert (w.n_labels, w.n_inputs, w.metrics) == (want_w.n_labels, want_w.n_inputs, want_w.metrics)
             assert all(same(a, b) for a, b in zip(w.micro_batches, want_w.micro_batches, strict=True))
 
 

@@ -636,8 +636,10 @@ def test_reference_components_and_where_they_count():
     assert sharded.components["reference_adapter"] == sharded.components["lora_weights"]
     units, one = sharded.details["fsdp_unit_bytes"], plain.details["fsdp_unit_bytes"]
     assert units["layer"] - one["layer"] == plain.details["fsdp_gathered_layer_bytes"]["lora"]
+    # a reference forward over plain rows: GRPO's with beta > 0, over its completions
+    assert estimate(cfg, reference="adapter_off", **kw).components["reference_forward"] > 0
     for bad in (
-        dict(reference="adapter_off"),
+        dict(reference="ref"),
         dict(pairs=True, reference="ref"),
         dict(pairs=True, reference="precomputed", reference_adapter=True),
     ):

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from runs import objective_overrides
 
 from jobs.objectives import Objective
 from jobs.spec import OBJECTIVE_BY_NAME, load_spec
@@ -72,7 +73,7 @@ def test_the_check_sees_a_name_in_a_string_an_attribute_and_an_f_string():
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVE_BY_NAME))
 def test_every_objective_a_spec_names_has_an_implementation(name):
-    spec = load_spec(DEMO, [f"objective.name={name}"], files=False)
+    spec = load_spec(DEMO, objective_overrides(name), files=False)
     objective = Objective.of(spec)
     assert type(spec.objective) in type(objective).specs and objective.name == name
     assert isinstance(objective, Objective) and Objective(name).name == name

@@ -5,6 +5,7 @@ the resume key holds exactly the settings of the objective a run trains with."""
 from __future__ import annotations
 
 import pytest
+from runs import objective_overrides
 
 from jobs.run import checkpoint as ckpt
 from jobs.spec import json_schema, load_spec
@@ -17,6 +18,17 @@ KEYS = {
     "IPOObjective": {"name": "ipo", "beta": 0.1, "reference": "adapter_off"},
     "SimPOObjective": {"name": "simpo", "beta": 0.1, "simpo_gamma": 0.5},
     "ORPOObjective": {"name": "orpo", "beta": 0.1},
+    "GRPOObjective": {
+        "name": "grpo",
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "epsilon": 0.2,
+        "epsilon_high": None,
+        "num_iterations": 1,
+        "scale_rewards": "group",
+        "importance_sampling_level": "token",
+        "mask_truncated_completions": False,
+    },
 }
 
 
@@ -35,7 +47,7 @@ def test_each_objective_class_lists_exactly_its_keys_in_the_json_schema():
 @pytest.mark.parametrize("cls", sorted(KEYS))
 def test_the_spec_resolves_each_objective_to_its_defaults(cls):
     name = KEYS[cls]["name"]
-    spec = load_spec(DEMO, [f"objective.name={name}"], files=False)
+    spec = load_spec(DEMO, objective_overrides(name), files=False)
     assert type(spec.objective).__name__ == cls and spec.objective.model_dump() == KEYS[cls]
 
 

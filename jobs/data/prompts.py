@@ -1,0 +1,161 @@
+"""Prompt records for online RL (`objective.name: grpo`): read, checked, tokenized in memory.
+
+A record is `{"prompt": TEXT}` or `{"prompt": [messages ending with a user turn]}` (TRL's standard
+and conversational prompt forms; `data.fields` renames columns first); its other columns go to the
+reward functions unchanged. A text prompt is encoded as `rayft eval` encodes one (`encode_prompt`:
+BOS + text), a conversation through the model's chat template with the generation prompt
+(`chat_prompt_ids`). A prompt longer than `data.max_seq_len - rollout.max_completion_length`
+tokens is dropped and counted (`PromptSet.dropped`), never cut: a prompt cut from either end asks
+another question than the record does.
+
+Prompts are few and short beside SFT corpora, so they are not written to the token cache: every
+rank reads and tokenizes the same records in the same order (a pure function of the files, the
+spec and the tokenizer), which is what makes step k's prompts the same on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jobs.data.chat import chat_prompt_ids
+from jobs.data.records import ROLES, _check_message_list, _rename
+from jobs.data.sources import DATASETS_SUFFIXES, datasets_rows, is_hub
+from jobs.data.tokenizing import encode_prompt
+from jobs.errors import SpecError
+from jobs.spec import JobSpec, one_line, path_problem
+
+PROMPT = "prompt"
+
+
+@dataclass
+class PromptSet:
+    """One split's prompts: token ids, the prompt as the record gives it (text or messages, what
+    a reward function receives as `prompts`), and the record's other columns."""
+
+    ids: list[list[int]] = field(default_factory=list)
+    prompts: list = field(default_factory=list)
+    columns: list[dict] = field(default_factory=list)
+    conversational: bool = False
+    dropped: int = 0  # records whose prompt leaves no room for a completion
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class PromptData:
+    """An online-RL run's data, as the loop holds a dataset's (`jobs.data.Dataset`): the training
+    prompts, no held-out ones yet, and what was dropped."""
+
+    train: PromptSet
+    eval: PromptSet
+    dropped: int
+    content_hash: str = ""  # `content_hash(spec)`: what the checkpoint's resume key records
+    kind: str = "prompts"
+    sources: list = field(default_factory=list)  # no mixture of prompt sources yet
+
+
+def prompt_records(spec: JobSpec) -> Iterator[tuple[str, dict]]:
+    """(where, checked record) of every record of `data.path`, in order."""
+    for i, path in enumerate(spec.data.path):
+        key = "data.path" if len(spec.data.path) == 1 else f"data.path.{i}"
+        for where, rec in _rows(path, key, spec.data.hf_token_env):
+            yield where, check_prompt_record(rec, where, spec.data.fields)
+
+
+def _rows(path: str, key: str, hf_token_env: str | None) -> Iterator[tuple[str, object]]:
+    shown = one_line(str(path))
+    if is_hub(path) or os.path.isdir(path) or Path(path).suffix.lower() in DATASETS_SUFFIXES:
+        for i, row in enumerate(datasets_rows(str(path), key, hf_token_env)):
+            yield f"{key}: {shown} row {i}", dict(row)
+        return
+    problem = path_problem(path)
+    if problem:
+        raise SpecError(f"{key}: {problem}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    yield f"{key}: {shown} line {n}", _json(line, f"{key}: {shown} line {n}")
+    except UnicodeDecodeError:
+        raise SpecError(f"{key}: {shown}: not UTF-8 text") from None
+    except OSError as e:
+        raise SpecError(f"{key}: {shown}: cannot be read ({e.strerror or e})") from None
+
+
+def _json(line: str, where: str) -> object:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+
+
+def check_prompt_record(rec: object, where: str, fields: dict | None) -> dict:
+    """`rec` renamed by `data.fields`, with a `prompt` that is text or a conversation ending with a
+    user turn; SpecError naming `where` otherwise."""
+    if not isinstance(rec, dict):
+        raise SpecError(f"{where}: expected a JSON object")
+    rec = _rename(rec, where, fields)
+    if PROMPT not in rec:
+        raise SpecError(
+            f'{where}: objective.name=grpo trains on prompts: expected {{"prompt": ...}} '
+            "(data.fields maps another column name onto it)"
+        )
+    prompt = rec[PROMPT]
+    if isinstance(prompt, list):
+        _check_message_list(prompt, where, PROMPT)
+        if prompt[-1]["role"] != "user":
+            raise SpecError(f'{where}: "prompt" must end with a user turn (it ends with {prompt[-1]["role"]})')
+    elif not isinstance(prompt, str) or not prompt:
+        raise SpecError(f'{where}: "prompt" must be a non-empty string or a list of messages ({", ".join(ROLES)})')
+    return rec
+
+
+def read_prompts(spec: JobSpec, tokenizer, model_name: str | None = None) -> PromptSet:
+    """Every training prompt of the spec, tokenized (module doc); a mix of text and conversational
+    prompts is refused (a reward function receives one form)."""
+    assert spec.rollout is not None  # a grpo spec has one (`JobSpec._online_rl_problem`)
+    budget = spec.data.max_seq_len - spec.rollout.max_completion_length
+    out, first = PromptSet(), None
+    for where, rec in prompt_records(spec):
+        conversational = isinstance(rec[PROMPT], list)
+        if first is None:
+            first, out.conversational = where, conversational
+        elif conversational != out.conversational:
+            form = "a conversation" if conversational else "text"
+            raise SpecError(f'{where}: "prompt" is {form}, unlike the first record ({first}); use one form')
+        ids = _prompt_ids(tokenizer, rec[PROMPT], model_name)
+        if len(ids) > budget:
+            out.dropped += 1
+            continue
+        out.ids.append(ids)
+        out.prompts.append(rec[PROMPT])
+        out.columns.append({k: v for k, v in rec.items() if k != PROMPT})
+    return out
+
+
+def _prompt_ids(tokenizer, prompt, model_name: str | None) -> list[int]:
+    if isinstance(prompt, list):
+        return chat_prompt_ids(tokenizer, prompt, model_name)
+    return encode_prompt(tokenizer, prompt)
+
+
+def check_prompt_count(spec: JobSpec, prompts: PromptSet) -> None:
+    """At least one step's prompts (`batch.global_batch_size / rollout.num_generations`) remain."""
+    assert spec.rollout is not None
+    per_step = spec.batch.global_batch_size // spec.rollout.num_generations
+    if len(prompts) < per_step:
+        dropped = (
+            f" ({prompts.dropped} dropped: longer than data.max_seq_len - rollout.max_completion_length = "
+            f"{spec.data.max_seq_len - spec.rollout.max_completion_length} tokens)"
+            if prompts.dropped
+            else ""
+        )
+        raise SpecError(
+            f"data.path: {len(prompts)} prompts{dropped}, fewer than one step's batch.global_batch_size / "
+            f"rollout.num_generations = {per_step}"
+        )

@@ -1,0 +1,210 @@
+"""The online-RL sections (`objective.name: grpo`): how completions are sampled (`rollout`) and
+scored (`reward`), and the rules that join them with the rest of a spec (`grpo_problem`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from jobs.spec.fields import SpecSection
+from jobs.spec.yaml_file import one_line
+
+# ---- online RL: rollout and reward sections (objective.name: grpo) ----------------------------
+
+# What the rollout engine is: `hf` generates in-process (`model.generate`, the training weights).
+# A second engine (vLLM, across a process boundary) is one more name here and one more
+# implementation of `jobs.rollout.engine.RolloutEngine`.
+ROLLOUT_ENGINES = ("hf",)
+REWARD_BUILTINS = ("exact_match", "regex")
+_USER_FN = re.compile(r"(?P<where>[^:]+):(?P<fn>[A-Za-z_][A-Za-z0-9_]*)")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+MAX_REGEX_CHARS = 1000
+
+
+class RolloutSpec(SpecSection):
+    engine: Literal["hf"] = "hf"
+    """What generates the completions: `hf` in-process with the policy being trained (base +
+    adapter, dropout off, a KV cache). A vLLM engine comes in a later release."""
+    num_generations: int = Field(8, le=1024)
+    """Completions sampled per prompt (the group its advantages are normalized over), at least 2;
+    `batch.global_batch_size` (completions) must be a multiple of it."""
+    max_completion_length: int = Field(128, gt=0, le=1_000_000)
+    """Tokens a completion may have: it ends at its first EOS (kept) or here (flagged truncated).
+    Prompt and completion together fit `data.max_seq_len` (default 256): hence 128 by default
+    (TRL's is 512, beside its own prompt length)."""
+    temperature: float = Field(1.0, ge=0, le=100)
+    """Sampling temperature; 0 (greedy) is refused: a prompt's completions would all be the same."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: off)."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens only (0: off)."""
+
+    @field_validator("num_generations")
+    @classmethod
+    def _a_group(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(
+                f"must be at least 2 (got {v}): an advantage is a completion's reward against the other "
+                "completions of its prompt"
+            )
+        return v
+
+
+class RewardFunctionSpec(SpecSection):
+    """One reward function: a built-in (`name`) or the user's (`fn`), and its weight."""
+
+    name: Literal["exact_match", "regex"] | None = None
+    """A built-in: `exact_match` is 1.0 when the completion equals the record's `column` after both
+    are stripped of leading and trailing whitespace, every run of inner whitespace made one space,
+    and (unless `case_sensitive`) case-folded; else 0.0 (None, not applicable, where the column is
+    null). `regex` is 1.0 when `pattern` matches the whole completion (`re.fullmatch`, `.` also
+    matching newlines), else 0.0. A conversational completion is judged on its last message's content."""
+    fn: str | None = None
+    """A user function `FILE.py:NAME` (a Python file, relative to the spec file) or `package.module:NAME`
+    (importable on the workers), called as TRL calls one: `NAME(prompts=..., completions=...,
+    completion_ids=..., **the records' other columns) -> list[float | None]` (None: not applicable)."""
+    column: str | None = None
+    """`exact_match`: the data column holding the expected answer."""
+    case_sensitive: bool = False
+    """`exact_match`: compare case as well (default: case-folded)."""
+    pattern: str | None = None
+    """`regex`: the pattern a completion must match in full."""
+    weight: float = Field(1.0, ge=-1e6, le=1e6)
+    """The reward is the weighted sum over functions of their values (None counts as no term, TRL's
+    nansum); a completion for which every function returned None gets no advantage."""
+
+    @model_validator(mode="after")
+    def _one_function(self) -> RewardFunctionSpec:
+        if (self.name is None) == (self.fn is None):
+            raise ValueError(
+                "give a built-in `name` (exact_match or regex) or a user `fn` (FILE.py:NAME or "
+                "package.module:NAME), one of them"
+            )
+        wanted = {"exact_match": {"column"}, "regex": {"pattern"}}.get(self.name or "", set())
+        for key in ("column", "pattern"):
+            if key in wanted and getattr(self, key) is None:
+                raise ValueError(f"{self.name} needs `{key}`")
+            if key not in wanted and getattr(self, key) is not None:
+                raise ValueError(f"`{key}` does not apply to {self.name or 'a user fn'}")
+        if self.case_sensitive and self.name != "exact_match":
+            raise ValueError(f"`case_sensitive` does not apply to {self.name or 'a user fn'}")
+        if self.pattern is not None:
+            _compiled(self.pattern)
+        if self.fn is not None:
+            user_function(self.fn)
+        return self
+
+    @property
+    def label(self) -> str:
+        """The name its metrics carry (`rewards/<label>/mean`): the built-in's, or the function's."""
+        return self.name or user_function(self.fn or "")[1]
+
+
+def _compiled(pattern: str) -> re.Pattern:
+    if len(pattern) > MAX_REGEX_CHARS:
+        raise ValueError(f"pattern: {len(pattern)} characters, more than {MAX_REGEX_CHARS}")
+    try:
+        return re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ValueError(f"pattern: not a regular expression ({e})") from None
+
+
+def user_function(text: str) -> tuple[str, str]:
+    """(file or module, function name) of a user reward `FILE.py:NAME` / `package.module:NAME`."""
+    m = _USER_FN.fullmatch(text)
+    if not m:
+        raise ValueError(f"fn: {one_line(repr(text))} is not FILE.py:NAME or package.module:NAME")
+    where = m["where"]
+    if not is_reward_file(where) and not _MODULE.fullmatch(where):
+        raise ValueError(f"fn: {one_line(repr(where))} is neither a .py file nor a dotted module name")
+    return where, m["fn"]
+
+
+def is_reward_file(where: str) -> bool:
+    """A user reward's `where` names a Python file (rather than a module)."""
+    return where.endswith(".py") or "/" in where
+
+
+class RewardSpec(SpecSection):
+    functions: list[RewardFunctionSpec] = Field(min_length=1, max_length=64)
+    """The reward functions, summed with their weights (TRL's `reward_funcs` and `reward_weights`)."""
+    timeout_s: float = Field(60.0, gt=0, le=86_400)
+    """Seconds one call of a user function may take on one batch of completions."""
+
+    @property
+    def labels(self) -> list[str]:
+        """Each function's metric name, made unique in order (`regex`, `regex_2`)."""
+        out: list[str] = []
+        for f in self.functions:
+            base, n = f.label, 2
+            label = base
+            while label in out:
+                label, n = f"{base}_{n}", n + 1
+            out.append(label)
+        return out
+
+
+def grpo_problem(spec: Any, rollout: RolloutSpec) -> str | None:
+    """Why a `grpo` spec cannot run (one line naming the fields); None when it can."""
+    n, g = rollout.num_generations, spec.batch.global_batch_size
+    if spec.reward is None:
+        return "reward.functions: objective.name=grpo needs at least one reward function (reward: {functions: [...]})"
+    if g % n:
+        return (
+            f"batch.global_batch_size={g} is not a multiple of rollout.num_generations={n} "
+            "(it counts completions; every prompt's group is whole in one step)"
+        )
+    if rollout.temperature == 0:
+        return (
+            f"rollout.temperature=0 samples greedily: the {n} completions of a prompt would be the same "
+            "(every advantage 0); use a temperature > 0"
+        )
+    if rollout.max_completion_length >= spec.data.max_seq_len:
+        return (
+            f"rollout.max_completion_length={rollout.max_completion_length} leaves no room for a prompt in "
+            f"data.max_seq_len={spec.data.max_seq_len} (prompt + completion)"
+        )
+    if spec.data.packing:
+        return (
+            "data.packing is not available with objective.name=grpo (completions are sampled, not "
+            "packed); set data.packing=false"
+        )
+    if spec.objective.num_iterations > 1:
+        return (
+            f"objective.num_iterations={spec.objective.num_iterations} has not landed: a resume inside a "
+            "rollout batch needs that batch in the checkpoint; use 1 (each rollout batch trained once)"
+        )
+    if spec.resources.strategy == "fsdp":
+        return (
+            "resources.strategy=fsdp is not available with objective.name=grpo yet (generation would run "
+            "a different number of sharded forwards on each rank); use ddp"
+        )
+    return _grpo_data_problem(spec)
+
+
+def _grpo_data_problem(spec: Any) -> str | None:
+    """What of `data.*` a GRPO run does not read yet: a mixture, a held-out split (its evaluation,
+    a reward on held-out prompts, has not landed), early stopping (it judges the held-out loss)."""
+    d = spec.data
+    if d.mix is not None:
+        return "data.mix is not available with objective.name=grpo yet; give one data.path of prompts"
+    if d.eval_path is not None or d.eval_fraction > 0:
+        key = "data.eval_path" if d.eval_path is not None else "data.eval_fraction"
+        return f"{key}: held-out evaluation of objective.name=grpo has not landed; leave it unset"
+    if spec.run.early_stopping is not None:
+        return "run.early_stopping judges the held-out loss, which objective.name=grpo has not; leave it unset"
+    return None
+
+
+def offline_only(spec: Any, what: str) -> None:
+    """Refuses in one line (SpecError, exit 2), before anything is created, `what` (a command that
+    reads a token cache or held-out pairs) for a spec whose records are prompts (`grpo`)."""
+    if spec.objective.records == "prompts":
+        from jobs.errors import SpecError
+
+        raise SpecError(
+            f"{what} of objective.name=grpo has not landed: its prompts are read by the run itself "
+            "(`rayft run`), not tokenized into the data cache"
+        )

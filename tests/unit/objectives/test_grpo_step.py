@@ -1,0 +1,222 @@
+"""The GRPO step as the loop runs it (`GRPO.plan_window` -> `with_rollouts` -> `train_window`) is
+the big-batch gradient, whatever the split: for every loss type, with and without the KL term,
+the LoRA gradient of accumulation x micro-batch 1x16, 4x4 and 16x1 equals an independent
+reference -- the step's completions (read back from rollouts/step-000001.jsonl) scored one at a
+time by a plain forward, each loss type's formula written out in float64. TRL's per-micro-batch
+normalization (bnpo: each micro-batch over its own tokens, averaged over accumulation) fails it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from gradtools import ROOT, grads, perturb_lora_b, rel_err
+
+from jobs.objectives.grpo import STATS
+from jobs.spec import load_spec
+from jobs.train.context import LocalContext
+from jobs.train.loop import make_engine, set_up
+from jobs.train.step import train_window
+
+SPEC = ROOT / "examples" / "tiny-grpo.yaml"
+SMALL = [
+    "resources.num_workers=1",
+    "rollout.max_completion_length=12",
+    "data.max_seq_len=96",
+    "lora.r=4",
+    "lora.alpha=8",
+    "rollout.num_generations=4",
+    "batch.global_batch_size=16",
+    f"reward.functions=[{{fn: '{ROOT / 'tests' / 'helpers' / 'rewards_tiny.py'}:ids_mod_5'}}]",
+]
+
+
+def likely_eos(job) -> None:
+    """The frozen head's EOS row made a copy of the row of the token the model likes most after a
+    prompt, so completions end at EOS at varied lengths (the random tiny-llama almost never ends one)."""
+    head = job.model.get_output_embeddings()
+    with torch.no_grad():
+        ids = torch.tensor([job.data.train.ids[0]])
+        liked = int(job.model(input_ids=ids).logits[0, -1].argmax())
+        head.weight[job.tokenizer.eos_token_id] = head.weight[liked]
+
+
+def step_grads(tmp: Path, *overrides: str, eos: bool = False):
+    """(LoRA grads of step 0's window, the objective, the job, the window, the spec)."""
+    spec = load_spec(SPEC, [*SMALL, *overrides, f"run.output_dir={tmp}"])
+    ctx = LocalContext(on_progress=lambda r: None)
+    torch.manual_seed(0)
+    job = set_up(spec, ctx)
+    perturb_lora_b(job.model)  # B off zero: the policy is not the base, the KL term is not 0
+    if eos:
+        likely_eos(job)
+    engine = make_engine(spec, ctx, job)
+    window = job.objective.with_rollouts(spec, ctx, job, engine, 0, job.objective.plan_window(spec, ctx, job, 0))
+    sums = train_window(engine, window.micro_batches, window.denominator)
+    return grads(job.model), job, window, spec, sums
+
+
+def completion_logps(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """[C] log p(completion token | everything before it), from one plain forward of one row."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].double()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids).view(-1, 1)).view(-1)
+
+
+def reference_loss(job, spec, lines: list[dict], loss_type: str, beta: float, level: str = "token") -> torch.Tensor:
+    """The step's loss over the whole global batch, one completion at a time (ratio 1: the
+    surrogate's value is -A, its gradient -A grad logp), in float64."""
+    from jobs.objectives.preference import adapters_off
+
+    model = job.model
+    model.eval()  # lora.dropout is 0: eval and train forwards agree
+    terms, tokens = [], 0
+    for line in lines:
+        logp = completion_logps(model, line["prompt_ids"], line["completion_ids"])
+        log_ratio = logp - logp.detach()
+        if level == "sequence":  # GSPO: one ratio per completion, its token-mean log-ratio
+            log_ratio = log_ratio.mean().expand_as(logp)
+        per_token = -line["advantage"] * torch.exp(log_ratio)
+        if beta:
+            with torch.no_grad(), adapters_off(model):
+                ref = completion_logps(model, line["prompt_ids"], line["completion_ids"])
+            per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+        terms.append(per_token)
+        tokens += len(line["completion_ids"])
+    model.train()
+    if loss_type == "dapo":
+        return sum(t.sum() for t in terms) / tokens
+    if loss_type == "grpo":
+        return sum(t.mean() for t in terms) / len(terms)
+    return sum(t.sum() for t in terms) / (len(terms) * spec.rollout.max_completion_length)
+
+
+def reference_grads(job, spec, lines, loss_type, beta, level="token") -> dict:
+    job.model.zero_grad(set_to_none=True)
+    reference_loss(job, spec, lines, loss_type, beta, level).backward()
+    return grads(job.model)
+
+
+def rollout_lines(spec) -> list[dict]:
+    path = spec.output_path / "rollouts" / "step-000001.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "beta", "level"),
+    [("dapo", 0.0, "token"), ("grpo", 0.0, "token"), ("dr_grpo", 0.04, "token"), ("dapo", 0.1, "sequence")],
+)
+def test_every_split_of_the_step_is_the_big_batch_gradient(tmp_path, loss_type, beta, level):
+    rollouts, got = {}, {}
+    for micro in (16, 4, 1):
+        g, job, window, spec, _ = step_grads(
+            tmp_path / f"m{micro}",
+            f"batch.micro_batch_size={micro}",
+            f"objective.loss_type={loss_type}",
+            f"objective.beta={beta}",
+            f"objective.importance_sampling_level={level}",
+            eos=True,
+        )
+        rollouts[micro] = rollout_lines(spec)
+        got[micro] = g
+    assert rollouts[16] == rollouts[4] == rollouts[1]  # the same completions, whatever the split
+    advantages = [line["advantage"] for line in rollouts[16]]
+    assert any(a != 0 for a in advantages)  # the rewards differ within some group: a real signal
+    assert len({len(line["completion_ids"]) for line in rollouts[16]}) > 1  # some ended at EOS: lengths vary
+    want = reference_grads(job, spec, rollouts[1], loss_type, beta, level)
+    for micro, g in got.items():
+        assert rel_err(g, want) < 1e-5, (micro, rel_err(g, want))
+
+
+def test_the_per_micro_batch_normalization_fails_the_oracle(tmp_path):
+    """bnpo: each micro-batch's token sum over its own tokens, the accumulation steps averaged."""
+    g, job, window, spec, _ = step_grads(tmp_path, "batch.micro_batch_size=4", eos=True)
+    lines = rollout_lines(spec)
+    per_micro = [sum(len(line["completion_ids"]) for line in lines[s : s + 4]) for s in range(0, 16, 4)]
+    assert len(set(per_micro)) > 1  # micro-batches of different token counts: where bnpo differs
+    want = reference_grads(job, spec, lines, "dapo", 0.0)
+    assert rel_err(g, want) < 1e-5
+    job.model.zero_grad(set_to_none=True)
+    accum = len(window.micro_batches)
+    for part in range(accum):
+        chunk = lines[part * 4 : (part + 1) * 4]
+        (reference_loss(job, spec, chunk, "dapo", 0.0) / accum).backward()
+    assert rel_err(grads(job.model), want) > 1e-3
+
+
+def test_the_window_counts_the_whole_batch_and_the_step_statistics(tmp_path):
+    _, job, window, spec, sums = step_grads(tmp_path, "batch.micro_batch_size=4", "objective.beta=0.1")
+    lines = rollout_lines(spec)
+    tokens = sum(len(line["completion_ids"]) for line in lines)
+    assert window.denominator == tokens == window.n_labels  # dapo: every completion token
+    assert window.n_inputs == tokens + sum(len(line["prompt_ids"]) for line in lines)
+    assert window.metrics["reward"] == pytest.approx(sum(line["reward"] for line in lines) / len(lines))
+    loss, stats = job.objective.step_values(sums, window.denominator)
+    assert sums.shape == (1 + len(STATS),) and sums[-1] == tokens
+    assert stats["kl"] > 0 and stats["clip_ratio/region_mean"] == 0.0  # ratio 1: nothing clipped
+
+
+def test_a_resumed_run_trains_the_same_adapter_bit_for_bit_and_a_changed_reward_refuses_it(tmp_path):
+    """4 steps straight == 2 steps, then a resume to 4 (the rollouts of steps 3-4 drawn again from
+    their seeds by the restored policy); a reward file edited under the same path refuses it."""
+    from gradtools import final_adapter
+
+    from jobs.errors import SpecError
+    from jobs.run import checkpoint as ckpt
+    from jobs.train.loop import train
+
+    reward = tmp_path / "reward.py"
+    reward.write_text((ROOT / "tests" / "helpers" / "rewards_tiny.py").read_text())
+    base = [*SMALL, f"reward.functions=[{{fn: '{reward}:ids_mod_5'}}]", "run.checkpoint_every=2", "lora.dropout=0.1"]
+
+    def run(out: Path, steps: int, resume: bool) -> None:
+        spec = load_spec(SPEC, [*base, f"run.max_steps={steps}", f"run.output_dir={out}"])
+        train(spec, LocalContext(on_progress=lambda r: None), resume=resume)
+
+    run(tmp_path / "straight", 4, False)
+    run(tmp_path / "resumed", 2, False)
+    run(tmp_path / "resumed", 4, True)
+    a, b = final_adapter(tmp_path / "straight"), final_adapter(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rolled = [(tmp_path / d / "rollouts" / "step-000004.jsonl").read_text() for d in ("straight", "resumed")]
+    assert rolled[0] == rolled[1]
+    reward.write_text(reward.read_text().replace("% 5", "% 6"))
+    newest = ckpt.newest_complete(tmp_path / "resumed" / "checkpoints")
+    spec = load_spec(SPEC, [*base, "run.max_steps=6", f"run.output_dir={tmp_path / 'resumed'}"])
+    with pytest.raises(SpecError, match="reward.functions: a reward file changed since the checkpoint"):
+        ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo"])
+def test_every_split_of_a_run_trains_the_same_steps_on_two_gloo_ranks_too(tmp_path, monkeypatch, loss_type):
+    """Workers x accumulation x micro-batch 1x1x16, 1x4x4 and 2x2x4, 3 steps: the same completions in
+    every step (rollouts/step-N.jsonl byte for byte: each drawn from its own seed, the ranks' lines
+    gathered in completion order), the same losses and rewards (fp32: 1e-5, as SFT's oracle) and the
+    same adapter to 1e-4 (AdamW: tests/unit/data/test_mixture.py says why)."""
+    from gradtools import final_adapter, reference_run, spawn
+
+    from jobs.run.outputs import read_metrics
+
+    monkeypatch.chdir(ROOT)
+    runs = {}
+    for w, m in ((1, 16), (1, 4), (2, 4)):
+        out = tmp_path / f"W{w}m{m}"
+        overrides = [*SMALL, f"resources.num_workers={w}", f"batch.micro_batch_size={m}", "run.max_steps=3"]
+        overrides += [f"objective.loss_type={loss_type}", "run.checkpoint_every=0", "optim.lr=0.05"]
+        if w == 1:
+            reference_run(0, 1, str(SPEC), overrides, str(out))
+        else:
+            spawn(reference_run, w, tmp_path / "spawn", str(SPEC), overrides, str(out))
+        steps = [(out / "rollouts" / f"step-{k:06d}.jsonl").read_text() for k in (1, 2, 3)]
+        runs[(w, m)] = (read_metrics(out), final_adapter(out), steps)
+    (want_metrics, want_adapter, want_steps), *others = runs.values()
+    assert len({line["loss"] for line in want_metrics}) == 3  # the steps moved the policy
+    for metrics, adapter, steps in others:
+        assert steps == want_steps
+        for got, want in zip(metrics, want_metrics, strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+            assert got["reward"] == want["reward"] and got["label_tokens"] == want["label_tokens"]
+        assert rel_err(adapter, want_adapter) < 1e-4
