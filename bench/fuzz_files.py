@@ -3,8 +3,9 @@
     python bench/fuzz_files.py [--examples N] [--seconds S] [--out bench/results]
 
 Same mutations, same targets (a tokenized cache entry, a checkpoint directory, an adapter
-directory, a queue database) and the same checks (`tests/helpers/filefuzz.py`: exit 0 or 2 with one line,
-never a traceback or a hang, no silent wrong result from a cache entry or a checkpoint), but random
+directory, a queue database, a precomputed reference entry, a starting adapter) and the same checks
+(`tests/helpers/filefuzz.py`: exit 0 or 2 with one line, never a traceback or a hang, no silent
+wrong result from a cache entry, a checkpoint, a reference entry or a starting adapter), but random
 (not derandomized), without shrinking, and collecting every failure instead of stopping at the
 first. Writes `<out>/fuzz-files-<date>.json`: the cases tried per target, the exit codes seen, the
 seconds spent, and each failure (target, exception type, first line of its message, the mutation).

@@ -64,13 +64,10 @@ def build_data(spec) -> None:
 def check_lora_rank(spec) -> None:
     """`lora.r` at most the model's hidden size (a rank above it adds nothing and can allocate
     without bound), where the model's config is here to read without a download."""
-    if not (
-        spec.model.name == "tiny-llama"
-        or spec.model.name.startswith(("pkg:", ".", "/"))
-        or os.path.isdir(spec.model.name)
-    ):
+    from jobs.memory.config_io import config_from_spec, config_is_local
+
+    if not config_is_local(spec):
         return
-    from jobs.memory import config_from_spec
 
     hidden = getattr(config_from_spec(spec), "hidden_size", None)
     if isinstance(hidden, int) and spec.lora.r > hidden:

@@ -11,6 +11,13 @@ from __future__ import annotations
 import os
 
 
+def config_is_local(spec) -> bool:
+    """Whether `spec.model`'s config is here to read without a download (tiny-llama, a package or
+    a directory; not a hub id)."""
+    name = spec.model.name
+    return name == "tiny-llama" or name.startswith(("pkg:", ".", "/")) or os.path.isdir(name)
+
+
 def config_from_spec(spec):
     """The transformers config of `spec.model`, without loading any weights.
 

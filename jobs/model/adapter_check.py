@@ -250,11 +250,25 @@ def check_adapter(adapter_dir: Path) -> str:
     return base
 
 
+def check_starting_weights(shapes: dict, cfg: dict, model, path: Path) -> None:
+    """The tensors `shapes` of a starting adapter's weights file `path` (its config `cfg`, checked
+    against `lora.*`) as training takes them over onto `model`, the base on the meta device: each of
+    the shape `r` and its layer give, and both A and B of every layer `target_modules` names (PEFT
+    leaves a missing one at its fresh init -- a zero B -- without a word)."""
+    where = f"{path.parent}/adapter_config.json"
+    r = check_lora_config(cfg, where)
+    _check_lora_weights(shapes, _targets(cfg, model, where), r, not cfg.get("rank_pattern"), path, complete=True)
+
+
 _LORA_KEY = re.compile(r"(?:base_model\.model\.)?(.+)\.lora_(A|B|embedding_A|embedding_B)(?:\.weight)?")
 
 
-def _check_lora_weights(shapes: dict, targets: dict, r: int, uniform: bool, path: Path) -> None:
-    seen = 0
+def _check_lora_weights(
+    shapes: dict, targets: dict, r: int, uniform: bool, path: Path, *, complete: bool = False
+) -> None:
+    """Each LoRA tensor of `shapes` belongs to a layer of `targets` and has the shape `r` (every
+    tensor's, when `uniform`) and that layer give; with `complete`, every targeted layer has both."""
+    found: set[tuple[str, bool]] = set()
     for key, shape in shapes.items():
         m = _LORA_KEY.fullmatch(key)
         if m is None:
@@ -272,9 +286,19 @@ def _check_lora_weights(shapes: dict, targets: dict, r: int, uniform: bool, path
                 f"{path}: tensor {key[:120]!r} has shape {list(shape)}, not what r={r} and the base's layer "
                 f"({dims[0]} -> {dims[1]}) give"
             )
-        seen += 1
-    if not seen:
+        found.add((name, a_kind))
+    if not found:
         raise UserError(f"{path}: holds no LoRA weights")
+    if complete:
+        _check_complete(found, targets, path)
+
+
+def _check_complete(found: set[tuple[str, bool]], targets: dict, path: Path) -> None:
+    """Both LoRA tensors (A, B) of every layer of `targets` LoRA can adapt are among `found`."""
+    for name in (n for n, m in targets.items() if _dims(m) is not None):
+        for a_kind, part in ((True, "A"), (False, "B")):
+            if (name, a_kind) not in found:
+                raise UserError(f"{path}: holds no LoRA {part} of layer {name[:120]!r}, which target_modules names")
 
 
 def check_model_dir(model_dir: Path, *, weights: bool = True):

@@ -444,16 +444,33 @@ ADAPTER_CONFIG_UNSUPPORTED = (
 )
 
 
+# `init_lora_weights` of a starting adapter that leave the base as it is while PEFT builds the layers
+# the saved weights load into: PiSSA, OLoRA, LoftQ, EVA, CorDA (and any other) move or replace base
+# weights there, so the file's weights would train on another base than the spec's.
+ADAPTER_PLAIN_INITS = (True, False, "gaussian")
+
+
 def starting_adapter_config(spec: JobSpec) -> dict:
     """`model.adapter`'s adapter_config.json, checked against `lora.*`: the adapter trains on as
     the spec describes it, and the memory plan, resume key and estimate read `lora.*`, so they
-    must agree. A disagreement is refused in one line naming the key and both values."""
+    must agree. A disagreement is refused in one line naming the key and both values. Then its
+    weights are checked against the spec's base, built on the meta device (`_check_adapter_shapes`)."""
+    assert spec.model.adapter is not None  # called for a spec with model.adapter
+    adapter = Path(spec.model.adapter)
+    cfg = _read_adapter_config(adapter)
+    shapes = _check_adapter_weights(adapter)
+    _check_adapter_keys(cfg, spec, adapter / "adapter_config.json")
+    _check_adapter_shapes(spec, cfg, shapes, adapter / ADAPTER_WEIGHTS[0])
+    return cfg
+
+
+def _read_adapter_config(adapter: Path) -> dict:
+    """The adapter's config, a LoRA one, once its files are regular files (a FIFO would block PEFT's read)."""
     import json
 
-    assert spec.model.adapter is not None  # called for a spec with model.adapter
-    path = Path(spec.model.adapter) / "adapter_config.json"
-    for f in (path, *(Path(spec.model.adapter) / w for w in ADAPTER_WEIGHTS)):
-        problem = path_problem(f) if f == path or os.path.lexists(f) else None  # a FIFO would block PEFT's read
+    path = adapter / "adapter_config.json"
+    for f in (path, *(adapter / w for w in ADAPTER_WEIGHTS)):
+        problem = path_problem(f) if f == path or os.path.lexists(f) else None
         if problem:
             raise SpecError(f"model.adapter: {problem}")
     try:
@@ -462,13 +479,18 @@ def starting_adapter_config(spec: JobSpec) -> dict:
         raise SpecError(f"model.adapter: {path}: not a readable adapter config ({type(e).__name__})") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
         raise SpecError(f"model.adapter: {path}: not a LoRA adapter config")
-    _check_adapter_weights(Path(spec.model.adapter))
+    return cfg
+
+
+def _check_adapter_keys(cfg: dict, spec: JobSpec, path: Path) -> None:
+    """Every key of `cfg` that changes training either unset, a plain init, or what `lora.*` says."""
     for key in ADAPTER_CONFIG_UNSUPPORTED:
         if cfg.get(key) not in (None, [], {}, "none", False):
             raise SpecError(
                 f"model.adapter: the adapter sets {key}={one_line(repr(cfg[key]))[:80]}, which changes training and "
                 "which lora.* has no setting for; start from an adapter without it"
             )
+    _check_adapter_init(cfg.get("init_lora_weights", True), path)
     for field, key in ADAPTER_CONFIG_KEYS.items():
         want = getattr(spec.lora, field)
         have = cfg.get(key, ADAPTER_CONFIG_DEFAULTS.get(key))
@@ -484,13 +506,22 @@ def starting_adapter_config(spec: JobSpec) -> dict:
             f"model.adapter: the adapter targets {targets} but lora.target_modules="
             f"{sorted(spec.lora.target_modules)}; set lora.target_modules to the adapter's"
         )
-    return cfg
 
 
-def _check_adapter_weights(adapter: Path) -> None:
+def _check_adapter_init(init: Any, path: Path) -> None:
+    """`init_lora_weights` one of `ADAPTER_PLAIN_INITS` (a bool as a bool: JSON's 1 is no init)."""
+    if not any(init is v if isinstance(v, bool) else init == v for v in ADAPTER_PLAIN_INITS):
+        raise SpecError(
+            f"model.adapter: {path}: init_lora_weights={one_line(repr(init))[:80]} changes the base weights as "
+            "PEFT loads the adapter; start from an adapter of a plain LoRA init (true, false or gaussian)"
+        )
+
+
+def _check_adapter_weights(adapter: Path) -> dict[str, tuple[int, ...]]:
     """The weights PEFT will load are a whole safetensors file (its header read alone: cut short,
     bytes past its tensors, a broken entry are one line); a pickle (`adapter_model.bin`) alone is
-    refused: loading one runs code, and rayft writes and reads safetensors only."""
+    refused: loading one runs code, and rayft writes and reads safetensors only. Returns the
+    tensors' shapes."""
     from jobs.errors import UserError
     from jobs.model.adapter_check import safetensors_shapes
 
@@ -502,7 +533,28 @@ def _check_adapter_weights(adapter: Path) -> None:
             + ("adapter_model.bin only (a pickle): convert it to safetensors" if pickle_only else "no adapter weights")
         )
     try:
-        safetensors_shapes(weights)
+        return safetensors_shapes(weights)
+    except UserError as e:
+        raise SpecError(f"model.adapter: {e}") from None
+
+
+def _check_adapter_shapes(spec: JobSpec, cfg: dict, shapes: dict, weights: Path) -> None:
+    """The adapter's tensors have the shapes its rank and the spec's base give, and every targeted
+    layer has both A and B (`jobs.model.adapter_check.check_starting_weights`), the base built on
+    the meta device where its config is here to read (a hub base: PEFT refuses shapes that do
+    not fit as it loads)."""
+    from jobs.errors import UserError
+    from jobs.memory.config_io import config_from_spec, config_is_local
+    from jobs.model.adapter_check import check_starting_weights
+
+    if not config_is_local(spec):
+        return
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config_from_spec(spec))
+    try:
+        check_starting_weights(shapes, cfg, base, weights)
     except UserError as e:
         raise SpecError(f"model.adapter: {e}") from None
 

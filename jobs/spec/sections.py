@@ -41,9 +41,10 @@ class ModelSpec(SpecSection):
     `precision`. `none` loads the base in the compute dtype."""
     adapter: str | None = None
     """A saved rayft or PEFT LoRA adapter directory (holding `adapter_config.json`) to start from,
-    e.g. the `adapter/` of an SFT run: training continues from its weights, and `lora.*` must
-    describe it. For DPO and IPO the starting adapter, frozen, is also the reference (a second,
-    frozen copy of the adapter weights; the base is held once)."""
+    e.g. the `adapter/` of an SFT run: training continues from its weights (safetensors, both A and
+    B of every targeted layer, of the shapes the base gives; a plain init, not PiSSA and the like),
+    and `lora.*` must describe it (docs/spec.md). For DPO and IPO the starting adapter, frozen, is
+    also the reference (a second, frozen copy of the adapter weights; the base is held once)."""
     compile: bool | Literal["auto"] = "auto"
     """`torch.compile` each decoder layer (regional compilation: every layer reuses one compiled
     graph, so the compile time does not grow with depth), and the SFT loss head (off FSDP: its

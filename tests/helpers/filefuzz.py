@@ -1,6 +1,7 @@
-"""Mutations of the files rayft reads back, and the four targets they are applied to (a tokenized
-cache entry, a checkpoint directory, an adapter directory, a queue database), each with the reader
-a command runs on it in-process. Shared by tests/hostile/test_file_fuzz.py and bench/fuzz_files.py."""
+"""Mutations of the files rayft reads back, and the targets they are applied to (a tokenized cache
+entry, a checkpoint directory, an adapter directory, a queue database, a precomputed reference
+entry, a starting adapter), each with the reader a command runs on it in-process. Shared by
+tests/hostile/test_file_fuzz.py and bench/fuzz_files.py."""
 
 from __future__ import annotations
 
@@ -353,7 +354,114 @@ class QueueTarget:
         return max(codes)
 
 
-TARGETS = {t.name: t for t in (CacheTarget, CheckpointTarget, AdapterTarget, QueueTarget)}
+class ReferenceTarget:
+    """A precomputed reference entry (`objective.reference: precomputed`); reader: what a DPO run's
+    first step does (`precomputed_reference`, one rank, a stand-in engine whose reference forward
+    gives the clean values). Holds: exit 0 gives exactly the clean tables (a bad entry is set aside
+    and computed again, with a line saying so), never a traceback or a hang."""
+
+    name = "reference"
+    pairs = {"train": 12, "eval": 3}
+
+    def build(self, work: Path) -> None:
+        g = np.random.default_rng(0)
+        self.clean = {split: -g.random((n, 2)) * 100 for split, n in self.pairs.items()}
+        self.source = work / "cache"
+        with _markers(str(work / "markers-build")):
+            self._tables(self.source)
+        (entry,) = (p for p in self.source.iterdir() if p.is_dir())
+        self.entry_name = entry.name
+
+    def _tables(self, cache: Path) -> dict:
+        from types import SimpleNamespace
+
+        from jobs.objectives.reference import precomputed_reference
+
+        data = SimpleNamespace(cache_dir=cache / "entry", **{k: range(n) for k, n in self.pairs.items()})
+        job = SimpleNamespace(data=data, precision="fp32")
+        ctx = SimpleNamespace(is_main=True, rank=0, world_size=1)
+        engine = SimpleNamespace(device="cpu", autocast=contextlib.nullcontext, module=self._forward)
+        return precomputed_reference(_spec(cache / "out", cache), ctx, job, engine, _pair_batch)
+
+    def _forward(self, split, idx, reference_only: bool):
+        """The reference forward: (chosen..., rejected...) log-probabilities of the pairs `idx`."""
+        import torch
+
+        table = torch.from_numpy(self.clean["train" if int(split) == 0 else "eval"])[idx]
+        return torch.cat([table[:, 0], table[:, 1]])
+
+    def root(self, copy: Path) -> Path:
+        return copy / self.entry_name
+
+    def read(self, copy: Path, mutated: bool) -> int:
+        got: dict = {}
+        with _markers(str(copy.parent / "markers")), warnings_said() as said:  # a fresh node: the digest runs
+            code = exit_code(lambda: got.update(self._tables(copy)))
+        if code == 0:
+            same = got.keys() == self.clean.keys() and all(np.array_equal(got[k], self.clean[k]) for k in got)
+            assert same, f"exit 0 on other reference values than the clean entry's; said {said}"
+        return code
+
+
+def _pair_batch(job, split: str, idx) -> dict:
+    import torch
+
+    return {"split": torch.tensor(0 if split == "train" else 1), "idx": torch.as_tensor(idx)}
+
+
+class StartAdapterTarget:
+    """A starting adapter (`model.adapter`) of a LoRA never trained (B drawn off zero); reader: what
+    `rayft run` does with it, the driver's checks (`starting_adapter_config`) then the worker's load
+    (`add_lora` on the base). Holds: exit 0 or 2 in one line, never a traceback or a hang; exit 0
+    means every trainable LoRA weight is the file's tensor of that name (none left at a fresh init)."""
+
+    name = "start"
+
+    def build(self, work: Path) -> None:
+        import torch
+
+        from jobs.model.loading import add_lora, load_base_model
+
+        spec = _spec(work / "out", work / "cache")
+        model = add_lora(load_base_model(spec, "fp32")[0], spec)
+        g = torch.Generator().manual_seed(1)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.data = torch.randn(p.shape, generator=g)
+        self.source = work / "adapter"
+        model.save_pretrained(self.source)
+
+    def root(self, copy: Path) -> Path:
+        return copy
+
+    def read(self, copy: Path, mutated: bool) -> int:
+        loaded: dict = {}
+        code = exit_code(lambda: loaded.update(_start_from(copy)))
+        if code == 0:
+            from safetensors.torch import load_file
+
+            saved = load_file(copy / "adapter_model.safetensors")
+            for n, p in loaded.items():
+                key = n.replace(".default", "")
+                assert key in saved and _equal(saved[key], p), f"exit 0, yet {n} is not the file's tensor"
+        return code
+
+
+def _start_from(adapter: Path) -> dict:
+    """The trainable weights of the model `rayft run` trains from `adapter`, after the driver's checks."""
+    from jobs.model.loading import add_lora, load_base_model, starting_adapter_config
+    from jobs.spec import load_spec
+
+    where = adapter.parent
+    spec = load_spec(DEMO, [*SMALL, f"data.path={DATA}", f"run.output_dir={where / 'out'}", f"model.adapter={adapter}"])
+    starting_adapter_config(spec)
+    model = add_lora(load_base_model(spec, "fp32")[0], spec)
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+TARGETS = {
+    t.name: t for t in (CacheTarget, CheckpointTarget, AdapterTarget, QueueTarget, ReferenceTarget, StartAdapterTarget)
+}
 
 
 def check(target, mutation: Mutation | None) -> tuple[int, str]:

@@ -1,16 +1,18 @@
 """Property-based fuzzing of the files rayft reads back: a tokenized cache entry, a checkpoint
-directory, an adapter directory and a queue database (`tests/helpers/filefuzz.py`), each mutated in one
-drawn file (truncated to a drawn length, a drawn byte flipped, replaced by a FIFO, by a link to a
-sibling, a dangling link or a link to /dev/zero, garbage appended, a header grown by bytes put in
-front, deleted, replaced by a directory) and run through its reader in-process under a 30 s alarm.
+directory, an adapter directory, a queue database, a precomputed reference entry and a starting
+adapter (`tests/helpers/filefuzz.py`), each mutated in one drawn file (truncated to a drawn length,
+a drawn byte flipped, replaced by a FIFO, by a link to a sibling, a dangling link or a link to
+/dev/zero, garbage appended, a header grown by bytes put in front, deleted, replaced by a
+directory) and run through its reader in-process under a 30 s alarm.
 
-Property: exit 0 or 2 (a refusal in one line), never a traceback or a hang; for the cache entry
-and the checkpoint, never a silent wrong result (exit 0 means the clean entry's tokens, or a clean
-checkpoint's contents; see each target's docstring for what holds).
+Property: exit 0 or 2 (a refusal in one line), never a traceback or a hang; for the cache entry,
+the checkpoint, the reference entry and the starting adapter, never a silent wrong result (exit 0
+means the clean entry's tokens or reference values, a clean checkpoint's contents, the adapter
+file's weights loaded; see each target's docstring for what holds).
 
 Each clean target is built once per module and copied per example. Counts: a fixed, derandomized
-number per target (`EXAMPLES`: 100 cache, 150 checkpoint, 80 adapter, 150 queue), which keeps this
-file under a minute on two cores; `bench/fuzz_files.py` runs the same targets for longer.
+number per target (`EXAMPLES`: 100 cache, 150 checkpoint, 80 adapter, 150 queue, 100 reference,
+80 starting adapter); `bench/fuzz_files.py` runs the same targets for longer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from filefuzz import DEMO, TARGETS, Mutation, alarm, check, mutations
 from hypothesis import given, settings
 from inproc import rayft_in_process
 
-EXAMPLES = {"cache": 100, "checkpoint": 150, "adapter": 80, "queue": 150}
+EXAMPLES = {"cache": 100, "checkpoint": 150, "adapter": 80, "queue": 150, "reference": 100, "start": 80}
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +64,24 @@ def _index(target, name: str) -> int:
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_the_fuzzer_reaches_both_outcomes(built, name, tmp_path):
     """A clean target reads (exit 0), and a known-bad mutation is refused (exit 2) or, for the
-    cache, rebuilt: the fuzz cannot pass by testing nothing. (A single damaged file never refuses
-    a cache entry or a run directory of two checkpoints: the entry is rebuilt, the older checkpoint
-    resumed; exit 2 there needs both checkpoints damaged, or an entry that cannot be set aside,
-    which tests/unit/data/test_cache_verify.py covers.)"""
+    cache and the reference entry, rebuilt: the fuzz cannot pass by testing nothing. (A single
+    damaged file never refuses a cache entry or a run directory of two checkpoints: the entry is
+    rebuilt, the older checkpoint resumed; exit 2 there needs both checkpoints damaged, or an entry
+    that cannot be set aside, which tests/unit/data/test_cache_verify.py covers.)"""
     target = built[name]
     assert check(target, None)[0] == 0
     # the file each reader opens first turned into a FIFO: refused (or rebuilt), never blocked on
-    first = {"cache": "meta.json", "checkpoint": "state.json", "adapter": "adapter_config.json", "queue": "q.db"}
+    first = {
+        "cache": "meta.json",
+        "checkpoint": "state.json",
+        "adapter": "adapter_config.json",
+        "queue": "q.db",
+        "reference": "meta.json",
+        "start": "adapter_config.json",
+    }
     code, hit = check(target, Mutation("fifo", _index(target, first[name]), 0, b"x"))
     assert hit == first[name]
-    if name == "cache":  # a bad entry is ours to rebuild: exit 0 with the clean tokens (asserted inside)
+    if name in ("cache", "reference"):  # a bad entry is ours to rebuild: exit 0 with the clean values (inside)
         assert code == 0
     elif name == "checkpoint":  # the newest is skipped, the older one resumed (asserted inside)
         assert code == 0
@@ -101,6 +110,18 @@ def test_bytes_appended_to_adapter_weights_are_one_line(built, tmp_path):
     r = rayft_in_process("generate", str(adapter), "hi", "--max-new-tokens", "2")
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "4 bytes past its tensors" in lines[0], r.stderr
+
+
+def test_a_starting_adapter_without_one_b_is_one_line(built, tmp_path):
+    """A weights file short of one layer's B (PEFT left it at its zero init) is refused, not loaded."""
+    from safetensors.torch import load_file, save_file
+
+    adapter = _copy(built["start"], tmp_path)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    del tensors[min(k for k in tensors if "lora_B" in k)]
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    with alarm():
+        assert built["start"].read(adapter, True) == 2
 
 
 @pytest.mark.parametrize(
