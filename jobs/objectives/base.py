@@ -25,6 +25,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -169,6 +170,14 @@ class Objective(ABC):
         an online objective samples and scores its completions here; the others train what
         `plan_window` built."""
         return window
+
+    def checkpoint_files(self, rank: int) -> dict[str, Any]:
+        """Files of this objective's own state that rank `rank` adds to a checkpoint (GRPO: a rollout
+        batch trained on again at the next steps); most objectives keep none."""
+        return {}
+
+    def restored(self, directory: Path) -> None:  # noqa: B027 (most objectives keep no state)
+        """After the loop restored checkpoint `directory`: take back what `checkpoint_files` wrote."""
 
     @abstractmethod
     def held_out(self, engine, job, spec, ctx) -> tuple[float | None, dict]:

@@ -16,20 +16,21 @@ Invariants (what makes the step independent of workers x accumulation x micro-ba
 * The loss module returns each micro-batch's numerator (`grpo_losses.micro_batch_numerator`), and
   the loop scales it by world_size / denominator, as it does SFT's summed token loss.
 
-`num_iterations` (TRL's mu) is 1: each rollout batch is trained on once, so the importance ratio
-is exp(logp - logp.detach()) = 1 with the gradient of logp (the old log-probabilities are the
-current ones). More iterations per rollout batch need the batch and its old log-probabilities in
-the checkpoint to resume exactly; the spec refuses them until they are.
+`num_iterations` (TRL's mu): each rollout batch is trained on at mu consecutive optimizer steps.
+With mu = 1 the importance ratio is exp(logp - logp.detach()) = 1 with the gradient of logp (the
+old log-probabilities are the current ones, as TRL); with mu > 1 the trainer computes the old
+log-probabilities once, when the batch is sampled, and a checkpoint between its steps holds the
+batch whole (`grpo_batch`), so a resume continues it exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
@@ -37,12 +38,14 @@ from torch import nn
 from jobs.data import GlobalBatches, split_window, total_steps
 from jobs.data.prompts import PromptData, PromptSet, check_prompt_count, prompt_records, read_prompts
 from jobs.errors import SpecError
+from jobs.objectives import grpo_batch
 from jobs.objectives import grpo_losses as losses
-from jobs.objectives.base import Objective, Window, all_reduce_sum
-from jobs.rollout.engine import Completion, HFEngine, Request, Sampling, sample_seed
-from jobs.rollout.record import length_metrics, reward_metrics, rollout_lines, write_rollouts
-from jobs.rollout.rewards import Batch, check_columns, completions_as_trl, resolve, score
+from jobs.objectives.base import Objective, Window
+from jobs.objectives.grpo_batch import collate_rollouts as collate_rollouts
+from jobs.rollout.rewards import check_columns, resolve
 from jobs.spec import GRPOObjective
+
+ROLLOUT_FILE = "rollout.pt"  # in a checkpoint between the iterations of one rollout batch
 
 # What `GRPOLoss` sums per micro-batch after the numerator, in this order: TRL's metric names, each
 # a sum over loss tokens (divided by the step's loss tokens when reported), then the loss tokens.
@@ -132,11 +135,11 @@ class GRPO(Objective):
         check_prompt_count(spec, prompts)
         g = spec.rollout.num_generations
         data = PromptData(prompts, PromptSet(), prompts.dropped, content_hash(spec))
-        return (
-            data,
-            GlobalBatches(len(prompts), spec.batch.global_batch_size // g, spec.run.seed),
-            total_steps(spec, len(prompts) * g),
-        )
+        mu = spec.objective.num_iterations
+        batches = RolloutBatches(len(prompts), spec.batch.global_batch_size // g, spec.run.seed, mu)
+        # `run.epochs` counts passes over the prompts; each rollout batch is num_iterations steps
+        steps = spec.run.max_steps if spec.run.max_steps is not None else mu * total_steps(spec, len(prompts) * g)
+        return data, batches, steps
 
     def plan_window(self, spec, ctx, job, step: int) -> Window:
         """This rank's completion positions of step `step`, by micro-batch (`split_window` over
@@ -152,22 +155,21 @@ class GRPO(Objective):
     # ---- the step's rollouts ----------------------------------------------------------------------
 
     def with_rollouts(self, spec, ctx, job, engine, step: int, window: Window) -> Window:
-        """Sample, score and collate this rank's completions of step `step` (module doc)."""
-        rollout = Rollout.of(spec, job, step)
-        mine = np.concatenate(window.micro_batches)
-        done = rollout.generate(job, mine)
-        batch = rollout.scored(self.functions(spec), spec.reward.timeout_s, job, done, mine)
-        table = all_reduce_sum(batch.table.to(engine.device), ctx.world_size).cpu()
-        step_batch = StepBatch.of(self, spec, table)
-        micro = [rollout.collate(job, done, mb, step_batch) for mb in window.micro_batches]
-        lines = rollout.lines(job, done, mine, batch, step_batch, spec.reward.labels)
-        write_rollout_lines(spec, ctx, step + 1, lines)
+        """This rank's micro-batches of step `step`: from the rollout batch step // num_iterations,
+        sampled at its first step (`grpo_batch.sample`) and trained on at each of its steps."""
+        index = step // spec.objective.num_iterations
+        batch = self._run.get("rollout")
+        if batch is None or batch.index != index:
+            batch = grpo_batch.sample(self, spec, ctx, job, engine, index, np.concatenate(window.micro_batches))
+            self._run["rollout"] = batch
+        prompts = job.data.train
+        micro = batch.micro_batches(prompts, job.tokenizer.pad_token_id, window.micro_batches, self.scale_rewards)
         return Window(
             micro,
-            step_batch.denominator,
-            step_batch.completion_tokens,
-            step_batch.input_tokens(rollout, job),
-            step_batch.metrics(spec, self.functions(spec)),
+            batch.denominator(self, spec.rollout.max_completion_length),
+            int(batch.lengths.sum()),
+            batch.input_tokens(prompts),
+            batch.metrics(spec.reward.labels),
         )
 
     def functions(self, spec) -> list:
@@ -176,200 +178,47 @@ class GRPO(Objective):
             self._run["functions"] = resolve(spec.reward)
         return self._run["functions"]
 
+    # ---- a checkpoint between the iterations of one rollout batch --------------------------------
 
-@dataclass
-class Rollout:
-    """Step `step`'s prompts and how their completions are drawn."""
+    def checkpoint_files(self, rank: int) -> dict[str, Any]:
+        """Rank 0, with num_iterations > 1: the current rollout batch, whole (`grpo_batch` doc)."""
+        batch = self._run.get("rollout")
+        if rank != 0 or batch is None or batch.old_logps is None:
+            return {}
+        return {ROLLOUT_FILE: batch.state()}
 
-    step: int
-    prompt_indices: np.ndarray  # [P] indices into the prompt set
-    num_generations: int
-    seed: int
-    sampling: Sampling
-
-    @classmethod
-    def of(cls, spec, job, step: int) -> Rollout:
-        return cls(
-            step, job.batches.index_array(step), spec.rollout.num_generations, spec.run.seed, Sampling.of(spec.rollout)
-        )
-
-    def prompt_of(self, position: int) -> int:
-        return int(self.prompt_indices[position // self.num_generations])
-
-    def requests(self, job, positions: np.ndarray) -> list[Request]:
-        out = []
-        for pos in positions.tolist():
-            p, j = self.prompt_of(pos), pos % self.num_generations
-            out.append(Request(p, j, tuple(job.data.train.ids[p]), sample_seed(self.seed, self.step, p, j)))
-        return out
-
-    def generate(self, job, positions: np.ndarray) -> dict[int, Completion]:
-        """position -> its completion, for this rank's `positions`."""
-        tok = job.tokenizer
-        engine = HFEngine(job.model, eos_ids(job), tok.pad_token_id)
-        return dict(zip(positions.tolist(), engine.generate(self.requests(job, positions), self.sampling), strict=True))
-
-    def scored(self, functions: list, timeout_s: float, job, done: dict[int, Completion], positions: np.ndarray):
-        """This rank's completions scored, as rows of the global [completions, F + 3] table
-        (values of each function, the weighted reward, length, truncated), zeros elsewhere."""
-        prompts = job.data.train
-        order = positions.tolist()
-        ids = [list(done[pos].ids) for pos in order]
-        records = [self.prompt_of(pos) for pos in order]
-        keys = sorted({k for r in records for k in prompts.columns[r]})
-        batch = Batch(
-            [prompts.prompts[r] for r in records],
-            completions_as_trl(job.tokenizer, ids, prompts.conversational),
-            ids,
-            records,
-            {k: [prompts.columns[r].get(k) for r in records] for k in keys},
-        )
-        values, rewards = score(functions, batch, timeout_s)
-        n_f = len(functions)
-        table = torch.zeros(len(self.prompt_indices) * self.num_generations, n_f + 3, dtype=torch.float64)
-        for i, pos in enumerate(order):
-            c = done[pos]
-            table[pos] = torch.tensor([*values[i], rewards[i], len(c.ids), float(c.truncated)], dtype=torch.float64)
-        return Scored(batch, table)
-
-    def collate(self, job, done: dict[int, Completion], positions: np.ndarray, step_batch) -> dict:
-        """One micro-batch's tensors for `GRPOLoss.forward`."""
-        pos = positions.tolist()
-        prompts = [job.data.train.ids[self.prompt_of(p)] for p in pos]
-        out = collate_rollouts(prompts, [done[p].ids for p in pos], job.tokenizer.pad_token_id)
-        index = torch.as_tensor(positions)
-        out["advantages"] = step_batch.advantages[index]
-        out["truncated"] = step_batch.truncated[index]
-        return out
-
-    def lines(
-        self, job, done: dict[int, Completion], mine: np.ndarray, scored: Scored, step_batch, labels: list[str]
-    ) -> list[dict]:
-        """This rank's lines of `rollouts/step-NNNNNN.jsonl` (`jobs.rollout.record.rollout_lines`)."""
-        order = mine.tolist()
-        b = scored.batch
-        n_f = scored.table.shape[1] - 3
-        return [
-            dict(line, position=pos)
-            for pos, line in zip(
-                order,
-                rollout_lines(
-                    b.records,
-                    b.prompts,
-                    [job.data.train.ids[r] for r in b.records],
-                    b.completions,
-                    b.completion_ids,
-                    [done[p].truncated for p in order],
-                    [scored.table[p, :n_f].tolist() for p in order],
-                    labels,
-                    [float(scored.table[p, n_f]) for p in order],
-                    [float(step_batch.advantages[p]) for p in order],
-                ),
-                strict=True,
-            )
-        ]
+    def restored(self, directory: Path) -> None:
+        """The rollout batch a checkpoint holds becomes the current one (a resume continues it)."""
+        path = directory / ROLLOUT_FILE
+        if path.exists():
+            self._run["rollout"] = grpo_batch.RolloutBatch.from_state(torch.load(path, weights_only=True))
 
 
-@dataclass
-class Scored:
-    batch: Batch  # this rank's completions as the reward functions saw them
-    table: torch.Tensor  # [completions, F + 3]: this rank's rows filled
+class RolloutBatches:
+    """Optimizer step k -> its prompts: the rollout batch k // num_iterations of `GlobalBatches`
+    over the prompts (P = global_batch_size / num_generations a batch)."""
 
+    def __init__(self, n_prompts: int, per_batch: int, seed: int, num_iterations: int):
+        self.inner, self.mu = GlobalBatches(n_prompts, per_batch, seed), num_iterations
 
-@dataclass
-class StepBatch:
-    """What every rank knows of the step's whole global batch after the all-reduce."""
+    def index_array(self, step: int) -> np.ndarray:
+        return self.inner.index_array(step // self.mu)
 
-    values: torch.Tensor  # [completions, F] each function's value (NaN: not applicable)
-    rewards: torch.Tensor  # [completions] the weighted reward (NaN: no function applied)
-    lengths: torch.Tensor  # [completions] completion tokens
-    truncated: torch.Tensor  # [completions] 1.0 where the length cut the completion
-    advantages: torch.Tensor  # [completions]
-    denominator: int  # what the step's loss is a mean over (`grpo_losses.global_denominator`)
-    completion_tokens: int
+    def indices(self, step: int) -> list[int]:
+        return self.index_array(step).tolist()
 
-    @classmethod
-    def of(cls, objective: GRPO, spec, table: torch.Tensor) -> StepBatch:
-        n_f = table.shape[1] - 3
-        rewards, lengths, truncated = table[:, n_f], table[:, n_f + 1], table[:, n_f + 2]
-        kept = lengths * (1 - truncated) if objective.mask_truncated_completions else lengths
-        counted = int((kept > 0).sum())
-        denominator = losses.global_denominator(
-            int(kept.sum()),
-            counted,
-            objective.loss_type,
-            spec.rollout.max_completion_length,
-        )
-        advantages = losses.group_advantages(rewards, spec.rollout.num_generations, objective.scale_rewards)
-        return cls(table[:, :n_f], rewards, lengths, truncated, advantages, int(denominator), int(lengths.sum()))
-
-    def input_tokens(self, rollout: Rollout, job) -> int:
-        n = len(self.lengths)
-        prompt = sum(len(job.data.train.ids[rollout.prompt_of(c)]) for c in range(n))
-        return prompt + self.completion_tokens
-
-    def metrics(self, spec, functions: list) -> dict[str, float]:
-        labels = [f.label for f in functions]
-        rows = self.values.tolist()
-        lengths = [int(n) for n in self.lengths.tolist()]
-        truncated = [bool(t) for t in self.truncated.tolist()]
-        return reward_metrics(rows, self.rewards.tolist(), labels, spec.rollout.num_generations) | length_metrics(
-            lengths, truncated
-        )
-
-
-def eos_ids(job) -> list[int]:
-    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's."""
-    ids = {job.tokenizer.eos_token_id}
-    config = getattr(job.model, "generation_config", None)
-    extra = getattr(config, "eos_token_id", None)
-    ids.update(extra if isinstance(extra, list) else [extra])
-    return sorted(i for i in ids if i is not None)
-
-
-def write_rollout_lines(spec, ctx, step: int, lines: list[dict]) -> None:
-    """Rank 0 writes the whole step's lines, in completion order (every rank's gathered)."""
-    if ctx.world_size > 1:
-        every: list = [None] * ctx.world_size
-        dist.all_gather_object(every, lines)
-        lines = [line for part in every for line in part]
-    if ctx.is_main:
-        write_rollouts(spec.output_path, step, sorted(lines, key=lambda line: line["position"]))
-
-
-def collate_rollouts(prompts: list, completions: list, pad_id: int) -> dict:
-    """One micro-batch of rollouts: rows prompt + completion, right-padded to the longest row (real
-    tokens keep the positions of the unpadded row); the completion grid [B, C] (C the longest
-    completion here) with `completion_mask`; `label_pos` (flat [B * L] position predicting each
-    completion token), `label_ids`, and `slot` (its flat [B * C] place in the grid)."""
-    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-    grid = max(1, max(len(c) for c in completions))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros(len(prompts), width, dtype=torch.long)
-    pos, labels, slot = [], [], []
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        ids[i, : len(p) + len(c)] = torch.tensor([*p, *c], dtype=torch.long)
-        attention[i, : len(p) + len(c)] = 1
-        pos += [i * width + len(p) + j - 1 for j in range(len(c))]
-        labels += list(c)
-        slot += [i * grid + j for j in range(len(c))]
-    lengths = torch.tensor([len(c) for c in completions])
-    return {
-        "input_ids": ids,
-        "attention_mask": attention,
-        "label_pos": torch.tensor(pos, dtype=torch.long),
-        "label_ids": torch.tensor(labels, dtype=torch.long),
-        "slot": torch.tensor(slot, dtype=torch.long),
-        "completion_mask": (torch.arange(grid) < lengths.unsqueeze(1)).to(torch.float32),
-    }
+    def epoch_of(self, step: int) -> float:
+        """Passes over the prompts after `step` optimizer steps (a rollout batch counts at its first)."""
+        return self.inner.epoch_of(-(-step // self.mu))
 
 
 class GRPOLoss(nn.Module):
     """One micro-batch's share of the step's numerator (`grpo_losses.micro_batch_numerator`) and its
     statistics summed (`STATS`). The loop divides by the step's ONE denominator. The old
-    log-probabilities are the current ones, detached (num_iterations 1: the ratio is 1, its
-    gradient that of logp). With `beta` > 0 the reference forward runs first (eval mode, no grad,
-    the adapters off -- or the frozen starting adapter active)."""
+    log-probabilities are the rollout batch's frozen ones (num_iterations > 1), else the current
+    ones, detached (the ratio is 1, its gradient that of logp). With `beta` > 0 the reference
+    forward runs first (eval mode, no grad, the adapters off -- or the frozen starting adapter
+    active)."""
 
     model: Any  # a peft PeftModel (peft ships no types)
 
@@ -404,12 +253,23 @@ class GRPOLoss(nn.Module):
         finally:
             self.model.train(was_training)
 
-    def forward(self, input_ids, attention_mask, label_pos, label_ids, slot, completion_mask, advantages, truncated):
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        label_pos,
+        label_ids,
+        slot,
+        completion_mask,
+        advantages,
+        truncated,
+        old_logps=None,
+    ):
         o = self.objective
         tensors = (input_ids, attention_mask, label_pos, label_ids, slot, completion_mask)
         ref = self.reference_logps(*tensors) if o.beta else None
         logps = self.token_logps(*tensors)
-        old = logps.detach()
+        old = logps.detach() if old_logps is None else old_logps
         mask = losses.loss_mask(completion_mask.double(), truncated, o.mask_truncated_completions)
         adv = advantages.double()
         low, high, level = o.epsilon, o.epsilon_high, o.importance_sampling_level

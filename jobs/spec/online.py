@@ -171,11 +171,6 @@ def grpo_problem(spec: Any, rollout: RolloutSpec) -> str | None:
             "data.packing is not available with objective.name=grpo (completions are sampled, not "
             "packed); set data.packing=false"
         )
-    if spec.objective.num_iterations > 1:
-        return (
-            f"objective.num_iterations={spec.objective.num_iterations} has not landed: a resume inside a "
-            "rollout batch needs that batch in the checkpoint; use 1 (each rollout batch trained once)"
-        )
     if spec.resources.strategy == "fsdp":
         return (
             "resources.strategy=fsdp is not available with objective.name=grpo yet (generation would run "

@@ -203,6 +203,7 @@ def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, engine: Engine, resume
         random.seed(spec.run.seed * 7919 + ctx.rank)
         return Position()
     state = ckpt.restore(newest, spec, ctx.rank, ctx.world_size, job.model, engine.optimizer, job.scaler)
+    job.objective.restored(newest)
     pos = Position(
         state["step"],
         state["tokens_seen"],
@@ -525,7 +526,7 @@ def save_checkpoint(
     ctx.save_checkpoint(
         spec.output_path / "checkpoints",
         done,
-        ckpt.rank_files(ctx.rank, state, *shared),
+        ckpt.rank_files(ctx.rank, state, *shared) | job.objective.checkpoint_files(ctx.rank),
         last,
         spec.run.keep_checkpoints,
     )

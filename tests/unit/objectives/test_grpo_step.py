@@ -159,9 +159,13 @@ def test_the_window_counts_the_whole_batch_and_the_step_statistics(tmp_path):
     assert stats["kl"] > 0 and stats["clip_ratio/region_mean"] == 0.0  # ratio 1: nothing clipped
 
 
-def test_a_resumed_run_trains_the_same_adapter_bit_for_bit_and_a_changed_reward_refuses_it(tmp_path):
-    """4 steps straight == 2 steps, then a resume to 4 (the rollouts of steps 3-4 drawn again from
-    their seeds by the restored policy); a reward file edited under the same path refuses it."""
+@pytest.mark.parametrize(("mu", "first"), [(1, 2), (2, 3)])
+def test_a_resumed_run_trains_the_same_adapter_bit_for_bit_and_a_changed_reward_refuses_it(tmp_path, mu, first):
+    """4 steps straight == `first` steps, then a resume to 4: with num_iterations 1 the rollouts of
+    the later steps are drawn again from their seeds by the restored policy; with 2, the checkpoint
+    after step 3 sits inside a rollout batch, and step 4 trains on that batch as the checkpoint holds
+    it (its completions and old log-probabilities). A reward file edited under the same path
+    refuses the resume."""
     from gradtools import final_adapter
 
     from jobs.errors import SpecError
@@ -170,19 +174,22 @@ def test_a_resumed_run_trains_the_same_adapter_bit_for_bit_and_a_changed_reward_
 
     reward = tmp_path / "reward.py"
     reward.write_text((ROOT / "tests" / "helpers" / "rewards_tiny.py").read_text())
-    base = [*SMALL, f"reward.functions=[{{fn: '{reward}:ids_mod_5'}}]", "run.checkpoint_every=2", "lora.dropout=0.1"]
+    base = [*SMALL, f"reward.functions=[{{fn: '{reward}:ids_mod_5'}}]", "run.checkpoint_every=1", "lora.dropout=0.1"]
+    base += [f"objective.num_iterations={mu}", "optim.lr=0.05"]
 
     def run(out: Path, steps: int, resume: bool) -> None:
         spec = load_spec(SPEC, [*base, f"run.max_steps={steps}", f"run.output_dir={out}"])
         train(spec, LocalContext(on_progress=lambda r: None), resume=resume)
 
     run(tmp_path / "straight", 4, False)
-    run(tmp_path / "resumed", 2, False)
+    run(tmp_path / "resumed", first, False)
     run(tmp_path / "resumed", 4, True)
     a, b = final_adapter(tmp_path / "straight"), final_adapter(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    rolled = [(tmp_path / d / "rollouts" / "step-000004.jsonl").read_text() for d in ("straight", "resumed")]
+    step = 4 if mu == 1 else 3  # the rollouts file of the last rollout batch: its first step's
+    rolled = [(tmp_path / d / "rollouts" / f"step-{step:06d}.jsonl").read_text() for d in ("straight", "resumed")]
     assert rolled[0] == rolled[1]
+    assert not (tmp_path / "straight" / "rollouts" / "step-000004.jsonl").exists() or mu == 1
     reward.write_text(reward.read_text().replace("% 5", "% 6"))
     newest = ckpt.newest_complete(tmp_path / "resumed" / "checkpoints")
     spec = load_spec(SPEC, [*base, "run.max_steps=6", f"run.output_dir={tmp_path / 'resumed'}"])
@@ -190,8 +197,8 @@ def test_a_resumed_run_trains_the_same_adapter_bit_for_bit_and_a_changed_reward_
         ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo"])
-def test_every_split_of_a_run_trains_the_same_steps_on_two_gloo_ranks_too(tmp_path, monkeypatch, loss_type):
+@pytest.mark.parametrize(("loss_type", "mu"), [("dapo", 1), ("dr_grpo", 2)])
+def test_every_split_of_a_run_trains_the_same_steps_on_two_gloo_ranks_too(tmp_path, monkeypatch, loss_type, mu):
     """Workers x accumulation x micro-batch 1x1x16, 1x4x4 and 2x2x4, 3 steps: the same completions in
     every step (rollouts/step-N.jsonl byte for byte: each drawn from its own seed, the ranks' lines
     gathered in completion order), the same losses and rewards (fp32: 1e-5, as SFT's oracle) and the
@@ -206,17 +213,104 @@ def test_every_split_of_a_run_trains_the_same_steps_on_two_gloo_ranks_too(tmp_pa
         out = tmp_path / f"W{w}m{m}"
         overrides = [*SMALL, f"resources.num_workers={w}", f"batch.micro_batch_size={m}", "run.max_steps=3"]
         overrides += [f"objective.loss_type={loss_type}", "run.checkpoint_every=0", "optim.lr=0.05"]
+        overrides += [f"objective.num_iterations={mu}"]
         if w == 1:
             reference_run(0, 1, str(SPEC), overrides, str(out))
         else:
             spawn(reference_run, w, tmp_path / "spawn", str(SPEC), overrides, str(out))
-        steps = [(out / "rollouts" / f"step-{k:06d}.jsonl").read_text() for k in (1, 2, 3)]
+        steps = [(out / "rollouts" / f"step-{k:06d}.jsonl").read_text() for k in range(1, 4, mu)]
         runs[(w, m)] = (read_metrics(out), final_adapter(out), steps)
     (want_metrics, want_adapter, want_steps), *others = runs.values()
     assert len({line["loss"] for line in want_metrics}) == 3  # the steps moved the policy
+    if mu == 2:  # the second iteration of a rollout batch: the ratio moved off 1, the clip held some
+        assert want_metrics[1]["clip_ratio/region_mean"] > 0
     for metrics, adapter, steps in others:
         assert steps == want_steps
         for got, want in zip(metrics, want_metrics, strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
             assert got["reward"] == want["reward"] and got["label_tokens"] == want["label_tokens"]
         assert rel_err(adapter, want_adapter) < 1e-4
+
+
+def second_iteration(tmp: Path, micro: int, loss_type: str, level: str):
+    """num_iterations 2: step 0 trains on a fresh rollout batch (one SGD step), step 1 on the same
+    batch again. Returns (step 1's LoRA grads, its sums, the job, the spec, the lines, the old
+    log-probs a plain forward gives before step 0's update)."""
+    from jobs.train.step import optimizer_step
+
+    overrides = [f"batch.micro_batch_size={micro}", f"objective.loss_type={loss_type}", "objective.num_iterations=2"]
+    overrides += [
+        f"objective.importance_sampling_level={level}",
+        "optim.name=sgd",
+        "optim.lr=20",
+        "objective.beta=0.05",
+    ]
+    spec = load_spec(SPEC, [*SMALL, *overrides, f"run.output_dir={tmp}"])
+    ctx = LocalContext(on_progress=lambda r: None)
+    torch.manual_seed(0)
+    job = set_up(spec, ctx)
+    perturb_lora_b(job.model)
+    likely_eos(job)
+    engine = make_engine(spec, ctx, job)
+    first = job.objective.with_rollouts(spec, ctx, job, engine, 0, job.objective.plan_window(spec, ctx, job, 0))
+    lines = rollout_lines(spec)
+    job.model.eval()
+    with torch.no_grad():
+        old = [completion_logps(job.model, line["prompt_ids"], line["completion_ids"]) for line in lines]
+    job.model.train()
+    train_window(engine, first.micro_batches, first.denominator)
+    optimizer_step(engine, None)
+    again = job.objective.with_rollouts(spec, ctx, job, engine, 1, job.objective.plan_window(spec, ctx, job, 1))
+    sums = train_window(engine, again.micro_batches, again.denominator)
+    return grads(job.model), sums, job, spec, lines, old
+
+
+def clipped_reference_loss(job, spec, lines, old, loss_type: str, level: str) -> torch.Tensor:
+    """The clipped surrogate with the frozen old log-probs, + beta k3 KL against the adapters off,
+    one completion at a time, in float64 (TRL's formula, written out)."""
+    from jobs.objectives.preference import adapters_off
+
+    eps, beta, model = 0.2, 0.05, job.model
+    model.eval()
+    terms = []
+    for line, old_logp in zip(lines, old, strict=True):
+        logp = completion_logps(model, line["prompt_ids"], line["completion_ids"])
+        log_w = logp - old_logp
+        if level == "sequence":
+            log_w = log_w.mean().expand_as(logp)
+        w, a = torch.exp(log_w), line["advantage"]
+        per_token = -torch.min(w * a, torch.clamp(w, 1 - eps, 1 + eps) * a)
+        with torch.no_grad(), adapters_off(model):
+            ref = completion_logps(model, line["prompt_ids"], line["completion_ids"])
+        terms.append(per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1))
+    model.train()
+    tokens = sum(len(t) for t in terms)
+    if loss_type == "dapo":
+        return sum(t.sum() for t in terms) / tokens
+    if loss_type == "grpo":
+        return sum(t.mean() for t in terms) / len(terms)
+    return sum(t.sum() for t in terms) / (len(terms) * spec.rollout.max_completion_length)
+
+
+@pytest.mark.parametrize(("loss_type", "level"), [("dapo", "token"), ("grpo", "sequence"), ("dr_grpo", "token")])
+def test_the_second_iteration_of_a_rollout_batch_is_the_big_batch_gradient_with_the_clip_active(
+    tmp_path, loss_type, level
+):
+    """num_iterations 2: at the batch's second step the ratio is no longer 1 and the clip holds some
+    tokens; every split gives the gradient of the independent clipped big-batch loss at its weights
+    (each split's first SGD step at lr 20 amplifies fp32 summation order: the splits' weights agree
+    to ~1e-6, not their step-2 gradients, so each is judged against the reference at its own)."""
+    for micro in (16, 4, 1):
+        g, sums, job, spec, lines, old = second_iteration(tmp_path / f"m{micro}", micro, loss_type, level)
+        _, stats = job.objective.step_values(sums, 1)
+        assert stats["clip_ratio/region_mean"] > 0  # the clip is active: the oracle sees min() both ways
+        job.model.zero_grad(set_to_none=True)
+        clipped_reference_loss(job, spec, lines, old, loss_type, level).backward()
+        assert rel_err(g, grads(job.model)) < 1e-5, (micro, rel_err(g, grads(job.model)))
+    # the known wrong one: old log-probs taken again at the second step (ratio 1, nothing clipped)
+    with torch.no_grad():
+        now = [completion_logps(job.model.eval(), line["prompt_ids"], line["completion_ids"]) for line in lines]
+    job.model.train()
+    job.model.zero_grad(set_to_none=True)
+    clipped_reference_loss(job, spec, lines, now, loss_type, level).backward()
+    assert rel_err(g, grads(job.model)) > 1e-3
