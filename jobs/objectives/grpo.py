@@ -255,16 +255,23 @@ class GRPOLoss(nn.Module):
 
     def forward(
         self,
-        input_ids,
-        attention_mask,
-        label_pos,
-        label_ids,
-        slot,
-        completion_mask,
-        advantages,
-        truncated,
+        input_ids=None,
+        attention_mask=None,
+        label_pos=None,
+        label_ids=None,
+        slot=None,
+        completion_mask=None,
+        advantages=None,
+        truncated=None,
         old_logps=None,
+        *,
+        call=None,
     ):
+        """(numerator, statistics) of one micro-batch; with `call`, `call(self)`'s result instead:
+        generation and the old log-probs run through here, the root's forward, so FSDP's hooks
+        gather what they need (a sub-module's own forward first would be refused)."""
+        if call is not None:
+            return call(self)
         o = self.objective
         tensors = (input_ids, attention_mask, label_pos, label_ids, slot, completion_mask)
         ref = self.reference_logps(*tensors) if o.beta else None

@@ -131,7 +131,7 @@ def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray)
     prompts, g = job.data.train, spec.rollout.num_generations
     prompt_indices = [int(p) for p in job.batches.index_array(index * spec.objective.num_iterations)]
     start = time.perf_counter()
-    done = generate(job, spec, index, prompt_indices, positions)
+    done = generate(engine, job, spec, index, prompt_indices, positions)
     scored_at = time.perf_counter()
     batch, values, rewards = scored(objective.functions(spec), spec, job, prompt_indices, positions, done)
     table = torch.zeros(len(prompt_indices) * g, len(objective.functions(spec)) + 3, dtype=torch.float64)
@@ -151,16 +151,19 @@ def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray)
     return out
 
 
-def generate(job, spec, index: int, prompt_indices: list[int], positions: np.ndarray) -> list[Completion]:
+def generate(engine, job, spec, index: int, prompt_indices: list[int], positions: np.ndarray) -> list[Completion]:
     """This rank's completions, in `positions` order, each from its own seed (run seed, rollout
-    batch, prompt, sample)."""
+    batch, prompt, sample), generated through the loss module's forward (`GRPOLoss.forward`'s
+    `call`: under FSDP the root's hooks run first)."""
     g, seed = spec.rollout.num_generations, spec.run.seed
     requests = []
     for pos in positions.tolist():
         p, j = prompt_indices[pos // g], pos % g
         requests.append(Request(p, j, tuple(job.data.train.ids[p]), sample_seed(seed, index, p, j)))
-    engine = HFEngine(job.model, eos_ids(job), job.tokenizer.pad_token_id)
-    return engine.generate(requests, Sampling.of(spec.rollout))
+    hf = HFEngine(job.model, eos_ids(job), job.tokenizer.pad_token_id, synced=job.strategy == "fsdp")
+    sampling = Sampling.of(spec.rollout)
+    with torch.no_grad():
+        return engine.unwrapped(call=lambda _: hf.generate(requests, sampling))
 
 
 def scored(functions: list, spec, job, prompt_indices: list[int], positions: np.ndarray, done: list[Completion]):
@@ -194,8 +197,9 @@ def old_logps(engine, job, prompts, prompt_indices, positions, done, g: int) -> 
             pos = positions.tolist()[s : s + 16]
             batch = collate_rollouts([prompts.ids[prompt_indices[p // g]] for p in pos], [c.ids for c in chunk], 0)
             keys = ("input_ids", "attention_mask", "label_pos", "label_ids", "slot", "completion_mask")
+            tensors = [batch[k].to(engine.device) for k in keys]
             with engine.autocast():
-                grid = module.token_logps(*(batch[k].to(engine.device) for k in keys))
+                grid = module(call=lambda loss, tensors=tensors: loss.token_logps(*tensors))
             out += [grid[i, : len(c.ids)].tolist() for i, c in enumerate(chunk)]
     finally:
         job.model.train(was_training)

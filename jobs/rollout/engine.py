@@ -134,8 +134,13 @@ class HFEngine:
     batches of `batch_size` requests through `model.generate` with a KV cache, in eval mode
     (dropout off; the mode is restored after)."""
 
-    def __init__(self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 16):
+    def __init__(
+        self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 16, synced: bool = False
+    ):
         self.model, self.eos, self.pad, self.batch_size = model, tuple(eos_token_ids), pad_token_id, batch_size
+        # Under FSDP every forward is a collective: with `synced` (transformers' `synced_gpus`) a rank
+        # whose completions all ended keeps stepping until every rank's have, so the counts match.
+        self.synced = synced
 
     def generate(self, requests: Sequence[Request], sampling: Sampling) -> list[Completion]:
         was_training = self.model.training
@@ -168,6 +173,7 @@ class HFEngine:
             attention_mask=mask.to(device),
             generation_config=config,
             logits_processor=LogitsProcessorList([sampler]),
+            synced_gpus=self.synced,
         )
         rows = gen[:, width:].tolist()
         cut = [cut_at_eos(row, self.eos, sampling.max_completion_length) for row in rows]

@@ -171,11 +171,6 @@ def grpo_problem(spec: Any, rollout: RolloutSpec) -> str | None:
             "data.packing is not available with objective.name=grpo (completions are sampled, not "
             "packed); set data.packing=false"
         )
-    if spec.resources.strategy == "fsdp":
-        return (
-            "resources.strategy=fsdp is not available with objective.name=grpo yet (generation would run "
-            "a different number of sharded forwards on each rank); use ddp"
-        )
     return _grpo_data_problem(spec)
 
 

@@ -197,9 +197,12 @@ def test_a_resumed_run_trains_the_same_adapter_bit_for_bit_and_a_changed_reward_
         ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
 
 
-@pytest.mark.parametrize(("loss_type", "mu"), [("dapo", 1), ("dr_grpo", 2)])
-def test_every_split_of_a_run_trains_the_same_steps_on_two_gloo_ranks_too(tmp_path, monkeypatch, loss_type, mu):
-    """Workers x accumulation x micro-batch 1x1x16, 1x4x4 and 2x2x4, 3 steps: the same completions in
+@pytest.mark.parametrize(("loss_type", "mu", "strategy"), [("dapo", 1, "ddp"), ("dr_grpo", 2, "fsdp")])
+def test_every_split_of_a_run_trains_the_same_steps_on_two_gloo_ranks_too(
+    tmp_path, monkeypatch, loss_type, mu, strategy
+):
+    """Workers x accumulation x micro-batch 1x1x16, 1x4x4 and 2x2x4 (DDP, or FSDP with gradient
+    checkpointing: generation keeps the ranks' forwards in step), 3 steps: the same completions in
     every step (rollouts/step-N.jsonl byte for byte: each drawn from its own seed, the ranks' lines
     gathered in completion order), the same losses and rewards (fp32: 1e-5, as SFT's oracle) and the
     same adapter to 1e-4 (AdamW: tests/unit/data/test_mixture.py says why)."""
@@ -214,6 +217,8 @@ def test_every_split_of_a_run_trains_the_same_steps_on_two_gloo_ranks_too(tmp_pa
         overrides = [*SMALL, f"resources.num_workers={w}", f"batch.micro_batch_size={m}", "run.max_steps=3"]
         overrides += [f"objective.loss_type={loss_type}", "run.checkpoint_every=0", "optim.lr=0.05"]
         overrides += [f"objective.num_iterations={mu}"]
+        if w > 1:
+            overrides += [f"resources.strategy={strategy}", f"memory.gradient_checkpointing={strategy == 'fsdp'}"]
         if w == 1:
             reference_run(0, 1, str(SPEC), overrides, str(out))
         else:
