@@ -19,7 +19,6 @@ from jobs.model.loading import load_base_model, without_peft_alias_notice
 from jobs.run import runlock
 from jobs.run.outputs import claim_output_dir, write_json_atomic
 from jobs.spec import JobSpec, SpecError
-from jobs.spec.online import offline_only
 
 
 @torch.no_grad()
@@ -60,22 +59,13 @@ def exact_match(preds: list[str], refs: list[str]) -> float:
 
 
 def evaluate(spec: JobSpec, adapter_dir: Path | None = None, max_new_tokens: int = 16) -> dict:
-    """Evaluate on `data.eval_path` and write `<output_dir>/eval.json`: exact match of the base and
+    """Evaluate on the held-out data and write `<output_dir>/eval.json`: exact match of the base and
     of the adapter (`adapter_dir`, default `<output_dir>/adapter`) for an SFT spec; for a preference
-    spec also preference accuracy, margins and rewards (`jobs.after.evaluate_preference`)."""
-    offline_only(spec, "rayft eval")  # GRPO's held-out evaluation (a reward on held-out prompts) has not landed
+    spec also preference accuracy, margins and rewards (`jobs.after.evaluate_preference`); for an
+    online-RL spec the held-out reward of greedy answers (`jobs.after.evaluate_rl`). By the kind
+    of record the objective trains on."""
     adapter_dir = Path(adapter_dir or spec.output_path / "adapter")
-    if spec.objective.name != "sft":
-        if not spec.data.eval_path:
-            raise SpecError(
-                f"data.eval_path: rayft eval of objective.name={spec.objective.name} needs a held-out "
-                "file of preference pairs"
-            )
-        from jobs.after.evaluate_preference import evaluate_preference
-
-        result = evaluate_preference(spec, adapter_dir, max_new_tokens, generate, exact_match)
-    else:
-        result = _evaluate_sft(spec, adapter_dir, max_new_tokens)
+    result = _BY_RECORDS[spec.objective.records](spec, adapter_dir, max_new_tokens)
     # Written under the run's lock (jobs.run.runlock), taken only now: the evaluation reads, and a run
     # may start meanwhile; a run that holds the directory refuses this write in one line.
     runlock.acquire(spec.output_path)
@@ -85,6 +75,23 @@ def evaluate(spec: JobSpec, adapter_dir: Path | None = None, max_new_tokens: int
     finally:
         runlock.release(spec.output_path)
     return result
+
+
+def _evaluate_pairs(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict:
+    if not spec.data.eval_path:
+        raise SpecError(
+            f"data.eval_path: rayft eval of objective.name={spec.objective.name} needs a held-out file of "
+            "preference pairs"
+        )
+    from jobs.after.evaluate_preference import evaluate_preference
+
+    return evaluate_preference(spec, adapter_dir, max_new_tokens, generate, exact_match)
+
+
+def _evaluate_prompts(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict:
+    from jobs.after.evaluate_rl import evaluate_rl
+
+    return evaluate_rl(spec, adapter_dir)  # answers are as long as the run's rollout.max_completion_length
 
 
 def _evaluate_sft(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict:
@@ -123,3 +130,7 @@ def _evaluate_sft(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict
         for p, r, b, a in zip(shown, refs, base_preds, preds or base_preds, strict=True)
     ][:8]
     return result
+
+
+# The evaluation of each kind of record an objective trains on (`objective.records`).
+_BY_RECORDS = {"sft": _evaluate_sft, "pairs": _evaluate_pairs, "prompts": _evaluate_prompts}

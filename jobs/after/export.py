@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from jobs.errors import UserError
-from jobs.model.loading import without_peft_alias_notice
+from jobs.model.loading import no_save_progress_bar, without_peft_alias_notice
 from jobs.run import save_check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,7 +149,8 @@ def export(output_dir: Path, *, merge: bool = False, dtype: str = "fp32", to: Pa
         plain = model.merge_and_unload()
         plain.to(DTYPES[dtype])
         plain.config.dtype = DTYPES[dtype]
-        plain.save_pretrained(tmp, max_shard_size="2GB")  # safetensors
+        with no_save_progress_bar():
+            plain.save_pretrained(tmp, max_shard_size="2GB")  # safetensors
         save_check.check_merged(tmp, plain)
         tok.save_pretrained(tmp)
         (tmp / "README.md").write_text(_readme(base, adapter, True, dtype))

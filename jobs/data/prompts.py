@@ -8,15 +8,18 @@ BOS + text), a conversation through the model's chat template with the generatio
 tokens is dropped and counted (`PromptSet.dropped`), never cut: a prompt cut from either end asks
 another question than the record does.
 
-Prompts are few and short beside SFT corpora, so they are not written to the token cache: every
-rank reads and tokenizes the same records in the same order (a pure function of the files, the
-spec and the tokenizer), which is what makes step k's prompts the same on every rank.
+Held-out prompts are `data.eval_path`'s, or `data.eval_fraction` of `data.path`'s records chosen as
+`jobs.data.read_records` chooses SFT's. Prompts are few and short beside SFT corpora, so they are
+not written to the token cache: every rank reads and tokenizes the same records in the same order
+(a pure function of the files, the spec and the tokenizer), which is what makes step k's prompts
+the same on every rank.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +52,7 @@ class PromptSet:
 @dataclass
 class PromptData:
     """An online-RL run's data, as the loop holds a dataset's (`jobs.data.Dataset`): the training
-    prompts, no held-out ones yet, and what was dropped."""
+    and held-out prompts, and what was dropped."""
 
     train: PromptSet
     eval: PromptSet
@@ -59,12 +62,19 @@ class PromptData:
     sources: list = field(default_factory=list)  # no mixture of prompt sources yet
 
 
-def prompt_records(spec: JobSpec) -> Iterator[tuple[str, dict]]:
-    """(where, checked record) of every record of `data.path`, in order."""
-    for i, path in enumerate(spec.data.path):
-        key = "data.path" if len(spec.data.path) == 1 else f"data.path.{i}"
+def prompt_records(spec: JobSpec, held_out: bool = False) -> Iterator[tuple[str, dict]]:
+    """(where, checked record) of every record of `data.path` (with `held_out`, of
+    `data.eval_path`), in order."""
+    held = [("data.eval_path", spec.data.eval_path)] if spec.data.eval_path is not None else []
+    paths = held if held_out else _train_paths(spec)
+    for key, path in paths:
         for where, rec in _rows(path, key, spec.data.hf_token_env):
             yield where, check_prompt_record(rec, where, spec.data.fields)
+
+
+def _train_paths(spec: JobSpec) -> list[tuple[str, str]]:
+    one = len(spec.data.path) == 1
+    return [("data.path" if one else f"data.path.{i}", p) for i, p in enumerate(spec.data.path)]
 
 
 def _rows(path: str, key: str, hf_token_env: str | None) -> Iterator[tuple[str, object]]:
@@ -115,20 +125,35 @@ def check_prompt_record(rec: object, where: str, fields: dict | None) -> dict:
     return rec
 
 
-def read_prompts(spec: JobSpec, tokenizer, model_name: str | None = None) -> PromptSet:
-    """Every training prompt of the spec, tokenized (module doc); a mix of text and conversational
-    prompts is refused (a reward function receives one form)."""
+def read_prompt_splits(spec: JobSpec, tokenizer) -> tuple[PromptSet, PromptSet]:
+    """(training prompts, held-out prompts): `data.eval_path`'s, else `data.eval_fraction` of
+    `data.path`'s records (the same seeded choice `jobs.data.read_records` makes), else none."""
+    records = list(prompt_records(spec))
+    if spec.data.eval_path is not None:
+        return read_prompts(spec, tokenizer, records), read_prompts(spec, tokenizer, list(prompt_records(spec, True)))
+    held: set[int] = set()
+    if spec.data.eval_fraction > 0:
+        order = list(range(len(records)))
+        random.Random(spec.run.seed).shuffle(order)
+        held = set(order[: max(1, int(round(len(records) * spec.data.eval_fraction)))])
+    train = [r for i, r in enumerate(records) if i not in held]
+    return read_prompts(spec, tokenizer, train), read_prompts(spec, tokenizer, [records[i] for i in sorted(held)])
+
+
+def read_prompts(spec: JobSpec, tokenizer, records: list[tuple[str, dict]] | None = None) -> PromptSet:
+    """`records` (default: every training record of the spec), tokenized (module doc); a mix of
+    text and conversational prompts is refused (a reward function receives one form)."""
     assert spec.rollout is not None  # a grpo spec has one (`JobSpec._online_rl_problem`)
     budget = spec.data.max_seq_len - spec.rollout.max_completion_length
     out, first = PromptSet(), None
-    for where, rec in prompt_records(spec):
+    for where, rec in prompt_records(spec) if records is None else records:
         conversational = isinstance(rec[PROMPT], list)
         if first is None:
             first, out.conversational = where, conversational
         elif conversational != out.conversational:
             form = "a conversation" if conversational else "text"
             raise SpecError(f'{where}: "prompt" is {form}, unlike the first record ({first}); use one form')
-        ids = _prompt_ids(tokenizer, rec[PROMPT], model_name)
+        ids = _prompt_ids(tokenizer, rec[PROMPT], spec.model.name)
         if len(ids) > budget:
             out.dropped += 1
             continue
@@ -138,7 +163,7 @@ def read_prompts(spec: JobSpec, tokenizer, model_name: str | None = None) -> Pro
     return out
 
 
-def _prompt_ids(tokenizer, prompt, model_name: str | None) -> list[int]:
+def _prompt_ids(tokenizer, prompt, model_name: str) -> list[int]:
     if isinstance(prompt, list):
         return chat_prompt_ids(tokenizer, prompt, model_name)
     return encode_prompt(tokenizer, prompt)

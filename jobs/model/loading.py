@@ -65,6 +65,22 @@ def without_peft_alias_notice() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def no_save_progress_bar() -> Iterator[None]:
+    """transformers draws a progress bar when it writes a model ("Writing model shards"): not one of
+    rayft's lines, and it landed among the run's last ones. Off while rayft saves a model (the base
+    beside a tiny-llama adapter, a merged export); as it was after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def byte_tokenizer():
     """Byte-level tokenizer: ids 0..255 are the bytes, then <pad>, <s>, </s>; chat template
     `TINY_CHAT_TEMPLATE`."""

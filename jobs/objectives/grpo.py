@@ -35,13 +35,15 @@ import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
 
-from jobs.data import GlobalBatches, split_window, total_steps
-from jobs.data.prompts import PromptData, PromptSet, check_prompt_count, prompt_records, read_prompts
+from jobs.data import GlobalBatches, equal_micro_batches, split_window, total_steps
+from jobs.data.prompts import PromptData, PromptSet, check_prompt_count, prompt_records, read_prompt_splits
 from jobs.errors import SpecError
 from jobs.objectives import grpo_batch
 from jobs.objectives import grpo_losses as losses
-from jobs.objectives.base import Objective, Window
+from jobs.objectives.base import Objective, Window, all_reduce_sum
 from jobs.objectives.grpo_batch import collate_rollouts as collate_rollouts
+from jobs.rollout import held_out
+from jobs.rollout.engine import HFEngine
 from jobs.rollout.rewards import check_columns, resolve
 from jobs.spec import GRPOObjective
 
@@ -126,15 +128,15 @@ class GRPO(Objective):
         check_prompt_count(spec, PromptSet(ids=[[]] * n))
 
     def build_data(self, spec, tokenizer) -> None:
-        check_prompt_count(spec, read_prompts(spec, tokenizer))
+        check_prompt_count(spec, read_prompt_splits(spec, tokenizer)[0])
 
     def load_data(self, spec, tokenizer) -> tuple[Any, Any, int]:
         from jobs.data import content_hash
 
-        prompts = read_prompts(spec, tokenizer)
+        prompts, evaluated = read_prompt_splits(spec, tokenizer)
         check_prompt_count(spec, prompts)
         g = spec.rollout.num_generations
-        data = PromptData(prompts, PromptSet(), prompts.dropped, content_hash(spec))
+        data = PromptData(prompts, evaluated, prompts.dropped + evaluated.dropped, content_hash(spec))
         mu = spec.objective.num_iterations
         batches = RolloutBatches(len(prompts), spec.batch.global_batch_size // g, spec.run.seed, mu)
         # `run.epochs` counts passes over the prompts; each rollout batch is num_iterations steps
@@ -150,7 +152,24 @@ class GRPO(Objective):
 
     @torch.no_grad()
     def held_out(self, engine, job, spec, ctx) -> tuple[float | None, dict]:
-        return None, {}  # the spec refuses a held-out split for grpo (`jobs.spec.online`)
+        """(None, `eval_reward` and `eval_rewards/<name>/mean`): one greedy completion per held-out
+        prompt (`jobs.rollout.held_out`), sharded over ranks; every rank generates the same number
+        of batches (a rank whose share ran out repeats one, unscored), one all-reduce."""
+        prompts = job.data.eval
+        if not len(prompts):
+            return None, {}
+        functions = self.functions(spec)
+        hf = HFEngine(job.model, grpo_batch.eos_ids(job), job.tokenizer.pad_token_id, synced=job.strategy == "fsdp")
+        sums = torch.zeros(len(functions) + 1, 2, dtype=torch.float64)
+        for idx, counted in equal_micro_batches(len(prompts), ctx.rank, ctx.world_size, spec.batch.micro_batch_size):
+            through = lambda fn: engine.unwrapped(call=lambda _: fn())  # noqa: E731 (FSDP: the root's forward)
+            done = held_out.greedy(hf, prompts, idx, spec.rollout.max_completion_length, through)
+            if counted:
+                timeout_s = spec.reward.timeout_s
+                values, rewards, _ = held_out.scored(functions, prompts, idx, done, job.tokenizer, timeout_s)
+                sums += held_out.sums_of(values, rewards, len(functions))
+        totals = all_reduce_sum(sums.to(engine.device), ctx.world_size).cpu()
+        return None, {f"eval_{k}": v for k, v in held_out.means(totals, spec.reward.labels).items()}
 
     # ---- the step's rollouts ----------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ import torch
 
 @dataclass(frozen=True)
 class Sampling:
-    """How completions are drawn (`rollout.*`, validated by the spec)."""
+    """How completions are drawn (`rollout.*`, validated by the spec); temperature 0 is greedy
+    (held-out evaluation only: the spec refuses it for training)."""
 
     max_completion_length: int
     temperature: float = 1.0
@@ -167,12 +168,13 @@ class HFEngine:
             eos_token_id=list(self.eos),
             pad_token_id=self.pad,
         )
-        sampler = SeededSampler([r.seed for r in requests], sampling)
+        # temperature 0: greedy (held-out evaluation); else each row's draw from its own seed
+        processors = [] if sampling.temperature == 0 else [SeededSampler([r.seed for r in requests], sampling)]
         gen = self.model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             generation_config=config,
-            logits_processor=LogitsProcessorList([sampler]),
+            logits_processor=LogitsProcessorList(processors),
             synced_gpus=self.synced,
         )
         rows = gen[:, width:].tolist()

@@ -175,16 +175,15 @@ def grpo_problem(spec: Any, rollout: RolloutSpec) -> str | None:
 
 
 def _grpo_data_problem(spec: Any) -> str | None:
-    """What of `data.*` a GRPO run does not read yet: a mixture, a held-out split (its evaluation,
-    a reward on held-out prompts, has not landed), early stopping (it judges the held-out loss)."""
-    d = spec.data
-    if d.mix is not None:
+    """What of `data.*` and `run.*` a GRPO run does not read yet: a mixture, early stopping (it
+    judges a held-out loss; GRPO's held-out number is a reward)."""
+    if spec.data.mix is not None:
         return "data.mix is not available with objective.name=grpo yet; give one data.path of prompts"
-    if d.eval_path is not None or d.eval_fraction > 0:
-        key = "data.eval_path" if d.eval_path is not None else "data.eval_fraction"
-        return f"{key}: held-out evaluation of objective.name=grpo has not landed; leave it unset"
     if spec.run.early_stopping is not None:
-        return "run.early_stopping judges the held-out loss, which objective.name=grpo has not; leave it unset"
+        return (
+            "run.early_stopping judges the held-out loss; objective.name=grpo evaluates a held-out reward "
+            "(eval_reward), which early stopping does not read yet; leave it unset"
+        )
     return None
 
 

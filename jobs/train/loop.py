@@ -59,6 +59,7 @@ from jobs.model.loading import (
     compile_wanted,
     enable_checkpointing,
     load_base_model,
+    no_save_progress_bar,
 )
 from jobs.objectives import Objective
 from jobs.objectives.base import Window as Window  # re-exported: tests read it from here
@@ -613,7 +614,8 @@ def _save_tiny_base(spec: JobSpec, base_dir: Path, adapter_dir: Path) -> None:
     import json
 
     model, tok = load_base_model(spec, "fp32", quantized=False)  # the plain base, also for a QLoRA run
-    model.save_pretrained(base_dir)
+    with no_save_progress_bar():
+        model.save_pretrained(base_dir)
     tok.save_pretrained(base_dir)
     cfg_path = adapter_dir / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())

@@ -132,6 +132,9 @@ def cmd_eval(args) -> int:
 
     spec = absolutize(load_spec(args.spec, args.overrides))
     result = evaluate(spec, args.adapter, max_new_tokens=args.max_new_tokens)
+    if "prompts" in result:  # held-out prompts, scored by the reward functions (online RL)
+        _reward_table(result, spec)
+        return 0
     if "models" in result:
         _preference_table(result, spec)
         return 0
@@ -148,6 +151,33 @@ def cmd_eval(args) -> int:
             + (f"  adapter {ex['adapter']!r}" if "adapter" in ex else "")
         )
     return 0
+
+
+def _reward_table(result: dict, spec) -> None:
+    """One row per model scored (base, starting adapter, trained adapter): the held-out mean reward
+    of greedy answers, each reward function's mean, exact match where a function is exact_match."""
+    from rich.table import Table
+
+    from jobs.after.evaluate_preference import ROLES
+
+    out = console()
+    if not out.is_terminal:
+        out.width = max(out.width, 120)
+    means = [k for k in result["models"][0] if k.startswith("rewards/")]
+    t = Table(title=f"rayft eval {spec.name}: {result['prompts']} held-out prompts, greedy, mean reward")
+    for name in ("model", "reward", *means, *(["exact match"] if "exact_match" in result["models"][0] else [])):
+        t.add_column(
+            name.removeprefix("rewards/").removesuffix("/mean"), justify="left" if name == "model" else "right"
+        )
+    for row in result["models"]:
+        cells = [f"{row['reward']:.3f}", *(f"{row[k]:.3f}" for k in means)]
+        cells += [f"{row['exact_match']:.1%}"] if "exact_match" in row else []
+        t.add_row(ROLES[row["model"]], *cells)
+    out.print(t)
+    for row in result["models"][1:]:
+        out.print(f"  {ROLES[row['model']]}: {row['adapter_dir']}")
+    for ex in result["examples"][:3]:
+        out.print("  " + "  ".join(f"{role} {ex[role]!r}" for role in ROLES if role in ex))
 
 
 def _preference_table(result: dict, spec) -> None:

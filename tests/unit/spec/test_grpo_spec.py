@@ -1,7 +1,7 @@
 """The GRPO spec (`objective.name: grpo`, the `rollout` and `reward` sections): TRL's names and
 defaults, documented in `rayft spec schema`; every impossible combination refused in one line
 naming the fields; specs of the other objectives read and hash as before; the commands that do not
-take a GRPO spec yet (eval, data preview/prepare) refuse it in one line before anything is created."""
+take a GRPO spec yet (data preview/prepare) refuse it in one line before anything is created."""
 
 from __future__ import annotations
 
@@ -136,8 +136,8 @@ def test_a_missing_reward_file_is_one_line_naming_the_function(tmp_path):
     assert f"reward.functions.0.fn: file not found: {tmp_path / 'nope.py'}" in str(e.value)
 
 
-@pytest.mark.parametrize("command", [["eval"], ["data", "preview"], ["data", "prepare"]])
-def test_eval_and_the_data_commands_refuse_a_grpo_spec_in_one_line(tmp_path, capsys, command):
+@pytest.mark.parametrize("command", [["data", "preview"], ["data", "prepare"]])
+def test_the_data_commands_refuse_a_grpo_spec_in_one_line(tmp_path, capsys, command):
     from orchestrator.cli import main
 
     out = tmp_path / "out"

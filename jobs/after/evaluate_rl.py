@@ -1,0 +1,67 @@
+"""`rayft eval` of an online-RL spec (`objective.name: grpo`): the held-out prompts (`data.eval_path`,
+or `data.eval_fraction` of `data.path` as the run held them out) answered greedily by the base, the
+starting adapter (`model.adapter`, when set) and the trained adapter, in one process, each answer
+scored by the spec's reward functions (`jobs.rollout.held_out`: what the run's `eval_reward` is).
+
+Per model: the mean weighted reward (`reward`), each function's mean (`rewards/<name>/mean`), and
+where a function is the built-in `exact_match`, that mean again as `exact_match` (a 0/1 reward: the
+share of prompts answered exactly), the number `rayft eval` of SFT and DPO specs reports.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from jobs.after.evaluate_preference import ROLES, _with_adapter
+from jobs.data.prompts import read_prompt_splits
+from jobs.errors import SpecError
+from jobs.model.loading import load_base_model
+from jobs.rollout import held_out
+from jobs.rollout.engine import HFEngine
+from jobs.rollout.rewards import resolve
+from jobs.spec import JobSpec
+
+SHOWN_EXAMPLES = 8
+
+
+def evaluate_rl(spec: JobSpec, adapter_dir: Path) -> dict:
+    """eval.json's content (module doc)."""
+    assert spec.rollout is not None and spec.reward is not None  # a grpo spec has both
+    model, tok = load_base_model(spec, "fp32")
+    model.eval()
+    _, prompts = read_prompt_splits(spec, tok)
+    if not len(prompts):
+        raise SpecError(
+            "data.eval_path: rayft eval of objective.name=grpo scores held-out prompts: set data.eval_path "
+            "or data.eval_fraction"
+        )
+    functions, indices = resolve(spec.reward), list(range(len(prompts)))
+    adapters = {
+        "start": spec.model.adapter,
+        "adapter": str(adapter_dir) if (adapter_dir / "adapter_config.json").is_file() else None,
+    }
+    exact = [
+        label for f, label in zip(spec.reward.functions, spec.reward.labels, strict=True) if f.name == "exact_match"
+    ]
+    t0, rows, answers = time.perf_counter(), [], {}
+    for role in ROLES:
+        if role != "base":
+            if not adapters[role]:
+                continue
+            model = _with_adapter(model, str(adapters[role]), role, spec.model.name)
+        hf = HFEngine(model, [tok.eos_token_id], tok.pad_token_id)
+        done = held_out.greedy(hf, prompts, indices, spec.rollout.max_completion_length)
+        values, rewards, answers[role] = held_out.scored(functions, prompts, indices, done, tok, spec.reward.timeout_s)
+        row = {"model": role, **held_out.means(held_out.sums_of(values, rewards, len(functions)), spec.reward.labels)}
+        if exact:
+            row["exact_match"] = row[f"rewards/{exact[0]}/mean"]
+        if role != "base":
+            row["adapter_dir"] = adapters[role]
+        rows.append(row)
+    result = {"objective": "grpo", "prompts": len(prompts), "dropped": prompts.dropped, "models": rows}
+    result["eval_time_s"] = time.perf_counter() - t0
+    result["examples"] = [
+        {"prompt": prompts.prompts[i], **{role: answers[role][i] for role in answers}} for i in indices[:SHOWN_EXAMPLES]
+    ]
+    return result
