@@ -43,6 +43,15 @@ demo-dpo: install
 	$(BIN)/rayft run examples/smollm2-dpo.yaml
 	$(BIN)/rayft eval examples/smollm2-dpo.yaml
 
+# Online RL after SFT: GRPO from the adapter `make demo-real` trains (which runs first if that adapter
+# is missing), an exact_match reward on the capitals prompts, then `rayft eval`: the base, the SFT
+# adapter and the GRPO adapter, each on the 24 held-out countries.
+.PHONY: demo-grpo
+demo-grpo: install
+	test -f outputs/smollm2-capitals/adapter/adapter_config.json || $(BIN)/rayft run examples/smollm2-lora.yaml
+	$(BIN)/rayft run examples/smollm2-grpo.yaml
+	$(BIN)/rayft eval examples/smollm2-grpo.yaml
+
 # Lint, format and types (configured in pyproject.toml): ruff's rules and layout on the whole tree,
 # mypy on jobs, tune and orchestrator. `ruff format` and `ruff check --fix` repair most findings.
 LINT_PATHS := jobs tune orchestrator bench tests examples

@@ -10,7 +10,9 @@ the held-out pairs are the same 24 countries, rejected a famous city of the coun
 its capital (`WRONG`); the training pairs are the 83 training countries and 65 more (`MORE`, in
 capitals_regions.py), rejected the capital of a neighbour (`neighbour_rejected`).
 `capitals-pairs-train-cities.jsonl` holds the 83 training countries with `WRONG` instead, the
-variant docs/benchmarks.md#make-demo-dpo compares.
+variant docs/benchmarks.md#make-demo-dpo compares. Prompt records for examples/smollm2-grpo.yaml
+(`capitals-prompts-*.jsonl`): the same 148 training and 24 held-out countries, the capital in an
+`answer` column.
 
     python examples/make_capitals.py [--check]
 """
@@ -335,7 +337,17 @@ def build() -> dict[str, str]:
     out["capitals-pairs-train-cities.jsonl"] = out["capitals-pairs-train.jsonl"]
     countries = train + sorted(MORE)
     out["capitals-pairs-train.jsonl"] = pairs(countries, neighbour_rejected(countries))
+    out["capitals-prompts-train.jsonl"] = prompts(countries)  # the DPO pairs' 148 countries
+    out["capitals-prompts-eval.jsonl"] = prompts(split()["eval"])
     return out
+
+
+def prompts(countries: list[str]) -> str:
+    """Prompt records for examples/smollm2-grpo.yaml: the question as a conversation, the capital in
+    an `answer` column (the exact_match reward's column; TRL passes it to reward functions)."""
+    capital = {**CAPITALS, **MORE}
+    recs = [{"prompt": [{"role": "user", "content": f"Capital of {c}?"}], "answer": capital[c]} for c in countries]
+    return "".join(json.dumps(r) + "\n" for r in recs)
 
 
 def tiny_chat() -> str:
