@@ -11,6 +11,7 @@ with exactly these completions and their old log-probabilities (`state`, `from_s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,29 +127,33 @@ def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray)
     """Rollout batch `index`: this rank generates and scores the completions at `positions`, then
     every rank gathers the whole batch (one all-reduce of the table, one all-gather of the ids and,
     with num_iterations > 1, of the old log-probabilities), and rank 0 writes its rollouts file."""
-    import time
-
-    prompts, g = job.data.train, spec.rollout.num_generations
-    prompt_indices = [int(p) for p in job.batches.index_array(index * spec.objective.num_iterations)]
+    mu, g = spec.objective.num_iterations, spec.rollout.num_generations
+    prompt_indices = [int(p) for p in job.batches.index_array(index * mu)]
     start = time.perf_counter()
     done = generate(engine, job, spec, index, prompt_indices, positions)
     scored_at = time.perf_counter()
     batch, values, rewards = scored(objective.functions(spec), spec, job, prompt_indices, positions, done)
-    table = torch.zeros(len(prompt_indices) * g, len(objective.functions(spec)) + 3, dtype=torch.float64)
+    table = _rows(len(prompt_indices) * g, positions, done, values, rewards)
+    rewards_s = time.perf_counter() - scored_at
+    table = all_reduce_sum(table.to(engine.device), ctx.world_size).cpu()
+    old = old_logps(engine, job, job.data.train, prompt_indices, positions, done, g) if mu > 1 else None
+    parts = gathered({"positions": positions.tolist(), "ids": [list(c.ids) for c in done], "old": old}, ctx.world_size)
+    ids, whole_old = _whole(parts, len(table), mu > 1)
+    out = RolloutBatch(index, prompt_indices, g, ids, table, whole_old, scored_at - start, rewards_s)
+    lines = _lines(out, batch, positions, out.advantages(objective.scale_rewards), spec.reward.labels, job.data.train)
+    write_rollout_lines(spec, ctx, index * mu + 1, lines)
+    return out
+
+
+def _rows(n: int, positions: np.ndarray, done: list[Completion], values, rewards) -> torch.Tensor:
+    """The global [n, F + 3] table with this rank's rows filled (each function's value, the reward,
+    the length, truncated), zeros elsewhere: summed over ranks, every row is its owner's."""
+    n_f = len(values[0]) if values else 0
+    table = torch.zeros(n, n_f + 3, dtype=torch.float64)
     for i, pos in enumerate(positions.tolist()):
         c = done[i]
         table[pos] = torch.tensor([*values[i], rewards[i], len(c.ids), float(c.truncated)], dtype=torch.float64)
-    rewards_s = time.perf_counter() - scored_at
-    table = all_reduce_sum(table.to(engine.device), ctx.world_size).cpu()
-    again = spec.objective.num_iterations > 1  # trained on again: the old log-probs are frozen now
-    old = old_logps(engine, job, prompts, prompt_indices, positions, done, g) if again else None
-    parts = gathered({"positions": positions.tolist(), "ids": [list(c.ids) for c in done], "old": old}, ctx.world_size)
-    ids, whole_old = _whole(parts, len(table), again)
-    out = RolloutBatch(index, prompt_indices, g, ids, table, whole_old)
-    out.generation_s, out.rewards_s = scored_at - start, rewards_s
-    lines = _lines(out, batch, positions, out.advantages(objective.scale_rewards), spec.reward.labels, prompts)
-    write_rollout_lines(spec, ctx, index * spec.objective.num_iterations + 1, lines)
-    return out
+    return table
 
 
 def generate(engine, job, spec, index: int, prompt_indices: list[int], positions: np.ndarray) -> list[Completion]:
