@@ -25,6 +25,7 @@ batch whole (`grpo_batch`), so a resume continues it exactly.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -48,6 +49,8 @@ from jobs.rollout.rewards import check_columns, resolve
 from jobs.spec import GRPOObjective
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint between the iterations of one rollout batch
+LOG_EVERY_BATCH_BELOW_STEPS = 1000  # `run.log_rollouts_every`'s default: every batch below, every 10th from
+log = logging.getLogger("rayft")
 
 # What `GRPOLoss` sums per micro-batch after the numerator, in this order: TRL's metric names, each
 # a sum over loss tokens (divided by the step's loss tokens when reported), then the loss tokens.
@@ -179,7 +182,9 @@ class GRPO(Objective):
         index = step // spec.objective.num_iterations
         batch = self._run.get("rollout")
         if batch is None or batch.index != index:
-            batch = grpo_batch.sample(self, spec, ctx, job, engine, index, np.concatenate(window.micro_batches))
+            logged = index % rollouts_every(spec, job.steps) == 0
+            positions = np.concatenate(window.micro_batches)
+            batch = grpo_batch.sample(self, spec, ctx, job, engine, index, positions, logged)
             self._run["rollout"] = batch
         prompts = job.data.train
         micro = batch.micro_batches(prompts, job.tokenizer.pad_token_id, window.micro_batches, self.scale_rewards)
@@ -190,6 +195,16 @@ class GRPO(Objective):
             batch.input_tokens(prompts),
             batch.metrics(spec.reward.labels),
         )
+
+    def prepare(self, spec, ctx, job, engine) -> None:
+        """Rank 0 says how often the run writes its rollouts (`rollouts_every`), when not every batch."""
+        every = rollouts_every(spec, job.steps)
+        if ctx.is_main and every > 1:
+            log.warning(
+                "rollouts/step-NNNNNN.jsonl every %d rollout batches (run.log_rollouts_every; %d steps)",
+                every,
+                job.steps,
+            )
 
     def functions(self, spec) -> list:
         """The reward functions, resolved once per run (a user file is imported once)."""
@@ -211,6 +226,13 @@ class GRPO(Objective):
         path = directory / ROLLOUT_FILE
         if path.exists():
             self._run["rollout"] = grpo_batch.RolloutBatch.from_state(torch.load(path, weights_only=True))
+
+
+def rollouts_every(spec, steps: int) -> int:
+    """`run.log_rollouts_every`, or its default: every rollout batch under 1,000 steps, else every 10th."""
+    if spec.run.log_rollouts_every is not None:
+        return spec.run.log_rollouts_every
+    return 1 if steps < LOG_EVERY_BATCH_BELOW_STEPS else 10
 
 
 class RolloutBatches:

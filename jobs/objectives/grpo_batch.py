@@ -123,10 +123,11 @@ def grid_of(rows: list[list[float]], shape: torch.Size) -> torch.Tensor:
 # ---- sampling one rollout batch -----------------------------------------------------------------
 
 
-def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray) -> RolloutBatch:
+def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray, logged: bool = True) -> RolloutBatch:
     """Rollout batch `index`: this rank generates and scores the completions at `positions`, then
     every rank gathers the whole batch (one all-reduce of the table, one all-gather of the ids and,
-    with num_iterations > 1, of the old log-probabilities), and rank 0 writes its rollouts file."""
+    with num_iterations > 1, of the old log-probabilities), and rank 0 writes its rollouts file
+    (when `logged`: `run.log_rollouts_every`)."""
     mu, g = spec.objective.num_iterations, spec.rollout.num_generations
     prompt_indices = [int(p) for p in job.batches.index_array(index * mu)]
     start = time.perf_counter()
@@ -140,8 +141,11 @@ def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray)
     parts = gathered({"positions": positions.tolist(), "ids": [list(c.ids) for c in done], "old": old}, ctx.world_size)
     ids, whole_old = _whole(parts, len(table), mu > 1)
     out = RolloutBatch(index, prompt_indices, g, ids, table, whole_old, scored_at - start, rewards_s)
-    lines = _lines(out, batch, positions, out.advantages(objective.scale_rewards), spec.reward.labels, job.data.train)
-    write_rollout_lines(spec, ctx, index * mu + 1, lines)
+    if logged:
+        lines = _lines(
+            out, batch, positions, out.advantages(objective.scale_rewards), spec.reward.labels, job.data.train
+        )
+        write_rollout_lines(spec, ctx, index * mu + 1, lines)
     return out
 
 

@@ -166,6 +166,7 @@ class JobSpec(BaseModel):
         With `grpo` a missing `rollout` section takes its defaults."""
         if not isinstance(self.objective, GRPOObjective):
             given = [k for k in ("rollout", "reward") if getattr(self, k) is not None]
+            given += ["run.log_rollouts_every"] if self.run.log_rollouts_every is not None else []
             if given:
                 return f"{given[0]} applies to objective.name=grpo only (got objective.name={self.objective.name})"
             return None
@@ -216,7 +217,10 @@ class JobSpec(BaseModel):
     def to_dict(self) -> dict:
         """The spec as JSON data; the online-RL sections only where they are set (a spec of another
         objective reads, and hashes, as it did before they existed)."""
-        return self.model_dump(mode="json", exclude={k for k in ("rollout", "reward") if getattr(self, k) is None})
+        unset: dict = {k: True for k in ("rollout", "reward") if getattr(self, k) is None}
+        if self.run.log_rollouts_every is None:
+            unset["run"] = {"log_rollouts_every"}
+        return self.model_dump(mode="json", exclude=unset)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

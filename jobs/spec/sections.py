@@ -457,6 +457,10 @@ class RunSpec(SpecSection):
     """Keep the newest K complete checkpoints."""
     eval_every: int = Field(0, ge=0)
     """Evaluate the held-out loss every N optimizer steps (0: only at the end, when there is eval data)."""
+    log_rollouts_every: int | None = Field(None, gt=0)
+    """`objective.name: grpo`: write `rollouts/step-NNNNNN.jsonl` for every N-th rollout batch (the
+    completions, their ids, rewards and advantages). Default: every one for runs under 1,000
+    steps, every 10th from 1,000 (the start of the run says which)."""
     max_failures: int = Field(0, ge=0)
     """Ray Train restarts of failed workers from the last checkpoint within one run."""
     trackers: list[Literal["tensorboard", "mlflow"]] = Field(default_factory=list)

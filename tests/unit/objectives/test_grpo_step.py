@@ -319,3 +319,14 @@ def test_the_second_iteration_of_a_rollout_batch_is_the_big_batch_gradient_with_
     job.model.zero_grad(set_to_none=True)
     clipped_reference_loss(job, spec, lines, now, loss_type, level).backward()
     assert rel_err(g, grads(job.model)) > 1e-3
+
+
+def test_rollouts_are_written_for_every_nth_rollout_batch(tmp_path):
+    from jobs.objectives.grpo import rollouts_every
+    from jobs.train.loop import train
+
+    spec = load_spec(SPEC, [*SMALL, "run.max_steps=4", "run.log_rollouts_every=3", f"run.output_dir={tmp_path}"])
+    train(spec, LocalContext(on_progress=lambda r: None), resume=False)
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step-000001.jsonl", "step-000004.jsonl"]
+    assert rollouts_every(load_spec(SPEC, [*SMALL], files=False), 999) == 1
+    assert rollouts_every(load_spec(SPEC, [*SMALL], files=False), 1000) == 10

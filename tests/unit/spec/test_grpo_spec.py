@@ -145,3 +145,10 @@ def test_the_data_commands_refuse_a_grpo_spec_in_one_line(tmp_path, capsys, comm
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "of objective.name=grpo has not landed" in err[0], err
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_log_rollouts_every_is_grpos_and_absent_from_other_specs():
+    assert "log_rollouts_every" not in load_spec(DEMO, files=False).to_dict()["run"]
+    assert grpo("run.log_rollouts_every=5").to_dict()["run"]["log_rollouts_every"] == 5
+    with pytest.raises(SpecError, match="run.log_rollouts_every applies to objective.name=grpo only"):
+        load_spec(DEMO, ["run.log_rollouts_every=5"], files=False)
