@@ -163,9 +163,12 @@ def _reward_table(result: dict, spec) -> None:
     out = console()
     if not out.is_terminal:
         out.width = max(out.width, 120)
-    means = [k for k in result["models"][0] if k.startswith("rewards/")]
+    exact = "exact_match" in result["models"][0]  # shown once, as a share, in its own column
+    means = [
+        k for k in result["models"][0] if k.startswith("rewards/") and not (exact and k.endswith("exact_match/mean"))
+    ]
     t = Table(title=f"rayft eval {spec.name}: {result['prompts']} held-out prompts, greedy, mean reward")
-    for name in ("model", "reward", *means, *(["exact match"] if "exact_match" in result["models"][0] else [])):
+    for name in ("model", "reward", *means, *(["exact match"] if exact else [])):
         t.add_column(
             name.removeprefix("rewards/").removesuffix("/mean"), justify="left" if name == "model" else "right"
         )
