@@ -174,8 +174,8 @@ class S3Server:
             return
         self.process.terminate()
         try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # weed waits on its gRPC servers for a while
+            self.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:  # weed waits on its gRPC servers for seconds; its data is throwaway
             self.process.kill()
             self.process.wait(timeout=10)
 
