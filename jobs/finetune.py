@@ -105,13 +105,14 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     An `address` (`--address`) is asked once whether a Ray cluster answers there
     (`jobs.launch.cluster_check`, bounded) before the output directory is touched."""
     from jobs.run import checkpoint as ckpt
-    from jobs.run import runlock
+    from jobs.run import mirror, runlock
     from jobs.run.outputs import check_output_dir, claim_output_dir, set_aside
 
     spec = load_spec(spec_path, overrides)
     check_local_workers(spec, local)
+    check_fresh(spec, fresh)
     preflight(spec)
-    check_output_dir(spec.run.output_dir.replace("{name}", spec.name))
+    check_output_dir(spec.output_location)  # an object store: the credentials, the bucket, the prefix
     if address and not local:
         from jobs.launch.cluster_check import check_cluster
 
@@ -120,6 +121,9 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     build_data(spec)  # the last check that can refuse the data; the first write (the cache entry)
     runlock.acquire(spec.output_path)  # a second run into this directory is refused here
     try:
+        if mirror.store_of(spec) is not None:  # the staging directory is rayft's; the store's newest checkpoint
+            claim_output_dir(spec.output_path, name=spec.name)
+            mirror.pull_newest(spec)
         newest = None if fresh else ckpt.resumable(spec.output_path / "checkpoints")
         if newest is not None:  # refuse a resume that cannot be exact, before anything starts
             ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
@@ -128,10 +132,23 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
             if moved:
                 logging.getLogger("rayft").warning("--fresh: previous checkpoints moved to %s", moved)
         claim_output_dir(spec.output_path, name=spec.name)
+        mirror.claim(spec)
     except BaseException:
         runlock.release(spec.output_path)
         raise
     return spec
+
+
+def check_fresh(spec, fresh: bool) -> None:
+    """`--fresh` sets old checkpoints aside, never deleting them: a bucket has no rename, so with an
+    object-store `run.output_dir` it is refused (for now) rather than deleting them there."""
+    from jobs.run.storage import is_uri
+
+    if fresh and is_uri(spec.output_location):
+        raise SpecError(
+            f"--fresh with run.output_dir={one_line(spec.output_location)}: not supported for object storage yet "
+            "(the bucket's checkpoints would be deleted, not set aside); name a new prefix instead"
+        )
 
 
 def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None):

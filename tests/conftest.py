@@ -5,7 +5,8 @@ Each costly thing is made once per test session, by the first test that needs it
 - `cluster`: the multi-node `LocalCluster` of the node-loss tests (tests/helpers/clusters.py);
 - `ray_reference`: the uninterrupted 2-worker run that resumed Ray runs must end with;
 - `built`: `kubectl kustomize` of every kustomization under k8s/ (the k8s test modules);
-- the gloo ranks of the distributed oracles (tests/helpers/gloo_pool.py, through `gradtools.spawn`).
+- the gloo ranks of the distributed oracles (tests/helpers/gloo_pool.py, through `gradtools.spawn`);
+- `s3_server`: a real S3 server (SeaweedFS's `weed`, tests/helpers/s3_server.py) on 127.0.0.1.
 The two clusters stop right after the last test that uses them (an idle Ray cluster still
 takes CPU from the tests after it), the rest when the session ends. Under `make test`'s two
 processes, every test of the clusters runs in one of them (the groups below).
@@ -180,6 +181,19 @@ def ray_reference(tmp_path_factory):
     finally:
         os.chdir(cwd)
     return final_adapter(out)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One S3 server for the session (its own temporary directory, stopped at the end): .endpoint,
+    .env(), .filesystem(), .make_bucket(name), .objects(prefix), .start_s."""
+    from s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -127,7 +127,9 @@ def base_dtype(precision: str) -> torch.dtype:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("RAYFT_CACHE", Path.home() / ".cache" / "rayft"))
+    from jobs.run.storage import cache_root
+
+    return cache_root()
 
 
 def quantization_config(quantization: str, precision: str):

@@ -136,6 +136,19 @@ def set_rng_state(state: dict, where: str = "rng state") -> None:
         ) from None
 
 
+def is_manifest(name: str) -> bool:
+    """Whether file `name` of a checkpoint is a rank's manifest (what vouches for the others)."""
+    return re.fullmatch(r"manifest-rank\d+\.json", name) is not None
+
+
+def publication_order(names: list[str]) -> list[str]:
+    """The order any copy of a checkpoint is written in: every other file before the manifests,
+    which vouch for them (`write_rank_files` writes one rank's that way). A copy cut off at any
+    point then lacks a manifest or a file one names: `why_incomplete` never passes it. Removing a
+    copy goes in the reverse order, manifests first."""
+    return sorted(names, key=lambda n: (is_manifest(n), n))
+
+
 def write_rank_files(directory: Path, rank: int, files: dict[str, Any]) -> None:
     """Write this rank's files, then its manifest (last: the manifest vouches for the rest)."""
     from safetensors.torch import save_file

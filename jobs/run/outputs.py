@@ -23,6 +23,7 @@ from typing import Any
 
 from jobs.errors import SpecError
 from jobs.run.runlock import LOCK_FILE
+from jobs.run.storage import is_uri, open_store, reported
 from jobs.spec import one_line
 
 METRICS = "metrics.jsonl"
@@ -194,6 +195,13 @@ def output_dir_problem(path: str | Path, *, beside_others: bool = False) -> str 
         names = [p.name for p in resolved.iterdir()]
     except OSError as e:
         return f"cannot be listed ({e.strerror or e})"
+    return names_problem(names, beside_others=beside_others)
+
+
+def names_problem(names: list[str], *, beside_others: bool = False) -> str | None:
+    """Why rayft may not write into a directory (or bucket prefix) whose top level holds `names`,
+    or None: it is empty, rayft's own (`RUN_MARKER`, or an old rayft run's layout), or with
+    `beside_others` holds nothing the loop writes. The one ownership rule, local or in a bucket."""
     names = [n for n in names if n != LOCK_FILE]  # the run lock alone: a claim cut short
     if not names or RUN_MARKER in names or _made_by_old_rayft(names):
         return None
@@ -263,8 +271,8 @@ def check_cache_place(spec) -> None:
     """The data cache (`data.cache_dir`, default beside the output dir): a place rayft may write
     (`place_problem`), a directory or none yet (not a file or FIFO), writable. Every command that
     writes the cache asks it (`rayft run`, `rayft data prepare`)."""
-    out = spec.run.output_dir.replace("{name}", spec.name)
-    cache = spec.data.cache_dir or str(Path(out).parent / ".rayft-data")
+    out = spec.output_path  # a URI's staging directory: the cache stays on this machine's disk
+    cache = spec.data.cache_dir or str(out.parent / ".rayft-data")
     field = "data.cache_dir" if spec.data.cache_dir else "data.cache_dir (default, beside run.output_dir)"
     # a default cache beside an output dir that is refused itself: `check_output_dir` says why
     problem = (
@@ -281,7 +289,7 @@ def _check_mlflow_store(spec) -> None:
 
     uri = spec.run.mlflow_tracking_uri
     if uri is None:  # the default: sqlite:///<output_dir>/mlflow.db
-        uri = "sqlite:///" + str(Path(spec.run.output_dir.replace("{name}", spec.name)).absolute() / "mlflow.db")
+        uri = "sqlite:///" + str(spec.output_path.absolute() / "mlflow.db")
     scheme = urlparse(uri).scheme
     if scheme not in ("file", "sqlite"):
         return
@@ -306,10 +314,31 @@ def _made_by_old_rayft(names: list[str]) -> bool:
 
 
 def check_output_dir(path: str | Path, *, beside_others: bool = False) -> None:
-    """Raise a one-line SpecError (`run.output_dir=...: why`) when `output_dir_problem` finds one."""
+    """Raise a one-line SpecError (`run.output_dir=...: why`) when `output_dir_problem` finds one;
+    an object-store URI is asked of the store (`check_output_store`)."""
+    if is_uri(path):
+        check_output_store(str(path))
+        return
     problem = output_dir_problem(path, beside_others=beside_others)
     if problem:
         raise SpecError(f"run.output_dir={one_line(str(path))}: {one_line(problem)}")
+
+
+def check_output_store(uri: str) -> None:
+    """An object-store `run.output_dir`, asked before anything is written: the store answers with
+    the environment's credentials, the bucket exists, and the prefix is new, empty or rayft's own
+    (`names_problem`, the rule of a local directory). Reads only; one typed line on failure."""
+    from pyarrow import fs
+
+    store = open_store(uri)
+    bucket = store.path.split("/", 1)[0]
+    with reported(store, "asking the store", during_run=False):
+        found = store.fs.get_file_info(fs.FileSelector(bucket))  # raises on wrong keys, no bucket
+        if store.path != bucket:
+            found = store.fs.get_file_info(fs.FileSelector(store.path, allow_not_found=True))
+    problem = names_problem([Path(i.path).name for i in found])
+    if problem:
+        raise SpecError(f"run.output_dir={one_line(uri)}: {one_line(problem)}")
 
 
 def claim_output_dir(path: str | Path, *, beside_others: bool = False, name: str = "") -> Path:

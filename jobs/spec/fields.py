@@ -24,6 +24,12 @@ OWN_SECRET_CHECK = ("model.hf_token_env", "data.hf_token_env", "run.env")
 MAX_SEED = 2**32 - 1
 # A lone surrogate cannot be encoded: no text the spec stores may hold one.
 SURROGATE = re.compile("[\ud800-\udfff]")
+# An object-store location rayft writes a run to (`run.output_dir`): `s3://BUCKET[/PREFIX]` or
+# `gs://BUCKET[/PREFIX]`, the bucket named as S3 and GCS name buckets (3-63 lowercase letters, digits,
+# dots, hyphens), the prefix of plain path components (no empty, `.` or `..` one, no control or
+# space character). Groups: scheme, bucket, prefix. The one rule for what counts as one
+# (`jobs.run.storage` parses with it).
+STORE_URI = re.compile(r"(s3|gs)://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])((?:/(?!\.{1,2}(?:/|$))[^/\s\x00-\x1f\x7f]+)*)/?")
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -202,8 +202,18 @@ class JobSpec(BaseModel):
         return "cuda" if self.resources.use_gpu else "cpu"
 
     @property
+    def output_location(self) -> str:
+        """`run.output_dir` with `{name}` filled in: a local path or an object-store URI."""
+        return self.run.output_dir.replace("{name}", self.name)
+
+    @property
     def output_path(self) -> Path:
-        return Path(self.run.output_dir.replace("{name}", self.name))
+        """The local directory the run writes into: `run.output_dir` itself, or for an object-store
+        URI its staging directory (`jobs.run.storage.staging_dir`), whose files are uploaded there."""
+        from jobs.run.storage import is_uri, staging_dir
+
+        where = self.output_location
+        return staging_dir(where) if is_uri(where) else Path(where)
 
     @property
     def is_mixture(self) -> bool:

@@ -15,6 +15,7 @@ from pydantic import (
 
 from jobs import secrets
 from jobs.errors import SpecError
+from jobs.spec.fields import STORE_URI
 from jobs.spec.job import JobSpec
 from jobs.spec.objective import OBJECTIVE_NAMES
 from jobs.spec.online import is_reward_file, user_function
@@ -223,7 +224,8 @@ def absolutize(spec: JobSpec) -> JobSpec:
     for key, file in reward_files(spec):
         entry = d["reward"]["functions"][int(key.split(".")[2])]
         entry["fn"] = f"{Path(file).resolve()}:{user_function(entry['fn'])[1]}"
-    d["run"]["output_dir"] = str(spec.output_path.resolve())
+    if not STORE_URI.fullmatch(spec.output_location):  # a URI stays one: its staging directory is derived from it
+        d["run"]["output_dir"] = str(spec.output_path.resolve())
     if spec.data.cache_dir:
         d["data"]["cache_dir"] = str(Path(spec.data.cache_dir).resolve())
     return JobSpec.model_validate(d)

@@ -15,7 +15,15 @@ from pydantic import (
 )
 
 from jobs import secrets
-from jobs.spec.fields import DEFAULT_TARGET_MODULES, ENV_NAME, MAX_SEED, SpecSection, env_var_name, true_false_or_auto
+from jobs.spec.fields import (
+    DEFAULT_TARGET_MODULES,
+    ENV_NAME,
+    MAX_SEED,
+    STORE_URI,
+    SpecSection,
+    env_var_name,
+    true_false_or_auto,
+)
 from jobs.spec.yaml_file import one_line
 
 
@@ -90,11 +98,31 @@ URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 def local_directory(v: str) -> str:
     """A directory rayft writes into is a local path (or a mounted volume): a URI is refused, not
-    written to a directory named after its scheme. Object storage is not supported yet."""
+    written to a directory named after its scheme."""
     if URI.match(v.strip()):
         raise ValueError(
-            f"{one_line(v)[:120]} is a URI: rayft writes to local paths only (object storage is not "
-            "supported yet); give a local directory, or a volume mounted at one"
+            f"{one_line(v)[:120]} is a URI: rayft keeps this directory on a local path only; give a local "
+            "directory, or a volume mounted at one"
+        )
+    return v
+
+
+def output_location(v: str) -> str:
+    """`run.output_dir`: a local directory (`local_directory`), or an object-store URI in the form
+    `STORE_URI` takes (`s3://bucket/prefix`, `gs://bucket/prefix`; `{name}` may be in the prefix).
+    Any other URI is refused, not written to a directory named after its scheme."""
+    if STORE_URI.fullmatch(v.replace("{name}", "name")):
+        return v
+    if URI.match(v.strip()):
+        scheme = v.strip().split("://", 1)[0]
+        why = (
+            "a valid s3:// or gs:// location"
+            if scheme in ("s3", "gs")
+            else "a local path, s3://bucket/prefix or gs://bucket/prefix"
+        )
+        raise ValueError(
+            f"{one_line(v)[:120]} is not {why}: rayft writes a run to a local directory or an S3 or GCS bucket "
+            "(buckets: 3-63 lowercase letters, digits, dots and hyphens; prefixes: plain path components)"
         )
     return v
 
@@ -450,7 +478,10 @@ class RunSpec(SpecSection):
     seed: int = Field(0, ge=0, le=MAX_SEED)
     """Seeds tiny-llama's init, the data order, LoRA init and dropout (0 to 2**32 - 1)."""
     output_dir: str = "outputs/{name}"
-    """Where adapter/, metrics.jsonl, summary.json, the plot and checkpoints go; `{name}` is replaced."""
+    """Where adapter/, metrics.jsonl, summary.json, the plot and checkpoints go; `{name}` is replaced.
+    A local directory, or `s3://bucket/prefix` / `gs://bucket/prefix`: the run is then written into a
+    local staging directory and its files uploaded there (`jobs.run.storage`, docs/spec.md), the
+    endpoint and credentials taken from the environment only."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N optimizer steps (0: only at the end)."""
     keep_checkpoints: int = Field(2, gt=0)
@@ -502,8 +533,8 @@ class RunSpec(SpecSection):
 
     @field_validator("output_dir")
     @classmethod
-    def _local_output_dir(cls, v: str) -> str:
-        return local_directory(v)
+    def _output_location(cls, v: str) -> str:
+        return output_location(v)
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> RunSpec:

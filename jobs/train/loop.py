@@ -69,7 +69,7 @@ from jobs.objectives.base import all_reduce_sum
 from jobs.objectives.sft import CausalLMLoss as CausalLMLoss
 from jobs.objectives.sft import layout_args as layout_args
 from jobs.run import checkpoint as ckpt
-from jobs.run import runlock, save_check
+from jobs.run import mirror, runlock, save_check
 from jobs.run.outputs import (
     PLOT,
     SUMMARY,
@@ -463,6 +463,7 @@ def finish(
         log.trackers.finish(
             summary, [spec.output_path / SUMMARY, spec.output_path / PLOT, spec.output_path / "adapter"]
         )
+        mirror.push_outputs(spec)  # an object-store run.output_dir: the outputs, summary.json last
     ctx.report(dict(last, done=True))
     return summary
 
@@ -531,6 +532,9 @@ def save_checkpoint(
         last,
         spec.run.keep_checkpoints,
     )
+    ctx.barrier()  # every rank's files are in place before an object store gets them
+    if ctx.is_main:
+        mirror.push_checkpoint(spec, done)  # a local run.output_dir: nothing to do
 
 
 def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, skipped: bool) -> None:

@@ -49,6 +49,7 @@ from jobs.errors import (
     SpecError,
     UserError,
 )
+from jobs.run.storage import is_uri
 from jobs.spec import JobSpec, apply_overrides, load_spec, validate
 from jobs.spec.loading import reward_files
 
@@ -352,7 +353,7 @@ def resolve_spec(
                     f"{spec_path}: {key}: {d} is outside the working dir {working_dir}; it would not be "
                     "uploaded (use a path inside the project or an absolute path on shared storage)"
                 )
-        if not Path(spec.run.output_dir).is_absolute():
+        if not Path(spec.run.output_dir).is_absolute() and not is_uri(spec.output_location):
             if is_loopback(address):
                 # A local cluster: write where `rayft run` would, not into Ray's copy of the project.
                 # The override travels on the entrypoint; the typed spec takes it without a re-read.

@@ -237,12 +237,19 @@ def _print_strategies(con, rep: dict, budget) -> None:
 
 
 def cmd_tune(args) -> int:
+    from jobs.errors import SpecError
     from jobs.finetune import build_data, preflight
+    from jobs.run.storage import is_uri
     from jobs.spec import absolutize
     from tune.plan import plan_search
     from tune.spec import SearchSpec, load_search_spec
 
     raw = load_search_spec(args.spec, args.overrides)
+    if is_uri(raw.output_location):
+        raise SpecError(
+            f"run.output_dir={raw.output_location}: a search writes to a local directory only "
+            "(object storage is not supported for rayft tune yet)"
+        )
     preflight(raw)
     plan = plan_search(raw, args.spec)  # refuses an impossible budget before anything starts
     if args.plan:

@@ -287,15 +287,25 @@ def test_schema_has_a_description_for_every_field(capsys):
     assert not missing, missing
 
 
-@pytest.mark.parametrize("key", ["run.output_dir", "data.cache_dir"])
-@pytest.mark.parametrize("uri", ["s3://bucket/run", "gs://bucket/run", "file:///tmp/run", "hdfs://nn:8020/x"])
-def test_a_uri_where_rayft_writes_is_refused_not_made_a_local_directory(tmp_path, capsys, monkeypatch, key, uri):
-    """Object storage is not supported yet: a `scheme://` output or cache directory is refused in
-    one line before anything starts, instead of a run written into a local directory named after
-    the scheme (`s3:/bucket/run`), which exited 0 having saved nowhere the user looks."""
+@pytest.mark.parametrize(
+    ("key", "uri", "why"),
+    [
+        *[("data.cache_dir", u, "is a URI") for u in ("s3://bucket/run", "gs://bucket/run", "file:///tmp/run")],
+        ("data.cache_dir", "hdfs://nn:8020/x", "is a URI"),
+        # run.output_dir takes s3:// and gs:// (tests/integration/test_object_storage.py), no other scheme
+        ("run.output_dir", "file:///tmp/run", "is not a local path, s3://bucket/prefix or gs://bucket/prefix"),
+        ("run.output_dir", "hdfs://nn:8020/x", "is not a local path, s3://bucket/prefix or gs://bucket/prefix"),
+        ("run.output_dir", "s3://Not_A_Bucket/run", "is not a valid s3:// or gs:// location"),
+        ("run.output_dir", "s3://bucket/../run", "is not a valid s3:// or gs:// location"),
+    ],
+)
+def test_a_uri_where_rayft_writes_is_refused_not_made_a_local_directory(tmp_path, capsys, monkeypatch, key, uri, why):
+    """A `scheme://` cache directory, or an output directory that is not an S3 or GCS bucket, is
+    refused in one line before anything starts, instead of a run written into a local directory
+    named after the scheme (`s3:/bucket/run`), which exited 0 having saved nowhere the user looks."""
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(dict(BASE, run={"max_steps": 1, "output_dir": str(tmp_path / "out")})))
     rc, err = _run(capsys, ["run", str(path), f"{key}={uri}"])
-    _assert_refused(rc, err, f"{key}: {uri} is a URI", tmp_path / "out")
+    _assert_refused(rc, err, f"{key}: {uri} {why}", tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]

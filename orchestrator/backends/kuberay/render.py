@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from jobs.errors import SpecError, UserError
+from jobs.run.storage import is_uri
 from jobs.spec import JobSpec
 
 from ..node_fit import GpuPlan, PodAsk, refusal
@@ -371,6 +372,11 @@ def _entrypoint(spec: JobSpec, kind: _Kind, where: str, entrypoint_overrides: Se
     and Ray runs it through a shell again: plain words only (no quotes, &&, ;). The working
     directory comes from the runtime env instead of a `cd`."""
     out_dir = spec.run.output_dir
+    if is_uri(spec.output_location):
+        raise SpecError(
+            f"{where}: run.output_dir={spec.run.output_dir}: object storage on Kubernetes is not supported yet "
+            "(the manifests mount a shared volume); give a path on it"
+        )
     if not out_dir.startswith("/"):
         out_dir = f"{DATA_MOUNT}/{out_dir}"  # outputs/{name} -> /mnt/rayft/outputs/{name}
     if not SHELL_SAFE.fullmatch(out_dir):

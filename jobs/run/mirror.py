@@ -1,0 +1,175 @@
+"""A run whose `run.output_dir` is an object-store URI: its staging directory (the spec's
+`output_path`, `jobs.run.storage.staging_dir`) copied to the store, as Ray Train copies a run to
+its `storage_path`. The store holds the staging directory's layout under the URI's prefix.
+
+Invariants:
+
+* The store is the truth, the staging directory a cache of it: a run (re)started takes the
+  store's newest checkpoint that verifies (`pull_newest`, checked by `checkpoint.why_incomplete`,
+  the rule every local checkpoint passes), never one only the staging directory holds.
+* `RUN_MARKER` is the first object a run writes under its prefix (`claim`), so the prefix is
+  rayft's own (`outputs.names_problem`) before anything else is there.
+* A checkpoint is uploaded once it is complete locally, its files in
+  `checkpoint.publication_order` (the manifests last): a copy cut off at any point lacks a
+  manifest or a file one names, so a reader never takes it. Checkpoints beyond
+  `run.keep_checkpoints` are removed manifests first. metrics.jsonl and events.jsonl follow each
+  checkpoint, so a resume on another machine keeps the history up to it.
+* At the end every other file of the staging directory is uploaded, summary.json last: a summary
+  in the store means the run's outputs are there whole.
+* Only the main rank calls these. Local output directories are left alone (each function returns).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from jobs.errors import RunError
+from jobs.run import checkpoint as ckpt
+from jobs.run.outputs import EVENTS, METRICS, RUN_MARKER, SUMMARY
+from jobs.run.runlock import LOCK_FILE
+from jobs.run.storage import Store, is_uri, open_store, reported
+from jobs.spec import JobSpec
+
+log = logging.getLogger("rayft")
+
+CHUNK_BYTES = 8 << 20
+CHECKPOINTS = "checkpoints"
+# Written with each checkpoint: what a resume elsewhere needs beside it.
+HISTORY_FILES = (METRICS, EVENTS)
+
+
+def store_of(spec: JobSpec) -> Store | None:
+    """The store a run is copied to, or None for a local `run.output_dir`."""
+    where = spec.output_location
+    return open_store(where) if is_uri(where) else None
+
+
+def claim(spec: JobSpec) -> None:
+    """Write `RUN_MARKER` under the prefix (from the claimed staging directory), before the run."""
+    store = store_of(spec)
+    if store is None:
+        return
+    with reported(store, "writing its run marker", during_run=False):
+        _upload(store, spec.output_path / RUN_MARKER, RUN_MARKER)
+
+
+def push_checkpoint(spec: JobSpec, step: int) -> None:
+    """Upload checkpoint `step` (complete in the staging directory), then the history files,
+    then remove the store's checkpoints the staging directory no longer keeps."""
+    store = store_of(spec)
+    if store is None:
+        return
+    local = spec.output_path / CHECKPOINTS / ckpt.step_dir_name(step)
+    why = ckpt.why_incomplete(local)
+    if why is not None:
+        raise RunError(f"checkpoint {local}: {why}; not uploaded to {store.uri}")
+    where = f"{CHECKPOINTS}/{local.name}"
+    with reported(store, f"uploading {where}", during_run=True):
+        for name in ckpt.publication_order([p.name for p in local.iterdir()]):
+            _upload(store, local / name, f"{where}/{name}")
+        for name in HISTORY_FILES:
+            if (spec.output_path / name).is_file():
+                _upload(store, spec.output_path / name, name)
+        _prune(store, {p.name for p in ckpt.list_checkpoints(spec.output_path / CHECKPOINTS)})
+
+
+def push_outputs(spec: JobSpec) -> None:
+    """Upload every file of the staging directory but the checkpoints (uploaded as they are
+    made), the run lock and temporary files; summary.json last."""
+    store = store_of(spec)
+    if store is None:
+        return
+    out = spec.output_path
+    names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and _is_output(p.relative_to(out)))
+    with reported(store, "uploading the run's outputs", during_run=True):
+        for name in sorted(names, key=lambda n: n == SUMMARY):
+            _upload(store, out / name, name)
+
+
+def _is_output(rel: Path) -> bool:
+    top = rel.parts[0]
+    return top not in (CHECKPOINTS, LOCK_FILE) and not top.startswith(f"{CHECKPOINTS}.") and rel.suffix != ".tmp"
+
+
+def pull_newest(spec: JobSpec) -> Path | None:
+    """Replace the staging directory's checkpoints by the store's newest one that verifies (and
+    the history files beside it); the newer ones that do not are skipped with a warning naming
+    them. Returns the local copy, or None when the store holds no complete checkpoint."""
+    store = store_of(spec)
+    if store is None:
+        return None
+    root = spec.output_path / CHECKPOINTS
+    shutil.rmtree(root, ignore_errors=True)  # a cache of the store: the store decides
+    with reported(store, "reading its checkpoints", during_run=False):
+        for name in reversed(_remote_checkpoints(store)):
+            got = _download_checkpoint(store, name, root)
+            if got is not None:
+                _download_history(store, spec.output_path)
+                return got
+    return None
+
+
+def _download_checkpoint(store: Store, name: str, root: Path) -> Path | None:
+    """Checkpoint `name` from the store into `root`, or None (nothing kept) when it does not verify."""
+    tmp = root / f".tmp-pull-{name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for rel in _remote_files(store, f"{CHECKPOINTS}/{name}"):
+        _download(store, f"{CHECKPOINTS}/{name}/{rel}", tmp / rel)
+    why = ckpt.why_incomplete(tmp)
+    if why is not None:
+        log.warning("skipping checkpoint %s/%s/%s: %s", store.uri, CHECKPOINTS, name, why)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    return tmp.rename(root / name)
+
+
+def _download_history(store: Store, out: Path) -> None:
+    present = set(_remote_files(store, "", recursive=False))
+    for name in HISTORY_FILES:
+        if name in present:
+            _download(store, name, out / name)
+
+
+def _prune(store: Store, kept: set[str]) -> None:
+    """Remove the store's checkpoints not in `kept`: manifests first, so a removal cut short
+    leaves a copy no reader takes."""
+    for name in _remote_checkpoints(store):
+        if name in kept:
+            continue
+        where = f"{CHECKPOINTS}/{name}"
+        for rel in filter(ckpt.is_manifest, _remote_files(store, where)):
+            store.fs.delete_file(store.key(where, rel))
+        store.fs.delete_dir(store.key(where))
+
+
+def _remote_checkpoints(store: Store) -> list[str]:
+    """Names of the store's checkpoint directories (`step-NNNNNNNN`), oldest first."""
+    from pyarrow import fs
+
+    infos = store.fs.get_file_info(fs.FileSelector(store.key(CHECKPOINTS), allow_not_found=True))
+    names = (Path(i.path).name for i in infos if i.type == fs.FileType.Directory)
+    return sorted(n for n in names if n.startswith(ckpt.STEP_PREFIX))
+
+
+def _remote_files(store: Store, where: str, *, recursive: bool = True) -> list[str]:
+    """Paths (relative to `where` under the prefix) of the files there."""
+    from pyarrow import fs
+
+    base = store.key(where).rstrip("/")
+    infos = store.fs.get_file_info(fs.FileSelector(base, recursive=recursive, allow_not_found=True))
+    return sorted(i.path[len(base) + 1 :] for i in infos if i.type == fs.FileType.File)
+
+
+def _upload(store: Store, local: Path, rel: str) -> None:
+    with open(local, "rb") as src, store.fs.open_output_stream(store.key(rel)) as dst:
+        for chunk in iter(lambda: src.read(CHUNK_BYTES), b""):
+            dst.write(chunk)
+
+
+def _download(store: Store, rel: str, local: Path) -> None:
+    local.parent.mkdir(parents=True, exist_ok=True)
+    with store.fs.open_input_stream(store.key(rel)) as src, open(local, "wb") as dst:
+        for chunk in iter(lambda: src.read(CHUNK_BYTES), b""):
+            dst.write(chunk)
