@@ -192,8 +192,8 @@ def main() -> None:
     ap.add_argument("--side", choices=["rayft", "trl", "both"], default="both")
     a = ap.parse_args()
     if a.setup:
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(TRL_DIR), f"trl=={TRL_VERSION}"]
-        subprocess.run(cmd, check=True)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(TRL_DIR)]
+        subprocess.run([*pip, f"trl=={TRL_VERSION}"], check=True)
         return
     steps, warmup = (3, 1) if a.quick else (a.steps, a.warmup)
     import torch
@@ -210,12 +210,14 @@ def main() -> None:
         result["trl"] = run_trl(steps, work / "trl", str(base_dir()))
         result["trl_summary"] = summary(result["trl"], warmup)
     if "rayft_summary" in result and "trl_summary" in result:
-        result["speedup_rayft_over_trl"] = result["trl_summary"]["median_step_s"] / result["rayft_summary"]["median_step_s"]
+        trl, ours = result["trl_summary"]["median_step_s"], result["rayft_summary"]["median_step_s"]
+        result["speedup_rayft_over_trl"] = trl / ours
     result["load_after"] = os.getloadavg()
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / f"grpo-step-{date.today()}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k.endswith(("summary", "trl")) or k.startswith("speedup")}, indent=1))
+    shown = {k: v for k, v in result.items() if k.endswith("summary") or k.startswith("speedup")}
+    print(json.dumps(shown, indent=1))
     print(f"wrote {path}")
 
 
