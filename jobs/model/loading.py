@@ -327,6 +327,17 @@ def load_tokenizer(spec: JobSpec):
     return tokenizer
 
 
+def served_base(spec: JobSpec) -> str:
+    """What an inference server (`rollout.engine: vllm`) loads as the base `load_base_model` loads:
+    the model directory, a GGUF base's de-quantized copy (made once, as the job's own load makes
+    it), or a hub id as given."""
+    m = spec.model
+    if m.gguf_file:
+        return str(_gguf_cache(Path(resolve_model_dir(m.name)), m.gguf_file))
+    local = Path(resolve_model_dir(m.name))
+    return str(local.resolve()) if local.is_dir() else m.name
+
+
 def _gguf_cache(directory: Path, gguf_file: str) -> Path:
     """De-quantize a GGUF once and keep it as safetensors; later loads skip the slow path.
     Workers that start together on one machine de-quantize it once (`build_once`)."""
