@@ -15,6 +15,7 @@ starts runs beside rank 0; a `rollout.vllm_url` engine must see rank 0's disk.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import shutil
 import tempfile
@@ -108,9 +109,11 @@ class VLLMRollout:
         log.info("%s: adapter %s loaded (%d bytes, %.0f ms)", self.engine.name, version, written, 1000 * seconds)
 
     def close(self) -> None:
-        """Stops the server rayft started and removes the adapter versions."""
+        """Stops the server rayft started (its log goes with it) and removes the adapter versions;
+        at the latest when the process exits."""
         if self.server is not None:
             self.server.stop()
+            shutil.rmtree(self.server.log_path.parent, ignore_errors=True)
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -132,7 +135,9 @@ def connect(spec, ctx, job, eos_ids) -> VLLMRollout:
     url = from_rank0(ctx, start)
     server = started[0] if started else None
     root = Path(tempfile.mkdtemp(prefix="rayft-adapters-")) if ctx.is_main else None
-    return VLLMRollout(VLLMEngine(url, r.vllm_timeout_s, eos_ids, server), server, root)
+    rollout = VLLMRollout(VLLMEngine(url, r.vllm_timeout_s, eos_ids, server), server, root)
+    atexit.register(rollout.close)
+    return rollout
 
 
 def server_settings(spec, job) -> ServerSettings:
