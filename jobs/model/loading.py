@@ -26,24 +26,14 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 from jobs.errors import SpecError
+from jobs.model.tiny import TINY_LLAMA as TINY_LLAMA  # re-exported: callers read them from here
+from jobs.model.tiny import tiny_llama_config as tiny_llama_config
 from jobs.run.build_once import build_once
 from jobs.spec import JobSpec, ModelSpec, one_line, path_problem, resolve_model_dir
 
 log = logging.getLogger("rayft")
 
-# The built-in model: Llama architecture with GQA, small enough for 2 CPU cores.
-TINY_LLAMA = dict(
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    initializer_range=0.2,
-)
+# The built-in model (`jobs.model.tiny`): Llama architecture with GQA, small enough for 2 CPU cores.
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # tiny-llama's chat template: BOS, then per message `<|role|>` + newline + content + EOS; the
 # generation prompt is `<|assistant|>` + newline. Prefix-stable (each rendering extends the
@@ -111,14 +101,6 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
-
-
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
-
-    cfg: dict[str, Any] = dict(TINY_LLAMA, vocab_size=259, pad_token_id=256, bos_token_id=257, eos_token_id=258)
-    cfg.update(overrides)
-    return LlamaConfig(**cfg)
 
 
 def base_dtype(precision: str) -> torch.dtype:
@@ -327,6 +309,17 @@ def load_tokenizer(spec: JobSpec):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def served_base(spec: JobSpec) -> str:
+    """What an inference server (`rollout.engine: vllm`) loads as the base `load_base_model` loads:
+    the model directory, a GGUF base's de-quantized copy (made once, as the job's own load makes
+    it), or a hub id as given."""
+    m = spec.model
+    if m.gguf_file:
+        return str(_gguf_cache(Path(resolve_model_dir(m.name)), m.gguf_file))
+    local = Path(resolve_model_dir(m.name))
+    return str(local.resolve()) if local.is_dir() else m.name
 
 
 def _gguf_cache(directory: Path, gguf_file: str) -> Path:

@@ -43,8 +43,8 @@ from jobs.objectives import grpo_batch
 from jobs.objectives import grpo_losses as losses
 from jobs.objectives.base import Objective, Window, all_reduce_sum
 from jobs.objectives.grpo_batch import collate_rollouts as collate_rollouts
-from jobs.rollout import held_out
-from jobs.rollout.engine import HFEngine
+from jobs.rollout import held_out, vllm_sync
+from jobs.rollout.engine import HFEngine, RolloutEngine
 from jobs.rollout.rewards import check_columns, resolve
 from jobs.spec import GRPOObjective
 
@@ -205,6 +205,17 @@ class GRPO(Objective):
                 every,
                 job.steps,
             )
+
+    def rollout_engine(self, spec, ctx, job, engine, step: int) -> RolloutEngine:
+        """What samples optimizer step `step`'s completions (`rollout.engine`): the policy in-process,
+        or the run's vLLM engine (started or reached once per run) serving step `step`'s adapter."""
+        eos = grpo_batch.eos_ids(job)
+        if spec.rollout.engine == "vllm":
+            if "vllm" not in self._run:
+                self._run["vllm"] = vllm_sync.connect(spec, ctx, job, eos)
+            return self._run["vllm"].at_step(job.model, ctx, step)
+        hf = HFEngine(job.model, eos, job.tokenizer.pad_token_id, synced=job.strategy == "fsdp")
+        return grpo_batch.InLossForward(hf, engine)
 
     def functions(self, spec) -> list:
         """The reward functions, resolved once per run (a user file is imported once)."""

@@ -12,7 +12,8 @@ with exactly these completions and their old log-probabilities (`state`, `from_s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from jobs.objectives import grpo_losses as losses
 from jobs.objectives.base import all_reduce_sum
-from jobs.rollout.engine import Completion, HFEngine, Request, Sampling, sample_seed
+from jobs.rollout.engine import Completion, HFEngine, Request, RolloutEngine, Sampling, sample_seed
 from jobs.rollout.record import length_metrics, reward_metrics, rollout_lines, write_rollouts
 from jobs.rollout.rewards import Batch, completions_as_trl, score
 
@@ -39,6 +40,7 @@ class RolloutBatch:
     old_logps: list[list[float]] | None  # [N] per token, the policy's when sampled (num_iterations > 1)
     generation_s: float = 0.0  # this rank's time generating, scoring (rewards_s) and gathering
     rewards_s: float = 0.0
+    engine_metrics: dict = field(default_factory=dict)  # an engine's own (vLLM: the adapter sync's)
 
     def prompt_of(self, position: int) -> int:
         return self.prompt_indices[position // self.num_generations]
@@ -80,7 +82,7 @@ class RolloutBatch:
         lengths = [int(n) for n in self.lengths.tolist()]
         out = reward_metrics(rows, self.rewards.tolist(), labels, self.num_generations)
         out |= length_metrics(lengths, [bool(t) for t in self.truncated.tolist()])
-        return out | {"time/generation_s": self.generation_s, "time/rewards_s": self.rewards_s}
+        return out | {"time/generation_s": self.generation_s, "time/rewards_s": self.rewards_s} | self.engine_metrics
 
     def micro_batches(self, prompts, pad_id: int, positions: list[np.ndarray], scale_rewards: str) -> list[dict]:
         """`GRPOLoss.forward`'s keyword tensors for each micro-batch of completion `positions`."""
@@ -131,7 +133,8 @@ def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray,
     mu, g = spec.objective.num_iterations, spec.rollout.num_generations
     prompt_indices = [int(p) for p in job.batches.index_array(index * mu)]
     start = time.perf_counter()
-    done = generate(engine, job, spec, index, prompt_indices, positions)
+    rollout = objective.rollout_engine(spec, ctx, job, engine, index * mu)
+    done = generate(rollout, job, spec, index, prompt_indices, positions)
     scored_at = time.perf_counter()
     batch, values, rewards = scored(objective.functions(spec), spec, job, prompt_indices, positions, done)
     table = _rows(len(prompt_indices) * g, positions, done, values, rewards)
@@ -141,6 +144,7 @@ def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray,
     parts = gathered({"positions": positions.tolist(), "ids": [list(c.ids) for c in done], "old": old}, ctx.world_size)
     ids, whole_old = _whole(parts, len(table), mu > 1)
     out = RolloutBatch(index, prompt_indices, g, ids, table, whole_old, scored_at - start, rewards_s)
+    out.engine_metrics = dict(getattr(rollout, "sync_metrics", {}))
     if logged:
         lines = _lines(
             out, batch, positions, out.advantages(objective.scale_rewards), spec.reward.labels, job.data.train
@@ -160,19 +164,29 @@ def _rows(n: int, positions: np.ndarray, done: list[Completion], values, rewards
     return table
 
 
-def generate(engine, job, spec, index: int, prompt_indices: list[int], positions: np.ndarray) -> list[Completion]:
+def generate(
+    rollout: RolloutEngine, job, spec, index: int, prompt_indices: list[int], positions: np.ndarray
+) -> list[Completion]:
     """This rank's completions, in `positions` order, each from its own seed (run seed, rollout
-    batch, prompt, sample), generated through the loss module's forward (`GRPOLoss.forward`'s
-    `call`: under FSDP the root's hooks run first)."""
+    batch, prompt, sample), from the objective's engine (`GRPO.rollout_engine`)."""
     g, seed = spec.rollout.num_generations, spec.run.seed
     requests = []
     for pos in positions.tolist():
         p, j = prompt_indices[pos // g], pos % g
         requests.append(Request(p, j, tuple(job.data.train.ids[p]), sample_seed(seed, index, p, j)))
-    hf = HFEngine(job.model, eos_ids(job), job.tokenizer.pad_token_id, synced=job.strategy == "fsdp")
-    sampling = Sampling.of(spec.rollout)
-    with torch.no_grad():
-        return engine.unwrapped(call=lambda _: hf.generate(requests, sampling))
+    return rollout.generate(requests, Sampling.of(spec.rollout))
+
+
+class InLossForward:
+    """`HFEngine` run through the loss module's forward (`GRPOLoss.forward`'s `call`: under FSDP the
+    root's hooks run first), without gradients: in-process rollouts as a `RolloutEngine`."""
+
+    def __init__(self, hf: HFEngine, engine):
+        self.hf, self.engine = hf, engine
+
+    def generate(self, requests: Sequence[Request], sampling: Sampling) -> list[Completion]:
+        with torch.no_grad():
+            return self.engine.unwrapped(call=lambda _: self.hf.generate(requests, sampling))
 
 
 def scored(functions: list, spec, job, prompt_indices: list[int], positions: np.ndarray, done: list[Completion]):

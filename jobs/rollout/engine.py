@@ -11,8 +11,10 @@ kept tokens. A completion ends at its first EOS (kept) or after `max_completion_
 (`truncated`). Ids are never decoded and re-encoded.
 
 The seam for another engine: a `RolloutEngine` takes `Request`s and returns `Completion`s. `HFEngine`
-generates in-process with `model.generate` (a KV cache, left-padded batches, dropout off); a vLLM
-engine (across a process boundary) implements the same method and the same seeds.
+generates in-process with `model.generate` (a KV cache, left-padded batches, dropout off);
+`jobs.rollout.vllm_engine.VLLMEngine` asks a vLLM server across a process boundary, each request
+with its own seed (vLLM's sampler, not the Gumbel draw below: the same seed gives the same
+completion on the same engine, not the one `HFEngine` draws).
 """
 
 from __future__ import annotations
@@ -53,16 +55,19 @@ class Request:
 
 @dataclass(frozen=True)
 class Completion:
-    """The sampled ids (up to and including the first EOS), and whether the length cut it."""
+    """The sampled ids (up to and including the first EOS), whether the length cut it, and, from an
+    engine across a process boundary, the engine's own log-probability of each sampled id (never
+    trained on: the trainer computes its own; kept to measure the gap)."""
 
     prompt_index: int
     sample_index: int
     ids: tuple[int, ...]
     truncated: bool
+    logprobs: tuple[float, ...] | None = None
 
 
 class RolloutEngine(Protocol):
-    """What generates completions: `HFEngine` in-process; a vLLM engine later."""
+    """What generates completions: `HFEngine` in-process, `VLLMEngine` across a process boundary."""
 
     def generate(self, requests: Sequence[Request], sampling: Sampling) -> list[Completion]: ...
 

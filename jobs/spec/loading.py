@@ -76,6 +76,19 @@ def validate(data: dict, where: str = "spec", model: type[BaseModel] = JobSpec) 
         raise SpecError(f"{one_line(where)}: nested too deeply to be a spec") from None
 
 
+def check_vllm_env(spec: JobSpec, where: str) -> None:
+    """`rollout.engine: vllm` without `rollout.vllm_url` needs vLLM's environment here (rank 0 starts
+    the server from it): `make vllm-env` builds it."""
+    r = spec.rollout
+    if r is None or r.engine != "vllm" or r.vllm_url:
+        return
+    from jobs.rollout.vllm_server import env_problem
+
+    problem = env_problem()
+    if problem:
+        raise SpecError(f"{where}: rollout.engine: vllm: {problem}")
+
+
 def check_files(spec: JobSpec, where: str = "spec") -> None:
     """The data files must be readable regular files where the job starts (paths are relative
     to the current directory), and a local model directory must hold a model."""
@@ -97,6 +110,7 @@ def check_files(spec: JobSpec, where: str = "spec") -> None:
                 )
             seen[real] = i
     check_model_dir(spec, where)
+    check_vllm_env(spec, where)
     for key, file in reward_files(spec):
         problem = path_problem(file)
         if problem:

@@ -13,10 +13,10 @@ from jobs.spec.yaml_file import one_line
 
 # ---- online RL: rollout and reward sections (objective.name: grpo) ----------------------------
 
-# What the rollout engine is: `hf` generates in-process (`model.generate`, the training weights).
-# A second engine (vLLM, across a process boundary) is one more name here and one more
+# What the rollout engine is: `hf` generates in-process (`model.generate`, the training weights);
+# `vllm` asks a vLLM server across a process boundary (`jobs.rollout.vllm_engine`). Each is one
 # implementation of `jobs.rollout.engine.RolloutEngine`.
-ROLLOUT_ENGINES = ("hf",)
+ROLLOUT_ENGINES = ("hf", "vllm")
 REWARD_BUILTINS = ("exact_match", "regex")
 _USER_FN = re.compile(r"(?P<where>[^:]+):(?P<fn>[A-Za-z_][A-Za-z0-9_]*)")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -24,9 +24,19 @@ MAX_REGEX_CHARS = 1000
 
 
 class RolloutSpec(SpecSection):
-    engine: Literal["hf"] = "hf"
+    engine: Literal["hf", "vllm"] = "hf"
     """What generates the completions: `hf` in-process with the policy being trained (base +
-    adapter, dropout off, a KV cache). A vLLM engine comes in a later release."""
+    adapter, dropout off, a KV cache); `vllm` a vLLM OpenAI-compatible server that holds the base
+    once and gets only the adapter after each step (`rollout.vllm_url`, or one rank 0 starts from
+    the environment `make vllm-env` builds)."""
+    vllm_url: str | None = None
+    """`engine: vllm`: the URL of a vLLM OpenAI-compatible server the user runs (started with
+    `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, the same base, and a view of rank
+    0's disk, where the adapters are written); unset: rank 0 starts one on loopback."""
+    vllm_timeout_s: float = Field(300.0, gt=0, le=86_400)
+    """`engine: vllm`: seconds one request (a completion, an adapter load) may wait for the engine."""
+    vllm_start_timeout_s: float = Field(600.0, gt=0, le=86_400)
+    """`engine: vllm` without `vllm_url`: seconds the server rank 0 starts may take to answer."""
     num_generations: int = Field(8, le=1024)
     """Completions sampled per prompt (the group its advantages are normalized over), at least 2;
     `batch.global_batch_size` (completions) must be a multiple of it."""
@@ -40,6 +50,13 @@ class RolloutSpec(SpecSection):
     """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: off)."""
     top_k: int = Field(0, ge=0)
     """Sample among the k most likely tokens only (0: off)."""
+
+    @field_validator("vllm_url")
+    @classmethod
+    def _http(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", v):
+            raise ValueError(f"{one_line(repr(v))} is not an http(s)://HOST:PORT URL")
+        return v.rstrip("/") if v is not None else v
 
     @field_validator("num_generations")
     @classmethod
@@ -171,7 +188,25 @@ def grpo_problem(spec: Any, rollout: RolloutSpec) -> str | None:
             "data.packing is not available with objective.name=grpo (completions are sampled, not "
             "packed); set data.packing=false"
         )
-    return _grpo_data_problem(spec)
+    return _vllm_problem(spec, rollout) or _grpo_data_problem(spec)
+
+
+def _vllm_problem(spec: Any, rollout: RolloutSpec) -> str | None:
+    """What `rollout.engine: vllm` cannot serve: a base that is not a saved model, or a policy that
+    is not the saved base plus a plain LoRA adapter."""
+    if rollout.engine != "vllm":
+        return "rollout.vllm_url applies to rollout.engine=vllm" if rollout.vllm_url else None
+    if spec.model.name == "tiny-llama":
+        return (
+            "rollout.engine=vllm serves a saved model: the built-in tiny-llama is none (and its head size, 16, "
+            "is below vLLM's 32); set model.name to a model directory"
+        )
+    if spec.model.quantization != "none":
+        return f"rollout.engine=vllm with model.quantization={spec.model.quantization} has not landed"
+    if spec.lora.use_dora or spec.lora.init in ("pissa", "olora"):
+        what = "lora.use_dora" if spec.lora.use_dora else f"lora.init={spec.lora.init} (it rewrites the base)"
+        return f"rollout.engine=vllm serves a plain LoRA adapter on the saved base: {what} is not one"
+    return None
 
 
 def _grpo_data_problem(spec: Any) -> str | None:

