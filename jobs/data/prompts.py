@@ -17,7 +17,6 @@ the same on every rank.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections.abc import Iterator
@@ -26,10 +25,10 @@ from pathlib import Path
 
 from jobs.data.chat import chat_prompt_ids
 from jobs.data.records import ROLES, _check_message_list, _rename
-from jobs.data.sources import DATASETS_SUFFIXES, datasets_rows, is_hub
+from jobs.data.sources import DATASETS_SUFFIXES, datasets_rows, is_hub, json_lines
 from jobs.data.tokenizing import encode_prompt
 from jobs.errors import SpecError
-from jobs.spec import JobSpec, one_line, path_problem
+from jobs.spec import JobSpec, one_line
 
 PROMPT = "prompt"
 
@@ -78,30 +77,13 @@ def _train_paths(spec: JobSpec) -> list[tuple[str, str]]:
 
 
 def _rows(path: str, key: str, hf_token_env: str | None) -> Iterator[tuple[str, object]]:
-    shown = one_line(str(path))
+    """(where, raw record) of one source: `datasets`' rows, else the JSONL file's lines."""
     if is_hub(path) or os.path.isdir(path) or Path(path).suffix.lower() in DATASETS_SUFFIXES:
+        shown = one_line(str(path))
         for i, row in enumerate(datasets_rows(str(path), key, hf_token_env)):
             yield f"{key}: {shown} row {i}", dict(row)
         return
-    problem = path_problem(path)
-    if problem:
-        raise SpecError(f"{key}: {problem}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    yield f"{key}: {shown} line {n}", _json(line, f"{key}: {shown} line {n}")
-    except UnicodeDecodeError:
-        raise SpecError(f"{key}: {shown}: not UTF-8 text") from None
-    except OSError as e:
-        raise SpecError(f"{key}: {shown}: cannot be read ({e.strerror or e})") from None
-
-
-def _json(line: str, where: str) -> object:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+    yield from json_lines(path, key)
 
 
 def check_prompt_record(rec: object, where: str, fields: dict | None) -> dict:

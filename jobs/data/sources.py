@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from jobs.data.records import (
     MESSAGES,
@@ -136,19 +138,8 @@ def first_record_format(path: str, key: str, fields: dict | None, hf_token_env: 
         if not len(rows):
             raise SpecError(f"{key}: {shown}: no records")
         return record_format(check_record(dict(rows[0]), f"{key}: {shown} row 0", fields, pairs), pairs)
-    problem = path_problem(path)
-    if problem:
-        raise SpecError(f"{key}: {problem}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    where = f"{key}: {shown} line {i}"
-                    return record_format(check_record(_json_value(line, where), where, fields, pairs), pairs)
-    except UnicodeDecodeError:
-        raise SpecError(f"{key}: {shown}: not UTF-8 text") from None
-    except OSError as e:
-        raise SpecError(f"{key}: {shown}: cannot be read ({e.strerror or e})") from None
+    for where, value in json_lines(path, key):
+        return record_format(check_record(value, where, fields, pairs), pairs)
     raise SpecError(f"{key}: {shown}: no records")
 
 
@@ -187,7 +178,13 @@ def read_records(spec: JobSpec, tokenizer) -> tuple[list[dict], list[dict]]:
 
 
 def _read_lines(path: str, key: str, max_chars: int | None, fields: dict | None, checks: _SourceCheck) -> list[dict]:
-    records = []
+    return [cut_record(checks.check(value, where, fields), max_chars) for where, value in json_lines(path, key)]
+
+
+def json_lines(path: str, key: str) -> Iterator[tuple[str, Any]]:
+    """(where, parsed value) of each non-blank line of a JSONL file, read line by line; the file
+    not readable, not UTF-8, or a line that is not a usable JSON value is one SpecError naming
+    `key`, the file and the line. Every JSONL reader of rayft's data goes through here."""
     shown = one_line(str(path))
     problem = path_problem(path)
     if problem:
@@ -195,19 +192,13 @@ def _read_lines(path: str, key: str, max_chars: int | None, fields: dict | None,
     try:
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                rec = _parse_record(line, f"{key}: {shown} line {i}", fields, checks)
-                records.append(cut_record(rec, max_chars))
+                if line.strip():
+                    where = f"{key}: {shown} line {i}"
+                    yield where, _json_value(line, where)
     except UnicodeDecodeError:
         raise SpecError(f"{key}: {shown}: not UTF-8 text") from None
     except OSError as e:
         raise SpecError(f"{key}: {shown}: cannot be read ({e.strerror or e})") from None
-    return records
-
-
-def _parse_record(line: str, where: str, fields: dict | None, checks: _SourceCheck) -> dict:
-    return checks.check(_json_value(line, where), where, fields)
 
 
 def _json_value(line: str, where: str):

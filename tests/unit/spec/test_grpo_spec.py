@@ -194,3 +194,16 @@ def test_vllm_without_its_environment_or_a_url_says_how_to_build_it(tmp_path, mo
         grpo(*vllm, files=True)
     assert f"rollout.engine: vllm: no vLLM environment at {tmp_path / 'no-env'}: run `make vllm-env`" in str(e.value)
     assert grpo(*vllm, "rollout.vllm_url=http://10.0.0.5:8000/", files=True).rollout.vllm_url == "http://10.0.0.5:8000"
+
+
+def test_a_prompt_line_that_is_not_usable_json_is_one_line_naming_it(tmp_path):
+    """Prompt files are read by the data's one JSONL reader (`jobs.data.sources.json_lines`): a line
+    nested too deeply, or not JSON, is one SpecError naming the file and line, never a traceback."""
+    from jobs.data.prompts import prompt_records
+
+    bad = tmp_path / "prompts.jsonl"
+    for line, says in (("[" * 100_000 + "]" * 100_000, "nested too deeply"), ("{oops", "not valid JSON")):
+        bad.write_text('{"prompt": "Capital of Peru?"}\n' + line + "\n")
+        with pytest.raises(SpecError) as e:
+            list(prompt_records(grpo(f"data.path={bad}")))
+        assert f"data.path: {bad} line 2: {says}" in str(e.value) and "\n" not in str(e.value)
