@@ -17,6 +17,7 @@ from jobs.after.evaluate_preference import ROLES, _with_adapter
 from jobs.data.prompts import read_prompt_splits
 from jobs.errors import SpecError
 from jobs.model.loading import load_base_model
+from jobs.objectives.grpo_batch import end_ids
 from jobs.rollout import held_out
 from jobs.rollout.engine import HFEngine
 from jobs.rollout.rewards import resolve
@@ -50,7 +51,7 @@ def evaluate_rl(spec: JobSpec, adapter_dir: Path) -> dict:
             if not adapters[role]:
                 continue
             model = _with_adapter(model, str(adapters[role]), role, spec.model.name)
-        hf = HFEngine(model, [tok.eos_token_id], tok.pad_token_id)
+        hf = HFEngine(model, end_ids(tok, model), tok.pad_token_id)
         done = held_out.greedy(hf, prompts, indices, spec.rollout.max_completion_length)
         values, rewards, answers[role] = held_out.scored(functions, prompts, indices, done, tok, spec.reward.timeout_s)
         row = {"model": role, **held_out.means(held_out.sums_of(values, rewards, len(functions)), spec.reward.labels)}

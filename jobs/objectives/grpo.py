@@ -163,10 +163,10 @@ class GRPO(Objective):
             return None, {}
         functions = self.functions(spec)
         hf = HFEngine(job.model, grpo_batch.eos_ids(job), job.tokenizer.pad_token_id, synced=job.strategy == "fsdp")
+        in_loss = grpo_batch.InLossForward(hf, engine)  # FSDP: through the root's forward
         sums = torch.zeros(len(functions) + 1, 2, dtype=torch.float64)
         for idx, counted in equal_micro_batches(len(prompts), ctx.rank, ctx.world_size, spec.batch.micro_batch_size):
-            through = lambda fn: engine.unwrapped(call=lambda _: fn())  # noqa: E731 (FSDP: the root's forward)
-            done = held_out.greedy(hf, prompts, idx, spec.rollout.max_completion_length, through)
+            done = held_out.greedy(in_loss, prompts, idx, spec.rollout.max_completion_length)
             if counted:
                 timeout_s = spec.reward.timeout_s
                 values, rewards, _ = held_out.scored(functions, prompts, idx, done, job.tokenizer, timeout_s)

@@ -277,9 +277,15 @@ def write_rollout_lines(spec, ctx, step: int, lines: list[dict]) -> None:
 
 
 def eos_ids(job) -> list[int]:
-    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's."""
-    ids = {job.tokenizer.eos_token_id}
-    config = getattr(job.model, "generation_config", None)
+    """The tokens that end a run's completions (`end_ids` of its tokenizer and model)."""
+    return end_ids(job.tokenizer, job.model)
+
+
+def end_ids(tokenizer, model) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's
+    (the one rule for training's rollouts, its held-out answers and `rayft eval`'s)."""
+    ids = {tokenizer.eos_token_id}
+    config = getattr(model, "generation_config", None)
     extra = getattr(config, "eos_token_id", None)
     ids.update(extra if isinstance(extra, list) else [extra])
     return sorted(i for i in ids if i is not None)

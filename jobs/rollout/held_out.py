@@ -10,23 +10,21 @@ as None (not applicable) counts in no mean. The training loop's held-out evaluat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from jobs.rollout.engine import Completion, HFEngine, Request, Sampling
+from jobs.rollout.engine import Completion, Request, RolloutEngine, Sampling
 from jobs.rollout.rewards import Batch, completions_as_trl, score
 
 
-def greedy(
-    hf: HFEngine, prompts, indices: Sequence[int], max_completion_length: int, through: Callable | None = None
-) -> list[Completion]:
-    """The greedy completion of each prompt `indices` names (`through(fn)` runs `fn()` where the
-    model must be called: under FSDP, the loss module's forward)."""
+def greedy(engine: RolloutEngine, prompts, indices: Sequence[int], max_completion_length: int) -> list[Completion]:
+    """The greedy completion of each prompt `indices` names, from `engine` (the run's: in-process
+    through the loss module's forward, `jobs.objectives.grpo_batch.InLossForward`; `rayft eval`'s:
+    an `HFEngine` on the loaded model)."""
     requests = [Request(i, 0, tuple(prompts.ids[i]), 0) for i in indices]
-    run = lambda: hf.generate(requests, Sampling(max_completion_length, temperature=0.0))  # noqa: E731
     with torch.no_grad():
-        return through(run) if through is not None else run()
+        return engine.generate(requests, Sampling(max_completion_length, temperature=0.0))
 
 
 def scored(functions: list, prompts, indices: Sequence[int], done: list[Completion], tokenizer, timeout_s: float):
