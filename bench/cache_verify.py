@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 import jobs.data.cache as data_mod
+import jobs.data.entry as entry_mod
 import jobs.data.verify as verify_mod
 from jobs.data.tokenizing import IGNORE
 
@@ -60,8 +61,8 @@ def write_entry(directory: Path, n_tokens: int, rng: np.random.Generator) -> dic
         for i in range(0, len(lens), 2):
             targets[offsets[i] : offsets[i] + lens[i] // 2] = IGNORE
         targets.tofile(directory / f"{name}.targets.bin")
-        labels = data_mod._segment_counts(targets != IGNORE, offsets)
-        for f, a in zip(data_mod._SPLIT_ARRAYS, (offsets, lens.astype(np.int32), labels), strict=True):
+        labels = entry_mod._segment_counts(targets != IGNORE, offsets)
+        for f, a in zip(entry_mod._SPLIT_ARRAYS, (offsets, lens.astype(np.int32), labels), strict=True):
             np.save(directory / f"{name}.{f}.npy", a)
         meta[name] = {"n": len(lens), "n_tokens": total}
         del ids, targets

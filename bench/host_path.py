@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jobs.data import IGNORE, Example, GlobalBatches, Pair, TokenizedSplit  # noqa: E402
-from jobs.data.cache import _SplitWriter  # noqa: E402
+from jobs.data.entry import _SplitWriter  # noqa: E402
 from jobs.objectives import Objective  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
 from jobs.train.loop import layout_args, micro_batches_of  # noqa: E402

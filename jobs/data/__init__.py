@@ -45,12 +45,7 @@ from jobs.data.batches import (
 )
 from jobs.data.cache import (
     CACHE_FORMAT,
-    Concatenated,
     Dataset,
-    Segments,
-    SourcePart,
-    TokenizedPairs,
-    TokenizedSplit,
     cache_key,
     content_hash,
     count_checked_records,
@@ -61,6 +56,7 @@ from jobs.data.cache import (
     tokenizer_hash,
 )
 from jobs.data.chat import chat_pair_texts, chat_prompt_ids, chat_spans
+from jobs.data.entry import Concatenated, Segments, SourcePart, TokenizedPairs, TokenizedSplit
 from jobs.data.mixture import MixtureBatches, Sampler, batches_for, check_every_source_sampled, step_metrics
 from jobs.data.pairs import DROP_EMPTY, DROP_IDENTICAL, Pair, tokenize_pairs, tokenize_pairs_iter, truncate_pair
 from jobs.data.records import (

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from jobs.data.cache import Concatenated, Segments, TokenizedPairs, TokenizedSplit
+from jobs.data.entry import Concatenated, Segments, TokenizedPairs, TokenizedSplit
 from jobs.data.pairs import Pair
 from jobs.data.records import PAIR_FIELDS
 from jobs.data.tokenizing import IGNORE, Example

@@ -54,7 +54,8 @@ from orchestrator.backends.base import (
     Submission,
     first_line,
 )
-from orchestrator.backends.ray_jobs import find_project, resolve_spec
+from orchestrator.backends.ray_jobs import resolve_spec
+from orchestrator.backends.working_dir import find_project
 
 from .admission import Demand, fit_node_type, reserve
 from .store import ACTIVE, DONE, NewJob, Queue

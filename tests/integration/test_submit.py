@@ -120,7 +120,7 @@ def test_upload_size_matches_what_ray_packages(tmp_path):
     """The size rayft checks is the size of the package Ray builds: same files, same excludes."""
     from ray._private.runtime_env.packaging import GCS_STORAGE_MAX_SIZE, create_package
 
-    from orchestrator.backends.ray_jobs import DEFAULT_EXCLUDES, plan_upload, ray_upload_limit
+    from orchestrator.backends.working_dir import DEFAULT_EXCLUDES, plan_upload, ray_upload_limit
 
     assert ray_upload_limit() == GCS_STORAGE_MAX_SIZE  # rayft's copy of Ray's limit
 
@@ -169,7 +169,8 @@ def test_upload_size_matches_what_ray_packages(tmp_path):
 
 def test_working_dir_must_not_escape_the_project(tmp_path):
     from jobs.errors import SpecError, UserError
-    from orchestrator.backends.ray_jobs import DEFAULT_EXCLUDES, build_submission, plan_upload
+    from orchestrator.backends.ray_jobs import build_submission
+    from orchestrator.backends.working_dir import DEFAULT_EXCLUDES, plan_upload
 
     proj = tmp_path / "proj"
     (proj / "jobs").mkdir(parents=True)

@@ -38,18 +38,17 @@ the first RayJob instead of starting a second one (`KubeRayBackend.submit` is id
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import yaml
 
 from jobs.errors import SpecError, UserError
 from jobs.run.storage import is_uri
 from jobs.spec import JobSpec
 
 from ..node_fit import GpuPlan, PodAsk, refusal
+from .manifest_yaml import to_yaml
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
 from .policy import (
     CACHE_ENV,
@@ -672,28 +671,6 @@ def render(
 def render_rayjob(spec: JobSpec, **kw: Any) -> Obj:
     """Only the RayJob of `render` (the ConfigMap it mounts is `render(...)[0]`)."""
     return render(spec, **kw)[1]
-
-
-class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the spec in the ConfigMap) as literal blocks."""
-
-
-def _str_representer(dumper: yaml.SafeDumper, s: str):
-    if "\n" in s:
-        return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|")
-    return dumper.represent_scalar("tag:yaml.org,2002:str", s)
-
-
-_Dumper.add_representer(str, _str_representer)
-
-
-def to_yaml(objs: Iterable[Obj], header: str | None = None) -> str:
-    """Multi-document YAML, in order (the ConfigMap before the RayJob that mounts it, then its PDB)."""
-    docs = [yaml.dump(o, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100) for o in objs]
-    text = "---\n".join(docs)
-    if header:
-        text = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + "---\n" + text
-    return text
 
 
 def render_yaml(spec: JobSpec, **kw: Any) -> str:

@@ -41,7 +41,7 @@ from jobs.data import (
     split_window,
     step_metrics,
 )
-from jobs.data.cache import _PairWriter, _SplitWriter
+from jobs.data.entry import _PairWriter, _SplitWriter
 from jobs.data.mixture import integer_weights
 from jobs.objectives import Objective
 from jobs.run.outputs import read_metrics

@@ -43,7 +43,7 @@ from jobs.data import (
     load_dataset,
     split_window,
 )
-from jobs.data.cache import _PairWriter, _SplitWriter
+from jobs.data.entry import _PairWriter, _SplitWriter
 from jobs.errors import SpecError
 from jobs.model.loading import byte_tokenizer
 from jobs.objectives import Objective
