@@ -25,7 +25,7 @@ variant of "after" is in each row's detail).
   which it counts as waiting) and a Python loop that holds the GIL (`wait_gil_held_compute`: the
   worst case for a thread).
 
-Data: a cache split written by the real writer (`jobs.data.cache._SplitWriter`) and memory-mapped
+Data: a cache split written by the real writer (`jobs.data.entry._SplitWriter`) and memory-mapped
 (`TokenizedSplit.open`): 2 x seqs examples, input lengths uniform in [3/4 seq_len, seq_len], the
 first quarter of each without labels (IGNORE), ids uniform in [0, 32000). Times are medians over
 the timed steps (each a different global batch), after one untimed step (page cache warm); host
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             "and a Python loop holding the GIL (wait_gil_held_compute: the worst case for a thread)",
             "work": "global batch indices, length grouping and label/input counts over the whole global batch, "
             f"rank 0's split, collation of rank 0's micro-batches (micro-batch {MICRO}, packing off)",
-            "data": "2 x seqs examples written by jobs.data.cache._SplitWriter and memory-mapped; input lengths "
+            "data": "2 x seqs examples written by jobs.data.entry._SplitWriter and memory-mapped; input lengths "
             "uniform in [3/4 seq_len, seq_len], the first quarter unlabelled",
         },
         "config": {
