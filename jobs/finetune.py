@@ -12,13 +12,19 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from jobs import secrets
 from jobs.errors import SpecError
 from jobs.spec import absolutize, load_spec, one_line
 
+if TYPE_CHECKING:
+    from jobs.run.step_record import StepRecord
+    from jobs.spec import JobSpec
 
-def preflight(spec) -> None:
+
+def preflight(spec: JobSpec) -> None:
     """Checks that need the data files but not the model weights: run before anything is created."""
     from jobs.objectives import Objective
     from jobs.run.outputs import check_write_places
@@ -39,7 +45,7 @@ def preflight(spec) -> None:
         starting_adapter_config(spec)
 
 
-def build_data(spec) -> None:
+def build_data(spec: JobSpec) -> None:
     """Build (or find) the spec's tokenized cache entry here, on the driver, before the output
     dir is claimed: every refusal of the data that needs the tokenizer (every record dropped, a
     chat template that is missing, raises or is not prefix-stable) is then one line with nothing
@@ -61,7 +67,7 @@ def build_data(spec) -> None:
         ) from None
 
 
-def check_lora_rank(spec) -> None:
+def check_lora_rank(spec: JobSpec) -> None:
     """`lora.r` at most the model's hidden size (a rank above it adds nothing and can allocate
     without bound), where the model's config is here to read without a download."""
     from jobs.memory.config_io import config_from_spec, config_is_local
@@ -76,7 +82,7 @@ def check_lora_rank(spec) -> None:
         )
 
 
-def check_local_workers(spec, local: bool) -> None:
+def check_local_workers(spec: JobSpec, local: bool) -> None:
     """`--local` runs one worker per process: `resources.num_workers` > 1 needs torchrun (which
     sets WORLD_SIZE), refused here rather than after the model has loaded."""
     if not local:
@@ -100,17 +106,21 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     rayft's own; see `jobs.run.outputs.output_dir_problem`) and the data tokenized into its cache
     entry (`build_data`: refused data leaves no entry) before the run's lock is taken (which
     creates the directory) or --fresh moves anything; it is claimed only after every check has
-    passed. The run's lock (`jobs.run.runlock`) is taken before checkpoints are read or set aside,
-    and is held on return: the caller runs the job, then calls `jobs.run.runlock.release(spec.output_path)`.
+    passed. The run's hold (`jobs.run.ownership.hold_output_dir`: checked, then locked by
+    `jobs.run.run_hold`, the local lock and, for an object-store URI, the bucket's lease, then
+    claimed) is taken before checkpoints are read or set aside and before anything is written in a
+    bucket, and is held on return: the caller runs the job, then calls `jobs.run.run_hold.let_go(spec)`.
     An `address` (`--address`) is asked once whether a Ray cluster answers there
     (`jobs.launch.cluster_check`, bounded) before the output directory is touched."""
-    from jobs.run import checkpoint as ckpt
-    from jobs.run import mirror, runlock
-    from jobs.run.outputs import check_output_dir, claim_output_dir, set_aside
+    from jobs.data.remote_data import localize
+    from jobs.run import mirror, run_hold
+    from jobs.run.outputs import check_output_dir
+    from jobs.run.ownership import hold_output_dir
 
     spec = load_spec(spec_path, overrides)
     check_local_workers(spec, local)
     check_fresh(spec, fresh)
+    spec = localize(spec)  # data in a bucket: copied into rayft's cache on this machine, read from there
     preflight(spec)
     check_output_dir(spec.output_location)  # an object store: the credentials, the bucket, the prefix
     if address and not local:
@@ -119,27 +129,43 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
         check_cluster(address)
     spec = absolutize(spec)
     build_data(spec)  # the last check that can refuse the data; the first write (the cache entry)
-    runlock.acquire(spec.output_path)  # a second run into this directory is refused here
+    # checked, locked (a second run into this directory or bucket prefix is refused here), then claimed
+    hold_output_dir(
+        spec.output_path,
+        name=spec.name,
+        location=spec.output_location,
+        before_claim=lambda: resume_or_set_aside(spec, fresh),
+    )
     try:
-        if mirror.store_of(spec) is not None:  # the staging directory is rayft's; the store's newest checkpoint
-            claim_output_dir(spec.output_path, name=spec.name)
-            mirror.pull_newest(spec)
-        newest = None if fresh else ckpt.resumable(spec.output_path / "checkpoints")
-        if newest is not None:  # refuse a resume that cannot be exact, before anything starts
-            ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
-        if fresh:
-            moved = set_aside(spec.output_path / "checkpoints")
-            if moved:
-                logging.getLogger("rayft").warning("--fresh: previous checkpoints moved to %s", moved)
-        claim_output_dir(spec.output_path, name=spec.name)
         mirror.claim(spec)
     except BaseException:
-        runlock.release(spec.output_path)
+        run_hold.let_go(spec)
         raise
     return spec
 
 
-def check_fresh(spec, fresh: bool) -> None:
+def resume_or_set_aside(spec: JobSpec, fresh: bool) -> None:
+    """Under the run's lock, before the directory is claimed: a resume that cannot be exact is
+    refused before anything starts; --fresh sets the old checkpoints aside (never deletes them).
+    An object-store run first brings the store's newest checkpoint into its staging directory
+    (claimed first: it is rayft's)."""
+    from jobs.run import checkpoint as ckpt
+    from jobs.run import mirror
+    from jobs.run.outputs import claim_output_dir, set_aside
+
+    if mirror.store_of(spec) is not None:
+        claim_output_dir(spec.output_path, name=spec.name)
+        mirror.pull_newest(spec)
+    newest = None if fresh else ckpt.resumable(spec.output_path / "checkpoints")
+    if newest is not None:
+        ckpt.check_resumable(ckpt.load_state(newest)["resume_key"], spec, str(newest))
+    if fresh:
+        moved = set_aside(spec.output_path / "checkpoints")
+        if moved:
+            logging.getLogger("rayft").warning("--fresh: previous checkpoints moved to %s", moved)
+
+
+def check_fresh(spec: JobSpec, fresh: bool) -> None:
     """`--fresh` sets old checkpoints aside, never deleting them: a bucket has no rename, so with an
     object-store `run.output_dir` it is refused (for now) rather than deleting them there."""
     from jobs.run.storage import is_uri
@@ -163,15 +189,25 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None
     return args
 
 
-def run(spec, *, local: bool = False, address: str | None = None, fresh: bool = False, on_progress=None) -> dict:
+def run(
+    spec: JobSpec,
+    *,
+    local: bool = False,
+    address: str | None = None,
+    fresh: bool = False,
+    on_progress: Callable[[StepRecord], None] | None = None,
+) -> dict:
     """Train a prepared spec: on Ray (an address, the enclosing Ray job, or embedded), or `local`ly."""
     if local:
+        from jobs.run import runlock
         from jobs.train.context import LocalContext
         from jobs.train.loop import train
 
         check_local_workers(spec, local)  # for callers that prepared without `local`
         os.environ.update(spec.run.env)  # what runtime_env does for Ray workers
-        return train(spec, LocalContext(use_gpu=spec.resources.use_gpu, on_progress=on_progress), resume=not fresh)
+        ctx = LocalContext(use_gpu=spec.resources.use_gpu, on_progress=on_progress)
+        # rank 0 is this process: it verifies the lock `prepare` holds, by the run's token
+        return train(spec, ctx, resume=not fresh, run_token=runlock.held_token(spec.output_path))
     from jobs.launch.on_ray import run_on_ray
 
     return run_on_ray(spec, address=address, resume=not fresh, on_progress=on_progress)
@@ -204,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(ap: argparse.ArgumentParser, argv: list[str] | None) -> int:
     from jobs.errors import RayftError, error_line
-    from jobs.run import runlock
+    from jobs.run import run_hold
     from jobs.run.outputs import format_step
 
     args = parse_with_overrides(ap, argv)
@@ -219,7 +255,7 @@ def _main(ap: argparse.ArgumentParser, argv: list[str] | None) -> int:
                 on_progress=lambda rec: print(format_step(rec), flush=True),
             )
         finally:
-            runlock.release(spec.output_path)
+            run_hold.let_go(spec)
     except RayftError as e:
         print(f"error: {error_line(e)}", file=sys.stderr)
         return e.exit_code

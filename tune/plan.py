@@ -2,25 +2,28 @@
 before anything starts. Pure: no Ray, no model weights, no files written.
 
 `plan_search` expands the `search` section into points (micro-batch, accumulation, global
-batch, lr rule, and `objective.beta` where `search.beta` lists values) and gives each
-micro-batch the `jobs.memory.MemoryPlan` its trials will run: `plan_for_spec` on the base job
+batch, lr rule, `objective.beta` where `search.beta` lists values, `rollout.num_generations`
+where `search.num_generations` does) and gives each (micro-batch, beta) the
+`jobs.memory.MemoryPlan` its trials will run: `plan_for_spec` on the base job
 with the search budget as `memory.budget_gib`, the same call (same spec fields, same budget) a
 trial's worker makes through `jobs.train.loop.memory_plan`. So the strategy (`resources.strategy:
 auto`: DDP when it fits, else FSDP) and the checkpointing a point is judged with
 (`memory.gradient_checkpointing`: true, false, or auto = off when that fits, else the sparsest
 every-k-th-layer checkpointing that fits) is the one its trial uses, and the estimate is that
-plan's (beta changes no memory: points that differ only in beta share their micro-batch's
-plan). Each point is marked:
+plan (a preference objective's beta changes no memory; GRPO's beta > 0 adds the reference
+forward that beta 0 skips). Each point is marked:
 
 * `planned`: launched, `search.num_samples` times with log-uniform base learning rates;
 * `infeasible`: the plan's estimate exceeds the budget -- never launched, listed with its estimate;
-* `skipped`: cannot be run as asked (not divisible, same run as another point), with why.
+* `skipped`: cannot be run as asked (not divisible -- a `num_generations` that does not divide
+  the point's global batch of completions included --, same run as another point), with why.
 
 A budget below the smallest possible job (micro-batch 1 with checkpointing) is refused
 before anything starts, naming the smallest budget that fits.
 
-Fair comparison (ASHA on `search.metric` at equal tokens: the eval loss, lowest wins, or the
-held-out preference accuracy `eval_rewards/accuracies`, highest wins; `Plan.metric`,
+Fair comparison (ASHA on `search.metric` at equal tokens: the eval loss, lowest wins, the
+held-out preference accuracy `eval_rewards/accuracies` or GRPO's held-out mean reward
+`eval_reward`, highest wins; `Plan.metric`,
 `Plan.mode`). Every trial runs the same number of training samples
 (`search.samples_per_trial`; max_steps = samples / global batch) and evaluates at the same
 sample counts (`eval_every_samples`). ASHA's time attribute is
@@ -93,11 +96,13 @@ class Point:
     max_steps: int | None = None
     every_steps: int | None = None
     beta: float | None = None  # the trial's objective.beta (search.beta); None: the base job's
+    num_generations: int | None = None  # the trial's rollout.num_generations (search.num_generations)
 
     @property
     def key(self) -> str:
         beta = "" if self.beta is None else f"-b{self.beta:g}"
-        return f"m{self.micro_batch_size}-a{self.grad_accum_steps}-{self.lr_scaling}{beta}"
+        gens = "" if self.num_generations is None else f"-g{self.num_generations}"
+        return f"m{self.micro_batch_size}-a{self.grad_accum_steps}-{self.lr_scaling}{beta}{gens}"
 
     def trial_config(self) -> dict:
         """What Tune gets per grid point (the lr is sampled beside it)."""
@@ -119,15 +124,25 @@ class Plan:
     metric: str = "eval_loss"  # what trials are compared on (search.metric)
     mode: str = "min"  # "min" or "max": the best trial's value of `metric`
     base_beta: float | None = None  # the base job's objective.beta as it trains; None: no beta (SFT)
+    base_generations: int | None = None  # the base job's rollout.num_generations; None: not GRPO
 
     @property
     def has_beta(self) -> bool:
         """The objective takes a beta: the report shows each trial's."""
         return self.base_beta is not None
 
+    @property
+    def has_generations(self) -> bool:
+        """The objective samples completions (GRPO): the report shows each trial's num_generations."""
+        return self.base_generations is not None
+
     def beta_of(self, point: dict) -> float | None:
         """The beta a trial of `point` trains with: its own (search.beta), else the base job's; None for SFT."""
         return point["beta"] if point.get("beta") is not None else self.base_beta
+
+    def generations_of(self, point: dict) -> int | None:
+        """The num_generations a trial of `point` samples: its own, else the base job's; None: not GRPO."""
+        return point.get("num_generations") or self.base_generations
 
     @property
     def planned(self) -> list[Point]:
@@ -218,9 +233,10 @@ def plan_search(spec: SearchSpec, where: str = "spec") -> Plan:
         notes=notes,
         memory=mem,
         job=job_dict,
-        metric=s.metric,
+        metric=s.metric_name,
         mode=s.mode_of_metric,
         base_beta=spec.objective.value("beta"),
+        base_generations=spec.rollout.num_generations if spec.rollout is not None else None,
     )
 
 
@@ -232,91 +248,137 @@ def _budget_key(spec: SearchSpec) -> str:
 def _points(
     spec: SearchSpec, splits: list[tuple[int, int, int, str]], rules: list[Rule], reference: int
 ) -> list[Point]:
-    """The batch splits x the lr rules x the betas, each `planned` or `skipped` with why. A split
-    that cannot run is listed once, not once per rule and beta."""
-    s = spec.search
-    betas: list[float | None] = list(s.beta) if s.beta else [None]
+    """The batch splits x the lr rules x the variants (beta, num_generations), each `planned` or
+    `skipped` with why. A split that cannot run is listed once, not once per rule and variant."""
+    variants = _variants(spec)
     points: list[Point] = []
     for m, a, g, why in splits:
         for i, rule in enumerate(rules[:1] if why else rules):
-            for beta in betas[:1] if why else betas:
-                p = Point(m, a, g, rule, reference, beta=beta)
-                if why:
-                    p.status, p.reason = "skipped", why
-                elif i and g == reference:
-                    p.status, p.reason = (
-                        "skipped",
-                        (
-                            f"same run as lr_scaling={rules[0]}: the global batch {g} is "
-                            "the reference batch, where every rule gives the base lr"
-                        ),
-                    )
-                elif s.samples_per_trial % g:
-                    p.status, p.reason = (
-                        "skipped",
-                        (
-                            f"search.samples_per_trial={s.samples_per_trial} is not a "
-                            f"multiple of the global batch {g} (every trial sees the same "
-                            "samples)"
-                        ),
-                    )
+            for beta, gens in variants[:1] if why else variants:
+                p = Point(m, a, g, rule, reference, beta=beta, num_generations=gens)
+                reason = why or _why_not(spec, p, rules, i)
+                if reason:
+                    p.status, p.reason = "skipped", reason
                 points.append(p)
     return points
 
 
+def _variants(spec: SearchSpec) -> list[tuple[float | None, int | None]]:
+    """(beta, num_generations) per point of a split: `search.beta` x `search.num_generations`,
+    None where not searched (the base job's)."""
+    s = spec.search
+    betas: list[float | None] = list(s.beta) if s.beta else [None]
+    gens: list[int | None] = list(s.num_generations) if s.num_generations else [None]
+    return [(b, n) for b in betas for n in gens]
+
+
+def _why_not(spec: SearchSpec, p: Point, rules: list[Rule], i: int) -> str:
+    """Why point `p` (lr rule number `i` of `rules`) is not run, or "" when it is."""
+    s, g = spec.search, p.global_batch_size
+    if i and g == p.reference_batch_size:
+        return (
+            f"same run as lr_scaling={rules[0]}: the global batch {g} is the reference batch, "
+            "where every rule gives the base lr"
+        )
+    if s.samples_per_trial % g:
+        return (
+            f"search.samples_per_trial={s.samples_per_trial} is not a multiple of the global batch {g} "
+            "(every trial sees the same samples)"
+        )
+    if p.num_generations is not None and g % p.num_generations:
+        return (
+            f"the global batch {g} (completions) is not a multiple of num_generations={p.num_generations} "
+            "(every prompt's group is whole in one step)"
+        )
+    return ""
+
+
 def _judge_memory(spec: SearchSpec, job_dict: dict, points: list[Point], where: str) -> tuple[dict[int, dict], float]:
-    """Give each point its micro-batch's `MemoryPlan`, as the trials' workers will make it, and
-    mark the planned ones whose estimate exceeds the budget `infeasible` (`job_dict`: the base job,
-    `spec.job_dict()`, which the plan also keeps). Returns the estimates per micro-batch
-    (checkpointing off and on) and the smallest job's (micro-batch 1); refuses a budget below that."""
-    device = spec.planned_device  # the estimate is for the device the trials run on
-    budget = spec.budget
-    # A trial's spec carries the search budget as memory.budget_gib (trial_job_dict): plan with it.
-    budget_job = JobSpec.model_validate(
-        json.loads(json.dumps(job_dict)) | {"memory": {**job_dict["memory"], "budget_gib": budget}}
-    )
-    gc_mode = spec.memory.gradient_checkpointing
+    """Give each point the `MemoryPlan` of its micro-batch and beta, as the trials' workers will make
+    it, and mark the planned ones whose estimate exceeds the budget `infeasible` (`job_dict`: the base
+    job, `spec.job_dict()`, which the plan also keeps). Returns the estimates per micro-batch
+    (checkpointing off and on, the base job's) and the smallest job's (micro-batch 1); refuses a
+    budget below that."""
+    device, budget = spec.planned_device, spec.budget  # the estimate is for the device the trials run on
     try:
-        config = memory.config_from_spec(budget_job)
-        plans: dict[int, memory.MemoryPlan] = {}
-        mem: dict[int, dict] = {}
-        for m in sorted({p.micro_batch_size for p in points if p.micro_batch_size}):
-            plans[m] = memory.plan_for_spec(budget_job, device=device, micro_batch_size=m, config=config)
-            mem[m] = {
-                k: memory.estimate_for_spec(
-                    budget_job, micro_batch_size=m, gradient_checkpointing=gc, device=device, config=config
-                ).total_gib
-                for k, gc in (("off", False), ("on", True))
-            }
-        smallest = memory.estimate_for_spec(
-            budget_job, micro_batch_size=1, gradient_checkpointing=gc_mode is not False, device=device, config=config
-        ).total_gib
+        # A trial's spec carries the search budget as memory.budget_gib (trial_job_dict): plan with it.
+        base = _budget_job(job_dict, budget, None)
+        config = memory.config_from_spec(base)
+        plans = _plans(job_dict, budget, points, device, config)
+        mem = {m: _off_on(base, m, device, config) for m in sorted({k[0] for k in plans})}
+        smallest = min(_smallest(job, spec, device, config) for job in _variant_jobs(job_dict, budget, points))
     except ValueError as e:  # SpecError included: the field it names, prefixed with the spec's path
         raise SpecError(f"{where}: {e}") from None
-
-    if budget < smallest:
-        how = "with gradient checkpointing" if gc_mode is not False else "(memory.gradient_checkpointing=false)"
-        raise SpecError(
-            f"{where}: {_budget_key(spec)}={budget:g} is too small: even micro_batch_size=1 {how} needs "
-            f"{gib_str(smallest)} on {device} (jobs.memory estimate); the smallest budget that fits is "
-            f"{smallest_budget_str(smallest)} GiB"
-        )
-
+    _refuse_below_smallest(spec, budget, smallest, device, where)
     for p in points:
-        if not p.micro_batch_size:
-            continue
-        mp = plans[p.micro_batch_size]
-        p.estimate_off_gib, p.estimate_on_gib = mem[p.micro_batch_size]["off"], mem[p.micro_batch_size]["on"]
-        p.checkpoint_every_n_layers, p.estimate_gib = mp.checkpoint_every_n_layers, mp.total_gib
-        p.strategy, p.reshard_after_forward = mp.strategy, mp.reshard_after_forward
-        p.gradient_checkpointing = mp.checkpoint_every_n_layers > 0
-        if p.status == "planned" and not mp.fits:
-            p.status = "infeasible"
-            p.reason = (
-                f"estimate {gib_str(p.estimate_gib)} > budget {gib_str(budget)} "
-                f"({mp.strategy_str}, checkpointing {mp.checkpointing})"
-            )
+        if p.micro_batch_size:
+            _judge_point(p, plans[p.micro_batch_size, p.beta], mem[p.micro_batch_size], budget)
     return mem, smallest
+
+
+def _budget_job(job_dict: dict, budget: float, beta: float | None) -> JobSpec:
+    """The base job at the search budget, with `beta` (a searched one) as its objective.beta."""
+    d = json.loads(json.dumps(job_dict))
+    d["memory"] = {**d["memory"], "budget_gib": budget}
+    if beta is not None:
+        d["objective"]["beta"] = beta
+    return JobSpec.model_validate(d)
+
+
+def _variant_jobs(job_dict: dict, budget: float, points: list[Point]) -> list[JobSpec]:
+    """The budget job of every beta the points train with (one job when beta is not searched)."""
+    return [_budget_job(job_dict, budget, b) for b in sorted({p.beta for p in points}, key=lambda b: b or 0)]
+
+
+def _plans(job_dict: dict, budget: float, points: list[Point], device: str, config) -> dict:
+    """The `MemoryPlan` of each (micro-batch, beta) the points use."""
+    jobs = {b: _budget_job(job_dict, budget, b) for b in {p.beta for p in points}}
+    keys = {(p.micro_batch_size, p.beta) for p in points if p.micro_batch_size}
+    return {(m, b): memory.plan_for_spec(jobs[b], device=device, micro_batch_size=m, config=config) for m, b in keys}
+
+
+def _off_on(job: JobSpec, micro: int, device: str, config) -> dict:
+    """The estimate of `micro` with checkpointing off and on (the report's plot)."""
+    return {
+        k: memory.estimate_for_spec(
+            job, micro_batch_size=micro, gradient_checkpointing=gc, device=device, config=config
+        ).total_gib
+        for k, gc in (("off", False), ("on", True))
+    }
+
+
+def _smallest(job: JobSpec, spec: SearchSpec, device: str, config) -> float:
+    """The estimate of micro-batch 1 with checkpointing (unless it is off): the least memory a trial takes."""
+    gc = spec.memory.gradient_checkpointing is not False
+    return memory.estimate_for_spec(
+        job, micro_batch_size=1, gradient_checkpointing=gc, device=device, config=config
+    ).total_gib
+
+
+def _refuse_below_smallest(spec: SearchSpec, budget: float, smallest: float, device: str, where: str) -> None:
+    if budget >= smallest:
+        return
+    gc_mode = spec.memory.gradient_checkpointing
+    how = "with gradient checkpointing" if gc_mode is not False else "(memory.gradient_checkpointing=false)"
+    raise SpecError(
+        f"{where}: {_budget_key(spec)}={budget:g} is too small: even micro_batch_size=1 {how} needs "
+        f"{gib_str(smallest)} on {device} (jobs.memory estimate); the smallest budget that fits is "
+        f"{smallest_budget_str(smallest)} GiB"
+    )
+
+
+def _judge_point(p: Point, mp: memory.MemoryPlan, mem: dict, budget: float) -> None:
+    """Point `p` gets its plan's strategy, checkpointing and estimate; `infeasible` when it does not fit."""
+    p.estimate_off_gib, p.estimate_on_gib = mem["off"], mem["on"]
+    p.checkpoint_every_n_layers, p.estimate_gib = mp.checkpoint_every_n_layers, mp.total_gib
+    p.strategy, p.reshard_after_forward = mp.strategy, mp.reshard_after_forward
+    p.gradient_checkpointing = mp.checkpoint_every_n_layers > 0
+    if p.status == "planned" and not mp.fits:
+        p.status = "infeasible"
+        p.reason = (
+            f"estimate {gib_str(p.estimate_gib)} > budget {gib_str(budget)} "
+            f"({mp.strategy_str}, checkpointing {mp.checkpointing})"
+        )
 
 
 def _cadence(spec: SearchSpec, points: list[Point], where: str) -> tuple[int, int]:
@@ -366,6 +428,8 @@ def trial_job_dict(base: dict, p: dict, lr: float, out_dir: str, name: str, budg
     d["optim"].update(lr=float(lr), lr_scaling=p["lr_scaling"], reference_batch_size=p["reference_batch_size"])
     if p.get("beta") is not None:
         d["objective"]["beta"] = float(p["beta"])
+    if p.get("num_generations") is not None:
+        d["rollout"]["num_generations"] = int(p["num_generations"])
     # `auto` stays `auto`: under the same budget the trial's worker makes the very MemoryPlan
     # (`jobs.memory.plan_for_spec`) this point was judged with, selective every-k included.
     gc = "auto" if d["memory"].get("gradient_checkpointing") == "auto" else bool(p["gradient_checkpointing"])
@@ -396,6 +460,7 @@ def trial_name(base_name: str, trial_id: str) -> str:
 def describe(p: dict, lr: float) -> str:
     """One trial, for a log line."""
     beta = "" if p.get("beta") is None else f"beta {p['beta']:g}, "
+    beta += "" if p.get("num_generations") is None else f"num_generations {p['num_generations']}, "
     return (
         f"micro {p['micro_batch_size']} x accum {p['grad_accum_steps']} (global {p['global_batch_size']}), "
         f"lr {lr:.3g} {p['lr_scaling']}, {beta}{p.get('strategy') or 'ddp'}, "

@@ -23,7 +23,7 @@ import yaml
 
 from jobs.memory import checkpointing_str
 from jobs.run.outputs import write_json_atomic, write_text_atomic
-from jobs.spec import JobSpec
+from jobs.spec import JobSpec, reward_files, user_function
 
 from .plan import TIME_ATTR, Plan, gib_str
 from .spec import SearchSpec
@@ -54,12 +54,15 @@ COLUMNS = [
 RESULTS_CSV, RESULTS_JSON, RESULTS_TXT = "results.csv", "results.json", "results.txt"
 PLOT, BEST = "search.png", "best.yaml"
 # How the results table heads each metric's column.
-LABELS = {"eval_loss": "eval loss", "eval_rewards/accuracies": "eval acc"}
+LABELS = {"eval_loss": "eval loss", "eval_rewards/accuracies": "eval acc", "eval_reward": "eval reward"}
 
 
 def columns(plan: Plan) -> list[str]:
-    """results.csv's columns: `beta` where the objective has one, the search's metric beside eval_loss."""
+    """results.csv's columns: `beta` where the objective has one, `num_generations` where it samples
+    completions (GRPO), the search's metric beside eval_loss."""
     cols = list(COLUMNS)
+    if plan.has_generations:
+        cols.insert(cols.index("lr_scaling") + 1, "num_generations")
     if plan.has_beta:
         cols.insert(cols.index("lr_scaling") + 1, "beta")
     if plan.metric != "eval_loss":
@@ -95,6 +98,8 @@ def best_job_dict(raw: SearchSpec, best: dict) -> dict:
     )
     if best.get("beta") is not None:  # the beta the trial trained with, searched or the base job's
         d["objective"]["beta"] = best["beta"]
+    if best.get("num_generations") is not None:  # GRPO: the trial's completions per prompt
+        d["rollout"]["num_generations"] = best["num_generations"]
     # `auto` stays `auto` (with the budget): `rayft run` then picks the checkpointing the trial ran.
     gc = "auto" if d["memory"].get("gradient_checkpointing") == "auto" else bool(best["gradient_checkpointing"])
     d["memory"].update(gradient_checkpointing=gc, budget_gib=raw.budget)
@@ -102,10 +107,19 @@ def best_job_dict(raw: SearchSpec, best: dict) -> dict:
     d["run"].update(
         max_steps=best["steps"], epochs=None, output_dir=out if "{name}" in out else f"{out.rstrip('/')}/best-run"
     )
+    _rewards_resolved(raw, d)
     # Fault injection is for drills of the search itself, not part of the result.
     d["run"]["env"] = {k: v for k, v in d["run"]["env"].items() if k != "RAYFT_FAULT"}
     JobSpec.model_validate(d)  # a complete, valid job spec, or a bug here
     return d
+
+
+def _rewards_resolved(raw: SearchSpec, d: dict) -> None:
+    """A user reward file as an absolute path in job dict `d`: best.yaml lives in the output directory,
+    and a reward file is read relative to the spec file."""
+    for key, file in reward_files(raw):
+        entry = d["reward"]["functions"][int(key.split(".")[2])]
+        entry["fn"] = f"{Path(file).resolve()}:{user_function(entry['fn'])[1]}"
 
 
 def write_all(
@@ -155,6 +169,7 @@ def write_all(
     best_path = out / BEST
     if best is not None:
         beta = "" if best.get("beta") is None else f", beta {best['beta']:g}"
+        beta += "" if best.get("num_generations") is None else f", num_generations {best['num_generations']}"
         header = (
             f"# Best configuration of search {raw.name!r} (trial {best['trial_id']}): {value_str(plan, best)} "
             f"after {best['samples_seen']} samples; micro {best['micro_batch_size']} x "
@@ -171,12 +186,14 @@ def write_all(
 
 def value_str(plan: Plan, row: dict) -> str:
     """The best trial's value, as the header of best.yaml and the CLI's last line give it:
-    `eval_loss 1.2345`, or `eval_rewards/accuracies 0.7500 (highest; eval_loss 0.6931)`."""
+    `eval_loss 1.2345`, `eval_rewards/accuracies 0.7500 (highest; eval_loss 0.6931)`, or GRPO's
+    `eval_reward 0.4200 (highest)` (it has no held-out loss)."""
     text = f"{plan.metric} {row[plan.metric]:.4f}"
     if plan.metric == "eval_loss":
         return text
     best = "highest" if plan.mode == "max" else "lowest"
-    return f"{text} ({best}; eval_loss {_fmt(row.get('eval_loss'), '.4f')})"
+    loss = row.get("eval_loss")
+    return f"{text} ({best})" if loss is None else f"{text} ({best}; eval_loss {_fmt(loss, '.4f')})"
 
 
 def _fmt(x, spec: str) -> str:
@@ -192,6 +209,7 @@ def results_table(rows: list[dict], name: str, plan: Plan):
         f"budget {gib_str(plan.budget_gib)} on {plan.device}"
     )
     beta = ["beta"] if plan.has_beta else []
+    beta += ["gens"] if plan.has_generations else []
     metric = [] if plan.metric == "eval_loss" else [LABELS[plan.metric]]
     for col in (
         "trial",
@@ -222,6 +240,7 @@ def results_table(rows: list[dict], name: str, plan: Plan):
     }
     for r in rows:
         beta = [_fmt(r.get("beta"), "g")] if plan.has_beta else []
+        beta += [_fmt(r.get("num_generations"), "d")] if plan.has_generations else []
         metric = [] if plan.metric == "eval_loss" else [_fmt(r.get(plan.metric), ".4f")]
         t.add_row(
             r["trial_id"] or "-",

@@ -17,8 +17,9 @@ again, resuming from its newest checkpoint. Past that, the trial is an error tha
 and the search goes on.
 
 Workers report every eval; `forward_metrics` turns optimizer steps into samples seen (ASHA's
-time attribute), passes on the search's metric (`search.metric`: the job's `eval_loss`, or its
-`eval_rewards/accuracies` for a preference objective) and holds the final step back for the
+time attribute), passes on the search's metric (`search.metric`: the job's `eval_loss`, its
+`eval_rewards/accuracies` for a preference objective, or GRPO's held-out mean reward `eval_reward`)
+and holds the final step back for the
 trial function, which reports it once the job's outputs exist. Trials at once: what the
 cluster holds (`concurrency`).
 """
@@ -55,6 +56,7 @@ from .plan import (
     trial_name,
 )
 from .spec import SearchSpec
+from .storage import in_store
 
 log = logging.getLogger("rayft")
 
@@ -205,8 +207,8 @@ def final_value(summary: dict, out: Path, metric: str, max_steps: int) -> float 
         return value
     from jobs.run.outputs import read_metrics
 
-    last = [r for r in read_metrics(out) if r.get("step") == max_steps and r.get(metric) is not None]
-    return last[-1][metric] if last else None
+    last = [r.value(metric) for r in read_metrics(out) if r.step == max_steps and r.value(metric) is not None]
+    return last[-1] if last else None
 
 
 def _fit(spec: JobSpec, p: dict, out: Path, node_retries: int, metric: str = "eval_loss") -> None:
@@ -422,7 +424,7 @@ def run_search(
     )
     grid = _fit_quietly(tuner)
     interrupted = grid.num_terminated + grid.num_errors < len(grid)
-    rows = collect_rows(plan, grid, out)
+    rows = in_store(spec, collect_rows(plan, grid, out))  # a search into a store: the trials named there
     best = report.pick_best(rows, plan.samples_per_trial, plan.metric, plan.mode)
     files = report.write_all(out, raw_spec, plan, rows, best, notes, interrupted=interrupted)
     return Outcome(rows, best, interrupted, resumed, files, notes)
@@ -591,8 +593,8 @@ def _trial_row(plan: Plan, res, out: Path) -> dict | None:
     m = dict(res.metrics or {})
     status, reason, m, samples = _trial_verdict(res, read_json(tdir / STATUS_FILE) or {}, m, int(m.get(TIME_ATTR) or 0))
     gbs = p["global_batch_size"]
-    recs = [x for x in read_metrics(tdir) if x.get("step", 0) * gbs <= samples] if samples else []
-    tps = [x["tokens_per_s"] for x in recs if x.get("tokens_per_s")]
+    recs = [x for x in read_metrics(tdir) if x.step * gbs <= samples] if samples else []
+    tps = [x.tokens_per_s for x in recs if x.tokens_per_s]
     starts = (tdir / STARTS_FILE).read_text().splitlines() if (tdir / STARTS_FILE).exists() else []
     reported = status in ("finished", "stopped")
     return (
@@ -604,7 +606,7 @@ def _trial_row(plan: Plan, res, out: Path) -> dict | None:
             "estimate_gib": p["estimate_gib"],
             "budget_gib": plan.budget_gib,
             "samples_seen": samples,
-            "tokens_seen": m.get("tokens_seen") or (sum(x.get("tokens", 0) for x in recs) or None),
+            "tokens_seen": m.get("tokens_seen") or (sum(x.tokens for x in recs) or None),
             "steps": samples // gbs if samples else 0,
             "eval_loss": m.get("eval_loss") if reported else None,
             "tokens_per_s": m.get("tokens_per_s")
@@ -619,7 +621,8 @@ def _trial_row(plan: Plan, res, out: Path) -> dict | None:
 
 
 def _searched(plan: Plan, point: dict, value: float | None) -> dict:
-    """A row's beta (preference objectives: the one the trial trains with) and its value of the search's
-    metric (beside eval_loss, which every row has)."""
+    """A row's beta and num_generations (where the objective has them: the ones the trial trains with)
+    and its value of the search's metric (beside eval_loss, which every row has)."""
     extra = {"beta": plan.beta_of(point)} if plan.has_beta else {}
+    extra |= {"num_generations": plan.generations_of(point)} if plan.has_generations else {}
     return extra | ({} if plan.metric == "eval_loss" else {plan.metric: value})

@@ -5,11 +5,13 @@ docstring per field, one-line errors that name the field path, exit code 2). Eve
 outside `search` is the base job every trial starts from; a trial overrides only the batch
 split, the learning rate and its scaling rule, checkpointing and the step/eval cadence.
 
-A trial of a preference objective may also carry its own `objective.beta` (`search.beta`: a
-grid dimension beside the batch split and the lr rule), and trials are compared on
-`search.metric`: the eval loss (lowest wins) or TRL's held-out preference accuracy
-`eval_rewards/accuracies` (highest wins). Eval losses at different beta are not comparable (every
-preference loss changes with beta), so a search over several betas must compare on accuracy.
+A trial of a preference objective or of `grpo` may also carry its own `objective.beta`
+(`search.beta`: a grid dimension beside the batch split and the lr rule), a `grpo` trial its own
+`rollout.num_generations` (`search.num_generations`), and trials are compared on `search.metric`,
+a held-out number the objective reports (default: the objective's own): the eval loss (lowest
+wins), TRL's held-out preference accuracy `eval_rewards/accuracies` (highest wins), or GRPO's
+held-out mean reward `eval_reward` (highest wins). Eval losses at different beta are not comparable
+(every preference loss changes with beta), so a search over several betas must compare on accuracy.
 
 Two modes:
 
@@ -25,17 +27,19 @@ Two modes:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from jobs.errors import SpecError
-from jobs.spec import Beta, JobSpec, SpecSection, apply_overrides, check_files, read_yaml, validate
+from jobs.spec import JobSpec, SpecSection, apply_overrides, check_files, read_yaml, rewards_beside, validate
 
 Rule = Literal["none", "linear", "sqrt"]
-Metric = Literal["eval_loss", "eval_rewards/accuracies"]
-# How trials compare on each metric: the lowest eval loss wins, the highest preference accuracy.
-METRIC_MODES = {"eval_loss": "min", "eval_rewards/accuracies": "max"}
+Metric = Literal["eval_loss", "eval_rewards/accuracies", "eval_reward"]
+# How trials compare on each metric: the lowest eval loss wins, the highest preference accuracy,
+# the highest held-out mean reward (GRPO).
+METRIC_MODES = {"eval_loss": "min", "eval_rewards/accuracies": "max", "eval_reward": "max"}
 
 
 class _Section(SpecSection):
@@ -95,16 +99,23 @@ class SearchSection(_Section):
     the trial function plus its workers' CPUs (and GPUs)."""
     seed: int | None = None
     """Seed of the learning-rate sampler; default `run.seed`."""
-    beta: list[Beta] | None = None  # each within objective.beta's own bounds (`jobs.spec.Beta`)
-    """Preference objectives with a beta (dpo, ipo, simpo, orpo) only: `objective.beta` values to try, a grid
-    dimension beside accumulation and the lr rule (default: the base job's `objective.beta`). More than
-    one needs `search.metric: eval_rewards/accuracies` (eval losses at different beta are not comparable)."""
-    metric: Metric = "eval_loss"
-    """What trials are compared on (ASHA's rungs and the best trial): `eval_loss` (lowest wins) or, for a
-    preference objective, TRL's `eval_rewards/accuracies`, the held-out fraction of pairs whose chosen
-    response gets the higher reward (highest wins; it does not depend on beta)."""
+    beta: list[float] | None = None  # each within objective.beta's own bounds (checked by SearchSpec)
+    """Objectives with a beta (dpo, ipo, simpo, orpo: > 0; grpo: the KL coefficient, >= 0, 0 = no
+    reference forward): `objective.beta` values to try, a grid dimension beside accumulation and the lr
+    rule (default: the base job's `objective.beta`). For a preference objective more than one needs
+    `search.metric: eval_rewards/accuracies` (eval losses at different beta are not comparable)."""
+    num_generations: list[int] | None = None  # each within rollout.num_generations' bounds (>= 2)
+    """`grpo` only: `rollout.num_generations` values to try (completions per prompt), a grid dimension
+    beside beta; a value that does not divide a point's global batch (completions) skips that point,
+    saying why (default: the base job's `rollout.num_generations`)."""
+    metric: Metric | None = None
+    """What trials are compared on (ASHA's rungs and the best trial), a held-out number the objective
+    reports; default the objective's own: `eval_loss` (lowest wins) for sft and the preference objectives,
+    `eval_reward` (GRPO's held-out mean reward of one greedy completion per prompt, highest wins) for
+    grpo. A preference objective may compare on TRL's `eval_rewards/accuracies`, the held-out fraction of
+    pairs whose chosen response gets the higher reward (highest wins; it does not depend on beta)."""
 
-    @field_validator("grad_accum_steps", "micro_batch_size")
+    @field_validator("grad_accum_steps", "micro_batch_size", "num_generations")
     @classmethod
     def _positive_unique(cls, v: list[int] | None) -> list[int] | None:
         if v is None:
@@ -132,7 +143,12 @@ class SearchSection(_Section):
     @property
     def mode_of_metric(self) -> str:
         """ "min" or "max": how trials compare on `metric`."""
-        return METRIC_MODES[self.metric]
+        return METRIC_MODES[self.metric_name]
+
+    @property
+    def metric_name(self) -> str:
+        """`metric`, resolved (SearchSpec sets the objective's own where it was left out)."""
+        return self.metric or "eval_loss"
 
     @field_validator("lr_scaling")
     @classmethod
@@ -166,7 +182,7 @@ class SearchSpec(JobSpec):
         held_out = self.data.eval_path or any(src.eval_path for src in self.data.mix or [])
         if not held_out and self.data.eval_fraction <= 0:
             raise ValueError(
-                "data.eval_path: the search compares trials on eval loss: set data.eval_path or data.eval_fraction"
+                "data.eval_path: the search compares trials on held-out data: set data.eval_path or data.eval_fraction"
             )
         if self.run.epochs is not None or self.run.max_steps is not None:
             raise ValueError(
@@ -187,22 +203,45 @@ class SearchSpec(JobSpec):
         return self
 
     def _objective_consistent(self) -> None:
-        """`search.beta` and `search.metric` against the base job's objective."""
+        """`search.beta`, `search.num_generations` and `search.metric` against the base job's objective."""
         s, obj = self.search, self.objective
-        if s.beta is not None and obj.value("beta") is None:
+        if s.metric is None:  # the objective's own held-out metric; dumped resolved (the resume fingerprint)
+            object.__setattr__(s, "metric", obj.held_out_metric)
+        if s.metric not in obj.held_out_metrics:
             raise ValueError(
-                f"search.beta: objective.name={obj.name} has no beta (search it with dpo, ipo, simpo or orpo)"
+                f"search.metric={s.metric}: objective.name={obj.name} reports "
+                f"{' or '.join(obj.held_out_metrics)} on held-out data"
             )
-        if s.metric != "eval_loss" and not obj.is_preference:
+        self._betas_apply()
+        self._generations_apply()
+
+    def _betas_apply(self) -> None:
+        """`search.beta`: the objective takes a beta, each value within its bounds, comparable metric."""
+        s, obj = self.search, self.objective
+        if s.beta is None:
+            return
+        if obj.value("beta") is None:
             raise ValueError(
-                f"search.metric={s.metric}: only for preference objectives (objective.name={obj.name} "
-                "reports eval_loss)"
+                f"search.beta: objective.name={obj.name} has no beta (search it with dpo, ipo, simpo, orpo or grpo)"
             )
-        if s.beta is not None and len(s.beta) > 1 and s.metric == "eval_loss":
+        _each_valid(obj, "beta", s.beta, "search.beta")
+        if len(s.beta) > 1 and s.metric == "eval_loss":
             raise ValueError(
                 "search.beta: eval losses at different beta are not comparable (the preference loss "
                 "changes with beta); compare the trials on search.metric=eval_rewards/accuracies"
             )
+
+    def _generations_apply(self) -> None:
+        """`search.num_generations`: grpo only, each value a valid `rollout.num_generations`."""
+        s = self.search
+        if s.num_generations is None:
+            return
+        if self.rollout is None:
+            raise ValueError(
+                f"search.num_generations: objective.name={self.objective.name} samples no completions "
+                "(search it with grpo)"
+            )
+        _each_valid(self.rollout, "num_generations", s.num_generations, "search.num_generations")
 
     @property
     def budget(self) -> float:
@@ -220,6 +259,16 @@ class SearchSpec(JobSpec):
         return JobSpec.model_validate(self.job_dict())
 
 
+def _each_valid(section: BaseModel, key: str, values: list, path: str) -> None:
+    """Each of `values` as `section`'s `key` passes that section's own validation (its bounds), or one
+    ValueError naming `path.i`."""
+    for i, v in enumerate(values):
+        try:
+            type(section).model_validate(section.model_dump() | {key: v})
+        except ValidationError as e:
+            raise ValueError(f"{path}.{i}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+
+
 def load_search_spec(
     path=None, overrides: list[str] | None = None, *, data: dict | None = None, files: bool = True
 ) -> SearchSpec:
@@ -233,6 +282,8 @@ def load_search_spec(
             "`search` section; see examples/tune-accum.yaml)"
         )
     spec = validate(raw, where, model=SearchSpec)
+    if path is not None:  # a reward file `FILE.py:NAME` is beside the spec file, as for a job spec
+        spec = rewards_beside(spec, Path(path).parent)
     if files:
         check_files(spec, where)
     return spec

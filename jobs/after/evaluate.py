@@ -16,8 +16,10 @@ import torch
 
 from jobs.data import chat_prompt_ids, encode_prompt, read_jsonl
 from jobs.model.loading import load_base_model, without_peft_alias_notice
-from jobs.run import runlock
-from jobs.run.outputs import claim_output_dir, write_json_atomic
+from jobs.run import mirror, run_hold
+from jobs.run.outputs import check_output_dir, claim_output_dir, write_json_atomic
+from jobs.run.remote_run import fetch, local_run
+from jobs.run.storage import is_uri
 from jobs.spec import JobSpec, SpecError
 
 
@@ -64,17 +66,29 @@ def evaluate(spec: JobSpec, adapter_dir: Path | None = None, max_new_tokens: int
     spec also preference accuracy, margins and rewards (`jobs.after.evaluate_preference`); for an
     online-RL spec the held-out reward of greedy answers (`jobs.after.evaluate_rl`). By the kind
     of record the objective trains on."""
-    adapter_dir = Path(adapter_dir or spec.output_path / "adapter")
+    adapter_dir = local_run(adapter_dir) if adapter_dir else _run_adapter(spec)
     result = _BY_RECORDS[spec.objective.records](spec, adapter_dir, max_new_tokens)
-    # Written under the run's lock (jobs.run.runlock), taken only now: the evaluation reads, and a run
-    # may start meanwhile; a run that holds the directory refuses this write in one line.
-    runlock.acquire(spec.output_path)
+    # Written under the run's hold (jobs.run.run_hold: the local lock, and a bucket's lease), taken
+    # only now: the evaluation reads, and a run may start meanwhile; a run that holds the directory
+    # refuses this write in one line. A run in a bucket gets eval.json there too.
+    if is_uri(spec.output_location):  # the prefix: rayft's own (with --adapter, any prefix may be named)
+        check_output_dir(spec.output_location)
+    run_hold.hold(spec)
     try:
         out = claim_output_dir(spec.output_path, name=spec.name)  # a later `rayft run` may use it too
         write_json_atomic(out / "eval.json", result)
+        mirror.claim(spec)
+        mirror.push_file(spec, "eval.json")
     finally:
-        runlock.release(spec.output_path)
+        run_hold.let_go(spec)
     return result
+
+
+def _run_adapter(spec: JobSpec) -> Path:
+    """The run's adapter: `<output_dir>/adapter`, fetched first when the run is in a bucket."""
+    if is_uri(spec.output_location):
+        return fetch(spec.output_location) / "adapter"
+    return spec.output_path / "adapter"
 
 
 def _evaluate_pairs(spec: JobSpec, adapter_dir: Path, max_new_tokens: int) -> dict:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from jobs.errors import UserError
-from jobs.model.loading import no_save_progress_bar, without_peft_alias_notice
+from jobs.model.loading import no_save_progress_bar, quiet_unused_bitsandbytes, without_peft_alias_notice
 from jobs.run import save_check
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,19 +99,22 @@ def _readme(base: str, adapter_dir: Path, merged: bool, dtype: str) -> str:
 
 
 def _quiet() -> None:
-    """These commands print their own lines: no per-tensor loading bars (PEFT's alias notice:
-    `without_peft_alias_notice` where the adapter is loaded)."""
+    """These commands print their own lines: no per-tensor loading bars, and no bitsandbytes notice
+    about CPU kernels (PEFT imports bitsandbytes; nothing here loads a quantized base, so
+    `quiet_unused_bitsandbytes(False)`). Called before PEFT is imported, where that notice comes.
+    PEFT's alias notice: `without_peft_alias_notice` where the adapter is loaded."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    quiet_unused_bitsandbytes(False)
 
 
 def load_adapted(adapter_dir: Path, dtype: torch.dtype = torch.float32):
     """(PeftModel over its base, tokenizer) for `adapter_dir`, in eval mode."""
+    _quiet()
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _quiet()
     base = base_of(adapter_dir)
     try:
         base_model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)

@@ -146,7 +146,7 @@ def tokenizer_hash(tokenizer) -> str:
 def data_kind(spec: JobSpec) -> str:
     """The kind of record the objective trains on (its spec class says): `PAIRS` for a preference
     objective (its samples are `Pair`s), else `SFT`."""
-    offline_only(spec, "the data cache")  # GRPO reads its prompts itself (`jobs.data.prompts`)
+    offline_only(spec, "data cache")  # GRPO reads its prompts itself (`jobs.data.prompts`)
     kind = spec.objective.records
     assert kind in (SFT, PAIRS)
     return kind

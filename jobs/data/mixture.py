@@ -35,13 +35,16 @@ import math
 import random
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from jobs.data.batches import GlobalBatches, count_labels
 from jobs.data.cache import Dataset
 from jobs.errors import SpecError
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
 
 class Sampler(Protocol):
@@ -181,7 +184,7 @@ def check_every_source_sampled(batches: Sampler, data: Dataset, steps: int) -> N
             )
 
 
-def batches_for(spec, data) -> Sampler:
+def batches_for(spec: JobSpec, data) -> Sampler:
     """The run's global-batch sequence: by weight over the sources for a mixture (`data.sources`),
     else `GlobalBatches` over the one dataset."""
     if data.sources:

@@ -35,6 +35,9 @@ from jobs.spec import JobSpec
 
 HISTOGRAM_BINS = 10  # at most; bins are equal ranges of sequence length ending at max_seq_len
 DROP_NO_LABEL = "no_label"  # an SFT record left without a label token after truncation
+DROP_TOO_LONG = "too_long"  # a prompt leaving no room for a completion (`jobs.data.prompts`)
+PROMPTS = "prompts"  # the records of online RL (`ObjectiveSection.records`)
+DROP_REASONS = {PAIRS: (DROP_EMPTY, DROP_IDENTICAL), PROMPTS: (DROP_TOO_LONG,)}
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,16 @@ class SplitStats:
         if isinstance(sample, Pair):
             for f in PAIR_FIELDS:
                 self.field_tokens[f] = self.field_tokens.get(f, 0) + len(getattr(sample, f))
+        self._length(n)
+
+    def add_prompt(self, n_tokens: int) -> None:
+        """A kept online-RL prompt of `n_tokens`: context generation starts from, no label."""
+        self.records += 1
+        self.kept += 1
+        self.tokens += n_tokens
+        self._length(n_tokens)
+
+    def _length(self, n: int) -> None:
         self.seq_len_min = n if self.seq_len_min is None else min(self.seq_len_min, n)
         self.seq_len_max = n if self.seq_len_max is None else max(self.seq_len_max, n)
         self.seq_len_sum += n
@@ -143,7 +156,7 @@ class SplitStats:
         )
 
     def to_dict(self, kind: str) -> dict:
-        reasons = (DROP_EMPTY, DROP_IDENTICAL) if kind == PAIRS else (DROP_NO_LABEL,)
+        reasons = DROP_REASONS.get(kind, (DROP_NO_LABEL,))
         out = {
             "records": self.records,
             "kept": self.kept,

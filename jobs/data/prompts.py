@@ -43,6 +43,7 @@ class PromptSet:
     columns: list[dict] = field(default_factory=list)
     conversational: bool = False
     dropped: int = 0  # records whose prompt leaves no room for a completion
+    where: list[str] = field(default_factory=list)  # the file and line (or row) of each kept prompt
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -142,6 +143,7 @@ def read_prompts(spec: JobSpec, tokenizer, records: list[tuple[str, dict]] | Non
         out.ids.append(ids)
         out.prompts.append(rec[PROMPT])
         out.columns.append({k: v for k, v in rec.items() if k != PROMPT})
+        out.where.append(where)
     return out
 
 

@@ -17,6 +17,7 @@ import ray
 
 from jobs.errors import NodeLost, peer_gone, unreachable_workers, worker_error
 from jobs.run import runlock
+from jobs.run.step_record import StepRecord
 from jobs.spec import JobSpec
 
 log = logging.getLogger("rayft")
@@ -29,7 +30,7 @@ class ProgressActor:
     (`node_lost`). Holds no GPU or CPU."""
 
     def __init__(self):
-        self.records: list[dict] = []
+        self.records: list[StepRecord] = []
         self.nodes: dict[int, tuple[str, str]] = {}  # world rank -> (node id, node ip), newest start
 
     def placed(self, rank: int, node_id: str, node_ip: str) -> None:
@@ -38,10 +39,10 @@ class ProgressActor:
     def placement(self) -> dict[int, tuple[str, str]]:
         return dict(self.nodes)
 
-    def put(self, record: dict) -> None:
+    def put(self, record: StepRecord) -> None:
         self.records.append(record)
 
-    def since(self, n: int) -> list[dict]:
+    def since(self, n: int) -> list[StepRecord]:
         return self.records[n:]
 
 
@@ -158,6 +159,9 @@ RAY_NOISE = (
     # object store, and the core worker logs that combination at error level every run
     # (ray-project/ray#53727): the watcher works; nothing is wrong.
     ("core_worker.cc", "Actor with class name: 'PreemptionWatcher'", "max_restarts > 0"),
+    # After a node is lost, the GCS cannot return the placement group's bundles on that node and
+    # says so once its retries end, after rayft's own verdict (which names the lost node).
+    ("Failed to remove", "bundle(s) for placement group", "max retry count is reached"),
 )
 
 
@@ -266,7 +270,11 @@ def make_trainer(spec: JobSpec, *, resume: bool = True, progress=None, relay=Non
 
 
 def run_on_ray(
-    spec: JobSpec, *, address: str | None = None, resume: bool = True, on_progress: Callable[[dict], None] | None = None
+    spec: JobSpec,
+    *,
+    address: str | None = None,
+    resume: bool = True,
+    on_progress: Callable[[StepRecord], None] | None = None,
 ) -> dict:
     """Train `spec` on Ray; returns summary.json's content. Blocks until the run ends."""
     from jobs.run.outputs import SUMMARY

@@ -17,6 +17,7 @@ The modules, one role each, each importing only those above it:
 
     shapes         the shape algebra: ModelShape, parameter counts and shapes, quantized and sharded bytes
     replay         the op-by-op replay of a decoder layer's forward (`Walk`): the saved activations
+    generation     online RL's generation (`HFEngine`): the KV cache, prefill, sampler; the generation batch
     components     `estimate()`: the named components of one micro-step (MemoryEstimate)
     config_io      the I/O boundary: `config_from_spec` reads a model config from disk or the hub
     choices        the plan's rules: strategy choices, checkpointing, `choose_plan`
@@ -24,7 +25,7 @@ The modules, one role each, each importing only those above it:
     plan           MemoryPlan, `plan_for_spec`, `estimate_for_spec`
     tables         the report tables: `plan_table`, `strategy_table`, `feasible_pairs`, `smallest_budget_gib`
 
-shapes, replay, components, choices and spec_estimate are pure: they compute from a config
+shapes, replay, generation, components, choices and spec_estimate are pure: they compute from a config
 object already in memory and do no I/O. Only `config_io` reads (a local directory, the hub with
 the token `model.hf_token_env` names, or a GGUF file's metadata); the entry points that take a
 spec (`plan_for_spec`, `estimate_for_spec`, the tables) call it when their caller passes no
@@ -34,7 +35,9 @@ Checked on CPU by tests/unit/memory/test_memory.py (saved bytes to 1%, the forwa
 op-allocated storages to 10%) and on an H200 against `torch.cuda.max_memory_allocated` by
 bench/gpu_memory.py and bench/gpu_compare.py (bench/results/gpu-2026-12-04-nvidia-h200/: 31
 combinations and 5 eager training rows of the 1B and 8B shapes, bf16 and nf4, within 0.04%;
-tests/unit/memory/test_memory_gpu_results.py recomputes them). `framework_overhead` (CUDA context,
+tests/unit/memory/test_memory_gpu_results.py recomputes them). Generation (online RL) is checked on
+CPU against `HFEngine.generate` (tests/unit/memory/test_generation_memory.py: the KV cache exactly,
+the peak to -0.4% .. +6.4%), not yet on a GPU. `framework_overhead` (CUDA context,
 allocator slack) is a documented constant, not measured by either.
 """
 
@@ -56,6 +59,7 @@ from jobs.memory.components import (
     COMPONENT_ORDER,
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
+    GENERATION_COMPONENTS,
     NCCL_BUFFER_BYTES,
     REFERENCE_COMPONENTS,
     REFERENCES,
@@ -65,6 +69,15 @@ from jobs.memory.components import (
     estimate,
 )
 from jobs.memory.config_io import config_from_spec
+from jobs.memory.generation import (
+    OLD_LOGPROBS_ROWS,
+    Generation,
+    GenerationTerms,
+    Rollout,
+    choose_generation_batch,
+    generation_terms,
+    kv_cache_bytes,
+)
 from jobs.memory.plan import MemoryPlan, estimate_for_spec, plan_budget_gib, plan_for_spec
 from jobs.memory.shapes import (
     DTYPE_BYTES,
@@ -87,7 +100,14 @@ from jobs.memory.shapes import (
     model_shape,
     quantized_bytes,
 )
-from jobs.memory.spec_estimate import SpecEstimator, spec_grad_accum_steps, spec_objective, spec_precision, spec_seq_len
+from jobs.memory.spec_estimate import (
+    SpecEstimator,
+    spec_grad_accum_steps,
+    spec_objective,
+    spec_precision,
+    spec_rollout,
+    spec_seq_len,
+)
 from jobs.memory.tables import choose_plan_from_table, feasible_pairs, plan_table, smallest_budget_gib, strategy_table
 
 __all__ = [
@@ -102,11 +122,13 @@ __all__ = [
     "CUDA_CONTEXT_BYTES",
     "DTYPE_BYTES",
     "FP32_BYTES",
+    "GENERATION_COMPONENTS",
     "GIB",
     "INDEX_BYTES",
     "LLAMA_FAMILY",
     "MIB",
     "NCCL_BUFFER_BYTES",
+    "OLD_LOGPROBS_ROWS",
     "NF4_BLOCK",
     "NF4_CODE_BYTES",
     "NF4_CONST_BLOCK",
@@ -116,14 +138,18 @@ __all__ = [
     "REFERENCE_COMPONENTS",
     "STRATEGIES",
     "TRANSIENT_COMPONENTS",
+    "Generation",
+    "GenerationTerms",
     "MemoryEstimate",
     "MemoryPlan",
     "ModelShape",
+    "Rollout",
     "SpecEstimator",
     "base_param_shapes",
     "checkpointing_candidates",
     "checkpointing_str",
     "choose_checkpointing_every",
+    "choose_generation_batch",
     "choose_plan",
     "choose_plan_from_table",
     "config_from_spec",
@@ -133,6 +159,8 @@ __all__ = [
     "estimate_for_spec",
     "feasible_pairs",
     "fsdp_unit_shapes",
+    "generation_terms",
+    "kv_cache_bytes",
     "lora_param_shapes",
     "model_shape",
     "plan_budget_gib",
@@ -143,6 +171,7 @@ __all__ = [
     "spec_grad_accum_steps",
     "spec_objective",
     "spec_precision",
+    "spec_rollout",
     "spec_seq_len",
     "strategy_choices",
     "strategy_str",

@@ -15,6 +15,11 @@ tokens, as the SFT head does. DPO and IPO with `reference: adapter_off` first ru
 forward (no grad, eval mode: nothing saved) before the policy's: a third transient, and the only
 one that never meets the step's activations (`BEFORE_FORWARD_COMPONENTS`).
 
+Online RL (`rollout`: GRPO): generation (`generation.generation_terms`: the KV cache, the prefill,
+the sampler, the LoRA weights' compute-dtype copies) and, with `num_iterations` > 1, the trainer's
+old-log-probability forward run before the window, never beside a backward: two more transients
+before the forward, weighed against the training peak, never added to it.
+
 Pure: a function of a model config object (or a `ModelShape`) and numbers; no I/O, no torch.
 """
 
@@ -24,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobs.memory.generation import Rollout, choose_generation_batch, generation_terms
 from jobs.memory.shapes import (
     DTYPE_BYTES,
     GIB,
@@ -35,7 +41,16 @@ from jobs.memory.shapes import (
     lora_targets,
     model_shape,
 )
-from jobs.memory.terms import Step, activations, frozen_base, layer_backward, loss_head, reference_forward, static
+from jobs.memory.terms import (
+    Step,
+    activations,
+    frozen_base,
+    layer_backward,
+    loss_head,
+    old_logprobs_forward,
+    reference_forward,
+    static,
+)
 from jobs.spec import DEFAULT_TARGET_MODULES
 
 # CUDA context (driver, kernels of torch/cuBLAS/cuDNN loaded lazily) as seen by nvidia-smi on
@@ -57,8 +72,8 @@ ALLOCATOR_SLACK_FRACTION = 0.08
 # Components whose peaks happen at different moments of the micro-step: the total adds the
 # largest of them, not their sum. Those of `BEFORE_FORWARD_COMPONENTS` come before the forward,
 # when no activation of the micro-step exists yet.
-TRANSIENT_COMPONENTS = ("logits_loss", "layer_backward", "reference_forward")
-BEFORE_FORWARD_COMPONENTS = ("reference_forward",)
+TRANSIENT_COMPONENTS = ("logits_loss", "layer_backward", "reference_forward", "generation", "old_logprobs_forward")
+BEFORE_FORWARD_COMPONENTS = ("reference_forward", "generation", "old_logprobs_forward")
 COMPONENT_ORDER = (
     "frozen_weights",
     "lora_weights",
@@ -76,6 +91,9 @@ COMPONENT_ORDER = (
 
 # Components a spec has only with a preference objective's reference (not in every estimate).
 REFERENCE_COMPONENTS = ("reference_adapter", "reference_forward")
+# Components a spec has only with online RL: generation in-process (`rollout.engine: hf`), and the
+# old-log-probability forward (`objective.num_iterations` > 1).
+GENERATION_COMPONENTS = ("generation", "old_logprobs_forward")
 _TABLE_ORDER = (
     "frozen_weights",
     "lora_weights",
@@ -87,6 +105,8 @@ _TABLE_ORDER = (
     "fsdp_gathered",
     "cublas_workspace",
     "activations",
+    "generation",
+    "old_logprobs_forward",
     "reference_forward",
     "logits_loss",
     "layer_backward",
@@ -112,9 +132,16 @@ class MemoryEstimate:
     details: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def static_bytes(self) -> int:
+        """What lives through the whole step: every component but the transients, the activations
+        and `framework_overhead`."""
+        skip = TRANSIENT_COMPONENTS + ("activations", "framework_overhead")
+        return sum(v for k, v in self.components.items() if k not in skip)
+
+    @property
     def peak_allocated_bytes(self) -> int:
         c = self.components
-        static = sum(v for k, v in c.items() if k not in TRANSIENT_COMPONENTS + ("activations", "framework_overhead"))
+        static = self.static_bytes
         during = c.get("activations", 0) + max(
             (c.get(k, 0) for k in TRANSIENT_COMPONENTS if k not in BEFORE_FORWARD_COMPONENTS), default=0
         )
@@ -170,6 +197,7 @@ def estimate(
     reference_adapter: bool = False,
     compiled: bool = False,
     compiled_head: bool | None = None,
+    rollout: Rollout | None = None,
 ) -> MemoryEstimate:
     """Per-GPU memory of one micro-step of LoRA training, as named components in bytes.
 
@@ -211,6 +239,12 @@ def estimate(
     for backward (`replay.Walk`), and an SFT loss head off FSDP runs compiled too
     (`jobs.objectives.sft.compiled_head_loss`): its logits stay in the compute dtype (`loss_head`).
     `compiled_head` overrides that last rule (the H200 rows of compiled layers with an eager head).
+
+    `rollout` (online RL): generation in-process adds `generation`, the peak of one generation
+    batch (`generation.generation_terms`) -- of `rollout.batch_size` rows, or else of the largest
+    batch whose peak stays within the training peak (`choose_generation_batch`), written to
+    `details["generation"]` -- and `num_iterations` > 1 adds `old_logprobs_forward`; both come
+    before the forward (`BEFORE_FORWARD_COMPONENTS`).
     """
     _check_arguments(
         base_dtype=base_dtype,
@@ -276,6 +310,10 @@ def estimate(
     components["layer_backward"] = layer_backward(step, acts, checkpoint_every_n_layers, frozen.largest_quantized)
     if reference == "adapter_off":
         components["reference_forward"] = reference_forward(step, loss, frozen.largest_quantized)
+    generated: dict[str, int] = {}
+    if rollout is not None:
+        lora_params = count_lora_params(shape, lora_r, step.targets, dora=lora_dora)
+        generated = rollout_components(step, rollout, components, lora_params, frozen.largest_quantized)
     components["framework_overhead"] = framework_overhead(components, device, world_size)
     details = {
         "params": count_base_params(shape),
@@ -303,8 +341,36 @@ def estimate(
         "decoder_saved_bytes": acts.decoder_saved_bytes,
         "held_mask_bytes": acts.held_mask_bytes,
         "loss_saved_bytes": loss.saved_bytes,
+        "generation": generated or None,
     }
     return MemoryEstimate({k: int(v) for k, v in components.items()}, details)
+
+
+def rollout_components(
+    step: Step, rollout: Rollout, components: dict[str, int], lora_params: int, largest_quantized: int
+) -> dict[str, int]:
+    """Adds online RL's transients to `components` (`old_logprobs_forward`; `generation` at the
+    generation batch the spec fixes, capped by the worker's share, or the largest whose peak stays
+    within the training peak) and returns generation's parts for `details` (empty without it)."""
+    if rollout.old_logprobs:
+        components["old_logprobs_forward"] = old_logprobs_forward(step, rollout.old_logprobs_rows, largest_quantized)
+    if not rollout.in_process:
+        return {}
+    training = MemoryEstimate(dict(components))
+    up = "up_proj" if step.shape.family == "llama" else "dense_h_to_4h"
+
+    def terms_of(rows: int):
+        gen = rollout.batch(rows)
+        return generation_terms(step.shape, gen, step.act_bytes, step.autocast, lora_params, up in step.targets)
+
+    if rollout.batch_size is not None:
+        rows = min(rollout.batch_size, rollout.share)
+    else:
+        peak_of = lambda g: training.static_bytes + terms_of(g).peak_bytes  # noqa: E731
+        rows = choose_generation_batch(peak_of, training.peak_allocated_bytes, rollout.share)
+    terms = terms_of(rows)
+    components["generation"] = terms.peak_bytes
+    return {"generation_batch_size": rows, **terms.as_dict()}
 
 
 def _check_arguments(

@@ -42,6 +42,8 @@ class MemoryPlan:
     seq_len: int  # the row length the estimate assumes (see `spec_seq_len`)
     budget_gib: float | None  # judged against: memory.budget_gib, else the GPU's memory, else none
     estimate: MemoryEstimate  # per component, for exactly this plan
+    # online RL in-process (`rollout.engine: hf`): completions generated at once; None otherwise
+    generation_batch_size: int | None = None
 
     @property
     def total_gib(self) -> float:
@@ -82,6 +84,7 @@ class MemoryPlan:
             "estimate_gib": self.total_gib,
             "fits": self.fits,
             "components_gib": dict(self.estimate.table()),
+            "generation_batch_size": self.generation_batch_size,
         }
 
 
@@ -99,7 +102,8 @@ def plan_for_spec(
 
     The strategy (and FSDP's resharding) and checkpointing follow `choose_plan` under
     `plan_budget_gib`; the micro-batch is the spec's (or `micro_batch_size`, for a search point);
-    the loss chunk is `memory.loss_chunk_tokens`; the quantization `model.quantization`. Raises
+    the loss chunk is `memory.loss_chunk_tokens`; the quantization `model.quantization`; online RL's
+    generation batch `rollout.generation_batch_size`, or the one the estimate chooses. Raises
     `SpecError` for a model or LoRA target the estimate cannot read. `config` is the model's
     config when the caller has read it (`config_io.config_from_spec`), else it is read here.
     """
@@ -115,6 +119,7 @@ def plan_from(est: SpecEstimator, gpu_memory_gib: float | None) -> MemoryPlan:
     choice, every = choose_plan(choices, spec.memory.gradient_checkpointing, est.gib, est.num_layers, budget)
     strategy, reshard = CHOICES[choice]
     micro = est.micro_batch_size
+    chosen = est.estimate(choice, every)
     return MemoryPlan(
         strategy=strategy,
         reshard_after_forward=reshard,
@@ -127,7 +132,8 @@ def plan_from(est: SpecEstimator, gpu_memory_gib: float | None) -> MemoryPlan:
         loss_chunk_tokens=int(spec.memory.loss_chunk_tokens or 0),
         seq_len=spec_seq_len(spec, est.device),
         budget_gib=budget,
-        estimate=est.estimate(choice, every),
+        estimate=chosen,
+        generation_batch_size=(chosen.details.get("generation") or {}).get("generation_batch_size"),
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from jobs.errors import SpecError
 from jobs.memory.choices import CHOICES
 from jobs.memory.components import MemoryEstimate, estimate
+from jobs.memory.generation import Rollout
 from jobs.memory.shapes import model_shape, round_up
 from jobs.spec import compute_precision
 
@@ -44,6 +45,27 @@ def spec_objective(spec) -> dict:
     adapter_off` run a reference forward, which with `model.adapter` is the starting adapter held
     frozen a second time."""
     return spec.objective.memory_terms(bool(spec.model.adapter))
+
+
+def spec_rollout(spec) -> Rollout | None:
+    """Online RL's rollouts as the estimate reads them (`generation.Rollout`); None for an objective
+    that samples nothing. The prompt is the longest `data.max_seq_len - rollout.max_completion_length`
+    lets through; the worker's share is `batch.global_batch_size / resources.num_workers`."""
+    if spec.objective.records != "prompts":
+        return None
+    r, completion = spec.rollout, spec.rollout.max_completion_length
+    return Rollout(
+        prompt_tokens=spec.data.max_seq_len - completion,
+        completion_tokens=completion,
+        share=max(1, spec.batch.global_batch_size // spec.resources.num_workers),
+        batch_size=r.generation_batch_size,
+        top_k=r.top_k > 0,
+        top_p=r.top_p < 1,
+        in_process=r.engine == "hf",
+        # the trainer's log-probs of the sampled ids: the old ones (num_iterations > 1), or beside
+        # the engine's (vLLM returns its own: `engine_logprob_gap`, `importance_correction`)
+        old_logprobs=spec.objective.num_iterations > 1 or r.engine == "vllm",
+    )
 
 
 def estimate_of_spec(
@@ -90,6 +112,7 @@ def estimate_of_spec(
             grad_accum_steps=spec_grad_accum_steps(spec, micro_batch_size),
             # The quantization weighed here, not the spec's: the plan weighs nf4 beside bf16.
             compiled=spec.model.model_copy(update={"quantization": quantization}).compiles_on(device),
+            rollout=spec_rollout(spec),
             **spec_objective(spec),
         )
     except SpecError:

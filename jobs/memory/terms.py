@@ -1,10 +1,11 @@
 """The terms of `jobs.memory.components.estimate`, each a pure function of the step's shapes: the
 static bytes (weights, LoRA gradients, optimizer state, DDP buckets, FSDP's gathered units), the
 activations the forward saves (replayed, `replay.Walk`), and the transients (the loss head, the
-reference forward, one layer's backward) and the framework's overhead."""
+reference forward, the old-log-probability forward, one layer's backward) and the framework's overhead."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -377,6 +378,15 @@ def reference_forward(step: Step, loss: LossHead, largest_quantized: int) -> int
     T, c = loss.label_tokens, loss.chunk_tokens
     head_point = N * s.hidden * a + T * s.hidden * a + 2 * FP32_BYTES * c * s.vocab + FP32_BYTES * (T + step.batch)
     return max(layer_point, head_point)
+
+
+def old_logprobs_forward(step: Step, rows: int, largest_quantized: int) -> int:
+    """The trainer's old-log-probability pass (`num_iterations` > 1; `grpo_batch.old_logps`):
+    no-grad forwards of `rows` completions at a time, with the policy's adapter active, whose
+    head takes every label position's logits in one piece: the reference forward's widest moment
+    over those rows (an adapter active, the head unchunked)."""
+    rows_step = dataclasses.replace(step, batch=rows, reference_adapter=True)
+    return reference_forward(rows_step, loss_head(rows_step, 1.0, None), largest_quantized)
 
 
 def layer_backward(step: Step, acts: Activations, every: int, largest_quantized: int) -> int:

@@ -10,7 +10,8 @@ builds the base on the meta device (no storage), so a damaged directory is refus
   integer (not a boolean) in 1..min(in, out) of every targeted layer; `lora_alpha` finite;
   `target_modules` names layers the base has (linear or embedding layers);
 * `base_model_name_or_path` is a hub id (`org/name`, no `..`) or an existing model directory
-  outside the system trees, named without a `..` component;
+  outside the system trees, named without a `..` component; a hub id's shapes are checked
+  wherever its config is in the local Hugging Face cache (no download);
 * every tensor in the weights file has the shape the config and the base imply (a LoRA `A` is
   r x in, `B` out x r; a merged model's tensors are the config's), and no tensor is missing.
 """
@@ -238,16 +239,50 @@ def check_adapter(adapter_dir: Path) -> str:
     cfg = read_json_config(adapter_dir / "adapter_config.json")
     r = check_lora_config(cfg, where)
     base = check_base_name(cfg.get("base_model_name_or_path"), where)
-    if not os.path.isdir(base):
-        return base  # a hub id: its shapes come with the download (from_pretrained refuses a mismatch)
-    model = check_model_dir(Path(base), weights=False)
+    if os.path.isdir(base):
+        model = check_model_dir(Path(base), weights=False)
+    elif (cached := cached_hub_config(base)) is not None:
+        model = meta_model(read_json_config(cached), str(cached))
+    else:  # a hub id not downloaded yet: its shapes come with the download (from_pretrained refuses a mismatch)
+        return base
     targets = _targets(cfg, model, where)
     hidden = getattr(model.config, "hidden_size", None)
     if isinstance(hidden, int) and r > hidden:  # the rule `rayft run` applies (jobs.finetune.check_lora_rank)
         raise UserError(f"{where}: r={r} exceeds the base's hidden size {hidden}: not an adapter of this base")
     weights = adapter_dir / "adapter_model.safetensors"
-    _check_lora_weights(safetensors_shapes(weights), targets, r, not cfg.get("rank_pattern"), weights)
+    targets = _transformed(targets, cfg.get("layers_to_transform"), where)
+    # complete: PEFT loads an adapter missing a layer's A or B with that tensor at its fresh init (a
+    # zero B: the layer unadapted), without a word; an export or generation from it would be wrong.
+    _check_lora_weights(safetensors_shapes(weights), targets, r, not cfg.get("rank_pattern"), weights, complete=True)
     return base
+
+
+# The names PEFT's `layers_pattern` defaults to: the block list whose index `layers_to_transform` picks.
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|block|blocks|layer)\.(\d+)\.")
+
+
+def _transformed(targets: dict, layers: Any, where: str) -> dict:
+    """The layers of `targets` PEFT adapts given `layers_to_transform` (an index or a list of
+    them; None: every layer)."""
+    if layers is None:
+        return targets
+    picked = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+    if not isinstance(picked, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in picked):
+        raise UserError(f"{where}: layers_to_transform={str(layers)[:40]} is not a layer index or a list of them")
+    return {n: m for n, m in targets.items() if (k := _LAYER_INDEX.search(n)) and int(k.group(1)) in picked}
+
+
+def cached_hub_config(hub_id: str) -> Path | None:
+    """The `config.json` of the hub model `hub_id` in the local Hugging Face cache (no download,
+    no network), or None where it was never downloaded: what the adapter's shapes are checked
+    against when its base is named by a hub id."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(hub_id, "config.json")
+    except ValueError:  # not a repository id huggingface_hub takes
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def check_starting_weights(shapes: dict, cfg: dict, model, path: Path) -> None:

@@ -151,6 +151,13 @@ class Objective(ABC):
         """On the driver, before anything is created: every record of the data checked for the
         kind this objective trains on, and enough of them for one step (one line otherwise)."""
 
+    def preview(self, spec, tokenizer, n: int) -> dict:
+        """`rayft data preview`'s document: the first `n` training samples as the model sees them
+        and both splits' statistics (`jobs.data.preview`); read-only."""
+        from jobs.data.preview import data_preview
+
+        return data_preview(spec, tokenizer, n)
+
     @abstractmethod
     def build_data(self, spec, tokenizer) -> None:
         """On the driver, after the output directory is checked: the data tokenized where that can
@@ -178,6 +185,10 @@ class Objective(ABC):
 
     def restored(self, directory: Path) -> None:  # noqa: B027 (most objectives keep no state)
         """After the loop restored checkpoint `directory`: take back what `checkpoint_files` wrote."""
+
+    def release(self) -> None:  # noqa: B027 (most objectives hold nothing outside the process)
+        """When `train()` returns or raises, on every rank: what the objective started for the run
+        and that outlives it otherwise (GRPO: the vLLM server rayft started) is let go."""
 
     @abstractmethod
     def held_out(self, engine, job, spec, ctx) -> tuple[float | None, dict]:
@@ -212,7 +223,9 @@ class DatasetObjective(Objective):
             )
 
     def build_data(self, spec, tokenizer) -> None:
-        load_dataset(spec, tokenizer)
+        # The whole of `load_data`: what the sampler refuses (a mixture source that never gets a
+        # sample) is refused here, on the driver, before the output directory is created.
+        self.load_data(spec, tokenizer)
 
     def load_data(self, spec, tokenizer) -> tuple[Any, Any, int]:
         data = load_dataset(spec, tokenizer)

@@ -49,6 +49,8 @@ from jobs.rollout.rewards import check_columns, resolve
 from jobs.spec import GRPOObjective
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint between the iterations of one rollout batch
+# Completions generated at once where the plan chose none (a plan made without rollouts).
+DEFAULT_GENERATION_BATCH = 16
 LOG_EVERY_BATCH_BELOW_STEPS = 1000  # `run.log_rollouts_every`'s default: every batch below, every 10th from
 log = logging.getLogger("rayft")
 
@@ -133,6 +135,13 @@ class GRPO(Objective):
     def build_data(self, spec, tokenizer) -> None:
         check_prompt_count(spec, read_prompt_splits(spec, tokenizer)[0])
 
+    def preview(self, spec, tokenizer, n: int) -> dict:
+        """The first `n` training prompts as generation starts from them, with the columns the
+        reward functions receive (`jobs.data.preview_prompts`)."""
+        from jobs.data.preview_prompts import prompt_preview
+
+        return prompt_preview(spec, tokenizer, n)
+
     def load_data(self, spec, tokenizer) -> tuple[Any, Any, int]:
         from jobs.data import content_hash
 
@@ -187,7 +196,8 @@ class GRPO(Objective):
             batch = grpo_batch.sample(self, spec, ctx, job, engine, index, positions, logged)
             self._run["rollout"] = batch
         prompts = job.data.train
-        micro = batch.micro_batches(prompts, job.tokenizer.pad_token_id, window.micro_batches, self.scale_rewards)
+        cap = spec.rollout.importance_correction_cap if spec.rollout.importance_correction else None
+        micro = batch.micro_batches(prompts, job.tokenizer.pad_token_id, window.micro_batches, self.scale_rewards, cap)
         return Window(
             micro,
             batch.denominator(self, spec.rollout.max_completion_length),
@@ -214,8 +224,15 @@ class GRPO(Objective):
             if "vllm" not in self._run:
                 self._run["vllm"] = vllm_sync.connect(spec, ctx, job, eos)
             return self._run["vllm"].at_step(job.model, ctx, step)
-        hf = HFEngine(job.model, eos, job.tokenizer.pad_token_id, synced=job.strategy == "fsdp")
+        batch = job.plan.generation_batch_size or DEFAULT_GENERATION_BATCH  # `rollout.generation_batch_size`
+        hf = HFEngine(job.model, eos, job.tokenizer.pad_token_id, batch_size=batch, synced=job.strategy == "fsdp")
         return grpo_batch.InLossForward(hf, engine)
+
+    def release(self) -> None:
+        """The run's vLLM engine let go (`VLLMRollout.close`: a server rayft started is stopped)."""
+        rollout = self._run.pop("vllm", None)
+        if rollout is not None:
+            rollout.close()
 
     def functions(self, spec) -> list:
         """The reward functions, resolved once per run (a user file is imported once)."""
@@ -270,7 +287,8 @@ class GRPOLoss(nn.Module):
     log-probabilities are the rollout batch's frozen ones (num_iterations > 1), else the current
     ones, detached (the ratio is 1, its gradient that of logp). With `beta` > 0 the reference
     forward runs first (eval mode, no grad, the adapters off -- or the frozen starting adapter
-    active)."""
+    active). `sampling_weights` (`rollout.importance_correction`) scale each token's
+    policy-gradient term (`grpo_losses.truncated_importance_weights`)."""
 
     model: Any  # a peft PeftModel (peft ships no types)
 
@@ -316,6 +334,7 @@ class GRPOLoss(nn.Module):
         advantages=None,
         truncated=None,
         old_logps=None,
+        sampling_weights=None,
         *,
         call=None,
     ):
@@ -333,7 +352,16 @@ class GRPOLoss(nn.Module):
         adv = advantages.double()
         low, high, level = o.epsilon, o.epsilon_high, o.importance_sampling_level
         per_token = losses.per_token_loss(
-            logps, old, adv, mask, epsilon=low, epsilon_high=high, beta=o.beta, ref_logps=ref, level=level
+            logps,
+            old,
+            adv,
+            mask,
+            epsilon=low,
+            epsilon_high=high,
+            beta=o.beta,
+            ref_logps=ref,
+            level=level,
+            sampling_weights=sampling_weights,
         )
         counts = losses.clip_counts(logps.detach(), old, adv, mask, epsilon=low, epsilon_high=high, level=level)
         kl = (losses.k3_kl(logps.detach(), ref) * mask).sum() if ref is not None else mask.new_zeros(())

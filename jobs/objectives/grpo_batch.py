@@ -20,10 +20,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from jobs.errors import RunError
+from jobs.memory.generation import OLD_LOGPROBS_ROWS
 from jobs.objectives import grpo_losses as losses
 from jobs.objectives.base import all_reduce_sum
 from jobs.rollout.engine import Completion, HFEngine, Request, RolloutEngine, Sampling, sample_seed
-from jobs.rollout.record import length_metrics, reward_metrics, rollout_lines, write_rollouts
+from jobs.rollout.record import (
+    length_metrics,
+    logprob_fields,
+    logprob_gap_metrics,
+    reward_metrics,
+    rollout_lines,
+    write_rollouts,
+)
 from jobs.rollout.rewards import Batch, completions_as_trl, score
 
 
@@ -41,6 +50,10 @@ class RolloutBatch:
     generation_s: float = 0.0  # this rank's time generating, scoring (rewards_s) and gathering
     rewards_s: float = 0.0
     engine_metrics: dict = field(default_factory=dict)  # an engine's own (vLLM: the adapter sync's)
+    # [N] per token, where the engine returns its log-probs (vLLM): the engine's, and the trainer's
+    # (the policy that sampled, eval mode; `old_logps` itself when num_iterations > 1)
+    engine_logps: list[list[float]] | None = None
+    trainer_logps: list[list[float]] | None = None
 
     def prompt_of(self, position: int) -> int:
         return self.prompt_indices[position // self.num_generations]
@@ -82,10 +95,15 @@ class RolloutBatch:
         lengths = [int(n) for n in self.lengths.tolist()]
         out = reward_metrics(rows, self.rewards.tolist(), labels, self.num_generations)
         out |= length_metrics(lengths, [bool(t) for t in self.truncated.tolist()])
+        if self.engine_logps is not None and self.trainer_logps is not None:
+            out |= logprob_gap_metrics(self.trainer_logps, self.engine_logps)
         return out | {"time/generation_s": self.generation_s, "time/rewards_s": self.rewards_s} | self.engine_metrics
 
-    def micro_batches(self, prompts, pad_id: int, positions: list[np.ndarray], scale_rewards: str) -> list[dict]:
-        """`GRPOLoss.forward`'s keyword tensors for each micro-batch of completion `positions`."""
+    def micro_batches(
+        self, prompts, pad_id: int, positions: list[np.ndarray], scale_rewards: str, cap: float | None = None
+    ) -> list[dict]:
+        """`GRPOLoss.forward`'s keyword tensors for each micro-batch of completion `positions`; with
+        `cap` (`rollout.importance_correction`), each token's truncated importance weight."""
         advantages = self.advantages(scale_rewards)
         out = []
         for mb in positions:
@@ -95,8 +113,18 @@ class RolloutBatch:
             batch["advantages"], batch["truncated"] = advantages[index], self.truncated[index]
             if self.old_logps is not None:
                 batch["old_logps"] = grid_of([self.old_logps[p] for p in pos], batch["completion_mask"].shape)
+            if cap is not None:
+                batch["sampling_weights"] = self.sampling_weights(pos, batch["completion_mask"].shape, cap)
             out.append(batch)
         return out
+
+    def sampling_weights(self, positions: list[int], shape: torch.Size, cap: float) -> torch.Tensor:
+        """[B, C] min(exp(trainer - engine log-prob), cap) of the completions at `positions`."""
+        if self.engine_logps is None or self.trainer_logps is None:
+            raise RunError("rollout.importance_correction: the rollout engine returned no log-probs to correct for")
+        trainer = grid_of([self.trainer_logps[p] for p in positions], shape)
+        engine = grid_of([self.engine_logps[p] for p in positions], shape)
+        return losses.truncated_importance_weights(trainer, engine, cap)
 
     def state(self) -> dict[str, Any]:
         """Plain data for a checkpoint (`torch.save`, read back with `weights_only`)."""
@@ -107,6 +135,8 @@ class RolloutBatch:
             "ids": self.ids,
             "table": self.table,
             "old_logps": self.old_logps,
+            "engine_logps": self.engine_logps,
+            "trainer_logps": self.trainer_logps,
         }
 
     @classmethod
@@ -128,8 +158,9 @@ def grid_of(rows: list[list[float]], shape: torch.Size) -> torch.Tensor:
 def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray, logged: bool = True) -> RolloutBatch:
     """Rollout batch `index`: this rank generates and scores the completions at `positions`, then
     every rank gathers the whole batch (one all-reduce of the table, one all-gather of the ids and,
-    with num_iterations > 1, of the old log-probabilities), and rank 0 writes its rollouts file
-    (when `logged`: `run.log_rollouts_every`)."""
+    with num_iterations > 1 or an engine that returns log-probs, of the trainer's log-probabilities
+    and the engine's: `whole_batch`), and rank 0 writes its rollouts file (when `logged`:
+    `run.log_rollouts_every`)."""
     mu, g = spec.objective.num_iterations, spec.rollout.num_generations
     prompt_indices = [int(p) for p in job.batches.index_array(index * mu)]
     start = time.perf_counter()
@@ -140,10 +171,11 @@ def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray,
     table = _rows(len(prompt_indices) * g, positions, done, values, rewards)
     rewards_s = time.perf_counter() - scored_at
     table = all_reduce_sum(table.to(engine.device), ctx.world_size).cpu()
-    old = old_logps(engine, job, job.data.train, prompt_indices, positions, done, g) if mu > 1 else None
-    parts = gathered({"positions": positions.tolist(), "ids": [list(c.ids) for c in done], "old": old}, ctx.world_size)
-    ids, whole_old = _whole(parts, len(table), mu > 1)
-    out = RolloutBatch(index, prompt_indices, g, ids, table, whole_old, scored_at - start, rewards_s)
+    trainer = mu > 1 or rollout.returns_logprobs  # the trainer's log-probs: old ones, or beside the engine's
+    whole = whole_batch(ctx, engine, job, (prompt_indices, positions, g), done, trainer, rollout.returns_logprobs)
+    old = whole["trainer"] if mu > 1 else None
+    out = RolloutBatch(index, prompt_indices, g, whole["ids"], table, old, scored_at - start, rewards_s)
+    out.engine_logps, out.trainer_logps = whole["engine"], whole["trainer"]
     out.engine_metrics = dict(getattr(rollout, "sync_metrics", {}))
     if logged:
         lines = _lines(
@@ -181,11 +213,15 @@ class InLossForward:
     """`HFEngine` run through the loss module's forward (`GRPOLoss.forward`'s `call`: under FSDP the
     root's hooks run first), without gradients: in-process rollouts as a `RolloutEngine`."""
 
+    returns_logprobs = False
+
     def __init__(self, hf: HFEngine, engine):
         self.hf, self.engine = hf, engine
 
     def generate(self, requests: Sequence[Request], sampling: Sampling) -> list[Completion]:
-        with torch.no_grad():
+        # Under the run's autocast, as the training forward: with bf16/fp16 the LoRA weights the
+        # loop keeps in that dtype meet fp32 activations otherwise (a dtype error in the first step).
+        with torch.no_grad(), self.engine.autocast():
             return self.engine.unwrapped(call=lambda _: self.hf.generate(requests, sampling))
 
 
@@ -215,9 +251,9 @@ def old_logps(engine, job, prompts, prompt_indices, positions, done, g: int) -> 
     job.model.eval()
     out: list[list[float]] = []
     try:
-        for s in range(0, len(done), 16):
-            chunk = done[s : s + 16]
-            pos = positions.tolist()[s : s + 16]
+        for s in range(0, len(done), OLD_LOGPROBS_ROWS):
+            chunk = done[s : s + OLD_LOGPROBS_ROWS]
+            pos = positions.tolist()[s : s + OLD_LOGPROBS_ROWS]
             batch = collate_rollouts([prompts.ids[prompt_indices[p // g]] for p in pos], [c.ids for c in chunk], 0)
             keys = ("input_ids", "attention_mask", "label_pos", "label_ids", "slot", "completion_mask")
             tensors = [batch[k].to(engine.device) for k in keys]
@@ -237,15 +273,30 @@ def gathered(mine: dict, world_size: int) -> list[dict]:
     return every
 
 
-def _whole(parts: list[dict], n: int, with_old: bool) -> tuple[list[list[int]], list[list[float]] | None]:
-    ids: list[list[int]] = [[] for _ in range(n)]
-    old: list[list[float]] = [[] for _ in range(n)]
+def whole_batch(ctx, engine, job, where: tuple, done: list[Completion], trainer: bool, with_engine: bool) -> dict:
+    """Every rank's completions of the batch, by position: `ids`, and (else None) `trainer`, the
+    trainer's log-probs of them (`old_logps`: one no-grad forward), and `engine`, the engine's own.
+    `where` is (the batch's prompt indices, this rank's positions, num_generations)."""
+    prompt_indices, positions, g = where
+    mine = {
+        "positions": positions.tolist(),
+        "ids": [list(c.ids) for c in done],
+        "trainer": old_logps(engine, job, job.data.train, prompt_indices, positions, done, g) if trainer else None,
+        "engine": [list(c.logprobs or ()) for c in done] if with_engine else None,
+    }
+    parts = gathered(mine, ctx.world_size)
+    return {key: _whole(parts, len(prompt_indices) * g, key) for key in ("ids", "trainer", "engine")}
+
+
+def _whole(parts: list[dict], n: int, key: str) -> list | None:
+    """Completion position -> its `key` value from the rank that holds it; None where not gathered."""
+    if parts[0][key] is None:
+        return None
+    out: list = [None] * n
     for part in parts:
         for i, pos in enumerate(part["positions"]):
-            ids[pos] = part["ids"][i]
-            if with_old:
-                old[pos] = part["old"][i]
-    return ids, old if with_old else None
+            out[pos] = part[key][i]
+    return out
 
 
 def _lines(out: RolloutBatch, batch: Batch, positions: np.ndarray, advantages, labels, prompts) -> list[dict]:
@@ -265,7 +316,14 @@ def _lines(out: RolloutBatch, batch: Batch, positions: np.ndarray, advantages, l
         [float(out.rewards[p]) for p in order],
         [float(advantages[p]) for p in order],
     )
-    return [dict(line, position=p) for p, line in zip(order, lines, strict=True)]
+    return [dict(line, **_logprob_fields(out, p), position=p) for p, line in zip(order, lines, strict=True)]
+
+
+def _logprob_fields(out: RolloutBatch, position: int) -> dict:
+    """The rollouts line's engine and trainer log-probs and their gap, where the engine returns some."""
+    if out.engine_logps is None or out.trainer_logps is None:
+        return {}
+    return logprob_fields(out.trainer_logps[position], out.engine_logps[position])
 
 
 def write_rollout_lines(spec, ctx, step: int, lines: list[dict]) -> None:

@@ -1,7 +1,7 @@
-"""The GRPO family's loss, pure functions of log-probabilities (issue 45; not wired into training
-yet: no spec names it). TRL's names: `loss_type` dapo | grpo | dr_grpo, `epsilon` /
-`epsilon_high`, `beta`, `scale_rewards` group | batch | none, `importance_sampling_level` token |
-sequence (GSPO).
+"""The GRPO family's loss, pure functions of log-probabilities. TRL's names: `loss_type` dapo |
+grpo | dr_grpo, `epsilon` / `epsilon_high`, `beta`, `scale_rewards` group | batch | none,
+`importance_sampling_level` token | sequence (GSPO); `rollout.importance_correction` is TRL's
+`vllm_importance_sampling_correction` (token-level truncate: `truncated_importance_weights`).
 
 Invariant (what makes the step independent of the split): a loss type is a numerator summed over
 the step's micro-batches and ranks, divided by ONE denominator counted over the whole global batch
@@ -97,19 +97,33 @@ def per_token_loss(
     beta: float = 0.0,
     ref_logps: torch.Tensor | None = None,
     level: str = "token",
+    sampling_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[completions, tokens] -min(w A, clip(w, 1-epsilon, 1+epsilon_high) A) + beta KL, where w is
-    the importance weight and KL the k3 estimator exp(ref - logp) - (ref - logp) - 1 (Schulman);
-    padding positions are whatever they are: the aggregations mask them."""
+    """[completions, tokens] -s min(w A, clip(w, 1-epsilon, 1+epsilon_high) A) + beta KL, where w is
+    the importance weight, s the sampling correction (`truncated_importance_weights`; 1 without
+    one: it multiplies the policy-gradient term only, as TRL's) and KL the k3 estimator
+    exp(ref - logp) - (ref - logp) - 1 (Schulman); padding positions are whatever they are: the
+    aggregations mask them."""
     high = epsilon if epsilon_high is None else epsilon_high
     weight = torch.exp(importance_log_weights(logps, old_logps, mask, level))
     adv = advantages.unsqueeze(-1)
     loss = -torch.min(weight * adv, torch.clamp(weight, 1 - epsilon, 1 + high) * adv)
+    if sampling_weights is not None:
+        loss = loss * sampling_weights
     if beta:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference log-probabilities")
         loss = loss + beta * k3_kl(logps, ref_logps)
     return loss
+
+
+@torch.no_grad()
+def truncated_importance_weights(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(pi_trainer / pi_engine, cap) per sampled token (TRL's token-level truncate): how much
+    more likely the trainer's old policy finds the token than the engine that sampled it did, so
+    the policy gradient of tokens an engine's numerics over-sampled is scaled down, and the few it
+    under-sampled are scaled up at most `cap` times. A constant of the loss (no gradient)."""
+    return torch.clamp(torch.exp(trainer_logps - engine_logps), max=cap)
 
 
 @torch.no_grad()

@@ -39,7 +39,7 @@ from jobs.data import Concatenated, TokenizedPairs, collate_pairs_at
 from jobs.objectives.base import DatasetObjective
 from jobs.objectives.pair_losses import ORPO_STATS, STATS, pair_losses, summed_stats
 from jobs.objectives.reference import precomputed_reference
-from jobs.spec import OBJECTIVE_BY_NAME, DPOObjective, IPOObjective, ORPOObjective, SimPOObjective
+from jobs.spec import OBJECTIVE_BY_NAME, DPOObjective, IPOObjective, JobSpec, ORPOObjective, SimPOObjective
 
 REFERENCE_ADAPTER = "reference"
 
@@ -96,14 +96,14 @@ class PairObjective(DatasetObjective):
     def count(self, samples, indices: Sequence[int] | np.ndarray) -> int:
         return len(indices)
 
-    def plot_labels(self, spec) -> dict[str, str]:
+    def plot_labels(self, spec: JobSpec) -> dict[str, str]:
         return {
             "title": f"{spec.name}: {spec.batch.global_batch_size} pairs/step, accum {spec.grad_accum_steps}",
             "ylabel": f"{self.name} loss (mean per pair)",
             "train_label": "train loss (mean over pairs)",
         }
 
-    def prepare(self, spec, ctx, job, engine) -> None:
+    def prepare(self, spec: JobSpec, ctx, job, engine) -> None:
         if self.reference == "precomputed":  # once per (base, data, template); reused after
             job.reference = precomputed_reference(spec, ctx, job, engine, pair_batch)
 

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from jobs.data.cache import set_aside_bad
 from jobs.data.verify import BadEntry
 from jobs.errors import SpecError
 from jobs.model.adapter_check import adapter_digest
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
 log = logging.getLogger("rayft")
 
@@ -31,7 +34,7 @@ def _files_fingerprint(directory: Path) -> list:
     return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file())
 
 
-def reference_key(spec, data_dir: Path, precision: str) -> str:
+def reference_key(spec: JobSpec, data_dir: Path, precision: str) -> str:
     """What the reference log-probabilities depend on: the tokenized pairs (the data cache entry,
     whose key holds the data, tokenizer, template and truncation), the base (its files; tiny-llama
     is built from `run.seed`), its quantization and compute precision, the attention kernel and
@@ -56,7 +59,7 @@ def reference_key(spec, data_dir: Path, precision: str) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def precomputed_reference(spec, ctx, job, engine, pair_batch) -> dict:
+def precomputed_reference(spec: JobSpec, ctx, job, engine, pair_batch) -> dict:
     """{"train": [pairs, 2], "eval": [pairs, 2]} float64 reference log-probabilities (chosen,
     rejected) of every pair, from the entry beside the data cache, computed first if it is missing
     or bad.
@@ -192,7 +195,7 @@ def _table(path: Path, pairs: int):
 
 
 @torch.no_grad()
-def _reference_table(engine, job, split: str, ctx, pair_batch, spec):
+def _reference_table(engine, job, split: str, ctx, pair_batch, spec: JobSpec):
     import torch.distributed as dist
 
     from jobs.data import equal_micro_batches

@@ -16,7 +16,7 @@ from torch import nn
 
 from jobs.data import Concatenated, TokenizedSplit, collate_at, count_labels
 from jobs.objectives.base import DatasetObjective
-from jobs.spec import SFTObjective
+from jobs.spec import JobSpec, SFTObjective
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,11 @@ class SFT(DatasetObjective):
     def count(self, samples, indices: Sequence[int] | np.ndarray) -> int:
         return count_labels(samples, indices)
 
-    def plot_labels(self, spec) -> dict[str, str]:
+    def plot_labels(self, spec: JobSpec) -> dict[str, str]:
         return {"title": f"{spec.name}: {spec.batch.global_batch_size} seq/step, accum {spec.grad_accum_steps}"}
 
 
-def layout_args(spec, device: torch.device) -> dict:
+def layout_args(spec: JobSpec, device: torch.device) -> dict:
     """`collate`'s layout arguments: with `data.packing`, rows of up to `data.max_seq_len`
     tokens, aligned to 16 on GPU."""
     return {

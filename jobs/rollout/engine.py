@@ -67,7 +67,11 @@ class Completion:
 
 
 class RolloutEngine(Protocol):
-    """What generates completions: `HFEngine` in-process, `VLLMEngine` across a process boundary."""
+    """What generates completions: `HFEngine` in-process, `VLLMEngine` across a process boundary.
+    `returns_logprobs`: its completions carry the engine's own log-probs (`Completion.logprobs`),
+    which the trainer measures its own against (the same on every rank: it decides a forward)."""
+
+    returns_logprobs: bool
 
     def generate(self, requests: Sequence[Request], sampling: Sampling) -> list[Completion]: ...
 
@@ -138,7 +142,9 @@ def cut_at_eos(new_ids: Sequence[int], eos_ids: Sequence[int], max_len: int) -> 
 class HFEngine:
     """In-process generation with the policy being trained (`rollout.engine: hf`): left-padded
     batches of `batch_size` requests through `model.generate` with a KV cache, in eval mode
-    (dropout off; the mode is restored after)."""
+    (dropout off; the mode is restored after). Its log-probs would be the trainer's own: none returned."""
+
+    returns_logprobs = False
 
     def __init__(
         self, model, eos_token_ids: Sequence[int], pad_token_id: int, batch_size: int = 16, synced: bool = False

@@ -8,6 +8,11 @@ gathers it first), so a metric does not depend on the split. Names are TRL's `GR
 `completions/mean_terminated_length|min_terminated_length|max_terminated_length`. A value that is
 None (not applicable) or every completion unscored reads as NaN here and null in JSON. The
 rollouts file holds, per completion, the exact ids it was trained on.
+
+Where the engine returns its own log-probs of the sampled ids (vLLM), the trainer's are recorded
+beside them and their gap |trainer - engine| per completion token is reported over the whole
+batch's completion tokens (`engine_logprob_gap/mean|max`: a token mean, not a mean of completions'
+or ranks' means) and per completion in its rollouts line (`logprob_fields`).
 """
 
 from __future__ import annotations
@@ -67,6 +72,26 @@ def length_metrics(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[st
         "completions/min_terminated_length": float(min(ended)),
         "completions/max_terminated_length": float(max(ended)),
     }
+
+
+def _token_gaps(trainer: Sequence[float], engine: Sequence[float]) -> list[float]:
+    return [abs(t - e) for t, e in zip(trainer, engine, strict=True)]
+
+
+def logprob_gap_metrics(trainer: Sequence[Sequence[float]], engine: Sequence[Sequence[float]]) -> dict[str, float]:
+    """`engine_logprob_gap/mean|max`: |trainer - engine| log-prob over every completion token of the
+    batch (NaN for a batch without tokens)."""
+    gaps = [g for t, e in zip(trainer, engine, strict=True) for g in _token_gaps(t, e)]
+    mean = math.fsum(gaps) / len(gaps) if gaps else math.nan
+    return {"engine_logprob_gap/mean": mean, "engine_logprob_gap/max": max(gaps, default=math.nan)}
+
+
+def logprob_fields(trainer: Sequence[float], engine: Sequence[float]) -> dict:
+    """One completion's rollouts-line fields: `trainer_logprobs`, `engine_logprobs` (per token) and
+    `engine_logprob_gap` {mean, max} of |trainer - engine| over its tokens (null without tokens)."""
+    gaps = _token_gaps(trainer, engine)
+    gap = {"mean": math.fsum(gaps) / len(gaps), "max": max(gaps)} if gaps else {"mean": None, "max": None}
+    return {"trainer_logprobs": list(trainer), "engine_logprobs": list(engine), "engine_logprob_gap": gap}
 
 
 def rollout_metrics(

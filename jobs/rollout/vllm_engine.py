@@ -55,6 +55,8 @@ class VLLMEngine:
     `version` the server holds for the current step (`jobs.rollout.vllm_sync`); `server`, when
     rayft started it, explains a connection that broke (its exit code and log)."""
 
+    returns_logprobs = True
+
     def __init__(self, url: str, timeout_s: float, eos_token_ids: Sequence[int], server: Any = None):
         self.url, self.timeout_s, self.eos, self.server = url.rstrip("/"), timeout_s, tuple(eos_token_ids), server
         self.name = f"vLLM engine at {shown_url(self.url)}"
@@ -75,6 +77,8 @@ class VLLMEngine:
         choice = self.post("/v1/completions", self.body(request, sampling))["choices"][0]
         ids, logprobs = sampled(choice)
         kept, truncated = cut_at_eos(ids, self.eos, sampling.max_completion_length)
+        if len(logprobs) < len(kept):
+            raise RunError(f"{self.name} returned {len(logprobs)} log-probs for {len(kept)} sampled tokens")
         return Completion(request.prompt_index, request.sample_index, kept, truncated, logprobs[: len(kept)])
 
     def body(self, request: Request, sampling: Sampling) -> dict:

@@ -33,6 +33,7 @@ from jobs.rollout.vllm_server import ServerSettings, VLLMServer
 
 log = logging.getLogger("rayft")
 T = TypeVar("T")
+UNLOAD_AT_CLOSE_TIMEOUT_S = 10.0  # a hung engine does not hold the end of the run for long
 
 
 def from_rank0(ctx, fn: Callable[[], T]) -> T:
@@ -109,13 +110,28 @@ class VLLMRollout:
         log.info("%s: adapter %s loaded (%d bytes, %.0f ms)", self.engine.name, version, written, 1000 * seconds)
 
     def close(self) -> None:
-        """Stops the server rayft started (its log goes with it) and removes the adapter versions;
-        at the latest when the process exits."""
+        """When the run ends (`GRPO.release`), at the latest when the process exits: stops the
+        server rayft started (its log goes with it), or has the user's `rollout.vllm_url` engine
+        unload the run's last version (a later run or a resume loads its own names there); removes
+        the adapter versions' files. Rank 0 only does anything."""
         if self.server is not None:
             self.server.stop()
             shutil.rmtree(self.server.log_path.parent, ignore_errors=True)
+        elif self.root is not None:
+            self.unload_last()
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def unload_last(self) -> None:
+        """The version the user's engine still holds unloaded; an engine gone already is left be."""
+        version, self.engine.version = self.engine.version, None
+        if version is None:
+            return
+        self.engine.timeout_s = min(self.engine.timeout_s, UNLOAD_AT_CLOSE_TIMEOUT_S)  # the run is over
+        try:
+            self.engine.unload(version)
+        except RunError as e:
+            log.warning("%s", e)
 
 
 def connect(spec, ctx, job, eos_ids) -> VLLMRollout:

@@ -101,6 +101,10 @@ DATA_HASH_KEY = "data.content_sha256"
 ADAPTER_HASH_KEY = "model.adapter_sha256"
 REWARD_HASH_KEY = "reward.files_sha256"  # online RL: the user reward files' bytes (`reward_digest`)
 HASH_KEYS = (DATA_HASH_KEY, ADAPTER_HASH_KEY, REWARD_HASH_KEY)
+# `rollout.*` settings that change how completions are computed, not which (the generation batch),
+# or say where the engine is and how long to wait for it, not what it samples: a resume may change
+# them (a larger batch, a server rayft starts anew, a user's moved one).
+ROLLOUT_RESUME_FREE = ("generation_batch_size", "vllm_url", "vllm_timeout_s", "vllm_start_timeout_s")
 
 
 def step_dir_name(step: int) -> str:
@@ -428,6 +432,7 @@ def resume_key(spec: JobSpec) -> dict:
         for part in key.split("."):
             node = node[part]
         out[key] = node
+    out.update(_resolved_objective(spec.objective))
     if out["data.mix"] is not None:
         out["data.mix"] = [{k: src[k] for k in MIX_RESUME_KEYS} for src in out["data.mix"]]
     if spec.data.eval_path:
@@ -438,9 +443,50 @@ def resume_key(spec: JobSpec) -> dict:
     out[DATA_HASH_KEY] = content_hash(spec)
     out[ADAPTER_HASH_KEY] = adapter_digest(spec.model.adapter)
     if spec.reward is not None:  # online RL: how completions are drawn and scored is what is trained on
-        out["rollout"], out["reward"] = d["rollout"], d["reward"]
+        out["rollout"], out["reward"] = _rollout_key(d["rollout"]), d["reward"]
         out[REWARD_HASH_KEY] = reward_digest(spec)
     return out
+
+
+def _resolved_objective(objective) -> dict[str, Any]:
+    """`objective.<setting>` -> the value the run trains with (`resolves`: `epsilon_high` unset is
+    `epsilon`), as JSON, for each setting whose stored form is not already that value."""
+    return {
+        f"objective.{k}": json.loads(json.dumps(objective.resolved(k)))
+        for k in objective.resolves
+        if k not in objective.resume_free
+    }
+
+
+def _with_rollout_defaults(saved: dict) -> dict:
+    """A checkpoint's `rollout` section with the settings it predates (`rollout.importance_correction`)
+    at their defaults: what the run that wrote it sampled and trained with."""
+    if not isinstance(saved.get("rollout"), dict):
+        return saved
+    from jobs.spec.online import RolloutSpec
+
+    defaults = {k: f.default for k, f in RolloutSpec.model_fields.items()}
+    return {**saved, "rollout": _rollout_key({**defaults, **saved["rollout"]})}
+
+
+def _rollout_key(rollout: dict) -> dict:
+    """The `rollout` section as the resume key holds it: what is sampled (`ROLLOUT_RESUME_FREE` out)."""
+    return {k: v for k, v in rollout.items() if k not in ROLLOUT_RESUME_FREE}
+
+
+def _resolved_saved_objective(saved: dict, spec: JobSpec) -> dict[str, Any]:
+    """A checkpoint's objective settings with its Nones resolved as the run that wrote them
+    resolved them: its own values through `spec`'s objective class (None -> the class default,
+    then `resolves`). Values that class refuses are left to be reported as differences."""
+    section = type(spec.objective)
+    given = {k: v for k in section.model_fields if (v := saved.get(f"objective.{k}")) is not None}
+    filled = {f"objective.{k}": _field_default(f"objective.{k}", spec) for k in section.model_fields}
+    try:
+        objective = section.model_validate({**given, "name": spec.objective.name})
+    except ValueError:
+        return {k: v for k, v in filled.items() if saved.get(k) is None}
+    resolved = {**filled, **{f"objective.{k}": v for k, v in given.items()}, **_resolved_objective(objective)}
+    return {k: v for k, v in resolved.items() if saved.get(k) is None}
 
 
 def reward_digest(spec: JobSpec) -> str:
@@ -480,9 +526,10 @@ def check_resumable(saved: dict, spec: JobSpec, where: str) -> None:
         **{k: _field_default(k, spec) for k in now if k not in saved and k not in HASH_KEYS and "." in k},
         **saved,
     }
-    # Checkpoints written before the objective's settings had real defaults stored None for "the
-    # default" (and for a setting the objective does not take, which `now` does not hold).
-    saved.update({k: _field_default(k, spec) for k in now if k.startswith("objective.") and saved.get(k) is None})
+    # Checkpoints written before the objective's settings had real defaults, or before they were
+    # stored resolved, hold None for "the default": resolved here by the same class.
+    saved.update(_resolved_saved_objective(saved, spec))
+    saved = _with_rollout_defaults(saved)
     diffs = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if saved.get(k) != now[k] and k not in HASH_KEYS]
     if ADAPTER_HASH_KEY in now and saved.get(ADAPTER_HASH_KEY) != now[ADAPTER_HASH_KEY]:
         diffs.append("model.adapter: its files changed since the checkpoint (another starting adapter)")

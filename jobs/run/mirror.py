@@ -7,8 +7,10 @@ Invariants:
 * The store is the truth, the staging directory a cache of it: a run (re)started takes the
   store's newest checkpoint that verifies (`pull_newest`, checked by `checkpoint.why_incomplete`,
   the rule every local checkpoint passes), never one only the staging directory holds.
-* `RUN_MARKER` is the first object a run writes under its prefix (`claim`), so the prefix is
-  rayft's own (`outputs.names_problem`) before anything else is there.
+* `RUN_MARKER` is the first object a run writes under its prefix (`claim`) after its lease
+  (`jobs.run.lease`, taken by `jobs.run.run_hold`), so the prefix is rayft's own
+  (`outputs.names_problem`) before anything else is there. A holder that has lost its lease
+  uploads nothing more (`lease.check`).
 * A checkpoint is uploaded once it is complete locally, its files in
   `checkpoint.publication_order` (the manifests last): a copy cut off at any point lacks a
   manifest or a file one names, so a reader never takes it. Checkpoints beyond
@@ -27,14 +29,14 @@ from pathlib import Path
 
 from jobs.errors import RunError
 from jobs.run import checkpoint as ckpt
+from jobs.run import lease, runlock
 from jobs.run.outputs import EVENTS, METRICS, RUN_MARKER, SUMMARY
 from jobs.run.runlock import LOCK_FILE
-from jobs.run.storage import Store, is_uri, open_store, reported
+from jobs.run.storage import Store, download, is_uri, list_files, open_store, reported, upload
 from jobs.spec import JobSpec
 
 log = logging.getLogger("rayft")
 
-CHUNK_BYTES = 8 << 20
 CHECKPOINTS = "checkpoints"
 # Written with each checkpoint: what a resume elsewhere needs beside it.
 HISTORY_FILES = (METRICS, EVENTS)
@@ -52,7 +54,7 @@ def claim(spec: JobSpec) -> None:
     if store is None:
         return
     with reported(store, "writing its run marker", during_run=False):
-        _upload(store, spec.output_path / RUN_MARKER, RUN_MARKER)
+        upload(store, spec.output_path / RUN_MARKER, RUN_MARKER)
 
 
 def push_checkpoint(spec: JobSpec, step: int) -> None:
@@ -61,6 +63,7 @@ def push_checkpoint(spec: JobSpec, step: int) -> None:
     store = store_of(spec)
     if store is None:
         return
+    _check_lease(spec, store)  # a holder that lost its lease writes nothing more there
     local = spec.output_path / CHECKPOINTS / ckpt.step_dir_name(step)
     why = ckpt.why_incomplete(local)
     if why is not None:
@@ -68,10 +71,10 @@ def push_checkpoint(spec: JobSpec, step: int) -> None:
     where = f"{CHECKPOINTS}/{local.name}"
     with reported(store, f"uploading {where}", during_run=True):
         for name in ckpt.publication_order([p.name for p in local.iterdir()]):
-            _upload(store, local / name, f"{where}/{name}")
+            upload(store, local / name, f"{where}/{name}")
         for name in HISTORY_FILES:
             if (spec.output_path / name).is_file():
-                _upload(store, spec.output_path / name, name)
+                upload(store, spec.output_path / name, name)
         _prune(store, {p.name for p in ckpt.list_checkpoints(spec.output_path / CHECKPOINTS)})
 
 
@@ -81,11 +84,28 @@ def push_outputs(spec: JobSpec) -> None:
     store = store_of(spec)
     if store is None:
         return
+    _check_lease(spec, store)
     out = spec.output_path
     names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and _is_output(p.relative_to(out)))
     with reported(store, "uploading the run's outputs", during_run=True):
         for name in sorted(names, key=lambda n: n == SUMMARY):
-            _upload(store, out / name, name)
+            upload(store, out / name, name)
+
+
+def push_file(spec: JobSpec, name: str) -> None:
+    """Upload one file of the staging directory (`rayft eval`'s eval.json), under the run's hold."""
+    store = store_of(spec)
+    if store is None:
+        return
+    with reported(store, f"uploading {name}", during_run=True):
+        upload(store, spec.output_path / name, name)
+
+
+def _check_lease(spec: JobSpec, store: Store) -> None:
+    """The bucket's lease still names this run: the token of the driver that holds the staging
+    directory's lock (rank 0 runs beside it), which took the lease under the same token."""
+    with reported(store, "reading its lease", during_run=True):
+        lease.check(store, runlock.holder_of(spec.output_path).get("token"))
 
 
 def _is_output(rel: Path) -> bool:
@@ -115,8 +135,8 @@ def _download_checkpoint(store: Store, name: str, root: Path) -> Path | None:
     """Checkpoint `name` from the store into `root`, or None (nothing kept) when it does not verify."""
     tmp = root / f".tmp-pull-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    for rel in _remote_files(store, f"{CHECKPOINTS}/{name}"):
-        _download(store, f"{CHECKPOINTS}/{name}/{rel}", tmp / rel)
+    for rel in list_files(store, f"{CHECKPOINTS}/{name}"):
+        download(store, f"{CHECKPOINTS}/{name}/{rel}", tmp / rel)
     why = ckpt.why_incomplete(tmp)
     if why is not None:
         log.warning("skipping checkpoint %s/%s/%s: %s", store.uri, CHECKPOINTS, name, why)
@@ -126,10 +146,10 @@ def _download_checkpoint(store: Store, name: str, root: Path) -> Path | None:
 
 
 def _download_history(store: Store, out: Path) -> None:
-    present = set(_remote_files(store, "", recursive=False))
+    present = set(list_files(store, "", recursive=False))
     for name in HISTORY_FILES:
         if name in present:
-            _download(store, name, out / name)
+            download(store, name, out / name)
 
 
 def _prune(store: Store, kept: set[str]) -> None:
@@ -139,7 +159,7 @@ def _prune(store: Store, kept: set[str]) -> None:
         if name in kept:
             continue
         where = f"{CHECKPOINTS}/{name}"
-        for rel in filter(ckpt.is_manifest, _remote_files(store, where)):
+        for rel in filter(ckpt.is_manifest, list_files(store, where)):
             store.fs.delete_file(store.key(where, rel))
         store.fs.delete_dir(store.key(where))
 
@@ -151,25 +171,3 @@ def _remote_checkpoints(store: Store) -> list[str]:
     infos = store.fs.get_file_info(fs.FileSelector(store.key(CHECKPOINTS), allow_not_found=True))
     names = (Path(i.path).name for i in infos if i.type == fs.FileType.Directory)
     return sorted(n for n in names if n.startswith(ckpt.STEP_PREFIX))
-
-
-def _remote_files(store: Store, where: str, *, recursive: bool = True) -> list[str]:
-    """Paths (relative to `where` under the prefix) of the files there."""
-    from pyarrow import fs
-
-    base = store.key(where).rstrip("/")
-    infos = store.fs.get_file_info(fs.FileSelector(base, recursive=recursive, allow_not_found=True))
-    return sorted(i.path[len(base) + 1 :] for i in infos if i.type == fs.FileType.File)
-
-
-def _upload(store: Store, local: Path, rel: str) -> None:
-    with open(local, "rb") as src, store.fs.open_output_stream(store.key(rel)) as dst:
-        for chunk in iter(lambda: src.read(CHUNK_BYTES), b""):
-            dst.write(chunk)
-
-
-def _download(store: Store, rel: str, local: Path) -> None:
-    local.parent.mkdir(parents=True, exist_ok=True)
-    with store.fs.open_input_stream(store.key(rel)) as src, open(local, "wb") as dst:
-        for chunk in iter(lambda: src.read(CHUNK_BYTES), b""):
-            dst.write(chunk)

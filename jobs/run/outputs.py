@@ -21,10 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jobs.errors import SpecError
+from jobs.errors import RunError, SpecError
+from jobs.run.lease import LEASE
 from jobs.run.runlock import LOCK_FILE
+from jobs.run.step_record import StepRecord
 from jobs.run.storage import is_uri, open_store, reported
-from jobs.spec import one_line
+from jobs.spec import JobSpec, one_line
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -99,8 +101,8 @@ class MetricsLog:
         os.replace(tmp, self.path)
         self._f = open(self.path, "a")
 
-    def write(self, record: dict) -> None:
-        self._f.write(strict_json(record) + "\n")
+    def write(self, record: StepRecord) -> None:
+        self._f.write(strict_json(record.line()) + "\n")
         self._f.flush()
 
     def close(self) -> None:
@@ -121,25 +123,34 @@ def read_events(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def read_metrics(output_dir: Path) -> list[dict]:
+def read_metrics(output_dir: Path) -> list[StepRecord]:
+    """metrics.jsonl's records, each checked (`StepRecord.from_line`): a line that is not JSON or
+    not a step record is one `RunError` naming the file and line."""
     path = Path(output_dir) / METRICS
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise RunError(f"{path}:{n}: not a JSON line (cut short?)") from None
+        out.append(StepRecord.from_line(rec, f"{path}:{n}"))
+    return out
 
 
-def format_step(rec: dict) -> str:
+def format_step(rec: StepRecord) -> str:
     """One optimizer step as the plain progress line `rayft run` and `python -m jobs.finetune` print."""
-    pref = (
-        f" rewards/accuracies {rec['rewards/accuracies']:.2f} rewards/margins {rec['rewards/margins']:.3g}"
-        if "rewards/accuracies" in rec
-        else ""
-    )
-    if "reward" in rec:  # online RL: the mean reward of the step's completions (TRL's `reward`)
-        pref += f" reward {rec['reward']:.3g}"
+    pref = ""
+    if (accuracies := rec.value("rewards/accuracies")) is not None:
+        pref = f" rewards/accuracies {accuracies:.2f} rewards/margins {rec.value('rewards/margins'):.3g}"
+    if (reward := rec.value("reward")) is not None:  # online RL: the step's mean reward (TRL's `reward`)
+        pref += f" reward {reward:.3g}"
     return (
-        f"step {rec['step']}/{rec.get('total_steps')} loss {rec['loss']:.4f}{pref} lr {rec['lr']:.3g} "
-        f"grad_norm {rec['grad_norm']:.3g} tokens/s {rec['tokens_per_s']:.0f}"
+        f"step {rec.step}/{rec.total_steps} loss {rec.loss:.4f}{pref} lr {rec.lr:.3g} "
+        f"grad_norm {rec.grad_norm:.3g} tokens/s {rec.tokens_per_s:.0f}"
     )
 
 
@@ -202,7 +213,7 @@ def names_problem(names: list[str], *, beside_others: bool = False) -> str | Non
     """Why rayft may not write into a directory (or bucket prefix) whose top level holds `names`,
     or None: it is empty, rayft's own (`RUN_MARKER`, or an old rayft run's layout), or with
     `beside_others` holds nothing the loop writes. The one ownership rule, local or in a bucket."""
-    names = [n for n in names if n != LOCK_FILE]  # the run lock alone: a claim cut short
+    names = [n for n in names if n not in (LOCK_FILE, LEASE)]  # the run lock or lease alone: a claim cut short
     if not names or RUN_MARKER in names or _made_by_old_rayft(names):
         return None
     if beside_others and not any(n in RUN_FILES and n != "checkpoints" for n in names):
@@ -257,7 +268,7 @@ def writable_problem(path: str | Path) -> str | None:
     return None
 
 
-def check_write_places(spec) -> None:
+def check_write_places(spec: JobSpec) -> None:
     """Every place a run writes besides its output dir, refused in one line before anything is
     written: the data cache (`check_cache_place`) and an MLflow `file:` or `sqlite:` store
     (`run.mlflow_tracking_uri`, default `<output_dir>/mlflow.db`). The output dir itself has
@@ -267,7 +278,7 @@ def check_write_places(spec) -> None:
         _check_mlflow_store(spec)
 
 
-def check_cache_place(spec) -> None:
+def check_cache_place(spec: JobSpec) -> None:
     """The data cache (`data.cache_dir`, default beside the output dir): a place rayft may write
     (`place_problem`), a directory or none yet (not a file or FIFO), writable. Every command that
     writes the cache asks it (`rayft run`, `rayft data prepare`)."""
@@ -282,7 +293,7 @@ def check_cache_place(spec) -> None:
         raise SpecError(f"{field}={one_line(cache)}: {one_line(problem)}")
 
 
-def _check_mlflow_store(spec) -> None:
+def _check_mlflow_store(spec: JobSpec) -> None:
     """An MLflow `file:` or `sqlite:` store is a place rayft writes: judged on the path the store's
     own reader uses (percent-decoded, as SQLAlchemy and MLflow decode it), never through a link."""
     from urllib.parse import unquote, urlparse
@@ -364,18 +375,18 @@ def set_aside(path: Path) -> Path | None:
     return dest
 
 
-def loss_points(records: list[dict]) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+def loss_points(records: list[StepRecord]) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """(train, eval) (step, loss) points of a run's metrics: the train loss of every step, the eval
     loss only at the steps where it was measured (a record carries the last eval loss forward;
     `evaluated` says where it is new)."""
-    train = [(r["step"], r["loss"]) for r in records]
-    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("evaluated") and r.get("eval_loss") is not None]
+    train = [(r.step, r.loss) for r in records]
+    evals = [(r.step, r.eval_loss) for r in records if r.evaluated and r.eval_loss is not None]
     return train, evals
 
 
 def plot_loss(
     output_dir: Path,
-    records: list[dict],
+    records: list[StepRecord],
     title: str,
     ylabel: str = "loss (nats / label token)",
     train_label: str = "train loss (token-weighted)",

@@ -68,6 +68,30 @@ def held_token(output_dir: str | Path) -> str | None:
     return held.token if held else None
 
 
+def held_by(output_dir: str | Path, token: str) -> bool:
+    """Whether the run named `token` holds `output_dir`'s lock now: this process (its driver and
+    rank 0 are one process), or another whose flock is held and whose line names `token`."""
+    held = _HELD.get(_key(output_dir))
+    if held is not None:
+        return held.token == token
+    return holder_of(output_dir).get("token") == token and _is_locked(Path(output_dir) / LOCK_FILE)
+
+
+def _is_locked(lock_file: Path) -> bool:
+    """Some process holds `lock_file`'s flock (a shared lock cannot be had without blocking)."""
+    try:
+        fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # also drops the shared lock, where it was had
+    return False
+
+
 def holder_of(output_dir: str | Path) -> dict:
     """What the lock file says about its holder (pid, host, token, since); {} when unreadable.
     Only meaningful while the lock is held: a free lock's file names its last holder."""

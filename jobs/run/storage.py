@@ -109,14 +109,14 @@ def staging_dir(uri: str) -> Path:
     return cache_root() / "staging" / f"{m.group(1)}-{tail}-{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
 
 
-def store_error(err: OSError, uri: str, doing: str, *, during_run: bool) -> RayftError:
-    """The one line a failure of the store is reported as: the user's mistake (credentials, a
-    missing bucket) a SpecError; anything else a SpecError before the run starts (nothing answers
-    at the endpoint the environment names) and a RunError during it."""
+def store_error(err: OSError, uri: str, doing: str, *, during_run: bool, field: str = "run.output_dir") -> RayftError:
+    """The one line a failure of the store is reported as (`field=uri: doing: why`): the user's
+    mistake (credentials, a missing bucket) a SpecError; anything else a SpecError before the run
+    starts (nothing answers at the endpoint the environment names) and a RunError during it."""
     text = str(err)
     code = _AWS_CODE.search(text)
     reason = code.group(1) if code else one_line(text.split(". ")[0])[:160]
-    where = f"run.output_dir={one_line(uri)}: {doing}"
+    where = f"{field}={one_line(uri)}: {doing}"
     if _NO_BUCKET.search(text):
         return SpecError(
             f"{where}: the bucket does not exist ({reason}); create it first (rayft never creates buckets)"
@@ -132,9 +132,37 @@ def store_error(err: OSError, uri: str, doing: str, *, during_run: bool) -> Rayf
 
 
 @contextmanager
-def reported(store: Store, doing: str, *, during_run: bool) -> Iterator[None]:
+def reported(store: Store, doing: str, *, during_run: bool, field: str = "run.output_dir") -> Iterator[None]:
     """Run the block; an OSError from the store is re-raised as `store_error`'s one line."""
     try:
         yield
     except OSError as e:
-        raise store_error(e, store.uri, doing, during_run=during_run) from None
+        raise store_error(e, store.uri, doing, during_run=during_run, field=field) from None
+
+
+CHUNK_BYTES = 8 << 20
+
+
+def list_files(store: Store, where: str, *, recursive: bool = True) -> list[str]:
+    """Paths (relative to `where` under the store's path) of the files there; [] when none."""
+    from pyarrow import fs
+
+    base = store.key(where).rstrip("/") if where else store.path.rstrip("/")
+    infos = store.fs.get_file_info(fs.FileSelector(base, recursive=recursive, allow_not_found=True))
+    return sorted(i.path[len(base) + 1 :] for i in infos if i.type == fs.FileType.File)
+
+
+def download(store: Store, rel: str, local: Path) -> None:
+    """The object `rel` below the store's path (`""`: the object the path names) into the local
+    file `local` (parents made)."""
+    local.parent.mkdir(parents=True, exist_ok=True)
+    with store.fs.open_input_stream(store.key(rel) if rel else store.path) as src, open(local, "wb") as dst:
+        for chunk in iter(lambda: src.read(CHUNK_BYTES), b""):
+            dst.write(chunk)
+
+
+def upload(store: Store, local: Path, rel: str) -> None:
+    """The local file `local` to the object `rel` below the store's path."""
+    with open(local, "rb") as src, store.fs.open_output_stream(store.key(rel)) as dst:
+        for chunk in iter(lambda: src.read(CHUNK_BYTES), b""):
+            dst.write(chunk)

@@ -47,13 +47,13 @@ MLFLOW_RUN_FILE = "mlflow_run.json"
 NOT_METRICS = ("step", "peak_mem_kind", "evaluated")
 
 
-def tracking_uri(spec) -> str:
+def tracking_uri(spec: JobSpec) -> str:
     """`run.mlflow_tracking_uri`, default the SQLite store `<output_dir>/mlflow.db` (a job spec or
     a search spec: both have `run` and `output_path`)."""
     return spec.run.mlflow_tracking_uri or f"sqlite:///{spec.output_path.resolve() / MLFLOW_DB}"
 
 
-def experiment_id(client, spec) -> str:
+def experiment_id(client, spec: JobSpec) -> str:
     """The id of the MLflow experiment named `spec.name`, created when missing. In rayft's default
     store its artifacts go beside the database (`<output_dir>/mlartifacts`): without a location
     MLflow would put them under `./mlruns` of whatever directory the process runs in. Any other

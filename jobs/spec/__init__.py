@@ -21,7 +21,16 @@ overrides). This module names what the rest of rayft imports.
 from jobs.errors import SpecError
 from jobs.spec.fields import DEFAULT_TARGET_MODULES, SpecSection
 from jobs.spec.job import JobSpec, compute_precision
-from jobs.spec.loading import absolutize, check_files, json_schema, load_spec, resolve_model_dir, validate
+from jobs.spec.loading import (
+    absolutize,
+    check_files,
+    json_schema,
+    load_spec,
+    resolve_model_dir,
+    reward_files,
+    rewards_beside,
+    validate,
+)
 from jobs.spec.objective import (
     OBJECTIVE_BY_NAME,
     DPOObjective,
@@ -53,6 +62,8 @@ __all__ = [
     "SpecError",
     "SpecSection",
     "absolutize",
+    "reward_files",
+    "rewards_beside",
     "apply_overrides",
     "check_files",
     "compute_precision",

@@ -148,7 +148,7 @@ class JobSpec(BaseModel):
                 f"data.packing is not available with objective.name={self.objective.name} (a pair's "
                 "chosen and rejected rows are padded side by side); set data.packing=false"
             )
-        problem = self.data.mixture_problem() or self._online_rl_problem()
+        problem = self.data.mixture_problem() or self._online_rl_problem() or self._early_stopping_problem()
         if problem:
             raise ValueError(problem)
         if r.gpus_per_worker > 1 and not r.use_gpu:
@@ -174,6 +174,16 @@ class JobSpec(BaseModel):
             object.__setattr__(self, "rollout", RolloutSpec())
         assert self.rollout is not None
         return grpo_problem(self, self.rollout)
+
+    def _early_stopping_problem(self) -> str | None:
+        """A `run.early_stopping.metric` the objective's held-out evaluation does not report."""
+        es, obj = self.run.early_stopping, self.objective
+        if es is None or es.metric is None or es.metric in obj.held_out_metrics:
+            return None
+        return (
+            f"run.early_stopping.metric={es.metric}: objective.name={obj.name} reports "
+            f"{' or '.join(obj.held_out_metrics)} on held-out data"
+        )
 
     # ---- derived quantities, kept in one place -------------------------------------------
     @property

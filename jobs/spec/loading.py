@@ -19,6 +19,7 @@ from jobs.spec.fields import STORE_URI
 from jobs.spec.job import JobSpec
 from jobs.spec.objective import OBJECTIVE_NAMES
 from jobs.spec.online import is_reward_file, user_function
+from jobs.spec.sections import URI
 from jobs.spec.yaml_file import apply_overrides, one_line, path_problem, read_yaml
 
 # ---- validating and loading ------------------------------------------------------------------
@@ -94,13 +95,20 @@ def check_files(spec: JobSpec, where: str = "spec") -> None:
     to the current directory), and a local model directory must hold a model."""
     where = one_line(where)
     for key, p in spec.data.source_files():
-        problem = None if p.startswith("hf:") or os.path.isdir(p) else path_problem(p)  # read by `datasets`
+        # a hub id or a directory: read by `datasets`; an object-store URI: copied here before it is read
+        # (`jobs.data.remote_data`), and checked then
+        problem = None if p.startswith("hf:") or STORE_URI.fullmatch(p) or os.path.isdir(p) else path_problem(p)
+        if problem and URI.match(p.strip()):
+            problem = (
+                f"{one_line(p)[:120]} is not a URI rayft reads data from: give a local path, hf:ORG/NAME, "
+                "s3://bucket/key or gs://bucket/key (buckets: 3-63 lowercase letters, digits, dots and hyphens)"
+            )
         if problem:
             raise SpecError(f"{where}: {key}: {problem}")
     if spec.data.mix is not None:
         seen: dict[Path, int] = {}
         for i, src in enumerate(spec.data.mix):
-            if src.path.startswith("hf:"):
+            if src.path.startswith("hf:") or STORE_URI.fullmatch(src.path):
                 continue
             real = Path(src.path).resolve()
             if real in seen:
@@ -224,13 +232,13 @@ def reward_files(spec: JobSpec) -> list[tuple[str, str]]:
 def absolutize(spec: JobSpec) -> JobSpec:
     """Resolve relative paths against the current directory, for workers whose cwd differs."""
     d = spec.to_dict()
-    d["data"]["path"] = [p if p.startswith("hf:") else str(Path(p).resolve()) for p in spec.data.path]
-    if spec.data.eval_path and not spec.data.eval_path.startswith("hf:"):
-        d["data"]["eval_path"] = str(Path(spec.data.eval_path).resolve())
+    d["data"]["path"] = [_resolved_source(p) for p in spec.data.path]
+    if spec.data.eval_path:
+        d["data"]["eval_path"] = _resolved_source(spec.data.eval_path)
     for src in d["data"]["mix"] or []:
         for key in ("path", "eval_path"):
-            if src[key] and not src[key].startswith("hf:"):
-                src[key] = str(Path(src[key]).resolve())
+            if src[key]:
+                src[key] = _resolved_source(src[key])
     if spec.model.name != "tiny-llama" and not spec.model.name.startswith("pkg:") and Path(spec.model.name).exists():
         d["model"]["name"] = str(Path(spec.model.name).resolve())
     if spec.model.adapter:
@@ -243,6 +251,12 @@ def absolutize(spec: JobSpec) -> JobSpec:
     if spec.data.cache_dir:
         d["data"]["cache_dir"] = str(Path(spec.data.cache_dir).resolve())
     return JobSpec.model_validate(d)
+
+
+def _resolved_source(p: str) -> str:
+    """A data source as workers in another directory find it: a local path resolved; a hub id
+    or an object-store URI as it is."""
+    return p if p.startswith("hf:") or STORE_URI.fullmatch(p) else str(Path(p).resolve())
 
 
 def json_schema() -> dict:

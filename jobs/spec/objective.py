@@ -27,6 +27,14 @@ class _ObjectiveSection(SpecSection):
     "prompts" (online RL: the completions are sampled, `jobs.data.prompts`)."""
     resume_free: ClassVar[tuple[str, ...]] = ()
     """Settings that change how a step is computed, not what: a resume may change them."""
+    resolves: ClassVar[dict[str, str]] = {}
+    """A setting whose default is another setting's value (`epsilon_high`: `epsilon`), by the name
+    of the property that resolves it: the resume key stores what the run trains with, so a default
+    written out explicitly is the same run."""
+    held_out_metrics: ClassVar[dict[str, str]] = {"eval_loss": "min"}
+    """The held-out numbers its evaluation reports (metrics.jsonl, summary.json), each with how a
+    better value compares ("min": lower is better, "max": higher); the first is the one early
+    stopping judges and a search compares on unless told otherwise."""
 
     @model_validator(mode="before")
     @classmethod
@@ -45,6 +53,15 @@ class _ObjectiveSection(SpecSection):
     def value(self, key: str) -> Any:
         """`key` as the objective trains with it; None where this objective does not take it."""
         return getattr(self, key) if key in type(self).model_fields else None
+
+    def resolved(self, key: str) -> Any:
+        """The setting `key` as the run trains with it: its `resolves` property where it has one."""
+        return getattr(self, self.resolves.get(key, key))
+
+    @property
+    def held_out_metric(self) -> str:
+        """The held-out number early stopping judges and a search compares on by default."""
+        return next(iter(self.held_out_metrics))
 
     @property
     def is_preference(self) -> bool:
@@ -79,6 +96,8 @@ class SFTObjective(_ObjectiveSection):
 
 class _PairObjective(_ObjectiveSection):
     records: ClassVar[str] = "pairs"
+    # TRL's held-out preference accuracy: the fraction of pairs whose chosen response wins.
+    held_out_metrics: ClassVar[dict[str, str]] = {"eval_loss": "min", "eval_rewards/accuracies": "max"}
 
 
 class DPOObjective(_PairObjective):
@@ -135,6 +154,9 @@ class GRPOObjective(_ObjectiveSection):
     completions. Records are prompts (`{"prompt"}` or a conversation); other columns go to the
     reward functions. The loss is defined in `jobs.objectives.grpo_losses` (docs/spec.md)."""
     records: ClassVar[str] = "prompts"
+    resolves: ClassVar[dict[str, str]] = {"epsilon_high": "clip_high"}
+    # The mean weighted reward of one greedy completion per held-out prompt (no held-out loss).
+    held_out_metrics: ClassVar[dict[str, str]] = {"eval_reward": "max"}
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
     """How the per-token terms become the step's loss, each independent of the split: `dapo` (default)
     the mean over every completion token of the global batch; `grpo` each completion's token mean,
@@ -178,7 +200,8 @@ class GRPOObjective(_ObjectiveSection):
 
     def memory_terms(self, adapter: bool) -> dict:
         """A reference forward only with `beta` > 0 (the adapter off, or the starting adapter held
-        frozen a second time); generation's KV cache is not counted yet."""
+        frozen a second time); generation and the old-log-prob forward come from `rollout.*`
+        (`jobs.memory.spec_estimate.spec_rollout`)."""
         reference = "adapter_off" if self.beta > 0 else None
         return {"pairs": False, "reference": reference, "reference_adapter": adapter and reference is not None}
 

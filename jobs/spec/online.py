@@ -50,6 +50,23 @@ class RolloutSpec(SpecSection):
     """Nucleus sampling: the smallest set of tokens whose probability reaches top_p (1: off)."""
     top_k: int = Field(0, ge=0)
     """Sample among the k most likely tokens only (0: off)."""
+    generation_batch_size: int | None = Field(None, ge=1, le=1_000_000)
+    """`engine: hf`: completions one worker generates at once (one `model.generate` call, one KV
+    cache). Unset: the memory plan chooses it, the largest whose generation peak (KV cache, prefill,
+    sampler) stays within the training step's peak, at most the worker's share of the step's
+    completions (`rayft estimate` prints it). It changes speed and memory, not which completions are drawn:
+    each is drawn from its own seed, whatever batch computes it (up to the floating point of the
+    batch's logits: the same ids at every batch size on CPU in fp32, tested), so a resume may
+    change it."""
+    importance_correction: bool = False
+    """`engine: vllm`: truncated importance sampling (TRL's `vllm_importance_sampling_correction`,
+    token-level truncate): each completion token's policy-gradient loss is multiplied by
+    min(exp(trainer log-prob - engine log-prob), `importance_correction_cap`), the trainer's being
+    the old policy's, so what the engine's numerics sampled more often than the trained policy
+    would is weighed down. Off: the loss is the trainer's alone (the gap is still measured:
+    `engine_logprob_gap/mean|max`)."""
+    importance_correction_cap: float = Field(3.0, ge=1, le=1e6)
+    """The largest weight `importance_correction` gives a token (TRL's `vllm_importance_sampling_cap`)."""
 
     @field_validator("vllm_url")
     @classmethod
@@ -195,30 +212,37 @@ def _vllm_problem(spec: Any, rollout: RolloutSpec) -> str | None:
     """What `rollout.engine: vllm` cannot serve: a base that is not a saved model, or a policy that
     is not the saved base plus a plain LoRA adapter."""
     if rollout.engine != "vllm":
-        return "rollout.vllm_url applies to rollout.engine=vllm" if rollout.vllm_url else None
+        return _vllm_only(rollout)
     if spec.model.name == "tiny-llama":
         return (
             "rollout.engine=vllm serves a saved model: the built-in tiny-llama is none (and its head size, 16, "
             "is below vLLM's 32); set model.name to a model directory"
         )
     if spec.model.quantization != "none":
-        return f"rollout.engine=vllm with model.quantization={spec.model.quantization} has not landed"
+        return (
+            f"rollout.engine=vllm serves the saved base as it is: model.quantization={spec.model.quantization} "
+            "is not supported with it; use rollout.engine=hf"
+        )
     if spec.lora.use_dora or spec.lora.init in ("pissa", "olora"):
         what = "lora.use_dora" if spec.lora.use_dora else f"lora.init={spec.lora.init} (it rewrites the base)"
         return f"rollout.engine=vllm serves a plain LoRA adapter on the saved base: {what} is not one"
     return None
 
 
+def _vllm_only(rollout: RolloutSpec) -> str | None:
+    """A setting of `rollout.engine: vllm` given with `engine: hf`."""
+    if rollout.importance_correction:
+        return (
+            "rollout.importance_correction applies to rollout.engine=vllm: with engine=hf the completions "
+            "are sampled by the trained policy itself (no engine log-probs, nothing to correct)"
+        )
+    return "rollout.vllm_url applies to rollout.engine=vllm" if rollout.vllm_url else None
+
+
 def _grpo_data_problem(spec: Any) -> str | None:
-    """What of `data.*` and `run.*` a GRPO run does not read yet: a mixture, early stopping (it
-    judges a held-out loss; GRPO's held-out number is a reward)."""
+    """What of `data.*` a GRPO run does not read yet: a mixture."""
     if spec.data.mix is not None:
         return "data.mix is not available with objective.name=grpo yet; give one data.path of prompts"
-    if spec.run.early_stopping is not None:
-        return (
-            "run.early_stopping judges the held-out loss; objective.name=grpo evaluates a held-out reward "
-            "(eval_reward), which early stopping does not read yet; leave it unset"
-        )
     return None
 
 
@@ -229,6 +253,6 @@ def offline_only(spec: Any, what: str) -> None:
         from jobs.errors import SpecError
 
         raise SpecError(
-            f"{what} of objective.name=grpo has not landed: its prompts are read by the run itself "
-            "(`rayft run`), not tokenized into the data cache"
+            f"objective.name=grpo has no {what}: its prompts are short and read by the run itself "
+            "(`rayft run`; `rayft data preview` shows them), not tokenized into a cache"
         )

@@ -467,7 +467,11 @@ class EarlyStoppingSpec(SpecSection):
     patience: int = Field(3, gt=0)
     """Evaluations without improvement before the run stops."""
     min_delta: float = Field(0.0, ge=0.0)
-    """An eval loss counts as better only when it is below the best so far by more than this."""
+    """A held-out value counts as better only when it improves on the best so far by more than this."""
+    metric: str | None = None
+    """The held-out number judged: default the objective's (`eval_loss`, lower is better; for
+    `grpo` the mean held-out reward `eval_reward`, higher is better); a preference objective may
+    name `eval_rewards/accuracies` (higher is better)."""
 
 
 class RunSpec(SpecSection):
@@ -502,8 +506,9 @@ class RunSpec(SpecSection):
     store `sqlite:///<output_dir>/mlflow.db` (MLflow 3's own default backend; no server needed), its
     artifacts in `<output_dir>/mlartifacts/`."""
     early_stopping: EarlyStoppingSpec | None = None
-    """Stop when the eval loss (measured every `eval_every` steps) has not improved by more than
-    `min_delta` for `patience` evaluations; `adapter/` is then the best evaluation's adapter."""
+    """Stop when the held-out metric (measured every `eval_every` steps: the eval loss, or for `grpo`
+    the held-out reward) has not improved by more than `min_delta` for `patience` evaluations;
+    `adapter/` is then the best evaluation's adapter."""
     env: dict[str, str] = Field(default_factory=dict)
     """Non-secret environment variables for the workers. Secrets go by reference (e.g.
     `model.hf_token_env` names a variable the cluster provides); a value here that looks like a
@@ -541,7 +546,7 @@ class RunSpec(SpecSection):
         if self.max_steps is not None and self.epochs is not None:
             raise ValueError("give run.max_steps or run.epochs, not both")
         if self.early_stopping is not None and not self.eval_every:
-            raise ValueError("run.early_stopping needs run.eval_every > 0 (it judges the eval loss at those steps)")
+            raise ValueError("run.early_stopping needs run.eval_every > 0 (it judges the held-out metric then)")
         return self
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from jobs.run import checkpoint as ckpt
+from jobs.run.step_record import StepRecord
 
 
 class Context:
@@ -28,7 +29,7 @@ class Context:
     def report(self, metrics: dict) -> None:
         """Called by every rank at the same points (checkpoint steps and the end)."""
 
-    def progress(self, metrics: dict) -> None:
+    def progress(self, record: StepRecord) -> None:
         """Called on rank 0 after every optimizer step; cheap, non-blocking."""
 
     def save_checkpoint(self, root: Path, step: int, files: dict, metrics: dict, keep: int) -> None:
@@ -60,7 +61,7 @@ class Context:
 class LocalContext(Context):
     """No Ray: one process, or several started by `torchrun` (RANK/WORLD_SIZE/LOCAL_RANK, env://)."""
 
-    def __init__(self, use_gpu: bool = False, on_progress: Callable[[dict], None] | None = None):
+    def __init__(self, use_gpu: bool = False, on_progress: Callable[[StepRecord], None] | None = None):
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -73,9 +74,9 @@ class LocalContext(Context):
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self._on_progress = on_progress
 
-    def progress(self, metrics: dict) -> None:
+    def progress(self, record: StepRecord) -> None:
         if self._on_progress is not None:
-            self._on_progress(metrics)
+            self._on_progress(record)
         else:
             keys = ("step", "loss", "lr", "grad_norm", "tokens_per_s")
-            print(json.dumps({k: metrics[k] for k in keys if k in metrics}), file=sys.stderr, flush=True)
+            print(json.dumps({k: record.value(k) for k in keys}), file=sys.stderr, flush=True)

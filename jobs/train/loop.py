@@ -40,7 +40,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +75,12 @@ from jobs.run.outputs import (
     SUMMARY,
     MetricsLog,
     append_event,
-    check_output_dir,
-    claim_output_dir,
     plot_loss,
     read_metrics,
     write_json_atomic,
 )
+from jobs.run.ownership import hold_on_rank0
+from jobs.run.step_record import StepRecord
 from jobs.run.summary import RunSummary
 from jobs.run.tracking import Trackers, open_trackers
 from jobs.spec import JobSpec, compute_precision
@@ -269,13 +269,12 @@ def micro_batches_of(spec: JobSpec, ctx: Context, job: Job, step: int) -> Window
 def train(spec: JobSpec, ctx: Context, *, resume: bool = True, run_token: str | None = None) -> dict:
     """Run the job described by `spec` on this rank. Returns the summary (rank 0; {} elsewhere).
 
-    Rank 0 holds the output dir's lock for the run (`jobs.run.runlock`) unless the driver whose
-    token is `run_token` holds it already."""
+    Rank 0 owns the output dir for the run (`jobs.run.ownership`) unless the driver whose token
+    is `run_token` holds it already."""
     if not ctx.is_main:
         return _train(spec, ctx, resume=resume)
     # before the model loads: a directory rayft may not write, or another run's, is refused first
-    check_output_dir(spec.output_path, beside_others=True)
-    locked = runlock.acquire(spec.output_path, ours=run_token)
+    locked = hold_on_rank0(spec.output_path, name=spec.name, run_token=run_token)
     try:
         return _train(spec, ctx, resume=resume)
     finally:
@@ -284,9 +283,14 @@ def train(spec: JobSpec, ctx: Context, *, resume: bool = True, run_token: str | 
 
 
 def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
-    if ctx.is_main:
-        claim_output_dir(spec.output_path, beside_others=True, name=spec.name)
     job = set_up(spec, ctx)
+    try:
+        return _train_job(spec, ctx, job, resume=resume)
+    finally:
+        job.objective.release()  # e.g. the vLLM server rayft started, also when a step raised
+
+
+def _train_job(spec: JobSpec, ctx: Context, job: Job, *, resume: bool) -> dict:
     engine = make_engine(spec, ctx, job)
     job.objective.prepare(spec, ctx, job, engine)
     pos = resume_or_seed(spec, ctx, job, engine, resume)
@@ -294,7 +298,8 @@ def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
     if ctx.is_main:
         announce(spec, ctx, job, pos)
 
-    faults, last, clock = from_env(), {}, RunClock()
+    faults, clock = from_env(), RunClock()
+    last: StepRecord | None = None  # none when a rerun of a finished job trains no step
     stopper = EarlyStopping.of(spec, pos.early_stopping)
     steps = range(pos.step, pos.step if stopper.stopped else job.steps)
     with Prefetch(lambda k: micro_batches_of(spec, ctx, job, k), steps) as ahead:  # builds step k+1 during k
@@ -321,7 +326,7 @@ def _train(spec: JobSpec, ctx: Context, *, resume: bool) -> dict:
             last = step_record(
                 job, pos, window, done, ctx.device, loss=loss, lr=lr, grad_norm=norm, dt=dt, skipped=skipped
             )
-            last.update(evaluated=evaluated, **window.metrics, **stats, **pos.eval_stats)
+            last = replace(last, evaluated=evaluated, extra={**window.metrics, **stats, **pos.eval_stats})
             log.step(last, first=step == pos.step, total_steps=job.steps)
 
             every = spec.run.checkpoint_every
@@ -371,14 +376,14 @@ class StepLog:
         metrics = MetricsLog(spec.output_path, step) if ctx.is_main else None
         return cls(ctx, spec.output_path, metrics, open_trackers(spec, step, ctx.is_main))
 
-    def step(self, record: dict, *, first: bool, total_steps: int) -> None:
+    def step(self, record: StepRecord, *, first: bool, total_steps: int) -> None:
         if self.metrics is None:  # made on the main rank only
             return
         if first:  # the first step of this run
-            append_event(self.out, "first_step", step=record["step"])
+            append_event(self.out, "first_step", step=record.step)
         self.metrics.write(record)
-        self.trackers.log_step(record)
-        self.ctx.progress(dict(record, total_steps=total_steps))
+        self.trackers.log_step(record.line())
+        self.ctx.progress(record.with_total(total_steps))
 
 
 def evaluate_if_due(
@@ -389,7 +394,8 @@ def evaluate_if_due(
     due = bool(spec.run.eval_every and done % spec.run.eval_every == 0) or done == job.steps
     if due:
         pos.eval_loss, pos.eval_stats = job.objective.held_out(engine, job, spec, ctx)
-        stopper.judge(done, pos.eval_loss, lambda: fsdp.full_adapter(job.model), spec.output_path, ctx.is_main)
+        value = stopper.value_of(pos.eval_loss, pos.eval_stats)
+        stopper.judge(done, value, lambda: fsdp.full_adapter(job.model), spec.output_path, ctx.is_main)
     return due
 
 
@@ -405,27 +411,27 @@ def step_record(
     grad_norm: float,
     dt: float,
     skipped: bool,
-) -> dict:
-    """The step's line in metrics.jsonl (and the trackers' and progress line's values); the
-    window's per-source counts and the objective's statistics follow, added by the caller."""
+) -> StepRecord:
+    """The step's record (metrics.jsonl's line, the trackers' and progress line's values); the
+    window's per-source counts and the objective's statistics are added by the caller."""
     peak, peak_kind = peak_memory_bytes(device)
-    return {
-        "step": done,
-        "loss": loss,
-        "lr": lr,
-        "grad_norm": grad_norm,
-        "tokens": window.n_inputs,
-        "tokens_seen": pos.tokens_seen,
-        "label_tokens": window.n_labels,
-        "tokens_per_s": window.n_inputs / dt,
-        "step_time_s": dt,
-        "epoch": job.batches.epoch_of(done),
-        "peak_mem_gib": peak / GIB,
-        "peak_mem_kind": peak_kind,
-        "estimate_gib": job.plan.total_gib,
-        "skipped": skipped,
-        "eval_loss": pos.eval_loss,
-    }
+    return StepRecord(
+        step=done,
+        loss=loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        tokens=window.n_inputs,
+        tokens_seen=pos.tokens_seen,
+        label_tokens=window.n_labels,
+        tokens_per_s=window.n_inputs / dt,
+        step_time_s=dt,
+        epoch=job.batches.epoch_of(done),
+        peak_mem_gib=peak / GIB,
+        peak_mem_kind=peak_kind,
+        estimate_gib=job.plan.total_gib,
+        skipped=skipped,
+        eval_loss=pos.eval_loss,
+    )
 
 
 def finish(
@@ -434,7 +440,7 @@ def finish(
     job: Job,
     engine: Engine,
     pos: Position,
-    last: dict,
+    last: StepRecord | None,
     stopper: EarlyStopping,
     log: StepLog,
     clock: RunClock,
@@ -464,7 +470,7 @@ def finish(
             summary, [spec.output_path / SUMMARY, spec.output_path / PLOT, spec.output_path / "adapter"]
         )
         mirror.push_outputs(spec)  # an object-store run.output_dir: the outputs, summary.json last
-    ctx.report(dict(last, done=True))
+    ctx.report({**(last.line() if last else {}), "done": True})
     return summary
 
 
@@ -503,7 +509,14 @@ def announce(spec: JobSpec, ctx: Context, job: Job, pos: Position) -> None:
 
 
 def save_checkpoint(
-    spec: JobSpec, ctx: Context, job: Job, engine: Engine, pos: Position, done: int, last: dict, stopper: EarlyStopping
+    spec: JobSpec,
+    ctx: Context,
+    job: Job,
+    engine: Engine,
+    pos: Position,
+    done: int,
+    last: StepRecord,
+    stopper: EarlyStopping,
 ) -> None:
     """Every rank, after optimizer step `done`: its files of checkpoint `step-<done>` (rank 0 adds
     the adapter, optimizer and scaler), with the position that resuming continues from. The
@@ -529,7 +542,7 @@ def save_checkpoint(
         spec.output_path / "checkpoints",
         done,
         ckpt.rank_files(ctx.rank, state, *shared) | job.objective.checkpoint_files(ctx.rank),
-        last,
+        last.line(),
         spec.run.keep_checkpoints,
     )
     ctx.barrier()  # every rank's files are in place before an object store gets them
@@ -557,7 +570,7 @@ def write_outputs(
     spec: JobSpec,
     job: Job,
     pos: Position,
-    last: dict,
+    last: StepRecord | None,
     adapter: dict,
     *,
     wall_s: float,
@@ -578,20 +591,20 @@ def write_outputs(
     if spec.model.name == "tiny-llama":
         _save_tiny_base(spec, out / "base", adapter_dir)
     plot_loss(out, records, **job.objective.plot_labels(spec))
-    final = last or (records[-1] if records else {})  # a rerun of a finished job trains no step
+    final = last or (records[-1] if records else None)  # a rerun of a finished job trains no step
     summary = RunSummary(
         name=spec.name,
         steps=job.steps,
         resumed_from_step=pos.step,
-        first_loss=records[0]["loss"] if records else None,
-        final_loss=final.get("loss"),
+        first_loss=records[0].loss if records else None,
+        final_loss=final.loss if final else None,
         eval_loss=pos.eval_loss,
         tokens_seen=pos.tokens_seen,
         skipped_steps=pos.skipped_steps,
         wall_time_s=wall_s,
         mean_tokens_per_s=mean_tokens_per_s,
-        peak_mem_gib=final.get("peak_mem_gib"),
-        peak_mem_kind=final.get("peak_mem_kind"),
+        peak_mem_gib=final.peak_mem_gib if final else None,
+        peak_mem_kind=final.peak_mem_kind if final else None,
         estimate_gib=job.plan.total_gib,
         precision=job.precision,
         gradient_checkpointing=bool(job.plan.checkpoint_every_n_layers),

@@ -12,6 +12,7 @@ import ray.train
 import ray.train.torch
 
 from jobs.run import checkpoint as ckpt
+from jobs.run.step_record import StepRecord
 from jobs.train.context import Context
 
 
@@ -27,9 +28,9 @@ class RayContext(Context):
     def report(self, metrics: dict) -> None:
         ray.train.report(_scalars(metrics))
 
-    def progress(self, metrics: dict) -> None:
+    def progress(self, record: StepRecord) -> None:
         if self._progress is not None:
-            self._progress.put.remote(metrics)  # fire and forget: never blocks the loop
+            self._progress.put.remote(record)  # fire and forget: never blocks the loop
 
     def save_checkpoint(self, root: Path, step: int, files: dict, metrics: dict, keep: int) -> None:
         """Each rank writes its files locally; Ray Train merges them into `root/step-...`.

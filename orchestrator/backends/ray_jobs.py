@@ -192,6 +192,7 @@ def resolve_spec(
     """Load and validate the spec, once, as the job will see it; returns (spec, spec path
     relative to the working dir, overrides for the entrypoint, warnings). Relative paths
     resolve in the working dir; `preflight` reads the data files."""
+    from jobs.data.remote_data import localize
     from jobs.finetune import preflight
 
     p = Path(spec_path).resolve()
@@ -207,9 +208,9 @@ def resolve_spec(
     warnings: list[str] = []
     with _cwd(working_dir):
         spec = load_spec(rel, overrides)
-        preflight(spec)
+        preflight(localize(spec))  # data in a bucket: checked from a copy here; the job copies it where it runs
         for key, d in [*spec.data.source_files(), *reward_files(spec)]:  # a reward file: beside the spec
-            if not Path(d).is_absolute() and not _inside(Path(d).resolve(), working_dir):
+            if not is_uri(d) and not Path(d).is_absolute() and not _inside(Path(d).resolve(), working_dir):
                 raise SpecError(
                     f"{spec_path}: {key}: {d} is outside the working dir {working_dir}; it would not be "
                     "uploaded (use a path inside the project or an absolute path on shared storage)"

@@ -91,12 +91,13 @@ def _positive_int(text: str) -> int:
 def cmd_preview(args) -> int:
     from rich.console import Console
 
-    from jobs.data.preview import data_preview
+    from jobs.data.remote_data import localize
     from jobs.model.loading import load_tokenizer
+    from jobs.objectives import Objective
     from jobs.spec import load_spec
 
-    spec = load_spec(args.spec, args.overrides)
-    doc = data_preview(spec, load_tokenizer(spec), args.n)
+    spec = localize(load_spec(args.spec, args.overrides))  # data in a bucket: read from its local copy
+    doc = Objective.of(spec).preview(spec, load_tokenizer(spec), args.n)
     if args.svg is not None:  # first: a path that cannot be written is refused before anything is printed
         _save_svg(doc, args)
     if args.json:
@@ -110,13 +111,14 @@ def cmd_prepare(args) -> int:
     import ray
 
     from jobs.data.prepare import prepare
+    from jobs.data.remote_data import localize
     from jobs.model.loading import load_tokenizer
     from jobs.run.outputs import check_cache_place
     from jobs.spec import load_spec
 
     if args.num_cpus and args.address:
         raise SpecError("--num-cpus sizes a local Ray; a cluster at --address has its own CPUs")
-    spec = load_spec(args.spec, args.overrides)
+    spec = localize(load_spec(args.spec, args.overrides))
     check_cache_place(spec)  # as `rayft run`: before Ray starts, nothing written outside rayft's places
     started = not ray.is_initialized()
     try:
@@ -178,7 +180,7 @@ def _print_preview(con, doc: dict, boundaries: bool) -> None:
 
     con.print(
         f"[bold]{escape(visible(doc['name']))}[/]: {escape(visible(doc['model']))}, objective {doc['objective']}, "
-        f"data.max_seq_len {doc['max_seq_len']}",
+        f"data.max_seq_len {doc['max_seq_len']}" + _budget(doc),
         soft_wrap=True,
         highlight=False,
     )
@@ -186,16 +188,27 @@ def _print_preview(con, doc: dict, boundaries: bool) -> None:
         line = visible(f"  {src['name']}: {', '.join(src['paths'])}")
         con.print(line, soft_wrap=True, markup=False, highlight=False)
     con.print(_legend(con, doc["kind"]))
+    panel = _prompt_panel if doc["kind"] == "prompts" else _sample_panel
     for sample in doc["samples"]:
-        con.print(_sample_panel(con, sample, boundaries))
+        con.print(panel(con, sample, boundaries))
     if not doc["samples"]:
         con.print("[yellow]no training sample is kept[/]")
     _print_stats(con, doc)
 
 
+def _budget(doc: dict) -> str:
+    """Online RL: the prompt length the run keeps (a longer prompt is dropped, never cut)."""
+    if "prompt_budget" not in doc:
+        return ""
+    return f", prompts of at most {doc['prompt_budget']} tokens (the rest is the completion's)"
+
+
 def _legend(con, kind: str):
     from rich.text import Text
 
+    if kind == "prompts":
+        text = "prompt: completions are sampled from it; the loss is on the completions"
+        return Text("  ").append_text(_styled(con, [{"text": text, "label": False, "special": False}], False))
     t = Text("  ")
     what = "the responses (chosen, rejected): loss on these" if kind == "pairs" else "trained: loss on these"
     t.append_text(_styled(con, [{"text": what, "label": True, "special": False}], False))
@@ -222,6 +235,19 @@ def _sample_panel(con, sample: dict, boundaries: bool):
             parts.append(f"[bold]{name}[/]")
             parts.append(_styled(con, sample[name]["tokens"], boundaries, styles))
         body = Group(*parts)
+    return Panel(body, title=Text(visible(title)), title_align="left")
+
+
+def _prompt_panel(con, sample: dict, boundaries: bool):
+    """An online-RL prompt: its tokens as generation starts from them, then the columns the reward
+    functions receive beside it."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.text import Text
+
+    title = f"train prompt {sample['example']} ({sample['where']}): {sample['n_tokens']} tokens"
+    columns = Text(visible("reward columns: " + (json.dumps(sample["columns"]) if sample["columns"] else "none")))
+    body = Group(_styled(con, sample["tokens"], boundaries), columns)
     return Panel(body, title=Text(visible(title)), title_align="left")
 
 
@@ -265,8 +291,9 @@ def _print_stats(con, doc: dict) -> None:
         scopes += [(src["name"], src) for src in doc["sources"]]
     for name, scope in scopes:
         con.print(_stats_table(name, scope, doc["kind"]))
+        length = "prompt length" if doc["kind"] == "prompts" else "sequence length"
         con.print(
-            f"[bold]sequence length[/] (tokens, of data.max_seq_len {doc['max_seq_len']}), {escape(name)}, train",
+            f"[bold]{length}[/] (tokens, of data.max_seq_len {doc['max_seq_len']}), {escape(name)}, train",
             highlight=False,
         )
         con.print(_histogram(scope["train"]["histogram"]))
@@ -286,6 +313,14 @@ def _stats_table(name: str, scope: dict, kind: str):
 
 
 def _stat_rows(kind: str) -> list:
+    if kind == "prompts":  # nothing is truncated and no prompt token is a label
+        return [
+            ("records", lambda st: str(st["records"])),
+            ("kept (prompts)", lambda st: str(st["kept"])),
+            ("dropped", lambda st: _dropped(st)),
+            ("prompt tokens", lambda st: str(st["tokens"])),
+            ("prompt length min / mean / max", _lengths),
+        ]
     unit = "pairs" if kind == "pairs" else "samples"
     rows = [
         ("records", lambda st: str(st["records"])),

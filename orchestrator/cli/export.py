@@ -11,18 +11,34 @@ from .output import say
 
 def cmd_export(args) -> int:
     from jobs.after.export import export
+    from jobs.run.remote_run import export_target, local_run
+    from jobs.run.storage import is_uri
 
-    target = export(Path(args.output_dir), merge=args.merge, dtype=args.dtype, to=Path(args.to) if args.to else None)
+    to = Path(args.to) if args.to else None
+    if is_uri(args.output_dir):  # fetched into rayft's cache; the export is written here, not in the bucket
+        check_local_target(args.to)
+        to = to or export_target(args.output_dir, args.merge)
+    target = export(local_run(args.output_dir), merge=args.merge, dtype=args.dtype, to=to)
     say(f"{'merged model' if args.merge else 'adapter'} exported to {target}")
     print(target)
     return 0
 
 
+def check_local_target(to: str | None) -> None:
+    """`--to` is a local directory: an export is not written into a bucket."""
+    from jobs.errors import UserError
+    from jobs.spec.sections import URI
+
+    if to and URI.match(to.strip()):
+        raise UserError(f"--to {to[:120]}: a local directory only (copy the export to a bucket with your own tools)")
+
+
 def cmd_generate(args) -> int:
     from jobs.after.export import generate, load_for_generation, prompts_from
+    from jobs.run.remote_run import local_run
 
     check_generate_arguments(args)
-    model, tok = load_for_generation(Path(args.output_dir))
+    model, tok = load_for_generation(local_run(args.output_dir))
     opts = dict(chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     if args.prompt is not None:
         generate(model, tok, args.prompt, **opts)  # streams the answer to stdout
@@ -89,18 +105,24 @@ def _lines(interactive: bool):
 
 def register(sub) -> None:
     ex = sub.add_parser("export", help="export a finished run's adapter, or merge it into its base (--merge)")
-    ex.add_argument("output_dir", help="the run's output directory (run.output_dir)")
+    ex.add_argument("output_dir", help="the run's output directory (run.output_dir: a local path, s3:// or gs://)")
     ex.add_argument(
         "--merge",
         action="store_true",
         help="merge the adapter into the base: a standalone Hugging Face model directory",
     )
     ex.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32", help="dtype of the merged weights")
-    ex.add_argument("--to", help="target directory (default: <output_dir>/merged or <output_dir>/adapter-export)")
+    ex.add_argument(
+        "--to",
+        help="target directory, local (default: <output_dir>/merged or <output_dir>/adapter-export; for a run in a "
+        "bucket ./<last part of its prefix>-merged or -adapter-export)",
+    )
     ex.set_defaults(fn=cmd_export)
 
     gen = sub.add_parser("generate", help="generate with a run's adapter (or a merged export); streams the answer")
-    gen.add_argument("output_dir", help="a run's output directory, an adapter directory or a merged export")
+    gen.add_argument(
+        "output_dir", help="a run's output directory, an adapter directory or a merged export (local, s3:// or gs://)"
+    )
     gen.add_argument("prompt", nargs="?", help="the prompt (none: read prompts from stdin, one per line)")
     gen.add_argument("--chat", action="store_true", help="render the prompt through the model's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=64)

@@ -32,7 +32,10 @@ def _ray_jobs(args) -> Backend[Any]:
 def _kuberay(args) -> Backend[Any]:
     from orchestrator.backends.kuberay import KubeRayBackend
 
+    from .k8s import access_flags
+
     target = {k: getattr(args, k) for k in ("queue", "image", "overlay") if getattr(args, k, None)}
+    target["access"] = access_flags(args)
     return KubeRayBackend(namespace=args.namespace, timeout_s=getattr(args, "timeout_s", None), **target)
 
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobs.run.outputs import format_step
+from jobs.run.step_record import StepRecord
 
 from . import Parser
 from .output import console
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
+
+    from jobs.spec import JobSpec
 
 # ---- rayft run -------------------------------------------------------------------------------
 
@@ -19,14 +25,14 @@ BATCH_UNITS = {"sft": "", "grpo": " completions"}
 
 def cmd_run(args) -> int:
     from jobs.finetune import prepare, run
-    from jobs.run import runlock
+    from jobs.run import run_hold
 
     spec = prepare(args.spec, args.overrides, args.fresh, local=args.local, address=args.address)  # holds the lock
     try:
         with _Progress(spec) as bar:
             summary = run(spec, local=args.local, address=args.address, fresh=args.fresh, on_progress=bar.update)
     finally:
-        runlock.release(spec.output_path)
+        run_hold.let_go(spec)
     _summary_table(summary, spec)
     return 0
 
@@ -34,10 +40,10 @@ def cmd_run(args) -> int:
 class _Progress:
     """A progress bar per optimizer step with loss and tokens/s (plain lines when not a TTY)."""
 
-    def __init__(self, spec):
+    def __init__(self, spec: JobSpec):
         self.spec = spec
         self.console = console()
-        self.task = None
+        self.task: TaskID | None = None
 
     def __enter__(self):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -55,16 +61,14 @@ class _Progress:
         self.progress.__enter__()
         return self
 
-    def update(self, rec: dict) -> None:
-        loss = f"{rec['loss']:.4f}"
-        if "rewards/accuracies" in rec:  # a preference objective: TRL's reward accuracy and margin beside it
-            loss += f" acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:.3g}"
-        fields: dict[str, Any] = dict(loss=loss, tok_s=f"{rec['tokens_per_s']:.0f}")
+    def update(self, rec: StepRecord) -> None:
+        loss = f"{rec.loss:.4f}"
+        if (accuracies := rec.value("rewards/accuracies")) is not None:  # preference: TRL's accuracy, margin
+            loss += f" acc {accuracies:.2f} margin {rec.value('rewards/margins'):.3g}"
+        fields: dict[str, Any] = dict(loss=loss, tok_s=f"{rec.tokens_per_s:.0f}")
         if self.task is None:
-            self.task = self.progress.add_task(
-                self.spec.name, total=rec.get("total_steps"), completed=rec["step"] - 1, **fields
-            )
-        self.progress.update(self.task, completed=rec["step"], **fields)
+            self.task = self.progress.add_task(self.spec.name, total=rec.total_steps, completed=rec.step - 1, **fields)
+        self.progress.update(self.task, completed=rec.step, **fields)
         if not self.console.is_terminal:
             print(format_step(rec), file=sys.stderr, flush=True)
 
@@ -76,7 +80,7 @@ def _num(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def _summary_table(summary: dict, spec) -> None:
+def _summary_table(summary: dict, spec: JobSpec) -> None:
     from rich.table import Table
 
     from jobs.memory import checkpointing_str
@@ -128,9 +132,10 @@ def cmd_eval(args) -> int:
     from rich.table import Table
 
     from jobs.after.evaluate import evaluate
+    from jobs.data.remote_data import localize
     from jobs.spec import absolutize, load_spec
 
-    spec = absolutize(load_spec(args.spec, args.overrides))
+    spec = absolutize(localize(load_spec(args.spec, args.overrides)))
     result = evaluate(spec, args.adapter, max_new_tokens=args.max_new_tokens)
     if "prompts" in result:  # held-out prompts, scored by the reward functions (online RL)
         _reward_table(result, spec)
@@ -153,7 +158,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _reward_table(result: dict, spec) -> None:
+def _reward_table(result: dict, spec: JobSpec) -> None:
     """One row per model scored (base, starting adapter, trained adapter): the held-out mean reward
     of greedy answers, each reward function's mean, exact match where a function is exact_match."""
     from rich.table import Table
@@ -183,7 +188,7 @@ def _reward_table(result: dict, spec) -> None:
         out.print("  " + "  ".join(f"{role} {ex[role]!r}" for role in ROLES if role in ex))
 
 
-def _preference_table(result: dict, spec) -> None:
+def _preference_table(result: dict, spec: JobSpec) -> None:
     """One row per model scored (base, starting adapter, trained adapter): exact match, preference
     accuracy and mean margin for each; TRL's rewards for the trained adapter. Not folded to 80
     columns when stderr is not a terminal (a log keeps each row on one line)."""

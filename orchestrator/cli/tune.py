@@ -9,7 +9,10 @@
     rayft tune SPEC [k=v ...] [--resume | --fresh] [--plan] [--address ADDR] [--num-cpus N]
         the search of a search spec (a job spec plus `search`; see tune/spec.py): the plan
         (tune.plan), then the trials on Ray (tune.run), compared on `search.metric` (eval loss,
-        or a preference objective's held-out accuracy when it searches `objective.beta`).
+        a preference objective's held-out accuracy when it searches `objective.beta`, or GRPO's held-out
+        mean reward `eval_reward`).
+        With `run.output_dir: s3://...` / `gs://...` the search runs in its staging directory under
+        the prefix's lease and is uploaded when it returns (`tune.storage`).
 
 Every user mistake raises `jobs.errors.SpecError` before anything starts; `orchestrator.cli.main`
 prints it as one line, exit code 2.
@@ -37,7 +40,10 @@ def register(sub) -> None:
 
     tn = sub.add_parser(
         "tune",
-        help="search accumulation steps, LR scaling and a preference objective's beta under a memory budget (Ray Tune)",
+        help=(
+            "search accumulation steps, LR scaling, an objective's beta and GRPO's num_generations "
+            "under a memory budget (Ray Tune)"
+        ),
     )
     tn.add_argument("spec", help="search spec YAML: a job spec plus a `search` section")
     tn.add_argument("overrides", nargs="*", metavar="section.field=value")
@@ -129,6 +135,24 @@ def estimate_report(spec, budget, device: str, where: str) -> dict:
         "transient_components": list(memory.TRANSIENT_COMPONENTS),
         "pairs": pairs,
         "smallest_budget_gib": smallest,
+        "generation": generation_report(spec, plan),
+    }
+
+
+def generation_report(spec, plan) -> dict | None:
+    """Online RL in-process: the generation batch the plan runs, whether the spec fixed it, the
+    worker's share it is capped by, and the parts of its peak in bytes (`jobs.memory.generation`);
+    None where nothing is generated in the training process."""
+    parts = plan.estimate.details.get("generation")
+    if not parts:
+        return None
+    return {
+        "generation_batch_size": plan.generation_batch_size,
+        "chosen_by_plan": spec.rollout.generation_batch_size is None,
+        "share": spec.batch.global_batch_size // spec.resources.num_workers,
+        "prompt_tokens": spec.data.max_seq_len - spec.rollout.max_completion_length,
+        "completion_tokens": spec.rollout.max_completion_length,
+        "bytes": {k: v for k, v in parts.items() if k != "generation_batch_size"},
     }
 
 
@@ -168,6 +192,7 @@ def cmd_estimate(args) -> int:
         t.add_row(label, gib_str(g_off), gib_str(g_on), style=style)
     con.print(t)
     used = checkpointing_str(rep["checkpoint_every_n_layers"])
+    _print_generation(con, rep["generation"])
     _print_strategies(con, rep, budget)
     line = (
         f"total {gib_str(rep['total_gib'])} ({strategy_str(rep['strategy'], rep['reshard_after_forward'])}, "
@@ -201,6 +226,27 @@ def cmd_estimate(args) -> int:
         f"smallest budget (micro-batch 1, checkpointing on): {gib_str(rep['smallest_budget_gib'])}", soft_wrap=True
     )
     return 0
+
+
+def _print_generation(con, gen: dict | None) -> None:
+    """Online RL: the generation batch and the parts of generation's peak (before the forward:
+    weighed against the training step's peak, not added to it)."""
+    if gen is None:
+        return
+    from tune.plan import gib_str
+
+    b = gen["bytes"]
+    how = "the plan's choice" if gen["chosen_by_plan"] else "rollout.generation_batch_size"
+    con.print(
+        f"[bold]generation[/]: {gen['generation_batch_size']} completions at once ({how}; "
+        f"{gen['share']} per worker a step), prompt {gen['prompt_tokens']} + completion "
+        f"{gen['completion_tokens']} tokens: KV cache {gib_str(b['kv_cache'] / 1024**3)}, prefill "
+        f"{gib_str(b['prefill'] / 1024**3)}, decode {gib_str(b['decode'] / 1024**3)} (sampler "
+        f"{gib_str(b['sampler'] / 1024**3)}), LoRA copies {gib_str(b['lora_copies'] / 1024**3)}; peak "
+        f"{gib_str(b['peak_bytes'] / 1024**3)} beside the static memory, weighed against training's "
+        "peak (not added)",
+        soft_wrap=True,
+    )
 
 
 def _print_strategies(con, rep: dict, budget) -> None:
@@ -237,45 +283,66 @@ def _print_strategies(con, rep: dict, budget) -> None:
 
 
 def cmd_tune(args) -> int:
-    from jobs.errors import SpecError
-    from jobs.finetune import build_data, preflight
-    from jobs.run.storage import is_uri
-    from jobs.spec import absolutize
+    from jobs.finetune import preflight
+    from tune import storage
     from tune.plan import plan_search
-    from tune.spec import SearchSpec, load_search_spec
+    from tune.spec import load_search_spec
 
     raw = load_search_spec(args.spec, args.overrides)
-    if is_uri(raw.output_location):
-        raise SpecError(
-            f"run.output_dir={raw.output_location}: a search writes to a local directory only "
-            "(object storage is not supported for rayft tune yet)"
-        )
+    storage.check(raw)  # an object-store run.output_dir: the credentials, the bucket, the prefix, asked first
     preflight(raw)
     plan = plan_search(raw, args.spec)  # refuses an impossible budget before anything starts
     if args.plan:
         _print_plan(plan)
         return 0
-    from jobs.run.outputs import set_aside
+    return _run_tune(args, raw, plan)
+
+
+def _run_tune(args, raw, plan) -> int:
+    """The search, run (or resumed) and reported; a search into a store holds its prefix throughout
+    and is uploaded when it returns (`tune.storage`)."""
+    from jobs.finetune import build_data
+    from jobs.spec import absolutize
+    from tune import storage
     from tune.run import check_resume, run_search  # Ray: only when the search runs
+    from tune.spec import SearchSpec
 
     # Workers run elsewhere (another cwd): absolute paths for them, the user's paths for best.yaml.
     job = absolutize(raw.job())
     spec = SearchSpec.model_validate(job.to_dict() | {"search": raw.search.model_dump(mode="json")})
     resume = True if args.resume else (False if args.fresh else None)
-    check_resume(spec, raw, resume, args.spec)  # a refusal is one line, before anything is printed or started
-    # The trials' one cache entry (the data keys are the same in every trial), built here: a refusal
-    # of the data is one line before --fresh moves anything, and no trial tokenizes.
-    build_data(job)
-    if args.fresh:
-        moved = set_aside(spec.output_path)
-        if moved:
-            print(f"--fresh: the previous search was moved to {moved}", file=sys.stderr)
-    _print_plan(plan)
-    outcome = run_search(
-        spec, raw, plan, resume=resume, address=args.address, num_cpus=args.num_cpus, spec_path=args.spec
-    )
+    with storage.held(spec, fresh=args.fresh):
+        check_resume(spec, raw, resume, args.spec)  # a refusal is one line, before anything is printed or started
+        # The trials' one cache entry (the data keys are the same in every trial), built here: a refusal
+        # of the data is one line before --fresh moves a local search, and no trial tokenizes.
+        build_data(job)
+        _fresh_local(spec, args.fresh)
+        _print_plan(plan)
+        outcome = run_search(
+            spec, raw, plan, resume=resume, address=args.address, num_cpus=args.num_cpus, spec_path=args.spec
+        )
+        storage.push(spec)
+    return _report(outcome, raw, plan, spec.output_location)
+
+
+def _fresh_local(spec, fresh: bool) -> None:
+    """`--fresh` on a local run.output_dir: the previous search moved aside (a store's staging
+    directory was, before its lock was taken: `tune.storage.held`)."""
+    from jobs.run.outputs import set_aside
+    from jobs.run.storage import is_uri
+
+    if not fresh or is_uri(spec.output_location):
+        return
+    moved = set_aside(spec.output_path)
+    if moved:
+        print(f"--fresh: the previous search was moved to {moved}", file=sys.stderr)
+
+
+def _report(outcome, raw, plan, location: str) -> int:
+    """The results table, the files and the best trial; the exit code."""
     from rich.console import Console
 
+    from jobs.run.storage import is_uri
     from orchestrator.cli import EXIT_INTERRUPTED
     from orchestrator.cli.output import say
     from tune.report import results_table
@@ -288,6 +355,8 @@ def cmd_tune(args) -> int:
         con.print(f"note: {n}")
     for kind, path in outcome.files.items():
         con.print(f"{kind}: {path}")
+    if is_uri(location):
+        con.print(f"uploaded: {location} (results.json last)", soft_wrap=True)
     if outcome.interrupted:
         say("search interrupted; rerun the same command to resume (finished trials are kept)")
         return EXIT_INTERRUPTED
@@ -308,6 +377,7 @@ def _best_value(plan, b: dict) -> str:
     from tune.report import value_str
 
     beta = "" if b.get("beta") is None else f"beta {b['beta']:g}, "
+    beta += "" if b.get("num_generations") is None else f"num_generations {b['num_generations']}, "
     return beta + (f"eval loss {b['eval_loss']:.4f}" if plan.metric == "eval_loss" else value_str(plan, b))
 
 
@@ -326,6 +396,7 @@ def _print_plan(plan) -> None:
         est = "-" if p.estimate_gib is None else gib_str(p.estimate_gib)
         ck = checkpointing_str(p.checkpoint_every_n_layers)
         beta = "" if p.beta is None else f"beta {p.beta:<6g}, "
+        beta += "" if p.num_generations is None else f"num_generations {p.num_generations:<3}, "
         print(
             f"  {p.status:10} micro {p.micro_batch_size or '-':>3} x accum {p.grad_accum_steps:>3} = global "
             f"{p.global_batch_size:>4}, lr_scaling {p.lr_scaling:6}, {beta}{p.strategy or '-'}, checkpointing {ck}, "

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 from gradtools import final_adapter, rel_err, tiny_spec
+from runs import metric_lines
 
-from jobs.run.outputs import read_metrics
 from jobs.train.context import LocalContext
 from jobs.train.loop import train
 
@@ -51,7 +51,7 @@ def _run(out, *overrides: str) -> tuple[list[float], dict, dict]:
         *overrides,
     )
     summary = train(spec, LocalContext(use_gpu=not ON_CPU, on_progress=lambda r: None), resume=False)
-    return [r["loss"] for r in read_metrics(out)], final_adapter(out), summary
+    return [r["loss"] for r in metric_lines(out)], final_adapter(out), summary
 
 
 def _agree(a: tuple, b: tuple, tol: float = TOL) -> None:

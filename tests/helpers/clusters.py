@@ -217,7 +217,10 @@ class LocalCluster:
 
     def ensure_nodes(self, n: int) -> None:
         """Exactly `n` worker nodes alive: add nodes (one at a time: nodes joining on one IP race),
-        or stop surplus ones, those holding no actor first (a test's leftovers are gone by then)."""
+        or stop surplus ones, those holding no actor first (a test's leftovers are gone by then).
+        A node process Ray has marked dead (its health checks missed on a loaded machine) is
+        stopped first: it would never be counted again."""
+        self._stop_dead_nodes()
         while len(self.wait_nodes(len(self._live()))) < n:
             self.add_node()
         surplus = len(self._live()) - n
@@ -227,6 +230,19 @@ class LocalCluster:
             for q in idle_first[:surplus]:
                 kill_group(q, signal.SIGTERM, timeout_s=15)  # the node stops its workers and leaves
             self.wait_nodes(n)
+
+    def _stop_dead_nodes(self) -> None:
+        """Stop the node processes that still run but whose Ray node is no longer alive."""
+        alive = set(wait_until(self._alive_or_none, 60, "the dashboard lists the nodes")[0])
+        for q in self._live():
+            if q.pid in self.node_ids and self.node_ids[q.pid] not in alive:
+                kill_group(q)
+
+    def _alive_or_none(self) -> tuple:
+        try:
+            return (self.alive_cpu_nodes(),)
+        except Exception:  # the dashboard is busy or restarting
+            return ()
 
     def _start(self, args: list[str], name: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")
@@ -258,6 +274,7 @@ class LocalCluster:
 
     def add_node(self) -> subprocess.Popen:
         """Start one more worker node and wait until it is alive; records its Ray node id."""
+        self._stop_dead_nodes()
         before = set(self.wait_nodes(len(self._live())))
         p = self._start([f"--address={self.address}", "--num-cpus=1"], f"node{len(self.nodes)}")
         self.nodes.append(p)

@@ -1,6 +1,6 @@
 """Mutations of the files rayft reads back, and the targets they are applied to (a tokenized cache
 entry, a checkpoint directory, an adapter directory, a queue database, a precomputed reference
-entry, a starting adapter), each with the reader a command runs on it in-process. Shared by
+entry, a starting adapter, the `--svg` target's place), each with the reader a command runs on it in-process. Shared by
 tests/hostile/test_file_fuzz.py and bench/fuzz_files.py."""
 
 from __future__ import annotations
@@ -459,8 +459,68 @@ def _start_from(adapter: Path) -> dict:
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
+class SvgTarget:
+    """The place `rayft data preview --svg DIR/p.svg` writes (an old picture `p.svg` beside a
+    `precious.txt`); reader: the command's writer (`_save_svg`) with a preview built once. Holds:
+    exit 0 or 2 in one line, never a traceback or a hang; exit 0 means `p.svg` is a regular file (not
+    a link) holding a well-formed SVG and nothing else in the directory changed (no file written
+    through a link, no temporary left); exit 2 means nothing there changed at all."""
+
+    name = "svg"
+
+    def build(self, work: Path) -> None:
+        from jobs.data.preview import data_preview
+        from jobs.model.loading import load_tokenizer
+        from jobs.spec import load_spec
+
+        spec = load_spec(DEMO, [*SMALL, f"data.path={DATA}", f"run.output_dir={work / 'out'}"])
+        self.doc = data_preview(spec, load_tokenizer(spec), 2)
+        self.source = work / "place"
+        self.source.mkdir()
+        (self.source / "p.svg").write_text("<svg>an old picture</svg>")
+        (self.source / "precious.txt").write_text("not rayft's")
+
+    def root(self, copy: Path) -> Path:
+        return copy
+
+    def read(self, copy: Path, mutated: bool) -> int:
+        import argparse
+        import xml.etree.ElementTree as ET
+
+        from orchestrator.cli.data import _save_svg
+
+        before = _entries(copy)
+        args = argparse.Namespace(svg=str(copy / "p.svg"), spec="spec.yaml", n=2, tokens=False)
+        code = exit_code(lambda: _save_svg(self.doc, args))
+        after = _entries(copy)
+        if code != 0:
+            assert after == before, f"refused (exit {code}), yet the directory changed"
+            return code
+        target = copy / "p.svg"
+        assert target.is_file() and not target.is_symlink(), "exit 0, yet p.svg is not a regular file"
+        ET.fromstring(target.read_text())  # a well-formed picture
+        assert {k: v for k, v in after.items() if k != "p.svg"} == {k: v for k, v in before.items() if k != "p.svg"}, (
+            "exit 0, yet another file changed (written through a link, or a temporary left)"
+        )
+        return code
+
+
+def _entries(place: Path) -> dict[str, tuple]:
+    """{name: what it is}: a link's target, a regular file's bytes, else its kind (never opened)."""
+    out: dict[str, tuple] = {}
+    for p in sorted(place.iterdir()):
+        if p.is_symlink():
+            out[p.name] = ("link", os.readlink(p))
+        elif p.is_file():
+            out[p.name] = ("file", p.read_bytes())
+        else:
+            out[p.name] = ("dir" if p.is_dir() else "other",)
+    return out
+
+
 TARGETS = {
-    t.name: t for t in (CacheTarget, CheckpointTarget, AdapterTarget, QueueTarget, ReferenceTarget, StartAdapterTarget)
+    t.name: t
+    for t in (CacheTarget, CheckpointTarget, AdapterTarget, QueueTarget, ReferenceTarget, StartAdapterTarget, SvgTarget)
 }
 
 

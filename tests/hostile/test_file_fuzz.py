@@ -1,18 +1,18 @@
 """Property-based fuzzing of the files rayft reads back: a tokenized cache entry, a checkpoint
-directory, an adapter directory, a queue database, a precomputed reference entry and a starting
-adapter (`tests/helpers/filefuzz.py`), each mutated in one drawn file (truncated to a drawn length,
-a drawn byte flipped, replaced by a FIFO, by a link to a sibling, a dangling link or a link to
-/dev/zero, garbage appended, a header grown by bytes put in front, deleted, replaced by a
-directory) and run through its reader in-process under a 30 s alarm.
+directory, an adapter directory, a queue database, a precomputed reference entry, a starting
+adapter and the place `--svg` writes (`tests/helpers/filefuzz.py`), each mutated in one drawn
+file (truncated to a drawn length, a drawn byte flipped, replaced by a FIFO, by a link to a
+sibling, a dangling link or a link to /dev/zero, garbage appended, a header grown by bytes put
+in front, deleted, replaced by a directory) and run through its reader in-process under a 30 s alarm.
 
 Property: exit 0 or 2 (a refusal in one line), never a traceback or a hang; for the cache entry,
-the checkpoint, the reference entry and the starting adapter, never a silent wrong result (exit 0
+the checkpoint, the reference entry, the starting adapter and the svg place, never a silent wrong result (exit 0
 means the clean entry's tokens or reference values, a clean checkpoint's contents, the adapter
 file's weights loaded; see each target's docstring for what holds).
 
 Each clean target is built once per module and copied per example. Counts: a fixed, derandomized
 number per target (`EXAMPLES`: 100 cache, 150 checkpoint, 80 adapter, 150 queue, 100 reference,
-80 starting adapter); `bench/fuzz_files.py` runs the same targets for longer.
+80 starting adapter, 100 svg); `bench/fuzz_files.py` runs the same targets for longer.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from filefuzz import DEMO, TARGETS, Mutation, alarm, check, mutations
 from hypothesis import given, settings
 from inproc import rayft_in_process
 
-EXAMPLES = {"cache": 100, "checkpoint": 150, "adapter": 80, "queue": 150, "reference": 100, "start": 80}
+EXAMPLES = {"cache": 100, "checkpoint": 150, "adapter": 80, "queue": 150, "reference": 100, "start": 80, "svg": 100}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,7 @@ def test_the_fuzzer_reaches_both_outcomes(built, name, tmp_path):
         "queue": "q.db",
         "reference": "meta.json",
         "start": "adapter_config.json",
+        "svg": "p.svg",  # the picture's own path a FIFO: refused, not opened
     }
     code, hit = check(target, Mutation("fifo", _index(target, first[name]), 0, b"x"))
     assert hit == first[name]

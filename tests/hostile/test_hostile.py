@@ -18,12 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import step_line
 
 from jobs.errors import RunError, SpecError
 from jobs.finetune import main as finetune_main
 from jobs.finetune import prepare
 from jobs.run import checkpoint as ckpt
 from jobs.run.outputs import RUN_MARKER, MetricsLog, strict_json, write_json_atomic
+from jobs.run.step_record import StepRecord
 from jobs.spec import absolutize, load_spec, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -427,9 +429,10 @@ def test_json_outputs_are_strict_non_finite_becomes_null(tmp_path):
     write_json_atomic(tmp_path / "s.json", {"a": math.nan, "b": [math.inf, 1.5], "c": {"d": -math.inf}})
     assert json.loads((tmp_path / "s.json").read_text()) == {"a": None, "b": [None, 1.5], "c": {"d": None}}
     log = MetricsLog(tmp_path, 0)
-    log.write({"step": 1, "loss": math.nan})
+    log.write(StepRecord.from_line(step_line(1, loss=math.nan, grad_norm=math.inf), "a test"))
     log.close()
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": null}\n'
+    written = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert (written["loss"], written["grad_norm"]) == (None, None)
     assert strict_json({"x": 1.0}) == '{"x": 1.0}'
 
 

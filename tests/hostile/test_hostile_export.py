@@ -294,3 +294,73 @@ def test_undecodable_stdin_is_named_with_its_line(run_dir, monkeypatch):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert lines[-1].startswith("rayft: error: stdin: line 2 is not UTF-8 text (byte 0xff)"), r.stderr
+
+
+def _drop_tensors(weights: Path, keep) -> list[str]:
+    """Rewrite the safetensors file `weights` with only the tensors `keep(key)` accepts; the dropped keys."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights))
+    save_file({k: v for k, v in tensors.items() if keep(k)}, str(weights))
+    return [k for k in tensors if not keep(k)]
+
+
+@pytest.mark.parametrize("part", ["lora_A", "lora_B"])
+def test_an_adapter_missing_one_layers_a_or_b_is_one_line(run_dir, tmp_path, part):
+    """PEFT loads an adapter without one layer's B (or A) with that tensor at its fresh init (a
+    zero B: the layer silently unadapted): export and generate refuse it, naming the layer."""
+    run = _copy(run_dir, tmp_path)
+    weights = run / "adapter" / "adapter_model.safetensors"
+    first = sorted(k for k in _safetensor_keys(weights) if f".{part}." in k)[0]
+    assert _drop_tensors(weights, lambda k: k != first) == [first]
+    layer = first.split(f".{part}.")[0].removeprefix("base_model.model.")
+    _both(run, tmp_path, f"holds no LoRA {part[-1]} of layer", layer)
+
+
+def test_an_adapter_of_some_layers_by_layers_to_transform_is_complete(run_dir, tmp_path):
+    """`layers_to_transform` narrows what PEFT adapts: an adapter of layer 0 only, saying so, exports."""
+    run = _copy(run_dir, tmp_path)
+    adapter = run / "adapter"
+    _drop_tensors(adapter / "adapter_model.safetensors", lambda k: ".layers.0." in k)
+    _edit(adapter, layers_to_transform=[0])
+    r = rayft_in_process("export", str(run), "--to", str(tmp_path / "exported"))
+    assert r.returncode == 0, r.stderr
+
+
+def _safetensor_keys(weights: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        return list(f.keys())
+
+
+def _hub_cache(root: Path, hub_id: str, config: dict) -> None:
+    """A local Hugging Face cache holding `hub_id`'s config.json (its layout: refs/main -> snapshot)."""
+    repo = root / f"models--{hub_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+
+
+def test_a_hub_base_is_checked_wherever_its_config_is_cached(run_dir, tmp_path, monkeypatch):
+    """An adapter whose base is a hub id was trusted until the download: where that base's config is
+    in the local cache, an adapter of another shape is refused before anything loads."""
+    from huggingface_hub import constants
+
+    from jobs.model.adapter_check import check_adapter
+
+    run = _copy(run_dir, tmp_path)
+    adapter = run / "adapter"
+    base_dir = Path(json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"])
+    config = json.loads((base_dir / "config.json").read_text())
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    _hub_cache(tmp_path / "hub", "rayft-test/same", config)
+    _hub_cache(tmp_path / "hub", "rayft-test/wider", {**config, "hidden_size": config["hidden_size"] * 2})
+    _edit(adapter, base_model_name_or_path="rayft-test/same")
+    assert check_adapter(adapter) == "rayft-test/same"
+    _edit(adapter, base_model_name_or_path="rayft-test/wider")
+    r = rayft_in_process("export", str(run), "--merge", "--to", str(tmp_path / "exported"))
+    _one_line(r, "adapter_model.safetensors", "shape")
+    assert not (tmp_path / "exported").exists()

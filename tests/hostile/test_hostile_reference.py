@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 from gradtools import ROOT
+from runs import metric_lines
 
 from jobs.data.verify import file_records
-from jobs.run.outputs import read_metrics
 from jobs.spec import absolutize, load_spec
 from jobs.train.context import LocalContext
 from jobs.train.loop import train
@@ -41,7 +41,7 @@ def _run(tmp: Path, name: str) -> float:
     }
     spec = absolutize(load_spec(data=data, overrides=["resources.num_workers=1"]))
     train(spec, LocalContext(on_progress=lambda r: None), resume=False)
-    return read_metrics(tmp / name)[0]["loss"]
+    return metric_lines(tmp / name)[0]["loss"]
 
 
 def _entry(tmp: Path) -> Path:

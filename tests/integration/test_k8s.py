@@ -134,6 +134,35 @@ def _rendered_sets() -> list[tuple[str, list[dict]]]:
                 except SpecError:
                     continue  # does not fit: refusals are tested below
                 out.append((f"{sid}{tag}@{ov}", objs))
+    return out + _bucket_sets()
+
+
+# Outputs in a bucket (`object_storage`: no claim, a sized emptyDir per Ray pod, the driver and the
+# workers on one pod, credentials by reference), rendered for fine-tunes on every overlay: (tag,
+# run.output_dir, flags). A search with a bucket is refused, as `rayft tune` refuses it.
+BUCKET_RENDERS = (
+    ("+s3", "s3://rayft-runs/outputs/{name}", k8s.AccessFlags()),
+    ("+gs-wi", "gs://rayft-runs/outputs/{name}", k8s.AccessFlags(service_account="rayft-storage")),
+    (
+        "+s3-wi",
+        "s3://rayft-runs/outputs/{name}",
+        k8s.AccessFlags(service_account="rayft-storage", s3_region="us-east-1", s3_endpoint="http://minio.minio:9000"),
+    ),
+)
+
+
+def _bucket_sets() -> list[tuple[str, list[dict]]]:
+    out = []
+    for sid, spec, kind, text in EXAMPLES:
+        if sid not in ("tiny-lora.yaml", "tiny-chat.yaml"):
+            continue
+        for ov in OVERLAYS:
+            for tag, uri, access in BUCKET_RENDERS:
+                d = spec.to_dict()
+                d["run"]["output_dir"], d["resources"]["use_gpu"] = uri, ov != "dev-cpu"
+                text_ = text if kind == "tune" else None
+                objs = k8s.render(validate_spec(d), overlay=ov, kind=kind, spec_text=text_, access=access)
+                out.append((f"{sid}{tag}@{ov}", objs))
     return out
 
 

@@ -29,8 +29,9 @@ import pytest
 from clusters import LocalCluster
 from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, rel_err
 from polling import wait_until
+from runs import metric_lines
 
-from jobs.run.outputs import read_events, read_metrics
+from jobs.run.outputs import read_events
 
 BIN = Path(sys.executable).parent
 
@@ -62,7 +63,7 @@ def _stall_then_remove_a_node(
     """Wait until the run stalls at step `steps` (its RAYFT_FAULT marker), remove the node of one of
     its training workers (never the one of rayft's progress actor, pinned to the driver's node, the
     head here: this only guards the test's premise); returns the removed node's id."""
-    wait_until(lambda: marker.exists() and len(read_metrics(out)) >= steps, 300, f"step {steps}", proc=p)
+    wait_until(lambda: marker.exists() and len(metric_lines(out)) >= steps, 300, f"step {steps}", proc=p)
     return cluster.remove_worker_node({"ProgressActor"})
 
 
@@ -78,7 +79,7 @@ def test_losing_a_node_resumes_from_the_last_checkpoint_once_capacity_is_back(cl
     assert p.returncode == 0, err[-3000:]
     resumes = [e for e in read_events(out) if e["event"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] == 4, resumes
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+    assert [r["step"] for r in metric_lines(out)] == list(range(1, 9))
     assert rel_err(final_adapter(out), ray_reference) <= 1e-6
 
 
@@ -91,7 +92,7 @@ def test_without_max_failures_losing_a_node_ends_the_run_with_one_line_naming_it
     cluster.ensure_nodes(2)
     out, marker = tmp_path / "run", tmp_path / "stalled"
     p = _run(cluster, out, f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,rank=1,once={marker}")  # max_failures 0
-    wait_until(lambda: marker.exists() and len(read_metrics(out)) >= 5, 300, "step 5", proc=p)
+    wait_until(lambda: marker.exists() and len(metric_lines(out)) >= 5, 300, "step 5", proc=p)
     pid = int(marker.read_text().rsplit("pid ", 1)[1])
     victim = cluster.remove_node_of_pid(pid)
     o, err = p.communicate(timeout=300)

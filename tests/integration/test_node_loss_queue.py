@@ -22,8 +22,9 @@ import pytest
 from clusters import LocalCluster
 from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, rel_err
 from polling import wait_until
+from runs import metric_lines
 
-from jobs.run.outputs import read_events, read_metrics
+from jobs.run.outputs import read_events
 from tests.integration.test_queue import db_events, db_rows, view
 from tests.integration.test_submit import SPEC, TINY, uniq
 
@@ -107,7 +108,7 @@ def test_a_queued_job_whose_node_is_lost_is_retried_once_and_resumes(cluster, tm
         text=True,
     )
     try:
-        wait_until(lambda: marker.exists() and len(read_metrics(out)) >= 4, 300, "the job's step 5", proc=d)
+        wait_until(lambda: marker.exists() and len(metric_lines(out)) >= 4, 300, "the job's step 5", proc=d)
         victim = cluster.remove_worker_node(DRIVER_SIDE)
         cluster.add_node()  # room again for the retry
         log, _ = d.communicate(timeout=400)
@@ -125,7 +126,7 @@ def test_a_queued_job_whose_node_is_lost_is_retried_once_and_resumes(cluster, tm
     # the second submission resumed from the first one's checkpoint and finished the same run
     resumes = [e for e in read_events(out) if e["event"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] == 4, resumes
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+    assert [r["step"] for r in metric_lines(out)] == list(range(1, 9))
     assert rel_err(final_adapter(out), ray_reference) <= 1e-6
     assert json.loads((out / "summary.json").read_text())["steps"] == 8
 

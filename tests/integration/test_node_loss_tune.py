@@ -20,8 +20,7 @@ import yaml
 from clusters import LocalCluster
 from gradtools import DATA, ROOT, final_adapter, rel_err
 from polling import wait_until
-
-from jobs.run.outputs import read_metrics
+from runs import metric_lines
 
 BIN = Path(sys.executable).parent
 EVAL = ROOT / "examples" / "data" / "tiny-eval.jsonl"
@@ -81,7 +80,7 @@ def _stall_then_remove_the_workers_node(
         return sorted(t.parent for t in (out / "trials").glob("*/metrics.jsonl"))
 
     wait_until(
-        lambda: marker.exists() and bool(first_trial()) and len(read_metrics(first_trial()[0])) >= 4,
+        lambda: marker.exists() and bool(first_trial()) and len(metric_lines(first_trial()[0])) >= 4,
         300,
         "the trial's step 5",
         proc=p,
@@ -112,7 +111,7 @@ def test_a_trial_whose_node_is_lost_resumes_from_its_checkpoint_with_max_failure
     assert p.returncode == 0, (o + err)[-3000:]
     (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["trials"]
     assert (row["status"], row["samples_seen"], row["trainings_started"]) == ("finished", 64, 2), row
-    assert [m["step"] for m in read_metrics(trial_dir)] == list(range(1, 9))  # steps 5-8 once, after the resume
+    assert [m["step"] for m in metric_lines(trial_dir)] == list(range(1, 9))  # steps 5-8 once, after the resume
     ref = _uninterrupted(trial_dir, tmp_path / "ref")
     assert rel_err(final_adapter(trial_dir), final_adapter(tmp_path / "ref")) <= 1e-6
     assert abs(row["eval_loss"] - ref["eval_loss"]) <= 1e-6 * abs(ref["eval_loss"]), (

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from inproc import rayft_in_process
 from safetensors.torch import load as load_safetensors
 
 from jobs.run import checkpoint as ckpt
-from jobs.run import mirror
+from jobs.run import lease, mirror
 
 STEPS = [
     "resources.num_workers=1",
@@ -82,12 +83,12 @@ def straight(s3_server, tmp_path_factory):
     server, cache = s3_server, tmp_path_factory.mktemp("cache")
     server.make_bucket("straight")
     uploads: list[str] = []
-    real = mirror._upload
-    mirror._upload = lambda store, local, rel: (uploads.append(rel), real(store, local, rel))[1]
+    real = mirror.upload
+    mirror.upload = lambda store, local, rel: (uploads.append(rel), real(store, local, rel))[1]
     try:
         p = _rayft_run(server, cache, "s3://straight/runs/{name}")
     finally:
-        mirror._upload = real
+        mirror.upload = real
     assert p.returncode == 0, p.stderr[-3000:]
     return server, cache, uploads
 
@@ -143,6 +144,7 @@ def test_a_killed_run_resumes_from_the_buckets_newest_whole_checkpoint_bit_for_b
     for name in (n for n in step2 if not ckpt.is_manifest(n)):
         fs.copy_file(f"{prefix}/checkpoints/step-00000002/{name}", f"{prefix}/checkpoints/step-00000004/{name}")
     shutil.rmtree(cache / "staging")  # another machine: only the bucket has the run
+    _expire_lease(server, prefix)  # the killed run's lease, as it is once it has not been refreshed for TTL_S
 
     p = _rayft_run(server, cache, uri)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -153,6 +155,17 @@ def test_a_killed_run_resumes_from_the_buckets_newest_whole_checkpoint_bit_for_b
     resumed, ref = _bucket_adapter(server, prefix), _bucket_adapter(server, "straight/runs/tiny-lora")
     assert resumed.keys() == ref.keys() and all(torch.equal(resumed[k], ref[k]) for k in ref)
     assert _whole_checkpoints(server, prefix, tmp_path / "end") == {"step-00000002": None, "step-00000004": None}
+
+
+def _expire_lease(server, prefix: str) -> None:
+    """The lease a killed run left (live: it expires TTL_S after its last refresh), moved to its expiry."""
+    key = f"{prefix}/{lease.LEASE}"
+    with server.filesystem().open_input_stream(key) as f:
+        rec = json.loads(f.read())
+    assert rec["expires"] > time.time()  # a rerun now would be refused (tests/integration/test_object_storage_lease.py)
+    rec["expires"] = time.time() - 1
+    with server.filesystem().open_output_stream(key) as f:
+        f.write(json.dumps(rec).encode())
 
 
 def test_wrong_credentials_are_one_line_exit_2_with_nothing_written(s3_server, tmp_path):

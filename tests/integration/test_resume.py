@@ -14,9 +14,10 @@ import pytest
 import torch
 from gradtools import DEMO, RAY_STEPS, ROOT, final_adapter, reference_run, rel_err
 from polling import wait_group_gone, wait_until
+from runs import metric_lines
 
 from jobs.run import checkpoint as ckpt
-from jobs.run.outputs import read_events, read_metrics
+from jobs.run.outputs import read_events
 
 BIN = Path(sys.executable).parent
 
@@ -113,7 +114,7 @@ def test_local_crash_then_rerun_resumes_exactly(tmp_path, monkeypatch):
     fault = f"run.env.RAYFT_FAULT=kill:step=5,rank=0,once={tmp_path / 'killed'}"
     p = _finetune_local(out, fault, check=False)
     assert p.returncode == -signal.SIGKILL  # died before optimizer step 5 (0-based)
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in metric_lines(out)] == [1, 2, 3, 4, 5]
     # The newest checkpoint (step 4) is torn as if the write was cut off: step 2 must be used.
     newest = out / "checkpoints" / ckpt.step_dir_name(4)
     (newest / "optimizer.pt").write_bytes((newest / "optimizer.pt").read_bytes()[:100])
@@ -122,7 +123,7 @@ def test_local_crash_then_rerun_resumes_exactly(tmp_path, monkeypatch):
     resumes = [e for e in read_events(out) if e["event"] == "resume"]
     assert [e["step"] for e in resumes] == [2]
     # metrics.jsonl continues from the checkpoint step: one line per step, no duplicates
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in metric_lines(out)] == [1, 2, 3, 4, 5, 6]
     assert rel_err(final_adapter(out), final_adapter(ref)) == 0.0  # bit for bit: equal threads
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
 
@@ -217,7 +218,7 @@ def test_worker_sigkill_restarts_from_last_checkpoint(tmp_path, ray_reference, r
     assert len(resumes) == 1
     redone = 5 - resumes[0]["step"]  # steps done before the kill minus the checkpoint's step
     assert 0 <= redone <= 2, resumes
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+    assert [r["step"] for r in metric_lines(out)] == list(range(1, 9))
     assert rel_err(final_adapter(out), ray_reference) <= 1e-6
 
 
@@ -227,7 +228,7 @@ def test_driver_killed_mid_run_then_same_command_resumes(tmp_path, ray_reference
     out, marker = tmp_path / "run", tmp_path / "stalled"
     fault = f"run.env.RAYFT_FAULT=sleep:step=5,seconds=120,once={marker}"
     p = _rayft_run(out, fault, start_new_session=True)
-    wait_until(lambda: marker.exists() and len(read_metrics(out)) >= 5, 300, "the run reached step 5", proc=p)
+    wait_until(lambda: marker.exists() and len(metric_lines(out)) >= 5, 300, "the run reached step 5", proc=p)
     os.killpg(p.pid, signal.SIGKILL)  # the driver and the embedded Ray with it
     p.wait(timeout=60)
     wait_group_gone(p.pid)  # the killed run's Ray workers must not write alongside the rerun
@@ -235,5 +236,5 @@ def test_driver_killed_mid_run_then_same_command_resumes(tmp_path, ray_reference
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     assert "resuming from" in err and "step-00000004" in err
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+    assert [r["step"] for r in metric_lines(out)] == list(range(1, 9))
     assert rel_err(final_adapter(out), ray_reference) <= 1e-6

@@ -31,8 +31,18 @@ PROBE = "probe.pt"
 RUN = ["run.max_steps=1", "run.eval_every=0", "batch.global_batch_size=4", "batch.micro_batch_size=2", "optim.lr=0.05"]
 
 
+# GRPO: 4 completions of one prompt scored by a reward that differs within the group from the
+# first step (so the advantages, and the update, are not zero).
+GRPO = (
+    f"reward.functions=[{{fn: '{ROOT / 'examples' / 'rewards' / 'tiny.py'}:letters'}}]",
+    "rollout.num_generations=4",
+    "rollout.max_completion_length=8",
+)
+
+
 def _case(strategy: str, objective: str, gc: bool, precision: str, extra: tuple = ()) -> tuple:
-    data = [f"data.path={PAIRS}"] if objective != "sft" else []
+    data = [f"data.path={PAIRS}"] if objective not in ("sft", "grpo") else []
+    extra = (*GRPO, *extra) if objective == "grpo" else extra
     over = [
         f"resources.strategy={strategy}",
         f"objective.name={objective}",
@@ -42,8 +52,8 @@ def _case(strategy: str, objective: str, gc: bool, precision: str, extra: tuple 
     return tuple(RUN + data + over + list(extra))
 
 
-# The covering subset of strategy (2) x objective (5) x checkpointing (2) x precision (fp32, bf16,
-# fp16; nf4 on a CPU too): the full product is 60+ runs (~8 s each on 2 cores), this is 11. Every
+# The covering subset of strategy (2) x objective (6) x checkpointing (2) x precision (fp32, bf16,
+# fp16; nf4 on a CPU too): the full product is 60+ runs (~8 s each on 2 cores), this is 13. Every
 # (strategy, objective) pair runs once; checkpointing and precision alternate so that each strategy
 # meets every precision and both checkpointing settings, and every preference objective runs under
 # FSDP with checkpointing or a reduced precision; both references (adapter_off, precomputed) run
@@ -60,6 +70,8 @@ CASES = {
     "ddp-orpo-fp16": _case("ddp", "orpo", False, "fp16"),
     "ddp-sft-gc-fp16": _case("ddp", "sft", True, "fp16"),
     "fsdp-dpo-gc-nf4": _case("fsdp", "dpo", True, "fp32", ("model.quantization=nf4",)),
+    "fsdp-grpo-gc-fp32": _case("fsdp", "grpo", True, "fp32"),
+    "ddp-grpo-bf16": _case("ddp", "grpo", False, "bf16"),  # generation under the run's autocast
 }
 # How far the fresh process's logits may be from the trained model's, relative to how far the adapter
 # moves them (||fresh - trained|| / ||trained - base||: an adapter that is not there scores 1).

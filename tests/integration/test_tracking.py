@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 from gradtools import ROOT
+from runs import metric_lines
 
-from jobs.run.outputs import read_metrics
 from jobs.run.tracking import MLFLOW_RUN_FILE, TENSORBOARD_DIR
 from jobs.spec import absolutize, load_spec
 from jobs.train.context import LocalContext
@@ -93,7 +93,7 @@ def test_every_step_metric_spec_and_artifacts_reach_tensorboard_and_mlflow(tmp_p
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
     summary = _train(out, "run.max_steps=4", "run.trackers=[tensorboard,mlflow]")
-    records = read_metrics(out)
+    records = metric_lines(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
 
     for tag in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gib"):
@@ -144,7 +144,7 @@ def test_kill_and_resume_continue_the_same_run_with_every_step_once(tmp_path):
     p = _finetune_local(out, fault)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resuming from" in p.stderr and "step-00000002" in p.stderr
-    records = read_metrics(out)
+    records = metric_lines(out)
     steps = [r["step"] for r in records]
     assert steps == [1, 2, 3, 4, 5, 6]
 
@@ -170,7 +170,7 @@ def test_a_tracking_server_that_is_down_costs_one_warning(tmp_path, monkeypatch,
     warnings = [r.getMessage() for r in caplog.records if "tracker" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "mlflow" in warnings[0] and "training goes on" in warnings[0] and uri in warnings[0]
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert [r["step"] for r in metric_lines(out)] == [1, 2, 3]
     assert (out / "adapter" / "adapter_config.json").exists()
 
 
@@ -184,7 +184,7 @@ def test_a_fresh_start_in_the_same_directory_replaces_the_earlier_curves(tmp_pat
         )
     )
     train(spec, LocalContext(on_progress=lambda r: None), resume=False)
-    records = read_metrics(out)
+    records = metric_lines(out)
     assert tb_scalars(out, "lr") == [(r["step"], pytest.approx(r["lr"], rel=1e-6)) for r in records]
 
 
@@ -223,15 +223,15 @@ def test_a_search_logs_every_trial_as_a_run_of_one_experiment(tmp_path, ray_head
 def test_the_loss_curve_has_eval_points_only_where_the_eval_ran(tmp_path, monkeypatch):
     """metrics.jsonl carries the last eval loss forward on every step; the plot (and the trackers)
     take it only at the steps marked `evaluated` (every run.eval_every=2 steps, and the last)."""
-    from jobs.run.outputs import loss_points
+    from jobs.run.outputs import loss_points, read_metrics
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "run"
     _train(out, "run.max_steps=5")
-    records = read_metrics(out)
+    records = metric_lines(out)
     assert [r["evaluated"] for r in records] == [False, True, False, True, True]
     assert records[2]["eval_loss"] == records[1]["eval_loss"]  # carried forward, not measured
-    train, evals = loss_points(records)
+    train, evals = loss_points(read_metrics(out))
     assert [s for s, _ in train] == [1, 2, 3, 4, 5]
     assert [s for s, _ in evals] == [2, 4, 5]
     assert (out / "loss_curve.png").stat().st_size > 0

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from gradtools import ROOT, final_adapter, rel_err, tiny_spec
+from runs import metric_lines
 
 from jobs.run.checkpoint import load_adapter
-from jobs.run.outputs import read_metrics
 from jobs.spec import load_spec
 from jobs.train.context import LocalContext
 from jobs.train.loop import train
@@ -44,7 +44,7 @@ def _as_a_user_runs_it(tmp: Path) -> dict:
 def _run_local(tmp: Path, *overrides: str) -> tuple[dict, list[dict]]:
     spec = tiny_spec("run.max_steps=3", "optim.lr=0.01", f"run.output_dir={tmp}", *overrides)
     summary = train(spec, LocalContext(on_progress=lambda r: None), resume=False)
-    return summary, read_metrics(tmp)
+    return summary, metric_lines(tmp)
 
 
 def test_loss_curves_agree_for_1_2_4_accumulation_steps(tmp_path):
@@ -146,7 +146,7 @@ def test_rayft_run_two_workers_matches_single_process_and_pins_loss(tmp_path, mo
         env=_as_a_user_runs_it(tmp_path),
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    records = read_metrics(out)
+    records = metric_lines(out)
     assert [r["step"] for r in records] == list(range(1, 9))
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     # Pinned: step-1 loss of the demo (seed 0, tiny-llama init, first global batch). It only
@@ -171,7 +171,7 @@ def test_rayft_run_two_workers_matches_single_process_and_pins_loss(tmp_path, mo
     )
     monkeypatch.chdir(ROOT)
     train(spec, LocalContext(on_progress=lambda r: None), resume=False)
-    local_records = read_metrics(local)
+    local_records = metric_lines(local)
     for a, b in zip(records, local_records, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
     assert rel_err(final_adapter(out), final_adapter(local)) <= 1e-4

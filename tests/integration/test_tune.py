@@ -104,7 +104,7 @@ SPEC_CASES = [
     ("no-budget", {"search.budget_gib": None}, "search.budget_gib: required (or set memory.budget_gib)"),
     ("budget-negative", {"search.budget_gib": -1}, "search.budget_gib: Input should be greater than 0"),
     ("micro-in-global-mode", {"search.micro_batch_size": [1, 2]}, "search.micro_batch_size: only for search.mode"),
-    ("no-eval-data", {"data.eval_path": None}, "data.eval_path: the search compares trials on eval loss"),
+    ("no-eval-data", {"data.eval_path": None}, "data.eval_path: the search compares trials on held-out data"),
     ("max-steps", {"run.max_steps": 5}, "run.max_steps: not used by a search"),
     (
         "eval-every",

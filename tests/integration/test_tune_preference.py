@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from gradtools import DATA, ROOT
+from runs import step_line
 
 from jobs import memory
 from jobs.spec import JobSpec, load_spec
@@ -95,7 +96,7 @@ def test_accuracy_metric_is_refused_for_sft(tmp_path, capsys):
     del data["search"]["beta"]
     data["data"] = {"path": str(DATA), "eval_path": str(ROOT / "examples/data/tiny-eval.jsonl"), "max_seq_len": 64}
     line = refused(tmp_path, capsys, data)
-    assert "search.metric=eval_rewards/accuracies: only for preference objectives" in line, line
+    assert "search.metric=eval_rewards/accuracies: objective.name=sft reports eval_loss on held-out data" in line, line
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,7 @@ def test_bad_beta_values_are_one_line(tmp_path, capsys, betas, fragment):
 
 def test_bad_metric_is_one_line(tmp_path, capsys):
     line = refused(tmp_path, capsys, dpo_search(tmp_path, metric="eval_rewards/margins"))
-    assert "search.metric: Input should be 'eval_loss' or 'eval_rewards/accuracies'" in line, line
+    assert "search.metric: Input should be 'eval_loss', 'eval_rewards/accuracies' or 'eval_reward'" in line, line
 
 
 def test_one_beta_may_be_compared_on_eval_loss(tmp_path):
@@ -227,7 +228,7 @@ def test_final_value_falls_back_to_the_last_steps_record(tmp_path):
 
     assert final_value({ACC: 0.5}, tmp_path, ACC, 2) == 0.5
     (tmp_path / "metrics.jsonl").write_text(
-        json.dumps({"step": 1, ACC: 0.25}) + "\n" + json.dumps({"step": 2, ACC: 0.75}) + "\n"
+        json.dumps(step_line(1, **{ACC: 0.25})) + "\n" + json.dumps(step_line(2, **{ACC: 0.75})) + "\n"
     )
     assert final_value({"eval_loss": 0.6}, tmp_path, ACC, 2) == 0.75
     assert final_value({}, tmp_path, ACC, 3) is None

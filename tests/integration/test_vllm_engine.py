@@ -7,7 +7,10 @@ k-1's -- the engine's log-probabilities of the sampled ids equal the trainer's r
 adapter as it is when step k samples (gap under 1e-5 in fp32), and are far from the recompute with
 step k-1's adapter (at step 1: step 0's, B = 0, i.e. the base); the ids trained on
 (rollouts/step-NNNNNN.jsonl) are the engine's ids; only the adapter moves (bytes per sync, a few
-hundred KB, the base's are never sent). Failures are one line naming the engine.
+hundred KB, the base's are never sent); the engine's log-probs are recorded beside the trainer's
+(`engine_logprob_gap/*`), with the importance correction on. A run resumed without a URL starts its
+own server, continues exactly, and stops the server when `train()` returns. Failures are one line
+naming the engine.
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ def test_each_step_samples_with_its_own_adapter_and_trains_the_engines_ids(serve
 
     seen = Seen()
     seen.spy(monkeypatch)
-    spec = grpo_spec(base, tmp_path / "out", "rollout.engine=vllm", f"rollout.vllm_url={server.url}")
+    more = ["rollout.engine=vllm", f"rollout.vllm_url={server.url}", "rollout.importance_correction=true"]
+    spec = grpo_spec(base, tmp_path / "out", *more)
     train(spec, LocalContext(on_progress=lambda r: None))
 
     assert [s["version"] for s in seen.steps] == ["step-0", "step-1"]
@@ -150,10 +154,49 @@ def test_each_step_samples_with_its_own_adapter_and_trains_the_engines_ids(serve
         assert [json.loads(line)["completion_ids"] for line in lines] == [list(c.ids) for c in s["done"]]
 
     metrics = [json.loads(line) for line in (spec.output_path / "metrics.jsonl").read_text().splitlines()]
+    for k, (m, s) in enumerate(zip(metrics, seen.steps, strict=True)):  # the trainer's recorded beside the engine's
+        gap = largest_gap([list(c.logprobs) for c in s["done"]], s["trainer"])
+        assert m["engine_logprob_gap/mean"] <= m["engine_logprob_gap/max"] < 1e-5, (k, m)
+        assert m["engine_logprob_gap/max"] == pytest.approx(gap, abs=1e-6)
+        lines = (spec.output_path / "rollouts" / f"step-{k + 1:06d}.jsonl").read_text().splitlines()
+        assert [json.loads(line)["engine_logprobs"] for line in lines] == [list(c.logprobs) for c in s["done"]]
     sync_bytes = [m["adapter_sync_bytes"] for m in metrics]
     assert all(0 < b < 1_000_000 for b in sync_bytes), sync_bytes  # the adapter's size, never the base's
     print("sync ms", [round(1000 * m["time/adapter_sync_s"], 1) for m in metrics], "bytes", sync_bytes)
     print("generation s (vllm)", [round(m["time/generation_s"], 3) for m in metrics])
+
+
+def test_a_resumed_run_starts_its_own_server_continues_exactly_and_stops_it_when_train_returns(
+    server, base, tmp_path, monkeypatch
+):
+    """Two steps on the module's server, a checkpoint after each; the run resumed from the first
+    checkpoint without `rollout.vllm_url`: rayft starts a new server (the base loaded anew, step 1's
+    adapter sent), samples step 2's completions again from their seeds, trains the same adapter bit
+    for bit (the loss is the trainer's alone), and the server is gone when `train()` returns."""
+    import shutil
+
+    from gradtools import final_adapter
+
+    from jobs.run import checkpoint as ckpt
+    from jobs.train.context import LocalContext
+    from jobs.train.loop import train
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    at = ["rollout.engine=vllm", "run.checkpoint_every=1", "run.keep_checkpoints=4"]
+    train(grpo_spec(base, straight, *at, f"rollout.vllm_url={server.url}"), LocalContext(on_progress=lambda r: None))
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / ckpt.step_dir_name(2))
+    started, start = [], VLLMServer.start
+    monkeypatch.setattr(VLLMServer, "start", classmethod(lambda cls, s: started.append(start(s)) or started[-1]))
+    train(grpo_spec(base, resumed, *at), LocalContext(on_progress=lambda r: None))
+
+    assert len(started) == 1 and started[0].url != server.url
+    assert started[0].process.poll() is not None and not started[0].log_path.exists()  # stopped, log removed
+    step2 = [(d / "rollouts" / "step-000002.jsonl").read_text().splitlines() for d in (straight, resumed)]
+    ids = [[json.loads(line)["completion_ids"] for line in f] for f in step2]
+    assert ids[0] == ids[1]  # drawn again from their seeds by the new server, with step 1's adapter
+    a, b = final_adapter(straight), final_adapter(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_an_adapter_the_engine_refuses_is_one_line_naming_it(server, tmp_path):

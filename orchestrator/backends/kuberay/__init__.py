@@ -3,6 +3,7 @@
     node_types  what one node of an overlay's cluster looks like (k8s/overlays/*/node-type)
     render      spec -> [ConfigMap, RayJob]: the one place the RayJob's shape is written
     policy      the deployment policy, as a checker over any manifests
+    object_storage  run.output_dir in a bucket: no claim, credentials by reference (render's flags)
     client      KubeRayBackend: create / status / logs / stop / list through the Kubernetes API
     templates   k8s/jobs/rayjob-*.yaml, generated from `render`
 
@@ -12,6 +13,7 @@ methods, so rendering and checking need no cluster library.
 
 from .client import KubeRayBackend, KubeRayError, KubeRaySubmission, job_state
 from .node_types import DEFAULT_OVERLAY, NodeType, k8s_dir, load_node_type, overlays
+from .object_storage import DEFAULT_S3_SECRET, AccessFlags
 from .policy import QUEUE_LABEL, SHELL_OPERATORS, SHELL_SAFE, pod_specs, policy_violations
 from .render import (
     ANN_CHECKPOINTING,
@@ -44,6 +46,8 @@ __all__ = [
     "KubeRaySubmission",
     "job_state",
     "DEFAULT_OVERLAY",
+    "DEFAULT_S3_SECRET",
+    "AccessFlags",
     "NodeType",
     "k8s_dir",
     "load_node_type",

@@ -44,6 +44,7 @@ from ..base import (
 from ..base import job_state as ray_job_state
 from ..ray_jobs import http_timeout_s
 from .node_types import DEFAULT_OVERLAY, NodeType
+from .object_storage import AccessFlags
 from .render import (
     ANN_CHECKPOINTING,
     ANN_ESTIMATE,
@@ -216,10 +217,12 @@ class KubeRayBackend:
         image: str | None = None,
         context: str | None = None,
         timeout_s: float | None = None,
+        access: AccessFlags | None = None,
     ):
         self.timeout_s = http_timeout_s(timeout_s)
         self.namespace = namespace or os.environ.get("RAYFT_K8S_NAMESPACE") or DEFAULT_NAMESPACE
         self.overlay, self.queue, self.image, self.context = overlay, queue, image, context
+        self.access = access  # run.output_dir on object storage: credentials by reference (render)
         self._api_client = api_client
 
     @property
@@ -330,6 +333,7 @@ class KubeRayBackend:
         kw.setdefault("queue", self.queue)
         kw.setdefault("image", self.image)
         kw.setdefault("overlay", self.overlay)
+        kw.setdefault("access", self.access)
         return render(spec, namespace=self.namespace, **kw)
 
     def prepare_spec(self, spec: JobSpec, *, spec_path: str | None = None) -> KubeRaySubmission:

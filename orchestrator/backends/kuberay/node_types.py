@@ -74,6 +74,11 @@ class NodeType:
     image: str
     head_ephemeral_gib: float = 20.0  # ephemeral-storage of the head pod (Ray's /tmp/ray)
     worker_ephemeral_gib: float = 50.0  # ... per GPU worker (logs, spilled objects), N times in a pod of N
+    # With run.output_dir on object storage (no shared volume): the head pod's local emptyDir for
+    # the hub's downloads, the token cache and the run's staging copy, and a GPU worker's (N times
+    # in a pod of N); added to the pod's ephemeral-storage, which the emptyDir counts against.
+    head_cache_gib: float = 20.0
+    worker_cache_gib: float = 100.0
     flavour: str = "gfd"  # gfd, gke, eks or custom: which GPU label the nodes carry
     gpu_label_key: str = GPU_LABEL_KEYS["gfd"]
     gpu_label_value: str = ""  # "" with GPUs: gpu_product (GFD's value)
@@ -141,6 +146,8 @@ class NodeType:
                 image=str(d["image"]),
                 head_ephemeral_gib=float(d.get("headEphemeralGiB", 20)),
                 worker_ephemeral_gib=float(d.get("workerEphemeralGiB", 50)),
+                head_cache_gib=float(d.get("headCacheGiB", 20)),
+                worker_cache_gib=float(d.get("workerCacheGiB", 100)),
                 source=source,
                 **_flavour_fields(d, where),
             )
@@ -159,6 +166,8 @@ _SIZES = (
     "headMemoryGiB",
     "headEphemeralGiB",
     "workerEphemeralGiB",
+    "headCacheGiB",
+    "workerCacheGiB",
     "gpusPerNode",
 )
 

@@ -10,7 +10,10 @@ preRunningDeadlineSeconds, a queue label, its cluster deleted when it finishes -
 restricted submitter, one plain entrypoint command), and every Ray pod (head and workers of a
 RayCluster, RayJob or RayService) sized by one rule: `/dev/shm` a memory emptyDir of at least
 `SHM_FRACTION` of the pod's memory limit (`shm_gib` is the size rayft writes), ephemeral-storage
-requested and limited, the data volume at `DATA_MOUNT` and the caches on it (`CACHE_ENV`); every
+requested and limited, the data volume at `DATA_MOUNT` and the caches on it (`CACHE_ENV`): the
+shared claim, or, for a Ray object annotated `OUTPUTS_ANNOTATION: object-storage` (outputs in a
+bucket), a sized disk emptyDir the container's ephemeral-storage covers and no claim at all, with a
+RayJob's `run.output_dir` then an s3:// or gs:// URI; every
 Ray pod set (head, each worker group) covered by a PodDisruptionBudget of the same manifests with
 `maxUnavailable: 0` that selects that object's Ray pods and nothing else of them (not the
 submitter, not another cluster's pods); and images by tag pulled Always (by digest: anything). `render` checks its
@@ -84,6 +87,11 @@ def pod_disruption_budget(name: str, match_labels: dict[str, str]) -> Obj:
 
 
 DATA_MOUNT = "/mnt/rayft"  # every Ray pod mounts the data volume (PVC rayft-data) here
+# On a Ray object: its pods keep outputs in a bucket (run.output_dir s3:// or gs://), so DATA_MOUNT
+# is each pod's own emptyDir (caches, staging) and no claim is mounted: clusters without RWX volumes.
+OUTPUTS_ANNOTATION = "rayft.io/outputs"
+OBJECT_STORAGE = "object-storage"
+_BUCKET_OUTPUT = re.compile(r"(?:^|\s)run\.output_dir=(?:s3|gs)://")
 # The hub's downloads and rayft's cache (jobs.model.loading) on the data volume, in every Ray container:
 # in the container layer a large model fills the node's disk and the pod is evicted.
 CACHE_ENV = {"HF_HOME": f"{DATA_MOUNT}/cache/huggingface", "RAYFT_CACHE": f"{DATA_MOUNT}/cache/rayft"}
@@ -184,28 +192,17 @@ def _shm_violations(where: str, pod: Obj) -> list[str]:
     return []
 
 
-def _storage_violations(where: str, pod: Obj, ray: bool) -> list[str]:
+def _storage_violations(where: str, pod: Obj, ray: bool, on_bucket: bool = False) -> list[str]:
     """ephemeral-storage requested and limited on every container; a Ray container (`ray`) also
-    has the data volume at DATA_MOUNT and CACHE_ENV pointing into it."""
+    has the data volume at DATA_MOUNT (`on_bucket`: a local emptyDir, else the claim) and CACHE_ENV
+    pointing into it."""
     bad = []
     for c in pod.get("containers") or []:
-        w = f"{where}: container {c.get('name', '?')}"
-        res = c.get("resources") or {}
-        req = quantity_bytes((res.get("requests") or {}).get("ephemeral-storage"))
-        lim = quantity_bytes((res.get("limits") or {}).get("ephemeral-storage"))
-        if req is None or lim is None:
-            bad.append(
-                f"{w}: resources.requests and limits of ephemeral-storage must be set "
-                "(unbounded writes to the container layer get pods evicted for disk pressure)"
-            )
-        elif req > lim:
-            bad.append(f"{w}: ephemeral-storage request is above its limit")
+        bad += _ephemeral_violations(f"{where}: container {c.get('name', '?')}", c)
     if ray and pod.get("containers"):
         c = pod["containers"][0]
         w = f"{where}: container {c.get('name', '?')}"
-        claims = {v.get("name") for v in pod.get("volumes") or [] if "persistentVolumeClaim" in v}
-        if not any(m.get("mountPath") == DATA_MOUNT and m.get("name") in claims for m in c.get("volumeMounts") or []):
-            bad.append(f"{w}: the data volume (a PVC) must be mounted at {DATA_MOUNT}")
+        bad += _bucket_volume_violations(w, pod, c) if on_bucket else _claim_violations(w, pod, c)
         env = {e.get("name"): e.get("value") for e in c.get("env") or []}
         for k in CACHE_ENV:
             if not str(env.get(k) or "").startswith(f"{DATA_MOUNT}/cache/"):
@@ -214,6 +211,95 @@ def _storage_violations(where: str, pod: Obj, ray: bool) -> list[str]:
                     "not the container layer)"
                 )
     return bad
+
+
+def _ephemeral_violations(w: str, c: Obj) -> list[str]:
+    res = c.get("resources") or {}
+    req = quantity_bytes((res.get("requests") or {}).get("ephemeral-storage"))
+    lim = quantity_bytes((res.get("limits") or {}).get("ephemeral-storage"))
+    if req is None or lim is None:
+        return [
+            f"{w}: resources.requests and limits of ephemeral-storage must be set "
+            "(unbounded writes to the container layer get pods evicted for disk pressure)"
+        ]
+    return [f"{w}: ephemeral-storage request is above its limit"] if req > lim else []
+
+
+def _data_volume(pod: Obj, c: Obj) -> Obj | None:
+    """The volume the container mounts at DATA_MOUNT (None: nothing there)."""
+    name = next((m.get("name") for m in c.get("volumeMounts") or [] if m.get("mountPath") == DATA_MOUNT), None)
+    return next((v for v in pod.get("volumes") or [] if name is not None and v.get("name") == name), None)
+
+
+def _claim_violations(w: str, pod: Obj, c: Obj) -> list[str]:
+    """Outputs on the shared volume: a PVC at DATA_MOUNT."""
+    if "persistentVolumeClaim" in (_data_volume(pod, c) or {}):
+        return []
+    return [f"{w}: the data volume (a PVC) must be mounted at {DATA_MOUNT}"]
+
+
+def _bucket_volume_violations(w: str, pod: Obj, c: Obj) -> list[str]:
+    """Outputs in a bucket: DATA_MOUNT is a disk emptyDir with a sizeLimit that the container's
+    ephemeral-storage request covers (the scheduler reserves that disk), and no claim is mounted."""
+    bad = [f"{w}: volume {v.get('name')} is a claim (outputs are in a bucket: no claim)" for v in _claims(pod)]
+    ed = (_data_volume(pod, c) or {}).get("emptyDir")
+    if not isinstance(ed, dict) or ed.get("medium"):
+        return [*bad, f"{w}: the data volume at {DATA_MOUNT} must be a disk emptyDir (outputs are in a bucket)"]
+    size = quantity_bytes(ed.get("sizeLimit"))
+    req = quantity_bytes(((c.get("resources") or {}).get("requests") or {}).get("ephemeral-storage"))
+    if size is None:
+        bad.append(f"{w}: the emptyDir at {DATA_MOUNT} must have a sizeLimit (downloads would fill the node's disk)")
+    elif req is not None and req < size:
+        bad.append(
+            f"{w}: ephemeral-storage request {c['resources']['requests']['ephemeral-storage']} is below the "
+            f"emptyDir at {DATA_MOUNT} ({ed['sizeLimit']}): the scheduler would not reserve that disk"
+        )
+    return bad
+
+
+def _claims(pod: Obj) -> list[Obj]:
+    return [v for v in pod.get("volumes") or [] if "persistentVolumeClaim" in v]
+
+
+def _outputs_violations(o: Obj) -> list[str]:
+    """A Ray object's OUTPUTS_ANNOTATION names a known home; a RayJob with it writes to a bucket."""
+    value = ((o.get("metadata") or {}).get("annotations") or {}).get(OUTPUTS_ANNOTATION)
+    if value is None:
+        return []
+    if value != OBJECT_STORAGE:
+        return [f"{_oid(o)}: annotation {OUTPUTS_ANNOTATION}: {value!r} (expected {OBJECT_STORAGE!r} or none)"]
+    if o.get("kind") != "RayJob":
+        return []
+    spec = o.get("spec") or {}
+    bad = []
+    if not _BUCKET_OUTPUT.search(str(spec.get("entrypoint") or "")):
+        bad.append(
+            f"{_oid(o)}: {OUTPUTS_ANNOTATION}: {OBJECT_STORAGE} but the entrypoint's run.output_dir is not "
+            "s3:// or gs:// (outputs on a pod's emptyDir are lost with the cluster)"
+        )
+    return bad + _one_pod_violations(_oid(o), spec)
+
+
+def _one_pod_violations(oid: str, spec: Obj) -> list[str]:
+    """A RayJob with outputs in a bucket: its driver and every worker on one worker pod, whose
+    staging directory they share (the head takes no CPU work, the driver asks for a CPU)."""
+    rc = spec.get("rayClusterSpec") or {}
+    groups = rc.get("workerGroupSpecs") or []
+    pods = [(g.get("replicas"), g.get("maxReplicas")) for g in groups]
+    head_cpus = ((rc.get("headGroupSpec") or {}).get("rayStartParams") or {}).get("num-cpus")
+    driver = spec.get("entrypointNumCpus")
+    if pods == [(1, 1)] and str(head_cpus) == "0" and isinstance(driver, (int, float)) and driver > 0:
+        return []
+    return [
+        f"{oid}: outputs in a bucket need the driver and the workers on one pod: one worker group of "
+        f"replicas 1 (has {pods}), the head's num-cpus 0 (has {head_cpus}) and entrypointNumCpus > 0 "
+        f"(has {driver}); pods on several nodes would each stage their own copy of the run"
+    ]
+
+
+def on_object_storage(o: Obj) -> bool:
+    """Whether a Ray object keeps its outputs in a bucket (its pods mount no claim)."""
+    return ((o.get("metadata") or {}).get("annotations") or {}).get(OUTPUTS_ANNOTATION) == OBJECT_STORAGE
 
 
 def _image_violations(where: str, pod: Obj) -> list[str]:
@@ -454,8 +540,10 @@ def _pod_violations(o: Obj) -> list[str]:
     for where, pod in ray_pod_specs(o):
         bad += _shm_violations(where, pod)
     if kind in ("RayCluster", "RayJob", "RayService"):
+        bucket = on_object_storage(o)
         for where, pod in pod_specs(o):
-            bad += _storage_violations(where, pod, ray=where in ray_pods)
+            bad += _storage_violations(where, pod, ray=where in ray_pods, on_bucket=bucket)
+        bad += _outputs_violations(o)
     return bad
 
 

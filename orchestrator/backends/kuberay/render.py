@@ -26,10 +26,11 @@ trials of a search) exceed the Kueue quota for RayJobs the node type records (`j
 The RayJob is annotated with the plan's estimate and its
 gradient checkpointing: the numbers queue admission and the training loop use.
 
-`render` is built from named pieces, in the order it checks and writes: the job's kind (`_Kind`),
-its worker pods (`_Pods`), the refusals, the metadata (`_labels`, `_annotations`, `_Meta`), the
-entrypoint, the head and worker groups (`_head_group`, `_worker_groups`, with the ray start params
-and volumes), the submitter pod, the RayJob and its PodDisruptionBudget.
+`render` is built from named pieces, in the order it checks and writes: the job's kind, its worker
+pods and the refusals (`job_fit`: `JobKind`, `WorkerPods`, `refuse_*`), the metadata (`_labels`,
+`_annotations`, `_Meta`), the entrypoint, the head and worker groups (`_head_group`,
+`_worker_groups`, with the ray start params and volumes), the submitter pod, the RayJob and its
+PodDisruptionBudget.
 
 Job names are deterministic: ``<spec.name>-<spec hash>``, so submitting the same spec twice finds
 the first RayJob instead of starting a second one (`KubeRayBackend.submit` is idempotent).
@@ -47,9 +48,27 @@ from jobs.errors import SpecError, UserError
 from jobs.run.storage import is_uri
 from jobs.spec import JobSpec
 
-from ..node_fit import GpuPlan, PodAsk, refusal
+from .job_fit import (
+    JobKind,
+    WorkerPods,
+    cpu_quantity,
+    kind_of,
+    refuse_bucket_spread,
+    refuse_over_quota,
+    refuse_unfit,
+    refuse_words,
+)
 from .manifest_yaml import to_yaml
 from .node_types import DEFAULT_OVERLAY, NodeType, load_node_type
+from .object_storage import (
+    AccessFlags,
+    StorageAccess,
+    credential_env,
+    data_volume,
+    identity,
+    outputs_annotation,
+    storage_access,
+)
 from .policy import (
     CACHE_ENV,
     CLUSTER_LABEL,
@@ -68,8 +87,7 @@ from .policy import (
 RAY_VERSION = "2.60.0"
 DEFAULT_QUEUE = "rayft"  # the LocalQueue in k8s/base/kueue.yaml
 DEFAULT_NAMESPACE = "rayft"  # the namespace the overlays install into
-PVC_NAME = "rayft-data"  # k8s/base/pvc.yaml
-DATA_MOUNT = "/mnt/rayft"  # where every Ray pod mounts the PVC
+DATA_MOUNT = "/mnt/rayft"  # where every Ray pod mounts the PVC (object storage: a local emptyDir)
 SPEC_MOUNT = "/home/ray/rayft-spec"  # where every Ray pod mounts the job's spec ConfigMap
 WORKDIR = "/home/ray/rayft"  # the repository inside the rayft image (k8s/image/Dockerfile)
 HF_SECRET = "rayft-hf-token"  # Secret holding the hub token (created by hand), key `token`
@@ -101,33 +119,6 @@ if TYPE_CHECKING:
     from jobs.memory import MemoryPlan
 
 
-# ---- the job's kind ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Kind:
-    """What the job's kind decides: its command, how long it may run, how often KubeRay retries it,
-    and whether it runs trials side by side (a search)."""
-
-    command: tuple[str, ...]
-    active_deadline_s: int
-    backoff_limit: int  # a fine-tune's retry resumes from its checkpoint; a search's does not
-    searches: bool
-
-
-_KIND = {
-    "finetune": _Kind(("python", "-m", "jobs.finetune"), active_deadline_s=86400, backoff_limit=1, searches=False),
-    "tune": _Kind(("rayft", "tune"), active_deadline_s=172800, backoff_limit=0, searches=True),
-}
-KINDS = tuple(_KIND)
-
-
-def _kind(kind: str) -> _Kind:
-    if kind not in _KIND:
-        raise UserError(f"--kind {kind}: expected one of {', '.join(KINDS)}")
-    return _KIND[kind]
-
-
 # ---- the spec, as Kubernetes jobs read it ----------------------------------------------------
 
 
@@ -147,7 +138,7 @@ def load_spec_for_k8s(spec_path: str, overrides: Sequence[str], kind: str = "fin
     """Load and validate a job spec (or, `kind="tune"`, a search spec) once, for `render`."""
     from jobs.spec import load_spec
 
-    if _kind(kind).searches:
+    if kind_of(kind).searches:
         from tune.spec import load_search_spec
 
         search = load_search_spec(spec_path, list(overrides), files=False)
@@ -205,10 +196,6 @@ def _gib(x: float) -> str:
     return f"{int(x)}Gi" if float(x).is_integer() else f"{int(math.ceil(x * 1024))}Mi"
 
 
-def _cpu(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{int(math.ceil(x * 1000))}m"
-
-
 def _env(spec: JobSpec) -> list[Obj]:
     # Model downloads and rayft's cache on the data volume, not the container layer: a large model
     # would fill the node's disk and get the pod evicted; on the volume it is downloaded once.
@@ -229,9 +216,11 @@ def _storage(gib: float) -> Obj:
     return {"ephemeral-storage": _gib(gib)}
 
 
-def _volumes(cm_name: str, shm_gib: float) -> list[Obj]:
+def _volumes(cm_name: str, shm_gib: float, cache_gib: float | None) -> list[Obj]:
+    """The data volume (the shared claim; with object storage a local emptyDir of `cache_gib`), the
+    spec, /dev/shm."""
     return [
-        {"name": "rayft-data", "persistentVolumeClaim": {"claimName": PVC_NAME}},
+        data_volume(None if cache_gib is None else _gib(cache_gib)),
         {"name": "spec", "configMap": {"name": cm_name}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _gib(shm_gib)}},
     ]
@@ -268,120 +257,17 @@ def memory_plan_or_why(spec: JobSpec, node: NodeType, use_gpu: bool) -> tuple[Me
         return None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
 
 
-# ---- what one job asks of the cluster --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Pods:
-    """The job's worker pods. Ray Train runs one worker per GPU; a worker pod holds
-    `gpus_per_worker` of them (workers that share a pod share NVLink and /dev/shm). CPU jobs: one
-    worker per pod. num_workers is a multiple of gpus_per_worker (jobs.spec checks it)."""
-
-    per_pod: int  # Ray Train workers in one pod
-    gpus: int  # GPUs of one worker pod (0: a CPU job)
-    cpus: float  # CPUs of one worker pod: its workers' and Ray Train's coordinator / trial
-    trials: int  # trials at once (a search), else 1
-    count: int  # worker pods of the whole job
-
-    @classmethod
-    def of(cls, spec: JobSpec, kind: _Kind, concurrent_trials: int) -> _Pods:
-        res = spec.resources
-        per_pod = res.gpus_per_worker if res.use_gpu else 1
-        trials = max(1, concurrent_trials) if kind.searches else 1
-        return cls(
-            per_pod=per_pod,
-            gpus=per_pod if res.use_gpu else 0,
-            cpus=math.ceil(res.cpus_per_worker * per_pod) + 1,
-            trials=trials,
-            count=res.num_workers // per_pod * trials,
-        )
-
-
-def _refuse_unfit(spec: JobSpec, node: NodeType, where: str, pods: _Pods, plan: MemoryPlan | None) -> None:
-    """Refuse (SpecError, both numbers named) a job one node of this type cannot hold: the node-fit
-    rule (`node_fit.refusal`, the one queue admission applies) said as the spec's fields."""
-    res = spec.resources
-    on_gpu = None if plan is None else GpuPlan(plan.total_gib, plan.checkpointing, plan.choice)
-    pod = PodAsk(
-        gpus=pods.gpus,
-        cpus=pods.cpus,
-        accelerator_type=res.accelerator_type,
-        budget_gib=spec.memory.budget_gib,
-        plan=lambda gib: on_gpu,
-    )  # made for this node type's GPU
-    r = refusal(pod, node.offer(node.gpu_memory_gib))  # gpuMemoryGiB as written: 0 (unset) holds nothing
-    if r is None:
-        return
-    desc = f"overlay {node.overlay}'s node type {node.name}"
-    if r.fact in ("no-gpus", "gpus"):
-        what = (
-            f"resources.gpus_per_worker={res.gpus_per_worker} asks for {pods.gpus} GPUs per worker pod"
-            if res.gpus_per_worker > 1
-            else f"resources asks for {pods.gpus} GPU(s) per worker"
-        )
-        raise SpecError(f"{where}: {what} but {desc} has {node.gpus_per_node} GPU(s) per node")
-    if r.fact == "cpus":
-        per = f" x gpus_per_worker={res.gpus_per_worker}" if res.gpus_per_worker > 1 else ""
-        raise SpecError(
-            f"{where}: resources.cpus_per_worker={res.cpus_per_worker}{per} needs {_cpu(pods.cpus)} CPUs per "
-            f"worker pod but {desc} has {_cpu(node.cpus_per_node)} CPUs per node"
-        )
-    if r.fact == "accelerator":
-        raise SpecError(
-            f"{where}: resources.accelerator_type={res.accelerator_type} but {desc} has "
-            f"{node.ray_accelerator_type or 'unknown'} GPUs ({node.gpu_product}); pick an overlay for that GPU"
-        )
-    cap = r.have
-    if r.fact == "budget":
-        raise SpecError(
-            f"{where}: memory.budget_gib={spec.memory.budget_gib:g} GiB per GPU exceeds the "
-            f"{cap:g} GiB of one {node.gpu_product} GPU ({desc})"
-        )
-    assert r.fact == "plan" and r.plan is not None, r  # the offer's memory is always known here
-    raise SpecError(
-        f"{where}: the memory estimate is {r.need:.1f} GiB per GPU (gradient checkpointing "
-        f"{r.plan.checkpointing}), more than the {cap:g} GiB of one {node.gpu_product} GPU ({desc}); lower "
-        f"batch.micro_batch_size or data.max_seq_len, or turn on memory.gradient_checkpointing"
-    )
-
-
-def _refuse_over_quota(spec: JobSpec, node: NodeType, where: str, pods: _Pods, kind: _Kind) -> None:
-    """Kueue admits the RayJob only when all its GPUs fit the ClusterQueue's quota at once; more
-    than the quota is never admitted, and Kueue says so nowhere: the RayJob waits suspended."""
-    res = spec.resources
-    refusal_text = node.gpus_refusal(res.num_workers * pods.trials) if pods.gpus else ""
-    if refusal_text:
-        asks = f"resources.num_workers={res.num_workers}" + (
-            f" x search.max_concurrent_trials={pods.trials}" if kind.searches else ""
-        )
-        raise SpecError(f"{where}: {asks}: {refusal_text}")
-
-
-def _refuse_words(where: str, entrypoint_overrides: Sequence[str]) -> None:
-    for word in entrypoint_overrides:
-        if not SHELL_SAFE.fullmatch(word):
-            raise SpecError(
-                f"{where}: override {word!r}: on Kubernetes overrides travel on the RayJob's command "
-                "line and must be plain words (letters, digits, / . _ - = , : {{}})"
-            )
-
-
-def _entrypoint(spec: JobSpec, kind: _Kind, where: str, entrypoint_overrides: Sequence[str]) -> str:
+def _entrypoint(spec: JobSpec, kind: JobKind, where: str, entrypoint_overrides: Sequence[str]) -> str:
     """The RayJob's command. KubeRay pastes the entrypoint into the submitter's bash command line
     and Ray runs it through a shell again: plain words only (no quotes, &&, ;). The working
     directory comes from the runtime env instead of a `cd`."""
     out_dir = spec.run.output_dir
-    if is_uri(spec.output_location):
-        raise SpecError(
-            f"{where}: run.output_dir={spec.run.output_dir}: object storage on Kubernetes is not supported yet "
-            "(the manifests mount a shared volume); give a path on it"
-        )
-    if not out_dir.startswith("/"):
+    if not out_dir.startswith("/") and not is_uri(spec.output_location):
         out_dir = f"{DATA_MOUNT}/{out_dir}"  # outputs/{name} -> /mnt/rayft/outputs/{name}
     if not SHELL_SAFE.fullmatch(out_dir):
         raise SpecError(
             f"{where}: run.output_dir={spec.run.output_dir!r}: on Kubernetes it must be a plain "
-            "path (letters, digits, / . _ - {name})"
+            "path or URI (letters, digits, / . _ - : {name})"
         )
     return " ".join([*kind.command, f"{SPEC_MOUNT}/spec.yaml", f"run.output_dir={out_dir}", *entrypoint_overrides])
 
@@ -400,7 +286,12 @@ def _labels(spec: JobSpec, kind: str) -> dict[str, str]:
 
 
 def _annotations(
-    spec: JobSpec, node: NodeType, pods: _Pods, plan: MemoryPlan | None, plan_error: str | None, spec_path: str | None
+    spec: JobSpec,
+    node: NodeType,
+    pods: WorkerPods,
+    plan: MemoryPlan | None,
+    plan_error: str | None,
+    spec_path: str | None,
 ) -> dict[str, str]:
     """The spec hash, the node type, and the plan's numbers that queue admission and the training
     loop use (estimate, checkpointing, strategy), or why there is no plan."""
@@ -455,24 +346,41 @@ class _Container:
     env: list[Obj]
     cm_name: str
     pod_labels: dict[str, str]
+    storage: StorageAccess
 
     def pod_metadata(self) -> Obj:
         return {"labels": dict(self.pod_labels), "annotations": dict(NO_DISRUPT)}
+
+    def cache_gib(self, gib: float) -> float | None:
+        """The local emptyDir's size with object storage (`gib`); None: the shared claim."""
+        return gib if self.storage.on_object_storage else None
+
+    def pod_spec_head(self) -> Obj:
+        """What every Ray pod spec starts with: priority, identity, no API token, restricted."""
+        return {
+            "priorityClassName": PRIORITY_CLASS,
+            **identity(self.storage),
+            "automountServiceAccountToken": False,
+            "securityContext": _pod_security(),
+        }
 
 
 def _head_group(node: NodeType, c: _Container) -> Obj:
     """The head pod: no CPUs for Ray tasks (`num-cpus: 0`), so workers land on worker pods only."""
     head_mem = node.head_memory_gib
-    sized = {"cpu": _cpu(node.head_cpu), "memory": _gib(head_mem), **_storage(node.head_ephemeral_gib)}
+    cache = c.cache_gib(node.head_cache_gib)
+    sized = {
+        "cpu": cpu_quantity(node.head_cpu),
+        "memory": _gib(head_mem),
+        **_storage(node.head_ephemeral_gib + (cache or 0)),
+    }
     return {
         "serviceType": "ClusterIP",
         "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {
             "metadata": c.pod_metadata(),
             "spec": {
-                "priorityClassName": PRIORITY_CLASS,
-                "automountServiceAccountToken": False,
-                "securityContext": _pod_security(),
+                **c.pod_spec_head(),
                 "containers": [
                     {
                         "name": "ray-head",
@@ -489,26 +397,23 @@ def _head_group(node: NodeType, c: _Container) -> Obj:
                         "volumeMounts": _mounts(),
                     }
                 ],
-                "volumes": _volumes(c.cm_name, _shm(head_mem)),
+                "volumes": _volumes(c.cm_name, _shm(head_mem), cache),
             },
         },
     }
 
 
-def _worker_pod_spec(node: NodeType, c: _Container, pods: _Pods) -> Obj:
+def _worker_pod_spec(node: NodeType, c: _Container, pods: WorkerPods) -> Obj:
     """A worker pod: the node type's worker memory and ephemeral storage are per GPU worker, so a
     pod of N GPUs gets N times both (and /dev/shm follows its memory)."""
     worker_mem = node.worker_memory_gib * pods.per_pod
+    cache = c.cache_gib(node.worker_cache_gib * pods.per_pod)
     worker_res: Obj = {
-        "cpu": _cpu(pods.cpus),
+        "cpu": cpu_quantity(pods.cpus),
         "memory": _gib(worker_mem),
-        **_storage(node.worker_ephemeral_gib * pods.per_pod),
+        **_storage(node.worker_ephemeral_gib * pods.per_pod + (cache or 0)),
     }
-    spec: Obj = {
-        "priorityClassName": PRIORITY_CLASS,
-        "automountServiceAccountToken": False,
-        "securityContext": _pod_security(),
-    }
+    spec: Obj = c.pod_spec_head()
     if pods.gpus:
         worker_res["nvidia.com/gpu"] = str(pods.gpus)
         # The node type's flavour: its GPU label (GFD, GKE, Karpenter) and its GPU nodes' taints.
@@ -526,11 +431,11 @@ def _worker_pod_spec(node: NodeType, c: _Container, pods: _Pods) -> Obj:
             "volumeMounts": _mounts(),
         }
     ]
-    spec["volumes"] = _volumes(c.cm_name, _shm(worker_mem))
+    spec["volumes"] = _volumes(c.cm_name, _shm(worker_mem), cache)
     return spec
 
 
-def _worker_groups(node: NodeType, c: _Container, pods: _Pods) -> list[Obj]:
+def _worker_groups(node: NodeType, c: _Container, pods: WorkerPods) -> list[Obj]:
     return [
         {
             "groupName": "gpu" if pods.gpus else "cpu",
@@ -572,7 +477,9 @@ def _submitter(c: _Container) -> Obj:
 # ---- the objects -----------------------------------------------------------------------------------
 
 
-def _rayjob(name: str, kind: _Kind, entrypoint: str, node: NodeType, c: _Container, pods: _Pods, metadata: Obj) -> Obj:
+def _rayjob(
+    name: str, kind: JobKind, entrypoint: str, node: NodeType, c: _Container, pods: WorkerPods, metadata: Obj
+) -> Obj:
     return {
         "apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}",
         "kind": "RayJob",
@@ -581,6 +488,7 @@ def _rayjob(name: str, kind: _Kind, entrypoint: str, node: NodeType, c: _Contain
             "entrypoint": entrypoint,
             "jobId": name,  # the Ray submission id: deterministic
             "submissionMode": "K8sJobMode",
+            **({"entrypointNumCpus": pods.driver_cpus} if pods.driver_cpus else {}),
             "shutdownAfterJobFinishes": True,  # Kueue needs it; frees the GPUs
             # 0: the cluster goes when the job ends, the moment Kueue hands the quota back (Kueue
             # counts a Complete/Failed RayJob as finished). Outputs and metrics.jsonl are on the
@@ -615,6 +523,7 @@ def render(
     namespace: str | None = None,
     entrypoint_overrides: Sequence[str] = (),
     concurrent_trials: int = 1,
+    access: AccessFlags | None = None,
 ) -> list[Obj]:
     """[ConfigMap, RayJob, PodDisruptionBudget] for one job spec; raises SpecError when it cannot
     fit the node type.
@@ -629,15 +538,20 @@ def render(
                a search spec passes its own text, `search` section included).
     entrypoint_overrides: `section.field=value` words appended to the entrypoint (plain words only).
     concurrent_trials: for a search, trials at once: the cluster gets that many times the job's workers.
+    access:    with run.output_dir on s3:// or gs://: the Secret holding the S3 keys and the
+               ServiceAccount carrying a workload identity, by name, and the S3 region and endpoint
+               (`object_storage`); there the pods get a local emptyDir instead of the shared claim.
     """
-    job_kind = _kind(kind)
+    job_kind = kind_of(kind)
     where = spec_path or spec.name
     node = load_node_type(overlay)
-    pods = _Pods.of(spec, job_kind, concurrent_trials)
+    storage = storage_access(spec.output_location, where, access)
+    refuse_bucket_spread(spec, node, where, job_kind, storage)
+    pods = WorkerPods.of(spec, job_kind, concurrent_trials, one_pod=storage.on_object_storage)
     plan, plan_error = memory_plan_or_why(spec, node, bool(pods.gpus))  # the plan is per GPU
-    _refuse_unfit(spec, node, where, pods, plan)
-    _refuse_words(where, entrypoint_overrides)
-    _refuse_over_quota(spec, node, where, pods, job_kind)
+    refuse_unfit(spec, node, where, pods, plan)
+    refuse_words(where, entrypoint_overrides)
+    refuse_over_quota(spec, node, where, pods, job_kind)
 
     name = job_name(spec)
     image = image or node.image
@@ -652,9 +566,16 @@ def render(
     }
     entrypoint = _entrypoint(spec, job_kind, where, entrypoint_overrides)
     c = _Container(
-        image, pull_policy(image), _env(spec), spec_configmap_name(name), {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name}
+        image,
+        pull_policy(image),
+        _env(spec) + credential_env(storage),
+        spec_configmap_name(name),
+        {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name},
+        storage,
     )
-    rayjob = _rayjob(name, job_kind, entrypoint, node, c, pods, meta.of(name, {QUEUE_LABEL: queue or DEFAULT_QUEUE}))
+    rayjob_meta = meta.of(name, {QUEUE_LABEL: queue or DEFAULT_QUEUE})
+    rayjob_meta["annotations"].update(outputs_annotation(storage))  # the policy: no claim, by intent
+    rayjob = _rayjob(name, job_kind, entrypoint, node, c, pods, rayjob_meta)
     pdb = pod_disruption_budget(name, {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name})
     pdb["metadata"] = {**meta.of(name), **{k: v for k, v in pdb["metadata"].items() if k != "name"}}
     objs = [configmap, rayjob, pdb]

@@ -20,6 +20,7 @@ import yaml
 from gradtools import ROOT, final_adapter, reference_run, rel_err, spawn
 from hypothesis import given
 from hypothesis import strategies as st
+from runs import metric_lines
 
 from jobs.data import (
     IGNORE,
@@ -44,7 +45,6 @@ from jobs.data import (
 from jobs.data.entry import _PairWriter, _SplitWriter
 from jobs.data.mixture import integer_weights
 from jobs.objectives import Objective
-from jobs.run.outputs import read_metrics
 from jobs.spec import load_spec
 from jobs.train.loop import micro_batches_of
 from jobs.train.prefetch import Prefetch
@@ -440,7 +440,7 @@ def _split_run(tmp: Path, w: int, m: int, *extra: str) -> tuple[list[dict], dict
         reference_run(0, 1, MIX, overrides, str(out))
     else:
         spawn(reference_run, w, tmp / f"spawn-{w}", MIX, overrides, str(out))
-    return read_metrics(out), final_adapter(out)
+    return metric_lines(out), final_adapter(out)
 
 
 def _per_source(record: dict) -> dict:
@@ -487,7 +487,7 @@ def test_held_out_loss_of_a_mixture_is_the_whole_and_per_source(tmp_path, monkey
     monkeypatch.chdir(ROOT)
     spec = mix_spec(tmp_path, "resources.num_workers=1", *SHORT, "run.trackers=[tensorboard]")
     train(spec, LocalContext(on_progress=lambda r: None), resume=False)
-    last = read_metrics(spec.output_path)[-1]
+    last = metric_lines(spec.output_path)[-1]
     _, tok = load_base_model(spec, "fp32")
     data = load_dataset(spec, tok)
     tokens = {p.name: sum(data.eval[p.eval_offset + i].n_labels for i in range(p.n_eval)) for p in data.sources}
@@ -534,7 +534,7 @@ def test_a_mixture_run_resumes_bitwise(objective, tmp_path, monkeypatch):
     _train_steps(tmp_path / "resumed", 4, *extra)
     a, b = final_adapter(tmp_path / "straight"), final_adapter(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    straight, resumed = metric_lines(tmp_path / "straight"), metric_lines(tmp_path / "resumed")
     drop = ("tokens_per_s", "step_time_s", "peak_mem_gib")
     assert [{k: v for k, v in r.items() if k not in drop} for r in straight] == [
         {k: v for k, v in r.items() if k not in drop} for r in resumed
@@ -555,7 +555,7 @@ def test_a_changed_mixture_refuses_to_resume(tmp_path, monkeypatch, capsys):
     assert main(base + ["run.max_steps=2", f"data.mix={json.dumps(reweighted)}"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "cannot resume" in lines[0] and "data.mix:" in lines[0], lines
-    assert len(read_metrics(out)) == 1  # nothing ran
+    assert len(metric_lines(out)) == 1  # nothing ran
 
 
 def test_estimate_of_a_mixture_is_that_of_its_longest_source(tmp_path, capsys):
@@ -581,7 +581,7 @@ def test_a_dpo_mixture_with_a_precomputed_reference_trains_the_same_steps(tmp_pa
     monkeypatch.chdir(ROOT)
     _train_steps(tmp_path / "live", 2, *DPO_MIX)
     _train_steps(tmp_path / "pre", 2, *DPO_MIX, "objective.reference=precomputed")
-    live, pre = read_metrics(tmp_path / "live"), read_metrics(tmp_path / "pre")
+    live, pre = metric_lines(tmp_path / "live"), metric_lines(tmp_path / "pre")
     assert list(tmp_path.glob(".rayft-data/mix-*.reference-*"))
     for a, b in zip(live, pre, strict=True):
         assert _per_source(a) == _per_source(b)
@@ -599,6 +599,20 @@ def test_a_source_whose_weight_gets_it_no_sample_is_refused(tmp_path):
     with pytest.raises(SpecError, match=r"data.mix: source 'tiny-text' \(weight 1e-06\) gets no sample"):
         _train_steps(tmp_path / "run", 2, f"data.mix={mix}")
     _train_steps(tmp_path / "ok", 2, f"data.mix={yaml_mix_with_weights(0.6, 0.3, 0.1)}")  # the shipped weights run
+
+
+def test_a_source_that_never_gets_a_sample_is_refused_before_the_run_directory_exists(tmp_path, monkeypatch):
+    """`rayft run`'s preparation refuses it on the driver, with nothing created where the run would
+    write (it was refused only on rank 0, after the run directory and its lock existed)."""
+    from jobs.errors import SpecError
+    from jobs.finetune import prepare
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    overrides = [f"run.output_dir={out}", "run.max_steps=2", f"data.mix={yaml_mix_with_weights(0.6, 0.3, 1e-6)}"]
+    with pytest.raises(SpecError, match=r"data.mix: source 'tiny-text' \(weight 1e-06\) gets no sample"):
+        prepare(MIX, [*overrides, "resources.num_workers=1"], fresh=False, local=True)
+    assert not out.exists()
 
 
 def yaml_mix_with_weights(*weights: float) -> str:

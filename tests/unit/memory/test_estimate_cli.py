@@ -278,3 +278,30 @@ def test_70b_needs_fsdp_over_eight_h100s_or_nf4_on_fewer(capsys, monkeypatch):
     assert "exceeds" in ddp_line and "chosen" not in ddp_line
     assert "fits" in fsdp_line and "chosen" in fsdp_line
     assert "(fsdp, checkpointing" in out
+
+
+def test_a_grpo_spec_shows_its_generation_and_the_chosen_generation_batch(tmp_path, capsys, monkeypatch):
+    """`rayft estimate` on a GRPO spec: the generation transient among the components, the plan's
+    generation batch and the parts of generation's peak (JSON and text); a fixed batch is the
+    spec's; SFT has no generation."""
+    grpo = ROOT / "examples" / "tiny-grpo.yaml"
+    rep = _json(capsys, ["estimate", str(grpo), "--json"])
+    plan = memory.plan_for_spec(load_spec(grpo, files=False), device="cpu")
+    gen = rep["generation"]
+    assert rep["components"] == plan.estimate.components and "generation" in rep["transient_components"]
+    assert gen["generation_batch_size"] == plan.generation_batch_size and gen["chosen_by_plan"]
+    assert gen["bytes"]["peak_bytes"] == rep["components"]["generation"] and gen["share"] == 8
+    assert gen["bytes"]["kv_cache"] == memory.kv_cache_bytes(
+        memory.model_shape(memory.config_from_spec(plan_spec := load_spec(grpo, files=False))),
+        plan.generation_batch_size,
+        plan_spec.data.max_seq_len - 1,
+        4,
+    )
+    fixed = _json(capsys, ["estimate", str(grpo), "--json", "rollout.generation_batch_size=3"])["generation"]
+    assert fixed["generation_batch_size"] == 3 and not fixed["chosen_by_plan"]
+    assert _json(capsys, ["estimate", str(_write(tmp_path, BASE)), "--json"])["generation"] is None
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["estimate", str(grpo)]) == 0
+    out = capsys.readouterr().out
+    assert "generation (transient)" in out
+    assert f"generation: {plan.generation_batch_size} completions at once (the plan's choice" in out

@@ -10,7 +10,9 @@ a per-GPU budget below, between and above the estimates of every checkpointing c
 largest estimate, so that `auto` picks DDP, FSDP keeping the layers gathered, and FSDP
 resharding after forward, over a bf16 (LoRA r 32) and (QLoRA under FSDP2) an nf4 base; the
 preference objectives (DPO with the reference forward, with the starting adapter as reference,
-and with precomputed reference log-probabilities; SimPO; ORPO); and the 70B example
+and with precomputed reference log-probabilities; SimPO; ORPO); online RL (examples/tiny-grpo.yaml:
+generation in-process beside training, the old-log-prob forward with num_iterations 2, and a
+generation batch fixed so large that generation is the peak); and the 70B example
 (examples/llama70b-lora.yaml, a config without weights) on the gpu overlay's H100s: unquantized
 over 8 GPUs, and QLoRA nf4 / int8 over 2.
 """
@@ -29,6 +31,7 @@ from jobs.spec import JobSpec, load_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "examples" / "tiny-lora.yaml"
+GRPO_SPEC = ROOT / "examples" / "tiny-grpo.yaml"
 BIG = ROOT / "examples" / "llama70b-lora.yaml"
 GPU_OVERLAY, CPU_OVERLAY = "gpu", "dev-cpu"
 
@@ -166,6 +169,20 @@ CASES += [
     Case("cpu", "auto", budget, where, PREFERENCE["dpo-adapter"], family="pref-dpo-adapter")
     for where, budget in budgets("cpu", PREFERENCE["dpo-adapter"], every_k=False)
 ]
+# Online RL: generation (the KV cache, prefill, sampler at the plan's generation batch) and the
+# old-log-prob forward are transients before the forward; with a generation batch fixed at the
+# worker's whole share beside micro-batch 1, generation is the peak and moves every boundary.
+GRPO = {
+    "grpo": (),
+    "grpo-mu2": ("objective.num_iterations=2",),
+    "grpo-gen-peak": ("rollout.generation_batch_size=8", "batch.micro_batch_size=1"),
+}
+CASES += [
+    Case(device, "auto", budget, where, overrides, GRPO_SPEC, family=name)
+    for name, overrides in GRPO.items()
+    for device in ("cuda", "cpu")
+    for where, budget in budgets(device, overrides, GRPO_SPEC, every_k=False)
+]
 CASES += [
     Case("cuda", "auto", budget, where, (), BIG, family="70b")
     for where, budget in budgets("cuda", (), BIG, every_k=False, cap=80)
@@ -257,6 +274,16 @@ def test_every_consumer_agrees_with_the_plan(case):
     )
 
 
+def training_only(est) -> int:
+    """The estimate's total without generation: what the training step alone needs."""
+    from jobs.memory import MemoryEstimate
+    from jobs.memory.components import framework_overhead
+
+    kept = {k: v for k, v in est.components.items() if k not in ("generation", "framework_overhead")}
+    device = "cuda" if est.components["cublas_workspace"] else "cpu"
+    return MemoryEstimate(kept).total_bytes + framework_overhead(kept, device, est.details["world_size"])
+
+
 def _same(got: tuple, want: tuple) -> bool:
     """Equal, where a consumer that does not report the strategy (None) is judged on the rest."""
     return got == want or (got[2] is None and got[:2] == want[:2])
@@ -295,6 +322,15 @@ def test_the_cases_reach_every_checkpointing_and_strategy_choice():
     for name in PREFERENCE:
         assert {"ddp", "fsdp"} <= auto[f"pref-{name}"], name
         assert not {plan_column(c)[0] for c in CASES if c.family == f"pref-{name}"} & sft, name
+    # Online RL's plans count generation (and, with num_iterations 2, the old-log-prob forward); where
+    # generation is the peak, the plan's total is generation's, not training's.
+    for name in GRPO:
+        assert {"ddp", "fsdp"} <= auto[name], name
+        for c in (c for c in CASES if c.family == name):
+            plan = plan_for_spec(c.spec(), device=c.device, gpu_memory_gib=gpu_memory_gib())
+            assert "generation" in plan.estimate.components and plan.generation_batch_size, c.id
+            assert ("old_logprobs_forward" in plan.estimate.components) == (name == "grpo-mu2"), c.id
+            assert (training_only(plan.estimate) < plan.estimate.total_bytes) == (name == "grpo-gen-peak"), c.id
     refused = [c for c in CASES if c.device == "cuda" and k8s_column(c) is None]
     assert all(plan_column(c)[0] > gpu_memory_gib() for c in refused)
     assert all(
@@ -324,6 +360,8 @@ def tune_column(case: Case):
         return None
     d = job.to_dict()
     d["run"].update(max_steps=None, epochs=None)
+    if not (d["data"].get("eval_path") or d["data"].get("eval_fraction")):
+        d["data"]["eval_fraction"] = 0.25  # a search compares trials on held-out data (tiny-grpo holds none)
     d["search"] = {
         "grad_accum_steps": [job.grad_accum_steps],
         "samples_per_trial": job.batch.global_batch_size,
@@ -375,3 +413,33 @@ def test_tune_and_rayft_estimate_agree_with_the_plan(case):
     assert estimate is None or estimate == want
     if case.device == "cuda":
         assert tune is not None  # every GPU case is judged by the search
+
+
+# ---- online RL: queue admission and `rayft k8s render` count generation ---------------------------
+
+
+def _generation_peak_spec() -> JobSpec:
+    """tiny-grpo on a GPU where generation (8 completions at once beside micro-batch 1) is the peak."""
+    return Case("cuda", "auto", None, "no_budget", GRPO["grpo-gen-peak"], GRPO_SPEC).spec()
+
+
+def test_queue_admission_counts_generation():
+    from orchestrator.queue.admission import Demand
+
+    spec = _generation_peak_spec()
+    plan = plan_for_spec(spec, device="cuda", gpu_memory_gib=gpu_memory_gib())
+    demand = Demand.from_json(Demand.from_spec(spec).to_json())
+    assert demand.gpu_plan(gpu_memory_gib())[1] == plan.total_gib > training_only(plan.estimate) / GIB
+
+
+def test_k8s_render_counts_generation():
+    from orchestrator.backends import kuberay
+
+    spec = _generation_peak_spec()
+    plan = plan_for_spec(spec, device="cuda", gpu_memory_gib=gpu_memory_gib())
+    with pytest.MonkeyPatch.context() as mp:
+        from orchestrator.backends.kuberay.node_types import NodeType
+
+        mp.setattr(NodeType, "gpus_refusal", lambda self, gpus: "")
+        ann = kuberay.render(spec, overlay=GPU_OVERLAY)[1]["metadata"]["annotations"]
+    assert int(ann[kuberay.ANN_ESTIMATE_BYTES]) == plan.estimate.total_bytes > training_only(plan.estimate)

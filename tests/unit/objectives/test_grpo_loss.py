@@ -185,3 +185,20 @@ def test_denominators_count_the_global_batch():
     assert global_denominator(0, 8, "dapo", 16) == 1  # every completion empty: 0 / 1
     with pytest.raises(ValueError, match="loss_type"):
         global_denominator(1, 1, "bnpo", 1)  # type: ignore[arg-type]
+
+
+def test_the_sampling_correction_is_a_truncated_weight_on_the_policy_gradient_term_only():
+    """min(exp(trainer - engine), cap) per token, a constant (no gradient), multiplying
+    -min(w A, clip(w) A) and not the KL term (TRL's order)."""
+    from jobs.objectives.grpo_losses import truncated_importance_weights
+
+    trainer = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    engine = torch.tensor([[-2.5, -1.5, -0.5]], dtype=torch.float64)
+    w = truncated_importance_weights(trainer, engine, 3.0)
+    assert w[0].tolist() == pytest.approx([3.0, math.exp(-0.5), 1.0]) and not w.requires_grad
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    ref, adv, mask = torch.full((1, 3), -1.2, dtype=torch.float64), torch.tensor([0.7], dtype=torch.float64), None
+    plain = per_token_loss(logp, logp.detach(), adv, mask, beta=0.1, ref_logps=ref)
+    weighted = per_token_loss(logp, logp.detach(), adv, mask, beta=0.1, ref_logps=ref, sampling_weights=w)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    assert torch.allclose(weighted, (plain - 0.1 * kl) * w + 0.1 * kl)

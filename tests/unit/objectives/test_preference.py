@@ -314,9 +314,9 @@ def _train(out: Path, *overrides: str) -> dict:
 
 
 def _metrics(out: Path) -> list[dict]:
-    from jobs.run.outputs import read_metrics
+    from runs import metric_lines
 
-    return read_metrics(out)
+    return metric_lines(out)
 
 
 def test_precomputed_runs_train_the_same_steps_and_reuse_the_stored_values(tmp_path, caplog):

@@ -71,3 +71,18 @@ def test_the_rollouts_file_holds_one_line_per_completion_with_the_trained_ids(tm
     assert got[4]["rewards"] == {"exact_match": None, "score": None} and got[4]["reward"] is None
     assert [g["completion_ids"] for g in got] == IDS
     assert not list((tmp_path / "rollouts").glob("*.tmp"))
+
+
+def test_the_engine_logprob_gap_is_a_mean_over_tokens_not_over_completions():
+    from jobs.rollout.record import logprob_fields, logprob_gap_metrics
+
+    trainer = [[-1.0, -2.0, -3.0, -4.0], [-0.5]]
+    engine = [[-1.1, -2.1, -3.1, -4.1], [-1.5]]  # gaps 0.1 x 4 and 1.0 x 1
+    got = logprob_gap_metrics(trainer, engine)
+    assert got["engine_logprob_gap/mean"] == pytest.approx(1.4 / 5)  # a mean of the two means is 0.55
+    assert got["engine_logprob_gap/max"] == pytest.approx(1.0)
+    line = logprob_fields(trainer[0], engine[0])
+    assert line["trainer_logprobs"] == trainer[0] and line["engine_logprobs"] == engine[0]
+    assert line["engine_logprob_gap"] == {"mean": pytest.approx(0.1), "max": pytest.approx(0.1)}
+    assert logprob_fields([], [])["engine_logprob_gap"] == {"mean": None, "max": None}
+    assert math.isnan(logprob_gap_metrics([[]], [[]])["engine_logprob_gap/max"])

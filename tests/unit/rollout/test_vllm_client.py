@@ -106,3 +106,12 @@ def test_nothing_listening_is_one_line_naming_the_engine():
 
 def test_an_error_line_never_shows_credentials_in_the_url():
     assert shown_url("http://user:secret@host:8000/v1/?key=k") == "http://host:8000/v1"
+
+
+def test_an_answer_without_the_sampled_tokens_log_probs_is_one_line():
+    server, url, _ = serve(lambda path, body: (200, {"choices": [{"token_ids": [5, 6, EOS]}]}))
+    engine = VLLMEngine(url, 10, [EOS])
+    engine.version = "step-0"
+    with pytest.raises(RunError, match=r"^vLLM engine at http://127\.0\.0\.1:\d+ returned 0 log-probs for 3 sampled"):
+        engine.generate([Request(0, 0, (1, 2), 11)], Sampling(4))
+    server.shutdown()

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from gradtools import final_adapter, tiny_spec
+from runs import metric_lines
 
-from jobs.run.outputs import read_metrics
 from jobs.train.context import LocalContext
 from jobs.train.loop import train
 
@@ -41,5 +41,5 @@ def test_every_optimizer_resumes_bit_for_bit(tmp_path, name):
     _run(tmp_path / "resumed", 4, *overrides)
     a, b = final_adapter(tmp_path / "straight"), final_adapter(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    losses = [[r["loss"] for r in read_metrics(tmp_path / d)] for d in ("straight", "resumed")]
+    losses = [[r["loss"] for r in metric_lines(tmp_path / d)] for d in ("straight", "resumed")]
     assert losses[0] == losses[1] and len(losses[0]) == 4

@@ -75,3 +75,65 @@ def test_a_checkpoint_that_stored_none_for_a_default_still_resumes_and_a_new_set
         ckpt.check_resumable(old, rpo, "ckpt")
     precomputed = load_spec(DEMO, ["objective.name=dpo", "objective.reference=precomputed"], files=False)
     ckpt.check_resumable(old, precomputed, "ckpt")  # how the reference is computed, not what
+
+
+# Another valid value of every setting (written out, like KEYS): a setting missing here fails below.
+CHANGED = {
+    "beta": 0.05,
+    "label_smoothing": 0.1,
+    "rpo_alpha": 1.0,
+    "simpo_gamma": 0.7,
+    "loss_type": "grpo",
+    "epsilon": 0.3,
+    "epsilon_high": 0.28,
+    "num_iterations": 2,
+    "scale_rewards": "none",
+    "importance_sampling_level": "sequence",
+    "mask_truncated_completions": True,
+}
+RESOLVED_DEFAULT = {"epsilon_high": KEYS["GRPOObjective"]["epsilon"]}
+
+
+def _settings(cls: str) -> list[str]:
+    free = {"reference"}  # `resume_free`: how the reference is computed, not what
+    return [k for k in KEYS[cls] if k not in ("name", *free)]
+
+
+def _spec(name: str, *overrides: str):
+    return load_spec(DEMO, [*objective_overrides(name), *overrides], files=False)
+
+
+@pytest.mark.parametrize("cls", sorted(KEYS))
+def test_every_objective_setting_is_in_the_resume_key_resolved(cls):
+    """For every setting of every objective: its default written out explicitly (resolved, as
+    `epsilon_high` = `epsilon`) resumes the run, and another value is refused naming it."""
+    name = KEYS[cls]["name"]
+    saved = ckpt.resume_key(_spec(name))
+    for key in _settings(cls):
+        default = RESOLVED_DEFAULT.get(key, KEYS[cls][key])
+        ckpt.check_resumable(saved, _spec(name, f"objective.{key}={default}"), "ckpt")
+        assert key in CHANGED, f"objective.{key}: give it another value in CHANGED"
+        with pytest.raises(Exception, match=rf"objective\.{key}: "):
+            ckpt.check_resumable(saved, _spec(name, f"objective.{key}={CHANGED[key]}"), "ckpt")
+
+
+def test_a_checkpoint_that_stored_epsilon_high_unresolved_is_resolved_by_its_own_epsilon():
+    """A checkpoint holding `epsilon_high: None` trained with its own `epsilon` as the upper bound:
+    that value written out resumes it; the bound of the current spec's epsilon does not."""
+    saved = ckpt.resume_key(_spec("grpo", "objective.epsilon=0.3"))
+    saved["objective.epsilon_high"] = None
+    ckpt.check_resumable(saved, _spec("grpo", "objective.epsilon=0.3", "objective.epsilon_high=0.3"), "ckpt")
+    with pytest.raises(Exception, match=r"objective\.epsilon_high: 0\.3 -> 0\.2"):
+        ckpt.check_resumable(saved, _spec("grpo", "objective.epsilon=0.3", "objective.epsilon_high=0.2"), "ckpt")
+
+
+def test_the_generation_batch_is_out_of_the_resume_key_and_how_completions_are_drawn_is_in():
+    """`rollout.generation_batch_size` changes how completions are computed, not which (each from its
+    own seed: tests/unit/objectives/test_grpo_step.py), so a resume may change it; a sampling setting
+    changes which, and is refused."""
+    saved = ckpt.resume_key(_spec("grpo"))
+    assert "generation_batch_size" not in saved["rollout"]
+    for n in (1, 7):
+        ckpt.check_resumable(saved, _spec("grpo", f"rollout.generation_batch_size={n}"), "ckpt")
+    with pytest.raises(Exception, match=r"rollout"):
+        ckpt.check_resumable(saved, _spec("grpo", "rollout.top_k=5"), "ckpt")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from gradtools import final_adapter, rel_err, tiny_spec
+from runs import metric_lines
 
 from jobs.errors import SpecError
 from jobs.model.loading import compile_wanted
-from jobs.run.outputs import read_metrics
 from jobs.train.context import LocalContext
 from jobs.train.loop import train
 
@@ -35,7 +35,7 @@ def test_compiled_layers_train_like_eager_layers(tmp_path):
         )
         summary = train(spec, LocalContext(on_progress=lambda r: None), resume=False)
         assert summary["compiled_layers"] is compiled
-        runs[compiled] = ([r["loss"] for r in read_metrics(out)], final_adapter(out))
+        runs[compiled] = ([r["loss"] for r in metric_lines(out)], final_adapter(out))
         if not compiled:
             assert counters["stats"]["unique_graphs"] == 0
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo really compiled the layers

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 from gradtools import build_engine, final_adapter, grads, rel_err, tiny_spec
+from runs import metric_lines
 
 from jobs.data import collate, load_dataset, pack_rows
-from jobs.run.outputs import read_metrics
 from jobs.train.context import LocalContext
 from jobs.train.loop import train
 
@@ -141,7 +141,7 @@ def test_a_packed_run_trains_exactly_like_a_padded_run(tmp_path):
             f"data.packing={str(packing).lower()}",
         )
         summary = train(spec, LocalContext(on_progress=lambda r: None), resume=False)
-        runs[packing] = ([r["loss"] for r in read_metrics(out)], summary["eval_loss"], final_adapter(out))
+        runs[packing] = ([r["loss"] for r in metric_lines(out)], summary["eval_loss"], final_adapter(out))
     for a, b in zip(runs[True][0], runs[False][0], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
     assert abs(runs[True][1] - runs[False][1]) <= 1e-5 * abs(runs[False][1])

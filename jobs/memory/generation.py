@@ -1,0 +1,181 @@
+"""Generation's memory (online RL, `rollout.engine: hf`): what `jobs.rollout.engine.HFEngine`
+holds beyond the static memory while it samples one generation batch, and the generation batch
+the plan chooses.
+
+Invariant: generation never runs beside the backward. A step samples its completions first
+(`GRPO.with_rollouts`, under `no_grad`: nothing is saved for backward), frees the KV cache, then
+computes the old log-probabilities (`num_iterations` > 1, also under `no_grad`), and only then
+runs the window's forwards and backwards. So generation's peak (and the old-log-prob forward's)
+is weighed against the training peak -- the total takes the larger -- never added to it
+(`components.BEFORE_FORWARD_COMPONENTS`).
+
+One generation batch of g rows, left-padded to P prompt tokens, sampling C tokens, holds:
+
+* the KV cache: 2 (keys, values) x layers x kv_heads x head_dim x positions x g x the compute
+  dtype's bytes, at P positions after the prefill and P + C - 1 at the last step (the last
+  sampled token is never fed back);
+* at the prefill (g x P tokens through one no-grad forward): the residual stream's [N, hidden]
+  tensors, per-row RoPE tables (fp32, and their compute-dtype copies under autocast), the [g, 1,
+  P, P] boolean padding mask, and the widest of a layer's MLP (gate, up and their product, one
+  more with an adapter on `up_proj`) or its attention (GQA: k and v repeated to every head,
+  as transformers does with a mask);
+* at a decode step: the cache's concatenation (the old and the new tensor of one layer at once),
+  k and v repeated to every head (GQA), or the sampler's scores over the vocabulary -- the
+  logits in the compute dtype, their fp32 copy, the warped scores, the Gumbel noise and the
+  scores of this step and the last (`SAMPLER_FP32_COPIES`, more with top-k / top-p) -- and the
+  growing ids and mask;
+* under autocast, the compute-dtype copies of the LoRA weights (autocast caches the cast of
+  every leaf that requires grad until the region ends: all of them by the last step).
+
+Pure arithmetic on a `ModelShape`: no I/O, no torch. Checked on CPU against the live storages
+of `HFEngine.generate` (tests/unit/memory/test_generation_memory.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jobs.memory.shapes import FP32_BYTES, INDEX_BYTES, ModelShape
+
+# [g, V] fp32 tensors alive at the sampler's widest point without top-k / top-p: the fp32 copy
+# of the logits, the warped scores, the stacked Gumbel noise, this step's scores and the last
+# step's (freed only when the name is rebound).
+SAMPLER_FP32_COPIES = 5
+# Bytes a logit beyond those: top-k's boolean mask (its masked copy replaces the warped scores);
+# top-p's sort (values and int64 order), softmax, cumulative sum, the probability above each
+# token and its boolean masks, alive inside the warp (measured on CPU: 21 bytes a logit).
+TOP_K_BYTES = 1
+TOP_P_BYTES = 21
+# Completions per forward of the trainer's old-log-probability pass (`num_iterations` > 1;
+# `jobs.objectives.grpo_batch.old_logps`).
+OLD_LOGPROBS_ROWS = 16
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What a GRPO spec's rollouts are, as the estimate reads them (`spec_estimate.spec_rollout`):
+    prompts of up to `prompt_tokens`, completions of up to `completion_tokens`, this worker's
+    `share` of the step's completions, the generation batch the spec fixes (`batch_size`, None:
+    the plan chooses it), whether the policy generates in-process (`rollout.engine: hf`) and
+    whether the trainer computes log-probabilities of the sampled ids (`objective.num_iterations`
+    > 1: the old ones; `rollout.engine: vllm`: beside the engine's own)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    share: int
+    batch_size: int | None = None
+    top_k: bool = False
+    top_p: bool = False
+    in_process: bool = True
+    old_logprobs: bool = False
+
+    def batch(self, rows: int) -> Generation:
+        return Generation(rows, self.prompt_tokens, self.completion_tokens, self.top_k, self.top_p)
+
+    @property
+    def old_logprobs_rows(self) -> int:
+        return min(OLD_LOGPROBS_ROWS, self.share)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation batch's shape: `rows` completions at once, each `prompt_tokens` of prompt
+    (left-padded to the longest) and up to `completion_tokens` sampled."""
+
+    rows: int
+    prompt_tokens: int
+    completion_tokens: int
+    top_k: bool = False  # rollout.top_k > 0
+    top_p: bool = False  # rollout.top_p < 1
+
+    @property
+    def positions(self) -> int:
+        """Positions in the KV cache at the last step: the last sampled token is never fed back."""
+        return self.prompt_tokens + self.completion_tokens - 1
+
+
+@dataclass(frozen=True)
+class GenerationTerms:
+    """The parts of one generation batch's peak, in bytes (`peak_bytes` is what the plan weighs)."""
+
+    kv_cache: int  # at the last step
+    prefill: int  # the prefill's widest moment, its KV cache included
+    decode: int  # a decode step's widest moment, the whole KV cache included
+    sampler: int  # the sampler's scores over the vocabulary (inside `decode`)
+    lora_copies: int  # compute-dtype copies of the LoRA weights (autocast)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.lora_copies + max(self.prefill, self.decode)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**self.__dict__, "peak_bytes": self.peak_bytes}
+
+
+def kv_cache_bytes(shape: ModelShape, rows: int, positions: int, act_bytes: int) -> int:
+    """2 (keys, values) x layers x kv_heads x head_dim x positions x rows x the dtype's bytes."""
+    return 2 * shape.layers * shape.kv_dim * positions * rows * act_bytes
+
+
+def generation_terms(
+    shape: ModelShape, gen: Generation, act_bytes: int, autocast: bool, lora_params: int, up_adapted: bool
+) -> GenerationTerms:
+    """The parts of one generation batch's peak (module doc)."""
+    kv = kv_cache_bytes(shape, gen.rows, gen.positions, act_bytes)
+    sampler = sampler_bytes(shape, gen, act_bytes)
+    return GenerationTerms(
+        kv_cache=kv,
+        prefill=prefill_bytes(shape, gen, act_bytes, autocast, up_adapted),
+        decode=kv + ids_bytes(gen) + max(sampler, decode_layer_bytes(shape, gen, act_bytes)),
+        sampler=sampler,
+        lora_copies=lora_params * act_bytes if autocast else 0,
+    )
+
+
+def prefill_bytes(shape: ModelShape, gen: Generation, act_bytes: int, autocast: bool, up_adapted: bool) -> int:
+    """The prefill's widest moment: the cache of every layer at P positions, the residual stream,
+    RoPE tables, the padding mask, and the widest of a layer's MLP and attention."""
+    g, P, a = gen.rows, gen.prompt_tokens, act_bytes
+    N = g * P
+    stream = (4 if shape.layers > 1 else 3) * N * shape.hidden * a
+    rope = 2 * N * (shape.rotary_dims or shape.head_dim) * (FP32_BYTES + (a if autocast else 0))
+    mask = g * P * P + 3 * N * INDEX_BYTES  # the boolean mask; the ids, position ids and their copy
+    mlp = ((3 if shape.family == "llama" else 2) + up_adapted) * N * shape.intermediate * a
+    attention = N * (shape.q_dim + 2 * shape.heads * shape.head_dim + shape.q_dim) * a
+    return kv_cache_bytes(shape, g, P, a) + stream + rope + mask + max(mlp, attention)
+
+
+def decode_layer_bytes(shape: ModelShape, gen: Generation, act_bytes: int) -> int:
+    """A decode step's widest moment in a layer beyond the cache: the concatenation's old tensor
+    beside the new one, or (GQA) k and v repeated to every head."""
+    old = gen.rows * shape.kv_dim * (gen.positions - 1) * act_bytes
+    repeated = 2 * gen.rows * shape.q_dim * gen.positions * act_bytes if shape.heads != shape.kv_heads else 0
+    return max(old, repeated)
+
+
+def sampler_bytes(shape: ModelShape, gen: Generation, act_bytes: int) -> int:
+    """[g, V]: the logits in the compute dtype and `SAMPLER_FP32_COPIES` fp32 tensors (module doc)."""
+    per_logit = act_bytes + SAMPLER_FP32_COPIES * FP32_BYTES
+    per_logit += (TOP_K_BYTES if gen.top_k else 0) + (TOP_P_BYTES if gen.top_p else 0)
+    return gen.rows * shape.vocab * per_logit
+
+
+def ids_bytes(gen: Generation) -> int:
+    """The ids and the attention mask (int64), each grown by a concatenation every step."""
+    return 4 * gen.rows * (gen.positions + 1) * INDEX_BYTES
+
+
+def choose_generation_batch(peak_of: Callable[[int], int], limit_bytes: int, most: int) -> int:
+    """The largest generation batch in 1..`most` whose peak (`peak_of(g)`, static memory included)
+    stays within `limit_bytes` -- the training peak, so that generation reuses the memory training
+    needs anyway and never raises the plan's total; 1 when even one completion at a time does not
+    (the total is then generation's). Peaks grow with g: a bisection."""
+    low, high = 1, max(1, most)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if peak_of(mid) <= limit_bytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low
