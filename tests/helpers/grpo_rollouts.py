@@ -74,28 +74,37 @@ class OffEngine:
         return tuple(o + d for o, d in zip(own, offsets(request.seed, len(own)), strict=True))
 
 
-def use_off_engine(monkeypatch=None) -> None:
-    """`GRPO.rollout_engine` returns an `OffEngine` over the in-process engine (with a pytest
-    `monkeypatch`, undone after the test; without, for the process: a spawned rank)."""
-    from jobs.objectives import grpo, grpo_batch
+def off_rollout_engine(self, spec, ctx, job, engine, step):
+    """`GRPO.rollout_engine` as `use_off_engine` sets it: an `OffEngine` over the in-process engine."""
+    from jobs.objectives import grpo_batch
     from jobs.rollout.engine import HFEngine
 
-    def rollout_engine(self, spec, ctx, job, engine, step):
-        hf = HFEngine(job.model, grpo_batch.eos_ids(job), job.tokenizer.pad_token_id, synced=job.strategy == "fsdp")
-        return OffEngine(grpo_batch.InLossForward(hf, engine), job.model)
+    hf = HFEngine(job.model, grpo_batch.eos_ids(job), job.tokenizer.pad_token_id, synced=job.strategy == "fsdp")
+    return OffEngine(grpo_batch.InLossForward(hf, engine), job.model)
 
-    if monkeypatch is None:
-        grpo.GRPO.rollout_engine = rollout_engine  # type: ignore[method-assign]
-    else:
-        monkeypatch.setattr(grpo.GRPO, "rollout_engine", rollout_engine)
+
+def use_off_engine(monkeypatch) -> None:
+    """`GRPO.rollout_engine` returns an `OffEngine`, undone after the test (pytest's `monkeypatch`)."""
+    from jobs.objectives import grpo
+
+    monkeypatch.setattr(grpo.GRPO, "rollout_engine", off_rollout_engine)
 
 
 def off_engine_run(rank: int, world: int, spec_path: str, overrides: list, out: str) -> None:
-    """`gradtools.reference_run` with the rollouts of `OffEngine` (a spawned rank)."""
+    """`gradtools.reference_run` with the rollouts of `OffEngine`, in this process or a gloo rank.
+    The engine is put back after the run: the process (pytest's, or a pooled rank that runs later
+    tests) trains with the real `GRPO.rollout_engine` again -- a patch left behind once made later
+    tests in the same process sample with `OffEngine` and pass or fail by test order."""
     from gradtools import reference_run
 
-    use_off_engine()
-    reference_run(rank, world, spec_path, overrides, out)
+    from jobs.objectives import grpo
+
+    real = grpo.GRPO.rollout_engine
+    grpo.GRPO.rollout_engine = off_rollout_engine  # type: ignore[method-assign]
+    try:
+        reference_run(rank, world, spec_path, overrides, out)
+    finally:
+        grpo.GRPO.rollout_engine = real  # type: ignore[method-assign]
 
 
 def assert_same_rollouts(got: str, want: str, rel: float = 1e-5) -> None:

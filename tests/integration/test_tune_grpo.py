@@ -2,7 +2,7 @@
 with `objective.beta` 0 (no reference forward), compared on the held-out mean reward `eval_reward`
 the trials' own runs write (summary.json, metrics.jsonl); the best is the highest, and best.yaml
 is a job spec with its num_generations and beta. The plan, the refusals and the best's choice
-on scripted rows are in tests/unit/tune/test_tune_grpo.py."""
+on scripted rows are in tests/unit/tune/test_tune_grpo_plan.py."""
 
 from __future__ import annotations
 

@@ -163,10 +163,22 @@ def test_the_gap_is_a_mean_over_the_batchs_completion_tokens_and_each_completion
         assert line["engine_logprob_gap"]["max"] == pytest.approx(max(row), abs=1e-5)
 
 
+REAL_ENGINE = "GRPO.rollout_engine"
+
+
+def rollout_engine_name(rank: int, world: int) -> str:
+    """The qualified name of the `GRPO.rollout_engine` this process trains with."""
+    from jobs.objectives.grpo import GRPO
+
+    return GRPO.rollout_engine.__qualname__
+
+
 def test_on_two_gloo_ranks_the_gap_is_the_whole_batchs(base, tmp_path, monkeypatch):
     """2 workers x 2 accumulation x 4: each rank holds half the completions; the step's gap is the
     token mean over both halves (as the rollouts file, every rank's lines, gives it), and the same
-    run on one worker trains the same completions to the same gap (fp32: 1e-6)."""
+    run on one worker trains the same completions to the same gap (fp32: 1e-6). Both processes
+    that ran `off_engine_run` (pytest's own, and the pooled gloo ranks that run later tests) have
+    the real `GRPO.rollout_engine` back after it."""
     monkeypatch.chdir(ROOT)
     runs = {}
     for w in (1, 2):
@@ -178,6 +190,7 @@ def test_on_two_gloo_ranks_the_gap_is_the_whole_batchs(base, tmp_path, monkeypat
         )
         metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
         runs[w] = (metrics, rollout_lines(out))
+    assert rollout_engine_name(0, 1) == spawn(rollout_engine_name, 2, tmp_path / "spawn")[1] == REAL_ENGINE
     for metrics, rows in runs.values():
         flat = [abs(t - e) for ln in rows for t, e in pairs(ln)]
         assert metrics["engine_logprob_gap/mean"] == pytest.approx(math.fsum(flat) / len(flat), rel=1e-12)
