@@ -168,14 +168,15 @@ class MixtureBatches:
         return [n / size for n, size in zip(self.counts(step * self.g), self.sizes, strict=True)]
 
 
-def check_every_source_sampled(batches: Sampler, data: Dataset, steps: int) -> None:
+def check_every_source_sampled(batches: Sampler, sources: Sequence, steps: int) -> None:
     """Refuse a mixture whose weights leave a source without a single sample in the whole run
     (its weight is too small for steps x global batch slots): it would be tokenized, listed and
-    counted, and never trained on, without a word."""
+    counted, and never trained on, without a word. `sources`: each with its `name` and `weight`
+    (`SourcePart`, or online RL's `PromptSource`; `steps`: the batches drawn)."""
     if not isinstance(batches, MixtureBatches):
         return
     counts = batches.counts(steps * batches.g)
-    for part, n in zip(data.sources, counts, strict=True):
+    for part, n in zip(sources, counts, strict=True):
         if n == 0:
             raise SpecError(
                 f"data.mix: source {part.name!r} (weight {part.weight:g}) gets no sample in this run's "

@@ -9,10 +9,14 @@ tokens is dropped and counted (`PromptSet.dropped`), never cut: a prompt cut fro
 another question than the record does.
 
 Held-out prompts are `data.eval_path`'s, or `data.eval_fraction` of `data.path`'s records chosen as
-`jobs.data.read_records` chooses SFT's. Prompts are few and short beside SFT corpora, so they are
-not written to the token cache: every rank reads and tokenizes the same records in the same order
-(a pure function of the files, the spec and the tokenizer), which is what makes step k's prompts
-the same on every rank.
+`jobs.data.read_records` chooses SFT's. A mixture (`data.mix`) is its sources' prompts side by side,
+source i's training prompts at `[offset_i, offset_i + n_i)` (`PromptSource`), each source split into
+training and held-out prompts as it would be as a run's only data (its own `eval_path`, or
+`data.eval_fraction` of its records); the rollout batches draw prompts from the sources by weight
+(`jobs.data.mixture.MixtureBatches`, the rule SFT's mixtures use). Prompts are few and short
+beside SFT corpora, so they are not written to the token cache: every rank reads and tokenizes the
+same records in the same order (a pure function of the files, the spec and the tokenizer), which
+is what makes step k's prompts the same on every rank.
 """
 
 from __future__ import annotations
@@ -48,6 +52,36 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def extend(self, other: PromptSet) -> None:
+        """`other`'s prompts after these (a mixture's next source); one prompt form across both."""
+        if self.where and other.where and other.conversational != self.conversational:
+            form = "a conversation" if other.conversational else "text"
+            raise SpecError(
+                f'{other.where[0]}: "prompt" is {form}, unlike the first record ({self.where[0]}); use one form '
+                "in every source (a reward function receives one form)"
+            )
+        if not self.where:
+            self.conversational = other.conversational
+        self.ids += other.ids
+        self.prompts += other.prompts
+        self.columns += other.columns
+        self.where += other.where
+        self.dropped += other.dropped
+
+
+@dataclass(frozen=True)
+class PromptSource:
+    """One mixture source among a run's prompts: its name and weight (`data.mix`), where its
+    training prompts start in `PromptData.train` and how many there are, its held-out count, and
+    the prompts it dropped (too long). `name`/`weight`/`n_train` as `jobs.data.SourcePart`'s."""
+
+    name: str
+    weight: float
+    train_offset: int
+    n_train: int
+    n_eval: int
+    dropped: int
+
 
 @dataclass
 class PromptData:
@@ -59,22 +93,35 @@ class PromptData:
     dropped: int
     content_hash: str = ""  # `content_hash(spec)`: what the checkpoint's resume key records
     kind: str = "prompts"
-    sources: list = field(default_factory=list)  # no mixture of prompt sources yet
+    sources: list[PromptSource] = field(default_factory=list)  # a mixture's sources; [] for one
 
 
 def prompt_records(spec: JobSpec, held_out: bool = False) -> Iterator[tuple[str, dict]]:
-    """(where, checked record) of every record of `data.path` (with `held_out`, of
-    `data.eval_path`), in order."""
-    held = [("data.eval_path", spec.data.eval_path)] if spec.data.eval_path is not None else []
-    paths = held if held_out else _train_paths(spec)
-    for key, path in paths:
-        for where, rec in _rows(path, key, spec.data.hf_token_env):
-            yield where, check_prompt_record(rec, where, spec.data.fields)
+    """(where, checked record) of every training record (with `held_out`, of every held-out
+    file), in order: `data.path`'s or `data.eval_path`'s, or for a mixture each source's in turn."""
+    sources = range(len(spec.data.mix)) if spec.data.mix is not None else [None]
+    for i in sources:
+        yield from source_records(spec, i, held_out)
 
 
-def _train_paths(spec: JobSpec) -> list[tuple[str, str]]:
-    one = len(spec.data.path) == 1
-    return [("data.path" if one else f"data.path.{i}", p) for i, p in enumerate(spec.data.path)]
+def source_records(spec: JobSpec, i: int | None, held_out: bool = False) -> Iterator[tuple[str, dict]]:
+    """(where, checked record) of mixture source `i`'s training (or held-out) file, read with its
+    own `fields` and named by its own key (`data.mix.I.path`); `i` None: the spec's one source."""
+    d = spec.data
+    if i is None:
+        held = [("data.eval_path", d.eval_path)] if d.eval_path is not None else []
+        one = len(d.path) == 1
+        paths = held if held_out else [("data.path" if one else f"data.path.{k}", p) for k, p in enumerate(d.path)]
+        fields = d.fields
+    else:
+        assert d.mix is not None
+        src = d.mix[i]
+        path = src.eval_path if held_out else src.path
+        paths = [(f"data.mix.{i}.{'eval_path' if held_out else 'path'}", path)] if path is not None else []
+        fields = d.fields if src.fields is None else src.fields
+    for key, p in paths:
+        for where, rec in _rows(p, key, d.hf_token_env):
+            yield where, check_prompt_record(rec, where, fields)
 
 
 def _rows(path: str, key: str, hf_token_env: str | None) -> Iterator[tuple[str, object]]:
@@ -109,18 +156,51 @@ def check_prompt_record(rec: object, where: str, fields: dict | None) -> dict:
 
 
 def read_prompt_splits(spec: JobSpec, tokenizer) -> tuple[PromptSet, PromptSet]:
-    """(training prompts, held-out prompts): `data.eval_path`'s, else `data.eval_fraction` of
-    `data.path`'s records (the same seeded choice `jobs.data.read_records` makes), else none."""
-    records = list(prompt_records(spec))
-    if spec.data.eval_path is not None:
-        return read_prompts(spec, tokenizer, records), read_prompts(spec, tokenizer, list(prompt_records(spec, True)))
+    """(training prompts, held-out prompts) of every source (`read_prompt_data`)."""
+    train, held, _ = read_prompt_data(spec, tokenizer)
+    return train, held
+
+
+def read_prompt_data(spec: JobSpec, tokenizer) -> tuple[PromptSet, PromptSet, list[PromptSource]]:
+    """(training prompts, held-out prompts, the mixture's sources): one source's split
+    (`split_source`), or a mixture's sources' splits side by side (module doc)."""
+    if spec.data.mix is None:
+        return (*split_source(spec, tokenizer, None), [])
+    train, held, sources = PromptSet(), PromptSet(), []
+    for i, src in enumerate(spec.data.mix):
+        t, h = split_source(spec, tokenizer, i)
+        if not len(t):
+            raise SpecError(
+                f"data.mix.{i}: source {src.shown_name!r} ({one_line(src.path)}) has no usable training prompts"
+                + (f" ({t.dropped} longer than data.max_seq_len - rollout.max_completion_length)" if t.dropped else "")
+            )
+        sources.append(PromptSource(src.shown_name, src.weight, len(train), len(t), len(h), t.dropped + h.dropped))
+        train.extend(t)
+        held.extend(h)
+    return train, held, sources
+
+
+def split_source(spec: JobSpec, tokenizer, i: int | None) -> tuple[PromptSet, PromptSet]:
+    """(training prompts, held-out prompts) of source `i` (`source_records`): its held-out file's,
+    else `data.eval_fraction` of its records (the same seeded choice `jobs.data.read_records`
+    makes), else none."""
+    records = list(source_records(spec, i))
+    if _eval_file(spec, i) is not None:
+        return read_prompts(spec, tokenizer, records), read_prompts(
+            spec, tokenizer, list(source_records(spec, i, True))
+        )
     held: set[int] = set()
     if spec.data.eval_fraction > 0:
         order = list(range(len(records)))
         random.Random(spec.run.seed).shuffle(order)
         held = set(order[: max(1, int(round(len(records) * spec.data.eval_fraction)))])
-    train = [r for i, r in enumerate(records) if i not in held]
-    return read_prompts(spec, tokenizer, train), read_prompts(spec, tokenizer, [records[i] for i in sorted(held)])
+    train = [r for k, r in enumerate(records) if k not in held]
+    return read_prompts(spec, tokenizer, train), read_prompts(spec, tokenizer, [records[k] for k in sorted(held)])
+
+
+def _eval_file(spec: JobSpec, i: int | None) -> str | None:
+    """Source `i`'s held-out file (`data.mix.I.eval_path`; `i` None: `data.eval_path`), if it has one."""
+    return spec.data.eval_path if i is None or spec.data.mix is None else spec.data.mix[i].eval_path
 
 
 def read_prompts(spec: JobSpec, tokenizer, records: list[tuple[str, dict]] | None = None) -> PromptSet:

@@ -230,7 +230,7 @@ class DatasetObjective(Objective):
     def load_data(self, spec, tokenizer) -> tuple[Any, Any, int]:
         data = load_dataset(spec, tokenizer)
         batches, steps = batches_for(spec, data), total_steps(spec, len(data.train))
-        check_every_source_sampled(batches, data, steps)
+        check_every_source_sampled(batches, data.sources, steps)
         return data, batches, steps
 
     def plan_window(self, spec, ctx, job, step: int) -> Window:

@@ -4,8 +4,9 @@ scores them (`reward.functions`), and trains on the group-normalized advantages.
 
 Invariants (what makes the step independent of workers x accumulation x micro-batch):
 
-* Step k's prompts are the k-th global batch of a sampler over the prompts (`GlobalBatches`, P =
-  `batch.global_batch_size / rollout.num_generations` a step); completion c of the step is sample
+* Step k's prompts are the k-th global batch of a sampler over the prompts (`GlobalBatches`, or
+  `MixtureBatches` by weight over a mixture's sources; P = `batch.global_batch_size /
+  rollout.num_generations` a step); completion c of the step is sample
   c % G of prompt c // G, drawn from its own seed (`jobs.rollout.engine.sample_seed`): which rank
   or batch generates it does not change it (up to the floating point of the batch's logits).
 * The completions are split over ranks and micro-batches as SFT's samples are (`split_window`
@@ -36,8 +37,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
 
-from jobs.data import GlobalBatches, equal_micro_batches, split_window, total_steps
-from jobs.data.prompts import PromptData, PromptSet, check_prompt_count, prompt_records, read_prompt_splits
+from jobs.data import GlobalBatches, MixtureBatches, equal_micro_batches, split_window, total_steps
+from jobs.data.mixture import Sampler, check_every_source_sampled
+from jobs.data.prompts import PromptData, PromptSet, check_prompt_count, prompt_records, read_prompt_data
 from jobs.errors import SpecError
 from jobs.objectives import grpo_batch
 from jobs.objectives import grpo_losses as losses
@@ -133,7 +135,7 @@ class GRPO(Objective):
         check_prompt_count(spec, PromptSet(ids=[[]] * n))
 
     def build_data(self, spec, tokenizer) -> None:
-        check_prompt_count(spec, read_prompt_splits(spec, tokenizer)[0])
+        self.load_data(spec, tokenizer)  # every refusal `load_data` makes, before the run's directory
 
     def preview(self, spec, tokenizer, n: int) -> dict:
         """The first `n` training prompts as generation starts from them, with the columns the
@@ -145,14 +147,15 @@ class GRPO(Objective):
     def load_data(self, spec, tokenizer) -> tuple[Any, Any, int]:
         from jobs.data import content_hash
 
-        prompts, evaluated = read_prompt_splits(spec, tokenizer)
+        prompts, evaluated, sources = read_prompt_data(spec, tokenizer)
         check_prompt_count(spec, prompts)
         g = spec.rollout.num_generations
-        data = PromptData(prompts, evaluated, prompts.dropped + evaluated.dropped, content_hash(spec))
+        data = PromptData(prompts, evaluated, prompts.dropped + evaluated.dropped, content_hash(spec), sources=sources)
         mu = spec.objective.num_iterations
-        batches = RolloutBatches(len(prompts), spec.batch.global_batch_size // g, spec.run.seed, mu)
+        batches = RolloutBatches(prompt_sampler(spec, data), mu)
         # `run.epochs` counts passes over the prompts; each rollout batch is num_iterations steps
         steps = spec.run.max_steps if spec.run.max_steps is not None else mu * total_steps(spec, len(prompts) * g)
+        check_every_source_sampled(batches.inner, data.sources, batches.rollout_batches(steps))
         return data, batches, steps
 
     def plan_window(self, spec, ctx, job, step: int) -> Window:
@@ -203,7 +206,7 @@ class GRPO(Objective):
             batch.denominator(self, spec.rollout.max_completion_length),
             int(batch.lengths.sum()),
             batch.input_tokens(prompts),
-            batch.metrics(spec.reward.labels),
+            batch.metrics(spec.reward.labels) | source_metrics(job.batches, job.data, batch),
         )
 
     def prepare(self, spec, ctx, job, engine) -> None:
@@ -263,12 +266,48 @@ def rollouts_every(spec, steps: int) -> int:
     return 1 if steps < LOG_EVERY_BATCH_BELOW_STEPS else 10
 
 
-class RolloutBatches:
-    """Optimizer step k -> its prompts: the rollout batch k // num_iterations of `GlobalBatches`
-    over the prompts (P = global_batch_size / num_generations a batch)."""
+def prompt_sampler(spec, data: PromptData) -> Sampler:
+    """Rollout batch b -> its P = global_batch_size / num_generations prompts: `GlobalBatches` over
+    the prompts, or by weight over a mixture's sources (`MixtureBatches`, SFT's rule, counting
+    prompts: each source's share of the batch's groups)."""
+    per_batch = spec.batch.global_batch_size // spec.rollout.num_generations
+    if data.sources:
+        sizes, weights = [s.n_train for s in data.sources], [s.weight for s in data.sources]
+        return MixtureBatches(sizes, weights, per_batch, spec.run.seed)
+    return GlobalBatches(len(data.train), per_batch, spec.run.seed)
 
-    def __init__(self, n_prompts: int, per_batch: int, seed: int, num_iterations: int):
-        self.inner, self.mu = GlobalBatches(n_prompts, per_batch, seed), num_iterations
+
+def source_metrics(batches: RolloutBatches, data: PromptData, batch: grpo_batch.RolloutBatch) -> dict[str, float]:
+    """A mixture's per-source values of a rollout batch (over the whole batch: every rank holds its
+    rewards): `samples/NAME` (completions), `reward/NAME` (their mean reward), `epoch/NAME`
+    (passes over the source's prompts after this batch); {} for one source."""
+    if not data.sources:
+        return {}
+    assert isinstance(batches.inner, MixtureBatches)
+    g = batch.num_generations
+    source = np.searchsorted(np.asarray(batches.inner.offsets), np.repeat(batch.prompt_indices, g), side="right") - 1
+    rewards = batch.rewards.numpy()
+    out: dict[str, float] = {}
+    epochs = batches.inner.source_epochs(batch.index + 1)
+    for s, (part, epoch) in enumerate(zip(data.sources, epochs, strict=True)):
+        mine = rewards[source == s]
+        out[f"samples/{part.name}"] = len(mine)
+        if len(mine):  # a source may give no prompt to a batch: no mean to report
+            out[f"reward/{part.name}"] = float(mine.mean())
+        out[f"epoch/{part.name}"] = epoch
+    return out
+
+
+class RolloutBatches:
+    """Optimizer step k -> its prompts: the rollout batch k // num_iterations of `inner`
+    (`prompt_sampler`)."""
+
+    def __init__(self, inner: Sampler, num_iterations: int):
+        self.inner, self.mu = inner, num_iterations
+
+    def rollout_batches(self, steps: int) -> int:
+        """How many rollout batches `steps` optimizer steps sample."""
+        return -(-steps // self.mu)
 
     def index_array(self, step: int) -> np.ndarray:
         return self.inner.index_array(step // self.mu)

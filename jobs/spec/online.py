@@ -205,7 +205,7 @@ def grpo_problem(spec: Any, rollout: RolloutSpec) -> str | None:
             "data.packing is not available with objective.name=grpo (completions are sampled, not "
             "packed); set data.packing=false"
         )
-    return _vllm_problem(spec, rollout) or _grpo_data_problem(spec)
+    return _vllm_problem(spec, rollout)
 
 
 def _vllm_problem(spec: Any, rollout: RolloutSpec) -> str | None:
@@ -237,13 +237,6 @@ def _vllm_only(rollout: RolloutSpec) -> str | None:
             "are sampled by the trained policy itself (no engine log-probs, nothing to correct)"
         )
     return "rollout.vllm_url applies to rollout.engine=vllm" if rollout.vllm_url else None
-
-
-def _grpo_data_problem(spec: Any) -> str | None:
-    """What of `data.*` a GRPO run does not read yet: a mixture."""
-    if spec.data.mix is not None:
-        return "data.mix is not available with objective.name=grpo yet; give one data.path of prompts"
-    return None
 
 
 def offline_only(spec: Any, what: str) -> None:
