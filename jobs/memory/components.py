@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.memory.generation import Rollout, choose_generation_batch, generation_terms
+from jobs.memory.generation import Rollout, choose_generation_batch, engine_terms, generation_terms
 from jobs.memory.shapes import (
     DTYPE_BYTES,
     GIB,
@@ -89,6 +89,10 @@ COMPONENT_ORDER = (
     "framework_overhead",
 )
 
+# Components in another process on the same device: not in the trainer's `peak_allocated_bytes`,
+# added to the device's total (`rollout.engine: vllm`: the server rank 0 starts beside it).
+OTHER_PROCESS_COMPONENTS = ("vllm_engine",)
+
 # Components a spec has only with a preference objective's reference (not in every estimate).
 REFERENCE_COMPONENTS = ("reference_adapter", "reference_forward")
 # Components a spec has only with online RL: generation in-process (`rollout.engine: hf`), and the
@@ -111,6 +115,7 @@ _TABLE_ORDER = (
     "logits_loss",
     "layer_backward",
     "framework_overhead",
+    "vllm_engine",
 )
 REFERENCES = ("adapter_off", "precomputed")
 
@@ -135,7 +140,7 @@ class MemoryEstimate:
     def static_bytes(self) -> int:
         """What lives through the whole step: every component but the transients, the activations
         and `framework_overhead`."""
-        skip = TRANSIENT_COMPONENTS + ("activations", "framework_overhead")
+        skip = TRANSIENT_COMPONENTS + OTHER_PROCESS_COMPONENTS + ("activations", "framework_overhead")
         return sum(v for k, v in self.components.items() if k not in skip)
 
     @property
@@ -149,7 +154,10 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> int:
-        return self.peak_allocated_bytes + self.components.get("framework_overhead", 0)
+        """The device's: the trainer's peak, what it holds outside the allocator, and the other
+        processes rayft puts on it (`OTHER_PROCESS_COMPONENTS`)."""
+        other = sum(self.components.get(k, 0) for k in OTHER_PROCESS_COMPONENTS)
+        return self.peak_allocated_bytes + self.components.get("framework_overhead", 0) + other
 
     @property
     def total_gib(self) -> float:
@@ -244,7 +252,10 @@ def estimate(
     batch (`generation.generation_terms`) -- of `rollout.batch_size` rows, or else of the largest
     batch whose peak stays within the training peak (`choose_generation_batch`), written to
     `details["generation"]` -- and `num_iterations` > 1 adds `old_logprobs_forward`; both come
-    before the forward (`BEFORE_FORWARD_COMPONENTS`).
+    before the forward (`BEFORE_FORWARD_COMPONENTS`). The vLLM server rank 0 starts
+    (`rollout.engine`) adds `vllm_engine` (`generation.engine_terms`, parts in
+    `details["vllm_engine"]`): another process on the device, in `total_bytes`, not in the
+    trainer's `peak_allocated_bytes`.
     """
     _check_arguments(
         base_dtype=base_dtype,
@@ -315,6 +326,10 @@ def estimate(
         lora_params = count_lora_params(shape, lora_r, step.targets, dora=lora_dora)
         generated = rollout_components(step, rollout, components, lora_params, frozen.largest_quantized)
     components["framework_overhead"] = framework_overhead(components, device, world_size)
+    engine = None
+    if rollout is not None and rollout.engine is not None:
+        engine = engine_terms(shape, rollout.engine, step.act_bytes, CUDA_CONTEXT_BYTES if device == "cuda" else 0)
+        components["vllm_engine"] = engine["total"]
     details = {
         "params": count_base_params(shape),
         "lora_params": count_lora_params(shape, lora_r, step.targets, dora=lora_dora),
@@ -342,6 +357,7 @@ def estimate(
         "held_mask_bytes": acts.held_mask_bytes,
         "loss_saved_bytes": loss.saved_bytes,
         "generation": generated or None,
+        "vllm_engine": engine,
     }
     return MemoryEstimate({k: int(v) for k, v in components.items()}, details)
 

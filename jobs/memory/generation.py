@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jobs.memory.shapes import FP32_BYTES, INDEX_BYTES, ModelShape
+from jobs.memory.shapes import FP32_BYTES, INDEX_BYTES, ModelShape, count_base_params, count_lora_params, round_up
 
 # [g, V] fp32 tensors alive at the sampler's widest point without top-k / top-p: the fp32 copy
 # of the logits, the warped scores, the stacked Gumbel noise, this step's scores and the last
@@ -50,6 +50,41 @@ TOP_P_BYTES = 21
 # Completions per forward of the trainer's old-log-probability pass (`num_iterations` > 1;
 # `jobs.objectives.grpo_batch.old_logps`).
 OLD_LOGPROBS_ROWS = 16
+
+
+# vLLM's KV cache is paged in blocks of this many tokens (its default `--block-size`).
+VLLM_BLOCK_TOKENS = 16
+# The linear modules vLLM's LoRA slot holds weights for, whatever the adapter targets (it
+# pre-allocates every supported projection at `--max-lora-rank`).
+VLLM_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The vLLM server rank 0 starts (`rollout.engine: vllm` without `rollout.vllm_url`), as the
+    estimate reads it: `sequences` completions at once of up to `max_len` tokens, an explicit KV
+    cache (`rollout.vllm_kv_cache_gib`, bytes) or None, and its LoRA slot's rank (`--max-lora-rank`)."""
+
+    sequences: int
+    max_len: int
+    lora_rank: int
+    kv_cache_bytes: int | None = None
+
+
+def engine_terms(shape: ModelShape, engine: Engine, act_bytes: int, context_bytes: int) -> dict[str, int]:
+    """The server's memory beside the trainer's, in bytes: the base's weights in the run's dtype
+    (loaded once), one adapter slot at `--max-lora-rank` over every projection vLLM adapts
+    (`--max-loras=1`), the KV cache (`kv_cache_bytes`: vLLM's `--kv-cache-memory-bytes`; by default
+    `sequences` x `max_len` tokens, in whole blocks) and, on a GPU, the process's own CUDA context.
+    Not counted: vLLM's activation workspace for a forward (not measured on a GPU)."""
+    weights = sum(count_base_params(shape).values()) * act_bytes
+    modules = [m for m in VLLM_LORA_MODULES if m in shape.linear_shapes()] or list(shape.linear_shapes())
+    lora = count_lora_params(shape, engine.lora_rank, modules) * act_bytes
+    kv = engine.kv_cache_bytes
+    if kv is None:
+        kv = kv_cache_bytes(shape, engine.sequences, round_up(engine.max_len, VLLM_BLOCK_TOKENS), act_bytes)
+    total = weights + lora + kv + context_bytes
+    return {"weights": weights, "lora_slot": lora, "kv_cache": kv, "context": context_bytes, "total": total}
 
 
 @dataclass(frozen=True)
@@ -69,6 +104,7 @@ class Rollout:
     top_p: bool = False
     in_process: bool = True
     old_logprobs: bool = False
+    engine: Engine | None = None  # the vLLM server rank 0 starts beside its training (none: hf, vllm_url)
 
     def batch(self, rows: int) -> Generation:
         return Generation(rows, self.prompt_tokens, self.completion_tokens, self.top_k, self.top_p)

@@ -50,6 +50,12 @@ class MemoryPlan:
         return self.estimate.total_gib
 
     @property
+    def vllm_engine(self) -> dict | None:
+        """The vLLM server rank 0 starts beside its training, by part in bytes (`weights`,
+        `lora_slot`, `kv_cache`, `context`, `total`: `generation.engine_terms`); None without one."""
+        return self.estimate.details.get("vllm_engine")
+
+    @property
     def fits(self) -> bool:
         return self.budget_gib is None or self.total_gib <= self.budget_gib
 

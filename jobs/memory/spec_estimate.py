@@ -14,7 +14,7 @@ from __future__ import annotations
 from jobs.errors import SpecError
 from jobs.memory.choices import CHOICES
 from jobs.memory.components import MemoryEstimate, estimate
-from jobs.memory.generation import Rollout
+from jobs.memory.generation import Engine, Rollout
 from jobs.memory.shapes import model_shape, round_up
 from jobs.spec import compute_precision
 
@@ -65,7 +65,21 @@ def spec_rollout(spec) -> Rollout | None:
         # the trainer's log-probs of the sampled ids: the old ones (num_iterations > 1), or beside
         # the engine's (vLLM returns its own: `engine_logprob_gap`, `importance_correction`)
         old_logprobs=spec.objective.num_iterations > 1 or r.engine == "vllm",
+        engine=spec_engine(spec),
     )
+
+
+def spec_engine(spec) -> Engine | None:
+    """The vLLM server rank 0 starts (`rollout.engine: vllm` without `vllm_url`): every completion
+    of a step at once (all ranks ask the one server), each up to `data.max_seq_len` tokens, or
+    `rollout.vllm_kv_cache_gib`; None when rayft starts no engine."""
+    r = spec.rollout
+    if r.engine != "vllm" or r.vllm_url:
+        return None
+    from jobs.rollout.vllm_server import lora_rank_bound  # the flag the server is started with
+
+    explicit = None if r.vllm_kv_cache_gib is None else int(r.vllm_kv_cache_gib * 2**30)
+    return Engine(spec.batch.global_batch_size, spec.data.max_seq_len, lora_rank_bound(spec.lora.r), explicit)
 
 
 def estimate_of_spec(

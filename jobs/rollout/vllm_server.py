@@ -30,8 +30,8 @@ DEFAULT_ENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 ENV_VAR = "RAYFT_VLLM_ENV"
 # vLLM's accepted `--max-lora-rank` values (vllm/config/lora.py): the smallest at least lora.r is asked.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# KV cache of the CPU engine, GiB (vLLM's default takes 4: this machine's cores are shared).
-KV_CACHE_GIB = 1
+# vLLM's own KV-cache setting on a CPU (GiB, whole): it would override `--kv-cache-memory-bytes`.
+LEGACY_CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -69,12 +69,15 @@ def lora_rank_bound(r: int) -> int:
 @dataclass(frozen=True)
 class ServerSettings:
     """What the server is started with: the base (a local directory vLLM loads), its dtype
-    (rayft's precision), the context length and the adapters' rank."""
+    (rayft's precision), the context length, the adapters' rank and the KV cache the memory plan
+    gave it (`jobs.memory.generation.engine_terms`: `rollout.vllm_kv_cache_gib`, or every
+    completion of a step at once)."""
 
     model: str
     precision: str
     max_model_len: int
     lora_rank: int
+    kv_cache_bytes: int
     start_timeout_s: float = 600.0
 
 
@@ -88,6 +91,8 @@ def command(env: Path, settings: ServerSettings, port: int) -> list[str]:
         f"--port={port}",
         f"--dtype={DTYPES[settings.precision]}",
         f"--max-model-len={settings.max_model_len}",
+        # the plan's size, not vLLM's default (90% of the device, or of a CPU's memory)
+        f"--kv-cache-memory-bytes={settings.kv_cache_bytes}",
         "--enable-lora",
         f"--max-lora-rank={lora_rank_bound(settings.lora_rank)}",
         "--max-loras=1",
@@ -101,11 +106,11 @@ def environment(env: Path) -> dict[str, str]:
     out.update(
         LD_PRELOAD=str(iomp_library(env)),
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
-        VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
         VIRTUAL_ENV=str(env),
         PATH=f"{env / 'bin'}{os.pathsep}{out.get('PATH', '')}",
     )
     out.pop("PYTHONPATH", None)  # rayft's own packages stay out of vLLM's interpreter
+    out.pop(LEGACY_CPU_KV_ENV, None)
     return out
 
 

@@ -159,5 +159,7 @@ def connect(spec, ctx, job, eos_ids) -> VLLMRollout:
 def server_settings(spec, job) -> ServerSettings:
     from jobs.model.loading import served_base
 
-    r = spec.rollout
-    return ServerSettings(served_base(spec), job.precision, spec.data.max_seq_len, spec.lora.r, r.vllm_start_timeout_s)
+    r, kv = spec.rollout, job.plan.vllm_engine["kv_cache"]  # the plan's size, as `rayft estimate` prints it
+    return ServerSettings(
+        served_base(spec), job.precision, spec.data.max_seq_len, spec.lora.r, kv, r.vllm_start_timeout_s
+    )

@@ -104,7 +104,13 @@ HASH_KEYS = (DATA_HASH_KEY, ADAPTER_HASH_KEY, REWARD_HASH_KEY)
 # `rollout.*` settings that change how completions are computed, not which (the generation batch),
 # or say where the engine is and how long to wait for it, not what it samples: a resume may change
 # them (a larger batch, a server rayft starts anew, a user's moved one).
-ROLLOUT_RESUME_FREE = ("generation_batch_size", "vllm_url", "vllm_timeout_s", "vllm_start_timeout_s")
+ROLLOUT_RESUME_FREE = (
+    "generation_batch_size",
+    "vllm_url",
+    "vllm_timeout_s",
+    "vllm_start_timeout_s",
+    "vllm_kv_cache_gib",
+)
 
 
 def step_dir_name(step: int) -> str:

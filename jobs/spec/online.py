@@ -37,6 +37,12 @@ class RolloutSpec(SpecSection):
     """`engine: vllm`: seconds one request (a completion, an adapter load) may wait for the engine."""
     vllm_start_timeout_s: float = Field(600.0, gt=0, le=86_400)
     """`engine: vllm` without `vllm_url`: seconds the server rank 0 starts may take to answer."""
+    vllm_kv_cache_gib: float | None = Field(None, gt=0, le=1_000_000)
+    """`engine: vllm` without `vllm_url`: the KV cache of the server rank 0 starts, GiB (vLLM's
+    `--kv-cache-memory-bytes`, on a GPU and on a CPU). Unset: what every completion of a step needs
+    at once, `batch.global_batch_size` sequences of `data.max_seq_len` tokens. The memory plan
+    counts the server beside rank 0's training (`vllm_engine`: the base's weights in the run's
+    precision, one adapter slot and this cache), so vLLM never takes its default 90% of the device."""
     num_generations: int = Field(8, le=1024)
     """Completions sampled per prompt (the group its advantages are normalized over), at least 2;
     `batch.global_batch_size` (completions) must be a multiple of it."""
@@ -226,6 +232,11 @@ def _vllm_problem(spec: Any, rollout: RolloutSpec) -> str | None:
     if spec.lora.use_dora or spec.lora.init in ("pissa", "olora"):
         what = "lora.use_dora" if spec.lora.use_dora else f"lora.init={spec.lora.init} (it rewrites the base)"
         return f"rollout.engine=vllm serves a plain LoRA adapter on the saved base: {what} is not one"
+    if rollout.vllm_url and rollout.vllm_kv_cache_gib is not None:
+        return (
+            "rollout.vllm_kv_cache_gib sizes the server rank 0 starts: the engine at rollout.vllm_url "
+            "is sized by whoever started it; leave one of the two unset"
+        )
     return None
 
 
@@ -236,6 +247,8 @@ def _vllm_only(rollout: RolloutSpec) -> str | None:
             "rollout.importance_correction applies to rollout.engine=vllm: with engine=hf the completions "
             "are sampled by the trained policy itself (no engine log-probs, nothing to correct)"
         )
+    if rollout.vllm_kv_cache_gib is not None:
+        return "rollout.vllm_kv_cache_gib applies to rollout.engine=vllm (the server rank 0 starts)"
     return "rollout.vllm_url applies to rollout.engine=vllm" if rollout.vllm_url else None
 
 

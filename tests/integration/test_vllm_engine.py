@@ -34,6 +34,7 @@ pytestmark = [
 
 MAX_SEQ_LEN = 96
 LORA_R = 4
+KV_CACHE_BYTES = 64 * 2**20  # the module's server (a run's own gets the memory plan's)
 SPEC = ROOT / "examples" / "tiny-grpo.yaml"
 
 
@@ -54,7 +55,7 @@ def base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(base):
     """One vLLM server for the module's tests (rayft's own start: loopback, free port, bounded wait)."""
-    s = VLLMServer.start(ServerSettings(str(base), "fp32", MAX_SEQ_LEN, LORA_R))
+    s = VLLMServer.start(ServerSettings(str(base), "fp32", MAX_SEQ_LEN, LORA_R, KV_CACHE_BYTES))
     print(f"vLLM server started in {s.started_s:.1f} s")
     yield s
     s.stop()
@@ -171,8 +172,9 @@ def test_a_resumed_run_starts_its_own_server_continues_exactly_and_stops_it_when
 ):
     """Two steps on the module's server, a checkpoint after each; the run resumed from the first
     checkpoint without `rollout.vllm_url`: rayft starts a new server (the base loaded anew, step 1's
-    adapter sent), samples step 2's completions again from their seeds, trains the same adapter bit
-    for bit (the loss is the trainer's alone), and the server is gone when `train()` returns."""
+    adapter sent; its KV cache the memory plan's, 16 completions of 96 tokens), samples step 2's
+    completions again from their seeds, trains the same adapter bit for bit (the loss is the
+    trainer's alone), and the server is gone when `train()` returns."""
     import shutil
 
     from gradtools import final_adapter
@@ -186,11 +188,15 @@ def test_a_resumed_run_starts_its_own_server_continues_exactly_and_stops_it_when
     train(grpo_spec(base, straight, *at, f"rollout.vllm_url={server.url}"), LocalContext(on_progress=lambda r: None))
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / ckpt.step_dir_name(2))
-    started, start = [], VLLMServer.start
-    monkeypatch.setattr(VLLMServer, "start", classmethod(lambda cls, s: started.append(start(s)) or started[-1]))
+    started, start, asked = [], VLLMServer.start, []
+    monkeypatch.setattr(
+        VLLMServer, "start", classmethod(lambda cls, s: asked.append(s) or started.append(start(s)) or started[-1])
+    )
     train(grpo_spec(base, resumed, *at), LocalContext(on_progress=lambda r: None))
 
     assert len(started) == 1 and started[0].url != server.url
+    layers, kv_dim = 2, 32  # the base: 2 layers, 1 KV head of 32
+    assert asked[0].kv_cache_bytes == 2 * layers * kv_dim * 16 * MAX_SEQ_LEN * 4
     assert started[0].process.poll() is not None and not started[0].log_path.exists()  # stopped, log removed
     step2 = [(d / "rollouts" / "step-000002.jsonl").read_text().splitlines() for d in (straight, resumed)]
     ids = [[json.loads(line)["completion_ids"] for line in f] for f in step2]
@@ -207,7 +213,7 @@ def test_an_adapter_the_engine_refuses_is_one_line_naming_it(server, tmp_path):
 
 def test_a_server_that_cannot_start_is_one_line_with_its_last_words(tmp_path):
     with pytest.raises(RunError, match=r"^vLLM server exited with code \d+ while starting: .+ \(log: "):
-        VLLMServer.start(ServerSettings(str(tmp_path / "no-model"), "fp32", MAX_SEQ_LEN, LORA_R, 300))
+        VLLMServer.start(ServerSettings(str(tmp_path / "no-model"), "fp32", MAX_SEQ_LEN, LORA_R, KV_CACHE_BYTES, 300))
 
 
 def test_a_killed_server_is_named_with_its_exit(server):

@@ -192,7 +192,8 @@ def test_a_source_whose_weight_gets_it_no_prompt_is_refused(tmp_path, capsys):
 def test_a_source_with_no_prompt_short_enough_is_refused(tmp_path, capsys):
     long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 200}] * 5)
     line = _refused(tmp_path, capsys, [*_sources(tmp_path), {"path": str(long), "weight": 1}])
-    assert line.startswith("data.mix.2: source 'long'") and "no usable training prompts (4 longer than" in line  # 1 of 5 held out
+    assert line.startswith("data.mix.2: source 'long'")
+    assert "no usable training prompts (4 longer than" in line  # the fifth is held out
 
 
 def test_text_and_conversation_prompts_across_sources_are_refused(tmp_path, capsys):

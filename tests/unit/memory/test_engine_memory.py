@@ -1,0 +1,114 @@
+"""The vLLM server rank 0 starts (`rollout.engine: vllm` without `rollout.vllm_url`) in the memory
+plan: `vllm_engine` is the base's weights in the run's precision, one adapter slot at vLLM's
+`--max-lora-rank` over every projection, the KV cache (`rollout.vllm_kv_cache_gib`, or every
+completion of a step at `data.max_seq_len` in whole 16-token blocks) and, on a GPU, its own CUDA
+context -- each part checked here against the saved model itself, not the estimate's arithmetic.
+It is in the device's total (so `rayft estimate`, the budget, queue admission and `rayft k8s
+render` see it), not in the trainer's own peak; the server is started with exactly that KV cache
+(`--kv-cache-memory-bytes`), never vLLM's default share of the device."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from gradtools import ROOT
+from grpo_rollouts import save_tiny_base
+
+from jobs.errors import SpecError
+from jobs.memory import CUDA_CONTEXT_BYTES, plan_for_spec
+from jobs.rollout import vllm_server
+from jobs.rollout.vllm_sync import server_settings
+from jobs.spec import load_spec
+
+SPEC = ROOT / "examples" / "tiny-grpo.yaml"
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return save_tiny_base(tmp_path_factory.mktemp("tiny-base"))
+
+
+def spec_for(base: Path, *more: str):
+    overrides = [f"model.name={base}", "rollout.engine=vllm", "data.max_seq_len=96", "lora.r=4"]
+    overrides += ["resources.num_workers=1", "batch.global_batch_size=16", "batch.micro_batch_size=4"]
+    return load_spec(SPEC, [*overrides, *more, "run.output_dir=/tmp/unused"], files=False)
+
+
+def by_hand(base: Path, kv_tokens: int, lora_rank: int) -> dict[str, int]:
+    """The server's parts from the saved model: its parameters (fp32), a slot of `lora_rank` on
+    each of the 7 projections of each layer, and K and V of `kv_tokens` tokens in every layer."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(base)
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    linears = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in n]
+    lora = sum(lora_rank * (m.in_features + m.out_features) for m in linears) * 4
+    c = model.config
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * kv_tokens * 4
+    return {"weights": weights, "lora_slot": lora, "kv_cache": kv}
+
+
+def test_the_server_rank_0_starts_is_counted_beside_training_not_in_it(base):
+    spec = spec_for(base)
+    plan = plan_for_spec(spec, device="cpu")
+    engine = plan.vllm_engine
+    want = by_hand(base, kv_tokens=16 * 96, lora_rank=8)  # r=4 -> vLLM's --max-lora-rank 8; 96 = 6 blocks
+    assert {k: engine[k] for k in want} == want
+    assert engine["context"] == 0 and engine["total"] == sum(want.values())
+    # the same run against a user's server: the trainer's own memory is the same, the device's less
+    user = plan_for_spec(spec_for(base, "rollout.vllm_url=http://127.0.0.1:9"), device="cpu")
+    assert user.vllm_engine is None and "vllm_engine" not in user.estimate.components
+    assert plan.estimate.peak_allocated_bytes == user.estimate.peak_allocated_bytes
+    assert plan.estimate.total_bytes == user.estimate.total_bytes + engine["total"]
+    assert ("vllm_engine", engine["total"] / GIB) in plan.estimate.table()  # what `rayft estimate` prints
+
+
+def test_the_kv_cache_is_the_specs_when_given_and_blocks_round_up(base):
+    given = plan_for_spec(spec_for(base, "rollout.vllm_kv_cache_gib=0.25"), device="cpu").vllm_engine
+    assert given["kv_cache"] == GIB // 4
+    ragged = plan_for_spec(spec_for(base, "data.max_seq_len=100"), device="cpu").vllm_engine
+    assert ragged["kv_cache"] == by_hand(base, kv_tokens=16 * 112, lora_rank=8)["kv_cache"]  # 100 -> 7 blocks
+
+
+def test_on_a_gpu_the_server_adds_its_context_and_a_budget_counts_it(base):
+    spec = spec_for(base)
+    on_gpu = plan_for_spec(spec, device="cuda", gpu_memory_gib=80)
+    assert on_gpu.vllm_engine["context"] == CUDA_CONTEXT_BYTES
+    engine_gib, trainer_gib = on_gpu.vllm_engine["total"] / GIB, on_gpu.total_gib - on_gpu.vllm_engine["total"] / GIB
+    between = f"memory.budget_gib={trainer_gib + engine_gib / 2:.6f}"  # the trainer fits, trainer + server not
+    assert not plan_for_spec(spec_for(base, between), device="cuda").fits
+    assert plan_for_spec(spec_for(base, between, "rollout.vllm_url=http://127.0.0.1:9"), device="cuda").fits
+
+
+def test_the_server_is_started_with_the_plans_kv_cache(base, monkeypatch):
+    spec = spec_for(base, "rollout.vllm_kv_cache_gib=0.5")
+    plan = plan_for_spec(spec, device="cpu")
+    settings = server_settings(spec, SimpleNamespace(plan=plan, precision="fp32"))
+    assert settings.kv_cache_bytes == plan.vllm_engine["kv_cache"] == GIB // 2
+    cmd = vllm_server.command(Path("/env"), settings, 8000)
+    assert f"--kv-cache-memory-bytes={GIB // 2}" in cmd
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # vLLM's older CPU setting would override the flag
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_server.environment(Path("/env"))
+
+
+@pytest.mark.parametrize(
+    ("more", "fragment"),
+    [
+        (
+            ["rollout.engine=hf", "rollout.vllm_kv_cache_gib=1"],
+            "rollout.vllm_kv_cache_gib applies to rollout.engine=vllm",
+        ),
+        (["rollout.vllm_url=http://127.0.0.1:9", "rollout.vllm_kv_cache_gib=1"], "leave one of the two unset"),
+        (["rollout.vllm_kv_cache_gib=0"], "rollout.vllm_kv_cache_gib"),
+        (["rollout.vllm_kv_cache_gib=-1"], "rollout.vllm_kv_cache_gib"),
+        ([f"rollout.vllm_kv_cache_gib={math.inf}"], "rollout.vllm_kv_cache_gib"),
+    ],
+)
+def test_a_kv_cache_setting_that_cannot_apply_is_refused(base, more, fragment):
+    with pytest.raises(SpecError, match=fragment.replace(".", r"\.")):
+        spec_for(base, *more)
