@@ -98,11 +98,12 @@ def run_rayft(steps: int, out: Path) -> dict:
 
 def base_dir() -> Path:
     """The directory rayft de-quantized SmolLM2's GGUF into (both sides load it)."""
-    from jobs.model.loading import _gguf_cache, resolve_model_dir
+    from jobs.model.gguf import gguf_cache
+    from jobs.model.loading import resolve_model_dir
     from jobs.spec import load_spec
 
     spec = load_spec(ROOT / "examples" / "smollm2-grpo.yaml", ["model.adapter=null"], files=False)
-    return _gguf_cache(Path(resolve_model_dir(spec.model.name)), spec.model.gguf_file)
+    return gguf_cache(Path(resolve_model_dir(spec.model.name)), spec.model.gguf_file)
 
 
 TRL_SCRIPT = r"""

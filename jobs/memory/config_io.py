@@ -9,16 +9,20 @@ questions of one spec read the config once and pass it.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
 
-def config_is_local(spec) -> bool:
+def config_is_local(spec: JobSpec) -> bool:
     """Whether `spec.model`'s config is here to read without a download (tiny-llama, a package or
     a directory; not a hub id)."""
     name = spec.model.name
     return name == "tiny-llama" or name.startswith(("pkg:", ".", "/")) or os.path.isdir(name)
 
 
-def config_from_spec(spec):
+def config_from_spec(spec: JobSpec):
     """The transformers config of `spec.model`, without loading any weights.
 
     `tiny-llama` is built in; a directory (or hub id) is read with AutoConfig, with the token

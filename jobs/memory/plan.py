@@ -9,6 +9,7 @@ of one configuration, with whatever the caller leaves open decided as the plan d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jobs.memory import config_io
 from jobs.memory.choices import CHOICES, checkpointing_str, choose_plan, fixed_choice, strategy_choices, strategy_str
@@ -20,6 +21,9 @@ from jobs.memory.spec_estimate import (
     spec_precision,
     spec_seq_len,
 )
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ class MemoryPlan:
         }
 
 
-def plan_budget_gib(spec, device: str, gpu_memory_gib: float | None) -> float | None:
+def plan_budget_gib(spec: JobSpec, device: str, gpu_memory_gib: float | None) -> float | None:
     """The per-GPU memory a plan must fit: `memory.budget_gib`, else (on a GPU) the GPU's memory."""
     if spec.memory.budget_gib is not None:
         return float(spec.memory.budget_gib)

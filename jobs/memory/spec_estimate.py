@@ -11,20 +11,25 @@ Pure: the model config comes in as an object (`config_io` reads it, at the entry
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jobs.errors import SpecError
 from jobs.memory.choices import CHOICES
 from jobs.memory.components import MemoryEstimate, estimate
 from jobs.memory.generation import Engine, Rollout
 from jobs.memory.shapes import model_shape, round_up
-from jobs.spec import compute_precision
+from jobs.spec import GRPOObjective, compute_precision
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
 
-def spec_precision(spec, device: str) -> str:
+def spec_precision(spec: JobSpec, device: str) -> str:
     """The compute dtype of `spec` on `device`: `jobs.spec.compute_precision`, the one rule."""
     return compute_precision(spec.precision, device)
 
 
-def spec_seq_len(spec, device: str) -> int:
+def spec_seq_len(spec: JobSpec, device: str) -> int:
     """The row length a spec's estimate assumes: `data.max_seq_len - 1` (the longest input), or
     with `data.packing` the packed row of `data.max_seq_len` tokens (16-aligned on GPU)."""
     if spec.data.packing:
@@ -32,14 +37,14 @@ def spec_seq_len(spec, device: str) -> int:
     return max(1, spec.data.max_seq_len - 1)
 
 
-def spec_grad_accum_steps(spec, micro_batch_size: int) -> int:
+def spec_grad_accum_steps(spec: JobSpec, micro_batch_size: int) -> int:
     """Micro-steps per optimizer step on one worker at `micro_batch_size`: `batch.grad_accum_steps`
     at the spec's own micro-batch, and what a search point's micro-batch gives at the same global
     batch."""
     return max(1, spec.batch.global_batch_size // spec.resources.num_workers // micro_batch_size)
 
 
-def spec_objective(spec) -> dict:
+def spec_objective(spec: JobSpec) -> dict:
     """What the objective changes in the estimate, as its spec class says (`memory_terms`): a
     preference objective's micro-batch counts pairs (two rows each); DPO and IPO with `reference:
     adapter_off` run a reference forward, which with `model.adapter` is the starting adapter held
@@ -47,13 +52,15 @@ def spec_objective(spec) -> dict:
     return spec.objective.memory_terms(bool(spec.model.adapter))
 
 
-def spec_rollout(spec) -> Rollout | None:
+def spec_rollout(spec: JobSpec) -> Rollout | None:
     """Online RL's rollouts as the estimate reads them (`generation.Rollout`); None for an objective
     that samples nothing. The prompt is the longest `data.max_seq_len - rollout.max_completion_length`
     lets through; the worker's share is `batch.global_batch_size / resources.num_workers`."""
     if spec.objective.records != "prompts":
         return None
-    r, completion = spec.rollout, spec.rollout.max_completion_length
+    r, objective = spec.rollout, spec.objective
+    assert r is not None and isinstance(objective, GRPOObjective)  # a spec of prompts is a GRPO one
+    completion = r.max_completion_length
     return Rollout(
         prompt_tokens=spec.data.max_seq_len - completion,
         completion_tokens=completion,
@@ -64,17 +71,17 @@ def spec_rollout(spec) -> Rollout | None:
         in_process=r.engine == "hf",
         # the trainer's log-probs of the sampled ids: the old ones (num_iterations > 1), or beside
         # the engine's (vLLM returns its own: `engine_logprob_gap`, `importance_correction`)
-        old_logprobs=spec.objective.num_iterations > 1 or r.engine == "vllm",
+        old_logprobs=objective.num_iterations > 1 or r.engine == "vllm",
         engine=spec_engine(spec),
     )
 
 
-def spec_engine(spec) -> Engine | None:
+def spec_engine(spec: JobSpec) -> Engine | None:
     """The vLLM server rank 0 starts (`rollout.engine: vllm` without `vllm_url`): every completion
     of a step at once (all ranks ask the one server), each up to `data.max_seq_len` tokens, or
     `rollout.vllm_kv_cache_gib`; None when rayft starts no engine."""
     r = spec.rollout
-    if r.engine != "vllm" or r.vllm_url:
+    if r is None or r.engine != "vllm" or r.vllm_url:
         return None
     from jobs.rollout.vllm_server import lora_rank_bound  # the flag the server is started with
 

@@ -7,7 +7,7 @@ Every table asks the same `SpecEstimator` the plan asks, and applies the plan's 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobs.memory import config_io
 from jobs.memory.choices import (
@@ -22,8 +22,11 @@ from jobs.memory.components import STRATEGIES
 from jobs.memory.plan import MemoryPlan, estimate_for_spec, plan_from
 from jobs.memory.spec_estimate import SpecEstimator
 
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
-def plan_table(spec, *, device: str = "cuda", config=None) -> dict:
+
+def plan_table(spec: JobSpec, *, device: str = "cuda", config=None) -> dict:
     """Everything `choose_plan` needs to decide later, for any per-GPU budget, without the spec:
     {"choices": the ordered strategy choices, "gib": {choice: {k: estimated GiB with checkpointing
     every k-th layer (0 = off)}}}. Queue admission stores it at `queue add` and applies
@@ -44,7 +47,7 @@ def choose_plan_from_table(table: dict, mode: Any, num_layers: int, budget_gib: 
     return choice, every, gib[choice][every]
 
 
-def strategy_table(spec, *, device: str = "cuda", config=None) -> list[dict]:
+def strategy_table(spec: JobSpec, *, device: str = "cuda", config=None) -> list[dict]:
     """DDP and FSDP side by side (and, for a quantized spec, unquantized beside quantized): one
     row per (quantization, strategy) with the checkpointing and FSDP resharding the plan's rule
     would give that strategy under the spec's budget, its estimate, whether it fits, and which
@@ -92,7 +95,7 @@ def _strategy_row(est: SpecEstimator, choice: str, every: int, plan: MemoryPlan)
     }
 
 
-def feasible_pairs(spec, budget_gib: float | None = None, *, device: str | None = None) -> list[dict]:
+def feasible_pairs(spec: JobSpec, budget_gib: float | None = None, *, device: str | None = None) -> list[dict]:
     """Every (micro_batch_size, grad_accum_steps) that splits the global batch, checkpointing off and on.
 
     A pair needs micro_batch_size x grad_accum_steps x num_workers == global_batch_size.
@@ -128,7 +131,7 @@ def feasible_pairs(spec, budget_gib: float | None = None, *, device: str | None 
     return rows
 
 
-def smallest_budget_gib(spec, *, device: str | None = None) -> float:
+def smallest_budget_gib(spec: JobSpec, *, device: str | None = None) -> float:
     """The least memory the job can run in: micro-batch 1 with checkpointing."""
     return estimate_for_spec(
         spec, micro_batch_size=1, gradient_checkpointing=True, device=device or spec.planned_device

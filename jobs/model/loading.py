@@ -11,7 +11,6 @@ With `model.quantization` (nf4, int8) the frozen base is quantized by bitsandbyt
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import warnings
@@ -26,9 +25,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 from jobs.errors import SpecError
+from jobs.model.gguf import gguf_cache, gguf_cache_dir
 from jobs.model.tiny import TINY_LLAMA as TINY_LLAMA  # re-exported: callers read them from here
 from jobs.model.tiny import tiny_llama_config as tiny_llama_config
-from jobs.run.build_once import build_once
 from jobs.spec import JobSpec, ModelSpec, one_line, path_problem, resolve_model_dir
 
 log = logging.getLogger("rayft")
@@ -106,12 +105,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 def base_dtype(precision: str) -> torch.dtype:
     """Frozen base weights live in the compute dtype; LoRA weights stay fp32 (PEFT keeps them so)."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-
-
-def _cache_root() -> Path:
-    from jobs.run.storage import cache_root
-
-    return cache_root()
 
 
 def quantization_config(quantization: str, precision: str):
@@ -214,7 +207,7 @@ def load_base_model(spec: JobSpec, precision: str, *, quantized: bool = True):
         kwargs = dict(dtype=dtype, attn_implementation=m.attn_implementation, **quant)
         src: str | Path
         if m.gguf_file:
-            src = _gguf_cache(Path(resolve_model_dir(m.name)), m.gguf_file)
+            src = gguf_cache(Path(resolve_model_dir(m.name)), m.gguf_file)
             model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(src)
         else:
@@ -274,14 +267,6 @@ def _no_cpu_weight_repacking(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def _gguf_cache_dir(directory: Path, gguf_file: str) -> Path:
-    """Where `_gguf_cache` keeps the de-quantized copy of `directory / gguf_file`."""
-    path = directory / gguf_file
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return _cache_root() / "gguf" / f"{path.stem}-{key}"
-
-
 def load_tokenizer(spec: JobSpec):
     """The tokenizer `load_base_model` returns for `spec`, without loading weights and without
     writing anything: a GGUF base's tokenizer comes from its de-quantized copy when one exists
@@ -295,7 +280,7 @@ def load_tokenizer(spec: JobSpec):
     try:
         if m.gguf_file:
             directory = Path(resolve_model_dir(m.name))
-            cached = _gguf_cache_dir(directory, m.gguf_file)
+            cached = gguf_cache_dir(directory, m.gguf_file)
             if cached.is_dir():
                 tokenizer = AutoTokenizer.from_pretrained(cached)
             else:
@@ -317,34 +302,9 @@ def served_base(spec: JobSpec) -> str:
     it), or a hub id as given."""
     m = spec.model
     if m.gguf_file:
-        return str(_gguf_cache(Path(resolve_model_dir(m.name)), m.gguf_file))
+        return str(gguf_cache(Path(resolve_model_dir(m.name)), m.gguf_file))
     local = Path(resolve_model_dir(m.name))
     return str(local.resolve()) if local.is_dir() else m.name
-
-
-def _gguf_cache(directory: Path, gguf_file: str) -> Path:
-    """De-quantize a GGUF once and keep it as safetensors; later loads skip the slow path.
-    Workers that start together on one machine de-quantize it once (`build_once`)."""
-    path = directory / gguf_file
-    cache = _gguf_cache_dir(directory, gguf_file)
-
-    def dequantize(tmp: Path) -> None:
-        from safetensors.torch import save_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        log.info("de-quantizing %s (first load; cached at %s)", path, cache)
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-        # transformers refuses save_pretrained on a GGUF-loaded model; the de-quantized weights
-        # are plain tensors, so write them and a config without the GGUF quantization marker.
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(tmp)
-
-    return build_once(cache, dequantize, f"the de-quantized {gguf_file}")
 
 
 # `lora.init` -> PEFT's `init_lora_weights`.

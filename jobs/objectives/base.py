@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from jobs.data import (
     step_metrics,
     total_steps,
 )
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
 
 @dataclass
@@ -104,7 +107,7 @@ class Objective(ABC):
         return super().__new__(cls)
 
     @classmethod
-    def of(cls, spec) -> Objective:
+    def of(cls, spec: JobSpec) -> Objective:
         """The objective `spec.objective` describes, with the values it trains with."""
         section = spec.objective
         return Objective._by_name[section.name].from_section(section)
@@ -132,10 +135,10 @@ class Objective(ABC):
         `compiled_head`, the LM head and loss may run as one compiled graph (`model.compile`)."""
 
     @abstractmethod
-    def plot_labels(self, spec) -> dict[str, str]:
+    def plot_labels(self, spec: JobSpec) -> dict[str, str]:
         """`jobs.run.outputs.plot_loss`'s title and axis labels for this objective's loss curve."""
 
-    def prepare(self, spec, ctx, job, engine) -> None:  # noqa: B027 (most objectives prepare nothing)
+    def prepare(self, spec: JobSpec, ctx, job, engine) -> None:  # noqa: B027 (most objectives prepare nothing)
         """Before the first step, on every rank, once the engine exists (a precomputed reference)."""
 
     def step_values(self, sums: torch.Tensor, denominator: int) -> tuple[float, dict]:
@@ -147,11 +150,11 @@ class Objective(ABC):
     # ---- where a step's samples come from -----------------------------------------------------
 
     @abstractmethod
-    def check_records(self, spec) -> None:
+    def check_records(self, spec: JobSpec) -> None:
         """On the driver, before anything is created: every record of the data checked for the
         kind this objective trains on, and enough of them for one step (one line otherwise)."""
 
-    def preview(self, spec, tokenizer, n: int) -> dict:
+    def preview(self, spec: JobSpec, tokenizer, n: int) -> dict:
         """`rayft data preview`'s document: the first `n` training samples as the model sees them
         and both splits' statistics (`jobs.data.preview`); read-only."""
         from jobs.data.preview import data_preview
@@ -159,20 +162,20 @@ class Objective(ABC):
         return data_preview(spec, tokenizer, n)
 
     @abstractmethod
-    def build_data(self, spec, tokenizer) -> None:
+    def build_data(self, spec: JobSpec, tokenizer) -> None:
         """On the driver, after the output directory is checked: the data tokenized where that can
         refuse it (a refusal is one line, and nothing is left half-written)."""
 
     @abstractmethod
-    def load_data(self, spec, tokenizer) -> tuple[Any, Any, int]:
+    def load_data(self, spec: JobSpec, tokenizer) -> tuple[Any, Any, int]:
         """On every rank: (the data, the global-batch sampler, the run's optimizer steps)."""
 
     @abstractmethod
-    def plan_window(self, spec, ctx, job, step: int) -> Window:
+    def plan_window(self, spec: JobSpec, ctx, job, step: int) -> Window:
         """This rank's share of global batch `step`, from host data only: a pure function of the
         step, so the loop may build it one step ahead on a background thread."""
 
-    def with_rollouts(self, spec, ctx, job, engine, step: int, window: Window) -> Window:
+    def with_rollouts(self, spec: JobSpec, ctx, job, engine, step: int, window: Window) -> Window:
         """The window as the step trains it, in the training thread with the model as it is now:
         an online objective samples and scores its completions here; the others train what
         `plan_window` built."""
@@ -191,7 +194,7 @@ class Objective(ABC):
         and that outlives it otherwise (GRPO: the vLLM server rayft started) is let go."""
 
     @abstractmethod
-    def held_out(self, engine, job, spec, ctx) -> tuple[float | None, dict]:
+    def held_out(self, engine, job, spec: JobSpec, ctx) -> tuple[float | None, dict]:
         """The held-out loss and its statistics (`eval_` in front); (None, {}) without held-out
         samples. Every rank runs the same number of forwards (under FSDP each is a collective)."""
 
@@ -211,7 +214,7 @@ class DatasetObjective(Objective):
     def count(self, samples, indices: Sequence[int] | np.ndarray) -> int:
         """What a loss over the samples `indices` is a mean over (label tokens, pairs, ...)."""
 
-    def check_records(self, spec) -> None:
+    def check_records(self, spec: JobSpec) -> None:
         from jobs.data import count_checked_records
         from jobs.errors import SpecError
 
@@ -222,18 +225,18 @@ class DatasetObjective(Objective):
                 f"{key}: {n_train} training records, fewer than batch.global_batch_size={spec.batch.global_batch_size}"
             )
 
-    def build_data(self, spec, tokenizer) -> None:
+    def build_data(self, spec: JobSpec, tokenizer) -> None:
         # The whole of `load_data`: what the sampler refuses (a mixture source that never gets a
         # sample) is refused here, on the driver, before the output directory is created.
         self.load_data(spec, tokenizer)
 
-    def load_data(self, spec, tokenizer) -> tuple[Any, Any, int]:
+    def load_data(self, spec: JobSpec, tokenizer) -> tuple[Any, Any, int]:
         data = load_dataset(spec, tokenizer)
         batches, steps = batches_for(spec, data), total_steps(spec, len(data.train))
         check_every_source_sampled(batches, data.sources, steps)
         return data, batches, steps
 
-    def plan_window(self, spec, ctx, job, step: int) -> Window:
+    def plan_window(self, spec: JobSpec, ctx, job, step: int) -> Window:
         """This rank's micro-batches of global batch `step`, with the window's counts: numpy over
         the cache's per-sample arrays and array copies from its tokens (`jobs.data.batches`)."""
         indices = job.batches.index_array(step)
@@ -250,7 +253,7 @@ class DatasetObjective(Objective):
         return Window(micro, self.count(train, indices), n_labels, n_inputs, per_source)
 
     @torch.no_grad()
-    def held_out(self, engine, job, spec, ctx) -> tuple[float | None, dict]:
+    def held_out(self, engine, job, spec: JobSpec, ctx) -> tuple[float | None, dict]:
         """The held-out loss (a mean over `count`'s unit) and its statistics (`eval_` in front),
         sharded over ranks; for a mixture also per source with a held-out split (`eval_loss/NAME`),
         from the same sums. (None, {}) without held-out samples."""

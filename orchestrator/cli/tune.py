@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from jobs.errors import SpecError
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
 
 def register(sub) -> None:
@@ -81,7 +85,7 @@ def _load_any(path: str, overrides: list[str]):
     return spec, spec.memory.budget_gib
 
 
-def estimate_report(spec, budget, device: str, where: str) -> dict:
+def estimate_report(spec: JobSpec, budget, device: str, where: str) -> dict:
     """The plan `spec` runs on `device` (`jobs.memory.plan_for_spec`: its strategy, checkpointing,
     components and total), checkpointing off and on beside it, DDP and FSDP (and unquantized and
     quantized) side by side (`strategy_table`), and every (micro, accumulation) split."""
@@ -325,7 +329,7 @@ def _run_tune(args, raw, plan) -> int:
     return _report(outcome, raw, plan, spec.output_location)
 
 
-def _fresh_local(spec, fresh: bool) -> None:
+def _fresh_local(spec: JobSpec, fresh: bool) -> None:
     """`--fresh` on a local run.output_dir: the previous search moved aside (a store's staging
     directory was, before its lock was taken: `tune.storage.held`)."""
     from jobs.run.outputs import set_aside

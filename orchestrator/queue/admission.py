@@ -31,12 +31,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobs.errors import UserError
 from orchestrator.backends.base import ClusterView, Node
 from orchestrator.backends.node_fit import GpuPlan, NodeOffer, PodAsk, Refusal, gpu_memory_of, refusal
 from orchestrator.backends.ray_jobs import DRIVER_NUM_CPUS
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
 # GiB of memory per GPU by Ray `accelerator_type` (ray.util.accelerators). Where one name covers
 # two sizes (V100 16/32 GB, A100 40/80 GB) the smaller is used; `--gpu-memory TYPE=GiB` overrides.
@@ -166,7 +169,7 @@ class Demand:
         return None if not self.gib_by_every else self.gib_by_every[1]
 
     @classmethod
-    def from_spec(cls, spec, driver_cpus: float = DRIVER_NUM_CPUS) -> Demand:
+    def from_spec(cls, spec: JobSpec, driver_cpus: float = DRIVER_NUM_CPUS) -> Demand:
         """The demand of a validated JobSpec; for a GPU job this runs the memory model (once per
         checkpointing choice), which is why the queue stores the result instead of the spec."""
         r = spec.resources

@@ -40,15 +40,18 @@ SPEC = ROOT / "examples" / "tiny-grpo.yaml"
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """A random tiny Llama with head size 32 (64 wide, 2 heads), saved with the byte tokenizer."""
+    """A random tiny Llama with head size 32 (64 wide, 2 heads) and a tied LM head (as SmolLM2's),
+    saved as a GGUF base's de-quantized copy is (`jobs.model.gguf.save_dequantized`), with the byte
+    tokenizer: what the engine serves for `make demo-grpo`'s base."""
     from transformers import LlamaForCausalLM
 
+    from jobs.model.gguf import save_dequantized
     from jobs.model.loading import byte_tokenizer, tiny_llama_config
 
     out = tmp_path_factory.mktemp("tiny-llama-32")
     torch.manual_seed(0)
-    LlamaForCausalLM(tiny_llama_config(num_attention_heads=2, num_key_value_heads=1)).save_pretrained(out)
-    byte_tokenizer().save_pretrained(out)
+    config = tiny_llama_config(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    save_dequantized(LlamaForCausalLM(config), byte_tokenizer(), out)
     return out
 
 
