@@ -72,13 +72,15 @@ class PromptSet:
 @dataclass(frozen=True)
 class PromptSource:
     """One mixture source among a run's prompts: its name and weight (`data.mix`), where its
-    training prompts start in `PromptData.train` and how many there are, its held-out count, and
-    the prompts it dropped (too long). `name`/`weight`/`n_train` as `jobs.data.SourcePart`'s."""
+    training and held-out prompts start in `PromptData.train` / `.eval` and how many there are,
+    and the prompts it dropped (too long). The fields of `jobs.data.SourcePart` they share mean
+    the same."""
 
     name: str
     weight: float
     train_offset: int
     n_train: int
+    eval_offset: int
     n_eval: int
     dropped: int
 
@@ -174,7 +176,8 @@ def read_prompt_data(spec: JobSpec, tokenizer) -> tuple[PromptSet, PromptSet, li
                 f"data.mix.{i}: source {src.shown_name!r} ({one_line(src.path)}) has no usable training prompts"
                 + (f" ({t.dropped} longer than data.max_seq_len - rollout.max_completion_length)" if t.dropped else "")
             )
-        sources.append(PromptSource(src.shown_name, src.weight, len(train), len(t), len(h), t.dropped + h.dropped))
+        at = (len(train), len(t), len(held), len(h))
+        sources.append(PromptSource(src.shown_name, src.weight, *at, t.dropped + h.dropped))
         train.extend(t)
         held.extend(h)
     return train, held, sources

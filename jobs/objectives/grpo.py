@@ -173,18 +173,22 @@ class GRPO(Objective):
         prompts = job.data.eval
         if not len(prompts):
             return None, {}
-        functions = self.functions(spec)
+        functions, sources = self.functions(spec), job.data.sources
         hf = HFEngine(job.model, grpo_batch.eos_ids(job), job.tokenizer.pad_token_id, synced=job.strategy == "fsdp")
         in_loss = grpo_batch.InLossForward(hf, engine)  # FSDP: through the root's forward
-        sums = torch.zeros(len(functions) + 1, 2, dtype=torch.float64)
+        # rows: per function, the weighted reward, then the reward per mixture source; (sum, count)
+        sums = torch.zeros(len(functions) + 1 + len(sources), 2, dtype=torch.float64)
         for idx, counted in equal_micro_batches(len(prompts), ctx.rank, ctx.world_size, spec.batch.micro_batch_size):
             done = held_out.greedy(in_loss, prompts, idx, spec.rollout.max_completion_length)
             if counted:
                 timeout_s = spec.reward.timeout_s
                 values, rewards, _ = held_out.scored(functions, prompts, idx, done, job.tokenizer, timeout_s)
-                sums += held_out.sums_of(values, rewards, len(functions))
+                sums[: len(functions) + 1] += held_out.sums_of(values, rewards, len(functions))
+                sums[len(functions) + 1 :] += held_out.source_sums(rewards, idx, [s.eval_offset for s in sources])
         totals = all_reduce_sum(sums.to(engine.device), ctx.world_size).cpu()
-        return None, {f"eval_{k}": v for k, v in held_out.means(totals, spec.reward.labels).items()}
+        out = held_out.means(totals[: len(functions) + 1], spec.reward.labels)
+        out |= {f"reward/{s.name}": held_out.mean_of(*totals[len(functions) + 1 + i]) for i, s in enumerate(sources)}
+        return None, {f"eval_{k}": v for k, v in out.items()}
 
     # ---- the step's rollouts ----------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ as None (not applicable) counts in no mean. The training loop's held-out evaluat
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 
@@ -51,6 +52,21 @@ def sums_of(values: list[list[float]], rewards: list[float], n_functions: int) -
             if not math.isnan(v):
                 out[f] += torch.tensor([v, 1.0], dtype=torch.float64)
     return out
+
+
+def source_sums(rewards: list[float], indices: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
+    """[S, 2] float64: per mixture source (its held-out prompts start at `offsets[s]`), the
+    weighted rewards of `indices`' completions that are not NaN, (sum, count)."""
+    out = torch.zeros(len(offsets), 2, dtype=torch.float64)
+    for i, reward in zip(indices, rewards, strict=True):
+        if offsets and not math.isnan(reward):
+            out[bisect.bisect_right(offsets, i) - 1] += torch.tensor([reward, 1.0], dtype=torch.float64)
+    return out
+
+
+def mean_of(total: torch.Tensor, count: torch.Tensor) -> float:
+    """A (sum, count) pair's mean; NaN where nothing was scored."""
+    return float(total / count) if count else math.nan
 
 
 def means(sums: torch.Tensor, labels: Sequence[str]) -> dict[str, float]:

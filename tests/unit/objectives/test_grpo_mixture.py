@@ -7,7 +7,8 @@
 * the run's steps do not depend on the split (1x1x16, 1x4x4 and 2 gloo ranks x 2 x 4 sample the
   same completions, log the same per-source metrics and losses) and a resume is bitwise;
 * a source that never gets a prompt, a source with none short enough, and text mixed with
-  conversations across sources are each one line, exit 2, before the run directory exists.
+  conversations across sources are each one line, exit 2, before the run directory exists;
+* the held-out reward is the whole's (`eval_reward`) and each source's (`eval_reward/NAME`).
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ def _train_steps(spec_path: Path, out: Path, steps: int) -> None:
 
 
 def test_a_mixture_run_resumes_bitwise(tmp_path, monkeypatch):
+    """4 steps straight = 2, then resumed to 4: the same adapter bit for bit, the same metrics
+    (per-source and held-out ones included), the same completions after the checkpoint."""
     monkeypatch.chdir(ROOT)
     spec_path = write_spec(tmp_path, _sources(tmp_path))
     _train_steps(spec_path, tmp_path / "straight", 4)
@@ -166,6 +169,9 @@ def test_a_mixture_run_resumes_bitwise(tmp_path, monkeypatch):
         {k: v for k, v in r.items() if not k.startswith(drop)} for r in resumed
     ]
     assert straight[-1]["epoch/alpha"] > 0 and straight[-1]["epoch/beta"] > 0
+    # held out: 10 prompts of each source; the whole's reward is their count-weighted mean
+    last = straight[-1]
+    assert last["eval_reward"] == pytest.approx((10 * last["eval_reward/alpha"] + 10 * last["eval_reward/beta"]) / 20)
     for k in range(3, 5):  # the resumed run sampled the same completions after the checkpoint
         name = f"rollouts/step-{k:06d}.jsonl"
         assert_same_rollouts((tmp_path / "resumed" / name).read_text(), (tmp_path / "straight" / name).read_text())
