@@ -120,12 +120,14 @@ class S3Server:
         ]
 
     def _wait_ready(self, t0: float) -> None:
-        """Until the S3 port answers (an unsigned request: 403) and a signed listing works."""
+        """Until the S3 port answers (an unsigned request: 403), a signed listing works and, after a
+        restart on data, an object reads back: the listing is the filer's and can work before the
+        volume server holding the bytes has rejoined (a read then fails with INTERNAL_FAILURE)."""
         while time.monotonic() - t0 < START_TIMEOUT_S:
             assert self.process is not None
             if self.process.poll() is not None:
                 raise RuntimeError(f"weed exited ({self.process.returncode}); see {self.root / 'weed.log'}")
-            if self._answers() and self._lists():
+            if self._answers() and self._lists() and self._reads():
                 return
             time.sleep(0.1)
         self.stop()
@@ -143,6 +145,19 @@ class S3Server:
     def _lists(self) -> bool:
         try:
             self.filesystem().get_file_info(_selector(""))
+        except OSError:
+            return False
+        return True
+
+    def _reads(self) -> bool:
+        """The largest object the store holds (if any: its bytes are on the volume server, not
+        inline in the filer's entry) reads back whole."""
+        try:
+            s3 = self.filesystem()
+            files = [i for i in s3.get_file_info(_selector("")) if i.type.name == "File"]
+            if files:
+                with s3.open_input_stream(max(files, key=lambda i: i.size).path) as f:
+                    f.read()
         except OSError:
             return False
         return True
