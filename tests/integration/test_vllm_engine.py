@@ -161,7 +161,9 @@ def test_each_step_samples_with_its_own_adapter_and_trains_the_engines_ids(serve
     for k, (m, s) in enumerate(zip(metrics, seen.steps, strict=True)):  # the trainer's recorded beside the engine's
         gap = largest_gap([list(c.logprobs) for c in s["done"]], s["trainer"])
         assert m["engine_logprob_gap/mean"] <= m["engine_logprob_gap/max"] < 1e-5, (k, m)
-        assert m["engine_logprob_gap/max"] == pytest.approx(gap, abs=1e-6)
+        # the run's trainer log-probs come from its batched, padded forward, the test's from one
+        # sequence at a time: two fp32 computations of the same numbers (seen up to 1.5e-6 apart)
+        assert m["engine_logprob_gap/max"] == pytest.approx(gap, abs=3e-6)
         lines = (spec.output_path / "rollouts" / f"step-{k + 1:06d}.jsonl").read_text().splitlines()
         assert [json.loads(line)["engine_logprobs"] for line in lines] == [list(c.logprobs) for c in s["done"]]
     sync_bytes = [m["adapter_sync_bytes"] for m in metrics]
