@@ -48,7 +48,7 @@ from jobs.objectives.grpo_batch import collate_rollouts as collate_rollouts
 from jobs.rollout import held_out, vllm_sync
 from jobs.rollout.engine import HFEngine, RolloutEngine
 from jobs.rollout.rewards import check_columns, resolve
-from jobs.spec import GRPOObjective
+from jobs.spec import GRPOObjective, JobSpec
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint between the iterations of one rollout batch
 # Completions generated at once where the plan chose none (a plan made without rollouts).
@@ -103,7 +103,7 @@ class GRPO(Objective):
         reference = REFERENCE_ADAPTER if REFERENCE_ADAPTER in getattr(model, "peft_config", {}) else None
         return GRPOLoss(model, self, reference)
 
-    def plot_labels(self, spec) -> dict[str, str]:
+    def plot_labels(self, spec: JobSpec) -> dict[str, str]:
         return {
             "title": f"{spec.name}: {spec.batch.global_batch_size} completions/step ({self.loss_type})",
             "ylabel": "GRPO loss",
@@ -121,10 +121,10 @@ class GRPO(Objective):
 
     # ---- data: prompts, read by every rank ------------------------------------------------------
 
-    def check_records(self, spec) -> None:
+    def check_records(self, spec: JobSpec) -> None:
         """Every record a prompt, every built-in reward's column in every record, the user reward
         functions importable, and one step's prompts (before tokenizing: it can only drop some)."""
-        functions = resolve(spec.reward)
+        functions = resolve(spec.online.reward)
         n = 0
         for where, rec in prompt_records(spec):
             try:
@@ -134,31 +134,31 @@ class GRPO(Objective):
             n += 1
         check_prompt_count(spec, PromptSet(ids=[[]] * n))
 
-    def build_data(self, spec, tokenizer) -> None:
+    def build_data(self, spec: JobSpec, tokenizer) -> None:
         self.load_data(spec, tokenizer)  # every refusal `load_data` makes, before the run's directory
 
-    def preview(self, spec, tokenizer, n: int) -> dict:
+    def preview(self, spec: JobSpec, tokenizer, n: int) -> dict:
         """The first `n` training prompts as generation starts from them, with the columns the
         reward functions receive (`jobs.data.preview_prompts`)."""
         from jobs.data.preview_prompts import prompt_preview
 
         return prompt_preview(spec, tokenizer, n)
 
-    def load_data(self, spec, tokenizer) -> tuple[Any, Any, int]:
+    def load_data(self, spec: JobSpec, tokenizer) -> tuple[Any, Any, int]:
         from jobs.data import content_hash
 
         prompts, evaluated, sources = read_prompt_data(spec, tokenizer)
         check_prompt_count(spec, prompts)
-        g = spec.rollout.num_generations
+        g = spec.online.rollout.num_generations
         data = PromptData(prompts, evaluated, prompts.dropped + evaluated.dropped, content_hash(spec), sources=sources)
-        mu = spec.objective.num_iterations
+        mu = spec.online.objective.num_iterations
         batches = RolloutBatches(prompt_sampler(spec, data), mu)
         # `run.epochs` counts passes over the prompts; each rollout batch is num_iterations steps
         steps = spec.run.max_steps if spec.run.max_steps is not None else mu * total_steps(spec, len(prompts) * g)
         check_every_source_sampled(batches.inner, data.sources, batches.rollout_batches(steps))
         return data, batches, steps
 
-    def plan_window(self, spec, ctx, job, step: int) -> Window:
+    def plan_window(self, spec: JobSpec, ctx, job, step: int) -> Window:
         """This rank's completion positions of step `step`, by micro-batch (`split_window` over
         0..global_batch_size-1); the completions themselves are sampled in `with_rollouts`."""
         positions = np.arange(spec.batch.global_batch_size, dtype=np.int64)
@@ -166,7 +166,7 @@ class GRPO(Objective):
         return Window(list(mine), 0, 0, 0)
 
     @torch.no_grad()
-    def held_out(self, engine, job, spec, ctx) -> tuple[float | None, dict]:
+    def held_out(self, engine, job, spec: JobSpec, ctx) -> tuple[float | None, dict]:
         """(None, `eval_reward` and `eval_rewards/<name>/mean`): one greedy completion per held-out
         prompt (`jobs.rollout.held_out`), sharded over ranks; every rank generates the same number
         of batches (a rank whose share ran out repeats one, unscored), one all-reduce."""
@@ -179,23 +179,23 @@ class GRPO(Objective):
         # rows: per function, the weighted reward, then the reward per mixture source; (sum, count)
         sums = torch.zeros(len(functions) + 1 + len(sources), 2, dtype=torch.float64)
         for idx, counted in equal_micro_batches(len(prompts), ctx.rank, ctx.world_size, spec.batch.micro_batch_size):
-            done = held_out.greedy(in_loss, prompts, idx, spec.rollout.max_completion_length)
+            done = held_out.greedy(in_loss, prompts, idx, spec.online.rollout.max_completion_length)
             if counted:
-                timeout_s = spec.reward.timeout_s
+                timeout_s = spec.online.reward.timeout_s
                 values, rewards, _ = held_out.scored(functions, prompts, idx, done, job.tokenizer, timeout_s)
                 sums[: len(functions) + 1] += held_out.sums_of(values, rewards, len(functions))
                 sums[len(functions) + 1 :] += held_out.source_sums(rewards, idx, [s.eval_offset for s in sources])
         totals = all_reduce_sum(sums.to(engine.device), ctx.world_size).cpu()
-        out = held_out.means(totals[: len(functions) + 1], spec.reward.labels)
+        out = held_out.means(totals[: len(functions) + 1], spec.online.reward.labels)
         out |= {f"reward/{s.name}": held_out.mean_of(*totals[len(functions) + 1 + i]) for i, s in enumerate(sources)}
         return None, {f"eval_{k}": v for k, v in out.items()}
 
     # ---- the step's rollouts ----------------------------------------------------------------------
 
-    def with_rollouts(self, spec, ctx, job, engine, step: int, window: Window) -> Window:
+    def with_rollouts(self, spec: JobSpec, ctx, job, engine, step: int, window: Window) -> Window:
         """This rank's micro-batches of step `step`: from the rollout batch step // num_iterations,
         sampled at its first step (`grpo_batch.sample`) and trained on at each of its steps."""
-        index = step // spec.objective.num_iterations
+        index = step // spec.online.objective.num_iterations
         batch = self._run.get("rollout")
         if batch is None or batch.index != index:
             logged = index % rollouts_every(spec, job.steps) == 0
@@ -203,17 +203,17 @@ class GRPO(Objective):
             batch = grpo_batch.sample(self, spec, ctx, job, engine, index, positions, logged)
             self._run["rollout"] = batch
         prompts = job.data.train
-        cap = spec.rollout.importance_correction_cap if spec.rollout.importance_correction else None
+        cap = spec.online.rollout.importance_correction_cap if spec.online.rollout.importance_correction else None
         micro = batch.micro_batches(prompts, job.tokenizer.pad_token_id, window.micro_batches, self.scale_rewards, cap)
         return Window(
             micro,
-            batch.denominator(self, spec.rollout.max_completion_length),
+            batch.denominator(self, spec.online.rollout.max_completion_length),
             int(batch.lengths.sum()),
             batch.input_tokens(prompts),
-            batch.metrics(spec.reward.labels) | source_metrics(job.batches, job.data, batch),
+            batch.metrics(spec.online.reward.labels) | source_metrics(job.batches, job.data, batch),
         )
 
-    def prepare(self, spec, ctx, job, engine) -> None:
+    def prepare(self, spec: JobSpec, ctx, job, engine) -> None:
         """Rank 0 says how often the run writes its rollouts (`rollouts_every`), when not every batch."""
         every = rollouts_every(spec, job.steps)
         if ctx.is_main and every > 1:
@@ -223,11 +223,11 @@ class GRPO(Objective):
                 job.steps,
             )
 
-    def rollout_engine(self, spec, ctx, job, engine, step: int) -> RolloutEngine:
+    def rollout_engine(self, spec: JobSpec, ctx, job, engine, step: int) -> RolloutEngine:
         """What samples optimizer step `step`'s completions (`rollout.engine`): the policy in-process,
         or the run's vLLM engine (started or reached once per run) serving step `step`'s adapter."""
         eos = grpo_batch.eos_ids(job)
-        if spec.rollout.engine == "vllm":
+        if spec.online.rollout.engine == "vllm":
             if "vllm" not in self._run:
                 self._run["vllm"] = vllm_sync.connect(spec, ctx, job, eos)
             return self._run["vllm"].at_step(job.model, ctx, step)
@@ -241,10 +241,10 @@ class GRPO(Objective):
         if rollout is not None:
             rollout.close()
 
-    def functions(self, spec) -> list:
+    def functions(self, spec: JobSpec) -> list:
         """The reward functions, resolved once per run (a user file is imported once)."""
         if "functions" not in self._run:
-            self._run["functions"] = resolve(spec.reward)
+            self._run["functions"] = resolve(spec.online.reward)
         return self._run["functions"]
 
     # ---- a checkpoint between the iterations of one rollout batch --------------------------------
@@ -263,18 +263,18 @@ class GRPO(Objective):
             self._run["rollout"] = grpo_batch.RolloutBatch.from_state(torch.load(path, weights_only=True))
 
 
-def rollouts_every(spec, steps: int) -> int:
+def rollouts_every(spec: JobSpec, steps: int) -> int:
     """`run.log_rollouts_every`, or its default: every rollout batch under 1,000 steps, else every 10th."""
     if spec.run.log_rollouts_every is not None:
         return spec.run.log_rollouts_every
     return 1 if steps < LOG_EVERY_BATCH_BELOW_STEPS else 10
 
 
-def prompt_sampler(spec, data: PromptData) -> Sampler:
+def prompt_sampler(spec: JobSpec, data: PromptData) -> Sampler:
     """Rollout batch b -> its P = global_batch_size / num_generations prompts: `GlobalBatches` over
     the prompts, or by weight over a mixture's sources (`MixtureBatches`, SFT's rule, counting
     prompts: each source's share of the batch's groups)."""
-    per_batch = spec.batch.global_batch_size // spec.rollout.num_generations
+    per_batch = spec.batch.global_batch_size // spec.online.rollout.num_generations
     if data.sources:
         sizes, weights = [s.n_train for s in data.sources], [s.weight for s in data.sources]
         return MixtureBatches(sizes, weights, per_batch, spec.run.seed)

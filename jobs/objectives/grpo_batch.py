@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from jobs.rollout.record import (
     write_rollouts,
 )
 from jobs.rollout.rewards import Batch, completions_as_trl, score
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
 
 @dataclass
@@ -155,13 +158,15 @@ def grid_of(rows: list[list[float]], shape: torch.Size) -> torch.Tensor:
 # ---- sampling one rollout batch -----------------------------------------------------------------
 
 
-def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray, logged: bool = True) -> RolloutBatch:
+def sample(
+    objective, spec: JobSpec, ctx, job, engine, index: int, positions: np.ndarray, logged: bool = True
+) -> RolloutBatch:
     """Rollout batch `index`: this rank generates and scores the completions at `positions`, then
     every rank gathers the whole batch (one all-reduce of the table, one all-gather of the ids and,
     with num_iterations > 1 or an engine that returns log-probs, of the trainer's log-probabilities
     and the engine's: `whole_batch`), and rank 0 writes its rollouts file (when `logged`:
     `run.log_rollouts_every`)."""
-    mu, g = spec.objective.num_iterations, spec.rollout.num_generations
+    mu, g = spec.online.objective.num_iterations, spec.online.rollout.num_generations
     prompt_indices = [int(p) for p in job.batches.index_array(index * mu)]
     start = time.perf_counter()
     rollout = objective.rollout_engine(spec, ctx, job, engine, index * mu)
@@ -179,7 +184,7 @@ def sample(objective, spec, ctx, job, engine, index: int, positions: np.ndarray,
     out.engine_metrics = dict(getattr(rollout, "sync_metrics", {}))
     if logged:
         lines = _lines(
-            out, batch, positions, out.advantages(objective.scale_rewards), spec.reward.labels, job.data.train
+            out, batch, positions, out.advantages(objective.scale_rewards), spec.online.reward.labels, job.data.train
         )
         write_rollout_lines(spec, ctx, index * mu + 1, lines)
     return out
@@ -197,16 +202,16 @@ def _rows(n: int, positions: np.ndarray, done: list[Completion], values, rewards
 
 
 def generate(
-    rollout: RolloutEngine, job, spec, index: int, prompt_indices: list[int], positions: np.ndarray
+    rollout: RolloutEngine, job, spec: JobSpec, index: int, prompt_indices: list[int], positions: np.ndarray
 ) -> list[Completion]:
     """This rank's completions, in `positions` order, each from its own seed (run seed, rollout
     batch, prompt, sample), from the objective's engine (`GRPO.rollout_engine`)."""
-    g, seed = spec.rollout.num_generations, spec.run.seed
+    g, seed = spec.online.rollout.num_generations, spec.run.seed
     requests = []
     for pos in positions.tolist():
         p, j = prompt_indices[pos // g], pos % g
         requests.append(Request(p, j, tuple(job.data.train.ids[p]), sample_seed(seed, index, p, j)))
-    return rollout.generate(requests, Sampling.of(spec.rollout))
+    return rollout.generate(requests, Sampling.of(spec.online.rollout))
 
 
 class InLossForward:
@@ -225,9 +230,11 @@ class InLossForward:
             return self.engine.unwrapped(call=lambda _: self.hf.generate(requests, sampling))
 
 
-def scored(functions: list, spec, job, prompt_indices: list[int], positions: np.ndarray, done: list[Completion]):
+def scored(
+    functions: list, spec: JobSpec, job, prompt_indices: list[int], positions: np.ndarray, done: list[Completion]
+):
     """(the Batch the reward functions saw, values [completion][function], rewards) of this rank's."""
-    prompts, g = job.data.train, spec.rollout.num_generations
+    prompts, g = job.data.train, spec.online.rollout.num_generations
     records = [prompt_indices[pos // g] for pos in positions.tolist()]
     ids = [list(c.ids) for c in done]
     keys = sorted({k for r in records for k in prompts.columns[r]})
@@ -238,7 +245,7 @@ def scored(functions: list, spec, job, prompt_indices: list[int], positions: np.
         records,
         {k: [prompts.columns[r].get(k) for r in records] for k in keys},
     )
-    values, rewards = score(functions, batch, spec.reward.timeout_s)
+    values, rewards = score(functions, batch, spec.online.reward.timeout_s)
     return batch, values, rewards
 
 
@@ -326,7 +333,7 @@ def _logprob_fields(out: RolloutBatch, position: int) -> dict:
     return logprob_fields(out.trainer_logps[position], out.engine_logps[position])
 
 
-def write_rollout_lines(spec, ctx, step: int, lines: list[dict]) -> None:
+def write_rollout_lines(spec: JobSpec, ctx, step: int, lines: list[dict]) -> None:
     """Rank 0 writes the whole batch's lines, in completion order (every rank's gathered), as
     `rollouts/step-NNNNNN.jsonl` of the first optimizer step that trains on them."""
     lines = [line for part in gathered({"lines": lines}, ctx.world_size) for line in part["lines"]]

@@ -23,13 +23,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
 from jobs.errors import RunError
 from jobs.rollout.vllm_engine import VLLMEngine
 from jobs.rollout.vllm_server import ServerSettings, VLLMServer
+
+if TYPE_CHECKING:
+    from jobs.spec import JobSpec
 
 log = logging.getLogger("rayft")
 T = TypeVar("T")
@@ -134,10 +137,10 @@ class VLLMRollout:
             log.warning("%s", e)
 
 
-def connect(spec, ctx, job, eos_ids) -> VLLMRollout:
+def connect(spec: JobSpec, ctx, job, eos_ids) -> VLLMRollout:
     """Rank 0 starts the engine (or checks that `rollout.vllm_url` answers); every rank gets a
     client of it."""
-    r, started = spec.rollout, []
+    r, started = spec.online.rollout, []
 
     def start() -> str:
         if r.vllm_url:
@@ -156,10 +159,10 @@ def connect(spec, ctx, job, eos_ids) -> VLLMRollout:
     return rollout
 
 
-def server_settings(spec, job) -> ServerSettings:
+def server_settings(spec: JobSpec, job) -> ServerSettings:
     from jobs.model.loading import served_base
 
-    r, kv = spec.rollout, job.plan.vllm_engine["kv_cache"]  # the plan's size, as `rayft estimate` prints it
+    r, kv = spec.online.rollout, job.plan.vllm_engine["kv_cache"]  # the plan's size, as `rayft estimate` prints it
     return ServerSettings(
         served_base(spec), job.precision, spec.data.max_seq_len, spec.lora.r, kv, r.vllm_start_timeout_s
     )

@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 from pydantic import (
@@ -23,6 +23,14 @@ from jobs.spec.objective import GRPOObjective, ObjectiveSpec, SFTObjective
 from jobs.spec.online import RewardSpec, RolloutSpec, grpo_problem
 from jobs.spec.sections import BatchSpec, DataSpec, LoraSpec, MemorySpec, ModelSpec, OptimSpec, ResourcesSpec, RunSpec
 from jobs.spec.yaml_file import one_line
+
+
+class OnlineRL(NamedTuple):
+    """An online-RL spec's own sections, typed (`JobSpec.online`)."""
+
+    objective: GRPOObjective
+    rollout: RolloutSpec
+    reward: RewardSpec
 
 
 class JobSpec(BaseModel):
@@ -160,6 +168,14 @@ class JobSpec(BaseModel):
                 f"{r.gpus_per_worker} to a pod)"
             )
         return self
+
+    @property
+    def online(self) -> OnlineRL:
+        """This GRPO spec's objective, rollout and reward sections, typed: validation gives a
+        `grpo` spec all three (`_online_rl_problem`); asking another objective's is a bug."""
+        objective, rollout, reward = self.objective, self.rollout, self.reward
+        assert isinstance(objective, GRPOObjective) and rollout is not None and reward is not None, objective.name
+        return OnlineRL(objective, rollout, reward)
 
     def _online_rl_problem(self) -> str | None:
         """Why the `rollout`/`reward` sections cannot run with this objective; None when they can.

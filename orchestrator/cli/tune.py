@@ -143,19 +143,20 @@ def estimate_report(spec: JobSpec, budget, device: str, where: str) -> dict:
     }
 
 
-def generation_report(spec, plan) -> dict | None:
+def generation_report(spec: JobSpec, plan) -> dict | None:
     """Online RL in-process: the generation batch the plan runs, whether the spec fixed it, the
     worker's share it is capped by, and the parts of its peak in bytes (`jobs.memory.generation`);
     None where nothing is generated in the training process."""
     parts = plan.estimate.details.get("generation")
     if not parts:
         return None
+    rollout = spec.online.rollout  # generation in the training process: a GRPO spec's
     return {
         "generation_batch_size": plan.generation_batch_size,
-        "chosen_by_plan": spec.rollout.generation_batch_size is None,
+        "chosen_by_plan": rollout.generation_batch_size is None,
         "share": spec.batch.global_batch_size // spec.resources.num_workers,
-        "prompt_tokens": spec.data.max_seq_len - spec.rollout.max_completion_length,
-        "completion_tokens": spec.rollout.max_completion_length,
+        "prompt_tokens": spec.data.max_seq_len - rollout.max_completion_length,
+        "completion_tokens": rollout.max_completion_length,
         "bytes": {k: v for k, v in parts.items() if k != "generation_batch_size"},
     }
 
