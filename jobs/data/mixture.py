@@ -172,7 +172,7 @@ def check_every_source_sampled(batches: Sampler, sources: Sequence, steps: int) 
     """Refuse a mixture whose weights leave a source without a single sample in the whole run
     (its weight is too small for steps x global batch slots): it would be tokenized, listed and
     counted, and never trained on, without a word. `sources`: each with its `name` and `weight`
-    (`SourcePart`, or online RL's `PromptSource`; `steps`: the batches drawn)."""
+    (`SourcePart`s: a token cache's, or online RL's prompts'; `steps`: the batches drawn)."""
     if not isinstance(batches, MixtureBatches):
         return
     counts = batches.counts(steps * batches.g)

@@ -10,7 +10,8 @@ another question than the record does.
 
 Held-out prompts are `data.eval_path`'s, or `data.eval_fraction` of `data.path`'s records chosen as
 `jobs.data.read_records` chooses SFT's. A mixture (`data.mix`) is its sources' prompts side by side,
-source i's training prompts at `[offset_i, offset_i + n_i)` (`PromptSource`), each source split into
+source i's training prompts at `[offset_i, offset_i + n_i)` (`jobs.data.SourcePart`, with no
+cache entry), each source split into
 training and held-out prompts as it would be as a run's only data (its own `eval_path`, or
 `data.eval_fraction` of its records); the rollout batches draw prompts from the sources by weight
 (`jobs.data.mixture.MixtureBatches`, the rule SFT's mixtures use). Prompts are few and short
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.data.chat import chat_prompt_ids
+from jobs.data.entry import SourcePart
 from jobs.data.records import ROLES, _check_message_list, _rename
 from jobs.data.sources import DATASETS_SUFFIXES, datasets_rows, is_hub, json_lines
 from jobs.data.tokenizing import encode_prompt
@@ -69,22 +71,6 @@ class PromptSet:
         self.dropped += other.dropped
 
 
-@dataclass(frozen=True)
-class PromptSource:
-    """One mixture source among a run's prompts: its name and weight (`data.mix`), where its
-    training and held-out prompts start in `PromptData.train` / `.eval` and how many there are,
-    and the prompts it dropped (too long). The fields of `jobs.data.SourcePart` they share mean
-    the same."""
-
-    name: str
-    weight: float
-    train_offset: int
-    n_train: int
-    eval_offset: int
-    n_eval: int
-    dropped: int
-
-
 @dataclass
 class PromptData:
     """An online-RL run's data, as the loop holds a dataset's (`jobs.data.Dataset`): the training
@@ -95,7 +81,7 @@ class PromptData:
     dropped: int
     content_hash: str = ""  # `content_hash(spec)`: what the checkpoint's resume key records
     kind: str = "prompts"
-    sources: list[PromptSource] = field(default_factory=list)  # a mixture's sources; [] for one
+    sources: list[SourcePart] = field(default_factory=list)  # a mixture's sources; [] for one
 
 
 def prompt_records(spec: JobSpec, held_out: bool = False) -> Iterator[tuple[str, dict]]:
@@ -163,7 +149,7 @@ def read_prompt_splits(spec: JobSpec, tokenizer) -> tuple[PromptSet, PromptSet]:
     return train, held
 
 
-def read_prompt_data(spec: JobSpec, tokenizer) -> tuple[PromptSet, PromptSet, list[PromptSource]]:
+def read_prompt_data(spec: JobSpec, tokenizer) -> tuple[PromptSet, PromptSet, list[SourcePart]]:
     """(training prompts, held-out prompts, the mixture's sources): one source's split
     (`split_source`), or a mixture's sources' splits side by side (module doc)."""
     if spec.data.mix is None:
@@ -177,7 +163,7 @@ def read_prompt_data(spec: JobSpec, tokenizer) -> tuple[PromptSet, PromptSet, li
                 + (f" ({t.dropped} longer than data.max_seq_len - rollout.max_completion_length)" if t.dropped else "")
             )
         at = (len(train), len(t), len(held), len(h))
-        sources.append(PromptSource(src.shown_name, src.weight, *at, t.dropped + h.dropped))
+        sources.append(SourcePart(src.shown_name, src.weight, *at, dropped=t.dropped + h.dropped))
         train.extend(t)
         held.extend(h)
     return train, held, sources

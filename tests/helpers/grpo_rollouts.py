@@ -12,6 +12,19 @@ from pathlib import Path
 
 import torch
 
+# The small GRPO run of the step oracles: tiny-llama, 4 prompts x 4 completions a step, the reward
+# of `rewards_tiny.ids_mod_5` (it differs between one prompt's completions).
+SMALL = [
+    "resources.num_workers=1",
+    "rollout.max_completion_length=12",
+    "data.max_seq_len=96",
+    "lora.r=4",
+    "lora.alpha=8",
+    "rollout.num_generations=4",
+    "batch.global_batch_size=16",
+    f"reward.functions=[{{fn: '{Path(__file__).resolve().parent / 'rewards_tiny.py'}:ids_mod_5'}}]",
+]
+
 
 def likely_eos(job) -> None:
     """The frozen head's EOS row made a copy of the row of the token the model likes most after a

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from gradtools import ROOT, grads, perturb_lora_b, rel_err, spawn
+from grpo_rollouts import SMALL as GRPO_SMALL
 from grpo_rollouts import completion_logps, likely_eos, off_engine_run, save_tiny_base, use_off_engine
 
 from jobs.spec import load_spec
@@ -30,14 +31,7 @@ from jobs.train.step import train_window
 SPEC = ROOT / "examples" / "tiny-grpo.yaml"
 CAP = 3.0
 SMALL = [
-    "resources.num_workers=1",
-    "rollout.max_completion_length=12",
-    "data.max_seq_len=96",
-    "lora.r=4",
-    "lora.alpha=8",
-    "rollout.num_generations=4",
-    "batch.global_batch_size=16",
-    f"reward.functions=[{{fn: '{ROOT / 'tests' / 'helpers' / 'rewards_tiny.py'}:ids_mod_5'}}]",
+    *GRPO_SMALL,
     "rollout.engine=vllm",
     "rollout.vllm_url=http://127.0.0.1:9",  # never asked: `use_off_engine` answers instead
 ]

@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from gradtools import ROOT, final_adapter, reference_run, spawn
+from grpo_rollouts import SMALL as GRPO_SMALL
 from grpo_rollouts import assert_same_rollouts
 from runs import metric_lines, write_jsonl
 
@@ -35,15 +36,8 @@ DEMO = ROOT / "examples" / "tiny-grpo.yaml"
 TINY = [r for r in map(json.loads, (ROOT / "examples" / "data" / "tiny.jsonl").read_text().splitlines())]
 TINY = [r for r in TINY if len(r["prompt"]) <= 80]
 SMALL = [
-    "resources.num_workers=1",
-    "rollout.max_completion_length=12",
-    "data.max_seq_len=96",
-    "lora.r=4",
-    "lora.alpha=8",
-    "rollout.num_generations=4",
-    "batch.global_batch_size=16",
+    *GRPO_SMALL,
     "data.eval_fraction=0.1",
-    f"reward.functions=[{{fn: '{ROOT / 'tests' / 'helpers' / 'rewards_tiny.py'}:ids_mod_5'}}]",
 ]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from gradtools import ROOT, grads, perturb_lora_b, rel_err
+from grpo_rollouts import SMALL as GRPO_SMALL
 from grpo_rollouts import assert_same_rollouts, completion_logps, likely_eos
 
 from jobs.objectives.grpo import STATS
@@ -23,16 +24,7 @@ from jobs.train.loop import make_engine, set_up
 from jobs.train.step import train_window
 
 SPEC = ROOT / "examples" / "tiny-grpo.yaml"
-SMALL = [
-    "resources.num_workers=1",
-    "rollout.max_completion_length=12",
-    "data.max_seq_len=96",
-    "lora.r=4",
-    "lora.alpha=8",
-    "rollout.num_generations=4",
-    "batch.global_batch_size=16",
-    f"reward.functions=[{{fn: '{ROOT / 'tests' / 'helpers' / 'rewards_tiny.py'}:ids_mod_5'}}]",
-]
+SMALL = GRPO_SMALL
 
 
 def step_grads(tmp: Path, *overrides: str, eos: bool = False):
