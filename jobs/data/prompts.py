@@ -11,13 +11,12 @@ another question than the record does.
 Held-out prompts are `data.eval_path`'s, or `data.eval_fraction` of `data.path`'s records chosen as
 `jobs.data.read_records` chooses SFT's. A mixture (`data.mix`) is its sources' prompts side by side,
 source i's training prompts at `[offset_i, offset_i + n_i)` (`jobs.data.SourcePart`, with no
-cache entry), each source split into
-training and held-out prompts as it would be as a run's only data (its own `eval_path`, or
-`data.eval_fraction` of its records); the rollout batches draw prompts from the sources by weight
-(`jobs.data.mixture.MixtureBatches`, the rule SFT's mixtures use). Prompts are few and short
-beside SFT corpora, so they are not written to the token cache: every rank reads and tokenizes the
-same records in the same order (a pure function of the files, the spec and the tokenizer), which
-is what makes step k's prompts the same on every rank.
+cache entry), each source split into training and held-out prompts as it would be as a run's
+only data (its own `eval_path`, or `data.eval_fraction` of its records); the rollout batches draw
+prompts from the sources by weight (`jobs.data.mixture.MixtureBatches`, the rule SFT's mixtures
+use). Prompts are few and short beside SFT corpora, so they are not written to the token cache:
+every rank reads and tokenizes the same records in the same order (a pure function of the files,
+the spec and the tokenizer), which is what makes step k's prompts the same on every rank.
 """
 
 from __future__ import annotations

@@ -64,12 +64,12 @@ def source_sums(rewards: list[float], indices: Sequence[int], offsets: Sequence[
     return out
 
 
-def mean_of(total: torch.Tensor, count: torch.Tensor) -> float:
+def mean_of(total: torch.Tensor | float, count: torch.Tensor | float) -> float:
     """A (sum, count) pair's mean; NaN where nothing was scored."""
     return float(total / count) if count else math.nan
 
 
 def means(sums: torch.Tensor, labels: Sequence[str]) -> dict[str, float]:
     """TRL's names: `reward` and `rewards/<name>/mean` (NaN where nothing was scored)."""
-    mean = [s / n if n else math.nan for s, n in sums.tolist()]
+    mean = [mean_of(s, n) for s, n in sums]
     return {"reward": mean[-1], **{f"rewards/{label}/mean": m for label, m in zip(labels, mean, strict=False)}}
