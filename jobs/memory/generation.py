@@ -14,21 +14,24 @@ One generation batch of g rows, left-padded to P prompt tokens, sampling C token
 * the KV cache: 2 (keys, values) x layers x kv_heads x head_dim x positions x g x the compute
   dtype's bytes, at P positions after the prefill and P + C - 1 at the last step (the last
   sampled token is never fed back);
-* at the prefill (g x P tokens through one no-grad forward): the residual stream's [N, hidden]
-  tensors, per-row RoPE tables (fp32, and their compute-dtype copies under autocast), the [g, 1,
-  P, P] boolean padding mask, and the widest of a layer's MLP (gate, up and their product, one
-  more with an adapter on `up_proj`) or its attention (GQA: k and v repeated to every head,
-  as transformers does with a mask);
+* at the prefill (the first P - 1 tokens of the d distinct prompts among the g rows through one
+  no-grad forward -- a GRPO group's rows share their prompt's, `HFEngine._shared_prefill`): the
+  residual stream's [N, hidden] tensors, per-row RoPE tables (fp32, and their compute-dtype copies
+  under autocast), the [d, 1, P - 1, P - 1] boolean padding mask, and the widest of a layer's MLP
+  (gate, up and their product, one more with an adapter on `up_proj`) or its attention (GQA: k and
+  v repeated to every head, as transformers does with a mask); then that cache copied to the g
+  rows, both alive at once;
 * at a decode step: the cache's concatenation (the old and the new tensor of one layer at once),
-  k and v repeated to every head (GQA), or the sampler's scores over the vocabulary -- the
+  k and v repeated to every head (GQA, where transformers repeats them for a single query token:
+  `decode_repeats_kv`), or the sampler's scores over the vocabulary -- the
   logits in the compute dtype, their fp32 copy, the warped scores, the Gumbel noise and the
   scores of this step and the last (`SAMPLER_FP32_COPIES`, more with top-k / top-p) -- and the
   growing ids and mask;
 * under autocast, the compute-dtype copies of the LoRA weights (autocast caches the cast of
   every leaf that requires grad until the region ends: all of them by the last step).
 
-Pure arithmetic on a `ModelShape`: no I/O, no torch. Checked on CPU against the live storages
-of `HFEngine.generate` (tests/unit/memory/test_generation_memory.py).
+Arithmetic on a `ModelShape` (no I/O, no torch) and one probe of the installed transformers.
+Checked on CPU against the live storages of `HFEngine.generate` (tests/unit/memory/test_generation_memory.py).
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ from jobs.memory.shapes import FP32_BYTES, INDEX_BYTES, ModelShape, count_base_p
 # of the logits, the warped scores, the stacked Gumbel noise, this step's scores and the last
 # step's (freed only when the name is rebound).
 SAMPLER_FP32_COPIES = 5
+# [g, V] fp32 tensors of the last step's sampler still alive through a decode step's forward (the
+# names `generate` rebinds only after it): measured at the cache's last concatenation, where a
+# decode step peaks when k and v are not repeated to every head (`decode_repeats_kv`).
+SAMPLER_LEFTOVER_FP32 = 4
 # Bytes a logit beyond those: top-k's boolean mask (its masked copy replaces the warped scores);
 # top-p's sort (values and int64 order), softmax, cumulative sum, the probability above each
 # token and its boolean masks, alive inside the warp (measured on CPU: 21 bytes a logit).
@@ -106,8 +113,12 @@ class Rollout:
     old_logprobs: bool = False
     engine: Engine | None = None  # the vLLM server rank 0 starts beside its training (none: hf, vllm_url)
 
+    num_generations: int = 1  # rows that share one prompt (consecutive: a group)
+
     def batch(self, rows: int) -> Generation:
-        return Generation(rows, self.prompt_tokens, self.completion_tokens, self.top_k, self.top_p)
+        # `rows` consecutive completions of groups of G: at most ceil((rows - 1) / G) + 1 prompts
+        prompts = min(rows, -(-(rows - 1) // self.num_generations) + 1)
+        return Generation(rows, self.prompt_tokens, self.completion_tokens, self.top_k, self.top_p, prompts)
 
     @property
     def old_logprobs_rows(self) -> int:
@@ -124,6 +135,12 @@ class Generation:
     completion_tokens: int
     top_k: bool = False  # rollout.top_k > 0
     top_p: bool = False  # rollout.top_p < 1
+    prompts: int | None = None  # distinct prompts among the rows (None: every row its own)
+
+    @property
+    def prefilled(self) -> int:
+        """Rows of the prefill's forward: one per distinct prompt."""
+        return min(self.rows, self.prompts or self.rows)
 
     @property
     def positions(self) -> int:
@@ -160,34 +177,46 @@ def generation_terms(
     """The parts of one generation batch's peak (module doc)."""
     kv = kv_cache_bytes(shape, gen.rows, gen.positions, act_bytes)
     sampler = sampler_bytes(shape, gen, act_bytes)
+    leftover = SAMPLER_LEFTOVER_FP32 * gen.rows * shape.vocab * FP32_BYTES
     return GenerationTerms(
         kv_cache=kv,
         prefill=prefill_bytes(shape, gen, act_bytes, autocast, up_adapted),
-        decode=kv + ids_bytes(gen) + max(sampler, decode_layer_bytes(shape, gen, act_bytes)),
+        decode=kv + ids_bytes(gen) + max(sampler, decode_layer_bytes(shape, gen, act_bytes) + leftover),
         sampler=sampler,
         lora_copies=lora_params * act_bytes if autocast else 0,
     )
 
 
 def prefill_bytes(shape: ModelShape, gen: Generation, act_bytes: int, autocast: bool, up_adapted: bool) -> int:
-    """The prefill's widest moment: the cache of every layer at P positions, the residual stream,
-    RoPE tables, the padding mask, and the widest of a layer's MLP and attention."""
-    g, P, a = gen.rows, gen.prompt_tokens, act_bytes
-    N = g * P
+    """The prefill's widest moment: its forward over the distinct prompts' first P - 1 tokens (their
+    cache, the residual stream, RoPE tables, the padding mask, the widest of a layer's MLP and
+    attention), or that cache beside its copy to every row."""
+    d, P, a = gen.prefilled, max(2, gen.prompt_tokens) - 1, act_bytes
+    N = d * P
     stream = (4 if shape.layers > 1 else 3) * N * shape.hidden * a
     rope = 2 * N * (shape.rotary_dims or shape.head_dim) * (FP32_BYTES + (a if autocast else 0))
-    mask = g * P * P + 3 * N * INDEX_BYTES  # the boolean mask; the ids, position ids and their copy
+    mask = d * P * P + 3 * N * INDEX_BYTES  # the boolean mask; the ids, position ids and their copy
     mlp = ((3 if shape.family == "llama" else 2) + up_adapted) * N * shape.intermediate * a
     attention = N * (shape.q_dim + 2 * shape.heads * shape.head_dim + shape.q_dim) * a
-    return kv_cache_bytes(shape, g, P, a) + stream + rope + mask + max(mlp, attention)
+    forward = kv_cache_bytes(shape, d, P, a) + stream + rope + mask + max(mlp, attention)
+    return max(forward, kv_cache_bytes(shape, d + gen.rows, P, a))
 
 
 def decode_layer_bytes(shape: ModelShape, gen: Generation, act_bytes: int) -> int:
     """A decode step's widest moment in a layer beyond the cache: the concatenation's old tensor
     beside the new one, or (GQA) k and v repeated to every head."""
     old = gen.rows * shape.kv_dim * (gen.positions - 1) * act_bytes
-    repeated = 2 * gen.rows * shape.q_dim * gen.positions * act_bytes if shape.heads != shape.kv_heads else 0
-    return max(old, repeated)
+    repeated = 2 * gen.rows * shape.q_dim * gen.positions * act_bytes
+    return max(old, repeated if shape.heads != shape.kv_heads and decode_repeats_kv() else 0)
+
+
+def decode_repeats_kv() -> bool:
+    """Whether transformers' SDPA attention repeats k and v to every head for one query token under
+    a padding mask: releases without `pack_gqa` do (the GPU machine's 5.17); 5.25 packs the query
+    onto the key/value heads instead."""
+    from transformers.integrations import sdpa_attention
+
+    return not hasattr(sdpa_attention, "pack_gqa")
 
 
 def sampler_bytes(shape: ModelShape, gen: Generation, act_bytes: int) -> int:

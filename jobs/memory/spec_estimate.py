@@ -68,6 +68,7 @@ def spec_rollout(spec: JobSpec) -> Rollout | None:
         batch_size=r.generation_batch_size,
         top_k=r.top_k > 0,
         top_p=r.top_p < 1,
+        num_generations=r.num_generations,
         in_process=r.engine == "hf",
         # the trainer's log-probs of the sampled ids: the old ones (num_iterations > 1), or beside
         # the engine's (vLLM returns its own: `engine_logprob_gap`, `importance_correction`)

@@ -141,8 +141,9 @@ def cut_at_eos(new_ids: Sequence[int], eos_ids: Sequence[int], max_len: int) -> 
 
 class HFEngine:
     """In-process generation with the policy being trained (`rollout.engine: hf`): left-padded
-    batches of `batch_size` requests through `model.generate` with a KV cache, in eval mode
-    (dropout off; the mode is restored after). Its log-probs would be the trainer's own: none returned."""
+    batches of `batch_size` requests through `model.generate` with a KV cache prefilled once per
+    distinct prompt (`_shared_prefill`), in eval mode (dropout off; the mode is restored after).
+    Its log-probs would be the trainer's own: none returned."""
 
     returns_logprobs = False
 
@@ -169,10 +170,8 @@ class HFEngine:
     def _batch(self, requests: Sequence[Request], sampling: Sampling) -> list[Completion]:
         from transformers import GenerationConfig, LogitsProcessorList
 
-        width = max(len(r.prompt_ids) for r in requests)
         device = next(self.model.parameters()).device
-        ids = torch.tensor([[self.pad] * (width - len(r.prompt_ids)) + list(r.prompt_ids) for r in requests])
-        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in requests])
+        ids, mask = (t.to(device) for t in left_padded([r.prompt_ids for r in requests], self.pad))
         config = GenerationConfig(
             max_new_tokens=sampling.max_completion_length,
             do_sample=False,
@@ -182,12 +181,55 @@ class HFEngine:
         # temperature 0: greedy (held-out evaluation); else each row's draw from its own seed
         processors = [] if sampling.temperature == 0 else [SeededSampler([r.seed for r in requests], sampling)]
         gen = self.model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
+            input_ids=ids,
+            attention_mask=mask,
             generation_config=config,
             logits_processor=LogitsProcessorList(processors),
             synced_gpus=self.synced,
+            **{cache_keyword(self.model): self._shared_prefill([r.prompt_ids for r in requests], ids, mask)},
         )
-        rows = gen[:, width:].tolist()
+        rows = gen[:, ids.shape[1] :].tolist()
         cut = [cut_at_eos(row, self.eos, sampling.max_completion_length) for row in rows]
         return [Completion(r.prompt_index, r.sample_index, c, t) for r, (c, t) in zip(requests, cut, strict=True)]
+
+    def _shared_prefill(self, prompts: list[tuple[int, ...]], ids: torch.Tensor, mask: torch.Tensor):
+        """The KV cache of every row's prompt but its last token, computed once per distinct prompt
+        (a GRPO group's `num_generations` rows share one: a step's prefill shrinks that many times)
+        and copied to each row; `generate` then feeds the last prompt token and samples. Its values
+        are a plain prefill's up to the floating point of the forward's batch shape. One forward
+        whatever the prompts (under FSDP every rank must run as many)."""
+        from transformers import DynamicCache
+
+        distinct = list(dict.fromkeys(prompts))
+        first = torch.tensor([prompts.index(p) for p in distinct], device=ids.device)
+        head_mask = mask[first, :-1]
+        cache = DynamicCache(config=self.model.config)
+        self.model(
+            input_ids=ids[first, :-1],
+            attention_mask=head_mask,
+            position_ids=(head_mask.cumsum(-1) - 1).masked_fill(head_mask == 0, 1),  # as `generate` numbers them
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_keyword(self.model): cache},
+        )
+        rows = torch.tensor([distinct.index(p) for p in prompts], device=ids.device)
+        cache.reorder_cache(rows)  # type: ignore[arg-type]  # an int64 tensor: the LongTensor asked for
+        return cache
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) [B, W] of the prompts left-padded to the longest, W at least 2 (the
+    shared prefill takes all but the last position)."""
+    width = max(2, *(len(p) for p in prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def cache_keyword(model) -> str:
+    """The keyword transformers takes a KV cache by: `cache` from the release that deprecated
+    `past_key_values` (5.2x), `past_key_values` before (the GPU machine's 5.17)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"

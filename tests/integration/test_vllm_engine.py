@@ -36,6 +36,9 @@ MAX_SEQ_LEN = 96
 LORA_R = 4
 KV_CACHE_BYTES = 64 * 2**20  # the module's server (a run's own gets the memory plan's)
 SPEC = ROOT / "examples" / "tiny-grpo.yaml"
+# The engine's log-probs against the trainer's over 3 steps of 2 runs (seen up to 1.0e-5: fp32, vLLM
+# batching the ranks' requests its own way); the adapter one step stale is over 1e-3 away.
+SAME_ADAPTER_GAP = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -108,30 +111,31 @@ class Seen:
         monkeypatch.setattr(VLLMEngine, "generate", generate_seen)
 
 
+def grpo_overrides(base: Path, out: Path, *more: str) -> list[str]:
+    return [
+        f"model.name={base}",
+        "resources.num_workers=1",
+        f"data.max_seq_len={MAX_SEQ_LEN}",
+        "rollout.max_completion_length=12",
+        "rollout.num_generations=4",
+        "batch.global_batch_size=16",
+        "batch.micro_batch_size=8",
+        f"lora.r={LORA_R}",
+        "lora.alpha=8",
+        "optim.lr=0.02",
+        "optim.warmup_steps=0",
+        "run.max_steps=2",
+        "run.checkpoint_every=0",
+        f"reward.functions=[{{fn: '{ROOT / 'tests' / 'helpers' / 'rewards_tiny.py'}:ids_mod_5'}}]",
+        f"run.output_dir={out}",
+        *more,
+    ]
+
+
 def grpo_spec(base: Path, out: Path, *more: str):
     from jobs.spec import load_spec
 
-    return load_spec(
-        SPEC,
-        [
-            f"model.name={base}",
-            "resources.num_workers=1",
-            f"data.max_seq_len={MAX_SEQ_LEN}",
-            "rollout.max_completion_length=12",
-            "rollout.num_generations=4",
-            "batch.global_batch_size=16",
-            "batch.micro_batch_size=8",
-            f"lora.r={LORA_R}",
-            "lora.alpha=8",
-            "optim.lr=0.02",
-            "optim.warmup_steps=0",
-            "run.max_steps=2",
-            "run.checkpoint_every=0",
-            f"reward.functions=[{{fn: '{ROOT / 'tests' / 'helpers' / 'rewards_tiny.py'}:ids_mod_5'}}]",
-            f"run.output_dir={out}",
-            *more,
-        ],
-    )
+    return load_spec(SPEC, grpo_overrides(base, out, *more))
 
 
 def test_each_step_samples_with_its_own_adapter_and_trains_the_engines_ids(server, base, tmp_path, monkeypatch):
@@ -221,6 +225,41 @@ def test_a_server_that_cannot_start_is_one_line_with_its_last_words(tmp_path):
         VLLMServer.start(ServerSettings(str(tmp_path / "no-model"), "fp32", MAX_SEQ_LEN, LORA_R, KV_CACHE_BYTES, 300))
 
 
+def test_two_ranks_on_one_engine_train_the_steps_one_rank_trains(server, base, tmp_path):
+    """Under DDP every rank sends its own share of the step's requests to the one engine: 2 gloo
+    ranks x 2 accumulation x 4 give the 1 x 1 x 16 run's completions (each drawn from its own seed,
+    whichever rank asks and whatever vLLM batches it with), its losses, rewards and adapter -- the
+    split oracle with the engine in the loop. Both runs record the engine's log-probs against the
+    trainer's (`engine_logprob_gap/max`, the largest over every rank's completions): under
+    `SAME_ADAPTER_GAP`, so each rank sampled with the adapter of the step, not the one before."""
+    from gradtools import final_adapter, reference_run, rel_err, spawn
+    from grpo_rollouts import assert_same_rollouts
+    from runs import metric_lines
+
+    steps, runs = 3, {}
+    for w, m in ((1, 16), (2, 4)):
+        out = tmp_path / f"W{w}m{m}"
+        more = ["rollout.engine=vllm", f"rollout.vllm_url={server.url}", "rollout.importance_correction=true"]
+        more += [f"resources.num_workers={w}", f"batch.micro_batch_size={m}", f"run.max_steps={steps}"]
+        overrides = grpo_overrides(base, out, *more)
+        if w == 1:
+            reference_run(0, 1, str(SPEC), overrides, str(out))
+        else:
+            spawn(reference_run, w, tmp_path / "spawn", str(SPEC), overrides, str(out))
+        rollouts = [(out / "rollouts" / f"step-{k:06d}.jsonl").read_text() for k in range(1, steps + 1)]
+        runs[w] = (metric_lines(out), final_adapter(out), rollouts)
+    (one_metrics, one_adapter, one_rollouts), (two_metrics, two_adapter, two_rollouts) = runs[1], runs[2]
+    assert len({line["loss"] for line in one_metrics}) == steps  # the policy moved every step
+    for got, want in zip(two_rollouts, one_rollouts, strict=True):
+        # each line's engine-vs-trainer gap is float noise (~1e-6) of two computations: bounded, not compared
+        assert_same_rollouts(*(without_gaps(text) for text in (got, want)))
+    for got, want in zip(two_metrics, one_metrics, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+        assert got["reward"] == want["reward"]
+        assert max(got["engine_logprob_gap/max"], want["engine_logprob_gap/max"]) < SAME_ADAPTER_GAP, (got, want)
+    assert rel_err(two_adapter, one_adapter) < 1e-4
+
+
 def test_a_killed_server_is_named_with_its_exit(server):
     # last in the module: it stops the module's server
     engine = VLLMEngine(server.url, 30, [258], server=server)
@@ -228,3 +267,11 @@ def test_a_killed_server_is_named_with_its_exit(server):
     server.stop()
     with pytest.raises(RunError, match=r"^vLLM engine at .*: /v1/completions failed: .*; the server exited with code"):
         engine.generate([Request(0, 0, (1, 2, 3), 5)], Sampling(4))
+
+
+def without_gaps(rollouts: str) -> str:
+    """rollouts/step-N.jsonl without each line's `engine_logprob_gap`, after checking it is under 1e-5."""
+    lines = [json.loads(line) for line in rollouts.splitlines()]
+    gaps = [line.pop("engine_logprob_gap")["max"] for line in lines]
+    assert max(gaps) < SAME_ADAPTER_GAP, gaps
+    return "\n".join(json.dumps(line) for line in lines)

@@ -10,6 +10,7 @@ import json
 
 from gradtools import ROOT
 
+from jobs.rollout import held_out
 from jobs.spec import load_spec
 from jobs.train.context import LocalContext
 from jobs.train.loop import train
@@ -52,3 +53,26 @@ def test_the_run_and_rayft_eval_score_the_held_out_prompts_alike(tmp_path, capsy
     held = round(0.05 * 256)  # data.eval_fraction of the 256 records; the longest prompts dropped, counted
     assert result["prompts"] + result["dropped"] == held and result["prompts"] > 0
     assert "exact_match" not in adapter  # no exact_match function
+
+
+def test_rayft_eval_generates_in_the_batches_the_run_generated_in(tmp_path, monkeypatch, capsys):
+    """Greedy answers depend, in the last bits of the logits, on which rows are left-padded together:
+    rayft eval replays the run's held-out batches (each rank's share in micro-batches), not batches
+    of its own size, so the trained adapter's answers are the run's."""
+    from orchestrator.cli import main
+
+    calls: list[list[int]] = []
+    real = held_out.greedy
+
+    def spy(engine, prompts, indices, max_completion_length):
+        calls.append(list(indices))
+        return real(engine, prompts, indices, max_completion_length)
+
+    monkeypatch.setattr(held_out, "greedy", spy)
+    overrides = [*RUN, "batch.micro_batch_size=4", "run.max_steps=1", f"run.output_dir={tmp_path / 'run'}"]
+    train(load_spec(SPEC, overrides), LocalContext(on_progress=lambda r: None), resume=False)
+    run_batches, calls[:] = list(calls), []
+    assert len(run_batches) > 1 and max(map(len, run_batches)) == 4  # the held-out prompts span batches
+    assert main(["eval", str(SPEC), *overrides]) == 0
+    capsys.readouterr()
+    assert calls == run_batches * 2  # the base, then the trained adapter, each in the run's batches

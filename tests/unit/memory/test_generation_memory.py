@@ -115,7 +115,8 @@ def measure(gc: GenCase, observe_cache: bool) -> dict:
 def estimated(gc: GenCase) -> generation.GenerationTerms:
     case = gc.case()
     shape = memory.model_shape(case.config())
-    gen = generation.Generation(gc.rows, gc.prompt, gc.completion, gc.top_k > 0, gc.top_p < 1)
+    # `measure`'s prompts: three distinct ones (gc.prompt, gc.prompt - 1, gc.prompt - 2 tokens)
+    gen = generation.Generation(gc.rows, gc.prompt, gc.completion, gc.top_k > 0, gc.top_p < 1, min(gc.rows, 3))
     lora = memory.count_lora_params(shape, case.r, case.targets)
     dtype = memory.DTYPE_BYTES[case.dtype]
     return generation.generation_terms(shape, gen, dtype, case.dtype != "fp32", lora, "up_proj" in case.targets)
@@ -218,9 +219,9 @@ def test_the_chosen_batch_is_the_largest_within_the_training_peak():
 
 
 def test_one_completion_at_a_time_when_nothing_more_fits():
-    """A vocabulary so wide that one completion's sampler outweighs the training step: batch 1, and
+    """A completion so long that one completion's generation outweighs the training step: batch 1, and
     the total is generation's."""
-    long = dataclasses.replace(ROLLOUT, prompt_tokens=2, completion_tokens=4000)
+    long = dataclasses.replace(ROLLOUT, prompt_tokens=2, completion_tokens=12000)
     est = _estimate(long)
     assert est.details["generation"]["generation_batch_size"] == 1
     assert est.peak_allocated_bytes == est.static_bytes + est.components["generation"]

@@ -175,7 +175,7 @@ CASES += [
 GRPO = {
     "grpo": (),
     "grpo-mu2": ("objective.num_iterations=2",),
-    "grpo-gen-peak": ("rollout.generation_batch_size=8", "batch.micro_batch_size=1"),
+    "grpo-gen-peak": ("rollout.generation_batch_size=8", "batch.micro_batch_size=1", "rollout.num_generations=2"),
 }
 CASES += [
     Case(device, "auto", budget, where, overrides, GRPO_SPEC, family=name)
@@ -419,7 +419,8 @@ def test_tune_and_rayft_estimate_agree_with_the_plan(case):
 
 
 def _generation_peak_spec() -> JobSpec:
-    """tiny-grpo on a GPU where generation (8 completions at once beside micro-batch 1) is the peak."""
+    """tiny-grpo on a GPU where generation (8 completions at once, 2 per prompt, beside micro-batch 1)
+    is the peak."""
     return Case("cuda", "auto", None, "no_budget", GRPO["grpo-gen-peak"], GRPO_SPEC).spec()
 
 

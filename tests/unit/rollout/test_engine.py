@@ -7,6 +7,7 @@ while generating and the training mode is restored."""
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -67,6 +68,28 @@ def test_a_completion_does_not_depend_on_the_batch_that_generates_it(model):
     assert len({c.ids for c in together}) > len(PROMPTS)  # the samples of a prompt differ
     later = engine(model).generate(requests_for(PROMPTS, [0, 1, 2], 0, 1, 2), SAMPLING)
     assert [c.ids for c in later] != [c.ids for c in together]  # another step, another draw
+
+
+def test_each_distinct_prompt_is_prefilled_once_and_the_draw_is_a_plain_generates(model, monkeypatch):
+    """A GRPO group's rows share their prompt's prefill: a batch's first forward runs over its
+    distinct prompts only (3 rows for 3 prompts x 4 samples, left-padded), every later one over all
+    12 rows, and the completions are those `model.generate` draws prefilling every row itself."""
+    reqs = requests_for(PROMPTS, [0, 1, 2], run_seed=0, step=0, num_generations=4)
+    rows: list[int] = []
+    forward = model.forward
+
+    @functools.wraps(forward)  # `generate` reads the signature (`logits_to_keep`)
+    def counted(*args, **kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    shared = engine(model).generate(reqs, SAMPLING)
+    assert rows[0] == len(PROMPTS) and set(rows[1:]) == {len(reqs)}
+    monkeypatch.setattr(HFEngine, "_shared_prefill", lambda self, prompts, ids, mask: None)  # generate's own
+    rows.clear()
+    plain = engine(model).generate(reqs, SAMPLING)
+    assert set(rows) == {len(reqs)} and plain == shared
 
 
 def test_a_completion_ends_at_its_first_eos_or_is_truncated(model):
