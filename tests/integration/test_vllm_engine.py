@@ -229,7 +229,9 @@ def test_two_ranks_on_one_engine_train_the_steps_one_rank_trains(server, base, t
     """Under DDP every rank sends its own share of the step's requests to the one engine: 2 gloo
     ranks x 2 accumulation x 4 give the 1 x 1 x 16 run's completions (each drawn from its own seed,
     whichever rank asks and whatever vLLM batches it with), its losses, rewards and adapter -- the
-    split oracle with the engine in the loop. Both runs record the engine's log-probs against the
+    split oracle with the engine in the loop. The loss is the trainer's alone (no
+    `rollout.importance_correction`: its weights would carry vLLM's log-probs, which move in their
+    last bits with how vLLM batches the ranks' requests). Both runs record the engine's log-probs against the
     trainer's (`engine_logprob_gap/max`, the largest over every rank's completions): under
     `SAME_ADAPTER_GAP`, so each rank sampled with the adapter of the step, not the one before."""
     from gradtools import final_adapter, reference_run, rel_err, spawn
@@ -239,7 +241,7 @@ def test_two_ranks_on_one_engine_train_the_steps_one_rank_trains(server, base, t
     steps, runs = 3, {}
     for w, m in ((1, 16), (2, 4)):
         out = tmp_path / f"W{w}m{m}"
-        more = ["rollout.engine=vllm", f"rollout.vllm_url={server.url}", "rollout.importance_correction=true"]
+        more = ["rollout.engine=vllm", f"rollout.vllm_url={server.url}"]
         more += [f"resources.num_workers={w}", f"batch.micro_batch_size={m}", f"run.max_steps={steps}"]
         overrides = grpo_overrides(base, out, *more)
         if w == 1:
