@@ -16,6 +16,7 @@ import torch
 
 from jobs.data import chat_prompt_ids, encode_prompt, read_jsonl
 from jobs.model.loading import load_base_model, without_peft_alias_notice
+from jobs.rollout.engine import left_padded
 from jobs.run import mirror, run_hold
 from jobs.run.outputs import check_output_dir, claim_output_dir, write_json_atomic
 from jobs.run.remote_run import fetch, local_run
@@ -31,9 +32,8 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
     pad = tokenizer.pad_token_id
     for start in range(0, len(prompts), batch_size):
         enc = [p if isinstance(p, list) else encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
-        width = max(len(e) for e in enc)
-        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])
-        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        ids, mask = left_padded(enc, pad)
+        width = ids.shape[1]
         gen = model.generate(
             input_ids=ids,
             attention_mask=mask,

@@ -81,10 +81,9 @@ def run_layout(n: int, spec: JobSpec) -> list[list[int]]:
 def greedy_as_the_run(engine: HFEngine, prompts, spec: JobSpec) -> list:
     """Every held-out prompt's greedy completion, by prompt index, generated batch by batch in
     `run_layout` (padding changes a row's logits in the last bits: the same batches, the same ids)."""
-    assert spec.rollout is not None
     done = [
         c
         for idx in run_layout(len(prompts), spec)
-        for c in held_out.greedy(engine, prompts, idx, spec.rollout.max_completion_length)
+        for c in held_out.greedy(engine, prompts, idx, spec.online.rollout.max_completion_length)
     ]
     return sorted(done, key=lambda c: c.prompt_index)

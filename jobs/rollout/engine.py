@@ -171,7 +171,9 @@ class HFEngine:
         from transformers import GenerationConfig, LogitsProcessorList
 
         device = next(self.model.parameters()).device
-        ids, mask = (t.to(device) for t in left_padded([r.prompt_ids for r in requests], self.pad))
+        prompts = [r.prompt_ids for r in requests]
+        # at least 2 wide: the shared prefill takes all but the last position
+        ids, mask = (t.to(device) for t in left_padded(prompts, self.pad, min_width=2))
         config = GenerationConfig(
             max_new_tokens=sampling.max_completion_length,
             do_sample=False,
@@ -186,7 +188,7 @@ class HFEngine:
             generation_config=config,
             logits_processor=LogitsProcessorList(processors),
             synced_gpus=self.synced,
-            **{cache_keyword(self.model): self._shared_prefill([r.prompt_ids for r in requests], ids, mask)},
+            **{cache_keyword(self.model): self._shared_prefill(prompts, ids, mask)},
         )
         rows = gen[:, ids.shape[1] :].tolist()
         cut = [cut_at_eos(row, self.eos, sampling.max_completion_length) for row in rows]
@@ -217,10 +219,9 @@ class HFEngine:
         return cache
 
 
-def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask) [B, W] of the prompts left-padded to the longest, W at least 2 (the
-    shared prefill takes all but the last position)."""
-    width = max(2, *(len(p) for p in prompts))
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int, min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) [B, W] of the prompts left-padded to the longest, W at least `min_width`."""
+    width = max(min_width, *(len(p) for p in prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     return ids, mask
