@@ -84,7 +84,8 @@ def check_lora_rank(spec: JobSpec) -> None:
 
 def check_local_workers(spec: JobSpec, local: bool) -> None:
     """`--local` runs one worker per process: `resources.num_workers` > 1 needs torchrun (which
-    sets WORLD_SIZE), refused here rather than after the model has loaded."""
+    sets WORLD_SIZE), and a separate vLLM engine needs Ray to place it: both refused here rather
+    than after the model has loaded."""
     if not local:
         return
     world = os.environ.get("WORLD_SIZE")
@@ -97,6 +98,12 @@ def check_local_workers(spec: JobSpec, local: bool) -> None:
         )
     if world is not None and world != str(n):
         raise SpecError(f"resources.num_workers={n} but WORLD_SIZE={world}: start as many processes as workers")
+    r = spec.rollout
+    if r is not None and r.engine == "vllm" and not r.vllm_url and r.vllm_placement == "separate":
+        raise SpecError(
+            "rollout.vllm_placement=separate with --local: without Ray nothing places an engine on resources "
+            "of its own (rank 0 starts it beside itself); run on Ray, or leave rollout.vllm_placement unset"
+        )
 
 
 def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = False, address: str | None = None):

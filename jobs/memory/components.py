@@ -255,7 +255,8 @@ def estimate(
     before the forward (`BEFORE_FORWARD_COMPONENTS`). The vLLM server rank 0 starts
     (`rollout.engine`) adds `vllm_engine` (`generation.engine_terms`, parts in
     `details["vllm_engine"]`): another process on the device, in `total_bytes`, not in the
-    trainer's `peak_allocated_bytes`.
+    trainer's `peak_allocated_bytes` -- when colocated; a separate engine (`rollout.vllm_placement`)
+    is only in the details, its `per_device` bytes judged against its own devices.
     """
     _check_arguments(
         base_dtype=base_dtype,
@@ -329,7 +330,8 @@ def estimate(
     engine = None
     if rollout is not None and rollout.engine is not None:
         engine = engine_terms(shape, rollout.engine, step.act_bytes, CUDA_CONTEXT_BYTES if device == "cuda" else 0)
-        components["vllm_engine"] = engine["total"]
+        if engine["colocated"]:  # a separate engine is on devices of its own: not in this one's total
+            components["vllm_engine"] = engine["total"]
     details = {
         "params": count_base_params(shape),
         "lora_params": count_lora_params(shape, lora_r, step.targets, dora=lora_dora),

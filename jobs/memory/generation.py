@@ -76,6 +76,8 @@ class Engine:
     max_len: int
     lora_rank: int
     kv_cache_bytes: int | None = None
+    colocated: bool = True  # on rank 0's device (`rollout.vllm_placement`); else on devices of its own
+    devices: int = 1  # a separate engine's GPUs (tensor parallel), 1 on CPUs: the total is split over them
 
 
 def engine_terms(shape: ModelShape, engine: Engine, act_bytes: int, context_bytes: int) -> dict[str, int]:
@@ -91,7 +93,10 @@ def engine_terms(shape: ModelShape, engine: Engine, act_bytes: int, context_byte
     if kv is None:
         kv = kv_cache_bytes(shape, engine.sequences, round_up(engine.max_len, VLLM_BLOCK_TOKENS), act_bytes)
     total = weights + lora + kv + context_bytes
-    return {"weights": weights, "lora_slot": lora, "kv_cache": kv, "context": context_bytes, "total": total}
+    terms = {"weights": weights, "lora_slot": lora, "kv_cache": kv, "context": context_bytes, "total": total}
+    # a separate engine's own devices: each holds its share of the weights and cache, and a context
+    per_device = (weights + lora + kv) // engine.devices + context_bytes
+    return terms | {"colocated": int(engine.colocated), "devices": engine.devices, "per_device": per_device}
 
 
 @dataclass(frozen=True)

@@ -55,13 +55,20 @@ class MemoryPlan:
 
     @property
     def vllm_engine(self) -> dict | None:
-        """The vLLM server rank 0 starts beside its training, by part in bytes (`weights`,
-        `lora_slot`, `kv_cache`, `context`, `total`: `generation.engine_terms`); None without one."""
+        """The vLLM server rayft starts, by part in bytes (`weights`, `lora_slot`, `kv_cache`,
+        `context`, `total`, and where: `colocated`, `devices`, `per_device`:
+        `generation.engine_terms`); None without one."""
         return self.estimate.details.get("vllm_engine")
 
     @property
     def fits(self) -> bool:
-        return self.budget_gib is None or self.total_gib <= self.budget_gib
+        """The training device's total within the budget, and a separate vLLM engine's share on
+        each of its own devices too (one budget: every GPU of the run is alike)."""
+        if self.budget_gib is None:
+            return True
+        engine = self.vllm_engine
+        apart = 0 if engine is None or engine["colocated"] else engine["per_device"] / 2**30
+        return self.total_gib <= self.budget_gib and apart <= self.budget_gib
 
     @property
     def checkpointing(self) -> str:

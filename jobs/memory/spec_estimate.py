@@ -84,10 +84,14 @@ def spec_engine(spec: JobSpec) -> Engine | None:
     r = spec.rollout
     if r is None or r.engine != "vllm" or r.vllm_url:
         return None
+    from jobs.rollout.vllm_host import separate_gpus  # the GPUs a separate engine is given
     from jobs.rollout.vllm_server import lora_rank_bound  # the flag the server is started with
 
     explicit = None if r.vllm_kv_cache_gib is None else int(r.vllm_kv_cache_gib * 2**30)
-    return Engine(spec.batch.global_batch_size, spec.data.max_seq_len, lora_rank_bound(spec.lora.r), explicit)
+    colocated = r.vllm_placement == "colocate"
+    devices = 1 if colocated else max(1, separate_gpus(r, spec.resources.use_gpu))
+    rank = lora_rank_bound(spec.lora.r)
+    return Engine(spec.batch.global_batch_size, spec.data.max_seq_len, rank, explicit, colocated, devices)
 
 
 def estimate_of_spec(

@@ -57,8 +57,11 @@ class VLLMEngine:
 
     returns_logprobs = True
 
-    def __init__(self, url: str, timeout_s: float, eos_token_ids: Sequence[int], server: Any = None):
+    def __init__(
+        self, url: str, timeout_s: float, eos_token_ids: Sequence[int], server: Any = None, api_key: str | None = None
+    ):
         self.url, self.timeout_s, self.eos, self.server = url.rstrip("/"), timeout_s, tuple(eos_token_ids), server
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.name = f"vLLM engine at {shown_url(self.url)}"
         self.version: str | None = None
         self.sync_metrics: dict[str, float] = {}  # rank 0: the last adapter sync's time and bytes
@@ -114,7 +117,7 @@ class VLLMEngine:
 
     def post(self, path: str, body: dict, what: str | None = None) -> dict:
         data = json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}{path}", data, {"Content-Type": "application/json"})
+        req = urllib.request.Request(f"{self.url}{path}", data, {"Content-Type": "application/json", **self._headers})
         text = self.call(req, what or path)
         try:
             return json.loads(text)
@@ -138,9 +141,7 @@ class VLLMEngine:
 
     def server_state(self) -> str:
         """`; <the server's exit and last log line>` when rayft's server has exited, else ''."""
-        if self.server is None or self.server.process.poll() is None:
-            return ""
-        return f"; the server exited with code {self.server.process.returncode}: {self.server.last_line()}"
+        return "" if self.server is None else self.server.exit_note()
 
 
 def sampled(choice: dict) -> tuple[list[int], tuple[float, ...]]:

@@ -55,9 +55,9 @@ def env_problem() -> str | None:
     return None
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -71,7 +71,9 @@ class ServerSettings:
     """What the server is started with: the base (a local directory vLLM loads), its dtype
     (rayft's precision), the context length, the adapters' rank and the KV cache the memory plan
     gave it (`jobs.memory.generation.engine_terms`: `rollout.vllm_kv_cache_gib`, or every
-    completion of a step at once)."""
+    completion of a step at once); where it listens (loopback, or its node's address when the
+    run's ranks reach it through Ray), the API key its `/v1` routes ask for (passed in its
+    environment, never on its command line), the devices it sees and its tensor-parallel size."""
 
     model: str
     precision: str
@@ -79,6 +81,10 @@ class ServerSettings:
     lora_rank: int
     kv_cache_bytes: int
     start_timeout_s: float = 600.0
+    host: str = "127.0.0.1"
+    api_key: str | None = field(default=None, repr=False)
+    visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the server (colocated: rank 0's)
+    tensor_parallel: int = 1
 
 
 def command(env: Path, settings: ServerSettings, port: int) -> list[str]:
@@ -87,7 +93,7 @@ def command(env: Path, settings: ServerSettings, port: int) -> list[str]:
         "-m",
         "vllm.entrypoints.openai.api_server",
         f"--model={settings.model}",
-        "--host=127.0.0.1",
+        f"--host={settings.host}",
         f"--port={port}",
         f"--dtype={DTYPES[settings.precision]}",
         f"--max-model-len={settings.max_model_len}",
@@ -98,11 +104,17 @@ def command(env: Path, settings: ServerSettings, port: int) -> list[str]:
         "--max-loras=1",
         "--max-cpu-loras=2",  # the new version is loaded before the old one is unloaded
         "--disable-uvicorn-access-log",
+        *([f"--tensor-parallel-size={settings.tensor_parallel}"] if settings.tensor_parallel > 1 else []),
     ]
 
 
-def environment(env: Path) -> dict[str, str]:
+def environment(env: Path, settings: ServerSettings) -> dict[str, str]:
     out = dict(os.environ)
+    out.pop("VLLM_API_KEY", None)
+    if settings.api_key:
+        out["VLLM_API_KEY"] = settings.api_key
+    if settings.visible_devices is not None:
+        out["CUDA_VISIBLE_DEVICES"] = settings.visible_devices
     out.update(
         LD_PRELOAD=str(iomp_library(env)),
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
@@ -135,7 +147,7 @@ class VLLMServer:
         problem = env_problem()
         if problem:
             raise RunError(f"rollout.engine=vllm: {problem}")
-        env, port = vllm_env(), free_port()
+        env, port = vllm_env(), free_port(settings.host)
         log_path = Path(tempfile.mkdtemp(prefix="rayft-vllm-")) / "server.log"
         t0 = time.perf_counter()
         with open(log_path, "wb") as log:
@@ -144,11 +156,11 @@ class VLLMServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=environment(env),
+                env=environment(env, settings),
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
-        server = cls(process, f"http://127.0.0.1:{port}", log_path)
+        server = cls(process, f"http://{settings.host}:{port}", log_path)
         atexit.register(server.stop)
         server.wait_ready(settings.start_timeout_s)
         server.started_s = time.perf_counter() - t0
@@ -187,6 +199,12 @@ class VLLMServer:
         except OSError:
             return "(no log)"
         return lines[-1].strip()[-300:] if lines else "(empty log)"
+
+    def exit_note(self) -> str:
+        """`; the server exited with code N: <its last log line>` once it has exited, else ''."""
+        if self.process.poll() is None:
+            return ""
+        return f"; the server exited with code {self.process.returncode}: {self.last_line()}"
 
     def stop(self) -> None:
         """SIGTERM to the server's process group (vLLM shuts its children down), SIGKILL after 15 s."""

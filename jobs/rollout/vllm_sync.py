@@ -9,19 +9,20 @@ generates (`from_rank0`: a broadcast of its outcome, so a refusal is every rank'
 and every request of step k names `step-k`: no completion of step k comes from step k-1's adapter.
 
 Under DDP every rank sends its own requests to the one engine rank 0 started (or to
-`rollout.vllm_url`). The adapter's files must be readable where the engine runs: the engine rayft
-starts runs beside rank 0; a `rollout.vllm_url` engine must see rank 0's disk.
+`rollout.vllm_url`). The adapter's files reach the engine's own disk as bytes
+(`jobs.rollout.vllm_host`: on Ray through its actor, wherever `rollout.vllm_placement` put it); a
+`rollout.vllm_url` engine must see rank 0's disk.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import shutil
+import secrets
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from jobs.errors import RunError
 from jobs.rollout.vllm_engine import VLLMEngine
+from jobs.rollout.vllm_host import ActorHost, LocalHost, start_actor_host
 from jobs.rollout.vllm_server import ServerSettings, VLLMServer
 
 if TYPE_CHECKING:
@@ -65,14 +67,15 @@ def adapter_state(model) -> dict:
     return {k: v.detach().to("cpu").contiguous() for k, v in full.items()}
 
 
-def write_adapter(model, state: dict, directory: Path) -> int:
-    """The adapter in PEFT's format in `directory`; returns the bytes written."""
-    from safetensors.torch import save_file
+def adapter_files(model, state: dict) -> dict[str, bytes]:
+    """The adapter in PEFT's format, as the files' bytes: what reaches the engine's disk."""
+    from safetensors.torch import save
 
-    directory.mkdir(parents=True)
-    save_file(state, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-    model.peft_config[model.active_adapter].save_pretrained(str(directory))
-    return sum(f.stat().st_size for f in directory.iterdir())
+    files = {"adapter_model.safetensors": save(state, metadata={"format": "pt"})}
+    with tempfile.TemporaryDirectory(prefix="rayft-adapter-config-") as d:
+        model.peft_config[model.active_adapter].save_pretrained(d)
+        files["adapter_config.json"] = (Path(d) / "adapter_config.json").read_bytes()
+    return files
 
 
 def version_of(step: int) -> str:
@@ -82,12 +85,12 @@ def version_of(step: int) -> str:
 
 @dataclass
 class VLLMRollout:
-    """One run's engine (`engine`, a `RolloutEngine`), the server rayft started (None for a
-    `rollout.vllm_url`), and rank 0's directory of adapter versions."""
+    """One run's engine (`engine`, a `RolloutEngine`) and, on rank 0, where it lives (`host`, a
+    `jobs.rollout.vllm_host` host: the adapters' files go there)."""
 
     engine: VLLMEngine
-    server: VLLMServer | None = None
-    root: Path | None = None
+    host: LocalHost | ActorHost | None = None
+    stops_engine: bool = True  # rayft started it (False: the user's rollout.vllm_url)
 
     def at_step(self, model, ctx, step: int) -> VLLMEngine:
         """The engine, serving optimizer step `step`'s adapter (loaded now if it is not yet)."""
@@ -99,31 +102,30 @@ class VLLMRollout:
         return self.engine
 
     def publish(self, model, state: dict, version: str) -> None:
-        """Rank 0: write, load `version`, unload the previous one; timed."""
-        assert self.root is not None
+        """Rank 0: the files to the engine's disk, load `version`, unload the previous one; timed."""
+        assert self.host is not None
         t0 = time.perf_counter()
-        written = write_adapter(model, state, self.root / version)
-        self.engine.load(version, str(self.root / version))
+        files = adapter_files(model, state)
+        self.engine.load(version, self.host.put(version, files))
         previous = self.engine.version
         if previous is not None:
             self.engine.unload(previous)
-            shutil.rmtree(self.root / previous, ignore_errors=True)
-        seconds = time.perf_counter() - t0
-        self.engine.sync_metrics = {"time/adapter_sync_s": seconds, "adapter_sync_bytes": float(written)}
-        log.info("%s: adapter %s loaded (%d bytes, %.0f ms)", self.engine.name, version, written, 1000 * seconds)
+            self.host.drop(previous)
+        seconds, sent = time.perf_counter() - t0, sum(len(b) for b in files.values())
+        self.engine.sync_metrics = {"time/adapter_sync_s": seconds, "adapter_sync_bytes": float(sent)}
+        log.info("%s: adapter %s loaded (%d bytes, %.0f ms)", self.engine.name, version, sent, 1000 * seconds)
 
     def close(self) -> None:
         """When the run ends (`GRPO.release`), at the latest when the process exits: stops the
-        server rayft started (its log goes with it), or has the user's `rollout.vllm_url` engine
+        engine rayft started (its log goes with it), or has the user's `rollout.vllm_url` engine
         unload the run's last version (a later run or a resume loads its own names there); removes
         the adapter versions' files. Rank 0 only does anything."""
-        if self.server is not None:
-            self.server.stop()
-            shutil.rmtree(self.server.log_path.parent, ignore_errors=True)
-        elif self.root is not None:
+        host, self.host = self.host, None
+        if host is None:
+            return
+        if not self.stops_engine:
             self.unload_last()
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
+        host.stop()
 
     def unload_last(self) -> None:
         """The version the user's engine still holds unloaded; an engine gone already is left be."""
@@ -139,24 +141,40 @@ class VLLMRollout:
 
 def connect(spec: JobSpec, ctx, job, eos_ids) -> VLLMRollout:
     """Rank 0 starts the engine (or checks that `rollout.vllm_url` answers); every rank gets a
-    client of it."""
-    r, started = spec.online.rollout, []
+    client of it, and the API key of an engine rayft started (in memory only: never logged)."""
+    r, hosts = spec.online.rollout, list[LocalHost | ActorHost]()
 
-    def start() -> str:
+    def start() -> tuple[str, str | None]:
         if r.vllm_url:
             VLLMEngine(r.vllm_url, r.vllm_timeout_s, eos_ids).check()
-            return r.vllm_url
-        server = VLLMServer.start(server_settings(spec, job))
-        started.append(server)
-        log.info("vLLM server at %s started in %.1f s (log: %s)", server.url, server.started_s, server.log_path)
-        return server.url
+            hosts.append(LocalHost())
+            return r.vllm_url, None
+        settings = replace(server_settings(spec, job), api_key=secrets.token_urlsafe(32))
+        host = start_host(spec, ctx, settings)
+        hosts.append(host)
+        log.info("vLLM engine %s started", host.where())
+        return host_url(host), settings.api_key
 
-    url = from_rank0(ctx, start)
-    server = started[0] if started else None
-    root = Path(tempfile.mkdtemp(prefix="rayft-adapters-")) if ctx.is_main else None
-    rollout = VLLMRollout(VLLMEngine(url, r.vllm_timeout_s, eos_ids, server), server, root)
+    url, api_key = from_rank0(ctx, start)
+    host = hosts[0] if hosts else None
+    engine = VLLMEngine(url, r.vllm_timeout_s, eos_ids, host if not r.vllm_url else None, api_key)
+    rollout = VLLMRollout(engine, host, stops_engine=not r.vllm_url)
     atexit.register(rollout.close)
     return rollout
+
+
+def start_host(spec: JobSpec, ctx, settings: ServerSettings) -> LocalHost | ActorHost:
+    """On Ray, an `EngineActor` placed by `rollout.vllm_placement`; without Ray, rank 0's subprocess."""
+    if ctx.on_ray:
+        return start_actor_host(spec.online.rollout, spec.resources.use_gpu, settings)
+    return LocalHost(VLLMServer.start(settings))
+
+
+def host_url(host: LocalHost | ActorHost) -> str:
+    if isinstance(host, ActorHost):
+        return host.url
+    assert host.server is not None
+    return host.server.url
 
 
 def server_settings(spec: JobSpec, job) -> ServerSettings:

@@ -32,7 +32,7 @@ class RolloutSpec(SpecSection):
     vllm_url: str | None = None
     """`engine: vllm`: the URL of a vLLM OpenAI-compatible server the user runs (started with
     `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, the same base, and a view of rank
-    0's disk, where the adapters are written); unset: rank 0 starts one on loopback."""
+    0's disk, where the adapters are written); unset: rayft starts one (`vllm_placement`)."""
     vllm_timeout_s: float = Field(300.0, gt=0, le=86_400)
     """`engine: vllm`: seconds one request (a completion, an adapter load) may wait for the engine."""
     vllm_start_timeout_s: float = Field(600.0, gt=0, le=86_400)
@@ -43,6 +43,20 @@ class RolloutSpec(SpecSection):
     at once, `batch.global_batch_size` sequences of `data.max_seq_len` tokens. The memory plan
     counts the server beside rank 0's training (`vllm_engine`: the base's weights in the run's
     precision, one adapter slot and this cache), so vLLM never takes its default 90% of the device."""
+    vllm_placement: Literal["colocate", "separate"] = "colocate"
+    """`engine: vllm` without `vllm_url`, on Ray: where the engine rayft starts runs, as a Ray actor.
+    `colocate`: on rank 0's node, sharing its device (rank 0's GPU on a GPU cluster), its memory
+    counted in that device's total by the memory plan. `separate`: on resources of its own
+    (`vllm_num_gpus`, `vllm_num_cpus`), wherever Ray finds them, its memory counted against its own
+    device. Either way the adapter reaches it as bytes through Ray (never a shared disk) and only
+    the run's ranks hold its API key. A run without Ray (`--local`) starts the server as a
+    subprocess of rank 0 (`colocate` only)."""
+    vllm_num_gpus: int | None = Field(None, ge=0, le=64)
+    """`vllm_placement: separate`: the engine's own GPUs (vLLM's tensor-parallel size when above 1).
+    Unset: 1 with `resources.use_gpu`, else 0 (a CPU engine)."""
+    vllm_num_cpus: float = Field(1.0, gt=0, le=1024)
+    """`vllm_placement: separate`: the engine's own logical CPUs (a colocated engine holds none: it
+    shares rank 0's)."""
     num_generations: int = Field(8, le=1024)
     """Completions sampled per prompt (the group its advantages are normalized over), at least 2;
     `batch.global_batch_size` (completions) must be a multiple of it."""
@@ -232,10 +246,25 @@ def _vllm_problem(spec: Any, rollout: RolloutSpec) -> str | None:
     if spec.lora.use_dora or spec.lora.init in ("pissa", "olora"):
         what = "lora.use_dora" if spec.lora.use_dora else f"lora.init={spec.lora.init} (it rewrites the base)"
         return f"rollout.engine=vllm serves a plain LoRA adapter on the saved base: {what} is not one"
-    if rollout.vllm_url and rollout.vllm_kv_cache_gib is not None:
+    return _placement_problem(rollout)
+
+
+def _placement_problem(rollout: RolloutSpec) -> str | None:
+    """Settings of the engine rayft starts given beside `rollout.vllm_url`, or a separate
+    engine's size given to a colocated one."""
+    placed = [k for k in ("vllm_kv_cache_gib", "vllm_num_gpus") if getattr(rollout, k) is not None]
+    placed += ["vllm_placement"] if rollout.vllm_placement != "colocate" else []
+    placed += ["vllm_num_cpus"] if rollout.vllm_num_cpus != 1.0 else []
+    if rollout.vllm_url and placed:
         return (
-            "rollout.vllm_kv_cache_gib sizes the server rank 0 starts: the engine at rollout.vllm_url "
-            "is sized by whoever started it; leave one of the two unset"
+            f"rollout.{placed[0]} applies to the engine rayft starts: the engine at rollout.vllm_url "
+            "is placed and sized by whoever started it; leave one of the two unset"
+        )
+    sized = [k for k in ("vllm_num_gpus", "vllm_num_cpus") if k in placed]
+    if rollout.vllm_placement == "colocate" and sized:
+        return (
+            f"rollout.{sized[0]} sizes an engine of its own: with rollout.vllm_placement=colocate it shares "
+            "rank 0's device; set rollout.vllm_placement=separate or leave it unset"
         )
     return None
 
@@ -247,8 +276,11 @@ def _vllm_only(rollout: RolloutSpec) -> str | None:
             "rollout.importance_correction applies to rollout.engine=vllm: with engine=hf the completions "
             "are sampled by the trained policy itself (no engine log-probs, nothing to correct)"
         )
-    if rollout.vllm_kv_cache_gib is not None:
-        return "rollout.vllm_kv_cache_gib applies to rollout.engine=vllm (the server rank 0 starts)"
+    for key in ("vllm_kv_cache_gib", "vllm_num_gpus"):
+        if getattr(rollout, key) is not None:
+            return f"rollout.{key} applies to rollout.engine=vllm (the engine rayft starts)"
+    if rollout.vllm_placement != "colocate" or rollout.vllm_num_cpus != 1.0:
+        return "rollout.vllm_placement and rollout.vllm_num_cpus apply to rollout.engine=vllm (the engine rayft starts)"
     return "rollout.vllm_url applies to rollout.engine=vllm" if rollout.vllm_url else None
 
 

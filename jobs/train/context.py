@@ -25,6 +25,7 @@ class Context:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    on_ray: bool = False  # a Ray Train worker: Ray places what the run starts (a vLLM engine)
 
     def report(self, metrics: dict) -> None:
         """Called by every rank at the same points (checkpoint steps and the end)."""

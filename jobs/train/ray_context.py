@@ -17,6 +17,8 @@ from jobs.train.context import Context
 
 
 class RayContext(Context):
+    on_ray = True
+
     def __init__(self, progress_actor: Any = None) -> None:
         tc = ray.train.get_context()
         self.rank = tc.get_world_rank()

@@ -140,6 +140,8 @@ def estimate_report(spec: JobSpec, budget, device: str, where: str) -> dict:
         "pairs": pairs,
         "smallest_budget_gib": smallest,
         "generation": generation_report(spec, plan),
+        # the vLLM engine rayft starts, by part in bytes and where (`colocated`, `devices`, `per_device`)
+        "vllm_engine": plan.vllm_engine,
     }
 
 
@@ -198,6 +200,7 @@ def cmd_estimate(args) -> int:
     con.print(t)
     used = checkpointing_str(rep["checkpoint_every_n_layers"])
     _print_generation(con, rep["generation"])
+    _print_separate_engine(con, rep["vllm_engine"], budget)
     _print_strategies(con, rep, budget)
     line = (
         f"total {gib_str(rep['total_gib'])} ({strategy_str(rep['strategy'], rep['reshard_after_forward'])}, "
@@ -250,6 +253,24 @@ def _print_generation(con, gen: dict | None) -> None:
         f"{gib_str(b['sampler'] / 1024**3)}), LoRA copies {gib_str(b['lora_copies'] / 1024**3)}; peak "
         f"{gib_str(b['peak_bytes'] / 1024**3)} beside the static memory, weighed against training's "
         "peak (not added)",
+        soft_wrap=True,
+    )
+
+
+def _print_separate_engine(con, engine: dict | None, budget) -> None:
+    """A vLLM engine on devices of its own (`rollout.vllm_placement: separate`): not a row of the
+    table (that is the training device's), its share on each of its devices against the budget."""
+    if engine is None or engine["colocated"]:
+        return
+    from tune.plan import gib_str
+
+    each = engine["per_device"] / 1024**3
+    verdict = "" if budget is None else (" [green]fits[/]" if each <= budget else " [red]exceeds[/]") + " the budget"
+    con.print(
+        f"[bold]vllm_engine[/] (rollout.vllm_placement=separate, on {engine['devices']} device(s) of its own, not in "
+        f"the total below): {gib_str(each)} per device (weights {gib_str(engine['weights'] / 1024**3)}, LoRA slot "
+        f"{gib_str(engine['lora_slot'] / 1024**3)}, KV cache {gib_str(engine['kv_cache'] / 1024**3)}, context "
+        f"{gib_str(engine['context'] / 1024**3)}){verdict}",
         soft_wrap=True,
     )
 

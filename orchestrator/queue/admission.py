@@ -99,14 +99,17 @@ class Demand:
     num_layers: int = 1  # decoder layers of the model (the checkpointing candidates)
     plan_table: dict | None = None  # jobs.memory.plan_table: estimates by strategy and checkpointing
     gpus_per_worker: int = 1  # resources.gpus_per_worker: GPUs of one worker pod, on one node
+    # A separate vLLM engine (rollout.vllm_placement: separate): its own CPUs and GPUs, on one node
+    engine_cpus: float = 0.0
+    engine_gpus: int = 0
 
     @property
     def cpus(self) -> float:
-        return self.driver_cpus + self.num_workers * self.cpus_per_worker
+        return self.driver_cpus + self.num_workers * self.cpus_per_worker + self.engine_cpus
 
     @property
     def gpus(self) -> float:
-        return float(self.num_workers) if self.use_gpu else 0.0
+        return (float(self.num_workers) if self.use_gpu else 0.0) + self.engine_gpus
 
     @property
     def pod_gpus(self) -> int:
@@ -183,6 +186,7 @@ class Demand:
             budget_gib=spec.memory.budget_gib,
             gpus_per_worker=r.gpus_per_worker if r.use_gpu else 1,
         )
+        d.engine_cpus, d.engine_gpus = separate_engine(spec)
         if r.use_gpu:
             from jobs.memory import config_from_spec, model_shape, plan_table
 
@@ -263,7 +267,8 @@ def _first_fit(
     demand: Demand, nodes: list[Node], allowed: dict[str, bool], free: dict[str, tuple[float, float]]
 ) -> dict[str, tuple[float, float]] | None:
     """`free` after placing the job's worker pods first-fit (all of a pod's GPUs and CPUs on one
-    allowed node) and then the driver's CPU share anywhere; None when they do not all fit."""
+    allowed node), a separate vLLM engine's CPUs and GPUs on one node, and then the driver's CPU
+    share anywhere; None when they do not all fit."""
     pod_gpus = demand.pod_gpus
     pod_cpus = demand.cpus_per_worker * max(1, pod_gpus)
     free = dict(free)
@@ -275,6 +280,16 @@ def _first_fit(
                 break
         else:
             return None
+    if demand.engine_cpus or demand.engine_gpus:  # a separate vLLM engine: one actor, on one node
+        fits = [
+            n
+            for n in nodes
+            if min(free[n.node_id][0] - demand.engine_cpus, free[n.node_id][1] - demand.engine_gpus) >= -1e-9
+        ]
+        if not fits:
+            return None
+        c, g = free[fits[0].node_id]
+        free[fits[0].node_id] = (c - demand.engine_cpus, g - demand.engine_gpus)
     rest = demand.driver_cpus
     for n in nodes:  # the driver's share, wherever CPUs are left
         c, g = free[n.node_id]
@@ -433,3 +448,14 @@ def parse_gpu_memory(items: list[str]) -> dict[str, float]:
             raise UserError(f"--gpu-memory {item!r}: GiB must be positive")
         out[key.strip()] = gib
     return out
+
+
+def separate_engine(spec: JobSpec) -> tuple[float, int]:
+    """(CPUs, GPUs) of the vLLM engine a run starts on resources of its own (`rollout.vllm_placement:
+    separate`); (0, 0) for a colocated engine (it shares rank 0's), a user's `rollout.vllm_url`, or none."""
+    r = spec.rollout
+    if r is None or r.engine != "vllm" or r.vllm_url or r.vllm_placement != "separate":
+        return 0.0, 0
+    from jobs.rollout.vllm_host import separate_gpus
+
+    return r.vllm_num_cpus, separate_gpus(r, spec.resources.use_gpu)

@@ -272,11 +272,13 @@ class LocalCluster:
             if n.cpu_total >= 1 and n.node_id != getattr(self, "head_id", None)
         ]
 
-    def add_node(self) -> subprocess.Popen:
-        """Start one more worker node and wait until it is alive; records its Ray node id."""
+    def add_node(self, cpus: int = 1, gpus: int = 0) -> subprocess.Popen:
+        """Start one more worker node (`gpus`: logical GPUs Ray hands out, none behind them) and
+        wait until it is alive; records its Ray node id."""
         self._stop_dead_nodes()
         before = set(self.wait_nodes(len(self._live())))
-        p = self._start([f"--address={self.address}", "--num-cpus=1"], f"node{len(self.nodes)}")
+        args = [f"--address={self.address}", f"--num-cpus={cpus}", f"--num-gpus={gpus}"]
+        p = self._start(args, f"node{len(self.nodes)}")
         self.nodes.append(p)
         (new,) = set(self.wait_nodes(len(before) + 1)) - before
         self.node_ids[p.pid] = new

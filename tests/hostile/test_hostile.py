@@ -647,3 +647,22 @@ def test_local_with_several_workers_is_refused_before_anything_loads(tmp_path, m
     spec = absolutize(load_spec(DEMO, [f"run.output_dir={out}"]))
     with pytest.raises(SpecError, match="torchrun"):
         run(spec, local=True)
+
+
+def test_local_with_a_separate_vllm_engine_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    """Without Ray nothing places an engine on resources of its own: `--local` refuses
+    `rollout.vllm_placement: separate` in one line, exit 2, before the model loads or anything is
+    written (the same spec colocated gets past this check)."""
+    from grpo_rollouts import save_tiny_base
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base, out = save_tiny_base(tmp_path / "base"), tmp_path / "out"
+    grpo = [str(ROOT / "examples" / "tiny-grpo.yaml"), f"model.name={base}", "rollout.engine=vllm"]
+    grpo += ["resources.num_workers=1"]
+    rc, err = _cli([*grpo, "rollout.vllm_placement=separate", f"run.output_dir={out}"])
+    _assert_one_line(rc, err, "rollout.vllm_placement=separate with --local", "run on Ray")
+    assert not out.exists()
+    from jobs.finetune import check_local_workers
+
+    check_local_workers(absolutize(load_spec(grpo[0], [*grpo[1:], f"run.output_dir={out}"])), local=True)

@@ -134,7 +134,7 @@ def _rendered_sets() -> list[tuple[str, list[dict]]]:
                 except SpecError:
                     continue  # does not fit: refusals are tested below
                 out.append((f"{sid}{tag}@{ov}", objs))
-    return out + _bucket_sets()
+    return out + _bucket_sets() + _engine_sets()
 
 
 # Outputs in a bucket (`object_storage`: no claim, a sized emptyDir per Ray pod, the driver and the
@@ -163,6 +163,21 @@ def _bucket_sets() -> list[tuple[str, list[dict]]]:
                 text_ = text if kind == "tune" else None
                 objs = k8s.render(validate_spec(d), overlay=ov, kind=kind, spec_text=text_, access=access)
                 out.append((f"{sid}{tag}@{ov}", objs))
+    return out
+
+
+def _engine_sets() -> list[tuple[str, list[dict]]]:
+    """The GRPO example with a vLLM engine on a GPU of its own (`rollout.vllm_placement: separate`),
+    on every overlay: a second worker group."""
+    out = []
+    for sid, spec, kind, _ in EXAMPLES:
+        if sid != "smollm2-grpo.yaml":
+            continue
+        for ov in OVERLAYS:
+            d = spec.to_dict()
+            d["rollout"].update(engine="vllm", vllm_placement="separate")
+            d["resources"]["use_gpu"] = ov != "dev-cpu"
+            out.append((f"{sid}+vllm-separate@{ov}", k8s.render(validate_spec(d), overlay=ov, kind=kind)))
     return out
 
 
@@ -1041,3 +1056,63 @@ def test_backend_reports_an_unreachable_api_server_in_one_line():
 )
 def test_job_state(status, suspend, state):
     assert k8s.job_state({"spec": {"suspend": suspend}, "status": status}) == state
+
+
+ENGINE_RENDERED = [(sid, objs) for sid, objs in RENDERED if "+vllm-separate" in sid]
+
+
+@pytest.mark.parametrize("sid,objs", ENGINE_RENDERED, ids=[r[0] for r in ENGINE_RENDERED])
+def test_a_separate_vllm_engine_gets_a_pod_of_its_own(sid, objs):
+    """`rollout.vllm_placement: separate`: the RayJob gets one more worker group, `vllm`, one pod with
+    the engine's GPU (1 on a GPU cluster, none on dev-cpu) and CPUs (`vllm_num_cpus` + 1), whose Ray
+    node alone offers `rayft_vllm_engine`; every pod's environment names that resource, so the
+    engine's actor asks for it and no training worker takes the engine's pod. The training group is
+    what it is without the engine. (CRDs, policy and CEL: the variant is in RENDERED.)"""
+    from jobs.rollout.vllm_host import ENGINE_RESOURCE, ENGINE_RESOURCE_ENV
+
+    rj = objs[1]
+    groups = {g["groupName"]: g for g in rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    on_gpu = not sid.endswith("@dev-cpu")
+    assert set(groups) == {"vllm", "gpu" if on_gpu else "cpu"}
+    engine = groups["vllm"]
+    assert engine["replicas"] == engine["minReplicas"] == engine["maxReplicas"] == 1
+    assert yaml.safe_load(yaml.safe_load(engine["rayStartParams"]["resources"])) == {ENGINE_RESOURCE: 1}
+    limits = engine["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits.get("nvidia.com/gpu") == ("1" if on_gpu else None)
+    assert engine["rayStartParams"].get("num-gpus") == ("1" if on_gpu else None)
+    assert limits["cpu"] == "2"  # vllm_num_cpus 1 + 1 for Ray's own
+    pods = [rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]] + [g["template"] for g in groups.values()]
+    for pod in pods:
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env[ENGINE_RESOURCE_ENV] == ENGINE_RESOURCE
+    # the same job generating in-process: the same training pods (count, Ray's view, resources, nodes)
+    d = next(s for name, s, _, _ in EXAMPLES if name == "smollm2-grpo.yaml").to_dict()
+    d["resources"]["use_gpu"] = on_gpu
+    (plain,) = k8s.render(validate_spec(d), overlay=sid.split("@")[1])[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+
+    def shape(group: dict) -> tuple:
+        pod = group["template"]["spec"]
+        return (
+            group["replicas"],
+            group["rayStartParams"],
+            pod["containers"][0]["resources"],
+            pod.get("tolerations"),
+            pod.get("nodeSelector"),
+        )
+
+    assert shape(groups[plain["groupName"]]) == shape(plain)
+
+
+def test_a_separate_engine_the_node_or_the_quota_cannot_hold_is_refused(tmp_path):
+    spec = next(s for sid, s, _, _ in EXAMPLES if sid == "smollm2-grpo.yaml").to_dict()
+    spec["rollout"].update(engine="vllm", vllm_placement="separate", vllm_num_gpus=64)
+    spec["resources"]["use_gpu"] = True
+    with pytest.raises(SpecError, match=r"rollout\.vllm_num_gpus=64: the engine's pod needs 64 GPU\(s\) on one node"):
+        k8s.render(validate_spec(spec), overlay="gpu")
+    spec["rollout"]["vllm_num_gpus"] = 1
+    node_type = yaml.safe_load((K8S / "overlays/gpu/node-type/node-type.yaml").read_text())
+    node_type["data"]["jobQuotaGpus"] = str(spec["resources"]["num_workers"])  # the trainer's GPUs, not the engine's
+    (tmp_path / "node-type").mkdir()
+    (tmp_path / "node-type/node-type.yaml").write_text(yaml.safe_dump(node_type))
+    with pytest.raises(SpecError, match=r"\+ rollout\.vllm_num_gpus=1: .*jobQuotaGpus"):
+        k8s.render(validate_spec(spec), overlay=tmp_path)

@@ -129,6 +129,32 @@ def test_gpus_per_worker_needs_whole_pods_on_one_node():
     assert Demand.from_json(json.dumps(old)).pods == 4
 
 
+def test_a_separate_vllm_engine_is_admitted_with_its_own_resources(tmp_path):
+    """`rollout.vllm_placement: separate`: the job holds the engine's GPUs and CPUs too, on one node
+    (a Ray actor cannot span nodes); a colocated engine or a user's URL adds nothing."""
+    from grpo_rollouts import save_tiny_base
+
+    engine = Demand(1, 1.0, True, gib_by_every={0: 10.0, 1: 5.0}, gc_mode="false", engine_cpus=2.0, engine_gpus=1)
+    assert (engine.cpus, engine.gpus) == (0.5 + 1.0 + 2.0, 2.0)  # the driver's, the worker's, the engine's
+    h100 = dict(gpu=1, type="H100", cpu=4)
+    ok, ever, why = reserve(engine, view(h100))  # the trainer's GPU, none for the engine
+    assert (ok, ever) == (False, False), why
+    assert reserve(engine, view(h100, dict(gpu=1, type="H100", cpu=4)))[0]
+    ok, ever, why = reserve(engine, view(h100, dict(gpu=1, type="H100", cpu=4, gpu_used=1)))
+    assert (ok, ever) == (False, True) and "needs 3.5 CPUs and 2 GPUs" in why, why
+    # the engine's CPUs and GPUs on one node: 1 GPU on each of two other nodes is no place for 2
+    two = Demand(1, 1.0, engine_cpus=1.0, engine_gpus=2, driver_cpus=0.0)
+    assert not reserve(two, view(dict(cpu=2), dict(cpu=1, gpu=1), dict(cpu=1, gpu=1)))[1]
+    assert reserve(two, view(dict(cpu=2), dict(cpu=1, gpu=2)))[0]
+    base = save_tiny_base(tmp_path / "base")
+    common = [f"model.name={base}", "rollout.engine=vllm", "data.max_seq_len=96", f"run.output_dir={tmp_path}/o"]
+    spec = ROOT / "examples" / "tiny-grpo.yaml"
+    apart = load_spec(spec, [*common, "rollout.vllm_placement=separate", "rollout.vllm_num_cpus=3"], files=False)
+    assert (Demand.from_spec(apart).engine_cpus, Demand.from_spec(apart).engine_gpus) == (3.0, 0)  # CPU training
+    colocated = Demand.from_spec(load_spec(spec, common, files=False))
+    assert (colocated.engine_cpus, colocated.engine_gpus) == (0.0, 0)
+
+
 def test_a_successful_fit_is_taken_off_the_view():
     v = view(dict(cpu=4))
     assert reserve(Demand(1, 1.0), v)[0]  # 1.5 CPUs

@@ -89,6 +89,41 @@ class WorkerPods:
         )
 
 
+@dataclass(frozen=True)
+class EnginePod:
+    """The pod of a separate vLLM engine (`rollout.vllm_placement: separate`): its own GPUs and
+    CPUs (one more for Ray's own processes, as a worker pod has), and the Ray resource
+    (`ENGINE_RESOURCE`) that only this pod's Ray node offers and the engine's actor asks for, so
+    that no training worker takes its place."""
+
+    gpus: int
+    cpus: float
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> EnginePod | None:
+        from orchestrator.queue.admission import separate_engine
+
+        cpus, gpus = separate_engine(spec)
+        return cls(gpus, math.ceil(cpus) + 1) if cpus or gpus else None
+
+
+def refuse_engine_unfit(spec: JobSpec, node: NodeType, where: str, engine: EnginePod | None) -> None:
+    """A separate engine's pod needs its GPUs and CPUs on one node of the type (SpecError)."""
+    if engine is None:
+        return
+    desc = f"overlay {node.overlay}'s node type {node.name}"
+    if engine.gpus > node.gpus_per_node:
+        raise SpecError(
+            f"{where}: rollout.vllm_num_gpus={engine.gpus}: the engine's pod needs {engine.gpus} GPU(s) on one "
+            f"node but {desc} has {node.gpus_per_node} GPU(s) per node"
+        )
+    if engine.cpus > node.cpus_per_node:
+        raise SpecError(
+            f"{where}: rollout.vllm_num_cpus: the engine's pod needs {cpu_quantity(engine.cpus)} CPUs (one more "
+            f"for Ray's own) but {desc} has {cpu_quantity(node.cpus_per_node)} CPUs per node"
+        )
+
+
 def refuse_unfit(spec: JobSpec, node: NodeType, where: str, pods: WorkerPods, plan: MemoryPlan | None) -> None:
     """Refuse (SpecError, both numbers named) a job one node of this type cannot hold: the node-fit
     rule (`node_fit.refusal`, the one queue admission applies) said as the spec's fields."""
@@ -137,15 +172,20 @@ def refuse_unfit(spec: JobSpec, node: NodeType, where: str, pods: WorkerPods, pl
     )
 
 
-def refuse_over_quota(spec: JobSpec, node: NodeType, where: str, pods: WorkerPods, kind: JobKind) -> None:
+def refuse_over_quota(
+    spec: JobSpec, node: NodeType, where: str, pods: WorkerPods, kind: JobKind, engine: EnginePod | None = None
+) -> None:
     """Kueue admits the RayJob only when all its GPUs fit the ClusterQueue's quota at once; more
     than the quota is never admitted, and Kueue says so nowhere: the RayJob waits suspended."""
     res = spec.resources
-    refusal_text = node.gpus_refusal(res.num_workers * pods.trials) if pods.gpus else ""
+    engine_gpus = engine.gpus if engine is not None else 0
+    gpus = (res.num_workers * pods.trials if pods.gpus else 0) + engine_gpus
+    refusal_text = node.gpus_refusal(gpus) if gpus else ""
     if refusal_text:
         asks = f"resources.num_workers={res.num_workers}" + (
             f" x search.max_concurrent_trials={pods.trials}" if kind.searches else ""
         )
+        asks += f" + rollout.vllm_num_gpus={engine_gpus}" if engine_gpus else ""
         raise SpecError(f"{where}: {asks}: {refusal_text}")
 
 

@@ -38,22 +38,26 @@ the first RayJob instead of starting a second one (`KubeRayBackend.submit` is id
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.errors import SpecError, UserError
+from jobs.rollout.vllm_host import ENGINE_RESOURCE, ENGINE_RESOURCE_ENV
 from jobs.run.storage import is_uri
 from jobs.spec import JobSpec
 
 from .job_fit import (
+    EnginePod,
     JobKind,
     WorkerPods,
     cpu_quantity,
     kind_of,
     refuse_bucket_spread,
+    refuse_engine_unfit,
     refuse_over_quota,
     refuse_unfit,
     refuse_words,
@@ -208,6 +212,11 @@ def _env(spec: JobSpec) -> list[Obj]:
             }
         )
     return env
+
+
+def _engine_env(engine: EnginePod | None) -> list[Obj]:
+    """Tells rank 0 the Ray resource the engine's pod offers (its actor asks for it)."""
+    return [] if engine is None else [{"name": ENGINE_RESOURCE_ENV, "value": ENGINE_RESOURCE}]
 
 
 def _storage(gib: float) -> Obj:
@@ -435,8 +444,9 @@ def _worker_pod_spec(node: NodeType, c: _Container, pods: WorkerPods) -> Obj:
     return spec
 
 
-def _worker_groups(node: NodeType, c: _Container, pods: WorkerPods) -> list[Obj]:
+def _worker_groups(node: NodeType, c: _Container, pods: WorkerPods, engine: EnginePod | None) -> list[Obj]:
     return [
+        *_engine_group(node, c, pods, engine),
         {
             "groupName": "gpu" if pods.gpus else "cpu",
             "replicas": pods.count,
@@ -446,6 +456,26 @@ def _worker_groups(node: NodeType, c: _Container, pods: WorkerPods) -> list[Obj]
             # is visible in the manifest and cannot drift from the pod's.
             "rayStartParams": {"num-gpus": str(pods.gpus)} if pods.gpus else {},
             "template": {"metadata": c.pod_metadata(), "spec": _worker_pod_spec(node, c, pods)},
+        },
+    ]
+
+
+def _engine_group(node: NodeType, c: _Container, pods: WorkerPods, engine: EnginePod | None) -> list[Obj]:
+    """One pod for a separate vLLM engine: a worker pod of its own size, whose Ray node alone
+    offers `ENGINE_RESOURCE` (the engine's actor asks for it: `jobs.rollout.vllm_host`)."""
+    if engine is None:
+        return []
+    shape = replace(pods, per_pod=max(1, engine.gpus), gpus=engine.gpus, cpus=engine.cpus, driver_cpus=0)
+    params = {"resources": json.dumps(json.dumps({ENGINE_RESOURCE: 1}))}
+    params |= {"num-gpus": str(engine.gpus)} if engine.gpus else {}
+    return [
+        {
+            "groupName": "vllm",
+            "replicas": 1,
+            "minReplicas": 1,
+            "maxReplicas": 1,
+            "rayStartParams": params,
+            "template": {"metadata": c.pod_metadata(), "spec": _worker_pod_spec(node, c, shape)},
         }
     ]
 
@@ -478,7 +508,14 @@ def _submitter(c: _Container) -> Obj:
 
 
 def _rayjob(
-    name: str, kind: JobKind, entrypoint: str, node: NodeType, c: _Container, pods: WorkerPods, metadata: Obj
+    name: str,
+    kind: JobKind,
+    entrypoint: str,
+    node: NodeType,
+    c: _Container,
+    pods: WorkerPods,
+    metadata: Obj,
+    engine: EnginePod | None = None,
 ) -> Obj:
     return {
         "apiVersion": f"{RAY_GROUP}/{RAY_VERSION_API}",
@@ -504,7 +541,7 @@ def _rayjob(
                 "authOptions": {"mode": "token"},
                 "enableInTreeAutoscaling": False,
                 "headGroupSpec": _head_group(node, c),
-                "workerGroupSpecs": _worker_groups(node, c, pods),
+                "workerGroupSpecs": _worker_groups(node, c, pods, engine),
             },
             "submitterPodTemplate": _submitter(c),
         },
@@ -551,7 +588,9 @@ def render(
     plan, plan_error = memory_plan_or_why(spec, node, bool(pods.gpus))  # the plan is per GPU
     refuse_unfit(spec, node, where, pods, plan)
     refuse_words(where, entrypoint_overrides)
-    refuse_over_quota(spec, node, where, pods, job_kind)
+    engine = EnginePod.of(spec)
+    refuse_engine_unfit(spec, node, where, engine)
+    refuse_over_quota(spec, node, where, pods, job_kind, engine)
 
     name = job_name(spec)
     image = image or node.image
@@ -568,14 +607,14 @@ def render(
     c = _Container(
         image,
         pull_policy(image),
-        _env(spec) + credential_env(storage),
+        _env(spec) + credential_env(storage) + _engine_env(engine),
         spec_configmap_name(name),
         {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name},
         storage,
     )
     rayjob_meta = meta.of(name, {QUEUE_LABEL: queue or DEFAULT_QUEUE})
     rayjob_meta["annotations"].update(outputs_annotation(storage))  # the policy: no claim, by intent
-    rayjob = _rayjob(name, job_kind, entrypoint, node, c, pods, rayjob_meta)
+    rayjob = _rayjob(name, job_kind, entrypoint, node, c, pods, rayjob_meta, engine)
     pdb = pod_disruption_budget(name, {RAY_NODE_LABEL: "true", CLUSTER_LABEL: name})
     pdb["metadata"] = {**meta.of(name), **{k: v for k, v in pdb["metadata"].items() if k != "name"}}
     objs = [configmap, rayjob, pdb]

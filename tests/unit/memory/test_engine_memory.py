@@ -9,6 +9,8 @@ render` see it), not in the trainer's own peak; the server is started with exact
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -93,7 +95,7 @@ def test_the_server_is_started_with_the_plans_kv_cache(base, monkeypatch):
     cmd = vllm_server.command(Path("/env"), settings, 8000)
     assert f"--kv-cache-memory-bytes={GIB // 2}" in cmd
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # vLLM's older CPU setting would override the flag
-    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_server.environment(Path("/env"))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_server.environment(Path("/env"), settings)
 
 
 @pytest.mark.parametrize(
@@ -104,11 +106,104 @@ def test_the_server_is_started_with_the_plans_kv_cache(base, monkeypatch):
             "rollout.vllm_kv_cache_gib applies to rollout.engine=vllm",
         ),
         (["rollout.vllm_url=http://127.0.0.1:9", "rollout.vllm_kv_cache_gib=1"], "leave one of the two unset"),
+        (["rollout.engine=hf", "rollout.vllm_placement=separate"], "rollout.vllm_placement and"),
+        (["rollout.engine=hf", "rollout.vllm_num_gpus=1"], "rollout.vllm_num_gpus applies to rollout.engine=vllm"),
+        (["rollout.vllm_url=http://127.0.0.1:9", "rollout.vllm_placement=separate"], "leave one of the two unset"),
+        (["rollout.vllm_url=http://127.0.0.1:9", "rollout.vllm_num_cpus=2"], "rollout.vllm_num_cpus applies to"),
+        (["rollout.vllm_num_gpus=2"], "with rollout.vllm_placement=colocate it shares rank 0's device"),
+        (["rollout.vllm_num_cpus=4"], "with rollout.vllm_placement=colocate it shares rank 0's device"),
+        (["rollout.vllm_placement=apart"], "rollout.vllm_placement"),
         (["rollout.vllm_kv_cache_gib=0"], "rollout.vllm_kv_cache_gib"),
         (["rollout.vllm_kv_cache_gib=-1"], "rollout.vllm_kv_cache_gib"),
         ([f"rollout.vllm_kv_cache_gib={math.inf}"], "rollout.vllm_kv_cache_gib"),
     ],
 )
-def test_a_kv_cache_setting_that_cannot_apply_is_refused(base, more, fragment):
+def test_an_engine_setting_that_cannot_apply_is_refused(base, more, fragment):
     with pytest.raises(SpecError, match=fragment.replace(".", r"\.")):
         spec_for(base, *more)
+
+
+def test_a_separate_engine_is_judged_on_its_own_devices_not_in_the_trainers_total(base):
+    """`rollout.vllm_placement: separate`: the trainer's device total is that of a user's engine (the
+    engine is not on it); the engine's weights and cache are split over its `vllm_num_gpus` devices,
+    each with its own CUDA context; the one budget judges the trainer's device and each engine device."""
+    colocated = plan_for_spec(spec_for(base), device="cuda", gpu_memory_gib=80)
+    apart = plan_for_spec(spec_for(base, "rollout.vllm_placement=separate"), device="cuda", gpu_memory_gib=80)
+    user = plan_for_spec(spec_for(base, "rollout.vllm_url=http://127.0.0.1:9"), device="cuda", gpu_memory_gib=80)
+    assert "vllm_engine" not in apart.estimate.components
+    assert apart.estimate.total_bytes == user.estimate.total_bytes < colocated.estimate.total_bytes
+    engine = apart.vllm_engine
+    assert (engine["colocated"], engine["devices"]) == (0, 1) and colocated.vllm_engine["colocated"] == 1
+    assert engine["per_device"] == engine["total"] == colocated.vllm_engine["total"]
+    two = plan_for_spec(
+        spec_for(base, "rollout.vllm_placement=separate", "rollout.vllm_num_gpus=2"), device="cuda", gpu_memory_gib=80
+    ).vllm_engine
+    shared = two["weights"] + two["lora_slot"] + two["kv_cache"]
+    assert two["devices"] == 2 and two["per_device"] == shared // 2 + CUDA_CONTEXT_BYTES
+    # one budget judges both devices: between the trainer's total and a big engine's share, the
+    # trainer fits and the engine does not
+    big = ("rollout.vllm_placement=separate", "rollout.vllm_kv_cache_gib=4")
+    trainer_gib = plan_for_spec(spec_for(base, *big), device="cuda", gpu_memory_gib=80).total_gib
+    engine_gib = plan_for_spec(spec_for(base, *big), device="cuda", gpu_memory_gib=80).vllm_engine["per_device"] / GIB
+    assert trainer_gib < engine_gib
+    between = f"memory.budget_gib={(trainer_gib + engine_gib) / 2:.6f}"
+    assert not plan_for_spec(spec_for(base, *big, between), device="cuda").fits
+    above = f"memory.budget_gib={engine_gib * 1.01:.6f}"
+    assert plan_for_spec(spec_for(base, *big, above), device="cuda").fits
+
+
+def test_the_engine_actor_is_placed_as_the_spec_says(base):
+    """Colocated: on rank 0's node (not soft: never elsewhere), holding nothing (it shares rank 0's
+    CPUs and GPU); separate: its own CPUs and GPUs, 1 GPU by default on a GPU cluster, 0 on CPUs."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from jobs.rollout.vllm_host import actor_options
+
+    NODE = "ab" * 28  # a node id: 28 bytes in hex
+    rollout = spec_for(base).online.rollout
+    options = actor_options(rollout, True, NODE)
+    strategy = options.pop("scheduling_strategy")
+    assert isinstance(strategy, NodeAffinitySchedulingStrategy) and (strategy.node_id, strategy.soft) == (
+        NODE,
+        False,
+    )
+    assert options == {"num_cpus": 0, "num_gpus": 0}
+    apart = spec_for(base, "rollout.vllm_placement=separate").online.rollout
+    assert actor_options(apart, True, NODE) == {"num_cpus": 1.0, "num_gpus": 1}
+    assert actor_options(apart, False, NODE) == {"num_cpus": 1.0, "num_gpus": 0}
+    sized = spec_for(base, "rollout.vllm_placement=separate", "rollout.vllm_num_gpus=4", "rollout.vllm_num_cpus=8")
+    assert actor_options(sized.online.rollout, True, NODE) == {"num_cpus": 8.0, "num_gpus": 4}
+
+
+def test_the_api_key_is_in_the_servers_environment_only(base, monkeypatch):
+    """The key of an engine rayft starts is in the server's environment (vLLM's VLLM_API_KEY), never
+    on its command line (`ps` shows that); a key the user's own environment holds is not passed on."""
+    spec = spec_for(base)
+    settings = server_settings(spec, SimpleNamespace(plan=plan_for_spec(spec, device="cpu"), precision="fp32"))
+    monkeypatch.setenv("VLLM_API_KEY", "the-users-own")
+    assert "VLLM_API_KEY" not in vllm_server.environment(Path("/env"), settings)
+    keyed = dataclasses.replace(settings, api_key="k3y", host="10.0.0.7", tensor_parallel=2)
+    assert vllm_server.environment(Path("/env"), keyed)["VLLM_API_KEY"] == "k3y"
+    cmd = vllm_server.command(Path("/env"), keyed, 8000)
+    assert not any("k3y" in a for a in cmd) and "k3y" not in repr(keyed)
+    assert "--host=10.0.0.7" in cmd and "--tensor-parallel-size=2" in cmd
+
+
+def test_rayft_estimate_shows_a_separate_engine_on_its_own_devices(base, capsys):
+    """`rayft estimate` of a separate engine: no `vllm_engine` row in the training device's table,
+    a line with its share per device and the budget's verdict on it; `--json` carries the parts."""
+    from orchestrator.cli import main
+
+    spec = SPEC.parent / "tiny-grpo.yaml"
+    common = [f"model.name={base}", "rollout.engine=vllm", "data.max_seq_len=96", "run.output_dir=/tmp/unused"]
+    apart = [*common, "rollout.vllm_placement=separate", "rollout.vllm_kv_cache_gib=2"]
+    assert main(["estimate", str(spec), *apart, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert "vllm_engine" not in rep["components"] and rep["vllm_engine"]["colocated"] == 0
+    assert rep["vllm_engine"]["kv_cache"] == 2 * GIB
+    assert main(["estimate", str(spec), *apart, "memory.budget_gib=1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "vllm_engine (rollout.vllm_placement=separate, on 1 device(s) of its own" in out
+    assert "exceeds the budget" in out  # 2 GiB of cache on a 1 GiB budget
+    assert main(["estimate", str(spec), *common]) == 0
+    assert "rollout.vllm_placement=separate" not in capsys.readouterr().out  # colocated: a row of the table
