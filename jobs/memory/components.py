@@ -155,9 +155,17 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> int:
         """The device's: the trainer's peak, what it holds outside the allocator, and the other
-        processes rayft puts on it (`OTHER_PROCESS_COMPONENTS`)."""
+        processes rayft puts on it (`OTHER_PROCESS_COMPONENTS`). A colocated vLLM engine that sleeps
+        while the trainer steps (`rollout.vllm_sleep`) is whole only while it generates, when the
+        trainer holds its static memory alone: the larger of the two moments."""
         other = sum(self.components.get(k, 0) for k in OTHER_PROCESS_COMPONENTS)
-        return self.peak_allocated_bytes + self.components.get("framework_overhead", 0) + other
+        overhead = self.components.get("framework_overhead", 0)
+        engine = self.details.get("vllm_engine") or {}
+        if engine.get("sleeps") and "vllm_engine" in self.components:
+            stepping = self.peak_allocated_bytes + engine["asleep"]
+            generating = self.static_bytes + self.components["vllm_engine"]
+            return max(stepping, generating) + overhead + other - self.components["vllm_engine"]
+        return self.peak_allocated_bytes + overhead + other
 
     @property
     def total_gib(self) -> float:

@@ -78,6 +78,7 @@ class Engine:
     kv_cache_bytes: int | None = None
     colocated: bool = True  # on rank 0's device (`rollout.vllm_placement`); else on devices of its own
     devices: int = 1  # a separate engine's GPUs (tensor parallel), 1 on CPUs: the total is split over them
+    sleeps: bool = False  # `rollout.vllm_sleep`: asleep while the trainer steps
 
 
 def engine_terms(shape: ModelShape, engine: Engine, act_bytes: int, context_bytes: int) -> dict[str, int]:
@@ -96,7 +97,11 @@ def engine_terms(shape: ModelShape, engine: Engine, act_bytes: int, context_byte
     terms = {"weights": weights, "lora_slot": lora, "kv_cache": kv, "context": context_bytes, "total": total}
     # a separate engine's own devices: each holds its share of the weights and cache, and a context
     per_device = (weights + lora + kv) // engine.devices + context_bytes
-    return terms | {"colocated": int(engine.colocated), "devices": engine.devices, "per_device": per_device}
+    # asleep (vLLM's level 1): weights offloaded, cache dropped; its context and, counted to be safe,
+    # its LoRA slot stay (not yet measured on a GPU)
+    asleep = lora + context_bytes if engine.sleeps else total
+    where = {"colocated": int(engine.colocated), "devices": engine.devices, "per_device": per_device}
+    return terms | where | {"sleeps": int(engine.sleeps), "asleep": asleep}
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ def spec_engine(spec: JobSpec) -> Engine | None:
     colocated = r.vllm_placement == "colocate"
     devices = 1 if colocated else max(1, separate_gpus(r, spec.resources.use_gpu))
     rank = lora_rank_bound(spec.lora.r)
-    return Engine(spec.batch.global_batch_size, spec.data.max_seq_len, rank, explicit, colocated, devices)
+    steps = (spec.batch.global_batch_size, spec.data.max_seq_len, rank, explicit)
+    return Engine(*steps, colocated=colocated, devices=devices, sleeps=r.vllm_sleep)
 
 
 def estimate_of_spec(

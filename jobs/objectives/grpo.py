@@ -235,6 +235,13 @@ class GRPO(Objective):
         hf = HFEngine(job.model, eos, job.tokenizer.pad_token_id, batch_size=batch, synced=job.strategy == "fsdp")
         return grpo_batch.InLossForward(hf, engine)
 
+    def rollouts_generated(self, ctx) -> None:
+        """Every rank's completions of a rollout batch are in: a sleeping vLLM engine goes to sleep
+        while the trainer steps (`rollout.vllm_sleep`)."""
+        rollout = self._run.get("vllm")
+        if rollout is not None:
+            rollout.rest(ctx)
+
     def release(self) -> None:
         """The run's vLLM engine let go (`VLLMRollout.close`: a server rayft started is stopped)."""
         rollout = self._run.pop("vllm", None)

@@ -176,6 +176,7 @@ def sample(
     table = _rows(len(prompt_indices) * g, positions, done, values, rewards)
     rewards_s = time.perf_counter() - scored_at
     table = all_reduce_sum(table.to(engine.device), ctx.world_size).cpu()
+    objective.rollouts_generated(ctx)  # every rank has generated (the all-reduce): the engine may rest
     trainer = mu > 1 or rollout.returns_logprobs  # the trainer's log-probs: old ones, or beside the engine's
     whole = whole_batch(ctx, engine, job, (prompt_indices, positions, g), done, trainer, rollout.returns_logprobs)
     old = whole["trainer"] if mu > 1 else None

@@ -109,6 +109,13 @@ class VLLMEngine:
     def unload(self, version: str) -> None:
         self.post("/v1/unload_lora_adapter", {"lora_name": version}, what=f"unloading adapter {version}")
 
+    def sleep(self) -> None:
+        """vLLM's sleep, level 1: the weights offloaded to host memory, the KV cache dropped."""
+        self.post("/sleep?level=1", {}, what="sleeping")
+
+    def wake_up(self) -> None:
+        self.post("/wake_up", {}, what="waking up")
+
     def check(self) -> None:
         """The server answers `/health` (a user's `rollout.vllm_url`, before the first step)."""
         self.call(urllib.request.Request(f"{self.url}/health"), "/health")

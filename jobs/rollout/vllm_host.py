@@ -73,10 +73,12 @@ class EngineActor:
     def __init__(self) -> None:
         self.host: LocalHost | None = None
 
-    def start(self, settings: ServerSettings) -> str:
+    def start(self, settings: ServerSettings, loopback: bool) -> str:
+        """The server on loopback (`loopback`: every rank runs on this node), else on the node's address."""
         import ray
 
-        server = VLLMServer.start(replace(settings, host=ray.util.get_node_ip_address()))
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        server = VLLMServer.start(replace(settings, host=host))
         self.host = LocalHost(server)
         return server.url
 
@@ -183,10 +185,12 @@ def placement_line(rollout: Any, use_gpu: bool) -> str:
     return f"separate: {gpus} GPU(s), {rollout.vllm_num_cpus:g} CPU(s) of its own"
 
 
-def start_actor_host(rollout: Any, use_gpu: bool, settings: ServerSettings) -> ActorHost:
+def start_actor_host(rollout: Any, use_gpu: bool, settings: ServerSettings, one_node: bool) -> ActorHost:
     """Rank 0 on Ray: the `EngineActor` placed by `rollout.vllm_placement`, its server started.
     A colocated engine sees rank 0's GPUs; a separate one those Ray gave it (tensor parallel over
-    them). An actor Ray cannot place, or a server that does not start, is one RunError."""
+    them). A colocated engine listens on loopback when every rank is on rank 0's node (`one_node`),
+    else on the node's address. An actor Ray cannot place, or a server that does not start, is one
+    RunError."""
     import ray
 
     colocated = rollout.vllm_placement == "colocate"
@@ -199,7 +203,7 @@ def start_actor_host(rollout: Any, use_gpu: bool, settings: ServerSettings) -> A
     where = placement_line(rollout, use_gpu)
     host = ActorHost(actor, "", where, rollout.vllm_timeout_s)
     try:
-        started = actor.start.remote(settings)
+        started = actor.start.remote(settings, colocated and one_node)  # loopback when no rank is elsewhere
         host.url = actor_result(started, settings.start_timeout_s + 60, f"the vLLM engine ({where})")
     except RunError as e:
         ray.kill(actor)

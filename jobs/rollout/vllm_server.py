@@ -85,6 +85,7 @@ class ServerSettings:
     api_key: str | None = field(default=None, repr=False)
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES of the server (colocated: rank 0's)
     tensor_parallel: int = 1
+    sleep: bool = False  # vLLM's sleep mode (`rollout.vllm_sleep`): its routes need loopback
 
 
 def command(env: Path, settings: ServerSettings, port: int) -> list[str]:
@@ -105,6 +106,7 @@ def command(env: Path, settings: ServerSettings, port: int) -> list[str]:
         "--max-cpu-loras=2",  # the new version is loaded before the old one is unloaded
         "--disable-uvicorn-access-log",
         *([f"--tensor-parallel-size={settings.tensor_parallel}"] if settings.tensor_parallel > 1 else []),
+        *(["--enable-sleep-mode"] if settings.sleep else []),
     ]
 
 
@@ -113,6 +115,11 @@ def environment(env: Path, settings: ServerSettings) -> dict[str, str]:
     out.pop("VLLM_API_KEY", None)
     if settings.api_key:
         out["VLLM_API_KEY"] = settings.api_key
+    out.pop("VLLM_SERVER_DEV_MODE", None)
+    if settings.sleep:
+        # /sleep and /wake_up are development routes, served with others and without the API key:
+        # only on loopback (`VLLMServer.start` refuses any other address)
+        out["VLLM_SERVER_DEV_MODE"] = "1"
     if settings.visible_devices is not None:
         out["CUDA_VISIBLE_DEVICES"] = settings.visible_devices
     out.update(
@@ -144,6 +151,11 @@ class VLLMServer:
 
     @classmethod
     def start(cls, settings: ServerSettings) -> VLLMServer:
+        if settings.sleep and settings.host != "127.0.0.1":
+            raise RunError(
+                f"rollout.vllm_sleep: vLLM's sleep routes come with its unauthenticated development routes, "
+                f"served on loopback only, not on {settings.host}"
+            )
         problem = env_problem()
         if problem:
             raise RunError(f"rollout.engine=vllm: {problem}")

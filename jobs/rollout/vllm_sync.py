@@ -91,6 +91,8 @@ class VLLMRollout:
     engine: VLLMEngine
     host: LocalHost | ActorHost | None = None
     stops_engine: bool = True  # rayft started it (False: the user's rollout.vllm_url)
+    sleeps: bool = False  # `rollout.vllm_sleep`: asleep from a batch's last completion to the next adapter
+    asleep: bool = False
 
     def at_step(self, model, ctx, step: int) -> VLLMEngine:
         """The engine, serving optimizer step `step`'s adapter (loaded now if it is not yet)."""
@@ -105,6 +107,9 @@ class VLLMRollout:
         """Rank 0: the files to the engine's disk, load `version`, unload the previous one; timed."""
         assert self.host is not None
         t0 = time.perf_counter()
+        if self.asleep:
+            self.engine.wake_up()
+            self.asleep = False
         files = adapter_files(model, state)
         self.engine.load(version, self.host.put(version, files))
         previous = self.engine.version
@@ -114,6 +119,13 @@ class VLLMRollout:
         seconds, sent = time.perf_counter() - t0, sum(len(b) for b in files.values())
         self.engine.sync_metrics = {"time/adapter_sync_s": seconds, "adapter_sync_bytes": float(sent)}
         log.info("%s: adapter %s loaded (%d bytes, %.0f ms)", self.engine.name, version, sent, 1000 * seconds)
+
+    def rest(self, ctx) -> None:
+        """After every rank's completions of a rollout batch are in (`rollout.vllm_sleep`): the
+        engine sleeps while the trainer steps; `publish` wakes it before the next adapter."""
+        if self.sleeps:
+            from_rank0(ctx, self.engine.sleep)
+            self.asleep = True
 
     def close(self) -> None:
         """When the run ends (`GRPO.release`), at the latest when the process exits: stops the
@@ -150,24 +162,42 @@ def connect(spec: JobSpec, ctx, job, eos_ids) -> VLLMRollout:
             hosts.append(LocalHost())
             return r.vllm_url, None
         settings = replace(server_settings(spec, job), api_key=secrets.token_urlsafe(32))
-        host = start_host(spec, ctx, settings)
+        host = start_host(spec, ctx, settings, one_node)
         hosts.append(host)
         log.info("vLLM engine %s started", host.where())
         return host_url(host), settings.api_key
 
+    one_node = ranks_on_one_node(ctx)
+    if r.vllm_sleep and not one_node:
+        raise RunError(
+            "rollout.vllm_sleep: vLLM serves its sleep routes without the API key, so rayft serves them on "
+            "loopback only, and this run's ranks are on more than one node; leave rollout.vllm_sleep unset"
+        )
     url, api_key = from_rank0(ctx, start)
     host = hosts[0] if hosts else None
     engine = VLLMEngine(url, r.vllm_timeout_s, eos_ids, host if not r.vllm_url else None, api_key)
-    rollout = VLLMRollout(engine, host, stops_engine=not r.vllm_url)
+    rollout = VLLMRollout(engine, host, stops_engine=not r.vllm_url, sleeps=r.vllm_sleep)
     atexit.register(rollout.close)
     return rollout
 
 
-def start_host(spec: JobSpec, ctx, settings: ServerSettings) -> LocalHost | ActorHost:
+def start_host(spec: JobSpec, ctx, settings: ServerSettings, one_node: bool) -> LocalHost | ActorHost:
     """On Ray, an `EngineActor` placed by `rollout.vllm_placement`; without Ray, rank 0's subprocess."""
     if ctx.on_ray:
-        return start_actor_host(spec.online.rollout, spec.resources.use_gpu, settings)
+        return start_actor_host(spec.online.rollout, spec.resources.use_gpu, settings, one_node)
     return LocalHost(VLLMServer.start(settings))
+
+
+def ranks_on_one_node(ctx) -> bool:
+    """Every rank on rank 0's node (Ray's node ids; a run without Ray is one machine)."""
+    if not ctx.on_ray:
+        return True
+    import ray
+
+    here: list[Any] = [ray.get_runtime_context().get_node_id()] * ctx.world_size
+    if ctx.world_size > 1:
+        dist.all_gather_object(here, here[0])
+    return len(set(here)) == 1
 
 
 def host_url(host: LocalHost | ActorHost) -> str:
@@ -181,6 +211,7 @@ def server_settings(spec: JobSpec, job) -> ServerSettings:
     from jobs.model.loading import served_base
 
     r, kv = spec.online.rollout, job.plan.vllm_engine["kv_cache"]  # the plan's size, as `rayft estimate` prints it
-    return ServerSettings(
+    settings = ServerSettings(
         served_base(spec), job.precision, spec.data.max_seq_len, spec.lora.r, kv, r.vllm_start_timeout_s
     )
+    return replace(settings, sleep=r.vllm_sleep)

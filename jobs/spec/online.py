@@ -57,6 +57,14 @@ class RolloutSpec(SpecSection):
     vllm_num_cpus: float = Field(1.0, gt=0, le=1024)
     """`vllm_placement: separate`: the engine's own logical CPUs (a colocated engine holds none: it
     shares rank 0's)."""
+    vllm_sleep: bool = False
+    """`vllm_placement: colocate` on GPUs: the engine sleeps while the trainer steps (vLLM's sleep
+    mode, level 1: its weights offloaded to host memory, its KV cache dropped) and wakes before the
+    next rollouts' adapter is loaded. The memory plan then counts the device's peak as the larger of
+    training beside the sleeping engine (its CUDA context and LoRA slot) and generation (the whole
+    engine beside the trainer's static memory). vLLM serves its sleep routes among its unauthenticated
+    development routes, so rayft serves them on loopback only: every rank must run on rank 0's node.
+    Not yet measured on a GPU."""
     num_generations: int = Field(8, le=1024)
     """Completions sampled per prompt (the group its advantages are normalized over), at least 2;
     `batch.global_batch_size` (completions) must be a multiple of it."""
@@ -246,6 +254,11 @@ def _vllm_problem(spec: Any, rollout: RolloutSpec) -> str | None:
     if spec.lora.use_dora or spec.lora.init in ("pissa", "olora"):
         what = "lora.use_dora" if spec.lora.use_dora else f"lora.init={spec.lora.init} (it rewrites the base)"
         return f"rollout.engine=vllm serves a plain LoRA adapter on the saved base: {what} is not one"
+    if rollout.vllm_sleep and not spec.resources.use_gpu:
+        return (
+            "rollout.vllm_sleep is vLLM's GPU sleep mode (CUDA memory offloaded and dropped): with "
+            "resources.use_gpu=false there is no device memory to free; leave it unset"
+        )
     return _placement_problem(rollout)
 
 
@@ -259,6 +272,16 @@ def _placement_problem(rollout: RolloutSpec) -> str | None:
         return (
             f"rollout.{placed[0]} applies to the engine rayft starts: the engine at rollout.vllm_url "
             "is placed and sized by whoever started it; leave one of the two unset"
+        )
+    if rollout.vllm_sleep and (rollout.vllm_url or rollout.vllm_placement != "colocate"):
+        return (
+            "rollout.vllm_sleep frees the device a colocated engine shares with the trainer: with "
+            + (
+                "rollout.vllm_url the engine is the user's"
+                if rollout.vllm_url
+                else "vllm_placement=separate it has its own"
+            )
+            + "; leave rollout.vllm_sleep unset"
         )
     sized = [k for k in ("vllm_num_gpus", "vllm_num_cpus") if k in placed]
     if rollout.vllm_placement == "colocate" and sized:
@@ -279,6 +302,8 @@ def _vllm_only(rollout: RolloutSpec) -> str | None:
     for key in ("vllm_kv_cache_gib", "vllm_num_gpus"):
         if getattr(rollout, key) is not None:
             return f"rollout.{key} applies to rollout.engine=vllm (the engine rayft starts)"
+    if rollout.vllm_sleep:
+        return "rollout.vllm_sleep applies to rollout.engine=vllm (the engine rayft starts)"
     if rollout.vllm_placement != "colocate" or rollout.vllm_num_cpus != 1.0:
         return "rollout.vllm_placement and rollout.vllm_num_cpus apply to rollout.engine=vllm (the engine rayft starts)"
     return "rollout.vllm_url applies to rollout.engine=vllm" if rollout.vllm_url else None

@@ -132,8 +132,13 @@ def estimate_report(spec: JobSpec, budget, device: str, where: str) -> dict:
         "total_gib": chosen.total_gib,
         "fits": None if budget is None else plan.fits,
         "by_checkpointing": {
-            "off": {"components": dict(off.components), "total_bytes": off.total_bytes, "total_gib": off.total_gib},
-            "on": {"components": dict(on.components), "total_bytes": on.total_bytes, "total_gib": on.total_gib},
+            k: {
+                "components": dict(e.components),
+                "total_bytes": e.total_bytes,
+                "total_gib": e.total_gib,
+                "vllm_engine": e.details.get("vllm_engine"),  # a sleeping engine changes how the total adds up
+            }
+            for k, e in (("off", off), ("on", on))
         },
         "strategies": strategies,
         "transient_components": list(memory.TRANSIENT_COMPONENTS),
@@ -178,8 +183,8 @@ def cmd_estimate(args) -> int:
     from rich.table import Table
 
     con = Console()
-    off = MemoryEstimate(rep["by_checkpointing"]["off"]["components"])
-    on = MemoryEstimate(rep["by_checkpointing"]["on"]["components"])
+    by = rep["by_checkpointing"]
+    off, on = (MemoryEstimate(by[k]["components"], {"vllm_engine": by[k]["vllm_engine"]}) for k in ("off", "on"))
     # Headings as lines, not table titles: rich folds a title to the table's width.
     packed = " (packed rows)" if spec.data.packing else ""
     quant = "" if rep["quantization"] == "none" else f", {rep['quantization']} base"

@@ -20,7 +20,7 @@ import torch
 from gradtools import ROOT
 from grpo_rollouts import save_tiny_base
 
-from jobs.errors import SpecError
+from jobs.errors import RunError, SpecError
 from jobs.memory import CUDA_CONTEXT_BYTES, plan_for_spec
 from jobs.rollout import vllm_server
 from jobs.rollout.vllm_sync import server_settings
@@ -207,3 +207,82 @@ def test_rayft_estimate_shows_a_separate_engine_on_its_own_devices(base, capsys)
     assert "exceeds the budget" in out  # 2 GiB of cache on a 1 GiB budget
     assert main(["estimate", str(spec), *common]) == 0
     assert "rollout.vllm_placement=separate" not in capsys.readouterr().out  # colocated: a row of the table
+
+
+@pytest.mark.parametrize(
+    ("more", "fragment"),
+    [
+        (["rollout.vllm_sleep=true"], "with resources.use_gpu=false there is no device memory to free"),
+        (["resources.use_gpu=true", "rollout.vllm_sleep=true", "rollout.vllm_placement=separate"], "it has its own"),
+        (["resources.use_gpu=true", "rollout.vllm_sleep=true", "rollout.vllm_url=http://127.0.0.1:9"], "the user's"),
+        (["rollout.engine=hf", "rollout.vllm_sleep=true"], "rollout.vllm_sleep applies to rollout.engine=vllm"),
+    ],
+)
+def test_sleep_where_it_cannot_free_anything_is_refused(base, more, fragment):
+    with pytest.raises(SpecError, match=fragment.replace(".", r"\.").replace("(", r"\(")):
+        spec_for(base, *more)
+
+
+def test_a_sleeping_engine_is_whole_only_while_it_generates(base):
+    """`rollout.vllm_sleep`: the device's total is the larger of training beside the sleeping engine
+    (its CUDA context and LoRA slot) and generation (the whole engine beside the trainer's static
+    memory), never more than the awake engine's total; the server gets vLLM's sleep flag, and its
+    development routes (sleep among them, unauthenticated) only on loopback."""
+    awake = plan_for_spec(spec_for(base, "resources.use_gpu=true"), device="cuda", gpu_memory_gib=80).estimate
+    spec = spec_for(base, "resources.use_gpu=true", "rollout.vllm_sleep=true")
+    plan = plan_for_spec(spec, device="cuda", gpu_memory_gib=80)
+    est, engine = plan.estimate, plan.vllm_engine
+    assert engine["sleeps"] == 1 and engine["asleep"] == engine["context"] + engine["lora_slot"] < engine["total"]
+    overhead = est.components["framework_overhead"]
+    stepping = est.peak_allocated_bytes + engine["asleep"]
+    generating = est.static_bytes + engine["total"]
+    assert est.total_bytes == max(stepping, generating) + overhead
+    assert est.total_bytes < awake.total_bytes == est.peak_allocated_bytes + overhead + engine["total"]
+    settings = server_settings(spec, SimpleNamespace(plan=plan, precision="bf16"))
+    assert settings.sleep and "--enable-sleep-mode" in vllm_server.command(Path("/env"), settings, 8000)
+    assert vllm_server.environment(Path("/env"), settings)["VLLM_SERVER_DEV_MODE"] == "1"
+    plain = dataclasses.replace(settings, sleep=False)
+    assert "VLLM_SERVER_DEV_MODE" not in vllm_server.environment(Path("/env"), plain)
+    with pytest.raises(RunError, match="served on loopback only, not on 10.0.0.7"):
+        vllm_server.VLLMServer.start(dataclasses.replace(settings, host="10.0.0.7"))
+
+
+def test_the_engine_sleeps_after_every_ranks_completions_and_wakes_before_the_next_adapter(base, tmp_path):
+    """The order `VLLMRollout` asks of a sleeping engine over two rollout batches: load step 0's
+    adapter, (generate), sleep; wake, load step 1's, unload step 0's, (generate), sleep. vLLM's sleep
+    mode does not run on a CPU, so a recording engine stands in for the server here
+    (tests/gpu/test_vllm_sleep.py runs the real one)."""
+    import torch.nn as nn
+    from peft import LoraConfig, get_peft_model
+
+    from jobs.rollout.vllm_host import LocalHost
+    from jobs.rollout.vllm_sync import VLLMRollout
+    from jobs.train.context import LocalContext
+
+    class Recording:
+        name, version, sync_metrics = "recording engine", None, {}
+
+        def __init__(self):
+            self.calls: list[str] = []
+
+        def load(self, version, path):
+            assert (Path(path) / "adapter_model.safetensors").is_file()
+            self.calls.append(f"load {version}")
+
+        def unload(self, version):
+            self.calls.append(f"unload {version}")
+
+        def sleep(self):
+            self.calls.append("sleep")
+
+        def wake_up(self):
+            self.calls.append("wake")
+
+    model = get_peft_model(nn.Sequential(nn.Linear(4, 4)), LoraConfig(r=2, target_modules=["0"]))
+    engine, ctx = Recording(), LocalContext(on_progress=lambda r: None)
+    rollout = VLLMRollout(engine, LocalHost(), sleeps=True)  # type: ignore[arg-type]
+    for step in (0, 1):
+        assert rollout.at_step(model, ctx, step) is engine and engine.version == f"step-{step}"
+        rollout.rest(ctx)
+    assert engine.calls == ["load step-0", "sleep", "wake", "load step-1", "unload step-0", "sleep"]
+    rollout.close()
