@@ -16,7 +16,7 @@ from pathlib import Path
 import ray
 
 from jobs.errors import NodeLost, peer_gone, unreachable_workers, worker_error
-from jobs.run import runlock
+from jobs.run import mirror, runlock
 from jobs.run.step_record import StepRecord
 from jobs.spec import JobSpec
 
@@ -59,7 +59,8 @@ def train_worker(config: dict) -> None:
     transformers.utils.logging.disable_progress_bar()
     spec = JobSpec.model_validate(config["spec"])
     _report_placement(config.get("relay"))
-    train(spec, RayContext(config.get("progress")), resume=config["resume"], run_token=config.get("run_token"))
+    token = config.get("run_token")
+    train(spec, RayContext(config.get("progress"), spec, token), resume=config["resume"], run_token=token)
 
 
 def _report_placement(relay) -> None:
@@ -320,6 +321,8 @@ def run_on_ray(
                 lost.node_ip,
             ) from None
         raise worker_error(result["error"]) or result["error"]
+    if not (out / SUMMARY).is_file() and mirror.store_of(spec) is not None:
+        mirror.pull_file(spec, SUMMARY)  # rank 0 ran on another node: its summary is in the store
     return json.loads((out / SUMMARY).read_text())
 
 

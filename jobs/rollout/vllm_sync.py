@@ -21,7 +21,6 @@ import logging
 import secrets
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,6 +31,7 @@ from jobs.errors import RunError
 from jobs.rollout.vllm_engine import VLLMEngine
 from jobs.rollout.vllm_host import ActorHost, LocalHost, start_actor_host
 from jobs.rollout.vllm_server import ServerSettings, VLLMServer
+from jobs.train.context import from_rank0
 
 if TYPE_CHECKING:
     from jobs.spec import JobSpec
@@ -39,22 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("rayft")
 T = TypeVar("T")
 UNLOAD_AT_CLOSE_TIMEOUT_S = 10.0  # a hung engine does not hold the end of the run for long
-
-
-def from_rank0(ctx, fn: Callable[[], T]) -> T:
-    """`fn()` run on rank 0 and its result given to every rank; a RunError there is raised on every
-    rank (the others never wait for an answer that does not come)."""
-    out: list[Any] = [None, None]
-    if ctx.is_main:
-        try:
-            out = [fn(), None]
-        except RunError as e:
-            out = [None, str(e)]
-    if ctx.world_size > 1:
-        dist.broadcast_object_list(out, src=0)
-    if out[1] is not None:
-        raise RunError(out[1])
-    return out[0]
 
 
 def adapter_state(model) -> dict:

@@ -16,6 +16,10 @@ Invariants:
   manifest or a file one names, so a reader never takes it. Checkpoints beyond
   `run.keep_checkpoints` are removed manifests first. metrics.jsonl and events.jsonl follow each
   checkpoint, so a resume on another machine keeps the history up to it.
+* On Ray the ranks may share no disk: each rank uploads its own part of a checkpoint
+  (`push_rank_checkpoint`: its manifest after the files it names), rank 0 the history
+  (`push_history`); a (re)start takes the checkpoint rank 0 pulled on every node
+  (`fetch_checkpoint`).
 * At the end every other file of the staging directory is uploaded, summary.json last: a summary
   in the store means the run's outputs are there whole.
 * Only the main rank calls these. Local output directories are left alone (each function returns).
@@ -23,6 +27,8 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -78,13 +84,57 @@ def push_checkpoint(spec: JobSpec, step: int) -> None:
         _prune(store, {p.name for p in ckpt.list_checkpoints(spec.output_path / CHECKPOINTS)})
 
 
-def push_outputs(spec: JobSpec) -> None:
+def push_rank_checkpoint(spec: JobSpec, directory: Path, rank: int, step: int) -> None:
+    """One rank's files of checkpoint `step` (written in `directory` by `ckpt.write_rank_files`)
+    uploaded by that rank: the files its manifest names, then the manifest, which vouches for them
+    (a run over several nodes: no node holds every rank's files)."""
+    store = store_of(spec)
+    assert store is not None
+    manifest = ckpt.manifest_file(rank)
+    names = sorted(json.loads((directory / manifest).read_text()))
+    where = f"{CHECKPOINTS}/{ckpt.step_dir_name(step)}"
+    with reported(store, f"uploading {where}", during_run=True):
+        for name in [*names, manifest]:
+            upload(store, directory / name, f"{where}/{name}")
+
+
+def push_history(spec: JobSpec, keep: int, token: str | None) -> None:
+    """After every rank uploaded its part of a checkpoint (`push_rank_checkpoint`): the history
+    files, then the store's checkpoints beyond the newest `keep` removed."""
+    store = store_of(spec)
+    assert store is not None
+    _check_lease(spec, store, token)
+    with reported(store, "uploading the run's history", during_run=True):
+        for name in HISTORY_FILES:
+            if (spec.output_path / name).is_file():
+                upload(store, spec.output_path / name, name)
+        _prune(store, set(_remote_checkpoints(store)[-keep:]))
+
+
+def check_lease(spec: JobSpec, token: str | None) -> None:
+    """RunError when the run holding `token` no longer holds the store's lease (before an upload)."""
+    store = store_of(spec)
+    if store is not None:
+        _check_lease(spec, store, token)
+
+
+def pull_file(spec: JobSpec, name: str) -> None:
+    """The store's `name` into the staging directory (the driver's summary.json of a run whose
+    rank 0 ran on another node)."""
+    store = store_of(spec)
+    assert store is not None
+    with reported(store, f"reading {name}", during_run=True):
+        download(store, name, spec.output_path / name)
+
+
+def push_outputs(spec: JobSpec, token: str | None = None) -> None:
     """Upload every file of the staging directory but the checkpoints (uploaded as they are
-    made), the run lock and temporary files; summary.json last."""
+    made), the run lock and temporary files; summary.json last. `token`: the driver's, when rank
+    0 runs on another node than the driver (`_check_lease`)."""
     store = store_of(spec)
     if store is None:
         return
-    _check_lease(spec, store)
+    _check_lease(spec, store, token)
     out = spec.output_path
     names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and _is_output(p.relative_to(out)))
     with reported(store, "uploading the run's outputs", during_run=True):
@@ -101,11 +151,12 @@ def push_file(spec: JobSpec, name: str) -> None:
         upload(store, spec.output_path / name, name)
 
 
-def _check_lease(spec: JobSpec, store: Store) -> None:
-    """The bucket's lease still names this run: the token of the driver that holds the staging
-    directory's lock (rank 0 runs beside it), which took the lease under the same token."""
+def _check_lease(spec: JobSpec, store: Store, token: str | None = None) -> None:
+    """The bucket's lease still names this run: `token` (the driver's, handed to rank 0 on Ray),
+    else that of the driver that holds the staging directory's lock (rank 0 runs beside it),
+    which took the lease under the same token."""
     with reported(store, "reading its lease", during_run=True):
-        lease.check(store, runlock.holder_of(spec.output_path).get("token"))
+        lease.check(store, token or runlock.holder_of(spec.output_path).get("token"))
 
 
 def _is_output(rel: Path) -> bool:
@@ -129,6 +180,38 @@ def pull_newest(spec: JobSpec) -> Path | None:
                 _download_history(store, spec.output_path)
                 return got
     return None
+
+
+def fetch_checkpoint(spec: JobSpec, name: str) -> Path:
+    """The store's checkpoint `name` (the one rank 0 verified and resumes from) in this node's
+    staging directory: downloaded by the first rank of the node to get here, the others waiting
+    and then taking its copy (`build_once`: a lock beside it, published by one rename). The copy
+    is named by the digest of the store's manifests, so one left by an earlier attempt is used
+    only when it is the same checkpoint."""
+    from jobs.run.build_once import build_once
+
+    store = store_of(spec)
+    assert store is not None
+    where = f"{CHECKPOINTS}/{name}"
+    with reported(store, f"reading checkpoint {name}", during_run=True):
+        manifests = sorted(filter(ckpt.is_manifest, list_files(store, where)))
+        digest = hashlib.sha256()
+        for rel in manifests:  # they name every file with its sha256: the checkpoint's identity
+            with store.fs.open_input_stream(store.key(where, rel)) as f:
+                digest.update(rel.encode() + b"\0" + f.read())
+    # named by its content: a copy an earlier run of this URI left on the node is never taken
+    final = spec.output_path / CHECKPOINTS / f".fetched-{name}-{digest.hexdigest()[:16]}"
+
+    def build(tmp: Path) -> None:
+        with reported(store, f"reading checkpoint {name}", during_run=True):
+            for rel in list_files(store, f"{CHECKPOINTS}/{name}"):
+                download(store, f"{CHECKPOINTS}/{name}/{rel}", tmp / rel)
+        why = ckpt.why_incomplete(tmp)
+        if why is not None:
+            raise RunError(f"checkpoint {store.uri}/{CHECKPOINTS}/{name} changed while resuming: {why}")
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return build_once(final, build, f"checkpoint {name}")
 
 
 def _download_checkpoint(store: Store, name: str, root: Path) -> Path | None:

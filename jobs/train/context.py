@@ -12,12 +12,17 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from jobs.errors import RunError
 from jobs.run import checkpoint as ckpt
+from jobs.run import mirror
 from jobs.run.step_record import StepRecord
+
+T = TypeVar("T")
 
 
 class Context:
@@ -26,6 +31,7 @@ class Context:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     on_ray: bool = False  # a Ray Train worker: Ray places what the run starts (a vLLM engine)
+    run_token: str | None = None  # the driver's hold on the run (its lease's token), where rank 0 is elsewhere
 
     def report(self, metrics: dict) -> None:
         """Called by every rank at the same points (checkpoint steps and the end)."""
@@ -49,6 +55,17 @@ class Context:
             ckpt.publish(tmp, root, step, keep)
         self.barrier()
         self.report(metrics)
+
+    def publish_checkpoint(self, spec: Any, step: int) -> None:
+        """Every rank, once every rank's files of checkpoint `step` are in place: an object-store
+        `run.output_dir` gets it (rank 0 uploads it from the shared staging directory)."""
+        if self.is_main:
+            mirror.push_checkpoint(spec, step)  # a local run.output_dir: nothing to do
+
+    def newest_checkpoint(self, spec: Any) -> Path | None:
+        """The checkpoint a (re)start resumes from: the newest complete one on disk (for an object
+        store, the driver has brought the store's newest into the staging directory it shares)."""
+        return ckpt.newest_complete(spec.output_path / "checkpoints")
 
     def barrier(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
@@ -81,3 +98,19 @@ class LocalContext(Context):
         else:
             keys = ("step", "loss", "lr", "grad_norm", "tokens_per_s")
             print(json.dumps({k: record.value(k) for k in keys}), file=sys.stderr, flush=True)
+
+
+def from_rank0(ctx: Context, fn: Callable[[], T]) -> T:
+    """`fn()` run on rank 0 and its result given to every rank; a RunError there is raised on every
+    rank (the others never wait for an answer that does not come)."""
+    out: list[Any] = [None, None]
+    if ctx.is_main:
+        try:
+            out = [fn(), None]
+        except RunError as e:
+            out = [None, str(e)]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(out, src=0)
+    if out[1] is not None:
+        raise RunError(out[1])
+    return out[0]

@@ -197,7 +197,7 @@ def resume_or_seed(spec: JobSpec, ctx: Context, job: Job, engine: Engine, resume
     """Continue from the newest complete checkpoint on disk (Ray Train writes its checkpoints
     there too, so a worker restarted by Ray and a rerun of the same command find the same one),
     or seed this rank for a fresh start."""
-    newest = ckpt.newest_complete(spec.output_path / "checkpoints") if resume else None
+    newest = ctx.newest_checkpoint(spec) if resume else None
     if newest is None:
         # Per-rank seed for dropout; the data order does not depend on it.
         torch.manual_seed(spec.run.seed * 7919 + ctx.rank)
@@ -469,7 +469,7 @@ def finish(
         log.trackers.finish(
             summary, [spec.output_path / SUMMARY, spec.output_path / PLOT, spec.output_path / "adapter"]
         )
-        mirror.push_outputs(spec)  # an object-store run.output_dir: the outputs, summary.json last
+        mirror.push_outputs(spec, ctx.run_token)  # an object-store run.output_dir: the outputs, summary.json last
     ctx.report({**(last.line() if last else {}), "done": True})
     return summary
 
@@ -546,8 +546,7 @@ def save_checkpoint(
         spec.run.keep_checkpoints,
     )
     ctx.barrier()  # every rank's files are in place before an object store gets them
-    if ctx.is_main:
-        mirror.push_checkpoint(spec, done)  # a local run.output_dir: nothing to do
+    ctx.publish_checkpoint(spec, done)
 
 
 def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, skipped: bool) -> None:

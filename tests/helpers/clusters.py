@@ -244,7 +244,7 @@ class LocalCluster:
         except Exception:  # the dashboard is busy or restarting
             return ()
 
-    def _start(self, args: list[str], name: str) -> subprocess.Popen:
+    def _start(self, args: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")
         return subprocess.Popen(
             [
@@ -257,7 +257,7 @@ class LocalCluster:
                 f"--temp-dir={self.temp_dir}",
                 *args,
             ],
-            env=self.env,
+            env={**self.env, **(env or {})},
             start_new_session=True,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -272,13 +272,14 @@ class LocalCluster:
             if n.cpu_total >= 1 and n.node_id != getattr(self, "head_id", None)
         ]
 
-    def add_node(self, cpus: int = 1, gpus: int = 0) -> subprocess.Popen:
-        """Start one more worker node (`gpus`: logical GPUs Ray hands out, none behind them) and
+    def add_node(self, cpus: int = 1, gpus: int = 0, env: dict | None = None) -> subprocess.Popen:
+        """Start one more worker node (`gpus`: logical GPUs Ray hands out, none behind them; `env`:
+        variables of its own, e.g. a RAYFT_CACHE no other node shares, as on another machine) and
         wait until it is alive; records its Ray node id."""
         self._stop_dead_nodes()
         before = set(self.wait_nodes(len(self._live())))
         args = [f"--address={self.address}", f"--num-cpus={cpus}", f"--num-gpus={gpus}"]
-        p = self._start(args, f"node{len(self.nodes)}")
+        p = self._start(args, f"node{len(self.nodes)}", env)
         self.nodes.append(p)
         (new,) = set(self.wait_nodes(len(before) + 1)) - before
         self.node_ids[p.pid] = new

@@ -189,28 +189,26 @@ def refuse_over_quota(
         raise SpecError(f"{where}: {asks}: {refusal_text}")
 
 
-def refuse_bucket_spread(spec: JobSpec, node: NodeType, where: str, kind: JobKind, storage: StorageAccess) -> None:
-    """A run in a bucket stages its files in one local directory that its driver and every rank
-    share (`jobs.run.storage`): one node, so one worker pod, holds it all. A search with a bucket is
-    refused: its trials write into its driver's staging directory (`tune.storage`), one node's disk,
-    and a search's RayJob spreads its trials over worker pods."""
-    if not storage.on_object_storage:
-        return
-    loc = spec.output_location
-    if kind.searches:
+def refuse_bucket_search(spec: JobSpec, where: str, kind: JobKind, storage: StorageAccess) -> None:
+    """A search with a bucket is refused: its trials write into its driver's staging directory
+    (`tune.storage`), one node's disk, and a search's RayJob spreads its trials over worker pods. A
+    run in a bucket may span pods: each rank uploads its own part of a checkpoint and each node
+    fetches the one it resumes from (`jobs.run.mirror`)."""
+    if storage.on_object_storage and kind.searches:
         raise SpecError(
-            f"{where}: run.output_dir={loc}: a search in a bucket writes its trials into its driver's staging "
-            "directory, one node's disk, and a search's RayJob spreads them over worker pods (object storage is "
-            "not supported for a search on Kubernetes yet: use the shared volume)"
+            f"{where}: run.output_dir={spec.output_location}: a search in a bucket writes its trials into its "
+            "driver's staging directory, one node's disk, and a search's RayJob spreads them over worker pods "
+            "(object storage is not supported for a search on Kubernetes yet: use the shared volume)"
         )
+
+
+def fits_one_pod(spec: JobSpec, node: NodeType) -> bool:
+    """Every worker (and the driver's CPU) on one node of the type: a bucket run then keeps them on
+    one pod, which stages the run once."""
     res = spec.resources
-    if res.use_gpu and res.num_workers > node.gpus_per_node:
-        raise SpecError(
-            f"{where}: run.output_dir={loc}: a run in a bucket runs on one node (its driver and workers "
-            f"share that node's staging directory), and resources.num_workers={res.num_workers} GPUs exceed "
-            f"the {node.gpus_per_node} of overlay {node.overlay}'s node type {node.name}; runs over several "
-            "nodes with a bucket are not supported yet (use the shared volume)"
-        )
+    if res.use_gpu:
+        return res.num_workers <= node.gpus_per_node
+    return math.ceil(res.cpus_per_worker * res.num_workers) + 1 + DRIVER_CPUS <= node.cpus_per_node
 
 
 def refuse_words(where: str, entrypoint_overrides: Sequence[str]) -> None:

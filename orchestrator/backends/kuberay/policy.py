@@ -277,24 +277,7 @@ def _outputs_violations(o: Obj) -> list[str]:
             f"{_oid(o)}: {OUTPUTS_ANNOTATION}: {OBJECT_STORAGE} but the entrypoint's run.output_dir is not "
             "s3:// or gs:// (outputs on a pod's emptyDir are lost with the cluster)"
         )
-    return bad + _one_pod_violations(_oid(o), spec)
-
-
-def _one_pod_violations(oid: str, spec: Obj) -> list[str]:
-    """A RayJob with outputs in a bucket: its driver and every worker on one worker pod, whose
-    staging directory they share (the head takes no CPU work, the driver asks for a CPU)."""
-    rc = spec.get("rayClusterSpec") or {}
-    groups = rc.get("workerGroupSpecs") or []
-    pods = [(g.get("replicas"), g.get("maxReplicas")) for g in groups]
-    head_cpus = ((rc.get("headGroupSpec") or {}).get("rayStartParams") or {}).get("num-cpus")
-    driver = spec.get("entrypointNumCpus")
-    if pods == [(1, 1)] and str(head_cpus) == "0" and isinstance(driver, (int, float)) and driver > 0:
-        return []
-    return [
-        f"{oid}: outputs in a bucket need the driver and the workers on one pod: one worker group of "
-        f"replicas 1 (has {pods}), the head's num-cpus 0 (has {head_cpus}) and entrypointNumCpus > 0 "
-        f"(has {driver}); pods on several nodes would each stage their own copy of the run"
-    ]
+    return bad
 
 
 def on_object_storage(o: Obj) -> bool:

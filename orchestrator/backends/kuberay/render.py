@@ -55,8 +55,9 @@ from .job_fit import (
     JobKind,
     WorkerPods,
     cpu_quantity,
+    fits_one_pod,
     kind_of,
-    refuse_bucket_spread,
+    refuse_bucket_search,
     refuse_engine_unfit,
     refuse_over_quota,
     refuse_unfit,
@@ -583,8 +584,9 @@ def render(
     where = spec_path or spec.name
     node = load_node_type(overlay)
     storage = storage_access(spec.output_location, where, access)
-    refuse_bucket_spread(spec, node, where, job_kind, storage)
-    pods = WorkerPods.of(spec, job_kind, concurrent_trials, one_pod=storage.on_object_storage)
+    refuse_bucket_search(spec, where, job_kind, storage)
+    one_pod = storage.on_object_storage and fits_one_pod(spec, node)  # else spread: each node stages its own
+    pods = WorkerPods.of(spec, job_kind, concurrent_trials, one_pod=one_pod)
     plan, plan_error = memory_plan_or_why(spec, node, bool(pods.gpus))  # the plan is per GPU
     refuse_unfit(spec, node, where, pods, plan)
     refuse_words(where, entrypoint_overrides)
