@@ -82,13 +82,6 @@ class EngineActor:
         self.host = LocalHost(server)
         return server.url
 
-    def placed(self) -> dict:
-        """The node and devices Ray gave this actor."""
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
-
     def put(self, version: str, files: dict[str, bytes]) -> str:
         assert self.host is not None
         return self.host.put(version, files)

@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from jobs.spec import JobSpec
 
 log = logging.getLogger("rayft")
-T = TypeVar("T")
 UNLOAD_AT_CLOSE_TIMEOUT_S = 10.0  # a hung engine does not hold the end of the run for long
 
 

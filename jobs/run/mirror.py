@@ -22,7 +22,8 @@ Invariants:
   (`fetch_checkpoint`).
 * At the end every other file of the staging directory is uploaded, summary.json last: a summary
   in the store means the run's outputs are there whole.
-* Only the main rank calls these. Local output directories are left alone (each function returns).
+* Only the main rank calls these, but `push_rank_checkpoint` and `fetch_checkpoint` (every rank).
+  Local output directories are left alone (each function returns).
 """
 
 from __future__ import annotations
@@ -204,9 +205,7 @@ def fetch_checkpoint(spec: JobSpec, name: str) -> Path:
 
     def build(tmp: Path) -> None:
         with reported(store, f"reading checkpoint {name}", during_run=True):
-            for rel in list_files(store, f"{CHECKPOINTS}/{name}"):
-                download(store, f"{CHECKPOINTS}/{name}/{rel}", tmp / rel)
-        why = ckpt.why_incomplete(tmp)
+            why = _download_files(store, name, tmp)
         if why is not None:
             raise RunError(f"checkpoint {store.uri}/{CHECKPOINTS}/{name} changed while resuming: {why}")
 
@@ -218,14 +217,19 @@ def _download_checkpoint(store: Store, name: str, root: Path) -> Path | None:
     """Checkpoint `name` from the store into `root`, or None (nothing kept) when it does not verify."""
     tmp = root / f".tmp-pull-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    for rel in list_files(store, f"{CHECKPOINTS}/{name}"):
-        download(store, f"{CHECKPOINTS}/{name}/{rel}", tmp / rel)
-    why = ckpt.why_incomplete(tmp)
+    why = _download_files(store, name, tmp)
     if why is not None:
         log.warning("skipping checkpoint %s/%s/%s: %s", store.uri, CHECKPOINTS, name, why)
         shutil.rmtree(tmp, ignore_errors=True)
         return None
     return tmp.rename(root / name)
+
+
+def _download_files(store: Store, name: str, into: Path) -> str | None:
+    """Checkpoint `name`'s files from the store into `into`; why the copy is incomplete, or None."""
+    for rel in list_files(store, f"{CHECKPOINTS}/{name}"):
+        download(store, f"{CHECKPOINTS}/{name}/{rel}", into / rel)
+    return ckpt.why_incomplete(into)
 
 
 def _download_history(store: Store, out: Path) -> None:
