@@ -118,8 +118,10 @@ class RayHead:
     cluster (`ray stop` would kill every Ray process of the user, including unrelated local
     clusters)."""
 
-    def __init__(self):
-        self.env = cluster_env()
+    def __init__(self, env: dict | None = None):
+        """`env`: variables of the head's own (its workers inherit them, as from a machine's
+        environment or role), e.g. an object store's endpoint and keys."""
+        self.env = {**cluster_env(), **(env or {})}
         ensure_auth_token()
         gcs, dash, client = free_port(), free_port(), free_port()
         cmd = [
