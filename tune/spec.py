@@ -94,6 +94,11 @@ class SearchSection(_Section):
     """`asha`: stop trials early on `search.metric` at equal samples seen; `fifo`: run every trial to the end."""
     asha: AshaSpec = Field(default_factory=AshaSpec)
     """ASHA settings (time attribute: training samples seen)."""
+    upload_every_s: float = Field(60.0, gt=0, le=86_400)
+    """A search whose `run.output_dir` is a bucket: seconds between uploads, while it runs, of what
+    changed in its staging directory (the trials' checkpoints and metrics, Tune's state), so a search
+    killed outright leaves the bucket at most this far behind; results.json is written once, last,
+    when the search returns."""
     max_concurrent_trials: int | None = Field(None, gt=0)
     """Trials at once; default (and upper bound): what the cluster holds, each trial taking one CPU for
     the trial function plus its workers' CPUs (and GPUs)."""

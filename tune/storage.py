@@ -11,6 +11,9 @@ Invariants:
 * The search holds its staging directory's lock and the prefix's lease (`jobs.run.lease`, the
   run's lease) from before its first write under the prefix (`RUN_MARKER`) to its end
   (`held`): a second search (or run) into the prefix is refused in one line while it lives.
+* While it runs (`syncing`), what changed in the staging directory is uploaded every
+  `search.upload_every_s` (never results.json), so a search killed outright has the bucket at most
+  that far behind.
 * `push` (when the search returns, finished or interrupted) first deletes the prefix's
   results.json, then uploads every other file (checkpoint manifests after their files), results.json
   last: a reader that finds results.json finds the whole search beside it.
@@ -23,11 +26,12 @@ Invariants:
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from jobs.errors import SpecError
+from jobs.errors import RayftError, SpecError
 from jobs.run import checkpoint as ckpt
 from jobs.run import lease, run_hold, runlock
 from jobs.run.outputs import RUN_MARKER, check_output_store, set_aside
@@ -123,6 +127,58 @@ def push(spec: SearchSpec) -> None:
             store.fs.delete_file(store.key(RESULTS_JSON))
         for rel in upload_order(out):
             upload(store, out / rel, rel)
+
+
+@contextmanager
+def syncing(spec: SearchSpec) -> Iterator[None]:
+    """While a search into a store runs: what changed in its staging directory uploaded every
+    `search.upload_every_s` (`upload_changed`), on a thread that stops before `push`. An upload
+    that fails is said in one line and tried again at the next turn: `push` at the end decides."""
+    store = store_of(spec)
+    if store is None:
+        yield
+        return
+    stop, seen = threading.Event(), dict[str, tuple[int, int]]()
+
+    def turn() -> None:
+        while not stop.wait(spec.search.upload_every_s):
+            try:
+                with reported(store, "reading its lease", during_run=True):
+                    lease.check(store, runlock.holder_of(spec.output_path).get("token"))
+            except RayftError as e:  # the prefix is another's now: nothing more goes there
+                print(f"rayft: {e}", file=sys.stderr, flush=True)
+                return
+            try:
+                upload_changed(spec, store, seen)
+            except RayftError as e:
+                print(f"rayft: {e} (tried again in {spec.search.upload_every_s:g} s)", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=turn, name="rayft-search-upload", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def upload_changed(spec: SearchSpec, store: Store, seen: dict[str, tuple[int, int]]) -> list[str]:
+    """The staging directory's files new or changed (size, mtime) since `seen`, in `upload_order`
+    (checkpoint manifests after their files), results.json never (it is written last, by `push`).
+    The caller has found the prefix's lease still the search's. Returns what was uploaded."""
+    out, done = spec.output_path, []
+    with reported(store, "uploading the search", during_run=True):
+        for rel in upload_order(out):
+            try:
+                st = (out / rel).stat()
+            except FileNotFoundError:  # a file the search removed meanwhile (a trial's old checkpoint)
+                continue
+            if rel == RESULTS_JSON or seen.get(rel) == (st.st_size, st.st_mtime_ns):
+                continue
+            upload(store, out / rel, rel)
+            seen[rel] = (st.st_size, st.st_mtime_ns)
+            done.append(rel)
+    return done
 
 
 def upload_order(out: Path) -> list[str]:

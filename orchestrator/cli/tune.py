@@ -349,9 +349,10 @@ def _run_tune(args, raw, plan) -> int:
         build_data(job)
         _fresh_local(spec, args.fresh)
         _print_plan(plan)
-        outcome = run_search(
-            spec, raw, plan, resume=resume, address=args.address, num_cpus=args.num_cpus, spec_path=args.spec
-        )
+        with storage.syncing(spec):  # a search into a bucket: uploaded as it runs, results.json last by push
+            outcome = run_search(
+                spec, raw, plan, resume=resume, address=args.address, num_cpus=args.num_cpus, spec_path=args.spec
+            )
         storage.push(spec)
     return _report(outcome, raw, plan, spec.output_location)
 

@@ -51,6 +51,7 @@ def search_data(uri: str) -> dict:
             "eval_every_samples": 8,
             "scheduler": "fifo",
             "max_concurrent_trials": 2,
+            "upload_every_s": 1,  # the trials reach the bucket while the search runs
         },
     }
 
@@ -197,6 +198,38 @@ def test_push_deletes_the_old_results_first_and_writes_them_last(s3_server, tmp_
     assert _read(s3_server, "tune-push/s/results.json") == "results.json"
 
 
+def test_while_it_runs_what_changed_is_uploaded_results_json_never(s3_server, tmp_path, monkeypatch):
+    """`upload_changed`: new or changed files go (a trial's manifest after its files), unchanged ones
+    do not go again, and results.json waits for `push`."""
+    s3_server.make_bucket("tune-sync")
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RAYFT_CACHE", str(tmp_path / "cache"))
+    spec = load_search_spec(str(_write(tmp_path, "s3://tune-sync/s")), files=False)
+    out, store = spec.output_path, storage.store_of(spec)
+    files = (
+        "trials/t1/metrics.jsonl",
+        "trials/t1/checkpoints/step-1/manifest-rank0.json",
+        "trials/t1/checkpoints/step-1/adapter.safetensors",
+        "results.json",
+    )
+    for rel in files:
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text(rel)
+    seen: dict = {}
+    first = storage.upload_changed(spec, store, seen)
+    assert first == [
+        "trials/t1/checkpoints/step-1/adapter.safetensors",
+        "trials/t1/metrics.jsonl",
+        "trials/t1/checkpoints/step-1/manifest-rank0.json",
+    ]
+    assert "results.json" not in s3_server.objects("tune-sync/s")
+    assert storage.upload_changed(spec, store, seen) == []  # nothing changed
+    (out / "trials/t1/metrics.jsonl").write_text("two lines\nnow\n")
+    assert storage.upload_changed(spec, store, seen) == ["trials/t1/metrics.jsonl"]
+    assert _read(s3_server, "tune-sync/s/trials/t1/metrics.jsonl") == "two lines\nnow\n"
+
+
 # ---- one real search into the bucket ---------------------------------------------------------------
 
 
@@ -216,6 +249,16 @@ def bucket_search(s3_server, tmp_path_factory):
         leased = lambda: lease.LEASE in s3_server.objects("tune-real/search") or first.poll() is not None  # noqa: E731
         wait_until(leased, 120, "the first search's lease")
         second = _tune(s3_server, tmp, uri, cache="cache-2")
+        # What the bucket held while the first search ran: a trial's metrics before the report files
+        # exist. The final copy uploads best.yaml before trials/ (its order is by name), so only an
+        # upload during the search (search.upload_every_s) shows trials without best.yaml.
+        during = []
+        while first.poll() is None and not during:
+            now = s3_server.objects("tune-real/search")
+            trials = any(k.startswith("trials/") and k.endswith("metrics.jsonl") for k in now)
+            if trials and "best.yaml" not in now and "results.json" not in now:
+                during.append(now)
+            time.sleep(0.5)
         first.wait(timeout=900)
     finally:
         if first.poll() is None:
@@ -231,6 +274,7 @@ def bucket_search(s3_server, tmp_path_factory):
         "first": first.returncode,
         "second": second,
         "after_first": after_first,
+        "during": during,
         "results": results,
         "third": third,
     }
@@ -258,6 +302,8 @@ def test_the_search_writes_its_results_and_trials_under_the_prefix(bucket_search
         "s3://tune-real/search/best-run"
     )
     assert "uploaded: s3://tune-real/search (results.json last)" in log
+    # search.upload_every_s: a trial's metrics were in the bucket while the search ran, before results.json
+    assert bucket_search["during"], "nothing of the trials reached the bucket before the search ended"
 
 
 def _read(server, key: str) -> str:
