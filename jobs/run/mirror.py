@@ -183,12 +183,16 @@ def pull_newest(spec: JobSpec) -> Path | None:
     return None
 
 
+FETCHED = ".fetched-"  # a node's copy of a checkpoint of the store (`fetch_checkpoint`)
+
+
 def fetch_checkpoint(spec: JobSpec, name: str) -> Path:
     """The store's checkpoint `name` (the one rank 0 verified and resumes from) in this node's
     staging directory: downloaded by the first rank of the node to get here, the others waiting
     and then taking its copy (`build_once`: a lock beside it, published by one rename). The copy
     is named by the digest of the store's manifests, so one left by an earlier attempt is used
-    only when it is the same checkpoint."""
+    only when it is the same checkpoint. Copies of other checkpoints (earlier attempts' or
+    runs') are removed once this one is there: one copy per node, not one per restart."""
     from jobs.run.build_once import build_once
 
     store = store_of(spec)
@@ -201,7 +205,7 @@ def fetch_checkpoint(spec: JobSpec, name: str) -> Path:
             with store.fs.open_input_stream(store.key(where, rel)) as f:
                 digest.update(rel.encode() + b"\0" + f.read())
     # named by its content: a copy an earlier run of this URI left on the node is never taken
-    final = spec.output_path / CHECKPOINTS / f".fetched-{name}-{digest.hexdigest()[:16]}"
+    final = spec.output_path / CHECKPOINTS / f"{FETCHED}{name}-{digest.hexdigest()[:16]}"
 
     def build(tmp: Path) -> None:
         with reported(store, f"reading checkpoint {name}", during_run=True):
@@ -210,7 +214,22 @@ def fetch_checkpoint(spec: JobSpec, name: str) -> Path:
             raise RunError(f"checkpoint {store.uri}/{CHECKPOINTS}/{name} changed while resuming: {why}")
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    return build_once(final, build, f"checkpoint {name}")
+    got = build_once(final, build, f"checkpoint {name}")
+    _remove_other_fetched(final)
+    return got
+
+
+def _remove_other_fetched(keep: Path) -> None:
+    """Every `.fetched-*` entry beside `keep` that is not `keep`'s own (the copy, its lock, its
+    temporary directories): no rank of this attempt uses them (all take the checkpoint rank 0
+    chose), and no earlier attempt's worker is alive (Ray restarts the whole group)."""
+    for entry in keep.parent.glob(FETCHED + "*"):
+        if entry.name == keep.name or entry.name.startswith(keep.name + "."):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _download_checkpoint(store: Store, name: str, root: Path) -> Path | None:

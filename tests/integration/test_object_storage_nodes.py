@@ -86,3 +86,40 @@ def test_a_run_over_two_nodes_writes_whole_checkpoints_and_resumes_after_a_resta
         assert [json.loads(line)["step"] for line in f.read().decode().splitlines()] == [1, 2, 3, 4]
     resumed, straight = _bucket_adapter(server, prefix), _bucket_adapter(server, "nodes/straight/tiny-lora")
     assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def test_a_node_keeps_one_fetched_checkpoint_not_one_per_restart(s3_server, tmp_path, monkeypatch):
+    """`mirror.fetch_checkpoint` on a node that is not rank 0's: each restart takes the checkpoint
+    rank 0 chose into a copy named by its manifests' digest, and the copies of earlier attempts
+    (with their locks and a dead builder's temporary directory) are removed once it is there; the
+    same checkpoint again is the same copy, not downloaded anew."""
+    from gradtools import tiny_spec
+
+    from jobs.run import mirror
+
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RAYFT_CACHE", str(tmp_path / "cache"))
+    s3_server.make_bucket("fetched")
+    spec = tiny_spec("run.output_dir=s3://fetched/run")
+    for step in (1, 2):  # each rank's part, uploaded as push_rank_checkpoint does on its own node
+        for rank in (0, 1):
+            part = tmp_path / f"rank{rank}-step{step}"
+            files: dict = {f"rank{rank}.pt": torch.full((3,), float(step))}
+            if rank == 0:
+                files[ckpt.STATE_FILE] = {"world_size": 2, "step": step}
+            ckpt.write_rank_files(part, rank, files)
+            mirror.push_rank_checkpoint(spec, part, rank, step)
+    first = mirror.fetch_checkpoint(spec, ckpt.step_dir_name(1))
+    root = first.parent
+    (root / f"{first.name}.tmpdeadbuilder").mkdir()  # a builder of that copy killed mid-download
+    second = mirror.fetch_checkpoint(spec, ckpt.step_dir_name(2))
+    assert ckpt.why_incomplete(second) is None
+    assert torch.load(second / "rank1.pt").tolist() == [2.0] * 3
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(mirror.FETCHED)) == [
+        second.name,
+        f"{second.name}.lock",
+    ]
+    (second / "marker").write_text("this copy")  # fetching the same checkpoint must not replace it
+    assert mirror.fetch_checkpoint(spec, ckpt.step_dir_name(2)) == second
+    assert (second / "marker").read_text() == "this copy"
