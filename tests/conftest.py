@@ -46,6 +46,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 # - Ray's and Ray Train's metrics export and the Train state reconciliation feed dashboards no
 #   test reads; prestarted idle workers (one per CPU when the first driver connects) are CPU the
 #   tests need for the workers they do start.
+# - Ray Train's PreemptionWatcher (an actor per run that polls for nodes a cloud is draining; no
+#   test drains a node) costs a worker process per run: 2-3 core-seconds of a ~55 (cgroup cpuacct,
+#   2 pairs of runs of the command below: 57.3 / 57.2 with it, 55.5 / 54.6 without). The one test
+#   that runs as a user does (`test_train.py`, whose first screen must not show the watcher's
+#   noise line) turns it back on.
 # Measured on `rayft run examples/tiny-lora.yaml run.max_steps=8` (2 workers, embedded Ray):
 # 33-38 s wall and 44-49 busy core-seconds before, 26-28 s and 38-41 after.
 for _name, _value in {
@@ -54,6 +59,7 @@ for _name, _value in {
     "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
     "RAY_enable_metrics_collection": "0",
     "RAY_prestart_worker_first_driver": "0",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }.items():
     os.environ.setdefault(_name, _value)
 

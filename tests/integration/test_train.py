@@ -36,8 +36,10 @@ def unexpected_console_lines(text: str) -> list[str]:
 
 def _as_a_user_runs_it(tmp: Path) -> dict:
     """The environment of a user's shell: no RAY_AUTH_MODE (the tests set it for their own Ray
-    clients; Ray prints its token notice only when it is unset) and a HOME of its own."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    clients; Ray prints its token notice only when it is unset), Ray Train's PreemptionWatcher on
+    (its known noise line must stay off the console) and a HOME of its own."""
+    unset = ("RAY_AUTH_MODE", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     return {**env, "HOME": str(tmp / "home")}
 
 
