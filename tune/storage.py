@@ -33,7 +33,7 @@ from pathlib import Path
 
 from jobs.errors import RayftError, SpecError
 from jobs.run import checkpoint as ckpt
-from jobs.run import lease, run_hold, runlock
+from jobs.run import lease, run_hold
 from jobs.run.outputs import RUN_MARKER, check_output_store, set_aside
 from jobs.run.ownership import hold_output_dir
 from jobs.run.runlock import LOCK_FILE
@@ -121,8 +121,8 @@ def push(spec: SearchSpec) -> None:
     if store is None:
         return
     out = spec.output_path
+    lease.check_staged(store, out)
     with reported(store, "uploading the search", during_run=True):
-        lease.check(store, runlock.holder_of(out).get("token"))
         if RESULTS_JSON in list_files(store, "", recursive=False):
             store.fs.delete_file(store.key(RESULTS_JSON))
         for rel in upload_order(out):
@@ -143,8 +143,7 @@ def syncing(spec: SearchSpec) -> Iterator[None]:
     def turn() -> None:
         while not stop.wait(spec.search.upload_every_s):
             try:
-                with reported(store, "reading its lease", during_run=True):
-                    lease.check(store, runlock.holder_of(spec.output_path).get("token"))
+                lease.check_staged(store, spec.output_path)
             except RayftError as e:  # the prefix is another's now: nothing more goes there
                 print(f"rayft: {e}", file=sys.stderr, flush=True)
                 return

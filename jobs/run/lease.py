@@ -37,8 +37,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from jobs.errors import RunError, UserError
+from jobs.run import runlock
 from jobs.run.storage import Store, reported
 from jobs.spec.yaml_file import one_line
 
@@ -167,6 +169,14 @@ def check(store: Store, token: str | None) -> None:
         raise RunError(
             f"run.output_dir={one_line(store.uri)}: this run's lease was {why}; stopped, nothing more uploaded"
         )
+
+
+def check_staged(store: Store, staging: Path, token: str | None = None) -> None:
+    """`check` for the run or search staged in `staging`: under `token` (the driver's, handed to
+    rank 0 on Ray), else that of the driver that holds the staging directory's lock (it took the
+    lease under the same token). A failed read of the lease is one line (`reported`)."""
+    with reported(store, "reading its lease", during_run=True):
+        check(store, token or runlock.holder_of(staging).get("token"))
 
 
 def give_back(store: Store) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from jobs.errors import RunError
 from jobs.run import checkpoint as ckpt
-from jobs.run import lease, runlock
+from jobs.run import lease
 from jobs.run.outputs import EVENTS, METRICS, RUN_MARKER, SUMMARY
 from jobs.run.runlock import LOCK_FILE
 from jobs.run.storage import Store, download, is_uri, list_files, open_store, reported, upload
@@ -70,7 +70,7 @@ def push_checkpoint(spec: JobSpec, step: int) -> None:
     store = store_of(spec)
     if store is None:
         return
-    _check_lease(spec, store)  # a holder that lost its lease writes nothing more there
+    lease.check_staged(store, spec.output_path)  # a holder that lost its lease writes nothing more there
     local = spec.output_path / CHECKPOINTS / ckpt.step_dir_name(step)
     why = ckpt.why_incomplete(local)
     if why is not None:
@@ -104,7 +104,7 @@ def push_history(spec: JobSpec, keep: int, token: str | None) -> None:
     files, then the store's checkpoints beyond the newest `keep` removed."""
     store = store_of(spec)
     assert store is not None
-    _check_lease(spec, store, token)
+    lease.check_staged(store, spec.output_path, token)
     with reported(store, "uploading the run's history", during_run=True):
         for name in HISTORY_FILES:
             if (spec.output_path / name).is_file():
@@ -116,7 +116,7 @@ def check_lease(spec: JobSpec, token: str | None) -> None:
     """RunError when the run holding `token` no longer holds the store's lease (before an upload)."""
     store = store_of(spec)
     if store is not None:
-        _check_lease(spec, store, token)
+        lease.check_staged(store, spec.output_path, token)
 
 
 def pull_file(spec: JobSpec, name: str) -> None:
@@ -131,11 +131,11 @@ def pull_file(spec: JobSpec, name: str) -> None:
 def push_outputs(spec: JobSpec, token: str | None = None) -> None:
     """Upload every file of the staging directory but the checkpoints (uploaded as they are
     made), the run lock and temporary files; summary.json last. `token`: the driver's, when rank
-    0 runs on another node than the driver (`_check_lease`)."""
+    0 runs on another node than the driver (`lease.check_staged`)."""
     store = store_of(spec)
     if store is None:
         return
-    _check_lease(spec, store, token)
+    lease.check_staged(store, spec.output_path, token)
     out = spec.output_path
     names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and _is_output(p.relative_to(out)))
     with reported(store, "uploading the run's outputs", during_run=True):
@@ -150,14 +150,6 @@ def push_file(spec: JobSpec, name: str) -> None:
         return
     with reported(store, f"uploading {name}", during_run=True):
         upload(store, spec.output_path / name, name)
-
-
-def _check_lease(spec: JobSpec, store: Store, token: str | None = None) -> None:
-    """The bucket's lease still names this run: `token` (the driver's, handed to rank 0 on Ray),
-    else that of the driver that holds the staging directory's lock (rank 0 runs beside it),
-    which took the lease under the same token."""
-    with reported(store, "reading its lease", during_run=True):
-        lease.check(store, token or runlock.holder_of(spec.output_path).get("token"))
 
 
 def _is_output(rel: Path) -> bool:
