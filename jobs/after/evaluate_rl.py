@@ -31,7 +31,7 @@ SHOWN_EXAMPLES = 8
 
 def evaluate_rl(spec: JobSpec, adapter_dir: Path) -> dict:
     """eval.json's content (module doc)."""
-    assert spec.rollout is not None and spec.reward is not None  # a grpo spec has both
+    reward = spec.online.reward  # a grpo spec's, typed
     model, tok = load_base_model(spec, "fp32")
     model.eval()
     _, prompts = read_prompt_splits(spec, tok)
@@ -40,13 +40,13 @@ def evaluate_rl(spec: JobSpec, adapter_dir: Path) -> dict:
             "data.eval_path: rayft eval of objective.name=grpo scores held-out prompts: set data.eval_path "
             "or data.eval_fraction"
         )
-    functions, indices = resolve(spec.reward), list(range(len(prompts)))
+    functions, indices = resolve(reward), list(range(len(prompts)))
     adapters = {
         "start": spec.model.adapter,
         "adapter": str(adapter_dir) if (adapter_dir / "adapter_config.json").is_file() else None,
     }
     exact = [
-        label for f, label in zip(spec.reward.functions, spec.reward.labels, strict=True) if f.name == "exact_match"
+        label for f, label in zip(reward.functions, reward.labels, strict=True) if f.name == "exact_match"
     ]
     t0, rows, answers = time.perf_counter(), [], {}
     for role in ROLES:
@@ -56,8 +56,8 @@ def evaluate_rl(spec: JobSpec, adapter_dir: Path) -> dict:
             model = _with_adapter(model, str(adapters[role]), role, spec.model.name)
         hf = HFEngine(model, end_ids(tok, model), tok.pad_token_id, batch_size=spec.batch.micro_batch_size)
         done = greedy_as_the_run(hf, prompts, spec)
-        values, rewards, answers[role] = held_out.scored(functions, prompts, indices, done, tok, spec.reward.timeout_s)
-        row = {"model": role, **held_out.means(held_out.sums_of(values, rewards, len(functions)), spec.reward.labels)}
+        values, rewards, answers[role] = held_out.scored(functions, prompts, indices, done, tok, reward.timeout_s)
+        row = {"model": role, **held_out.means(held_out.sums_of(values, rewards, len(functions)), reward.labels)}
         if exact:
             row["exact_match"] = row[f"rewards/{exact[0]}/mean"]
         if role != "base":
