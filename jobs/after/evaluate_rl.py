@@ -45,9 +45,7 @@ def evaluate_rl(spec: JobSpec, adapter_dir: Path) -> dict:
         "start": spec.model.adapter,
         "adapter": str(adapter_dir) if (adapter_dir / "adapter_config.json").is_file() else None,
     }
-    exact = [
-        label for f, label in zip(reward.functions, reward.labels, strict=True) if f.name == "exact_match"
-    ]
+    exact = [label for f, label in zip(reward.functions, reward.labels, strict=True) if f.name == "exact_match"]
     t0, rows, answers = time.perf_counter(), [], {}
     for role in ROLES:
         if role != "base":

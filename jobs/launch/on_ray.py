@@ -375,7 +375,14 @@ def node_lost(
 def resume_hint(spec: JobSpec) -> str:
     """What a rerun does with the checkpoints already written, for the line that reports a failure."""
     from jobs.run.checkpoint import newest_complete
+    from jobs.run.storage import is_uri
 
+    where = spec.output_location
+    if is_uri(where):  # the driver's staging directory may hold none of them: the bucket decides
+        return (
+            f"Checkpoints written before it are in {where.rstrip('/')}/checkpoints: `rayft run` with "
+            f"run.output_dir={where} resumes from the newest that verifies (or starts over if there is none)"
+        )
     root = spec.output_path.resolve() / "checkpoints"
     newest = newest_complete(root, warn=False)
     if newest is None:

@@ -81,6 +81,7 @@ from jobs.run.outputs import (
 )
 from jobs.run.ownership import hold_on_rank0
 from jobs.run.step_record import StepRecord
+from jobs.run.storage import is_uri
 from jobs.run.summary import RunSummary
 from jobs.run.tracking import Trackers, open_trackers
 from jobs.spec import JobSpec, compute_precision
@@ -557,12 +558,24 @@ def stop_if_not_finite(spec: JobSpec, step: int, loss: float, grad_norm: float, 
     all-reduced, the gradient norm is taken after DDP's reduction), so all ranks stop together."""
     if skipped or (math.isfinite(loss) and math.isfinite(grad_norm)):
         return
-    last = ckpt.newest_complete(spec.output_path / "checkpoints", warn=False)
+    last = _last_checkpoint(spec)
     kept = f"the last good checkpoint is kept: {last}" if last else "no checkpoint was written before it"
     raise RunError(
         f"optimizer step {step}: training diverged (loss {loss:g}, grad norm {grad_norm:g}); "
         f"stopped, {kept}; lower optim.lr (now {spec.optim.lr:g}) or set optim.max_grad_norm"
     )
+
+
+def _last_checkpoint(spec: JobSpec) -> str | None:
+    """The run's newest checkpoint, as a user finds it: the local one that verifies, or for a run
+    into a bucket the newest this rank wrote, named in the bucket (over several nodes, rank 0's
+    staging directory holds only its own part of each; every part was uploaded as it was written)."""
+    root = spec.output_path / "checkpoints"
+    if not is_uri(spec.output_location):
+        last = ckpt.newest_complete(root, warn=False)
+        return str(last) if last else None
+    written = ckpt.list_checkpoints(root)
+    return f"{spec.output_location.rstrip('/')}/checkpoints/{written[-1].name}" if written else None
 
 
 def write_outputs(

@@ -353,6 +353,25 @@ def test_an_fp16_scaler_skip_is_not_a_divergence():
         stop_if_not_finite(spec, 3, 2.0, math.inf, skipped=False)
 
 
+def test_failure_lines_of_a_run_into_a_bucket_name_its_checkpoints_in_the_bucket(tmp_path, monkeypatch):
+    """Over several nodes rank 0's staging directory holds only its own part of each checkpoint (it
+    never verifies there) and the driver's may hold none: a divergence names the newest checkpoint
+    in the bucket, and a lost node's line the bucket's URI, never "no checkpoint" or a staging path."""
+    from jobs.launch.on_ray import resume_hint
+    from jobs.train.loop import stop_if_not_finite
+
+    monkeypatch.setenv("RAYFT_CACHE", str(tmp_path / "cache"))
+    spec = load_spec(DEMO, ["run.output_dir=s3://bucket/runs/{name}"], files=False)
+    for step in (1, 2):  # rank 0's part only, as on its node
+        ckpt.write_rank_files(spec.output_path / "checkpoints" / ckpt.step_dir_name(step), 0, {"rank0.pt": {}})
+    with pytest.raises(RunError) as e:
+        stop_if_not_finite(spec, 3, math.nan, 1.0, skipped=False)
+    assert f"the last good checkpoint is kept: s3://bucket/runs/{spec.name}/checkpoints/step-00000002" in str(e.value)
+    hint = resume_hint(spec)
+    assert f"run.output_dir=s3://bucket/runs/{spec.name} resumes from the newest" in hint, hint
+    assert str(spec.output_path) not in hint
+
+
 def test_a_divergence_on_a_ray_worker_comes_back_as_itself():
     """Ray wraps a worker's error (as an object it keeps, or only as text): unwrapped, a divergence
     is a RunError again (exit 1) and a bad data line a SpecError (exit 2), each with its one line."""
