@@ -158,6 +158,9 @@ class RayHead:
         kill_group(self.process)
 
 
+NODE_START_TRIES = 3  # starts of one worker node (`LocalCluster.add_node`) before the test fails
+
+
 class LocalCluster:
     """`ray start --head` (0 CPUs) plus worker nodes of 1 CPU each, every node its own process
     group, so removing a node kills exactly that node's raylet and its workers.
@@ -281,11 +284,34 @@ class LocalCluster:
         self._stop_dead_nodes()
         before = set(self.wait_nodes(len(self._live())))
         args = [f"--address={self.address}", f"--num-cpus={cpus}", f"--num-gpus={gpus}"]
-        p = self._start(args, f"node{len(self.nodes)}", env)
-        self.nodes.append(p)
-        (new,) = set(self.wait_nodes(len(before) + 1)) - before
-        self.node_ids[p.pid] = new
-        return p
+        for _ in range(NODE_START_TRIES):
+            name = f"node{len(self.nodes)}"
+            p = self._start(args, name, env)
+            self.nodes.append(p)
+            new = self._joined(p, before)
+            if new is not None:
+                self.node_ids[p.pid] = new
+                return p
+            kill_group(p)  # its raylet may outlive it, and join later: gone, and marked dead, first
+            self.wait_nodes(len(before))
+        last = (self.tmp / f"{name}.log").read_text(errors="replace").strip().splitlines()[-1:]
+        raise AssertionError(f"a worker node did not start in {NODE_START_TRIES} tries; the last said: {last}")
+
+    def _joined(self, p: subprocess.Popen, before: set[str]) -> str | None:
+        """The Ray node id of the node process `p` once it is alive beside `before`, or None when
+        `p` exited first: `ray start` gives a raylet 30 s (fixed, ray/_private/node.py) to register
+        with the GCS, which a machine loaded by the other tests can miss."""
+
+        def joined() -> tuple:
+            if p.poll() is not None:
+                return (None,)
+            try:
+                alive = set(self.alive_cpu_nodes())
+            except Exception:  # the dashboard is busy or restarting
+                return ()
+            return (next(iter(alive - before)),) if len(alive) == len(before) + 1 and before <= alive else ()
+
+        return wait_until(joined, 120, "the new worker node is alive")[0]
 
     def _alive_actors(self) -> list[dict]:
         """The dashboard's state API view of the alive actors: node_id, class_name, pid, ..."""
