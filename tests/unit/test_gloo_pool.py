@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from gloo_pool import RankFailed, run_on_ranks
+from gloo_pool import RankFailed, RankKilled, run_on_ranks
 
 
 def _whoami(rank: int, world: int, marker: str) -> dict:
@@ -47,6 +47,23 @@ def _fail_on(rank: int, world: int, bad_rank: int) -> None:
     dist.all_reduce(torch.zeros(1))  # the other rank waits here for ever
 
 
+def _segfault_once(rank: int, world: int, marker: str) -> int:
+    """Rank 1 dies of SIGSEGV the first time it is called (the marker file tells; every time when
+    `marker` is empty), as a crash in native code would end it; then a collective to return."""
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1 and not (marker and os.path.exists(marker)):
+        if marker:
+            Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return int(t)
+
+
 def test_the_ranks_are_separate_processes_in_one_gloo_group_and_start_each_call_fresh(tmp_path, monkeypatch):
     monkeypatch.setenv("GLOO_POOL_TEST", "from the caller")
     monkeypatch.chdir(tmp_path)
@@ -72,3 +89,17 @@ def test_a_failing_rank_is_reported_and_the_next_call_gets_a_new_pool(tmp_path):
     after = run_on_ranks(_whoami, 2, tmp_path / "c", "after")
     assert not {r["pid"] for r in after} & {r["pid"] for r in before}
     assert [r["sum"] for r in after] == [3.0, 3.0]
+
+
+def test_a_rank_killed_by_a_signal_is_called_again_once_on_new_ranks(tmp_path, capsys):
+    """A crash in native code (a signal, not a Python exception) gets one more call on new ranks; a
+    second crash fails like any other rank failure."""
+    before = run_on_ranks(_whoami, 2, tmp_path / "a", "before")
+    marker = tmp_path / "crashed-once"
+    assert run_on_ranks(_segfault_once, 2, tmp_path / "b", str(marker)) == [3, 3]
+    assert marker.exists() and "rank 1 died (exit code -11); calling again on new ranks" in capsys.readouterr().err
+    after = run_on_ranks(_whoami, 2, tmp_path / "c", "after")
+    assert not {r["pid"] for r in after} & {r["pid"] for r in before}
+    # Every call crashes: the second is not retried.
+    with pytest.raises(RankKilled, match=r"rank 1 died \(exit code -11\)"):
+        run_on_ranks(_segfault_once, 2, tmp_path / "d", "")
