@@ -53,6 +53,7 @@ def build_data(spec: JobSpec) -> None:
     tokenizer `load_tokenizer` returns is the one the job loads). A refused build leaves no entry
     (`jobs.data.load_dataset`); a cache that cannot be written is one line too."""
     from jobs.data import data_cache_dir
+    from jobs.data.sources import drop_kept
     from jobs.model.loading import load_tokenizer
     from jobs.objectives import Objective
 
@@ -65,6 +66,8 @@ def build_data(spec: JobSpec) -> None:
             f"data.cache_dir={one_line(str(where))}: cannot write the tokenized data there "
             f"({one_line(e.strerror or str(e))}{': ' + one_line(str(e.filename)) if e.filename else ''})"
         ) from None
+    finally:
+        drop_kept()  # the data's last reader on the driver (`jobs.data.sources.read_once`)
 
 
 def check_lora_rank(spec: JobSpec) -> None:
@@ -120,6 +123,7 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     An `address` (`--address`) is asked once whether a Ray cluster answers there
     (`jobs.launch.cluster_check`, bounded) before the output directory is touched."""
     from jobs.data.remote_data import localize
+    from jobs.data.sources import read_once
     from jobs.run import mirror, run_hold
     from jobs.run.outputs import check_output_dir
     from jobs.run.ownership import hold_output_dir
@@ -128,14 +132,15 @@ def prepare(spec_path: str, overrides: list[str], fresh: bool, *, local: bool = 
     check_local_workers(spec, local)
     check_fresh(spec, fresh)
     spec = localize(spec)  # data in a bucket: copied into rayft's cache on this machine, read from there
-    preflight(spec)
-    check_output_dir(spec.output_location)  # an object store: the credentials, the bucket, the prefix
-    if address and not local:
-        from jobs.launch.cluster_check import check_cluster
+    with read_once():  # the count pass's parsed lines are the build's: each file is read once
+        preflight(spec)
+        check_output_dir(spec.output_location)  # an object store: the credentials, the bucket, the prefix
+        if address and not local:
+            from jobs.launch.cluster_check import check_cluster
 
-        check_cluster(address)
-    spec = absolutize(spec)
-    build_data(spec)  # the last check that can refuse the data; the first write (the cache entry)
+            check_cluster(address)
+        spec = absolutize(spec)
+        build_data(spec)  # the last check that can refuse the data; the first write (the cache entry)
     # checked, locked (a second run into this directory or bucket prefix is refused here), then claimed
     hold_output_dir(
         spec.output_path,

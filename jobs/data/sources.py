@@ -14,6 +14,7 @@ source's first record: how a mixture's sources are compared before any is read w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -184,21 +185,75 @@ def _read_lines(path: str, key: str, max_chars: int | None, fields: dict | None,
 def json_lines(path: str, key: str) -> Iterator[tuple[str, Any]]:
     """(where, parsed value) of each non-blank line of a JSONL file, read line by line; the file
     not readable, not UTF-8, or a line that is not a usable JSON value is one SpecError naming
-    `key`, the file and the line. Every JSONL reader of rayft's data goes through here."""
+    `key`, the file and the line. Every JSONL reader of rayft's data goes through here. Within
+    `read_once`, a file read to its end is parsed only that once (see there)."""
     shown = one_line(str(path))
     problem = path_problem(path)
     if problem:
         raise SpecError(f"{key}: {problem}")
+    ident = _identity(path)
+    if ident is not None and _kept is not None and ident in _kept:
+        yield from ((f"{key}: {shown} line {i}", value) for i, value in _kept.pop(ident))
+        return
+    lines: list[tuple[int, Any]] | None = [] if ident is not None else None
     try:
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if line.strip():
                     where = f"{key}: {shown} line {i}"
-                    yield where, _json_value(line, where)
+                    value = _json_value(line, where)
+                    if lines is not None:
+                        lines.append((i, value))
+                    yield where, value
     except UnicodeDecodeError:
         raise SpecError(f"{key}: {shown}: not UTF-8 text") from None
     except OSError as e:
         raise SpecError(f"{key}: {shown}: cannot be read ({e.strerror or e})") from None
+    if lines is not None and ident is not None and _kept is not None:  # read to its end, every line a JSON value
+        _kept[ident] = lines
+
+
+# ---- each file parsed once per driver start ----------------------------------------------------
+
+# On the driver, the data are read twice in a row: the count pass checks every record before
+# anything is created (`count_checked_records`, GRPO's `check_records`), then the build tokenizes
+# them (`jobs.finetune.build_data`). Within `read_once`, the count pass keeps each JSONL file's
+# parsed lines (keyed by the file's identity: path, size, modification time, inode) and the build
+# takes them instead of reading and parsing the file again; the build is the last reader
+# (`drop_kept`). A file over KEEP_MAX_BYTES is read each time: its parsed lines would hold several
+# times its size in memory. Taken once (a second reader reads the file), dropped when the block ends.
+KEEP_MAX_BYTES = 512 * 2**20
+_kept: dict[tuple, list[tuple[int, Any]]] | None = None
+
+
+@contextlib.contextmanager
+def read_once() -> Iterator[None]:
+    """Within it, a JSONL file read to its end is parsed once for the next reader of the same file."""
+    global _kept
+    outer, _kept = _kept, {}
+    try:
+        yield
+    finally:
+        _kept = outer
+
+
+def drop_kept() -> None:
+    """What `read_once` keeps is dropped, and nothing more is kept in this block: the last reader is done."""
+    global _kept
+    _kept = None
+
+
+def _identity(path: str) -> tuple | None:
+    """The file's identity while `read_once` keeps lines and the file is small enough, else None."""
+    if _kept is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # the read names the problem
+    if st.st_size > KEEP_MAX_BYTES:
+        return None
+    return (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 def _json_value(line: str, where: str):

@@ -314,6 +314,7 @@ def _print_strategies(con, rep: dict, budget) -> None:
 
 
 def cmd_tune(args) -> int:
+    from jobs.data.sources import read_once
     from jobs.finetune import preflight
     from tune import storage
     from tune.plan import plan_search
@@ -321,12 +322,13 @@ def cmd_tune(args) -> int:
 
     raw = load_search_spec(args.spec, args.overrides)
     storage.check(raw)  # an object-store run.output_dir: the credentials, the bucket, the prefix, asked first
-    preflight(raw)
-    plan = plan_search(raw, args.spec)  # refuses an impossible budget before anything starts
-    if args.plan:
-        _print_plan(plan)
-        return 0
-    return _run_tune(args, raw, plan)
+    with read_once():  # the count pass's parsed lines are the build's (`_run_tune`), which drops them
+        preflight(raw)
+        plan = plan_search(raw, args.spec)  # refuses an impossible budget before anything starts
+        if args.plan:
+            _print_plan(plan)
+            return 0
+        return _run_tune(args, raw, plan)
 
 
 def _run_tune(args, raw, plan) -> int:

@@ -10,7 +10,8 @@ Each call runs as a fresh rank would see it: the caller's working directory and 
 (as `mp.spawn` hands them to its children), torch's initial RNG state, and a default process
 group (re-created when a function destroyed it). A call that raises or dies on any rank, or is
 interrupted, tears the whole pool down (the other ranks may be stuck in a collective); the next
-call starts a new one. A call whose rank was killed by a signal is made once more (`KILLED_TRIES`). Results travel as `torch.save` files, as with `mp.spawn` before."""
+call starts a new one. A call whose rank was killed by a signal is made once more
+(`KILLED_TRIES`). Results travel as `torch.save` files, as with `mp.spawn` before."""
 
 from __future__ import annotations
 

@@ -163,3 +163,67 @@ def test_the_driver_checks_the_same_data_once(tmp_path, monkeypatch):
     p.write_text(p.read_text() + '{"oops": 1}\n')
     with pytest.raises(SpecError, match="line 11"):
         data_mod.count_checked_records(spec)
+
+
+def _parsed_lines(monkeypatch) -> list[str]:
+    """Where each JSONL line the process parses from now on lies ("KEY: FILE line N"), in order."""
+    import jobs.data.sources as sources
+
+    seen: list[str] = []
+    real = sources._json_value
+
+    def parse(line: str, where: str):
+        seen.append(where.split(": ", 1)[1])  # the file and line, whichever key names it
+        return real(line, where)
+
+    monkeypatch.setattr(sources, "_json_value", parse)
+    return seen
+
+
+def _entry_bytes(cache: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(cache)): p.read_bytes() for p in sorted(cache.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [
+        pytest.param([], id="sft"),
+        pytest.param(
+            ["objective.name=grpo", "reward.functions=[{name: regex, pattern: a}]", "rollout.num_generations=4"]
+            + ["rollout.max_completion_length=16"],
+            id="grpo",
+        ),
+    ],
+)
+def test_a_run_start_parses_each_data_line_once_on_the_driver(tmp_path, monkeypatch, objective):
+    """`rayft run`'s driver (`jobs.finetune.prepare`) checks every record before anything is created,
+    then builds the cache entry from them: every line of the training and held-out files is parsed
+    once between the two (`jobs.data.sources.read_once`), nothing is kept after the build, and the
+    entry is byte for byte the one two separate reads build. Without `read_once` each line is parsed
+    twice (checked below: the count would catch a second read)."""
+    import jobs.data.sources as sources
+    from jobs.finetune import build_data, preflight, prepare
+    from jobs.run import run_hold
+    from jobs.spec import absolutize
+
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    write = lambda p, rs: p.write_text("".join(json.dumps(r) + "\n" for r in rs))  # noqa: E731
+    write(train, rows[:40])
+    write(held, rows[40:48])
+    where = [f"data.path={train}", f"data.eval_path={held}", "run.eval_every=2", *objective]
+    seen = _parsed_lines(monkeypatch)
+    spec = prepare(DEMO, [*SMALL, *where, f"run.output_dir={tmp_path / 'out'}"], fresh=False, local=True)
+    run_hold.let_go(spec)
+    trained, evaluated = [f"{train} line {i}" for i in range(1, 41)], [f"{held} line {i}" for i in range(1, 9)]
+    assert sorted(seen) == sorted(trained + evaluated) and sources._kept is None
+
+    # The same start without read_once: two reads of every line, and the same entry.
+    seen.clear()
+    other = absolutize(load_spec(DEMO, [*SMALL, *where, f"data.cache_dir={tmp_path / 'cache-2'}"]))
+    preflight(other)
+    build_data(other)
+    # (GRPO's count pass checks the training prompts only: its held-out prompts are read by the build)
+    assert sorted(seen) == sorted(trained * 2 + evaluated * (1 if objective else 2))
+    if not objective:  # GRPO's prompts are tokenized on each rank; it keeps no entry
+        assert _entry_bytes(tmp_path / ".rayft-data") == _entry_bytes(tmp_path / "cache-2")
