@@ -188,33 +188,30 @@ class GlooPool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
 
-# The persistent pool: one group of POOLED_WORLD ranks for the whole test session, started by the
-# first call that needs it. Other world sizes are rare (one resume test uses 4): they get a pool
-# of their own for that call only, so memory holds one persistent group.
-POOLED_WORLD = 2
+# The persistent pools: one group of ranks per world size (2 and 4 in this suite), each started by
+# the first call that needs it and kept for the session. Before, a 4-rank call started 4 new ranks
+# (each importing torch, transformers and peft) and closed them: the 17 split oracles of
+# test_preference.py and test_mixture.py (`-k every_split`, one process, cgroup cpuacct) took
+# 146.6 core-seconds and 79 s; with a kept 4-rank pool 34 core-seconds and 23 s. An idle rank
+# holds about 0.45 GB (RSS after a preference oracle's call).
+_pools: dict[int, GlooPool] = {}
+
 # Calls of one function when a rank is killed by a signal. In a cold `make test` on this machine
 # (2026-12-07) a rank died of a segfault in torch's gloo thread (`pt_gloo_runloop`, a NULL read in
 # libc, empty rank log) at the start of an FSDP oracle that passes on every other run: the call is
 # made once more on new ranks, so such a crash does not fail the oracle. A rank that raises, or a
 # crash that repeats, still fails it.
 KILLED_TRIES = 2
-_pool: GlooPool | None = None
 
 
 def run_on_ranks(fn: Callable, world: int, tmp: Path, *args) -> list:
     """fn(rank, world, *args) on `world` gloo ranks; each rank's return value, by rank."""
-    global _pool
-    if world != POOLED_WORLD:
-        once = GlooPool(world)
-        try:
-            return once.run(fn, args, tmp)
-        finally:
-            once.close()
     for attempt in range(KILLED_TRIES):
-        if _pool is None or not _pool.alive:  # never started, or torn down after a failure
-            _pool = GlooPool(world)
+        pool = _pools.get(world)
+        if pool is None or not pool.alive:  # never started, or torn down after a failure
+            pool = _pools[world] = GlooPool(world)
         try:
-            return _pool.run(fn, args, tmp)
+            return pool.run(fn, args, tmp)
         except RankKilled as e:
             if attempt == KILLED_TRIES - 1:
                 raise
@@ -223,8 +220,6 @@ def run_on_ranks(fn: Callable, world: int, tmp: Path, *args) -> list:
 
 
 def shutdown() -> None:
-    """Stop the persistent pool (conftest calls this when the session ends)."""
-    global _pool
-    if _pool is not None:
-        _pool.close()
-        _pool = None
+    """Stop the persistent pools (conftest calls this when the session ends)."""
+    while _pools:
+        _pools.popitem()[1].close()

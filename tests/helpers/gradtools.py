@@ -115,7 +115,7 @@ def reference_grads(spec: JobSpec, *, gc: bool = False, precision: str = "fp32")
 
 def spawn(fn: Callable, world_size: int, tmp: Path, *args) -> list:
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks (separate processes, the
-    session's persistent pool: tests/helpers/gloo_pool.py); returns each rank's result."""
+    session's persistent pool of that size: tests/helpers/gloo_pool.py); returns each rank's result."""
     from gloo_pool import run_on_ranks
 
     return run_on_ranks(fn, world_size, tmp, *args)

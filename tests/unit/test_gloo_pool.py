@@ -103,3 +103,12 @@ def test_a_rank_killed_by_a_signal_is_called_again_once_on_new_ranks(tmp_path, c
     # Every call crashes: the second is not retried.
     with pytest.raises(RankKilled, match=r"rank 1 died \(exit code -11\)"):
         run_on_ranks(_segfault_once, 2, tmp_path / "d", "")
+
+
+def test_each_world_size_keeps_its_own_ranks_across_calls(tmp_path):
+    """A 4-rank call and a 2-rank call between two 4-rank calls: each size's ranks are started once."""
+    four = run_on_ranks(_whoami, 4, tmp_path / "a", "four")
+    two = run_on_ranks(_whoami, 2, tmp_path / "b", "two")
+    again = run_on_ranks(_whoami, 4, tmp_path / "c", "again")
+    assert [r["pid"] for r in again] == [r["pid"] for r in four] and [r["sum"] for r in again] == [10.0] * 4
+    assert not {r["pid"] for r in two} & {r["pid"] for r in four}
