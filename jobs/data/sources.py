@@ -195,21 +195,21 @@ def json_lines(path: str, key: str) -> Iterator[tuple[str, Any]]:
     if ident is not None and _kept is not None and ident in _kept:
         yield from ((f"{key}: {shown} line {i}", value) for i, value in _kept.pop(ident))
         return
-    lines: list[tuple[int, Any]] | None = [] if ident is not None else None
+    lines: list[tuple[int, Any]] = []  # kept when `ident` is not None
     try:
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if line.strip():
                     where = f"{key}: {shown} line {i}"
                     value = _json_value(line, where)
-                    if lines is not None:
+                    if ident is not None:
                         lines.append((i, value))
                     yield where, value
     except UnicodeDecodeError:
         raise SpecError(f"{key}: {shown}: not UTF-8 text") from None
     except OSError as e:
         raise SpecError(f"{key}: {shown}: cannot be read ({e.strerror or e})") from None
-    if lines is not None and ident is not None and _kept is not None:  # read to its end, every line a JSON value
+    if ident is not None and _kept is not None:  # read to its end, every line a JSON value
         _kept[ident] = lines
 
 
