@@ -201,16 +201,15 @@ def test_a_run_start_parses_each_data_line_once_on_the_driver(tmp_path, monkeypa
     once between the two (`jobs.data.sources.read_once`), nothing is kept after the build, and the
     entry is byte for byte the one two separate reads build. Without `read_once` each line is parsed
     twice (checked below: the count would catch a second read)."""
+    from runs import write_jsonl
+
     import jobs.data.sources as sources
     from jobs.finetune import build_data, preflight, prepare
     from jobs.run import run_hold
     from jobs.spec import absolutize
 
-    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
-    write = lambda p, rs: p.write_text("".join(json.dumps(r) + "\n" for r in rs))  # noqa: E731
-    write(train, rows[:40])
-    write(held, rows[40:48])
+    train, held = write_jsonl(tmp_path / "train.jsonl", rows[:40]), write_jsonl(tmp_path / "held.jsonl", rows[40:48])
     where = [f"data.path={train}", f"data.eval_path={held}", "run.eval_every=2", *objective]
     seen = _parsed_lines(monkeypatch)
     spec = prepare(DEMO, [*SMALL, *where, f"run.output_dir={tmp_path / 'out'}"], fresh=False, local=True)
