@@ -178,6 +178,15 @@ def placement_line(rollout: Any, use_gpu: bool) -> str:
     return f"separate: {gpus} GPU(s), {rollout.vllm_num_cpus:g} CPU(s) of its own"
 
 
+def place_engine_actor(rollout: Any, use_gpu: bool) -> Any:
+    """The `EngineActor` of `rollout.vllm_placement`, created for the rank 0 calling this (`colocate`:
+    on this process's node), its server not started yet."""
+    import ray
+
+    options = actor_options(rollout, use_gpu, ray.get_runtime_context().get_node_id())
+    return ray.remote(EngineActor).options(**options).remote()
+
+
 def start_actor_host(rollout: Any, use_gpu: bool, settings: ServerSettings, one_node: bool) -> ActorHost:
     """Rank 0 on Ray: the `EngineActor` placed by `rollout.vllm_placement`, its server started.
     A colocated engine sees rank 0's GPUs; a separate one those Ray gave it (tensor parallel over
@@ -191,8 +200,7 @@ def start_actor_host(rollout: Any, use_gpu: bool, settings: ServerSettings, one_
         settings = replace(settings, visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES") if use_gpu else None)
     else:
         settings = replace(settings, tensor_parallel=max(1, separate_gpus(rollout, use_gpu)))
-    options = actor_options(rollout, use_gpu, ray.get_runtime_context().get_node_id())
-    actor: Any = ray.remote(EngineActor).options(**options).remote()
+    actor = place_engine_actor(rollout, use_gpu)
     where = placement_line(rollout, use_gpu)
     host = ActorHost(actor, "", where, rollout.vllm_timeout_s)
     try:
