@@ -47,7 +47,11 @@ class ProgressActor:
 
 
 def train_worker(config: dict) -> None:
-    # Runs on every Ray Train worker.
+    # Runs on every Ray Train worker: a process of its own for this one run.
+    from jobs.model.loading import hide_unused_bitsandbytes
+
+    spec = JobSpec.model_validate(config["spec"])
+    hide_unused_bitsandbytes(spec.model.quantization)  # before anything imports PEFT
     from jobs.train.loop import train
     from jobs.train.ray_context import RayContext
 
@@ -57,7 +61,6 @@ def train_worker(config: dict) -> None:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    spec = JobSpec.model_validate(config["spec"])
     _report_placement(config.get("relay"))
     token = config.get("run_token")
     train(spec, RayContext(config.get("progress"), spec, token), resume=config["resume"], run_token=token)

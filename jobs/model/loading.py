@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +157,23 @@ def quiet_unused_bitsandbytes(quantizing: bool) -> None:
     kernels-community" -- about kernels only a quantized base uses. Without quantization that line
     is noise on the first screen, so its logger shows errors only; with quantization it stays."""
     logging.getLogger(BITSANDBYTES_CPU_LOGGER).setLevel(logging.WARNING if quantizing else logging.ERROR)
+
+
+def hide_unused_bitsandbytes(quantization: str) -> None:
+    """In a process that runs one job and nothing after it (a Ray Train worker), with no
+    `model.quantization` ("none"): make bitsandbytes unimportable, before anything imports PEFT.
+
+    PEFT imports bitsandbytes whenever it is installed (`peft/helpers.py`), and bitsandbytes
+    wraps its kernels in `torch.compile` as it is imported, which imports dynamo: `import peft`
+    in a process that has already imported what a worker has (jobs.train.loop, transformers'
+    activations and masking) took 1.7-2.0 CPU-seconds with bitsandbytes and 0.44-0.64 without
+    (this 2-core machine, 3 runs each), for layers a base that is not quantized never has. PEFT
+    then sees no bitsandbytes (`is_bnb_available()` is False) and wraps `nn.Linear` layers exactly
+    as before (the same adapter, bit for bit): its bitsandbytes dispatch only matches
+    bitsandbytes layers. Never in a process that may quantize later (a test process, a persistent
+    rank): PEFT decides what it supports once, at its import."""
+    if quantization == "none":
+        sys.modules.setdefault("bitsandbytes", None)  # type: ignore[arg-type]  # `import` raises ImportError
 
 
 def load_base_model(spec: JobSpec, precision: str, *, quantized: bool = True):
