@@ -134,13 +134,10 @@ def start_accepting_jobs(cluster) -> None:
         try:
             wait_for_jobs_api(cluster)
             return
-        except (TimeoutError, RuntimeError):
-            cluster.stop()
-            if attempt == CLUSTER_START_TRIES:
+        except BaseException as e:
+            cluster.stop()  # nothing of a failed start is left running
+            if attempt == CLUSTER_START_TRIES or not isinstance(e, (TimeoutError, RuntimeError)):
                 raise
-        except BaseException:
-            cluster.stop()
-            raise
 
 
 class RayHead:
