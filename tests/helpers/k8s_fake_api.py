@@ -21,6 +21,7 @@ status, Ray job status, message), e.g. a failure whose log says out of memory.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import threading
@@ -124,10 +125,23 @@ def strict_crd_validator(kind: str) -> Callable[[dict], list[str]]:
     return errors
 
 
+def _cache_schema_reads() -> None:
+    """kubernetes-validate reads and parses its JSON schema files (the strict `_definitions.json`
+    among them) on every `validate` call: about 70% of a call's time, and the k8s tests validate a
+    few thousand objects. The files never change while the tests run, so each is read once; the
+    validation itself is the library's, unchanged (jsonschema does not modify a schema)."""
+    from kubernetes_validate import utils
+
+    if not hasattr(utils.schema_contents, "cache_info"):
+        utils.schema_contents = functools.lru_cache(maxsize=None)(utils.schema_contents)
+        utils.all_versions = functools.lru_cache(maxsize=None)(utils.all_versions)
+
+
 def k8s_validate_errors(obj: dict) -> list[str] | None:
     """kubernetes-validate --strict on a core object; None when it has no schema for the kind."""
     import kubernetes_validate as kv
 
+    _cache_schema_reads()
     errs: list[str] = []
     for version in sorted({K8S_VALIDATE_OLDEST, str(kv.latest_version())}):
         try:
