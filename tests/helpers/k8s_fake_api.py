@@ -127,9 +127,10 @@ def strict_crd_validator(kind: str) -> Callable[[dict], list[str]]:
 
 def _cache_schema_reads() -> None:
     """kubernetes-validate reads and parses its JSON schema files (the strict `_definitions.json`
-    among them) on every `validate` call: about 70% of a call's time, and the k8s tests validate a
-    few thousand objects. The files never change while the tests run, so each is read once; the
-    validation itself is the library's, unchanged (jsonschema does not modify a schema)."""
+    among them) on every `validate` call: about 70% of a call's time, and test_k8s.py and
+    test_k8s_flavours.py validate 1,086 objects, each against two Kubernetes versions. The files
+    never change while the tests run, so each is read once; the validation itself is the library's,
+    unchanged (jsonschema does not modify a schema)."""
     from kubernetes_validate import utils
 
     if not hasattr(utils.schema_contents, "cache_info"):
