@@ -14,6 +14,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -296,3 +297,56 @@ def test_gpu_compare_refuses_an_unknown_loop_in_one_line(tmp_path):
     )
     assert proc.returncode == 2 and "--loops: unknown ['hf-fast']" in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def _ci_cpu_module():
+    spec = importlib.util.spec_from_file_location("bench_ci_cpu", ROOT / "bench" / "ci_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ci_cpu_names_each_process_by_what_its_command_line_says():
+    kind_of = _ci_cpu_module().kind_of
+    py = "/r/.venv/bin/python"
+    assert kind_of("ray::TrainController.run", "ray::TrainCon") == "ray::TrainController"
+    assert kind_of(f"{py} -u -c import sys;exec(eval(sys.stdin.readline()))", "python") == "pytest xdist worker"
+    # a rayft command whose spec lies in a pytest temporary folder is rayft's, not pytest's
+    assert kind_of(f"{py} /r/.venv/bin/rayft run /tmp/pytest-of-root/p0/t0/spec.yaml", "rayft") == "rayft run"
+    assert kind_of(f"{py} -m pytest -q tests/gpu", "python") == "pytest"
+    assert kind_of(f"{py} /r/.venv/lib/python3.11/site-packages/ray/_private/log_monitor.py", "python") == (
+        "ray log_monitor"
+    )
+    assert kind_of("", "kdamond.0") == "kernel: kdamond.0"
+    assert kind_of("/usr/bin/sleep 1", "sleep") == "other: sleep"
+
+
+def test_ci_cpu_counts_only_the_commands_processes_by_kind_and_keeps_the_exit_code(tmp_path):
+    """A grandchild that spends about 1 CPU-second in a script named like Ray's log monitor is counted
+    under that kind, also after its parent has exited (the script is the orphans' subreaper); a
+    process that is not the command's (this test's own) is not; the command's exit code (3) is the
+    script's and is in the result file."""
+    burner = tmp_path / "log_monitor.py"
+    done = tmp_path / "done"
+    burner.write_text(
+        "import pathlib, time\nt = time.process_time()\nwhile time.process_time() - t < 1.0:\n    pass\n"
+        f"pathlib.Path({str(done)!r}).touch()\n"
+    )
+    # the command's python starts the burner and exits at once, so the burner is an orphan for its
+    # whole second; the command (bash) ends once the burner has burnt it
+    parent = f"import subprocess, sys; subprocess.Popen([sys.executable, {str(burner)!r}]); sys.exit(3)"
+    wait = f"while [ ! -e {shlex.quote(str(done))} ]; do sleep 0.05; done"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "ci_cpu.py"), "--out", str(tmp_path / "out"), "--period-s", "0.1"]
+        + ["--", "bash", "-c", f"{sys.executable} -c {shlex.quote(parent)}; rc=$?; {wait}; exit $rc"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    result = _only_json(tmp_path / "out")
+    assert result["benchmark"] == "ci-cpu" and result["exit_code"] == 3
+    counted = result["kinds"]["ray log_monitor"]
+    assert counted["processes"] == 1 and 0.9 <= counted["cpu_s"] <= result["cpu_s_total"], result
+    assert "pytest xdist worker" not in result["kinds"] and "pytest" not in result["kinds"], result
+    assert "ray log_monitor" in proc.stdout
