@@ -8,9 +8,9 @@ gcs_server, the dashboard, its modules and agent, the log monitor), rayft's comm
 xdist workers, vLLM, the compiler inductor runs, pip, mypy. Only the command's own processes count:
 its descendants (this script is their subreaper, so a daemon that outlives its parent, as Ray's
 processes do, stays one of them, and is reaped here once it ends). A process that lives less than a
-period can be missed. Linux only. Writes ci-cpu-<date>.json into --out (the command, its exit code,
-its wall time, and per kind the CPU-seconds and the number of processes), prints the table, and
-exits with the command's exit code."""
+period can be missed. Linux only. Writes ci-cpu-<date>-<label>.json into --out (the command, its
+exit code, its wall time, and per kind the CPU-seconds and the number of processes), prints the
+table, and exits with the command's exit code."""
 
 from __future__ import annotations
 
@@ -152,7 +152,8 @@ def reap_orphans(keep: int, tally: Tally) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for ci-cpu-<date>.json")
+    ap.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for the result file")
+    ap.add_argument("--label", default="run", help="the result file's name: ci-cpu-<date>-<label>.json")
     ap.add_argument("--period-s", type=float, default=1.0, help="seconds between two reads of /proc")
     ap.add_argument("command", nargs="+", help="the command to run, after --")
     args = ap.parse_args(argv)
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     wall_s, kinds = time.monotonic() - start, tally.by_kind()
     result = {
         "benchmark": "ci-cpu",
+        "label": args.label,
         "command": args.command,
         "exit_code": proc.returncode,
         "wall_s": round(wall_s, 1),
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "kinds": {k: {"cpu_s": round(r["cpu_s"], 2), "processes": r["processes"]} for k, r in kinds.items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"ci-cpu-{datetime.date.today().isoformat()}.json"
+    path = args.out / f"ci-cpu-{datetime.date.today().isoformat()}-{args.label}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{result['cpu_s_total']:9.1f} CPU-s in {result['wall_s']} s, all kinds  ({path})")
     for kind, row in result["kinds"].items():
