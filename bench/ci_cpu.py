@@ -157,9 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--period-s", type=float, default=1.0, help="seconds between two reads of /proc")
     ap.add_argument("command", nargs="+", help="the command to run, after --")
     args = ap.parse_args(argv)
+    if not args.period_s > 0:
+        ap.error(f"--period-s must be above 0 seconds, got {args.period_s}")
     become_subreaper()
     tally, start = Tally(), time.monotonic()
-    proc = subprocess.Popen(args.command)
+    try:
+        proc = subprocess.Popen(args.command)
+    except OSError as e:
+        print(f"ci_cpu: cannot start {args.command[0]!r}: {e.strerror}", file=sys.stderr)
+        return 2
     while proc.poll() is None:
         tally.sample()
         reap_orphans(proc.pid, tally)

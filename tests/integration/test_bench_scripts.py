@@ -350,3 +350,21 @@ def test_ci_cpu_counts_only_the_commands_processes_by_kind_and_keeps_the_exit_co
     assert counted["processes"] == 1 and 0.9 <= counted["cpu_s"] <= result["cpu_s_total"], result
     assert "pytest xdist worker" not in result["kinds"] and "pytest" not in result["kinds"], result
     assert "ray log_monitor" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["--period-s", "0", "--", "true"], "--period-s must be above 0 seconds, got 0.0"),
+        (["--", "/nonexistent/command"], "ci_cpu: cannot start '/nonexistent/command': No such file or directory"),
+    ],
+)
+def test_ci_cpu_refuses_a_bad_argument_in_one_line_exit_2(tmp_path, args, says):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "ci_cpu.py"), "--out", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not list(tmp_path.iterdir())  # no result file
