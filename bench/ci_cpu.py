@@ -107,9 +107,18 @@ def become_subreaper() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
 
 
+def newer_kind(old: str, new: str) -> str:
+    """What a process seen as `old` and now as `new` counts as: what it shows now (a Ray worker takes
+    its actor's title, a dashboard module forked from the forkserver its own), except Ray's idle
+    title after an actor's or task's (it is counted as what it ran) and an empty command line (a
+    process that has ended shows none: it stays what it was)."""
+    if (new == "ray::IDLE" and old.startswith("ray::")) or new.startswith("kernel: "):
+        return old
+    return new
+
+
 class Tally:
-    """Each descendant's kind (the newest Ray title wins over what it was while starting) and the CPU
-    it spent so far."""
+    """Each descendant's kind (`newer_kind`) and the CPU it spent so far."""
 
     def __init__(self) -> None:
         self.seen: dict[tuple[int, str], tuple[str, float]] = {}
@@ -119,9 +128,7 @@ class Tally:
         for key in descendants(processes, os.getpid()):
             kind, cpu, _ = processes[key]
             old = self.seen.get(key)
-            if old and not (kind.startswith("ray::") and kind != "ray::IDLE") and old[0] != "ray worker (starting)":
-                kind = old[0]
-            self.seen[key] = (kind, cpu)
+            self.seen[key] = (newer_kind(old[0], kind) if old else kind, cpu)
 
     def by_kind(self) -> dict[str, dict]:
         out: dict[str, dict] = {}

@@ -319,6 +319,14 @@ def test_ci_cpu_names_each_process_by_what_its_command_line_says():
     )
     assert kind_of("", "kdamond.0") == "kernel: kdamond.0"
     assert kind_of("/usr/bin/sleep 1", "sleep") == "other: sleep"
+    fork = kind_of(f"{py} -B -c from multiprocessing.forkserver import main; main(8, 9)", "python")
+    module = kind_of(f"ray-dashboard-NodeHead-0 ({py} -B -c from multiprocessing.forkserver import main)", "x")
+    assert (fork, module) == ("ray dashboard forkserver", "ray dashboard module")
+    newer_kind = _ci_cpu_module().newer_kind
+    assert newer_kind(fork, module) == module  # a module forked from the forkserver is counted as the module
+    assert newer_kind("ray worker (starting)", "ray::IDLE") == "ray::IDLE"
+    assert newer_kind("ray::TrainController", "ray::IDLE") == "ray::TrainController"  # the actor it ran
+    assert newer_kind("ray log_monitor", "kernel: python") == "ray log_monitor"  # ended: no command line
 
 
 def test_ci_cpu_counts_only_the_commands_processes_by_kind_and_keeps_the_exit_code(tmp_path):
