@@ -104,7 +104,10 @@ def descendants(processes: dict[tuple[int, str], tuple[str, float, int]], root: 
 def become_subreaper() -> None:
     """Orphaned descendants are reparented to this process instead of init (prctl
     PR_SET_CHILD_SUBREAPER), so they stay in its tree."""
-    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
 def newer_kind(old: str, new: str) -> str:

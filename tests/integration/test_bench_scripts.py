@@ -307,7 +307,8 @@ def _ci_cpu_module():
 
 
 def test_ci_cpu_names_each_process_by_what_its_command_line_says():
-    kind_of = _ci_cpu_module().kind_of
+    ci_cpu = _ci_cpu_module()
+    kind_of, newer_kind = ci_cpu.kind_of, ci_cpu.newer_kind
     py = "/r/.venv/bin/python"
     assert kind_of("ray::TrainController.run", "ray::TrainCon") == "ray::TrainController"
     assert kind_of(f"{py} -u -c import sys;exec(eval(sys.stdin.readline()))", "python") == "pytest xdist worker"
@@ -322,7 +323,6 @@ def test_ci_cpu_names_each_process_by_what_its_command_line_says():
     fork = kind_of(f"{py} -B -c from multiprocessing.forkserver import main; main(8, 9)", "python")
     module = kind_of(f"ray-dashboard-NodeHead-0 ({py} -B -c from multiprocessing.forkserver import main)", "x")
     assert (fork, module) == ("ray dashboard forkserver", "ray dashboard module")
-    newer_kind = _ci_cpu_module().newer_kind
     assert newer_kind(fork, module) == module  # a module forked from the forkserver is counted as the module
     assert newer_kind("ray worker (starting)", "ray::IDLE") == "ray::IDLE"
     assert newer_kind("ray::TrainController", "ray::IDLE") == "ray::TrainController"  # the actor it ran
