@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -299,15 +300,8 @@ def test_gpu_compare_refuses_an_unknown_loop_in_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-def _ci_cpu_module():
-    spec = importlib.util.spec_from_file_location("bench_ci_cpu", ROOT / "bench" / "ci_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_ci_cpu_names_each_process_by_what_its_command_line_says():
-    ci_cpu = _ci_cpu_module()
+    ci_cpu = load_bench("ci_cpu")
     kind_of, newer_kind = ci_cpu.kind_of, ci_cpu.newer_kind
     py = "/r/.venv/bin/python"
     assert kind_of("ray::TrainController.run", "ray::TrainCon") == "ray::TrainController"

@@ -966,14 +966,11 @@ def test_spec_errors_name_the_field(tmp_path):
 
 def test_gpu_benchmark_script_runs_on_cpu(tmp_path):
     """bench/gpu_memory.py's --dry-run path: same code as the GPU run, tiny shapes, CPU tracker."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[3] / "bench" / "gpu_memory.py"
-    spec = importlib.util.spec_from_file_location("gpu_memory_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench_scripts import load_bench
+
+    bench = load_bench("gpu_memory")
     assert (
         bench.main(
             [

@@ -10,12 +10,11 @@ re-derived from the estimate.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 from jobs import memory
 
@@ -33,20 +32,12 @@ TOLERANCE = 0.002
 TOLERANCE_COMPILED = 0.006
 
 
-def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _rows(name: str, where: Path = RESULTS) -> list[dict]:
     return json.loads((where / name).read_text())["rows"]
 
 
 def test_estimate_matches_every_gpu_memory_combination():
-    bench = _bench("gpu_memory")
+    bench = load_bench("gpu_memory")
     measured = [r for r in _rows("memory.json") if r["measured_gib"] is not None]
     assert len(measured) == 31
     for r in measured:
@@ -110,7 +101,7 @@ def test_estimate_against_the_training_rows(kind):
     layers ran compiled or through Liger's kernels within TOLERANCE_COMPILED of the compiled
     estimate (with the head as the row ran it), and the eager estimate is no match for them (so
     the test fails on a model that ignores compilation)."""
-    bench = _bench("gpu_compare")
+    bench = load_bench("gpu_compare")
     rows = [r for r in _training_rows() if (r["loop"] in ("rayft", "rayft-qlora")) == (kind == "eager")]
     assert len(rows) == (5 if kind == "eager" else 8)
     for r in rows:

@@ -10,7 +10,6 @@ Pairs, from a cache entry on disk and from lists in memory."""
 
 from __future__ import annotations
 
-import importlib.util
 import tempfile
 import threading
 import time
@@ -20,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from bench_scripts import load_bench
 from gradtools import tiny_spec
 from hypothesis import given
 from hypothesis import strategies as st
@@ -51,18 +51,7 @@ from jobs.train.context import LocalContext
 from jobs.train.loop import micro_batches_of
 from jobs.train.prefetch import Prefetch
 
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_host_path", ROOT / "bench" / "host_path.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-OLD = _load_bench()  # the path before, as it was (see the module docstring)
+OLD = load_bench("host_path")  # the path before, as it was (see the module docstring)
 
 
 def same(a: dict, b: dict) -> bool:
