@@ -453,8 +453,10 @@ def _saved_states(experiment: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def search(tmp_path_factory):
     """fixed_global_batch, global batch 8: micro 8 infeasible by estimate; micro 4, 2, 1 launched, and
-    micro 4 runs out of memory (injected). The search is SIGKILLed once a trial has finished, then the
-    same command resumes it."""
+    micro 4 runs out of memory (injected). The search is SIGKILLed once a trial has finished and the
+    micro 4 one has run out of memory (killed with that one still starting, the resume rightly starts
+    it again: what test_out_of_memory_trial_is_infeasible_and_not_retried checks would not hold), then
+    the same command resumes it."""
     tmp = tmp_path_factory.mktemp("search")
     data = search_spec(tmp, asha={"grace_samples": 32})  # one rung, at the end: no early stops here
     data["run"]["env"] = {"RAYFT_FAULT": "oom:micro_batch_gt=2"}
@@ -465,13 +467,13 @@ def search(tmp_path_factory):
     p = subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
     try:
 
-        def a_trial_finished() -> bool:
-            if "finished" in _statuses(trials).values():
+        def a_trial_finished_and_one_ran_out_of_memory() -> bool:
+            if {"finished", "oom"} <= set(_statuses(trials).values()):
                 return True
             assert p.poll() is None, (tmp / "first.log").read_text()[-3000:]
             return False
 
-        wait_until(a_trial_finished, 400, "a trial finished")
+        wait_until(a_trial_finished_and_one_ran_out_of_memory, 400, "a trial finished and one ran out of memory")
         before = _statuses(trials)
         # Kill only once the saved experiment state (every 2 s) has every trial that ended as ended:
         # finished as TERMINATED, out of memory as ERROR. The resume then must not start them again.
