@@ -238,6 +238,50 @@ def unreachable_workers(err: BaseException | None) -> dict[str, tuple[str, list[
     return found
 
 
+# Ray's words for why an actor's process ended ("... Worker exit detail: Worker unexpectedly exits
+# with a connection error code 2. End of file. Some common causes include: ..."): its first sentence.
+_EXIT_DETAIL = re.compile(r"Worker exit detail: ([^.\n]*)")
+
+
+def worker_failure(err: BaseException | None) -> tuple[int, str] | None:
+    """(world rank, what happened to it) for the training worker a Ray Train failure `err`
+    (`WorkerGroupError.worker_failures`) is first about: a worker whose process died or stopped
+    answering (Ray Train's health check) before one that raised -- the survivors of a crashed
+    rank only lose their peer -- and the lowest rank among equals. None when `err` names none."""
+    failures: dict[int, BaseException] = {}
+    for e in causes(err):
+        found = getattr(e, "worker_failures", None)
+        if isinstance(found, dict):
+            failures = {**found, **failures}
+    if not failures:
+        return None
+    checked = [r for r in failures if type(failures[r]).__name__ in _HEALTH_CHECK_ERRORS]
+    rank = min(checked or failures)
+    return int(rank), _what_happened(failures[rank])
+
+
+def worker_failure_line(err: BaseException | None) -> str | None:
+    """ "training worker rank R died (...)" / "... failed: <exception line>" for `worker_failure`,
+    the words a run's error line and a search's trial row use; None when `err` names no worker."""
+    found = worker_failure(err)
+    return None if found is None else f"training worker rank {found[0]} {found[1]}"
+
+
+def _what_happened(failure: BaseException) -> str:
+    """A worker's failure as the end of the sentence "training worker rank R ...": it died, it
+    stopped answering, or the exception line it raised (a traceback's last line)."""
+    name, text = type(failure).__name__, str(failure)
+    if name == "WorkerHealthCheckTimeoutError":
+        return "stopped answering (Ray Train's health check of it hung)"
+    if name == "WorkerHealthCheckFailedError":
+        detail = _EXIT_DETAIL.search(text)
+        return "died" + (f" ({detail.group(1).strip()})" if detail else " (Ray Train's health check of it failed)")
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if len(lines) > 1:  # a traceback as Ray carries it: its last line names the exception
+        return f"failed: {lines[-1]}"
+    return f"failed: {name}: {lines[0] if lines else ''}"
+
+
 # What a rank says when a peer of its collective went away: gloo's lines for a closed or reset
 # connection, torch's (it adds "This is typically caused by a remote worker crashing"), NCCL's for
 # an aborted communicator. A reset connection is gloo's only: a download that fails the same way

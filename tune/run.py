@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from jobs.errors import NodeLost, SpecError, oom_line
+from jobs.errors import NodeLost, SpecError, oom_line, worker_failure_line
 from jobs.launch.on_ray import make_trainer, node_lost, relay_actor, reported_placement
 from jobs.run.outputs import write_json_atomic
 from jobs.run.summary import RunSummary
@@ -180,7 +180,9 @@ def run_trial(config: dict, setup: dict) -> None:
                 f"out of memory at micro_batch_size={p['micro_batch_size']} "
                 f"(estimate {gib_str(p['estimate_gib'])}): {oom}"
             ) from None
-        write_json_atomic(out / STATUS_FILE, {"status": "error", "error": f"{type(e).__name__}: {str(e)[:500]}"})
+        # a crashed worker's rank and Ray's words for its exit, not the first 500 characters of Ray's report
+        error = worker_failure_line(e) or f"{type(e).__name__}: {str(e)[:500]}"
+        write_json_atomic(out / STATUS_FILE, {"status": "error", "error": error})
         raise
     summary = RunSummary.from_json(read_json(out / "summary.json") or {}, str(out / "summary.json"))
     result = {

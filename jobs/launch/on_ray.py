@@ -15,7 +15,7 @@ from pathlib import Path
 
 import ray
 
-from jobs.errors import NodeLost, peer_gone, unreachable_workers, worker_error
+from jobs.errors import NodeLost, RunError, peer_gone, unreachable_workers, worker_error, worker_failure_line
 from jobs.run import mirror, runlock
 from jobs.run.step_record import StepRecord
 from jobs.spec import JobSpec
@@ -323,10 +323,24 @@ def run_on_ray(
                 lost.node_id,
                 lost.node_ip,
             ) from None
-        raise worker_error(result["error"]) or result["error"]
+        raise worker_error(result["error"]) or failed_run(result["error"], spec) or result["error"]
     if not (out / SUMMARY).is_file() and mirror.store_of(spec) is not None:
         mirror.pull_file(spec, SUMMARY)  # rank 0 ran on another node: its summary is in the store
     return json.loads((out / SUMMARY).read_text())
+
+
+def failed_run(err: BaseException, spec: JobSpec) -> RunError | None:
+    """The one line of a Ray Train failure that is about a training worker (`worker_failure`: its
+    process died, it stopped answering, or it raised) and neither a rayft error nor a lost node:
+    which rank, what happened, why the run did not restart, and what a rerun resumes from. None
+    for a failure that names no worker (Ray's own error is then what there is to show)."""
+    what = worker_failure_line(err)
+    if what is None:
+        return None
+    n = spec.run.max_failures
+    why = f"after run.max_failures={n} restarts" if n else "run.max_failures=0"
+    again = "" if n else " (with run.max_failures=1 Ray Train restarts the workers from the newest checkpoint)"
+    return RunError(f"{what}; the run stopped ({why}). {resume_hint(spec)}{again}")
 
 
 # How long to wait for the cluster to mark a node dead once a worker on it stopped answering. Ray's
@@ -337,7 +351,10 @@ NODE_DEATH_WAIT_S = 70.0
 
 
 def node_lost(
-    err: BaseException, wait_s: float = NODE_DEATH_WAIT_S, placement: dict[int, tuple[str, str]] | None = None
+    err: BaseException,
+    wait_s: float = NODE_DEATH_WAIT_S,
+    placement: dict[int, tuple[str, str]] | None = None,
+    probe: Callable[[list[str]], Callable[[], set[str]]] | None = None,
 ) -> NodeLost | None:
     """A `NodeLost` naming the node when a Ray Train failure `err` came from losing a node, else None.
 
@@ -346,33 +363,79 @@ def node_lost(
     losing its peer (`peer_gone`) and no health check has failed yet, the nodes the workers
     reported at start-up (`placement`, {world rank: (node id, node ip)}). A candidate is only a
     lost node when Ray marks it dead, so the cluster is asked (for up to `wait_s`): a worker
-    process killed on a node that is still up is a different failure and keeps Ray's own error."""
-    workers = unreachable_workers(err)
-    if not workers and placement and peer_gone(err):
-        for rank, (node_id, ip) in placement.items():
-            workers.setdefault(node_id, (ip, []))[1].append(rank)
+    process killed on a node that is still up is a different failure and keeps Ray's own error.
+    Such a node never gets that verdict, so each candidate is also sent a task pinned to it
+    (`probe`, default `node_answers`): once every candidate has run it, no node is lost and the
+    wait ends there (a crashed worker's error came `wait_s` late when its node was up)."""
+    workers = _candidate_nodes(err, placement)
     if not workers:
         return None
-    deadline = time.monotonic() + wait_s
+    deadline, answered = time.monotonic() + wait_s, None
     while True:
         try:
             dead = {n["NodeID"]: n for n in ray.nodes() if not n.get("Alive") and n.get("NodeID") in workers}
         except Exception:  # noqa: BLE001 - the cluster cannot say: not provably a lost node
             return None
         if dead:
-            node_id, node = sorted(dead.items())[0]
-            ip, ranks = workers[node_id]
-            why = (node.get("DeathReasonMessage") or "").strip().splitlines()
-            what = f"training worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
-            return NodeLost(
-                f"lost node {node_id} ({ip or node.get('NodeManagerAddress', '?')}), which held {what}"
-                + (f" ({why[0][:200]})" if why else ""),
-                node_id,
-                ip,
-            )
+            return _lost_node(*sorted(dead.items())[0], workers)
         if time.monotonic() >= deadline:
             return None
+        answered = answered or (probe or node_answers)(sorted(workers))
+        if answered() >= workers.keys():
+            return None  # every candidate node ran a task: a worker process died, not a node
         time.sleep(1.0)  # waiting for the cluster's verdict on the node
+
+
+def _candidate_nodes(
+    err: BaseException, placement: dict[int, tuple[str, str]] | None
+) -> dict[str, tuple[str, list[int]]]:
+    """{node id: (node ip, [world ranks])} that `node_lost` asks the cluster about."""
+    workers = unreachable_workers(err)
+    if not workers and placement and peer_gone(err):
+        for rank, (node_id, ip) in placement.items():
+            workers.setdefault(node_id, (ip, []))[1].append(rank)
+    return workers
+
+
+def _lost_node(node_id: str, node: dict, workers: dict[str, tuple[str, list[int]]]) -> NodeLost:
+    """The `NodeLost` of a node Ray marked dead (`node`: its row of `ray.nodes()`)."""
+    ip, ranks = workers[node_id]
+    why = (node.get("DeathReasonMessage") or "").strip().splitlines()
+    what = f"training worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+    return NodeLost(
+        f"lost node {node_id} ({ip or node.get('NodeManagerAddress', '?')}), which held {what}"
+        + (f" ({why[0][:200]})" if why else ""),
+        node_id,
+        ip,
+    )
+
+
+@ray.remote(num_cpus=0)
+def _here() -> bool:
+    return True
+
+
+def node_answers(node_ids: list[str]) -> Callable[[], set[str]]:
+    """Send each node of `node_ids` a task pinned to it (no CPU asked: it runs beside anything); the
+    function returned says which of them have run theirs so far. A node whose task ran is up; a
+    lost node's never runs (it fails once Ray marks the node dead)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    pinned = lambda node_id: NodeAffinitySchedulingStrategy(node_id, soft=False)  # noqa: E731
+    refs = {_here.options(scheduling_strategy=pinned(n)).remote(): n for n in node_ids}
+
+    def answered() -> set[str]:
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        return {refs[ref] for ref in done if _ran(ref)}
+
+    return answered
+
+
+def _ran(ref) -> bool:
+    try:
+        return bool(ray.get(ref, timeout=0))
+    except Exception:  # noqa: BLE001 - a task that failed (its node died) did not run there
+        return False
 
 
 def resume_hint(spec: JobSpec) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,30 @@ def test_without_max_failures_losing_a_node_ends_the_run_with_one_line_naming_it
     newest = ckpt.newest_complete(out / "checkpoints", warn=False)
     assert newest is not None and newest.name == ckpt.step_dir_name(4), newest
     assert not (out / "summary.json").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_crashed_worker_without_max_failures_ends_the_run_with_one_line_naming_its_rank(cluster, tmp_path):
+    """Not a lost node: rank 0's process is SIGKILLed before step 3 and its node stays up. The run
+    ends with exit 1 and one line naming the rank, what Ray says of its exit and the step a rerun
+    resumes from (it ended in the driver's traceback of Ray's WorkerGroupError), without waiting
+    for a verdict on the node that never comes (`node_lost` asks each candidate node to run a
+    task: 99 s from start to exit before, 31 s after, on this machine)."""
+    from jobs.launch.on_ray import NODE_DEATH_WAIT_S
+    from jobs.run import checkpoint as ckpt
+
+    cluster.ensure_nodes(2)
+    out, marker = tmp_path / "run", tmp_path / "killed"
+    p = _run(cluster, out, f"run.env.RAYFT_FAULT=kill:step=3,rank=0,once={marker}")  # max_failures 0
+    o, err = p.communicate(timeout=300)
+    assert p.returncode == 1 and marker.read_text().strip() == "killed rank 0 at step 3", err[-3000:]
+    assert time.time() - marker.stat().st_mtime < NODE_DEATH_WAIT_S  # no wait for the node's death
+    assert "Traceback" not in o + err, (o + err)[-5000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rayft: error: training worker rank 0 died ("), last
+    assert "run.max_failures=0" in last and "resumes from step 2" in last and str(out) in last, last
+    assert ckpt.newest_complete(out / "checkpoints", warn=False).name == ckpt.step_dir_name(2)
 
 
 # ---- the pieces, without a cluster -----------------------------------------------------------
@@ -222,6 +247,41 @@ def test_a_worker_that_stopped_answering_is_a_lost_node_only_when_ray_marks_the_
     )
 
 
+def test_a_worker_whose_node_runs_a_task_is_not_waited_for_as_a_lost_node(monkeypatch):
+    """A worker process that crashed on a node that is up: Ray never marks that node dead, so the
+    wait for the verdict ends as soon as every candidate node has run a task pinned to it (it used
+    to last the whole `wait_s`: the crash's line came 70 s late). A candidate that does not run it
+    is waited for, and named once Ray marks it dead."""
+    from ray.train import WorkerGroupError
+
+    import jobs.launch.on_ray as launch
+
+    a = "ab" * 28
+    err = WorkerGroupError("1 worker failed", {1: _health_check_failure(a, "10.0.0.7", RuntimeError("unavailable"))})
+    table, polls, asked = [{"NodeID": a, "Alive": True}], [], []
+
+    def nodes():
+        polls.append(1)
+        return table
+
+    def up(node_ids):  # every node asked runs its task
+        asked.append(node_ids)
+        return lambda: set(node_ids)
+
+    monkeypatch.setattr(launch.ray, "nodes", nodes)
+    assert launch.node_lost(err, wait_s=30, probe=up) is None
+    assert asked == [[a]] and len(polls) == 1  # asked once, answered: no second poll of the cluster
+
+    def silent(node_ids):  # the node never runs it; Ray marks it dead after it was asked twice
+        calls: list[int] = []
+        return lambda: calls.append(1) or table[0].update(Alive=len(calls) < 2) or set()
+
+    lost = launch.node_lost(err, wait_s=30, probe=silent)
+    assert lost is not None and lost.node_id == a and len(polls) == 1 + 3
+    table[0]["Alive"] = True
+    assert launch.node_lost(err, wait_s=0, probe=up) is None and len(polls) == 1 + 3 + 1  # no wait: no task
+
+
 def test_a_survivors_lost_peer_names_the_lost_node_from_where_the_workers_started(monkeypatch):
     """The rank that survives a lost node can fail first (its collective's connection closed),
     before Ray Train's health check has failed the lost node's worker: the node is then found among
@@ -248,6 +308,34 @@ def test_a_survivors_lost_peer_names_the_lost_node_from_where_the_workers_starte
     assert launch.node_lost(err, wait_s=0) is None  # nothing reported where the workers ran
     other = WorkerGroupError("1 worker failed", {0: ValueError("labels: 7 is out of range")})
     assert launch.node_lost(other, wait_s=0, placement=placement) is None
+
+
+def test_a_worker_failure_is_named_by_the_rank_whose_process_died_before_its_survivors():
+    """`worker_failure`: a rank Ray Train's health check failed (its process died: Ray's exit
+    detail) comes before the ranks that only lost their peer; a rank that raised is named with its
+    exception line (a traceback's last line); no worker failures, no name."""
+    from ray.train import WorkerGroupError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckTimeoutError
+
+    from jobs.errors import worker_failure, worker_failure_line
+
+    died = RuntimeError(
+        "The actor died unexpectedly before finishing this task.\nThe actor is dead because its worker process "
+        "has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection "
+        "error code 2. End of file. Some common causes include: (1) the process was killed by the OOM killer"
+    )
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:31622: Connection reset by peer.")
+    err = WorkerGroupError(
+        "2 workers failed", {0: gloo, 2: gloo, 1: _health_check_failure("ab" * 28, "10.0.0.7", died)}
+    )
+    exited = "died (Worker unexpectedly exits with a connection error code 2)"
+    assert worker_failure(err) == (1, exited) and worker_failure_line(err) == f"training worker rank 1 {exited}"
+    hung = WorkerHealthCheckTimeoutError("A worker health check has been hanging for 600.01 seconds.")
+    assert worker_failure(WorkerGroupError("", {3: hung, 0: gloo}))[0] == 3
+    assert worker_failure(WorkerGroupError("", {1: gloo, 0: gloo})) == (0, f"failed: RuntimeError: {gloo}")
+    traced = RuntimeError("Traceback (most recent call last):\n  File \"x.py\", line 1\nKeyError: 'labels'")
+    assert worker_failure(WorkerGroupError("", {0: traced})) == (0, "failed: KeyError: 'labels'")
+    assert worker_failure(RuntimeError("the controller failed")) is None
 
 
 def test_a_lost_peer_is_read_from_the_lines_gloo_torch_and_nccl_print():
