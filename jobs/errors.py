@@ -261,8 +261,9 @@ def worker_failure(err: BaseException | None) -> tuple[int, str] | None:
 
 
 def worker_failure_line(err: BaseException | None) -> str | None:
-    """ "training worker rank R died (...)" / "... failed: <exception line>" for `worker_failure`,
-    the words a run's error line and a search's trial row use; None when `err` names no worker."""
+    """`worker_failure` in the words a run's error line and a search's trial row use: training
+    worker rank R died (...) / stopped answering (...) / failed: <exception line>. None when `err`
+    names no worker."""
     found = worker_failure(err)
     return None if found is None else f"training worker rank {found[0]} {found[1]}"
 

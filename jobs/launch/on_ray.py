@@ -363,7 +363,7 @@ def node_lost(
     losing its peer (`peer_gone`) and no health check has failed yet, the nodes the workers
     reported at start-up (`placement`, {world rank: (node id, node ip)}). A candidate is only a
     lost node when Ray marks it dead, so the cluster is asked (for up to `wait_s`): a worker
-    process killed on a node that is still up is a different failure and keeps Ray's own error.
+    process killed on a node that is still up is a different failure (`failed_run`'s line).
     Such a node never gets that verdict, so each candidate is also sent a task pinned to it
     (`probe`, default `node_answers`): once every candidate has run it, no node is lost and the
     wait ends there (a crashed worker's error came `wait_s` late when its node was up)."""
