@@ -119,11 +119,20 @@ def check_files(final: Path, files: dict[str, Any], names: list[str]) -> dict[st
             raise BadEntry(path, "is a symbolic link (never followed)")
         if not stat.S_ISREG(st.st_mode):
             raise BadEntry(path, "is not a regular file")
-        want = files[name]["size"] if name in files else st.st_size
+        want = _recorded(final, files, name, "size") if name in files else st.st_size
         if st.st_size != want:
             raise BadEntry(path, f"holds {st.st_size} bytes, meta.json records {want}")
         stats[name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     return stats
+
+
+def _recorded(final: Path, files: dict[str, Any], name: str, key: str) -> Any:
+    """meta.json's record `key` ("size" or DIGEST) of the entry's file `name`; a BadEntry naming
+    meta.json where that record is missing (a damaged meta.json: every build writes both)."""
+    record = files.get(name)
+    if not isinstance(record, dict) or key not in record:
+        raise BadEntry(final / "meta.json", f"does not record the {key} of {name}")
+    return record[key]
 
 
 def _lstat(path: Path, shown: Path) -> os.stat_result:
@@ -144,7 +153,7 @@ def check_contents(final: Path, files: dict[str, Any], stats: dict[str, list[int
         return
     for name in files:
         path = final / name
-        if digest(path, vocab_size) != files[name][DIGEST]:
+        if digest(path, vocab_size) != _recorded(final, files, name, DIGEST):
             raise BadEntry(path, f"content differs from the {DIGEST} meta.json records")
     if marker is not None:
         _write_marker(marker, done)

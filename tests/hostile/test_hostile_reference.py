@@ -1,7 +1,8 @@
 """The precomputed reference entry (`objective.reference: precomputed`) is checked like the data
 entries: changed values, a changed shape with a consistent meta.json, a link to another entry, a
-FIFO or a damaged meta.json are each set aside (kept, never deleted) with one warning line and
-computed again, so the run trains exactly what a clean run trains. Before these checks each of
+FIFO, a damaged meta.json or one whose file records lack a size or a digest are each set aside
+(kept, never deleted) with one warning line and computed again, so the run trains exactly what a
+clean run trains. Before these checks each of
 them trained silently on the damaged values, gave a traceback, or hung (issue 49, item 2)."""
 
 from __future__ import annotations
@@ -82,7 +83,29 @@ def _meta_garbage(entry: Path) -> None:
     (entry / "meta.json").write_text("{not json")
 
 
-DAMAGES = [_changed_values, _extra_column_consistent_meta, _link_to_another_entry, _fifo, _meta_garbage]
+def _meta_record_without_digest(entry: Path) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    meta["files"]["eval.npy"]["rha256"] = meta["files"]["eval.npy"].pop("sha256")  # a flipped bit, as CI's fuzz found
+    (entry / "meta.json").write_text(json.dumps(meta))
+    # as in a copied entry (the fuzz's): this node's marker no longer vouches for the files, so digests are read
+    os.utime(entry / "eval.npy")
+
+
+def _meta_record_without_size(entry: Path) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    del meta["files"]["train.npy"]["size"]
+    (entry / "meta.json").write_text(json.dumps(meta))
+
+
+DAMAGES = [
+    _changed_values,
+    _extra_column_consistent_meta,
+    _link_to_another_entry,
+    _fifo,
+    _meta_garbage,
+    _meta_record_without_digest,  # each was a KeyError traceback before
+    _meta_record_without_size,
+]
 
 
 def test_a_damaged_reference_entry_is_set_aside_and_computed_again(tmp_path, caplog):
