@@ -147,8 +147,19 @@ class GlooPool:
                 except EOFError:  # its pipe closed: the process ended, or is ending
                     self._died(what, rank)
                 if kind == "error":
+                    self._peer_died(what, pending, rank)
                     self._fail(what, f"rank {rank} raised:\n{detail}", rank)
                 del pending[rank]
+
+    def _peer_died(self, what: str, pending: dict, rank: int) -> None:
+        """`rank` raised: when another pending rank's process has ended, that is the failure (the
+        raise is its collective losing the peer, often read first: a segfaulted rank's RankKilled
+        was reported as its peer's "Connection closed by peer" once in CI, and not called again)."""
+        for other in pending:
+            if other != rank:
+                self.procs[other].join(timeout=2)  # a dead peer is reaped at once; a live one waits 2 s
+                if self.procs[other].exitcode is not None:
+                    self._died(what, other)
 
     def _died(self, what: str, rank: int) -> NoReturn:
         """A rank's process ended mid-call: RankKilled when a signal ended it (its exit code is
