@@ -12,8 +12,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def load_bench(name: str) -> ModuleType:
-    """bench/NAME.py, executed anew as the module `bench_NAME` (registered in sys.modules while it
-    runs, as an import would: its dataclasses look their module up there)."""
+    """bench/NAME.py, executed anew as the module `bench_NAME`, registered in sys.modules before it
+    runs and left there, as an import would (its dataclasses look their module up there)."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None, BENCH / f"{name}.py"
     module = importlib.util.module_from_spec(spec)
